@@ -1,0 +1,1 @@
+"""The server: DP-FTRL rounds, clipping, participation, accounting, run directories."""

@@ -1,0 +1,3 @@
+from dpfleet.cli import main
+
+main()

@@ -1,0 +1,77 @@
+"""The `dpfleet` console script.
+
+Subcommands live next to the code they drive (`coordinator/cli_simulate.py`, `secagg/cli.py`,
+...) and are imported lazily, so `dpfleet account --help` does not pay for importing torch.
+Every user mistake is raised as `DpfleetError` and printed as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from dpfleet.errors import DpfleetError
+
+# command name -> "module:attribute" of a click command or group
+COMMANDS: dict[str, str] = {
+    "data": "dpfleet.edge.cli_data:data",
+    "simulate": "dpfleet.coordinator.cli_simulate:simulate",
+    "account": "dpfleet.coordinator.cli_account:account",
+    "plan": "dpfleet.coordinator.cli_plan:plan",
+    "secagg": "dpfleet.secagg.cli:secagg",
+    "export": "dpfleet.export.cli:export",
+    "public": "dpfleet.public.cli:public",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported only when used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if _resolvable(COMMANDS[name]))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                return None
+            raise
+        return getattr(module, attr)
+
+
+def _resolvable(target: str) -> bool:
+    return importlib.util.find_spec(target.split(":")[0]) is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dpfleet")
+def cli() -> None:
+    """dpfleet: private cross-device federated learning of on-device language models.
+
+    Emulate a fleet of phones, train next-word models with DP-FTRL and user-level
+    differential privacy, account the guarantee, and export the result for phones.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning user errors into one clean line."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except DpfleetError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)

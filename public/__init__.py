@@ -1,0 +1,1 @@
+"""Server-side jobs on public data and a public LLM (GPU when present, CPU otherwise)."""

@@ -1,0 +1,1 @@
+"""Secure aggregation: sans-I/O pairwise-mask protocol, crypto, encoding."""
