@@ -1,0 +1,43 @@
+"""How a round's clipped client deltas become one sum.
+
+The round engine only ever asks an `Aggregator` for the *sum* of a round's flattened,
+already-clipped deltas; it never needs one device's delta afterwards. The plain aggregator
+adds them in the clear (fast simulation); `dpfleet.secagg` provides one that runs the
+pairwise-mask protocol so that the server side only learns the sum. DP-FTRL noise is added
+by the coordinator to whatever sum comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class AggregateResult:
+    """The sum of a round's deltas plus what the aggregation cost or changed."""
+
+    total: np.ndarray  # float64 vector, the (decoded) sum over surviving clients
+    survivors: list[int]  # positions (into the input list) whose deltas are in the sum
+    info: dict = field(default_factory=dict)  # e.g. bytes sent, timings, norm inflation
+
+
+class Aggregator(Protocol):
+    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
+        """Sum flattened float deltas (each already clipped to the clip norm)."""
+        ...
+
+
+class PlainAggregator:
+    """Adds the deltas in the clear: the fast path for research simulations."""
+
+    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
+        if not deltas:
+            raise ValueError("no deltas to aggregate")
+        total = np.zeros(deltas[0].shape, dtype=np.float64)
+        for d in deltas:
+            total += d
+        return AggregateResult(total=total, survivors=list(range(len(deltas))))
