@@ -1,0 +1,50 @@
+"""One device's contribution to a round: local training, delta, L2 clip.
+
+delta = theta - theta0 after one local epoch of SGD, clipped to norm C as a whole vector so the
+server's sum has user-level sensitivity C (paper 002 Alg. 1). The unclipped norm is kept for
+adaptive clipping (quantile estimation needs only the bit `norm <= C`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfleet.edge.runtime import TrainingRuntime
+
+
+@dataclass
+class ClientUpdate:
+    delta: np.ndarray  # float32, clipped
+    norm: float  # L2 norm before clipping
+    clipped: bool
+    loss: float
+    num_examples: int
+
+
+def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
+    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm)."""
+    if clip_norm <= 0:
+        raise ValueError("clip norm must be positive")
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    if norm > clip_norm:
+        return (vec * (clip_norm / norm)).astype(vec.dtype), norm
+    return vec, norm
+
+
+def client_update(
+    runtime: TrainingRuntime,
+    theta0: np.ndarray,
+    examples: np.ndarray,
+    *,
+    lr: float,
+    batch_size: int,
+    clip_norm: float,
+    seed: int,
+) -> ClientUpdate:
+    runtime.set_weights(theta0)
+    result = runtime.train_epoch(examples, lr=lr, batch_size=batch_size, seed=seed)
+    delta = runtime.get_weights() - theta0
+    clipped, norm = clip_l2(delta, clip_norm)
+    return ClientUpdate(clipped, norm, norm > clip_norm, result.mean_loss, len(examples))

@@ -1,0 +1,166 @@
+"""One interface over the two vocabularies the papers compare.
+
+* `SentencePieceTokenizer`: a public subword model (trained on public text, or taken from a public
+  LLM teacher). Byte fallback means no out-of-vocabulary token ever appears.
+* `WordTokenizer`: the papers' baseline, the top-k words of the *private* data plus an OOV token
+  (building it from private data is itself a privacy cost the public tokenizer avoids).
+
+Both reserve ids 0..3 for pad / bos / eos / unk so models, losses and metrics can treat them alike.
+A tokenizer is saved as a folder holding `tokenizer.json` (kind + metadata) and its model file.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+from dpfleet.errors import DpfleetError
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+_WORD_RE = re.compile(r"[\w']+|[^\w\s]")
+
+
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def save(self, folder: Path) -> Path: ...
+
+
+class _SpecialIds:
+    pad_id = PAD
+    bos_id = BOS
+    eos_id = EOS
+    unk_id = UNK
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that are never scored as prediction targets."""
+        return frozenset({PAD, BOS, EOS, UNK})
+
+
+class SentencePieceTokenizer(_SpecialIds):
+    """A SentencePiece model with pad=0, bos=1, eos=2, unk=3."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_file: Path):
+        import sentencepiece as spm
+
+        self.model_file = Path(model_file)
+        if not self.model_file.is_file():
+            raise DpfleetError(f"SentencePiece model not found: {self.model_file}")
+        self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+        ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+        if ids != (PAD, BOS, EOS, UNK):
+            raise DpfleetError(
+                f"{self.model_file}: expected pad/bos/eos/unk ids 0/1/2/3, got {ids}; "
+                "train it with dpfleet's train_sentencepiece or remap it"
+            )
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def piece(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+    def save(self, folder: Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / "spm.model"
+        if target.resolve() != self.model_file.resolve():
+            target.write_bytes(self.model_file.read_bytes())
+        meta = {"kind": self.kind, "model_file": "spm.model", "vocab_size": self.vocab_size}
+        (folder / "tokenizer.json").write_text(json.dumps(meta, indent=2))
+        return folder
+
+
+def train_sentencepiece(
+    lines: Iterable[str], out_prefix: Path, vocab_size: int, model_type: str = "unigram"
+) -> SentencePieceTokenizer:
+    """Train a byte-fallback SentencePiece model on (public) text lines."""
+    import sentencepiece as spm
+
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(out_prefix),
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+        unk_id=UNK,
+        input_sentence_size=200_000,
+        shuffle_input_sentence=True,
+        num_threads=2,
+        minloglevel=2,
+    )
+    return SentencePieceTokenizer(out_prefix.with_suffix(".model"))
+
+
+def split_words(text: str) -> list[str]:
+    """Lower-cased words and punctuation marks: the word-level baseline's units."""
+    return _WORD_RE.findall(text.lower())
+
+
+class WordTokenizer(_SpecialIds):
+    """Top-k words of a corpus plus OOV (paper 000's private word-level baseline)."""
+
+    kind = "word"
+
+    def __init__(self, words: list[str]):
+        self.words = ["<pad>", "<s>", "</s>", "<unk>", *words]
+        self._index = {w: i for i, w in enumerate(self.words)}
+        self.vocab_size = len(self.words)
+
+    @classmethod
+    def build(cls, texts: Iterable[str], vocab_size: int) -> WordTokenizer:
+        counts = collections.Counter(w for t in texts for w in split_words(t))
+        top = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return cls(top[: max(0, vocab_size - 4)])
+
+    def encode(self, text: str) -> list[int]:
+        return [self._index.get(w, UNK) for w in split_words(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(self.words[int(i)] for i in ids)
+
+    def save(self, folder: Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": self.kind, "vocab_size": self.vocab_size, "words": self.words[4:]}
+        (folder / "tokenizer.json").write_text(json.dumps(meta))
+        return folder
+
+
+def load_tokenizer(folder: Path) -> SentencePieceTokenizer | WordTokenizer:
+    """Load a tokenizer saved with `save`."""
+    meta_file = Path(folder) / "tokenizer.json"
+    if not meta_file.is_file():
+        raise DpfleetError(f"no tokenizer.json in {folder}")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("kind") == "sentencepiece":
+        return SentencePieceTokenizer(Path(folder) / meta["model_file"])
+    if meta.get("kind") == "word":
+        return WordTokenizer(meta["words"])
+    raise DpfleetError(f"{meta_file}: unknown tokenizer kind {meta.get('kind')!r}")

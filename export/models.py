@@ -1,0 +1,176 @@
+"""The on-device language-model zoo.
+
+All models map token ids [batch, length] to next-token logits [batch, length, vocab] and use
+separate input and output embeddings (as Gboard's CIFG does). They are written with plain
+matmuls and an explicit, unrolled time loop instead of `nn.LSTM`, because the same module is
+exported to ExecuTorch and ONNX training programs: the loop unbinds the time axis once and the
+recurrent weights are applied as one fused matmul per step, which keeps the exported graph free
+of per-step slicing copies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from dpfleet.errors import DpfleetError
+
+ARCHITECTURES = ("cifg", "lstm", "transformer")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and sizes. Defaults are Gboard's CIFG (paper 002 Sec. 3)."""
+
+    arch: str = "cifg"
+    vocab_size: int = 10_000
+    embedding_dim: int = 96
+    hidden_dim: int = 670
+    projection_dim: int = 96  # recurrent models project the hidden state back to this size
+    num_layers: int = 1
+    num_heads: int = 4  # transformer only
+    max_length: int = 32  # transformer positional table; sequences are <= 20 tokens + bos
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise DpfleetError(f"unknown architecture {self.arch!r}; choose from {ARCHITECTURES}")
+        for name in ("vocab_size", "embedding_dim", "hidden_dim", "projection_dim", "num_layers"):
+            if getattr(self, name) < 1:
+                raise DpfleetError(f"model.{name} must be positive")
+        if self.arch == "transformer" and self.embedding_dim % self.num_heads:
+            raise DpfleetError("model.embedding_dim must be divisible by model.num_heads")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RecurrentCell(nn.Module):
+    """One LSTM layer with a projection; `coupled=True` gives CIFG (input gate = 1 - forget).
+
+    The gate matmul acts on [x_t, h_{t-1}] with one weight, so each step is a single matmul.
+    """
+
+    def __init__(self, input_dim: int, hidden_dim: int, projection_dim: int, coupled: bool):
+        super().__init__()
+        self.coupled = coupled
+        self.hidden_dim = hidden_dim
+        self.projection_dim = projection_dim
+        n_gates = 3 if coupled else 4
+        self.gates = nn.Linear(input_dim + projection_dim, n_gates * hidden_dim)
+        self.proj = nn.Linear(hidden_dim, projection_dim, bias=False)
+        with torch.no_grad():  # forget-gate bias 1: the usual stable start for LSTMs
+            self.gates.bias.zero_()
+            self.gates.bias[:hidden_dim].fill_(1.0)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        batch = xs.shape[0]
+        h = xs.new_zeros(batch, self.projection_dim)
+        c = xs.new_zeros(batch, self.hidden_dim)
+        outs = []
+        for x in xs.unbind(1):
+            z = self.gates(torch.cat([x, h], dim=1))
+            if self.coupled:
+                f, g, o = z.chunk(3, dim=1)
+                f = torch.sigmoid(f)
+                c = f * c + (1.0 - f) * torch.tanh(g)
+            else:
+                f, i, g, o = z.chunk(4, dim=1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = self.proj(torch.sigmoid(o) * torch.tanh(c))
+            outs.append(h)
+        return torch.stack(outs, dim=1)
+
+
+class RecurrentLM(nn.Module):
+    """Embedding -> (CIF)LSTM layers with projection -> separate output embedding."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.embedding_dim)
+        dims = [cfg.embedding_dim] + [cfg.projection_dim] * (cfg.num_layers - 1)
+        self.layers = nn.ModuleList(
+            RecurrentCell(d, cfg.hidden_dim, cfg.projection_dim, coupled=cfg.arch == "cifg")
+            for d in dims
+        )
+        self.output = nn.Linear(cfg.projection_dim, cfg.vocab_size)
+        nn.init.normal_(self.embed.weight, std=0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal self-attention + MLP, written with explicit matmuls for export."""
+
+    def __init__(self, dim: int, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp_in = nn.Linear(dim, hidden)
+        self.mlp_out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor, causal_bias: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        hd = d // self.heads
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + causal_bias, dim=-1)
+        x = x + self.out((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_out(torch.relu(self.mlp_in(self.norm2(x))))
+
+
+class TransformerLM(nn.Module):
+    """A small causal transformer decoder with learned positions."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.embedding_dim)
+        self.pos = nn.Parameter(torch.zeros(cfg.max_length, cfg.embedding_dim))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(cfg.embedding_dim, cfg.hidden_dim, cfg.num_heads)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = nn.LayerNorm(cfg.embedding_dim)
+        self.output = nn.Linear(cfg.embedding_dim, cfg.vocab_size)
+        nn.init.normal_(self.embed.weight, std=0.1)
+        nn.init.normal_(self.pos, std=0.02)
+        mask = torch.full((cfg.max_length, cfg.max_length), float("-inf")).triu(1)
+        self.register_buffer("causal_bias", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        bias = self.causal_bias[:t, :t]
+        for block in self.blocks:
+            x = block(x, bias)
+        return self.output(self.norm(x))
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Instantiate the zoo model named by `cfg.arch`."""
+    if cfg.arch == "transformer":
+        return TransformerLM(cfg)
+    return RecurrentLM(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Mean cross-entropy over non-pad targets (the padding mask lives inside the loss)."""
+    mask = (targets != pad_id).to(logits.dtype)
+    logp = torch.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (nll * mask).sum() / mask.sum().clamp_min(1.0)
