@@ -1,0 +1,383 @@
+"""Typed SecAgg messages and their versioned binary encoding.
+
+Every message is a header followed by a type-specific body and, in the signed
+(malicious-server) mode, an Ed25519 signature over all preceding bytes:
+
+    magic "DPSA" | version u8 | type u8 | flags u8 | round u64 | sender u32 | recipient u32
+    body ... | [signature 64 bytes if flags & SIGNED]
+
+All integers are little-endian; byte strings and lists carry a u32 length/count; vectors carry a
+width code and a u64 element count followed by their raw little-endian elements. Decoding is
+strict: a truncated message, trailing bytes, an unknown version/type/flag or a length that
+overruns the buffer all raise `DecodeError` and nothing else, so the decoder can be fed
+arbitrary bytes from the network. Whole signed messages are forwarded verbatim inside
+`KeyBroadcast` / `UnmaskRequest`, so a client can check the original author's signature
+itself instead of trusting the server.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from dpfleet.secagg.errors import (
+    AuthenticationError,
+    DecodeError,
+    MisaddressedError,
+    RoundMismatchError,
+)
+
+MAGIC = b"DPSA"
+VERSION = 1
+SIGNED = 0x01
+SIGNATURE_BYTES = 64
+SERVER = 0xFFFF_FFFF  # the server's party id in headers
+_HEADER = struct.Struct("<4sBBBQII")
+HEADER_BYTES = _HEADER.size
+
+
+class Outbound(NamedTuple):
+    """A message a state machine wants delivered: to whom, and its encoded bytes."""
+
+    recipient: int
+    data: bytes
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def u8(self, v: int) -> None:
+        self.parts.append(struct.pack("<B", v))
+
+    def u32(self, v: int) -> None:
+        self.parts.append(struct.pack("<I", v))
+
+    def u64(self, v: int) -> None:
+        self.parts.append(struct.pack("<Q", v))
+
+    def blob(self, b: bytes) -> None:
+        self.u32(len(b))
+        self.parts.append(bytes(b))
+
+    def ids(self, ids: tuple[int, ...]) -> None:
+        self.u32(len(ids))
+        self.parts.append(np.asarray(ids, dtype="<u4").tobytes())
+
+    def pairs(self, pairs: tuple[tuple[int, bytes], ...]) -> None:
+        self.u32(len(pairs))
+        for party, b in pairs:
+            self.u32(party)
+            self.blob(b)
+
+    def blobs(self, blobs: tuple[bytes, ...]) -> None:
+        self.u32(len(blobs))
+        for b in blobs:
+            self.blob(b)
+
+
+class _Reader:
+    def __init__(self, data: bytes, start: int, end: int) -> None:
+        self.data, self.pos, self.end = data, start, end
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > self.end:
+            raise DecodeError("message is truncated")
+        at = self.pos
+        self.pos += n
+        return at
+
+    def u8(self) -> int:
+        return self.data[self.take(1)]
+
+    def u32(self) -> int:
+        return struct.unpack_from("<I", self.data, self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack_from("<Q", self.data, self.take(8))[0]
+
+    def raw(self, n: int) -> bytes:
+        at = self.take(n)
+        return self.data[at : at + n]
+
+    def blob(self) -> bytes:
+        return self.raw(self.u32())
+
+    def count(self, min_item_bytes: int) -> int:
+        n = self.u32()
+        if n * min_item_bytes > self.end - self.pos:
+            raise DecodeError("list count overruns the message")
+        return n
+
+    def ids(self) -> tuple[int, ...]:
+        n = self.count(4)
+        at = self.take(4 * n)
+        return tuple(np.frombuffer(self.data, dtype="<u4", count=n, offset=at).tolist())
+
+    def pairs(self) -> tuple[tuple[int, bytes], ...]:
+        return tuple((self.u32(), self.blob()) for _ in range(self.count(8)))
+
+    def blobs(self) -> tuple[bytes, ...]:
+        return tuple(self.blob() for _ in range(self.count(4)))
+
+    def done(self) -> None:
+        if self.pos != self.end:
+            raise DecodeError(f"{self.end - self.pos} trailing bytes")
+
+
+@dataclass(frozen=True)
+class Message:
+    """Header fields shared by all messages."""
+
+    round_id: int
+    sender: int
+    recipient: int
+    TYPE: ClassVar[int] = 0
+
+    def _write(self, w: _Writer) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> Message:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AdvertiseKeys(Message):
+    """Round 0, client -> server: the two X25519 public keys (share encryption, masking)."""
+
+    c_public: bytes
+    s_public: bytes
+    TYPE: ClassVar[int] = 1
+
+    def _write(self, w: _Writer) -> None:
+        w.blob(self.c_public)
+        w.blob(self.s_public)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> AdvertiseKeys:
+        return cls(*header, r.blob(), r.blob())
+
+
+@dataclass(frozen=True)
+class KeyBroadcast(Message):
+    """Round 1, server -> client: the neighbours' AdvertiseKeys messages, verbatim."""
+
+    adverts: tuple[bytes, ...]
+    TYPE: ClassVar[int] = 2
+
+    def _write(self, w: _Writer) -> None:
+        w.blobs(self.adverts)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> KeyBroadcast:
+        return cls(*header, r.blobs())
+
+
+@dataclass(frozen=True)
+class ShareKeys(Message):
+    """Round 1, client -> server: a SHA-256 commitment to the self-mask seed and, per
+    neighbour, the AES-GCM sealed Shamir shares of the masking key and of that seed."""
+
+    commitment: bytes
+    shares: tuple[tuple[int, bytes], ...]  # (recipient, sealed)
+    TYPE: ClassVar[int] = 3
+
+    def _write(self, w: _Writer) -> None:
+        w.blob(self.commitment)
+        w.pairs(self.shares)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ShareKeys:
+        return cls(*header, r.blob(), r.pairs())
+
+
+@dataclass(frozen=True)
+class SharesForward(Message):
+    """Round 2, server -> client: the sealed shares addressed to this client."""
+
+    shares: tuple[tuple[int, bytes], ...]  # (owner, sealed)
+    TYPE: ClassVar[int] = 4
+
+    def _write(self, w: _Writer) -> None:
+        w.pairs(self.shares)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> SharesForward:
+        return cls(*header, r.pairs())
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedInput(Message):
+    """Round 2, client -> server: y = x + PRG(b_u) + sum_v +-PRG(s_uv) in the ring."""
+
+    vector: np.ndarray
+    TYPE: ClassVar[int] = 5
+
+    def _write(self, w: _Writer) -> None:
+        v = np.ascontiguousarray(self.vector)
+        if v.dtype.kind != "u" or v.dtype.itemsize not in (1, 2, 4) or v.ndim != 1:
+            raise ValueError("masked input must be a 1-D uint8/16/32 vector")
+        w.u8(v.dtype.itemsize)
+        w.u64(v.size)
+        w.parts.append(v.astype(v.dtype.newbyteorder("<"), copy=False).tobytes())
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> MaskedInput:
+        width = r.u8()
+        if width not in (1, 2, 4):
+            raise DecodeError(f"unknown vector element width {width}")
+        size = r.u64()
+        if size > (r.end - r.pos) // width:
+            raise DecodeError("vector overruns the message")
+        vector = np.frombuffer(r.data, dtype=f"<u{width}", count=size, offset=r.take(size * width))
+        return cls(*header, vector)
+
+
+@dataclass(frozen=True)
+class ConsistencyCheck(Message):
+    """Round 3 (malicious-server mode), server -> client: the claimed survivor set U3."""
+
+    survivors: tuple[int, ...]
+    TYPE: ClassVar[int] = 6
+
+    def _write(self, w: _Writer) -> None:
+        w.ids(self.survivors)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ConsistencyCheck:
+        return cls(*header, r.ids())
+
+
+@dataclass(frozen=True)
+class ConsistencySignature(Message):
+    """Round 3, client -> server: the same survivor set, signed by the client."""
+
+    survivors: tuple[int, ...]
+    TYPE: ClassVar[int] = 7
+
+    def _write(self, w: _Writer) -> None:
+        w.ids(self.survivors)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ConsistencySignature:
+        return cls(*header, r.ids())
+
+
+@dataclass(frozen=True)
+class UnmaskRequest(Message):
+    """Round 4, server -> client: the survivor set and (malicious-server mode) at least t
+    signed ConsistencySignature messages on it, verbatim."""
+
+    survivors: tuple[int, ...]
+    signatures: tuple[bytes, ...]
+    TYPE: ClassVar[int] = 8
+
+    def _write(self, w: _Writer) -> None:
+        w.ids(self.survivors)
+        w.blobs(self.signatures)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> UnmaskRequest:
+        return cls(*header, r.ids(), r.blobs())
+
+
+@dataclass(frozen=True)
+class UnmaskShares(Message):
+    """Round 4, client -> server: self-mask-seed shares of survivors and masking-key shares of
+    neighbours that dropped after sharing; never both for the same owner."""
+
+    self_mask: tuple[tuple[int, bytes], ...]  # (owner, share of b_owner)
+    mask_key: tuple[tuple[int, bytes], ...]  # (owner, share of s_owner^SK)
+    TYPE: ClassVar[int] = 9
+
+    def _write(self, w: _Writer) -> None:
+        w.pairs(self.self_mask)
+        w.pairs(self.mask_key)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> UnmaskShares:
+        return cls(*header, r.pairs(), r.pairs())
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Server -> client: the round is over without output."""
+
+    reason: str
+    TYPE: ClassVar[int] = 10
+
+    def _write(self, w: _Writer) -> None:
+        w.blob(self.reason.encode())
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> Abort:
+        try:
+            return cls(*header, r.blob().decode())
+        except UnicodeDecodeError as exc:
+            raise DecodeError("abort reason is not UTF-8") from exc
+
+
+TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (AdvertiseKeys, KeyBroadcast, ShareKeys, SharesForward, MaskedInput,
+                ConsistencyCheck, ConsistencySignature, UnmaskRequest, UnmaskShares, Abort)
+}
+
+
+def encode(message: Message, signing_key: Ed25519PrivateKey | None = None) -> bytes:
+    """The message's bytes, signed by `signing_key` when one is given."""
+    w = _Writer()
+    flags = SIGNED if signing_key is not None else 0
+    w.parts.append(_HEADER.pack(MAGIC, VERSION, message.TYPE, flags,
+                                message.round_id, message.sender, message.recipient))
+    message._write(w)
+    data = b"".join(w.parts)
+    return data + signing_key.sign(data) if signing_key is not None else data
+
+
+def decode(data: bytes) -> Message:
+    """Parse one message; raises `DecodeError` for anything that is not exactly one message.
+    Signatures are checked separately (`verify`), by whoever knows the sender's key."""
+    data = bytes(data)
+    if len(data) < HEADER_BYTES:
+        raise DecodeError("message is shorter than its header")
+    magic, version, kind, flags, round_id, sender, recipient = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise DecodeError("bad magic")
+    if version != VERSION:
+        raise DecodeError(f"unsupported version {version}")
+    if kind not in TYPES:
+        raise DecodeError(f"unknown message type {kind}")
+    if flags & ~SIGNED:
+        raise DecodeError(f"unknown flags {flags:#x}")
+    end = len(data) - (SIGNATURE_BYTES if flags & SIGNED else 0)
+    if end < HEADER_BYTES:
+        raise DecodeError("signed message is shorter than its signature")
+    reader = _Reader(data, HEADER_BYTES, end)
+    message = TYPES[kind]._read(reader, (round_id, sender, recipient))
+    reader.done()
+    return message
+
+
+def verify(data: bytes, public_key: bytes) -> None:
+    """Check that `data` carries a valid signature by the holder of `public_key`."""
+    if len(data) < HEADER_BYTES + SIGNATURE_BYTES or not data[6] & SIGNED:
+        raise AuthenticationError("message is not signed")
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(
+            data[-SIGNATURE_BYTES:], data[:-SIGNATURE_BYTES])
+    except InvalidSignature as exc:
+        raise AuthenticationError("signature does not verify") from exc
+
+
+def check_header(message: Message, round_id: int, recipient: int) -> None:
+    """Reject a message addressed to someone else or belonging to another round."""
+    if message.recipient != recipient:
+        raise MisaddressedError(f"message for party {message.recipient} reached party {recipient}")
+    if message.round_id != round_id:
+        raise RoundMismatchError(f"message from round {message.round_id} in round {round_id}")

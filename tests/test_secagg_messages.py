@@ -1,0 +1,144 @@
+"""The versioned binary encoding: round trips, signatures, strictness, and a decoder fuzz."""
+
+import contextlib
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from dpfleet.secagg import messages as m
+from dpfleet.secagg.errors import (
+    AuthenticationError,
+    DecodeError,
+    MisaddressedError,
+    RoundMismatchError,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ids = st.integers(0, 2**32 - 1)
+blob = st.binary(max_size=40)
+pairs = st.lists(st.tuples(ids, blob), max_size=5).map(tuple)
+id_list = st.lists(ids, max_size=8).map(tuple)
+header = {"round_id": st.integers(0, 2**64 - 1), "sender": ids, "recipient": ids}
+
+MESSAGES = st.one_of(
+    st.builds(m.AdvertiseKeys, **header, c_public=blob, s_public=blob),
+    st.builds(m.KeyBroadcast, **header, adverts=st.lists(blob, max_size=4).map(tuple)),
+    st.builds(m.ShareKeys, **header, commitment=blob, shares=pairs),
+    st.builds(m.SharesForward, **header, shares=pairs),
+    st.builds(m.MaskedInput, **header, vector=st.sampled_from(["u1", "<u2", "<u4"]).flatmap(
+        lambda dt: st.lists(st.integers(0, 2 ** (8 * np.dtype(dt).itemsize) - 1), max_size=50)
+        .map(lambda v, dt=dt: np.array(v, dtype=dt)))),
+    st.builds(m.ConsistencyCheck, **header, survivors=id_list),
+    st.builds(m.ConsistencySignature, **header, survivors=id_list),
+    st.builds(m.UnmaskRequest, **header, survivors=id_list,
+              signatures=st.lists(blob, max_size=3).map(tuple)),
+    st.builds(m.UnmaskShares, **header, self_mask=pairs, mask_key=pairs),
+    st.builds(m.Abort, **header, reason=st.text(max_size=30)),
+)
+KEY = Ed25519PrivateKey.generate()
+PUBLIC = KEY.public_key().public_bytes_raw()
+
+
+def _same(a: m.Message, b: m.Message) -> bool:
+    if isinstance(a, m.MaskedInput):
+        return (type(b) is m.MaskedInput and a.vector.dtype.itemsize == b.vector.dtype.itemsize
+                and np.array_equal(a.vector, b.vector)
+                and (a.round_id, a.sender, a.recipient) == (b.round_id, b.sender, b.recipient))
+    return a == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(MESSAGES, st.booleans())
+def test_round_trip(message, signed):
+    data = m.encode(message, KEY if signed else None)
+    back = m.decode(data)
+    assert _same(back, message)
+    assert m.encode(back, KEY if signed else None)[: len(data) - 64 * signed] == data[
+        : len(data) - 64 * signed]
+    if signed:
+        m.verify(data, PUBLIC)
+    else:
+        with pytest.raises(AuthenticationError):
+            m.verify(data, PUBLIC)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200))
+def test_decoder_fuzz_random_bytes(data):
+    with contextlib.suppress(DecodeError):
+        assert isinstance(m.decode(data), m.Message)
+
+
+def _header_bytes(kind=1, flags=0, version=m.VERSION, magic=m.MAGIC):
+    return struct.pack("<4sBBBQII", magic, version, kind, flags, 1, 2, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10), st.integers(0, 1), st.binary(max_size=120))
+def test_decoder_fuzz_valid_header_random_body(kind, flags, body):
+    with contextlib.suppress(DecodeError):
+        assert isinstance(m.decode(_header_bytes(kind, flags) + body), m.Message)
+
+
+@settings(max_examples=150, deadline=None)
+@given(MESSAGES, st.data())
+def test_decoder_fuzz_mutations_of_valid_messages(message, data):
+    encoded = bytearray(m.encode(message))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(encoded) - 1))
+        encoded[i] = data.draw(st.integers(0, 255))
+    with contextlib.suppress(DecodeError):
+        m.decode(bytes(encoded))
+
+
+def test_every_truncation_is_a_decode_error():
+    message = m.ShareKeys(5, 1, m.SERVER, b"c" * 32, ((2, b"x" * 10), (3, b"y" * 10)))
+    for signed in (None, KEY):
+        data = m.encode(message, signed)
+        for cut in range(len(data)):
+            with pytest.raises(DecodeError):
+                m.decode(data[:cut])
+        with pytest.raises(DecodeError):
+            m.decode(data + b"\0")
+
+
+@pytest.mark.parametrize("bad", [
+    _header_bytes(magic=b"XXXX"), _header_bytes(version=2), _header_bytes(kind=0),
+    _header_bytes(kind=99), _header_bytes(flags=0x80),
+])
+def test_unknown_magic_version_type_or_flag(bad):
+    with pytest.raises(DecodeError):
+        m.decode(bad + b"\0" * 70)
+
+
+def test_huge_counts_fail_fast_without_allocating():
+    body = struct.pack("<I", 2**32 - 1)
+    with pytest.raises(DecodeError):
+        m.decode(_header_bytes(kind=2) + body)
+    vector = struct.pack("<BQ", 4, 2**63)
+    with pytest.raises(DecodeError):
+        m.decode(_header_bytes(kind=5) + vector)
+
+
+def test_signature_covers_every_byte():
+    data = m.encode(m.ConsistencySignature(1, 2, m.SERVER, (1, 2, 3)), KEY)
+    for i in range(len(data)):
+        forged = bytearray(data)
+        forged[i] ^= 1
+        with pytest.raises((AuthenticationError, DecodeError)):
+            m.decode(bytes(forged))
+            m.verify(bytes(forged), PUBLIC)
+    with pytest.raises(AuthenticationError):
+        m.verify(data, Ed25519PrivateKey.generate().public_key().public_bytes_raw())
+
+
+def test_header_checks():
+    message = m.AdvertiseKeys(4, 1, m.SERVER, b"a", b"b")
+    m.check_header(message, 4, m.SERVER)
+    with pytest.raises(MisaddressedError):
+        m.check_header(message, 4, 7)
+    with pytest.raises(RoundMismatchError):
+        m.check_header(dataclasses.replace(message, round_id=3), 4, m.SERVER)
