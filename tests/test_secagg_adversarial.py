@@ -1,0 +1,238 @@
+"""Attacks on the wire: forged, replayed, truncated, misaddressed and duplicated messages are
+rejected with their specific error, and the sum over the survivors stays exact."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from dpfleet.secagg import messages as m
+from dpfleet.secagg.errors import (
+    AuthenticationError,
+    DecodeError,
+    DuplicateMessageError,
+    MisaddressedError,
+    ProtocolViolationError,
+    ReconstructionError,
+    RoundMismatchError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+)
+from dpfleet.secagg.inprocess import run_round
+from dpfleet.secagg.params import plan_round
+
+N, LENGTH, BITS = 6, 40, 16
+ATTACKER = Ed25519PrivateKey.generate()
+
+
+def _round(intercept=None, signed=False, round_id=1, dropouts=None):
+    setup, keys, _ = plan_round(N, LENGTH, BITS, graph="complete", threshold=3, signed=signed,
+                                round_id=round_id, seed=round_id)
+    inputs = np.random.default_rng(round_id).integers(0, 1 << BITS, (N, LENGTH)).astype(
+        setup.dtype)
+    report = run_round(setup, inputs.__getitem__, keys, dropouts, intercept)
+    expected = inputs[list(report.survivors)].astype(np.int64).sum(axis=0) % (1 << BITS)
+    np.testing.assert_array_equal(report.total, expected)  # never corrupted
+    return report
+
+
+def _errors(report):
+    return [(type(r.error), r.sender, r.recipient) for r in report.rejections]
+
+
+def _rewrite(data, signer=None, **changes):
+    return m.encode(dataclasses.replace(m.decode(data), **changes), signer)
+
+
+def _on(phase, sender, recipient, attack):
+    """An intercept applying `attack(data) -> list of bytes` to one message in flight."""
+    def intercept(ph, s, r, data):
+        return attack(data) if (ph, s, r) == (phase, sender, recipient) else [data]
+    return intercept
+
+
+def test_forged_share_ciphertext_fails_authentication():
+    def flip(data):
+        message = m.decode(data)
+        (owner, sealed), *rest = message.shares
+        forged = sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]
+        return [_rewrite(data, shares=((owner, forged), *rest))]
+
+    report = _round(_on("mask", m.SERVER, 2, flip))
+    assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
+    assert report.survivors == (0, 1, 3, 4, 5)
+
+
+def test_ciphertext_for_another_client_fails_authentication():
+    sent = {}
+
+    def intercept(phase, sender, recipient, data):
+        if phase == "share" and sender == 0:
+            sent.update(m.decode(data).shares)
+        if (phase, recipient) == ("mask", 2):  # give client 2 the share 0 sealed for 3
+            shares = tuple((o, sent[3] if o == 0 else s) for o, s in m.decode(data).shares)
+            return [_rewrite(data, shares=shares)]
+        return [data]
+
+    report = _round(intercept)
+    assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
+
+
+def test_replay_from_an_earlier_round():
+    old = {}
+
+    def record(phase, sender, recipient, data):
+        old[phase, sender, recipient] = data
+        return [data]
+
+    _round(record, round_id=1)
+
+    def replay(phase, sender, recipient, data):
+        return [data, old[phase, sender, recipient]] if sender in (0, m.SERVER) else [data]
+
+    report = _round(replay, round_id=2)
+    assert report.rejections and all(
+        isinstance(r.error, RoundMismatchError) for r in report.rejections)
+    assert report.survivors == tuple(range(N))
+
+
+def test_every_message_duplicated():
+    report = _round(lambda phase, sender, recipient, data: [data, data])
+    assert report.rejections and all(
+        isinstance(r.error, DuplicateMessageError) for r in report.rejections)
+    assert len(report.rejections) == N * (4 + 3)  # 4 messages sent, 3 received per client
+    assert report.survivors == tuple(range(N))
+
+
+def test_truncated_masked_input():
+    report = _round(_on("mask", 1, m.SERVER, lambda data: [data[:-3]]))
+    assert _errors(report) == [(DecodeError, 1, m.SERVER)]
+    assert report.survivors == (0, 2, 3, 4, 5)
+
+
+def test_wrongly_addressed_messages():
+    report = _round(_on("mask", 3, m.SERVER, lambda d: [_rewrite(d, recipient=4)]))
+    assert _errors(report) == [(MisaddressedError, 3, m.SERVER)]
+    report = _round(_on("mask", m.SERVER, 2, lambda d: [_rewrite(d, recipient=4)]))
+    assert _errors(report) == [(MisaddressedError, m.SERVER, 2)]
+
+
+def test_unknown_sender_and_out_of_phase_messages():
+    def inject(data):
+        stranger = _rewrite(data, sender=N + 7)
+        late_advert = m.encode(m.AdvertiseKeys(1, 4, m.SERVER, b"a" * 32, b"b" * 32))
+        early_unmask = m.encode(m.UnmaskShares(1, 4, m.SERVER, (), ()))
+        return [stranger, late_advert, early_unmask, data]
+
+    report = _round(_on("mask", 4, m.SERVER, inject))
+    assert [e for e, _, _ in _errors(report)] == [
+        UnknownSenderError, DuplicateMessageError, UnexpectedMessageError]
+    assert report.survivors == tuple(range(N))
+
+
+def test_masked_input_of_the_wrong_length():
+    def shorten(data):
+        message = m.decode(data)
+        return [_rewrite(data, vector=message.vector[:-1])]
+
+    report = _round(_on("mask", 5, m.SERVER, shorten))
+    assert _errors(report) == [(ProtocolViolationError, 5, m.SERVER)]
+    assert report.survivors == (0, 1, 2, 3, 4)
+
+
+def test_signed_mode_rejects_forged_and_tampered_client_messages():
+    def attack(data):
+        message = m.decode(data)
+        forged = m.encode(dataclasses.replace(message, vector=message.vector ^ 1), ATTACKER)
+        tampered = bytearray(data)
+        tampered[m.HEADER_BYTES + 20] ^= 1
+        return [forged, bytes(tampered), data]  # the genuine one still comes last
+
+    report = _round(_on("mask", 1, m.SERVER, attack), signed=True)
+    assert _errors(report) == [(AuthenticationError, 1, m.SERVER)] * 2
+    assert report.survivors == tuple(range(N))
+
+
+def test_signed_mode_rejects_a_substituted_public_key():
+    def substitute(data):
+        message = m.decode(data)
+        advert = m.decode(message.adverts[0])
+        fake = m.encode(dataclasses.replace(advert, c_public=bytes(range(32))), ATTACKER)
+        return [_rewrite(data, adverts=(fake, *message.adverts[1:]))]
+
+    report = _round(_on("share", m.SERVER, 2, substitute), signed=True)
+    assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
+    assert 2 not in report.survivors
+
+
+def test_advert_replayed_from_another_round_inside_a_key_broadcast():
+    def stale(data):
+        message = m.decode(data)
+        old = _rewrite(message.adverts[0], round_id=0)
+        return [_rewrite(data, adverts=(old, *message.adverts[1:]))]
+
+    report = _round(_on("share", m.SERVER, 3, stale))
+    assert _errors(report) == [(RoundMismatchError, m.SERVER, 3)]
+
+
+def test_client_answers_one_unmask_request_only():
+    """A server that asks again with another survivor list must not get the other share."""
+    def ask_twice(data):
+        message = m.decode(data)
+        return [data, _rewrite(data, survivors=tuple(s for s in message.survivors if s != 1))]
+
+    report = _round(_on("unmask", m.SERVER, 0, ask_twice))
+    assert _errors(report) == [(DuplicateMessageError, m.SERVER, 0)]
+
+
+def test_survivor_list_naming_a_client_that_never_shared():
+    report = _round(_on("unmask", m.SERVER, 0, lambda d: [_rewrite(d, survivors=tuple(range(N)))]),
+                    dropouts={"share": {5}})
+    assert _errors(report) == [(ProtocolViolationError, m.SERVER, 0)]
+    assert report.survivors == (0, 1, 2, 3, 4)
+
+
+def test_signed_mode_checks_the_consistency_proof():
+    def forge_signature(data):
+        message = m.decode(data)
+        signer = m.decode(message.signatures[0])
+        return [_rewrite(data, signatures=(m.encode(signer, ATTACKER), *message.signatures[1:]))]
+
+    report = _round(_on("unmask", m.SERVER, 0, forge_signature), signed=True)
+    assert _errors(report) == [(AuthenticationError, m.SERVER, 0)]
+
+    def other_list(data):
+        return [_rewrite(data, survivors=m.decode(data).survivors[1:])]
+
+    report = _round(_on("unmask", m.SERVER, 0, other_list), signed=True)
+    assert _errors(report) == [(ProtocolViolationError, m.SERVER, 0)]
+
+
+def test_corrupted_unmask_share_aborts_instead_of_a_wrong_sum():
+    def corrupt(data):
+        message = m.decode(data)
+        (owner, share), *rest = message.self_mask
+        bad = bytes([share[0] ^ 1]) + share[1:]
+        return [_rewrite(data, self_mask=((owner, bad), *rest))]
+
+    with pytest.raises(ReconstructionError):
+        _round(_on("unmask", 0, m.SERVER, corrupt))
+
+
+@pytest.mark.parametrize("bad_key", ["own", "copied", "low_order"])
+def test_bad_public_keys_are_refused(bad_key):
+    adverts = {}
+
+    def intercept(phase, sender, recipient, data):
+        if phase != "advertise":
+            return [data]
+        adverts[sender] = m.decode(data)
+        if sender != 2:
+            return [data]
+        key = {"own": adverts[2].c_public, "copied": adverts[1].s_public,
+               "low_order": bytes(32)}[bad_key]
+        return [_rewrite(data, s_public=key)]
+
+    report = _round(intercept)
+    assert _errors(report) == [(ProtocolViolationError, 2, m.SERVER)]
+    assert 2 not in report.survivors
