@@ -1,0 +1,187 @@
+"""From a clipped float update to a vector in Z_(2^b) and back (Kairouz, Liu, Steinke 2021).
+
+SecAgg sums integers modulo 2^b, DP-FTRL wants a real sum with a known L2 sensitivity. Per
+client (`encode`):
+
+1. clip to L2 norm C (the round engine already did; enforced again, never trusted);
+2. flatten and zero-pad to a multiple of the rotation block B (a power of two);
+3. rotate: z = H D x / sqrt(B) block-wise, D random signs from the round's shared seed, H the
+   Walsh-Hadamard matrix. Orthogonal, so ||z|| = ||x||, but the mass is spread evenly: by
+   Hoeffding every coordinate is below C sqrt(2 ln(2 d' / beta_clip) / B) with probability
+   1 - beta_clip, which is what lets a few bits per coordinate suffice;
+4. scale by s and round randomly (unbiased), re-drawing until ||q|| <= Delta_s -- conditional
+   randomized rounding, so the norm after rounding has a hard bound;
+5. clip every coordinate to [-L, L] with L = floor((2^(b-1) - 1) / n): n clients can then never
+   wrap around the modulus, so the modular sum equals the integer sum (the "very small chance
+   that the modular operator inflates sensitivity" of paper 002, Sec. 2.4, is gone). Clipping
+   toward zero can only shrink the norm, and with the scale below it almost never triggers;
+6. wrap into Z_(2^b) (two's complement).
+
+`decode` maps the ring sum back to signed integers, divides by s and rotates back.
+
+Guarantees (for DP accounting and for the tests):
+- sensitivity: every client's decoded contribution has L2 norm <= `sensitivity` =
+  Delta_s / s, Delta_s^2 = min((sC)^2 + d'/4 + sqrt(2 ln(1/beta)) (sC + sqrt(d')/2),
+  (sC + sqrt(d'))^2); DP-FTRL must calibrate its noise to this, i.e. C * `norm_inflation`;
+- quantization: when no coordinate was clipped in step 5, the decoded sum of m clients is
+  within `quantization_bound(m)` = m sqrt(d') / s (L2) of the exact sum of their clipped
+  inputs, since each rounding error is below 1 in every coordinate and the rotation is
+  orthogonal (the truncation of the padding only shrinks the error).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+from dpfleet.secagg.crypto import ring_dtype
+
+HADAMARD_GROUP = 1 << 15  # float64 entries transformed together: 256 KiB stays in L2
+MAX_ROUNDING_DRAWS = 64  # each draw passes with probability >= 1 - beta, beta = e^-1/2
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One client's ring vector and what encoding did to it."""
+
+    values: np.ndarray
+    clipped_coordinates: int  # coordinates cut to [-L, L] (step 5)
+    rounding_draws: int  # conditional rounding attempts (step 4)
+    input_scaled_down: bool  # the input exceeded C and was scaled to it (step 1)
+
+
+@dataclass(frozen=True)
+class Discretizer:
+    """Encoding shared by all clients of a round (same seed, clip, bits and client count)."""
+
+    length: int
+    clip_norm: float
+    bits: int
+    clients: int
+    seed: int
+    block_size: int = 1 << 14
+    beta: float = math.exp(-0.5)  # conditional rounding: bound fails w.p. <= beta per draw
+    clip_failure: float = 1e-6  # P(any coordinate clipped in step 5), per client
+
+    def __post_init__(self) -> None:
+        ring_dtype(self.bits)
+        if self.length < 1 or self.clients < 1 or self.clip_norm <= 0:
+            raise ValueError("length, clients and clip_norm must be positive")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.level < 2:
+            raise ValueError(f"{self.bits} bits leave no room to sum {self.clients} clients "
+                             f"without wrap-around; use more bits")
+
+    @property
+    def block(self) -> int:
+        """Rotation block: block_size, or the next power of two for shorter vectors."""
+        return min(self.block_size, 1 << (self.length - 1).bit_length())
+
+    @property
+    def padded_length(self) -> int:
+        return -(-self.length // self.block) * self.block
+
+    @property
+    def level(self) -> int:
+        """L: per-client coordinate bound such that n * L never wraps the signed ring."""
+        return ((1 << (self.bits - 1)) - 1) // self.clients
+
+    @property
+    def scale(self) -> float:
+        """s: the rotated coordinate bound (1 - clip_failure quantile) maps to L - 1."""
+        spread = self.clip_norm * math.sqrt(
+            2 * math.log(2 * self.padded_length / self.clip_failure) / self.block)
+        return (self.level - 1) / spread
+
+    @property
+    def rounding_bound(self) -> float:
+        """Delta_s: the hard L2 bound of a rounded client vector, in scaled units."""
+        sc, d = self.scale * self.clip_norm, self.padded_length
+        tail = math.sqrt(2 * math.log(1 / self.beta)) * (sc + math.sqrt(d) / 2)
+        return math.sqrt(min(sc**2 + d / 4 + tail, (sc + math.sqrt(d)) ** 2))
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 bound of one client's decoded contribution: the sensitivity DP must use."""
+        return self.rounding_bound / self.scale
+
+    @property
+    def norm_inflation(self) -> float:
+        return self.sensitivity / self.clip_norm
+
+    def quantization_bound(self, summed: int) -> float:
+        """L2 bound on |decode(sum of m encodings) - sum of the m clipped inputs|."""
+        return summed * math.sqrt(self.padded_length) / self.scale
+
+    @cached_property
+    def _signs(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 0xD15C])
+        return rng.integers(0, 2, self.padded_length).astype(np.float64) * 2 - 1
+
+    def rotate(self, x: np.ndarray) -> np.ndarray:
+        """z = H D x / sqrt(B) per block, on the zero-padded vector."""
+        padded = np.zeros(self.padded_length)
+        padded[: self.length] = x
+        padded *= self._signs
+        return _hadamard(padded.reshape(-1, self.block)).ravel() / math.sqrt(self.block)
+
+    def unrotate(self, z: np.ndarray) -> np.ndarray:
+        """The inverse of `rotate` (H is symmetric with H H = B I), truncated to `length`."""
+        x = _hadamard(np.array(z, dtype=np.float64).reshape(-1, self.block)).ravel()
+        return (x * self._signs / math.sqrt(self.block))[: self.length]
+
+    def encode(self, x: np.ndarray, rng: np.random.Generator) -> Encoded:
+        """One client's clipped update as ring elements (`rng` drives the rounding only)."""
+        x = np.asarray(x, dtype=np.float64).ravel()
+        if x.size != self.length:
+            raise ValueError(f"update has {x.size} entries, the round expects {self.length}")
+        norm = float(np.linalg.norm(x))
+        too_long = norm > self.clip_norm
+        if too_long:
+            x = x * (self.clip_norm / norm)
+        scaled = self.rotate(x) * self.scale
+        floor = np.floor(scaled)
+        frac = scaled - floor
+        bound_sq = self.rounding_bound**2
+        draws = 0
+        while True:
+            draws += 1
+            q = floor + (rng.random(frac.size) < frac)
+            if float(q @ q) <= bound_sq:
+                break
+            if draws == MAX_ROUNDING_DRAWS:  # probability <= beta^64 < 1e-13
+                raise RuntimeError("conditional rounding kept exceeding its norm bound")
+        level = self.level
+        clipped = int(np.count_nonzero(np.abs(q) > level))
+        ints = np.clip(q, -level, level).astype(np.int64)
+        dtype = ring_dtype(self.bits)
+        values = (ints & ((1 << self.bits) - 1)).astype(dtype)
+        return Encoded(values, clipped, draws, too_long)
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
+        """The real-valued sum from the ring sum of the clients' encodings."""
+        signed = np.asarray(total).astype(np.int64) & ((1 << self.bits) - 1)
+        signed[signed >= 1 << (self.bits - 1)] -= 1 << self.bits
+        return self.unrotate(signed / self.scale)
+
+
+def _hadamard(rows: np.ndarray) -> np.ndarray:
+    """Unnormalized fast Walsh-Hadamard transform of each row, in place (rows: float64 2-D).
+    Rows are transformed a few at a time so that all log2(width) butterfly passes over them
+    run in cache (about 2x faster than whole-array passes at d = 4.4e6)."""
+    count, width = rows.shape
+    group = max(1, HADAMARD_GROUP // width)
+    for first in range(0, count, group):
+        part = rows[first : first + group]
+        h = 1
+        while h < width:
+            view = part.reshape(part.shape[0], width // (2 * h), 2, h)
+            low, high = view[:, :, 0, :], view[:, :, 1, :]
+            diff = low - high
+            low += high
+            high[...] = diff
+            h *= 2
+    return rows

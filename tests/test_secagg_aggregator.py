@@ -1,0 +1,78 @@
+"""The round engine's view: SecAggAggregator returns the plain sum within the proven bound."""
+
+import numpy as np
+import pytest
+from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
+from dpfleet.secagg.aggregator import SecAggAggregator
+from dpfleet.secagg.errors import ThresholdError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _deltas(n, d, clip, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=d)
+        out.append(x * (clip * rng.uniform(0.1, 1.0) / np.linalg.norm(x)))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(2, 12),
+    d=st.integers(1, 2000),
+    bits=st.sampled_from([16, 20, 24, 32]),
+    graph=st.sampled_from(["complete", "harary"]),
+    dropout=st.sampled_from([0.0, 0.2]),
+    seed=st.integers(0, 2**31),
+)
+def test_sum_equals_the_plain_sum_within_the_quantization_bound(n, d, bits, graph, dropout, seed):
+    clip = 0.5
+    deltas = _deltas(n, d, clip, seed)
+    agg = SecAggAggregator(clip_norm=clip, bits=bits, graph=graph, dropout=dropout,
+                           threshold=max(1, n // 2 - 1))
+    result = agg.aggregate(deltas, round_seed=seed)
+    plain = PlainAggregator().aggregate([deltas[i] for i in result.survivors], seed).total
+    info = result.info
+    assert result.total.shape == (d,) and result.total.dtype == np.float64
+    assert len(result.survivors) == n - round(dropout * n)
+    assert sorted(set(result.survivors) | set(info["dropped"])) == list(range(n))
+    assert info["clipped_coordinates"] == 0
+    assert np.linalg.norm(result.total - plain) <= info["quantization_bound"]
+    assert info["sensitivity"] == pytest.approx(clip * info["norm_inflation"])
+    assert info["norm_inflation"] >= 1 and info["rejected_messages"] == 0
+
+
+def test_conforms_to_the_aggregator_protocol_and_reports_costs():
+    agg: Aggregator = SecAggAggregator(clip_norm=1.0, signed=True)
+    result = agg.aggregate(_deltas(8, 300, 1.0, 0), round_seed=3)
+    info = result.info
+    assert result.survivors == list(range(8))
+    for key in ("bytes_sent_per_client", "bytes_received_per_client", "quantization_bound",
+                "norm_inflation", "k", "threshold"):
+        assert info[key] > 0
+    assert set(info["client_seconds"]) == set(info["server_seconds"]) >= {"share", "mask"}
+    assert info["server_seconds"]["consistency"] > 0  # signed mode runs the consistency round
+
+
+def test_overlong_deltas_are_clipped_not_trusted():
+    deltas = [np.full(50, 10.0), np.zeros(50)]
+    result = SecAggAggregator(clip_norm=1.0, threshold=1).aggregate(deltas, round_seed=0)
+    assert result.info["inputs_scaled_down"] == 1
+    assert np.linalg.norm(result.total) <= result.info["sensitivity"] + 1e-9
+
+
+def test_too_many_dropouts_abort():
+    with pytest.raises(ThresholdError):
+        SecAggAggregator(clip_norm=1.0, threshold=5, dropout=0.5).aggregate(
+            _deltas(6, 10, 1.0, 1), round_seed=1)
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError):
+        SecAggAggregator(clip_norm=0)
+    with pytest.raises(ValueError):
+        SecAggAggregator(clip_norm=1.0, dropout=1.0)
+    with pytest.raises(ValueError):
+        SecAggAggregator(clip_norm=1.0).aggregate([], round_seed=0)
