@@ -99,6 +99,14 @@ def train_sentencepiece(
 
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _train(spm, lines, out_prefix, vocab_size, model_type)
+    except RuntimeError as exc:  # e.g. vocab smaller than bytes + required characters
+        raise DpfleetError(f"SentencePiece training failed: {str(exc).splitlines()[-1]}") from exc
+    return SentencePieceTokenizer(out_prefix.with_suffix(".model"))
+
+
+def _train(spm, lines: Iterable[str], out_prefix: Path, vocab_size: int, model_type: str) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
         model_prefix=str(out_prefix),
@@ -115,7 +123,6 @@ def train_sentencepiece(
         num_threads=2,
         minloglevel=2,
     )
-    return SentencePieceTokenizer(out_prefix.with_suffix(".model"))
 
 
 def split_words(text: str) -> list[str]:

@@ -1,0 +1,162 @@
+"""Simulation config: a TOML file mapped onto typed sections, validated strictly.
+
+Every key is checked against the dataclass fields, so a typo (`noise_multiplyer`) is an error
+with a suggestion instead of a silently ignored setting. `resolved()` gives the full config with
+defaults filled in; each run directory stores it, so a run can be reproduced from its folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig
+
+
+@dataclass
+class DataSection:
+    dataset: str = "shakespeare"
+    path: str = ""  # the user's file, for dataset = "jsonl"
+    seq_len: int = 20
+    max_examples: int = 256
+    test_fraction: float = 0.1
+    max_clients: int = 0  # 0 = every training client
+    eval_examples: int = 3000  # held-out rows scored at each evaluation (0 = all)
+
+
+@dataclass
+class TokenizerSection:
+    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private top-k baseline)
+    vocab_size: int = 4096
+    corpus: str = "wikitext2"  # public corpus the SentencePiece model is trained on
+    path: str = ""  # an existing tokenizer folder (overrides kind/corpus)
+
+
+@dataclass
+class ClientSection:
+    lr: float = 0.5
+    batch_size: int = 16
+    runtime: str = "eager"  # "eager" | "executorch" | "onnx"
+    threads: int = 1
+
+
+@dataclass
+class DPSection:
+    noise_multiplier: float = 1.0
+    clip_norm: float = 0.3
+    report_goal: int = 20
+    server_lr: float = 1.0
+    momentum: float = 0.9
+    restart_rounds: list[int] = field(default_factory=list)
+    delta: float = 1e-6
+    sampling: str = "disjoint"  # "disjoint" (each client at most once) | "uniform"
+
+
+@dataclass
+class AggregationSection:
+    kind: str = "plain"  # "plain" | "secagg"
+
+
+@dataclass
+class SimulationConfig:
+    rounds: int = 50
+    eval_every: int = 10
+    seed: int = 0
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    client: ClientSection = field(default_factory=ClientSection)
+    dp: DPSection = field(default_factory=DPSection)
+    aggregation: AggregationSection = field(default_factory=AggregationSection)
+
+    def resolved(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "tokenizer.kind": ("sentencepiece", "word"),
+    "client.runtime": ("eager", "executorch", "onnx"),
+    "dp.sampling": ("disjoint", "uniform"),
+    "aggregation.kind": ("plain", "secagg"),
+}
+
+
+def _check_type(key: str, value: object, annotation: object) -> object:
+    base = typing.get_origin(annotation) or annotation
+    if isinstance(annotation, str):
+        base = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation, object)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is list and isinstance(value, list):
+        return value
+    if isinstance(base, type) and base is not object and not isinstance(value, base):
+        raise DpfleetError(f"config key {key!r} must be {base.__name__}, got {value!r}")
+    if base is int and isinstance(value, bool):
+        raise DpfleetError(f"config key {key!r} must be int, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: dict, prefix: str) -> object:
+    if not isinstance(values, dict):
+        raise DpfleetError(f"config section {prefix.rstrip('.')!r} must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise DpfleetError(f"invalid config key '{prefix}{key}'{hint}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.")
+        else:
+            if isinstance(hint, types.UnionType):
+                hint = typing.get_args(hint)[0]
+            kwargs[key] = _check_type(prefix + key, value, hint)
+            choices = _CHOICES.get(prefix + key)
+            if choices and value not in choices:
+                raise DpfleetError(f"config key '{prefix}{key}' must be one of {choices}")
+    return cls(**kwargs)
+
+
+def parse_config(values: dict) -> SimulationConfig:
+    cfg = _build(SimulationConfig, values, "")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: Path) -> SimulationConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise DpfleetError(f"config file not found: {path}")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
+    return parse_config(values)
+
+
+def _validate(cfg: SimulationConfig) -> None:
+    checks = [
+        (cfg.rounds >= 1, "rounds must be >= 1"),
+        (cfg.eval_every >= 1, "eval_every must be >= 1"),
+        (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),
+        (cfg.dp.clip_norm > 0, "dp.clip_norm must be > 0"),
+        (cfg.dp.report_goal >= 1, "dp.report_goal must be >= 1"),
+        (0 < cfg.dp.delta < 1, "dp.delta must be in (0, 1)"),
+        (0 <= cfg.dp.momentum < 1, "dp.momentum must be in [0, 1)"),
+        (cfg.client.lr > 0, "client.lr must be > 0"),
+        (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
+        (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
+        (cfg.model.max_length >= cfg.data.seq_len, "model.max_length must be >= data.seq_len"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise DpfleetError(message)

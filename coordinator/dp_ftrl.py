@@ -1,0 +1,82 @@
+"""The DP-FTRL server update of federated learning (paper 002, Alg. 1; Kairouz et al. 2021).
+
+Each round: the (secure) sum of clipped client deltas gets the tree's residual noise
+(std = z * C per node), is divided by the report goal m (a fixed denominator, so the
+sensitivity of the average is C / m), fed to server SGD with momentum:
+    mbar_t = beta * mbar_{t-1} + noisy_avg_t,   theta_{t+1} = theta_t + eta_s * mbar_t.
+Because the released prefix sums are the tree-noised ones, this is post-processing of the tree
+mechanism. At a restart round the tree is replaced by a fresh one (the old tree's noise stays in
+the model); the clip norm may change only there (adaptive clipping, issue 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfleet.coordinator.tree_noise import TreeNoise
+
+
+@dataclass
+class DPFTRLConfig:
+    noise_multiplier: float
+    clip_norm: float
+    report_goal: int
+    server_lr: float = 1.0
+    momentum: float = 0.9
+    restart_rounds: tuple[int, ...] = ()  # 0-based rounds at whose start a new tree begins
+    seed: int = 0
+
+
+class DPFTRLServer:
+    """Holds theta, the momentum buffer and the noise tree; applies one round at a time."""
+
+    def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig):
+        self.cfg = cfg
+        self.theta = theta0.astype(np.float32).copy()
+        self.momentum = np.zeros_like(self.theta)
+        self.round = 0
+        self.clip_norm = cfg.clip_norm
+        self.tree = self._new_tree(0)
+
+    def _new_tree(self, tree_id: int) -> TreeNoise:
+        std = self.cfg.noise_multiplier * self.clip_norm
+        return TreeNoise(self.theta.size, std, self.cfg.seed, tree_id)
+
+    @property
+    def noise_std(self) -> float:
+        """Per-node noise std on the *sum* of clipped deltas."""
+        return self.tree.std
+
+    def restart(self, clip_norm: float | None = None) -> None:
+        """Start a new tree, optionally with a new clip norm (only allowed here)."""
+        if clip_norm is not None:
+            self.clip_norm = clip_norm
+        self.tree = self._new_tree(self.tree.tree_id + 1)
+
+    def step(self, delta_sum: np.ndarray) -> np.ndarray:
+        """Apply one round's sum of clipped deltas; returns the new theta."""
+        if self.round in self.cfg.restart_rounds and self.round > 0:
+            self.restart()
+        noisy_avg = (delta_sum.astype(np.float32) + self.tree.next_residual()) / np.float32(
+            self.cfg.report_goal
+        )
+        self.momentum *= np.float32(self.cfg.momentum)
+        self.momentum += noisy_avg
+        self.theta += np.float32(self.cfg.server_lr) * self.momentum
+        self.round += 1
+        return self.theta
+
+    def state_dict(self) -> dict:
+        return {
+            "theta": self.theta, "momentum": self.momentum, "round": self.round,
+            "clip_norm": self.clip_norm, "tree": self.tree.state_dict(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.theta = state["theta"].astype(np.float32).copy()
+        self.momentum = state["momentum"].astype(np.float32).copy()
+        self.round = int(state["round"])
+        self.clip_norm = float(state["clip_norm"])
+        self.tree = TreeNoise.from_state(state["tree"])

@@ -1,0 +1,83 @@
+"""Next-token accuracy and perplexity on held-out clients, and the unigram baseline.
+
+Accuracy follows paper 000 Sec. 3.1, "in-vocabulary next token prediction accuracy":
+    accuracy = #{positions whose target is a real in-vocabulary token and argmax(logits) == target}
+               / #{positions whose target is a real in-vocabulary token}
+where "real in-vocabulary" excludes PAD, BOS, EOS and UNK (the word baseline's OOV token). A
+prediction *of* a special token counts as wrong. With a byte-fallback SentencePiece vocabulary
+there is no OOV, so every non-pad target counts. Loss / perplexity average the cross-entropy over
+all non-pad targets (OOV included: the model must still assign it probability).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
+
+SPECIAL_IDS = (PAD, BOS, EOS, UNK)
+
+
+def scored_mask(targets: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    for sid in SPECIAL_IDS:
+        mask &= targets != sid
+    return mask
+
+
+def accuracy_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+    """(correct, scored) next-token counts for one batch (see module docstring)."""
+    mask = scored_mask(targets)
+    correct = (logits.argmax(-1) == targets) & mask
+    return int(correct.sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, rows: np.ndarray, batch_size: int = 256) -> dict:
+    """Accuracy, loss and perplexity of `model` on example rows [n, L+1]."""
+    model.eval()
+    correct = scored = 0
+    nll_sum, nll_count = 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        batch = torch.from_numpy(rows[start : start + batch_size].astype(np.int64))
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs)
+        c, s = accuracy_counts(logits, targets)
+        correct, scored = correct + c, scored + s
+        nonpad = targets != PAD
+        logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        nll_sum += float(-(logp * nonpad).sum())
+        nll_count += int(nonpad.sum())
+    loss = nll_sum / max(nll_count, 1)
+    return {
+        "accuracy": correct / max(scored, 1),
+        "loss": loss,
+        "perplexity": float(np.exp(min(loss, 50.0))),
+        "scored_tokens": scored,
+    }
+
+
+def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray) -> dict:
+    """Always predict the most frequent scored training token; its test accuracy and the
+    perplexity of the add-one unigram distribution: the bar any real model must clear."""
+    counts: dict[int, int] = {}
+    for rows in train_rows:
+        ids, n = np.unique(rows[:, 1:], return_counts=True)
+        for i, c in zip(ids.tolist(), n.tolist(), strict=True):
+            counts[i] = counts.get(i, 0) + c
+    scored = {i: c for i, c in counts.items() if i not in SPECIAL_IDS}
+    top = max(scored, key=scored.get)
+    targets = test_rows[:, 1:]
+    mask = ~np.isin(targets, SPECIAL_IDS)
+    acc = float(((targets == top) & mask).sum() / max(mask.sum(), 1))
+    nonpad_counts = {i: c for i, c in counts.items() if i != PAD}
+    total = sum(nonpad_counts.values())
+    vocab = max(max(counts) + 1, int(targets.max()) + 1)
+    test_ids = targets[targets != PAD]
+    probs = np.array([(nonpad_counts.get(int(i), 0) + 1) / (total + vocab) for i in test_ids])
+    loss = float(-np.log(probs).mean()) if len(probs) else float("nan")
+    return {"accuracy": acc, "top_token": int(top), "loss": loss, "perplexity": float(np.exp(loss))}

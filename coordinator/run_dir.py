@@ -1,0 +1,95 @@
+"""A run directory: config, per-round metrics, participation log, checkpoint, plots, privacy.
+
+Layout (every file is written atomically: a crash never leaves a half-written file):
+    config.toml / config.json   the resolved config
+    metrics.jsonl               one JSON object per round
+    participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
+    checkpoint/                 model.safetensors, model_config.json, tokenizer/, server_state
+    accuracy.png                held-out accuracy per round against the unigram baseline
+    privacy.json                the privacy summary
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(resolved: dict) -> str:
+    """The resolved config as TOML (scalars first, then one table per section)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in resolved.items() if not isinstance(v, dict)]
+    for section, values in resolved.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+class RunDir:
+    def __init__(self, path: Path, overwrite: bool = False):
+        self.path = Path(path)
+        if self.path.exists() and any(self.path.iterdir()) and not overwrite:
+            from dpfleet.errors import DpfleetError
+
+            raise DpfleetError(
+                f"run directory {self.path} is not empty; pass --overwrite or choose another --out"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "participation.jsonl"):
+            (self.path / name).write_text("")
+
+    def write_config(self, resolved: dict) -> None:
+        atomic_write(self.path / "config.toml", to_toml(resolved))
+        atomic_write(self.path / "config.json", json.dumps(resolved, indent=2))
+
+    def append(self, name: str, record: dict) -> None:
+        with (self.path / name).open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+    def write_json(self, name: str, obj: dict) -> Path:
+        atomic_write(self.path / name, json.dumps(obj, indent=2))
+        return self.path / name
+
+
+def plot_accuracy(metrics: list[dict], baseline: float, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(m["round"], m["accuracy"]) for m in metrics if m.get("accuracy") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    if pts:
+        xs, ys = np.array(pts).T
+        ax.plot(xs, ys, marker="o", label="DP-FTRL model (held-out clients)")
+    ax.axhline(baseline, color="grey", linestyle="--", label="unigram baseline")
+    ax.set_xlabel("round")
+    ax.set_ylabel("next-token accuracy")
+    eps = [m.get("epsilon") for m in metrics if m.get("epsilon") is not None]
+    ax.set_title(f"held-out accuracy (eps so far: {eps[-1]:.2f})" if eps else "held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,74 @@
+"""`dpfleet data list|get|stats`: the user-keyed text datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dpfleet.edge.datasets import DATASETS
+
+
+@click.group()
+def data() -> None:
+    """Inspect the real, user-keyed text datasets dpfleet ships loaders for."""
+
+
+@data.command("list")
+def list_() -> None:
+    """List the datasets."""
+    for name, what in DATASETS.items():
+        click.echo(f"{name:12s} {what}")
+
+
+def _path_option(f):
+    return click.option("--path", type=click.Path(path_type=Path), default=None,
+                        help="Your file, for the jsonl dataset.")(f)
+
+
+@data.command()
+@click.argument("name")
+@click.option("--split", default="train", show_default=True, help="train/valid/test (wikitext2).")
+@_path_option
+def get(name: str, split: str, path: Path | None) -> None:
+    """Fetch NAME into the data cache and report how many records and users it has."""
+    from dpfleet.edge.datasets import load_records
+
+    records = load_records(name, split, path)
+    users = {r.user for r in records}
+    click.echo(f"{name}: {len(records)} records from {len(users)} users (cached)")
+
+
+@data.command()
+@click.argument("name")
+@_path_option
+@click.option("--vocab-size", default=4096, show_default=True, help="Public SentencePiece size.")
+@click.option("--seq-len", default=20, show_default=True, help="Tokens per example.")
+@click.option("--max-examples", default=256, show_default=True, help="Examples kept per client.")
+@click.option("--test-fraction", default=0.1, show_default=True, help="Held-out users.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def stats(name: str, path: Path | None, vocab_size: int, seq_len: int, max_examples: int,
+          test_fraction: float, as_json: bool) -> None:
+    """Clients, examples, tokens and examples per client, as the simulation would build them."""
+    from dpfleet.edge.client_data import build_federated, describe
+    from dpfleet.edge.datasets import load_records
+    from dpfleet.public.spm_public import public_sentencepiece
+
+    records = load_records(name, "train", path)
+    tokenizer = public_sentencepiece("wikitext2", vocab_size)
+    fed = build_federated(records, tokenizer, seq_len=seq_len, max_examples=max_examples,
+                          test_fraction=test_fraction)
+    info = describe(fed)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{name}: sequences of <= {seq_len} tokens, <= {max_examples} examples per client")
+    for part in ("train", "test"):
+        d = info[part]
+        q = d["examples_per_client"]
+        click.echo(
+            f"  {part:5s} clients {d['clients']:6d}  examples {d['examples']:8d}  "
+            f"tokens {d['tokens']:9d}  examples/client min {q['min']:.0f} p25 {q['p25']:.0f} "
+            f"median {q['median']:.0f} p75 {q['p75']:.0f} max {q['max']:.0f}"
+        )

@@ -1,0 +1,130 @@
+"""Tokenised, per-user example arrays: what each emulated phone holds.
+
+Following the papers (LEAF / StackOverflow protocol): every record is tokenised and cut into
+sequences of at most `seq_len` tokens; a row is `[BOS, t1..tk, PAD...]` of length seq_len + 1,
+inputs are row[:-1] and targets row[1:]. A client keeps at most `max_examples` rows (a seeded
+random subset). Whole users are held out for testing, so test clients never train.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfleet.edge.datasets import TextRecord
+from dpfleet.edge.tokenizer import BOS, PAD, Tokenizer
+from dpfleet.errors import DpfleetError
+
+
+@dataclass
+class ClientData:
+    user: str
+    examples: np.ndarray  # int32 [n, seq_len + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.examples[:, 1:] != PAD).sum())
+
+
+@dataclass
+class FederatedData:
+    train: list[ClientData]
+    test: list[ClientData]
+    seq_len: int
+
+    def test_examples(self, limit: int | None = None) -> np.ndarray:
+        rows = np.concatenate([c.examples for c in self.test]) if self.test else np.zeros((0, 1))
+        return rows[:limit] if limit else rows
+
+
+def _stable_seed(*parts: object) -> int:
+    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def to_rows(token_lists: Iterable[Sequence[int]], seq_len: int) -> np.ndarray:
+    """Cut token lists into BOS-prefixed, PAD-padded rows of length seq_len + 1."""
+    rows = []
+    for tokens in token_lists:
+        for start in range(0, len(tokens), seq_len):
+            chunk = tokens[start : start + seq_len]
+            row = np.full(seq_len + 1, PAD, dtype=np.int32)
+            row[0] = BOS
+            row[1 : 1 + len(chunk)] = chunk
+            rows.append(row)
+    return np.stack(rows) if rows else np.zeros((0, seq_len + 1), dtype=np.int32)
+
+
+def group_by_user(records: Iterable[TextRecord]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = collections.defaultdict(list)
+    for r in records:
+        grouped[r.user].append(r.text)
+    return dict(grouped)
+
+
+def split_users(users: Sequence[str], test_fraction: float, seed: int) -> tuple[list, list]:
+    """Seeded split of whole users into (train, test)."""
+    if not 0.0 <= test_fraction < 1.0:
+        raise DpfleetError("data.test_fraction must be in [0, 1)")
+    ordered = sorted(users, key=lambda u: _stable_seed(seed, "split", u))
+    n_test = round(len(ordered) * test_fraction)
+    return sorted(ordered[n_test:]), sorted(ordered[:n_test])
+
+
+def build_federated(
+    records: Iterable[TextRecord],
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int = 20,
+    max_examples: int = 256,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+    max_clients: int | None = None,
+) -> FederatedData:
+    """Per-user example arrays with whole users held out for test."""
+    if seq_len < 1 or max_examples < 1:
+        raise DpfleetError("data.seq_len and data.max_examples must be positive")
+    by_user = group_by_user(records)
+    train_users, test_users = split_users(list(by_user), test_fraction, seed)
+    if max_clients:
+        train_users = train_users[:max_clients]
+
+    def make(user: str) -> ClientData | None:
+        rows = to_rows((tokenizer.encode(t) for t in by_user[user]), seq_len)
+        if len(rows) == 0:
+            return None
+        if len(rows) > max_examples:
+            keep = np.random.default_rng(_stable_seed(seed, "cap", user)).choice(
+                len(rows), max_examples, replace=False
+            )
+            rows = rows[np.sort(keep)]
+        return ClientData(user, rows)
+
+    train = [c for u in train_users if (c := make(u)) is not None]
+    test = [c for u in test_users if (c := make(u)) is not None]
+    if not train:
+        raise DpfleetError("no training clients with any text")
+    return FederatedData(train, test, seq_len)
+
+
+def describe(data: FederatedData) -> dict:
+    """Clients, examples, tokens and the distribution of examples per client."""
+
+    def part(clients: list[ClientData]) -> dict:
+        counts = np.array([len(c.examples) for c in clients]) if clients else np.zeros(1)
+        q = np.percentile(counts, [0, 10, 25, 50, 75, 90, 100])
+        return {
+            "clients": len(clients),
+            "examples": int(counts.sum()),
+            "tokens": int(sum(c.num_tokens for c in clients)),
+            "examples_per_client": dict(
+                zip(["min", "p10", "p25", "median", "p75", "p90", "max"], map(float, q), strict=True)
+            ),
+            "mean_examples_per_client": float(counts.mean()),
+        }
+
+    return {"seq_len": data.seq_len, "train": part(data.train), "test": part(data.test)}

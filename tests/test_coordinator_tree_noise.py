@@ -1,0 +1,62 @@
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfleet.coordinator.tree_noise import TreeNoise, prefix_nodes
+
+
+@settings(deadline=None)
+@given(st.integers(1, 5000))
+def test_prefix_uses_at_most_log_nodes_and_partitions_the_prefix(t):
+    nodes = prefix_nodes(t)
+    assert len(nodes) <= math.ceil(math.log2(t + 1))
+    covered = []
+    for level, index in nodes:
+        covered.extend(range(index * 2**level + 1, (index + 1) * 2**level + 1))
+    assert covered == list(range(1, t + 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 70))
+def test_streaming_residuals_equal_direct_prefix_noise(seed, rounds):
+    tree = TreeNoise(dim=7, std=1.5, seed=seed)
+    released = np.zeros(7, dtype=np.float64)
+    for t in range(1, rounds + 1):
+        released += tree.next_residual()
+        np.testing.assert_allclose(released, tree.prefix_noise(t), rtol=1e-5, atol=1e-5)
+    assert len(tree.stack) == bin(rounds).count("1")  # only log-many live node vectors
+
+
+def test_released_noise_variance_matches_theory():
+    # Prefix t carries popcount(t) independent N(0, std^2) nodes: variance popcount(t) * std^2.
+    std, dim = 0.7, 4000
+    for t in (1, 2, 3, 7, 8, 13):
+        samples = np.concatenate([TreeNoise(dim, std, seed).prefix_noise(t) for seed in range(30)])
+        expected = bin(t).count("1") * std**2
+        assert samples.var() == pytest.approx(expected, rel=0.03)
+        assert abs(samples.mean()) < 4 * math.sqrt(expected / samples.size)
+
+
+def test_residuals_are_not_independent_of_past_rounds():
+    # The residual at t=2 cancels node (0,0): released prefix 2 is ONE node, not two.
+    tree = TreeNoise(dim=20000, std=1.0, seed=3)
+    r1, r2 = tree.next_residual(), tree.next_residual()
+    assert (r1 + r2).var() == pytest.approx(1.0, rel=0.05)
+    assert r2.var() == pytest.approx(2.0, rel=0.05)
+
+
+def test_state_round_trip_continues_identically():
+    a = TreeNoise(dim=5, std=1.0, seed=11)
+    for _ in range(6):
+        a.next_residual()
+    b = TreeNoise.from_state(a.state_dict())
+    for _ in range(9):
+        np.testing.assert_array_equal(a.next_residual(), b.next_residual())
+
+
+def test_bad_prefix_rejected():
+    with pytest.raises(ValueError):
+        prefix_nodes(0)

@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dpfleet.edge.client_update import client_update, clip_l2
+from dpfleet.edge.runtime import EagerRuntime, batches
+from dpfleet.export.models import ModelConfig
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+@given(arrays(np.float32, st.integers(1, 200), elements=finite), st.floats(1e-3, 1e3))
+def test_clip_bounds_norm_and_keeps_direction(vec, clip):
+    out, norm = clip_l2(vec, clip)
+    assert norm == pytest.approx(float(np.linalg.norm(vec.astype(np.float64))), rel=1e-9)
+    assert np.linalg.norm(out.astype(np.float64)) <= clip * (1 + 1e-5)
+    if norm <= clip:
+        np.testing.assert_array_equal(out, vec)
+    else:
+        np.testing.assert_allclose(out * (norm / clip), vec, rtol=1e-4, atol=1e-3)
+
+
+def test_clip_rejects_nonpositive_bound():
+    with pytest.raises(ValueError):
+        clip_l2(np.ones(3, np.float32), 0.0)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 100), st.integers(1, 20), st.integers(0, 1000))
+def test_epoch_batches_cover_every_example_once(n, bs, seed):
+    got = np.concatenate(batches(n, bs, seed))
+    assert sorted(got.tolist()) == list(range(n))
+    assert all(len(b) <= bs for b in batches(n, bs, seed))
+
+
+def test_client_update_is_clipped_delta_of_one_epoch():
+    cfg = ModelConfig(arch="lstm", vocab_size=50, embedding_dim=8, hidden_dim=16, projection_dim=8)
+    rt = EagerRuntime(cfg)
+    theta0 = rt.get_weights()
+    rows = np.random.default_rng(0).integers(4, 50, (35, 6)).astype(np.int32)
+    big = client_update(rt, theta0, rows, lr=0.5, batch_size=16, clip_norm=1e6, seed=1)
+    small = client_update(rt, theta0, rows, lr=0.5, batch_size=16, clip_norm=1e-3, seed=1)
+    assert not big.clipped and small.clipped
+    assert big.norm == pytest.approx(small.norm, rel=1e-5)  # same epoch from the same theta0
+    assert np.linalg.norm(small.delta) == pytest.approx(1e-3, rel=1e-4)
+    np.testing.assert_allclose(small.delta / 1e-3, big.delta / big.norm, rtol=1e-3, atol=1e-6)
+    np.testing.assert_array_equal(rt.get_weights() - theta0, big.delta)  # 3 steps really ran
+    assert big.num_examples == 35
