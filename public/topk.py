@@ -1,0 +1,278 @@
+"""The distillation corpus: the teacher's top-k next-token logits as sharded silver labels.
+
+Paper 000 Sec. 4.1 / App. B.3: run the teacher over public sequences once and keep its top-k
+logits (k = 10) per position, so any on-device LM sharing the vocabulary can be distilled later
+without the teacher. The temperature is applied when the loss is computed (public/kd.py), so
+one corpus serves every t.
+
+Input alignment. The teacher reads the *student's* tokenization, mapped into teacher ids
+(exact: every student piece is a teacher piece), behind the teacher's bos. So row i is the
+teacher's distribution for student token i given exactly the context the student will see.
+Where trimming split a rare word the teacher sees a non-canonical segmentation of it.
+
+Output mapping. The teacher's top-k ids go through `teacher_to_student`: a kept piece is itself;
+a trimmed piece becomes the first student piece of its fallback (the student's first step
+towards that string) and entries landing on the same student id are merged by log-sum-exp,
+so their probability mass adds up; control/unused pieces and pad/bos/unk are dropped. A row
+may therefore hold fewer than k entries: empty slots have id 0 (pad) and logit -inf.
+
+Shard layout (`shard-NNNNN.npz`, uncompressed numpy arrays; N tokens in the shard):
+
+| array         | dtype, shape          | content                                                  |
+| ------------- | --------------------- | -------------------------------------------------------- |
+| `tokens`      | uint16 [N]            | student ids; bit 15 set on each sequence's first token   |
+| `topk_ids`    | uint16 [N, k]         | student ids, best first                                  |
+| `topk_logits` | float16 [N, k - 1]    | logit_j - logit_0 for j = 1..k-1 (<= 0, -inf when empty) |
+
+The best logit is not stored: softmax over the top-k is shift-invariant, so it is 0 by
+definition. That is 2 + 2k + 2(k - 1) = 4k bytes per token (40 for k = 10) with sequence
+boundaries inside the token array (student vocabularies are capped at 32,768 ids).
+`manifest.json` holds the settings, the shard list and the measured throughput; shards are
+written atomically and skipped when present, so an interrupted job resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
+from dpfleet.public.teacher import Teacher
+from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
+from tqdm import tqdm
+
+from dpfleet.errors import DpfleetError
+
+_START = np.uint16(1 << 15)
+
+
+def student_sequences(texts: Iterable[str], tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
+    """Encode texts and cut each into consecutive chunks of at most `seq_len` tokens."""
+    if seq_len < 1:
+        raise DpfleetError("seq_len must be positive")
+    out = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        out.extend(ids[i : i + seq_len] for i in range(0, len(ids), seq_len))
+    return out
+
+
+def merge_mapped(ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge top-k entries that map to the same student id (log-sum-exp); drop ids < 0.
+
+    `ids`, `logits`: [rows, k], teacher order. Returns [rows, k], best first, empty slots
+    holding id PAD and logit -inf.
+    """
+    valid = ids >= 0
+    logits = logits.masked_fill(~valid, float("-inf"))
+    same = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+    k = ids.shape[1]
+    merged = torch.logsumexp(
+        logits[:, None, :].expand(-1, k, -1).masked_fill(~same, float("-inf")), dim=-1
+    )
+    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(-1)
+    keep = valid & ~(same & earlier).any(-1)
+    merged = merged.masked_fill(~keep, float("-inf"))
+    order = merged.argsort(dim=-1, descending=True, stable=True)
+    return ids.masked_fill(~keep, PAD).gather(1, order), merged.gather(1, order)
+
+
+class TopKExtractor:
+    """Teacher forward passes -> student-vocabulary top-k rows for student sequences."""
+
+    def __init__(self, teacher: Teacher, vocab: TeacherVocab, k: int = 10):
+        if vocab.tokenizer.vocab_size > MAX_STUDENT_VOCAB:
+            raise DpfleetError(f"student vocabulary exceeds {MAX_STUDENT_VOCAB} ids")
+        if len(vocab.teacher_to_student) != teacher.vocab_size:
+            raise DpfleetError(
+                f"tokenizer was built for a {len(vocab.teacher_to_student)}-piece teacher, "
+                f"but {teacher.name} has {teacher.vocab_size} outputs"
+            )
+        if not 1 <= k <= 64:
+            raise DpfleetError("k must be in [1, 64]")
+        self.teacher, self.k = teacher, k
+        device = teacher.device
+        self.s2t = torch.as_tensor(vocab.student_to_teacher, dtype=torch.long, device=device)
+        t2s = vocab.teacher_to_student.astype(np.int64)
+        t2s[np.isin(t2s, [PAD, BOS, UNK])] = -1  # never a prediction target
+        self.t2s = torch.as_tensor(t2s, device=device)
+        self.teacher_bos = int(vocab.student_to_teacher[BOS])
+        if self.teacher_bos < 0:
+            raise DpfleetError("the teacher vocabulary has no bos token")
+
+    def rows(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (ids, logits), each [total tokens, k], for a batch of sequences in order."""
+        lengths = [len(s) for s in batch]
+        width = max(lengths)
+        dev = self.teacher.device
+        inputs = torch.full((len(batch), width), self.teacher_bos, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
+        for b, seq in enumerate(batch):
+            ids = self.s2t[torch.as_tensor(seq[:-1], dtype=torch.long, device=dev)]
+            if (ids < 0).any():
+                raise DpfleetError("a sequence holds a special token with no teacher id")
+            inputs[b, 1 : len(seq)] = ids
+            mask[b, : len(seq)] = 1
+        logits = self.teacher.logits(inputs, mask)
+        keep = mask.bool()
+        values, indices = logits[keep].topk(self.k, dim=-1)
+        return merge_mapped(self.t2s[indices], values)
+
+
+def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.Tensor) -> dict:
+    tokens = np.concatenate([np.asarray(s, dtype=np.uint16) for s in sequences])
+    starts = np.cumsum([0, *(len(s) for s in sequences[:-1])])
+    tokens[starts] |= _START
+    ids_np = ids.cpu().numpy().astype(np.uint16)
+    rel = (logits[:, 1:] - logits[:, :1]).cpu().numpy().astype(np.float16)
+    return {"tokens": tokens, "topk_ids": ids_np, "topk_logits": rel}
+
+
+def _batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iterable[list]:
+    batch: list = []
+    for seq in sequences:
+        if batch and (len(batch) + 1) * max(len(seq), *(len(s) for s in batch)) > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(seq)
+    if batch:
+        yield batch
+
+
+def _fingerprint(sequences: Sequence[Sequence[int]]) -> str:
+    digest = hashlib.sha256()
+    for seq in sequences:
+        digest.update(np.asarray(seq, dtype=np.uint16).tobytes() + b"\xff\xff")
+    return digest.hexdigest()[:16]
+
+
+def build_corpus(
+    extractor: TopKExtractor,
+    sequences: Sequence[Sequence[int]],
+    out: Path,
+    shard_sequences: int = 4096,
+    batch_tokens: int = 1024,
+    progress: bool = True,
+) -> dict:
+    """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest."""
+    sequences = [list(s) for s in sequences if len(s) > 0]
+    if not sequences:
+        raise DpfleetError("no sequences to distill")
+    if any(max(s) >= MAX_STUDENT_VOCAB for s in sequences):
+        raise DpfleetError(f"token ids must be below {MAX_STUDENT_VOCAB}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "format": "dpfleet-topk-v1",
+        "k": extractor.k,
+        "teacher": extractor.teacher.name,
+        "sequences": len(sequences),
+        "tokens": sum(map(len, sequences)),
+        "shard_sequences": shard_sequences,
+        "fingerprint": _fingerprint(sequences),
+    }
+    manifest_file = out / "manifest.json"
+    if manifest_file.is_file():
+        old = json.loads(manifest_file.read_text())
+        if {key: old.get(key) for key in settings} != settings:
+            raise DpfleetError(f"{out} holds a corpus built with other settings or sequences")
+    manifest_file.write_text(json.dumps(settings, indent=2))
+
+    shards = []
+    done_tokens, seconds = 0, 0.0
+    bar = tqdm(total=settings["tokens"], unit="tok", desc="top-k", disable=not progress)
+    for first in range(0, len(sequences), shard_sequences):
+        chunk = sequences[first : first + shard_sequences]
+        name = f"shard-{first // shard_sequences:05d}.npz"
+        shards.append(name)
+        n_tokens = sum(map(len, chunk))
+        if (out / name).is_file():
+            bar.update(n_tokens)
+            continue
+        start = time.perf_counter()
+        parts = [extractor.rows(batch) for batch in _batches(chunk, batch_tokens)]
+        arrays = _pack(chunk, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        tmp = out / f".{name}"
+        with tmp.open("wb") as f:
+            np.savez(f, **arrays)
+        tmp.replace(out / name)
+        seconds += time.perf_counter() - start
+        done_tokens += n_tokens
+        bar.update(n_tokens)
+        bar.set_postfix(tok_s=f"{done_tokens / seconds:.0f}")
+    bar.close()
+    size = sum((out / name).stat().st_size for name in shards)
+    manifest = {
+        **settings,
+        "shards": shards,
+        "bytes_per_token": size / settings["tokens"],
+        "tokens_per_s": done_tokens / seconds if seconds else None,
+        "device": str(extractor.teacher.device),
+    }
+    manifest_file.write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+@dataclass
+class KDBatch:
+    """Padded student inputs/targets with the teacher's top-k for each target position."""
+
+    inputs: torch.Tensor  # long [B, T]: bos + tokens[:-1]
+    targets: torch.Tensor  # long [B, T]: tokens, PAD-padded
+    topk_ids: torch.Tensor  # long [B, T, k]
+    topk_logits: torch.Tensor  # float32 [B, T, k], -inf in empty slots and padding
+
+
+class TopKCorpus:
+    """A distillation corpus read back from its shards (all in memory: 40 bytes/token)."""
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        manifest_file = folder / "manifest.json"
+        if not manifest_file.is_file():
+            raise DpfleetError(f"no distillation corpus in {folder} (manifest.json missing)")
+        self.manifest = json.loads(manifest_file.read_text())
+        missing = [s for s in self.manifest.get("shards", []) if not (folder / s).is_file()]
+        if "shards" not in self.manifest or missing:
+            raise DpfleetError(f"{folder} is incomplete; rerun `dpfleet public distill-corpus`")
+        tokens, ids, rel = [], [], []
+        for name in self.manifest["shards"]:
+            with np.load(folder / name) as z:
+                tokens.append(z["tokens"])
+                ids.append(z["topk_ids"])
+                rel.append(z["topk_logits"])
+        raw = np.concatenate(tokens)
+        self.starts = np.flatnonzero(raw & _START)
+        self.ends = np.append(self.starts[1:], len(raw))
+        self.tokens = (raw & ~_START).astype(np.int64)
+        self.topk_ids = np.concatenate(ids).astype(np.int64)
+        rel = np.concatenate(rel).astype(np.float32)
+        best = np.where(self.topk_ids[:, :1] == PAD, -np.inf, 0.0).astype(np.float32)
+        self.topk_logits = np.concatenate([best, rel], axis=1)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def batch(self, indices: Sequence[int]) -> KDBatch:
+        """Collate sequences `indices` into a right-padded `KDBatch`."""
+        spans = [(self.starts[i], self.ends[i]) for i in indices]
+        width = max(e - s for s, e in spans)
+        k = self.topk_ids.shape[1]
+        inputs = np.full((len(spans), width), PAD, dtype=np.int64)
+        targets = np.full((len(spans), width), PAD, dtype=np.int64)
+        ids = np.full((len(spans), width, k), PAD, dtype=np.int64)
+        logits = np.full((len(spans), width, k), -np.inf, dtype=np.float32)
+        for b, (s, e) in enumerate(spans):
+            n = e - s
+            targets[b, :n] = self.tokens[s:e]
+            inputs[b, 0] = BOS
+            inputs[b, 1:n] = self.tokens[s : e - 1]
+            ids[b, :n] = self.topk_ids[s:e]
+            logits[b, :n] = self.topk_logits[s:e]
+        return KDBatch(*(torch.from_numpy(a) for a in (inputs, targets, ids, logits)))
