@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+
 from dpfleet.coordinator.aggregation import AggregateResult
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.inprocess import PHASES, run_round

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
 from dpfleet.secagg import crypto
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round

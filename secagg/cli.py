@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import click
+
+from dpfleet.errors import DpfleetError
 from dpfleet.secagg.bench import bench_round
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.inprocess import PHASES
-
-from dpfleet.errors import DpfleetError
 
 
 @click.group(name="secagg")

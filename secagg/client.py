@@ -17,6 +17,7 @@ import struct
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from dpfleet.secagg import crypto
 from dpfleet.secagg.errors import (
     DuplicateMessageError,

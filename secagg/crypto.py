@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from dpfleet.secagg.errors import AuthenticationError, ProtocolViolationError, ReconstructionError
 
 PRIME = 2**31 - 1  # Mersenne prime: every limb (< 2^16) and every x-coordinate fit below it

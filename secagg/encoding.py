@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
 from dpfleet.secagg.crypto import ring_dtype
 
 HADAMARD_GROUP = 1 << 15  # float64 entries transformed together: 256 KiB stays in L2
@@ -131,7 +132,9 @@ class Discretizer:
     def unrotate(self, z: np.ndarray) -> np.ndarray:
         """The inverse of `rotate` (H is symmetric with H H = B I), truncated to `length`."""
         x = _hadamard(np.array(z, dtype=np.float64).reshape(-1, self.block)).ravel()
-        return (x * self._signs / math.sqrt(self.block))[: self.length]
+        x *= self._signs
+        x /= math.sqrt(self.block)
+        return x[: self.length]
 
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> Encoded:
         """One client's clipped update as ring elements (`rng` drives the rounding only)."""
@@ -142,9 +145,10 @@ class Discretizer:
         too_long = norm > self.clip_norm
         if too_long:
             x = x * (self.clip_norm / norm)
-        scaled = self.rotate(x) * self.scale
+        scaled = self.rotate(x)
+        scaled *= self.scale
         floor = np.floor(scaled)
-        frac = scaled - floor
+        frac = np.subtract(scaled, floor, out=scaled)
         bound_sq = self.rounding_bound**2
         draws = 0
         while True:
@@ -154,34 +158,46 @@ class Discretizer:
                 break
             if draws == MAX_ROUNDING_DRAWS:  # probability <= beta^64 < 1e-13
                 raise RuntimeError("conditional rounding kept exceeding its norm bound")
-        level = self.level
-        clipped = int(np.count_nonzero(np.abs(q) > level))
-        ints = np.clip(q, -level, level).astype(np.int64)
-        dtype = ring_dtype(self.bits)
-        values = (ints & ((1 << self.bits) - 1)).astype(dtype)
+        level, clipped = self.level, 0
+        if q.min() < -level or q.max() > level:
+            clipped = int(np.count_nonzero(np.abs(q) > level))
+            np.clip(q, -level, level, out=q)
+        values = q.astype(np.int64).astype(ring_dtype(self.bits))  # two's complement wrap
+        values &= values.dtype.type((1 << self.bits) - 1)
         return Encoded(values, clipped, draws, too_long)
 
     def decode(self, total: np.ndarray) -> np.ndarray:
         """The real-valued sum from the ring sum of the clients' encodings."""
-        signed = np.asarray(total).astype(np.int64) & ((1 << self.bits) - 1)
-        signed[signed >= 1 << (self.bits - 1)] -= 1 << self.bits
+        shift = 64 - self.bits  # sign-extend the low `bits` bits of each element
+        signed = (np.asarray(total).astype(np.int64) << shift) >> shift
         return self.unrotate(signed / self.scale)
 
 
 def _hadamard(rows: np.ndarray) -> np.ndarray:
     """Unnormalized fast Walsh-Hadamard transform of each row, in place (rows: float64 2-D).
-    Rows are transformed a few at a time so that all log2(width) butterfly passes over them
-    run in cache (about 2x faster than whole-array passes at d = 4.4e6)."""
+
+    Radix-4 butterflies (two stages per pass over memory, plus one radix-2 stage when log2 of
+    the width is odd), a few rows at a time so every pass runs in cache: about 4x faster than
+    whole-array radix-2 passes at d = 4.4e6.
+    """
     count, width = rows.shape
     group = max(1, HADAMARD_GROUP // width)
     for first in range(0, count, group):
         part = rows[first : first + group]
         h = 1
-        while h < width:
-            view = part.reshape(part.shape[0], width // (2 * h), 2, h)
-            low, high = view[:, :, 0, :], view[:, :, 1, :]
+        while 4 * h <= width:
+            view = part.reshape(part.shape[0], width // (4 * h), 4, h)
+            a, b, c, d = (view[:, :, i, :] for i in range(4))
+            sum_ab, diff_ab, sum_cd, diff_cd = a + b, a - b, c + d, c - d
+            np.add(sum_ab, sum_cd, out=a)
+            np.add(diff_ab, diff_cd, out=b)
+            np.subtract(sum_ab, sum_cd, out=c)
+            np.subtract(diff_ab, diff_cd, out=d)
+            h *= 4
+        if h < width:
+            view = part.reshape(part.shape[0], 2, h)
+            low, high = view[:, 0, :], view[:, 1, :]
             diff = low - high
             low += high
             high[...] = diff
-            h *= 2
     return rows

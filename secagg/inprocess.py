@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tqdm import tqdm
+
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.messages import SERVER, Outbound
 from dpfleet.secagg.params import RoundSetup
 from dpfleet.secagg.server import SecAggServer
-from tqdm import tqdm
 
 # The client message of each phase, in protocol order; a dropout is keyed by the first one a
 # client fails to send. The server phase collecting it is the matching SecAggServer.phase.

@@ -24,6 +24,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from dpfleet.secagg.errors import (
     AuthenticationError,
     DecodeError,

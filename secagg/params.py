@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from dpfleet.secagg.crypto import ring_dtype
 from dpfleet.secagg.graph import Graph, GraphPlan, plan_graph
 

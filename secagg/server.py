@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
 from dpfleet.secagg import crypto
 from dpfleet.secagg.client import SEALED_SHARE, SEED_SHARE, SK_SHARE
 from dpfleet.secagg.errors import (

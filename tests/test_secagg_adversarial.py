@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from dpfleet.secagg import messages as m
 from dpfleet.secagg.errors import (
     AuthenticationError,

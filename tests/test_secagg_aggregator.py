@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.secagg.aggregator import SecAggAggregator
 from dpfleet.secagg.errors import ThresholdError
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def _deltas(n, d, clip, seed):

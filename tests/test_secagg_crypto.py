@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from dpfleet.secagg import crypto
-from dpfleet.secagg.errors import AuthenticationError, ProtocolViolationError, ReconstructionError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dpfleet.secagg import crypto
+from dpfleet.secagg.errors import AuthenticationError, ProtocolViolationError, ReconstructionError
 
 
 @settings(max_examples=150, deadline=None)

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from dpfleet.secagg.encoding import Discretizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dpfleet.secagg.encoding import Discretizer
 
 
 def _ring_sum(disc, encodings):

@@ -4,9 +4,10 @@ import math
 from fractions import Fraction
 
 import pytest
-from dpfleet.secagg.graph import Graph, plan_graph, threshold_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dpfleet.secagg.graph import Graph, plan_graph, threshold_for
 
 
 @st.composite

@@ -7,6 +7,9 @@ import struct
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from dpfleet.secagg import messages as m
 from dpfleet.secagg.errors import (
     AuthenticationError,
@@ -14,8 +17,6 @@ from dpfleet.secagg.errors import (
     MisaddressedError,
     RoundMismatchError,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 ids = st.integers(0, 2**32 - 1)
 blob = st.binary(max_size=40)

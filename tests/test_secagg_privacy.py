@@ -5,13 +5,14 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dpfleet.secagg import crypto
 from dpfleet.secagg import messages as m
 from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.params import RoundSetup
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def _chi2_limit(df: int) -> float:

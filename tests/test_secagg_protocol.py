@@ -3,6 +3,9 @@ sans-I/O interface driven by hand."""
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import ThresholdError
 from dpfleet.secagg.graph import Graph
@@ -10,8 +13,6 @@ from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.messages import SERVER
 from dpfleet.secagg.params import RoundSetup, plan_round
 from dpfleet.secagg.server import SecAggServer
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
 
 
 def _inputs(seed, n, length, bits, dtype):
