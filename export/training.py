@@ -1,0 +1,314 @@
+"""Training programs: one exported joint forward-backward graph per architecture and shape.
+
+A device trains by running an exported program, not eager torch. The program is exported once per
+(architecture, sizes, sequence length, batch, format) and cached under a content hash of exactly
+those inputs and the tool versions; weights are never part of the program's identity, since each
+round only copies the new weights into it. Two formats:
+
+* `pte` (ExecuTorch): torch.export -> `_export_forward_backward` (the masked loss inside the
+  graph) -> `split_addmm` + `dedup_nodes` -> XNNPACK with non-static f32 weights. Static batch:
+  the last partial minibatch is padded with PAD rows, which the in-graph mask zeroes exactly.
+* `onnx` (plain onnxruntime): the same joint graph re-exported as a module that takes the
+  parameters as explicit inputs and returns the loss and the gradients; the host applies SGD.
+  (Exporting the joint program to ONNX directly silently yields an empty graph.) Dynamic batch.
+
+Every program file has a sidecar `<file>.json` with its sha256 and parameter layout, which the
+runtimes check before handing any bytes to native code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpfleet.edge.tokenizer import PAD
+from dpfleet.errors import DpfleetError
+from dpfleet.export.graph_passes import dedup_nodes, split_addmm
+from dpfleet.export.models import ModelConfig, build_model, next_token_loss
+from dpfleet.export.params import ParamLayout
+
+FORMATS = ("pte", "onnx")
+# Bump when the program contents change for the same spec (graph passes, signature, ...).
+PROGRAM_VERSION = 1
+MAX_DYNAMIC_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """Everything that determines a training program (and nothing else: not the weights)."""
+
+    cfg: ModelConfig
+    seq_len: int  # model input length L; example rows are L + 1 tokens
+    batch: int | None  # None: dynamic batch dimension
+    fmt: str
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise DpfleetError(f"unknown program format {self.fmt!r}; choose from {FORMATS}")
+        if self.seq_len < 1:
+            raise DpfleetError("program sequence length must be positive")
+        if self.batch is not None and self.batch < 1:
+            raise DpfleetError("program batch size must be positive")
+        if self.cfg.arch == "transformer" and self.seq_len > self.cfg.max_length:
+            raise DpfleetError(
+                f"sequence length {self.seq_len} exceeds the transformer's max_length {self.cfg.max_length}"
+            )
+
+    def to_dict(self) -> dict:
+        return {"cfg": self.cfg.to_dict(), "seq_len": self.seq_len, "batch": self.batch, "fmt": self.fmt}
+
+    def key(self) -> str:
+        """Content hash of the spec, the program version and the exporting tools' versions."""
+        blob = json.dumps(
+            {**self.to_dict(), "program_version": PROGRAM_VERSION, "tools": tool_versions()},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+    def file_name(self) -> str:
+        batch = "dyn" if self.batch is None else f"b{self.batch}"
+        return f"train-{self.cfg.arch}-L{self.seq_len}-{batch}-{self.key()}.{self.fmt}"
+
+
+def tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    for pkg in ("executorch", "onnx", "onnxscript"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+class LossModule(nn.Module):
+    """model + masked next-token loss: the function a device differentiates."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.model(inputs), targets, PAD)
+
+
+@contextlib.contextmanager
+def quiet_export():
+    """Silence the exporters' progress prints and warnings (they would drown CLI output)."""
+    loggers = [logging.getLogger(n) for n in ("torch", "executorch", "torchao", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def example_batch(spec: ProgramSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token inputs and targets of the program's shape (values only steer tracing)."""
+    b = spec.batch or 2
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, spec.cfg.vocab_size, (b, spec.seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def joint_graph(spec: ProgramSpec) -> torch.export.ExportedProgram:
+    """The joint forward-backward ExportedProgram (loss + parameter gradients), rewritten."""
+    from torch.export.experimental import _export_forward_backward
+
+    torch.manual_seed(0)
+    net = LossModule(build_model(spec.cfg))
+    args = example_batch(spec)
+    dynamic = None
+    if spec.batch is None:
+        dim = torch.export.Dim("batch", min=1, max=MAX_DYNAMIC_BATCH)
+        dynamic = {"inputs": {0: dim}, "targets": {0: dim}}
+    ep = torch.export.export(net, args, dynamic_shapes=dynamic)
+    ep = _export_forward_backward(ep)
+    split_addmm(ep)
+    dedup_nodes(ep)
+    return ep
+
+
+def _pte_bytes(spec: ProgramSpec) -> bytes:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    if spec.batch is None:
+        raise DpfleetError("ExecuTorch training programs need a fixed batch size")
+    ep = joint_graph(spec)
+    # Trainable weights are not static, so XNNPACK takes no matmul unless told to.
+    part = XnnpackPartitioner(force_non_static_weights_for_f32_linear=True)
+    return to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer
+
+
+class ParamsAsInputs(nn.Module):
+    """Wraps a joint graph so parameters are explicit inputs (the form ONNX export keeps)."""
+
+    def __init__(self, ep: torch.export.ExportedProgram):
+        super().__init__()
+        self.gm = ep.graph_module
+        sig = ep.graph_signature
+        self.kinds = []  # per graph placeholder: "param", "user", or a constant's attribute name
+        for i, spec in enumerate(sig.input_specs):
+            kind = spec.kind.name
+            if kind == "PARAMETER":
+                self.kinds.append("param")
+            elif kind == "USER_INPUT":
+                self.kinds.append("user")
+            else:  # buffers and lifted constants (the transformer's causal mask) travel along
+                value = ep.constants.get(spec.target, None)
+                if value is None:
+                    value = ep.state_dict[spec.target]
+                self.register_buffer(f"const_{i}", value.detach().clone(), persistent=False)
+                self.kinds.append(f"const_{i}")
+
+    def forward(self, inputs, targets, *params):
+        users, ps = iter((inputs, targets)), iter(params)
+        args = [
+            next(ps) if k == "param" else next(users) if k == "user" else getattr(self, k) for k in self.kinds
+        ]
+        return self.gm(*args)
+
+
+def onnx_param_name(name: str) -> str:
+    return "p." + name
+
+
+def onnx_grad_name(name: str) -> str:
+    return "g." + name
+
+
+def _onnx_bytes(spec: ProgramSpec) -> bytes:
+    ep = joint_graph(spec)
+    layout = ParamLayout.of(build_model(spec.cfg))
+    wrapper = ParamsAsInputs(ep)
+    model = build_model(spec.cfg)
+    params = tuple(p.detach() for p in model.parameters())
+    args = (*example_batch(spec), *params)
+    batch_dyn = None
+    if spec.batch is None:
+        batch_dyn = {0: torch.export.Dim("batch", min=1, max=MAX_DYNAMIC_BATCH)}
+    shapes = (batch_dyn, batch_dyn, tuple(None for _ in params))
+    ep2 = torch.export.export(wrapper, args, dynamic_shapes=shapes)
+    program = torch.onnx.export(
+        ep2,
+        args,
+        dynamo=True,
+        input_names=["inputs", "targets", *map(onnx_param_name, layout.names)],
+        output_names=["loss", *map(onnx_grad_name, layout.names)],
+        optimize=True,
+        verbose=False,
+    )
+    return program.model_proto.SerializeToString()
+
+
+def export_training_program(spec: ProgramSpec) -> bytes:
+    """Export the training program of `spec` (slow: tens of seconds)."""
+    with quiet_export():
+        return _pte_bytes(spec) if spec.fmt == "pte" else _onnx_bytes(spec)
+
+
+@dataclass(frozen=True)
+class ProgramFile:
+    """A program on disk with the facts the runtimes check before loading it."""
+
+    path: Path
+    spec: ProgramSpec
+    sha256: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def layout(self) -> ParamLayout:
+        return ParamLayout(self.names, self.shapes)
+
+    def read_verified(self) -> bytes:
+        """The program's bytes, after checking them against the recorded sha256."""
+        try:
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise DpfleetError(f"cannot read program {self.path}: {exc.strerror}") from exc
+        if sha256_bytes(data) != self.sha256:
+            raise DpfleetError(
+                f"program {self.path} is corrupt (sha256 differs from {self.path.name}.json); "
+                "delete it to re-export"
+            )
+        return data
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def write_program(path: Path, spec: ProgramSpec, data: bytes) -> ProgramFile:
+    """Write program + sidecar atomically (concurrent workers may share a cache)."""
+    layout = ParamLayout.of(build_model(spec.cfg))
+    meta = {
+        "spec": spec.to_dict(),
+        "sha256": sha256_bytes(data),
+        "names": list(layout.names),
+        "shapes": [list(s) for s in layout.shapes],
+        "program_version": PROGRAM_VERSION,
+        "tools": tool_versions(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, data)
+    _atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode())
+    return read_program_file(path)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def read_program_file(path: Path) -> ProgramFile:
+    """Read a program's sidecar; any problem is a DpfleetError naming the file."""
+    path = Path(path)
+    meta_file = _meta_path(path)
+    if not path.is_file():
+        raise DpfleetError(f"program file not found: {path}")
+    try:
+        meta = json.loads(meta_file.read_text())
+        s = meta["spec"]
+        spec = ProgramSpec(ModelConfig(**s["cfg"]), int(s["seq_len"]), s["batch"], s["fmt"])
+        return ProgramFile(
+            path,
+            spec,
+            str(meta["sha256"]),
+            tuple(meta["names"]),
+            tuple(tuple(int(d) for d in shape) for shape in meta["shapes"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DpfleetError(f"program {path} has no valid sidecar {meta_file.name}: {exc}") from exc
+
+
+def training_program(spec: ProgramSpec, cache_dir: Path) -> ProgramFile:
+    """The cached program of `spec`, exporting it on first use."""
+    path = Path(cache_dir) / spec.file_name()
+    if path.is_file() and _meta_path(path).is_file():
+        return read_program_file(path)
+    return write_program(path, spec, export_training_program(spec))
