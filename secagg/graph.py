@@ -22,6 +22,10 @@ exact binomial tails and a union bound over the n clients we require
    2^-sigma / n quantile of corrupt neighbours: two contradictory survivor lists can never both
    collect t signatures, so no honest client releases both shares of one secret.
 
+The relabelling is drawn from the round seed, which the server picks: sound against an
+honest-but-curious server; against a malicious one the seed should come from public randomness
+(a beacon, or commit-and-reveal among the clients), which is left to the deployment.
+
 `plan_graph` takes the smallest even k, then the smallest t, meeting all of them. When even
 the complete graph (k = n - 1) cannot meet them -- small n cannot give 2^-40 guarantees -- it
 falls back to the honest-majority threshold t = floor(k / 2) + 1 and says so (`bounded`).

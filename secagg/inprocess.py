@@ -78,6 +78,8 @@ def run_round(
 
 
 class _Round:
+    """One in-process round: the parties, who has vanished, and what it all cost."""
+
     def __init__(self, setup, inputs, identities, dropouts, intercept, progress) -> None:
         self.setup, self.inputs, self.dropouts = setup, inputs, dropouts
         self.intercept = intercept or (lambda phase, sender, recipient, data: [data])
