@@ -28,7 +28,7 @@ from dpfleet.coordinator.evaluation import evaluate, unigram_baseline
 from dpfleet.coordinator.privacy_single import single_participation_epsilon
 from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.coordinator.sampling import ClientSampler
-from dpfleet.edge.client_data import FederatedData, build_federated, group_by_user, split_users
+from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime

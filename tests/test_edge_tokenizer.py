@@ -1,7 +1,13 @@
 import pytest
 
 from dpfleet.edge.tokenizer import (
-    BOS, PAD, UNK, SentencePieceTokenizer, WordTokenizer, load_tokenizer, train_sentencepiece,
+    BOS,
+    PAD,
+    UNK,
+    SentencePieceTokenizer,
+    WordTokenizer,
+    load_tokenizer,
+    train_sentencepiece,
 )
 from dpfleet.errors import DpfleetError
 
