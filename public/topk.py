@@ -119,10 +119,9 @@ class TopKExtractor:
                 raise DpfleetError("a sequence holds a special token with no teacher id")
             inputs[b, 1 : len(seq)] = ids
             mask[b, : len(seq)] = 1
-        logits = self.teacher.logits(inputs, mask)
-        keep = mask.bool()
-        values, indices = logits[keep].topk(self.k, dim=-1)
-        return merge_mapped(self.t2s[indices], values)
+        values, indices = self.teacher.logits(inputs, mask).topk(self.k, dim=-1)
+        keep = mask.bool()  # top-k before masking: never copy the [tokens, vocab] logits
+        return merge_mapped(self.t2s[indices[keep]], values[keep])
 
 
 def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.Tensor) -> dict:
