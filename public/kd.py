@@ -17,6 +17,7 @@ empty, count neither in the sum nor in the mean.
 from __future__ import annotations
 
 import torch
+
 from dpfleet.export.models import next_token_loss
 
 

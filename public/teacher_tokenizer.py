@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, SentencePieceTokenizer
 
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, SentencePieceTokenizer
 from dpfleet.errors import DpfleetError
 
 # Student ids are stored as uint16 with the top bit free (see public/topk.py).

@@ -42,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
-from dpfleet.public.teacher import Teacher
-from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
 from tqdm import tqdm
 
+from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.public.teacher import Teacher
+from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
 
 _START = np.uint16(1 << 15)
 

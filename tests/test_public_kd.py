@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from dpfleet.public.kd import kd_loss, public_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dpfleet.public.kd import kd_loss, public_loss
 
 INF = float("inf")
 

@@ -15,7 +15,10 @@ import random
 import numpy as np
 import pytest
 import torch
+
+from dpfleet.cli import main
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
+from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import load_teacher
 from dpfleet.public.teacher_tokenizer import (
     TeacherVocab,
@@ -25,9 +28,6 @@ from dpfleet.public.teacher_tokenizer import (
     spm_from_gguf,
 )
 from dpfleet.public.topk import TopKCorpus, TopKExtractor, build_corpus, student_sequences
-
-from dpfleet.cli import main
-from dpfleet.errors import DpfleetError
 
 torch.set_num_threads(1)
 
