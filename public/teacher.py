@@ -99,23 +99,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     The folder is written next to `out_dir` and renamed into place, so an interrupted
     conversion never leaves a half-written teacher behind.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dpfleet.public.teacher_tokenizer import spm_from_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     kwargs = {"gguf_file": gguf_path.name}
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=gguf_path.name, dequantize=True),
-        **kwargs,
-    )
+    if hasattr(transformers, "GgufConfig"):  # newer releases may keep GGUF blocks packed
+        kwargs["quantization_config"] = transformers.GgufConfig(
+            gguf_file=gguf_path.name, dequantize=True
+        )
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
     # The weights are plain float32 tensors now; forget the GGUF origin so they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     model.save_pretrained(tmp)

@@ -173,32 +173,133 @@ def test_vocab_budget_is_checked(teacher_dir, tmp_path):
         load_teacher_spm(tmp_path)
 
 
-def test_sentencepiece_rebuilt_from_gguf_fields_encodes_identically(teacher_dir, tmp_path):
-    """A GGUF written as llama.cpp writes one: whitespace-only pieces with plain spaces."""
+def _permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (rotary halves interleaved); transformers undoes it on load."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def _write_gguf(teacher_dir, path) -> None:
+    """The tiny teacher as llama.cpp writes a GGUF: float32 tensors under GGUF names, and
+    whitespace-only user-defined pieces stored with plain spaces."""
     import gguf
+    from transformers import LlamaForCausalLM
 
     proto = load_teacher_spm(teacher_dir)
-    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), arch="llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([
+    model = LlamaForCausalLM.from_pretrained(teacher_dir)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list([
         p.piece.replace("\u2581", " ") if p.type == 4 else p.piece for p in proto.pieces
     ])
-    writer.add_token_scores([p.score for p in proto.pieces])
-    writer.add_token_types([3 if p.type == 2 else p.type for p in proto.pieces])
-    writer.add_pad_token_id(0)
-    writer.add_eos_token_id(1)
-    writer.add_bos_token_id(2)
-    writer.add_unk_token_id(3)
-    writer.add_add_space_prefix(False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    rebuilt = processor(spm_from_gguf(tmp_path / "t.gguf"))
-    original = processor(proto)
+    w.add_token_scores([p.score for p in proto.pieces])
+    w.add_token_types([3 if p.type == 2 else p.type for p in proto.pieces])
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_space_prefix(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{gg}.weight"
+                      for hf, gg in layer.items()})
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            array = _permute_for_gguf(array, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _permute_for_gguf(array, cfg.num_key_value_heads)
+        w.add_tensor(names[name], array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_file(teacher_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    _write_gguf(teacher_dir, path)
+    return path
+
+
+def test_sentencepiece_rebuilt_from_gguf_fields_encodes_identically(teacher_dir, gguf_file):
+    rebuilt = processor(spm_from_gguf(gguf_file))
+    original = processor(load_teacher_spm(teacher_dir))
     lines = [*_lines(500, 3), "two  spaces   three", "digits 12345 ☃"]
     assert rebuilt.encode(lines) == original.encode(lines)
     assert (rebuilt.bos_id(), rebuilt.eos_id(), rebuilt.pad_id(), rebuilt.unk_id()) == (2, 1, 0, 3)
+
+
+def _fake_packaged(gguf_file, cache, monkeypatch, sha256=None):
+    """Ship `gguf_file` as three chunk wheels plus an empty front wheel in the wheel cache."""
+    import hashlib
+    import zipfile
+
+    from dpfleet.public import teacher as teacher_mod
+
+    data = gguf_file.read_bytes()
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True)
+    reqs = ["tinyteach==1.0"]
+    zipfile.ZipFile(wheels / "tinyteach-1.0-py3-none-any.whl", "w").close()
+    third = len(data) // 3 + 1
+    for i in range(3):
+        pkg = f"tinyteach_part{i + 1}"
+        with zipfile.ZipFile(wheels / f"{pkg}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{pkg}/data/tiny.gguf.part{i:02d}", data[i * third : (i + 1) * third])
+        reqs.append(f"tinyteach-part{i + 1}==1.0")
+    monkeypatch.setenv("DPFLEET_CACHE", str(cache))
+    monkeypatch.setenv("DPFLEET_OFFLINE", "1")  # everything must come from the cache
+    spec = teacher_mod.PackagedGGUF(
+        tuple(reqs), "tiny.gguf", sha256 or hashlib.sha256(data).hexdigest()
+    )
+    monkeypatch.setitem(teacher_mod.PACKAGED, "tiny", spec)
+
+
+def test_packaged_gguf_is_reassembled_converted_and_cached(
+    teacher_dir, gguf_file, tmp_path, monkeypatch
+):
+    from transformers import LlamaForCausalLM
+
+    _fake_packaged(gguf_file, tmp_path, monkeypatch)
+    teacher = load_teacher("tiny", device="cpu")
+    folder = tmp_path / "teachers" / "tiny"
+    assert teacher.path == folder and (folder / "tokenizer.model").is_file()
+    assert not (tmp_path / "gguf" / "tiny.gguf").exists()  # only the converted copy stays
+    x = torch.tensor([[2, 50, 60, 70, 80, 90]])
+    original = LlamaForCausalLM.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():
+        expected = original(x).logits
+    assert torch.allclose(teacher.logits(x, torch.ones_like(x)), expected, atol=1e-5)
+    original_sp = processor(load_teacher_spm(teacher_dir))
+    assert processor(load_teacher_spm(folder)).encode(_lines(50, 4)) == original_sp.encode(
+        _lines(50, 4)
+    )
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    load_teacher("tiny", device="cpu")
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # no second conversion
+
+
+def test_packaged_gguf_with_wrong_checksum_is_refused(gguf_file, tmp_path, monkeypatch):
+    _fake_packaged(gguf_file, tmp_path, monkeypatch, sha256="0" * 64)
+    with pytest.raises(DpfleetError, match="SHA-256"):
+        load_teacher("tiny", device="cpu")
 
 
 def _expected_rows(teacher, vocab, seq, k):
