@@ -34,29 +34,36 @@ def set_threads(threads: int | None) -> None:
         _unsafe_reset_threadpool(int(threads))
 
 
-class PteTrainingProgram:
-    """One loaded training program, validated before any of its bytes reach native code."""
+class PteModule:
+    """An ExecuTorch program loaded from bytes, holding the bytes as long as the module lives."""
 
-    def __init__(self, program: ProgramFile, layout: ParamLayout):
+    def __init__(self, data: bytes, origin: Path):
         from executorch.extension.pybindings.portable_lib import (
             Verification,
             _load_for_executorch_from_buffer,
         )
 
+        if len(data) < 8 or data[4:6] != PTE_MAGIC:
+            raise DpfleetError(f"{origin} is not an ExecuTorch program")
+        self.buffer = data  # the module reads from this memory: dropping it segfaults
+        try:
+            self.module = _load_for_executorch_from_buffer(
+                data, program_verification=Verification.InternalConsistency
+            )
+        except RuntimeError as exc:
+            raise DpfleetError(f"cannot load ExecuTorch program {origin}: {exc}") from exc
+
+
+class PteTrainingProgram:
+    """One loaded training program, validated before any of its bytes reach native code."""
+
+    def __init__(self, program: ProgramFile, layout: ParamLayout):
         if program.spec.fmt != "pte":
             raise DpfleetError(f"{program.path} is a {program.spec.fmt} program, not pte")
         if program.layout != layout:
             raise DpfleetError(f"{program.path} was exported for another model: its weights differ")
-        data = program.read_verified()
-        if len(data) < 8 or data[4:6] != PTE_MAGIC:
-            raise DpfleetError(f"{program.path} is not an ExecuTorch program")
-        self._buffer = data  # the module reads from this memory: it must outlive the module
-        try:
-            self._module = _load_for_executorch_from_buffer(
-                data, program_verification=Verification.InternalConsistency
-            )
-        except RuntimeError as exc:
-            raise DpfleetError(f"cannot load ExecuTorch program {program.path}: {exc}") from exc
+        self._pte = PteModule(program.read_verified(), program.path)
+        self._module = self._pte.module
         self.path = program.path
         self.batch = program.spec.batch
         self.seq_len = program.spec.seq_len

@@ -107,7 +107,7 @@ class LossModule(nn.Module):
 @contextlib.contextmanager
 def quiet_export():
     """Silence the exporters' progress prints and warnings (they would drown CLI output)."""
-    loggers = [logging.getLogger(n) for n in ("torch", "executorch", "torchao", "onnxscript")]
+    loggers = [logging.getLogger(n) for n in ("", "torch", "executorch", "torchao", "onnxscript")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

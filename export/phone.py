@@ -1,0 +1,303 @@
+"""Phone exports: an inference program, the tokenizer and a manifest, checked against eager.
+
+The program maps a fixed window of token ids [batch, seq_len] (PAD-filled after the text) to
+next-token logits [batch, seq_len, vocab]; a keyboard reads the logits at its last real token.
+The ExecuTorch program has batch 1 and runs through the XNNPACK delegate (weights are static
+here, so XNNPACK packs them once); the ONNX program has a dynamic batch.
+
+`--quantize int8` is dynamic int8 on the matmul weights: XNNPACK's dynamic per-channel scheme
+(pt2e) for ExecuTorch, and ORT's `quantize_dynamic` with `reduce_range=True` for ONNX (without it,
+the u8 x s8 VPMADDUBSW path of x86 AVX2 saturates and logits drift).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from dpfleet.edge.tokenizer import BOS, PAD
+from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import load_checkpoint
+from dpfleet.export.manifest import write_manifest
+from dpfleet.export.models import ModelConfig
+from dpfleet.export.training import quiet_export, tool_versions
+
+PHONE_FORMATS = ("pte", "onnx")
+QUANTIZE = ("int8",)
+PROGRAM_FILE = {"pte": "model.pte", "onnx": "model.onnx"}
+
+
+def _window(seq_len: int, batch: int = 1) -> torch.Tensor:
+    return torch.full((batch, seq_len), BOS, dtype=torch.int64)
+
+
+def pte_program(model: nn.Module, seq_len: int, quantize: str | None) -> bytes:
+    """ExecuTorch inference program (batch 1) lowered to XNNPACK, optionally dynamic int8."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    args = (_window(seq_len),)
+    with quiet_export():
+        if quantize == "int8":
+            from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+                XNNPACKQuantizer,
+                get_symmetric_quantization_config,
+            )
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+            config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
+            graph = torch.export.export(model, args).module()
+            graph = prepare_pt2e(graph, XNNPACKQuantizer().set_global(config))
+            graph(*args)  # dynamic quantization needs no calibration data; this just runs once
+            model = convert_pt2e(graph)
+        ep = torch.export.export(model, args)
+        return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+
+
+def onnx_program(model: nn.Module, seq_len: int, quantize: str | None, path: Path) -> None:
+    """ONNX inference program with a dynamic batch, optionally ORT dynamic int8."""
+    args = (_window(seq_len, batch=2),)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with quiet_export():
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamo=True,
+            input_names=["tokens"],
+            output_names=["logits"],
+            dynamic_shapes=({0: batch},),
+            optimize=True,
+            verbose=False,
+        )
+    if quantize != "int8":
+        program.save(str(path))
+        return
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        onnx.save(gemm_to_matmul(program.model_proto), fp32)
+        with quiet_export():
+            quantize_dynamic(fp32, path, weight_type=QuantType.QInt8, reduce_range=True)
+
+
+def gemm_to_matmul(model):
+    """Rewrite `Gemm(A, W, b, transB=1)` over an initializer W as `MatMul(A, W^T) + b`.
+
+    ORT's dynamic quantizer only quantizes MatMul, and its own Gemm conversion transposes a
+    shared initializer once per node, so the unrolled loop's 20 uses of one gate weight come out
+    misshapen. Here each weight is transposed once and shared.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    transposed: dict[str, str] = {}
+    nodes = []
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        simple = attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if node.op_type != "Gemm" or not simple or attrs.get("transA", 0) or node.input[1] not in inits:
+            nodes.append(node)
+            continue
+        w = node.input[1]
+        if attrs.get("transB", 0):
+            if w not in transposed:
+                transposed[w] = w + ".T"
+                graph.initializer.append(
+                    numpy_helper.from_array(numpy_helper.to_array(inits[w]).T.copy(), w + ".T")
+                )
+            w = transposed[w]
+        if len(node.input) < 3 or not node.input[2]:
+            nodes.append(helper.make_node("MatMul", [node.input[0], w], [node.output[0]]))
+            continue
+        mm = node.output[0] + ".mm"
+        nodes.append(helper.make_node("MatMul", [node.input[0], w], [mm]))
+        nodes.append(helper.make_node("Add", [mm, node.input[2]], [node.output[0]]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return model
+
+
+class InferenceProgram:
+    """Runs an exported inference program: tokens [b, L] int64 -> logits [b, L, V] float32."""
+
+    def __init__(self, path: Path, fmt: str, threads: int | None):
+        self.fmt = fmt
+        data = Path(path).read_bytes()
+        if fmt == "pte":
+            from dpfleet.edge.runtime_executorch import PteModule, set_threads
+
+            set_threads(threads)
+            self._pte = PteModule(data, path)
+        else:
+            from dpfleet.edge.runtime_onnx import load_session
+
+            self._session = load_session(data, path, threads)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        if self.fmt == "pte":  # batch-1 program
+            rows = [
+                self._pte.module.run_method("forward", (torch.from_numpy(r[None]),))[0].numpy()
+                for r in tokens
+            ]
+            return np.concatenate(rows)
+        return self._session.run(None, {"tokens": tokens})[0]
+
+
+def text_windows(tokenizer, lines: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out lines as PAD-filled windows [n, seq_len] (BOS first) and their lengths."""
+    rows, lengths = [], []
+    for line in lines:
+        ids = [BOS, *tokenizer.encode(line)][:seq_len]
+        if len(ids) < 2:
+            continue
+        rows.append(ids + [PAD] * (seq_len - len(ids)))
+        lengths.append(len(ids))
+    if not rows:
+        raise DpfleetError("held-out text has no line with at least one token")
+    return np.asarray(rows, dtype=np.int64), np.asarray(lengths)
+
+
+def random_windows(cfg: ModelConfig, seq_len: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    rows = rng.integers(4, cfg.vocab_size, (n, seq_len), dtype=np.int64)
+    rows[:, 0] = BOS
+    return rows, np.full(n, seq_len)
+
+
+def agreement(model: nn.Module, program: InferenceProgram, rows: np.ndarray, lengths: np.ndarray) -> dict:
+    """Max |logit error| and top-1 agreement with eager over the real (non-PAD) positions."""
+    with torch.no_grad():
+        ref = model(torch.from_numpy(rows)).numpy()
+    got = program(rows)
+    valid = np.arange(rows.shape[1])[None, :] < lengths[:, None]
+    err = np.abs(got - ref).max(axis=-1)[valid]
+    top1 = (got.argmax(-1) == ref.argmax(-1))[valid]
+    return {"max_abs_err": float(err.max()), "top1": float(top1.mean()), "positions": int(valid.sum())}
+
+
+def latency_ms(program: InferenceProgram, seq_len: int, repeats: int = 30) -> dict:
+    """Single-step latency: one [1, seq_len] window in, its logits out."""
+    window = _window(seq_len).numpy()
+    for _ in range(3):
+        program(window)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        program(window)
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"median": float(np.median(times)), "p90": float(np.percentile(times, 90))}
+
+
+@dataclass
+class PhoneExport:
+    checkpoint: Path
+    fmt: str
+    out: Path
+    quantize: str | None = None
+    seq_len: int = 20
+    threads: int = 1
+    heldout: Path | None = None
+
+    def run(self) -> dict:
+        """Export, write tokenizer + manifest, measure; returns the JSON summary."""
+        if self.fmt not in PHONE_FORMATS:
+            raise DpfleetError(f"unknown format {self.fmt!r}; choose from {PHONE_FORMATS}")
+        if self.quantize not in (None, *QUANTIZE):
+            raise DpfleetError(f"unknown quantization {self.quantize!r}; choose from {QUANTIZE}")
+        cfg, model, tokenizer = load_checkpoint(self.checkpoint)
+        if self.seq_len < 1 or (cfg.arch == "transformer" and self.seq_len > cfg.max_length):
+            raise DpfleetError(f"--seq-len must lie in 1..{cfg.max_length} for this model")
+        if self.out.exists() and any(self.out.iterdir()):
+            raise DpfleetError(f"output folder {self.out} is not empty")
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(self.threads)
+        try:
+            return self._export(cfg, model, tokenizer)
+        except BaseException:
+            shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
+            raise
+
+    def _export(self, cfg: ModelConfig, model: nn.Module, tokenizer) -> dict:
+        bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None)
+        program_path = self.out / PROGRAM_FILE[self.fmt]
+        start = time.perf_counter()
+        if self.fmt == "pte":
+            program_path.write_bytes(pte_program(model, self.seq_len, self.quantize))
+        else:
+            onnx_program(model, self.seq_len, self.quantize, program_path)
+        export_s = time.perf_counter() - start
+        bar.update()
+        shutil.copytree(self.checkpoint / "tokenizer", self.out / "tokenizer")
+        manifest = write_manifest(
+            self.out,
+            {
+                "format": self.fmt,
+                "quantize": self.quantize,
+                "program": program_path.name,
+                "architecture": cfg.to_dict(),
+                "vocabulary": {
+                    "kind": tokenizer.kind,
+                    "size": tokenizer.vocab_size,
+                    "pad_id": PAD,
+                    "bos_id": BOS,
+                    "eos_id": 2,
+                    "unk_id": 3,
+                },
+                "inputs": {
+                    "tokens": {"shape": [1 if self.fmt == "pte" else "batch", self.seq_len], "dtype": "int64"}
+                },
+                "outputs": {
+                    "logits": {
+                        "shape": [1 if self.fmt == "pte" else "batch", self.seq_len, cfg.vocab_size],
+                        "dtype": "float32",
+                    }
+                },
+                "tools": tool_versions(),
+            },
+        )
+        bar.update()
+        program = InferenceProgram(program_path, self.fmt, self.threads)
+        if self.heldout is not None:
+            lines = _read_lines(self.heldout)
+            rows, lengths = text_windows(tokenizer, lines, self.seq_len)
+            source = str(self.heldout)
+        else:
+            rows, lengths = random_windows(cfg, self.seq_len)
+            source = "random tokens (pass --heldout for text)"
+        files = {name: entry["bytes"] for name, entry in manifest["files"].items()}
+        latency = latency_ms(program, self.seq_len)
+        agree = agreement(model, program, rows, lengths)
+        bar.update()
+        bar.close()
+        return {
+            "out": str(self.out),
+            "format": self.fmt,
+            "quantize": self.quantize,
+            "architecture": cfg.arch,
+            "seq_len": self.seq_len,
+            "files": files,
+            "total_bytes": sum(files.values()),
+            "export_seconds": round(export_s, 2),
+            "latency_ms": {**latency, "threads": self.threads},
+            "agreement": {**agree, "text": source},
+        }
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DpfleetError(f"cannot read held-out text {path}: {exc}") from exc
