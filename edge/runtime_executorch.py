@@ -35,7 +35,12 @@ def set_threads(threads: int | None) -> None:
 
 
 class PteModule:
-    """An ExecuTorch program loaded from bytes, holding the bytes as long as the module lives."""
+    """An ExecuTorch program loaded from bytes, holding the bytes as long as the module lives.
+
+    Only pass bytes whose sha256 was checked against the exporter's record: the flatbuffer
+    verifier does not cover delegate payloads, and a bit-flipped XNNPACK blob can crash the
+    process (measured). Truncated or structurally broken files fail here as a DpfleetError.
+    """
 
     def __init__(self, data: bytes, origin: Path):
         from executorch.extension.pybindings.portable_lib import (
@@ -45,13 +50,22 @@ class PteModule:
 
         if len(data) < 8 or data[4:6] != PTE_MAGIC:
             raise DpfleetError(f"{origin} is not an ExecuTorch program")
+        self.origin = origin
         self.buffer = data  # the module reads from this memory: dropping it segfaults
         try:
             self.module = _load_for_executorch_from_buffer(
                 data, program_verification=Verification.InternalConsistency
             )
+            self.methods = set(self.module.method_names())
+            self.metas = {name: self.module.method_meta(name) for name in self.methods}
         except RuntimeError as exc:
             raise DpfleetError(f"cannot load ExecuTorch program {origin}: {exc}") from exc
+
+    def run(self, method: str, args: tuple) -> list:
+        try:
+            return self.module.run_method(method, args, clone_outputs=False)
+        except RuntimeError as exc:
+            raise DpfleetError(f"ExecuTorch program {self.origin} failed: {exc}") from exc
 
 
 class PteTrainingProgram:
@@ -63,7 +77,6 @@ class PteTrainingProgram:
         if program.layout != layout:
             raise DpfleetError(f"{program.path} was exported for another model: its weights differ")
         self._pte = PteModule(program.read_verified(), program.path)
-        self._module = self._pte.module
         self.path = program.path
         self.batch = program.spec.batch
         self.seq_len = program.spec.seq_len
@@ -72,17 +85,17 @@ class PteTrainingProgram:
         self._params: list[torch.Tensor] | None = None
 
     def _meta(self, prefix: str) -> list:
-        return self._module.run_method(f"__et_training_{prefix}_{METHOD}", ())
+        return self._pte.run(f"__et_training_{prefix}_{METHOD}", ())
 
     def _check_signature(self) -> None:
-        names = set(self._module.method_names())
+        names = self._pte.methods
         needed = {
             METHOD,
             *(f"__et_training_{p}_{METHOD}" for p in ("gradients_index", "parameters_index", "fqn")),
         }
         if not needed <= names:
             raise DpfleetError(f"{self.path} is not a training program (methods: {sorted(names)})")
-        meta = self._module.method_meta(METHOD)
+        meta = self._pte.metas[METHOD]
         want = (self.batch, self.seq_len)
         if meta.num_inputs() != 2 or any(tuple(meta.input_tensor_meta(i).sizes()) != want for i in range(2)):
             raise DpfleetError(f"{self.path} does not take two [{want[0]}, {want[1]}] token inputs")
@@ -103,7 +116,7 @@ class PteTrainingProgram:
 
     def _run(self, inputs: np.ndarray, targets: np.ndarray) -> list[torch.Tensor]:
         args = (torch.from_numpy(inputs), torch.from_numpy(targets))
-        outs = self._module.run_method(METHOD, args, clone_outputs=False)
+        outs = self._pte.run(METHOD, args)
         if self._params is None:
             self._params = list(outs[self._param0 :])
         return outs

@@ -148,10 +148,7 @@ class InferenceProgram:
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         if self.fmt == "pte":  # batch-1 program
-            rows = [
-                self._pte.module.run_method("forward", (torch.from_numpy(r[None]),))[0].numpy()
-                for r in tokens
-            ]
+            rows = [self._pte.run("forward", (torch.from_numpy(r[None]),))[0].numpy().copy() for r in tokens]
             return np.concatenate(rows)
         return self._session.run(None, {"tokens": tokens})[0]
 

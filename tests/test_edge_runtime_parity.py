@@ -1,0 +1,134 @@
+"""Exported runtimes (ExecuTorch .pte, ONNX Runtime) train exactly like eager torch.
+
+Tolerance (stated in the issue's terms): after one local epoch, |mean loss - eager| <= 1e-5 and
+max |delta - eager delta| <= 1e-6 + 1e-4 * max |eager delta| (float32 reduction order differs
+between runtimes; measured errors are ~1e-7 of the delta's scale).
+Programs are exported once per session into a shared cache (content-hashed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpfleet.edge.client_update import client_update
+from dpfleet.edge.runtime import EagerRuntime, fixed_shape_batches
+from dpfleet.edge.runtimes import make_runtime
+from dpfleet.export.models import ModelConfig
+from dpfleet.export.training import ProgramSpec, training_program
+
+pytest.importorskip("executorch")
+pytest.importorskip("onnxruntime")
+
+SEQ_LEN = 5
+BATCH = 4
+CONFIGS = {
+    arch: ModelConfig(
+        arch=arch,
+        vocab_size=48,
+        embedding_dim=12,
+        hidden_dim=16,
+        projection_dim=12,
+        num_heads=2,
+        max_length=8,
+    )
+    for arch in ("cifg", "lstm", "transformer")
+}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return tmp_path_factory.getbasetemp() / "dpfleet-programs"  # shared across test modules
+
+
+def examples(seed: int = 0, n: int = 11) -> np.ndarray:
+    """Rows of varying length (PAD tails), n not a multiple of BATCH (a partial last batch)."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(4, 48, (n, SEQ_LEN + 1))
+    for i, keep in enumerate(rng.integers(2, SEQ_LEN + 2, n)):
+        rows[i, keep:] = 0
+    return rows
+
+
+def assert_close_to_eager(rt, cfg, theta0, rows, lr=0.5, seed=3):
+    eager = EagerRuntime(cfg, threads=1)
+    eager.set_weights(theta0)
+    ref = eager.train_epoch(rows, lr=lr, batch_size=BATCH, seed=seed)
+    rt.set_weights(theta0)
+    got = rt.train_epoch(rows, lr=lr, batch_size=BATCH, seed=seed)
+    assert got.steps == ref.steps == -(-len(rows) // BATCH)
+    assert abs(got.mean_loss - ref.mean_loss) <= 1e-5
+    d_ref = eager.get_weights() - theta0
+    d_got = rt.get_weights() - theta0
+    assert np.abs(d_ref).max() > 1e-3  # the epoch really moved the weights
+    assert np.abs(d_got - d_ref).max() <= 1e-6 + 1e-4 * np.abs(d_ref).max()
+
+
+# LSTM shares CIFG's code path (one flag): its exports run in the slow set to keep this file fast.
+ARCHS = ["cifg", pytest.param("lstm", marks=pytest.mark.slow), "transformer"]
+
+
+@pytest.mark.parametrize("runtime", ["executorch", "onnx"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_epoch_matches_eager(arch, runtime, cache_dir):
+    cfg = CONFIGS[arch]
+    rt = make_runtime(runtime, cfg, SEQ_LEN, 1, cache_dir)
+    theta0 = EagerRuntime(cfg).get_weights()
+    assert_close_to_eager(rt, cfg, theta0, examples(0))
+    # The next round swaps new weights into the same loaded program: still exact.
+    theta1 = theta0 + np.random.default_rng(1).normal(0, 0.02, theta0.shape).astype(np.float32)
+    assert_close_to_eager(rt, cfg, theta1, examples(1), lr=0.3, seed=9)
+
+
+@pytest.mark.parametrize("runtime", ["executorch", "onnx"])
+def test_client_update_is_runtime_agnostic(runtime, cache_dir):
+    cfg = CONFIGS["cifg"]
+    theta0 = EagerRuntime(cfg).get_weights()
+    rows = examples(2)
+    kwargs = dict(lr=0.5, batch_size=BATCH, clip_norm=0.05, seed=4)
+    ref = client_update(EagerRuntime(cfg, 1), theta0, rows, **kwargs)
+    got = client_update(make_runtime(runtime, cfg, SEQ_LEN, 1, cache_dir), theta0, rows, **kwargs)
+    assert got.clipped == ref.clipped
+    assert abs(got.norm - ref.norm) <= 1e-5 * ref.norm
+    np.testing.assert_allclose(got.delta, ref.delta, atol=1e-7)
+
+
+def test_shorter_rows_are_pad_extended(cache_dir):
+    """Rows narrower than the program (fewer columns) train exactly as eager on the raw rows."""
+    cfg = CONFIGS["transformer"]
+    rt = make_runtime("onnx", cfg, SEQ_LEN, 1, cache_dir)
+    assert_close_to_eager(rt, cfg, EagerRuntime(cfg).get_weights(), examples(5)[:, :4])
+
+
+def test_pad_rows_give_the_smaller_batch_gradient(cache_dir):
+    """The static-batch program pads a 3-row minibatch to 4 PAD rows: same update as eager's
+    3-row step (the mask inside the graph zeroes the PAD rows)."""
+    from dpfleet.edge.runtime_executorch import ExecuTorchRuntime
+
+    cfg = CONFIGS["cifg"]
+    rt = ExecuTorchRuntime(cfg, SEQ_LEN, 1, cache_dir)
+    rows = examples(6, n=3)
+    theta0 = EagerRuntime(cfg).get_weights()
+    ((x, y),) = fixed_shape_batches(rows, BATCH, 0, SEQ_LEN, pad_rows=True)
+    assert x.shape == (BATCH, SEQ_LEN) and not x[3].any()
+    program = rt.program(BATCH)
+    program.set_flat(theta0)
+    program.step(x, y, lr=1.0)
+    eager = EagerRuntime(cfg)
+    eager.set_weights(theta0)
+    eager.train_epoch(rows, lr=1.0, batch_size=3, seed=0)
+    np.testing.assert_allclose(program.get_flat(), eager.get_weights(), rtol=0, atol=2e-7)
+
+
+def test_programs_are_cached_by_content(cache_dir):
+    spec = ProgramSpec(CONFIGS["transformer"], SEQ_LEN, None, "onnx")
+    first = training_program(spec, cache_dir)
+    mtime = first.path.stat().st_mtime_ns
+    again = training_program(spec, cache_dir)  # a cache hit: no re-export, same file
+    assert again == first and first.path.stat().st_mtime_ns == mtime
+    other = ProgramSpec(CONFIGS["transformer"], SEQ_LEN - 1, None, "onnx")
+    assert other.key() != spec.key()  # any shape change is a different program
+    wider = ModelConfig(**{**CONFIGS["transformer"].to_dict(), "hidden_dim": 20})
+    assert ProgramSpec(wider, SEQ_LEN, None, "onnx").key() != spec.key()
