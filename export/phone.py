@@ -217,17 +217,18 @@ class PhoneExport:
         cfg, model, tokenizer = load_checkpoint(self.checkpoint)
         if self.seq_len < 1 or (cfg.arch == "transformer" and self.seq_len > cfg.max_length):
             raise DpfleetError(f"--seq-len must lie in 1..{cfg.max_length} for this model")
+        lines = None if self.heldout is None else _read_lines(self.heldout)
         if self.out.exists() and any(self.out.iterdir()):
             raise DpfleetError(f"output folder {self.out} is not empty")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(self.threads)
         try:
-            return self._export(cfg, model, tokenizer)
+            return self._export(cfg, model, tokenizer, lines)
         except BaseException:
             shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
             raise
 
-    def _export(self, cfg: ModelConfig, model: nn.Module, tokenizer) -> dict:
+    def _export(self, cfg: ModelConfig, model: nn.Module, tokenizer, lines: list[str] | None) -> dict:
         bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None)
         program_path = self.out / PROGRAM_FILE[self.fmt]
         start = time.perf_counter()
@@ -267,8 +268,7 @@ class PhoneExport:
         )
         bar.update()
         program = InferenceProgram(program_path, self.fmt, self.threads)
-        if self.heldout is not None:
-            lines = _read_lines(self.heldout)
+        if lines is not None:
             rows, lengths = text_windows(tokenizer, lines, self.seq_len)
             source = str(self.heldout)
         else:

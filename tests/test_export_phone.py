@@ -1,0 +1,198 @@
+"""`dpfleet export`: phone programs agree with eager, manifests verify, int8 keeps top-1.
+
+The checkpoint is a tiny CIFG trained in a few seconds on a structured synthetic language (each
+subject has its own verb), so its predictions are confident the way a trained keyboard model's
+are; held-out lines come from the same language.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpfleet.cli import main
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, WordTokenizer
+from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import load_checkpoint, save_checkpoint
+from dpfleet.export.manifest import verify_manifest
+from dpfleet.export.models import ModelConfig, build_model, next_token_loss
+
+pytest.importorskip("executorch")
+pytest.importorskip("onnxruntime")
+
+SEQ_LEN = 8
+SUBJECTS = {"alice": "eats", "bob": "buys", "carol": "likes", "dave": "cooks"}
+OBJECTS = ["apples", "bread", "cheese", "dates", "eggs"]
+
+
+def sentences(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        s = list(SUBJECTS)[rng.integers(len(SUBJECTS))]
+        out.append(f"{s} {SUBJECTS[s]} {OBJECTS[rng.integers(len(OBJECTS))]} every day .")
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("ckpt")
+    train = sentences(400, seed=0)
+    tok = WordTokenizer.build(train, 64)
+    cfg = ModelConfig(
+        arch="cifg", vocab_size=tok.vocab_size, embedding_dim=16, hidden_dim=32, projection_dim=16
+    )
+    rows = np.zeros((len(train), SEQ_LEN + 1), dtype=np.int64)
+    for i, line in enumerate(train):
+        ids = [BOS, *tok.encode(line), EOS][: SEQ_LEN + 1]
+        rows[i, : len(ids)] = ids
+    data = torch.from_numpy(rows)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(250):
+        batch = data[torch.randint(0, len(data), (32,))]
+        loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:], PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 1.0  # it learned the language
+    save_checkpoint(folder, model, cfg, tok)
+    heldout = folder.parent / "heldout.txt"
+    heldout.write_text("\n".join(sentences(60, seed=1)))
+    return folder, heldout
+
+
+def run_export(capsys, checkpoint, out, *extra):
+    folder, heldout = checkpoint
+    main(
+        [
+            "export",
+            str(folder),
+            "--out",
+            str(out),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--heldout",
+            str(heldout),
+            *extra,
+        ]
+    )
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def exports(checkpoint, tmp_path_factory):
+    """Each (format, quantize) exported once for the whole module."""
+    cache = {}
+
+    def get(capsys, fmt, quantize=None):
+        if (fmt, quantize) not in cache:
+            out = tmp_path_factory.mktemp(f"{fmt}-{quantize}") / "export"
+            extra = ["--format", fmt] + (["--quantize", quantize] if quantize else [])
+            cache[fmt, quantize] = (out, run_export(capsys, checkpoint, out, *extra))
+        return cache[fmt, quantize]
+
+    return get
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "pte"])
+def test_float_export_matches_eager(fmt, exports, capsys):
+    out, summary = exports(capsys, fmt)
+    program = {"onnx": "model.onnx", "pte": "model.pte"}[fmt]
+    assert set(summary["files"]) == {program, "tokenizer/tokenizer.json"}
+    assert summary["files"][program] == (out / program).stat().st_size > 0
+    assert summary["total_bytes"] == sum(summary["files"].values())
+    assert summary["agreement"]["max_abs_err"] < 1e-4
+    assert summary["agreement"]["top1"] == 1.0
+    assert summary["agreement"]["positions"] > 300
+    assert summary["latency_ms"]["median"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["onnx", pytest.param("pte", marks=pytest.mark.slow)])
+def test_int8_export_keeps_top1(fmt, exports, capsys):
+    out, summary = exports(capsys, fmt, "int8")
+    assert summary["quantize"] == "int8"
+    assert summary["agreement"]["top1"] >= 0.98
+    assert summary["agreement"]["max_abs_err"] > 0  # it really is quantized
+    assert verify_manifest(out)["quantize"] == "int8"
+
+
+def test_manifest_describes_and_verifies(exports, capsys, checkpoint):
+    out, _ = exports(capsys, "onnx")
+    manifest = verify_manifest(out)
+    cfg, _, tok = load_checkpoint(checkpoint[0])
+    assert manifest["architecture"] == cfg.to_dict()
+    assert manifest["vocabulary"]["size"] == tok.vocab_size == cfg.vocab_size
+    assert manifest["dpfleet_version"] and manifest["format"] == "onnx"
+    assert manifest["inputs"]["tokens"]["shape"][1] == SEQ_LEN
+    assert set(manifest["files"]) == {"model.onnx", "tokenizer/tokenizer.json"}
+
+
+def test_manifest_catches_tampering(exports, capsys, tmp_path):
+    import shutil
+
+    src, _ = exports(capsys, "onnx")
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    verify_manifest(out)
+    tok = out / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text().replace("apples", "pears"))
+    with pytest.raises(DpfleetError, match="tokenizer/tokenizer.json"):
+        verify_manifest(out)
+    shutil.copy(src / "tokenizer" / "tokenizer.json", tok)
+    verify_manifest(out)
+    (out / "extra.bin").write_bytes(b"x")
+    with pytest.raises(DpfleetError, match="not in the manifest"):
+        verify_manifest(out)
+
+
+def test_cli_user_mistakes_exit_2(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "file").write_text("x")
+    cases = [
+        (
+            ["export", str(tmp_path / "missing"), "--format", "onnx", "--out", str(tmp_path / "a")],
+            "checkpoint folder not found",
+        ),
+        (["export", str(folder), "--format", "onnx", "--out", str(busy)], "not empty"),
+        (
+            [
+                "export",
+                str(folder),
+                "--format",
+                "onnx",
+                "--out",
+                str(tmp_path / "b"),
+                "--heldout",
+                str(tmp_path / "none.txt"),
+            ],
+            "held-out",
+        ),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # a failed export leaves nothing behind
+
+
+def test_checkpoint_with_wrong_shapes_is_refused(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint[0], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["output.bias"] = torch.zeros(3)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(DpfleetError, match="output.bias has shape"):
+        load_checkpoint(bad)
