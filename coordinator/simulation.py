@@ -103,8 +103,15 @@ def run_simulation(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
 ) -> SimulationResult:
-    """Run a whole simulation and write its run directory."""
+    """Run a whole simulation and write its run directory.
+
+    `before_round(r, theta)` runs before each round's clients train; a returned array replaces
+    the server's theta (public training between private rounds: post-processing, so it costs no
+    privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
+    all rounds.
+    """
     run = RunDir(out, overwrite=overwrite)
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
@@ -144,6 +151,9 @@ def run_simulation(
     for r in rounds:
         restart = r > 0 and r in cfg.dp.restart_rounds
         chosen = sampler.select(r)
+        public_update = before_round(r, server.theta) if before_round else None
+        if public_update is not None:
+            server.theta = np.asarray(public_update, dtype=np.float32).copy()
         updates = [
             client_update(
                 runtime, server.theta, data.train[i].examples, lr=cfg.client.lr,
