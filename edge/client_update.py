@@ -46,5 +46,7 @@ def client_update(
     runtime.set_weights(theta0)
     result = runtime.train_epoch(examples, lr=lr, batch_size=batch_size, seed=seed)
     delta = runtime.get_weights() - theta0
+    if not np.isfinite(delta).all():  # diverged local training contributes nothing, not NaN
+        return ClientUpdate(np.zeros_like(delta), float("inf"), True, result.mean_loss, len(examples))
     clipped, norm = clip_l2(delta, clip_norm)
     return ClientUpdate(clipped, norm, norm > clip_norm, result.mean_loss, len(examples))

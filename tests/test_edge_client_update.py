@@ -48,3 +48,12 @@ def test_client_update_is_clipped_delta_of_one_epoch():
     np.testing.assert_allclose(small.delta / 1e-3, big.delta / big.norm, rtol=1e-3, atol=1e-6)
     np.testing.assert_array_equal(rt.get_weights() - theta0, big.delta)  # 3 steps really ran
     assert big.num_examples == 35
+
+
+def test_diverged_client_contributes_a_zero_delta():
+    cfg = ModelConfig(arch="cifg", vocab_size=30, embedding_dim=4, hidden_dim=4, projection_dim=4)
+    rt = EagerRuntime(cfg)
+    rows = np.random.default_rng(1).integers(4, 30, (16, 6)).astype(np.int32)
+    u = client_update(rt, rt.get_weights(), rows, lr=1e30, batch_size=4, clip_norm=1.0, seed=0)
+    assert u.clipped and u.norm == float("inf")
+    assert np.all(u.delta == 0) and u.delta.dtype == np.float32
