@@ -22,7 +22,9 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
     Reads CONFIG (TOML; see examples/shakespeare_cifg.toml for every key), builds the clients
     from the dataset, trains with DP-FTRL (tree noise, clipping, momentum) and writes a run
     directory: config.toml, metrics.jsonl (one line per round), participation.jsonl,
-    checkpoint/ (safetensors + tokenizer), accuracy.png, privacy.json and summary.json.
+    checkpoint/ (safetensors + tokenizer), accuracy.png, privacy_report.md, privacy.json and
+    summary.json. Participation is disjoint, uniform or limited by device timers on a simulated
+    clock ([participation]); the run stops before a round that would pass dp.budget_epsilon.
     """
     from dpfleet.coordinator.config import load_config
     from dpfleet.coordinator.simulation import run_simulation
@@ -37,8 +39,12 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
     f, b, p = result.final, result.baseline, result.privacy
     click.echo(f"next-token accuracy   model {f['accuracy']:.4f}   unigram baseline {b['accuracy']:.4f}")
     click.echo(f"perplexity            model {f['perplexity']:.1f}   unigram baseline {b['perplexity']:.1f}")
+    mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     click.echo(
-        f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} "
-        f"(noise multiplier {p['noise_multiplier']}, {p['accounting'].split(',')[0]})"
+        f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} (PLD; "
+        f"zCDP {p['zcdp']:.4g}, noise multiplier {p['noise_multiplier']:g}, observed MinS {mins}, "
+        f"MaxP {p['max_participation']}; see privacy_report.md)"
     )
+    if result.stopped_early:
+        click.echo(f"stopped early         {result.stopped_early}")
     click.echo(f"run directory         {result.run_dir}")

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfleet.coordinator.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 
@@ -55,7 +56,29 @@ class DPSection:
     momentum: float = 0.9
     restart_rounds: list[int] = field(default_factory=list)
     delta: float = 1e-6
-    sampling: str = "disjoint"  # "disjoint" (each client at most once) | "uniform"
+    budget_epsilon: float = 0.0  # stop before a round that would pass this eps (PLD at delta); 0: none
+    # adaptive clipping (paper 002 Alg. 1): clip_norm is the initial C^0, the estimate is adopted
+    # at tree restarts (restart_rounds, default 128 + 1024 i) and noise_multiplier stays the
+    # accounted z (the model gets the inflated z_delta of App. A)
+    adaptive_clipping: bool = False
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clip_count_stddev: float = -1.0  # sigma_b on the clipped counts; -1: report_goal / 20
+
+
+@dataclass
+class ParticipationSection:
+    """Who takes part when (see coordinator/participation.py)."""
+
+    mode: str = "disjoint"  # "disjoint" (each device at most once) | "uniform" | "timer"
+    timer_period: float = 24.0  # hours a device stays away after taking part (timer mode)
+    round_minutes: float = 10.0  # simulated duration of a round, and of a retry when too few check in
+    availability: float = 1.0  # chance that a device is charging, idle and unmetered at a check-in
+    diurnal_amplitude: float = 0.0  # 0: flat; up to 1: availability peaks at 2 am
+    # the coordinator refuses a device with fewer rounds strictly between two participations
+    # (-1: what the timer nominally gives, ceil(timer_period / round duration) - 1; 0 otherwise)
+    min_separation: int = -1
+    max_participation: int = 0  # the coordinator refuses devices past this many rounds; 0: no cap
 
 
 @dataclass
@@ -73,6 +96,7 @@ class SimulationConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     client: ClientSection = field(default_factory=ClientSection)
     dp: DPSection = field(default_factory=DPSection)
+    participation: ParticipationSection = field(default_factory=ParticipationSection)
     aggregation: AggregationSection = field(default_factory=AggregationSection)
 
     def resolved(self) -> dict:
@@ -82,9 +106,11 @@ class SimulationConfig:
 _CHOICES = {
     "tokenizer.kind": ("sentencepiece", "word"),
     "client.runtime": ("eager", "executorch", "onnx"),
-    "dp.sampling": ("disjoint", "uniform"),
+    "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),
 }
+
+_MOVED = {"dp.sampling": "participation.mode"}
 
 
 def _check_type(key: str, value: object, annotation: object) -> object:
@@ -109,6 +135,8 @@ def _build(cls: type, values: dict, prefix: str) -> object:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
+        if prefix + key in _MOVED:
+            raise DpfleetError(f"config key '{prefix}{key}' moved to '{_MOVED[prefix + key]}'")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
@@ -156,7 +184,36 @@ def _validate(cfg: SimulationConfig) -> None:
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
         (cfg.model.max_length >= cfg.data.seq_len, "model.max_length must be >= data.seq_len"),
+        (cfg.dp.budget_epsilon >= 0, "dp.budget_epsilon must be >= 0 (0: no budget)"),
+        (not cfg.dp.budget_epsilon or cfg.dp.noise_multiplier > 0,
+         "dp.budget_epsilon needs dp.noise_multiplier > 0"),
+        (0 < cfg.dp.target_quantile < 1, "dp.target_quantile must be in (0, 1)"),
+        (cfg.dp.clip_lr > 0, "dp.clip_lr must be > 0"),
+        (cfg.dp.clip_count_stddev >= 0 or cfg.dp.clip_count_stddev == -1,
+         "dp.clip_count_stddev must be >= 0 (or -1: report_goal / 20)"),
+        (not (cfg.dp.adaptive_clipping and cfg.aggregation.kind == "secagg"),
+         "dp.adaptive_clipping with secure aggregation is not supported yet"),
+        (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
+         "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),
+        (cfg.participation.timer_period >= 0, "participation.timer_period must be >= 0 hours"),
+        (cfg.participation.round_minutes > 0, "participation.round_minutes must be > 0"),
+        (0 < cfg.participation.availability <= 1, "participation.availability must be in (0, 1]"),
+        (0 <= cfg.participation.diurnal_amplitude <= 1,
+         "participation.diurnal_amplitude must be in [0, 1]"),
+        (cfg.participation.min_separation >= -1,
+         "participation.min_separation must be >= 0 (or -1: the timer's)"),
+        (cfg.participation.max_participation >= 0,
+         "participation.max_participation must be >= 0 (0: no cap)"),
     ]
     for ok, message in checks:
         if not ok:
             raise DpfleetError(message)
+    if cfg.dp.adaptive_clipping:  # fails early when sigma_b leaves no room for z (App. A)
+        model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+
+
+def clip_count_stddev(cfg: SimulationConfig) -> float:
+    """sigma_b of adaptive clipping's clipped counts, with the paper's default m / 20."""
+    if cfg.dp.clip_count_stddev == -1:
+        return default_count_stddev(cfg.dp.report_goal)
+    return cfg.dp.clip_count_stddev

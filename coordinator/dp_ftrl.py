@@ -49,15 +49,24 @@ class DPFTRLServer:
         """Per-node noise std on the *sum* of clipped deltas."""
         return self.tree.std
 
+    @property
+    def restart_due(self) -> bool:
+        """The next round is a restart round whose fresh tree has not been started yet."""
+        return self.round in self.cfg.restart_rounds and self.tree.t > 0
+
     def restart(self, clip_norm: float | None = None) -> None:
-        """Start a new tree, optionally with a new clip norm (only allowed here)."""
+        """Start a new tree, optionally with a new clip norm (only allowed here).
+
+        Call it before a restart round's clients clip (adaptive clipping); otherwise `step`
+        restarts with the same clip norm.
+        """
         if clip_norm is not None:
             self.clip_norm = clip_norm
         self.tree = self._new_tree(self.tree.tree_id + 1)
 
     def step(self, delta_sum: np.ndarray) -> np.ndarray:
         """Apply one round's sum of clipped deltas; returns the new theta."""
-        if self.round in self.cfg.restart_rounds and self.round > 0:
+        if self.restart_due:
             self.restart()
         noisy_avg = (delta_sum.astype(np.float32) + self.tree.next_residual()) / np.float32(
             self.cfg.report_goal

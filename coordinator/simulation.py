@@ -1,9 +1,12 @@
 """The in-process round engine: a fleet of emulated clients trained with DP-FTRL.
 
-One round: select the report goal's clients, run each client's update through the configured
-runtime (one local epoch, delta, clip), aggregate (plain sum or secure aggregation), let the
-DP-FTRL server add tree noise and step, log metrics and participation. Everything is seeded:
-the same config gives the same metrics bit for bit (on the same thread count).
+One round: select the report goal's clients (`participation`: disjoint, uniform, or device
+timers on a simulated clock, with the coordinator's MinS refusal), stop first if the round would
+pass the privacy budget, run each client's update through the configured runtime (one local
+epoch, delta, clip), aggregate (plain sum or secure aggregation), let the DP-FTRL server add
+tree noise and step, update the adaptive clip estimate, log metrics, participation and the
+privacy so far (`run_accounting`). Everything is seeded: the same config gives the same metrics
+bit for bit (on the same thread count).
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ import torch
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
+from dpfleet.coordinator.adaptive_clipping import (
+    QuantileClipEstimator,
+    default_restart_rounds,
+    model_noise_multiplier,
+)
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate, unigram_baseline
-from dpfleet.coordinator.privacy_single import single_participation_epsilon
+from dpfleet.coordinator.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
 from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
-from dpfleet.coordinator.sampling import ClientSampler
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.datasets import load_records
@@ -94,6 +102,15 @@ class SimulationResult:
     final: dict
     baseline: dict
     privacy: dict
+    stopped_early: str | None = None  # why the run ended before its planned rounds
+
+
+def restart_rounds(cfg: SimulationConfig) -> list[int]:
+    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping."""
+    rounds = cfg.dp.restart_rounds
+    if not rounds and cfg.dp.adaptive_clipping:
+        rounds = default_restart_rounds(cfg.rounds)
+    return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
 
 
 def run_simulation(
@@ -103,15 +120,8 @@ def run_simulation(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
-    before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
 ) -> SimulationResult:
-    """Run a whole simulation and write its run directory.
-
-    `before_round(r, theta)` runs before each round's clients train; a returned array replaces
-    the server's theta (public training between private rounds: post-processing, so it costs no
-    privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
-    all rounds.
-    """
+    """Run a whole simulation and write its run directory."""
     run = RunDir(out, overwrite=overwrite)
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
@@ -120,16 +130,27 @@ def run_simulation(
 
     tokenizer, data = prepare_data(cfg)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    sampler = ClientSampler(len(data.train), cfg.dp.report_goal, cfg.dp.sampling, cfg.seed, cfg.rounds)
+    participation = Participation(cfg.participation, len(data.train), cfg.dp.report_goal, cfg.rounds,
+                                  cfg.seed)
+    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
+    restarts = restart_rounds(cfg)
+    z_model, estimator = cfg.dp.noise_multiplier, None
+    if cfg.dp.adaptive_clipping:
+        z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+        estimator = QuantileClipEstimator(
+            cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
+            learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
+            seed=_seed(cfg.seed, "count-tree"),
+        )
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, run.path / "programs")
     aggregator = make_aggregator(cfg)
     server = DPFTRLServer(
         get_flat(model),
         DPFTRLConfig(
-            noise_multiplier=cfg.dp.noise_multiplier, clip_norm=cfg.dp.clip_norm,
+            noise_multiplier=z_model, clip_norm=cfg.dp.clip_norm,
             report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr, momentum=cfg.dp.momentum,
-            restart_rounds=tuple(cfg.dp.restart_rounds), seed=_seed(cfg.seed, "tree"),
+            restart_rounds=tuple(restarts), seed=_seed(cfg.seed, "tree"),
         ),
     )
     test_rows = data.test_examples(cfg.data.eval_examples or None)
@@ -143,17 +164,29 @@ def run_simulation(
     )
 
     metrics: list[dict] = []
+    stopped_early = None
     rounds = range(cfg.rounds)
     if progress:
         from tqdm import tqdm
 
         rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True)
     for r in rounds:
-        restart = r > 0 and r in cfg.dp.restart_rounds
-        chosen = sampler.select(r)
-        public_update = before_round(r, server.theta) if before_round else None
-        if public_update is not None:
-            server.theta = np.asarray(public_update, dtype=np.float32).copy()
+        restart = r in restarts
+        try:
+            selection = participation.propose(r)
+        except RoundUnfillable as exc:
+            stopped_early = f"stopped before round {r + 1}: {exc}"
+            break
+        chosen = selection.devices
+        if accountant.would_exceed([data.train[i].user for i in chosen], restart):
+            stopped_early = (
+                f"stopped before round {r + 1}: it would pass the privacy budget eps = "
+                f"{cfg.dp.budget_epsilon:g} at delta = {cfg.dp.delta:g}"
+            )
+            break
+        if restart and estimator is not None:  # the clip estimate becomes the clip norm
+            server.restart(estimator.estimate)
+            estimator.restart()
         updates = [
             client_update(
                 runtime, server.theta, data.train[i].examples, lr=cfg.client.lr,
@@ -164,20 +197,35 @@ def run_simulation(
         ]
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
         server.step(agg.total)
+        in_sum = [chosen[i] for i in agg.survivors]  # dropped clients contributed nothing
+        participation.commit(selection, in_sum)
+        spent = accountant.record([data.train[i].user for i in in_sum], restart)
+        clip = server.clip_norm
+        if estimator is not None:
+            estimator.update([updates[i].norm for i in agg.survivors])
         noise_std = server.noise_std
-        eps = single_participation_epsilon(cfg.dp.noise_multiplier, r + 1, cfg.dp.delta)
+        eps = spent["epsilon"]
         record = {
             "round": r + 1,
-            "clients": len(chosen),
+            "clients": len(in_sum),
             "train_loss": float(np.mean([u.loss for u in updates])),
             "mean_update_norm": float(np.mean([u.norm for u in updates])),
             "clipped_fraction": float(np.mean([u.clipped for u in updates])),
-            "clip": server.clip_norm,
+            "clip": clip,
             "noise_std": noise_std,
-            "epsilon": eps,
+            "epsilon": eps,  # RDP, worst case over the observed MinS / MaxP so far
+            "zcdp": spent["zcdp"],
+            "min_separation": spent["min_separation"],
+            "max_participation": spent["max_participation"],
+            "restart": restart,
+            "clock_hours": participation.hours(selection.slot),
+            "waited_hours": participation.hours(selection.waited_slots),
+            "refused": selection.refused,
             "accuracy": None,
             "loss": None,
         }
+        if estimator is not None:
+            record["clip_estimate"] = estimator.estimate
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             set_flat(model, server.theta)
             ev = evaluate(model, test_rows)
@@ -188,38 +236,32 @@ def run_simulation(
         run.append("metrics.jsonl", record)
         run.append(
             "participation.jsonl",
-            {"round": r, "devices": [data.train[i].user for i in chosen], "restart": restart},
+            {"round": r, "devices": [data.train[i].user for i in in_sum], "restart": restart},
         )
 
+    if stopped_early:
+        log(stopped_early)
     set_flat(model, server.theta)
     final = evaluate(model, test_rows)
-    _write_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer, server)
+    _write_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer, server,
+                      clip_estimator=estimator.state_dict() if estimator else None)
     plot_accuracy(metrics, baseline["accuracy"], run.path / "accuracy.png")
-    privacy = {
-        "accounting": "single participation (each device at most once; disjoint sampling), "
-        "RDP of dp-accounting's SingleEpochTreeAggregationDpEvent, replace-one adjacency",
-        "noise_multiplier": cfg.dp.noise_multiplier,
-        "clip_norm": cfg.dp.clip_norm,
-        "report_goal": cfg.dp.report_goal,
-        "rounds": cfg.rounds,
-        "population": len(data.train),
-        "delta": cfg.dp.delta,
-        "epsilon": metrics[-1]["epsilon"],
-        "valid": cfg.dp.sampling == "disjoint",
-        "note": "" if cfg.dp.sampling == "disjoint" else
-        "uniform sampling lets devices repeat; single-participation epsilon UNDERSTATES the loss",
-    }
+    privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
+                                model_noise_multiplier=z_model, stopped_early=stopped_early)
     run.write_json("privacy.json", privacy)
     summary = {
         "final": final, "unigram_baseline": baseline,
         "wall_seconds": time.perf_counter() - t_start, "parameters": int(server.theta.size),
+        "rounds_completed": len(metrics), "stopped_early": stopped_early,
+        "simulated_hours": participation.hours(participation.slot),
     }
     run.write_json("summary.json", summary)
-    return SimulationResult(run.path, metrics, final, baseline, privacy)
+    return SimulationResult(run.path, metrics, final, baseline, privacy, stopped_early)
 
 
-def _write_checkpoint(folder: Path, model, model_cfg, tokenizer, server: DPFTRLServer) -> None:
-    """Model weights (safetensors), architecture, tokenizer and the DP server state."""
+def _write_checkpoint(folder: Path, model, model_cfg, tokenizer, server: DPFTRLServer, *,
+                      clip_estimator: dict | None = None) -> None:
+    """Model weights (safetensors), architecture, tokenizer, the DP server and clip estimator state."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_torch(state, str(folder / "model.safetensors"))
@@ -233,5 +275,6 @@ def _write_checkpoint(folder: Path, model, model_cfg, tokenizer, server: DPFTRLS
     meta = {k: v for k, v in tree.items() if k != "noise"}
     atomic_write(
         folder / "server_state.json",
-        json.dumps({"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta}, indent=2),
+        json.dumps({"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
+                    "clip_estimator": clip_estimator}, indent=2),
     )

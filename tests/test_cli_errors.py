@@ -48,7 +48,7 @@ def test_missing_config_file(tmp_path):
     [
         ({"rounds": "ten"}, "must be int"),
         ({"dp": {"clip_norm": -1.0}}, "dp.clip_norm must be > 0"),
-        ({"dp": {"sampling": "poisson"}}, "must be one of"),
+        ({"participation": {"mode": "poisson"}}, "must be one of"),
         ({"model": {"arch": "gru"}}, "unknown architecture"),
         ({"data": 3}, "must be a table"),
         ({"rounds": True}, "must be int"),

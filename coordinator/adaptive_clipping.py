@@ -1,0 +1,111 @@
+"""Adaptive clipping inside DP-FTRL (paper 002 Alg. 1 and App. A; Andrew et al. 2021).
+
+Each device also reports one bit, b = [||delta|| <= C^t], whether its update norm is below the
+current quantile estimate C^t. The coordinator sums the bits with the tree mechanism, like the
+model deltas: b~^t is the tree-noised *prefix* sum over the rounds k <= t of the current tree
+(PrivateSum in Alg. 1), as a fraction of the report goal m, and
+
+    C^{t+1} = C_0 * exp(-eta * (b~^t - n * gamma)),     n = rounds summed into b~^t,
+
+which is exactly Andrew et al.'s geometric update C <- C * exp(-eta * (b^t - gamma)) unrolled,
+except that the noise of the unrolled sum is the tree's (O(log n) node variances), not n
+independent draws. (Alg. 1 writes "t * gamma" next to a prefix over k in [0, t], i.e. t + 1
+rounds; n counts the rounds actually summed, which is the unrolled update.) The estimate is
+tracked every round but becomes the clip norm only when a tree restarts (the tree's sensitivity
+assumes one clip norm); both trees restart together and C_0 becomes the estimate at the restart.
+
+Privacy (App. A, Thm. 1): the bits are summed centred, b - 1/2, so one device moves the count by
+at most 1/2 and count noise sigma_b is a noise multiplier of 2 sigma_b. Model noise z_delta with
+1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2 makes the pair one Gaussian mechanism of noise
+multiplier z on the same tree, so the accountant keeps z (the config's noise multiplier).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from dpfleet.coordinator.tree_noise import TreeNoise
+from dpfleet.errors import DpfleetError
+
+FIRST_RESTART, RESTART_EVERY = 128, 1024  # paper 002 Alg. 1: R = {128 + 1024 i}
+
+
+def default_count_stddev(report_goal: int) -> float:
+    """sigma_b = m / 20 (paper 002 Alg. 1)."""
+    return report_goal / 20.0
+
+
+def default_restart_rounds(rounds: int) -> list[int]:
+    """Rounds (0-based, where a fresh tree starts) 128 + 1024 i below `rounds`.
+
+    A tree restarting at the start of round 128 spans rounds 0..127, then 1024 rounds each:
+    complete binary trees, the cheapest shape for the accountant.
+    """
+    return list(range(FIRST_RESTART, rounds, RESTART_EVERY))
+
+
+def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+    """z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the model's noise so that the whole is z (Thm. 1).
+
+    z = 0 (no DP) gives 0. Raises when sigma_b is too small to leave room: 2 sigma_b <= z.
+    """
+    z, sigma_b = float(noise_multiplier), float(count_stddev)
+    if z < 0 or sigma_b < 0:
+        raise DpfleetError("noise multiplier and clipped-count stddev must be >= 0")
+    if z == 0:
+        return 0.0
+    if 2.0 * sigma_b <= z:
+        raise DpfleetError(
+            f"adaptive clipping needs 2 * clip_count_stddev > noise_multiplier, got sigma_b = "
+            f"{sigma_b:g} for z = {z:g}: the clipped counts would use up all of the privacy budget"
+        )
+    return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
+
+
+class QuantileClipEstimator:
+    """Private estimate of the gamma-quantile of update norms, with tree-noised clipped counts."""
+
+    def __init__(self, initial_clip: float, report_goal: int, *, target_quantile: float = 0.5,
+                 learning_rate: float = 0.2, count_stddev: float | None = None, seed: int = 0):
+        if not initial_clip > 0:
+            raise DpfleetError(f"initial clip norm must be > 0, got {initial_clip}")
+        if not 0.0 < target_quantile < 1.0:
+            raise DpfleetError(f"target quantile must be in (0, 1), got {target_quantile}")
+        if not learning_rate > 0:
+            raise DpfleetError(f"clip learning rate must be > 0, got {learning_rate}")
+        sigma_b = default_count_stddev(report_goal) if count_stddev is None else count_stddev
+        if sigma_b < 0:
+            raise DpfleetError(f"clipped-count stddev must be >= 0, got {sigma_b}")
+        self.report_goal, self.gamma, self.eta = report_goal, target_quantile, learning_rate
+        self.count_stddev, self.seed = float(sigma_b), seed
+        self.estimate = self.base = float(initial_clip)
+        self.noised_prefix = 0.0  # tree-noised sum of (b - 1/2) over the current tree's rounds
+        self.tree = TreeNoise(1, self.count_stddev, seed, 0)
+
+    @property
+    def rounds_in_tree(self) -> int:
+        return self.tree.t
+
+    def update(self, norms: Sequence[float]) -> float:
+        """Add one round's bits (from the contributing devices' unclipped norms); new estimate."""
+        bits = np.asarray(norms, dtype=np.float64) <= self.estimate
+        self.noised_prefix += float(bits.sum() - 0.5 * bits.size) + float(self.tree.next_residual()[0])
+        n = self.tree.t
+        below = self.noised_prefix / self.report_goal + 0.5 * n  # b~: prefix sum of fractions
+        self.estimate = self.base * math.exp(-self.eta * (below - n * self.gamma))
+        return self.estimate
+
+    def restart(self) -> None:
+        """A new tree starts: the current estimate becomes the base of the next prefix sums."""
+        self.base = self.estimate
+        self.noised_prefix = 0.0
+        self.tree = TreeNoise(1, self.count_stddev, self.seed, self.tree.tree_id + 1)
+
+    def state_dict(self) -> dict:
+        tree = self.tree.state_dict()
+        tree["noise"] = [float(v[0]) for v in tree["noise"]]
+        return {"estimate": self.estimate, "base": self.base, "noised_prefix": self.noised_prefix,
+                "tree": tree}
