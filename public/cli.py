@@ -89,3 +89,101 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     summary = {key: manifest[key] for key in
                ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}
     click.echo(json.dumps(summary, indent=2))
+
+
+@public.command("pretrain")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), required=True,
+              help="on-device tokenizer folder (from `dpfleet public teacher-tokenizer`)")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="checkpoint folder (model.safetensors, model_config.json, tokenizer/)")
+@click.option("--kd-corpus", type=click.Path(path_type=Path),
+              help="distillation corpus (`dpfleet public distill-corpus`): train on its sequences "
+                   "with L_LM + BETA * L_KD; without it, plain L_LM on --dataset")
+@click.option("--beta", type=click.FloatRange(0), default=0.1, show_default=True,
+              help="weight of the distillation loss (paper: 1e-1..1e-3)")
+@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0,
+              show_default=True)
+@_corpus_options
+@click.option("--seq-len", type=click.IntRange(1), default=20, show_default=True,
+              help="--dataset records are cut into sequences of at most this many tokens")
+@click.option("--arch", type=click.Choice(["cifg", "lstm", "transformer"]), default="cifg",
+              show_default=True)
+@click.option("--embedding-dim", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--hidden-dim", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--projection-dim", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=3e-3, show_default=True,
+              help="Adam learning rate")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="replace an existing checkpoint in --out")
+def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, path, max_records,
+             seq_len, arch, embedding_dim, hidden_dim, projection_dim, steps, batch_size, lr, seed,
+             overwrite) -> None:
+    """Public pretraining of the on-device LM, with teacher distillation when --kd-corpus is given.
+
+    The checkpoint initialises private training (`[simulation.tokenizer] path` must then be the
+    same tokenizer) and can be exported with `dpfleet export`. Public data only: no privacy cost.
+    """
+    from dpfleet.edge.tokenizer import load_tokenizer
+    from dpfleet.errors import DpfleetError
+    from dpfleet.export.checkpoint import WEIGHTS, save_checkpoint
+    from dpfleet.export.models import ModelConfig, build_model
+    from dpfleet.export.params import get_flat, set_flat
+    from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_evaluate, kd_train
+    from dpfleet.public.topk import TopKCorpus, student_sequences
+
+    if (Path(out) / WEIGHTS).is_file() and not overwrite:
+        raise DpfleetError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if kd_corpus:
+        corpus = TopKCorpus(kd_corpus)
+        if int(corpus.tokens.max()) >= tokenizer.vocab_size:
+            raise DpfleetError(f"{kd_corpus} holds ids beyond the tokenizer's {tokenizer.vocab_size}")
+    else:
+        texts = _public_texts(dataset, split, path, max_records)
+        corpus, beta = PlainCorpus(student_sequences(texts, tokenizer, seq_len)), 0.0
+    model_cfg = ModelConfig(arch=arch, vocab_size=tokenizer.vocab_size, embedding_dim=embedding_dim,
+                            hidden_dim=hidden_dim, projection_dim=projection_dim,
+                            max_length=max(32, seq_len + 1))
+    import torch
+
+    torch.manual_seed(seed)
+    theta0 = get_flat(build_model(model_cfg))
+    cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
+                        temperature=temperature, seed=seed)
+    theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,
+                              desc="KD pretraining" if kd_corpus else "pretraining")
+    model = build_model(model_cfg)
+    set_flat(model, theta)
+    save_checkpoint(out, model, model_cfg, tokenizer)
+    held = range(min(len(corpus), 512))
+    result = {"steps": steps, "beta": beta, "sequences": len(corpus), "history": history,
+              "before": kd_evaluate(model_cfg, theta0, corpus, held, temperature),
+              "after": kd_evaluate(model_cfg, theta, corpus, held, temperature)}
+    (Path(out) / "pretrain.json").write_text(json.dumps(result, indent=2, default=float))
+    click.echo(json.dumps({k: result[k] for k in ("sequences", "before", "after")}, default=float))
+
+
+@public.command("pipeline")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="run folder")
+@click.option("--overwrite", is_flag=True, help="replace a finished pipeline in --out")
+@click.option("--quiet", is_flag=True, help="no progress bars")
+def pipeline(config, out, overwrite, quiet) -> None:
+    """Private FL with public training (paper 000 Algorithm 1) from one TOML CONFIG.
+
+    First-stage DP-FTRL for T' = [public] first_stage_rounds; distribution matching of the
+    [pool] records by (1 - match_beta) * l_pub + match_beta * l_priv; public mid-training with
+    L_LM + kd_beta * L_KD on the top `fraction`; second-stage DP-FTRL to [simulation] rounds, on
+    the same DP-FTRL server, accounted over all rounds. selection = "random" / "none" and
+    first_stage_rounds = 0 give the baselines (mid-training on a random q, no public data,
+    public pre-training). Writes pipeline.json, pool.npz, scores.npz, simulation/, summary.json.
+    """
+    from dpfleet.public.pipeline import load_pipeline, run_pipeline
+
+    summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, progress=not quiet,
+                           log=click.echo)
+    keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
+            "final", "epsilon")
+    click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=float))

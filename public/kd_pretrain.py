@@ -1,0 +1,136 @@
+"""Public training with distillation: L_pub = L_LM + beta * L_KD over a top-k corpus (paper 000
+Sec. 4.1), from any starting theta.
+
+One loop serves both places public training happens in paper 000: *pre*-training before the first
+private round (theta = the seeded init) and *mid*-training between the two DP-FTRL stages of
+Algorithm 1 (theta = the DP checkpoint at round T'). It trains on a subset of a corpus's
+sequences (all of them, a random q, or the distribution-matched q) and beta = 0 is plain L_LM.
+Public data only, so it costs no privacy. Adam with gradient clipping at 1, like pretrain.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dpfleet.edge.tokenizer import BOS, PAD
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.export.params import get_flat, set_flat
+from dpfleet.public.kd import public_loss
+from dpfleet.public.topk import KDBatch
+
+
+@dataclass(frozen=True)
+class KDTrainConfig:
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 3e-3  # Adam
+    beta: float = 0.1  # weight of L_KD; 0 = plain next-token loss
+    temperature: float = 1.0
+    seed: int = 0
+
+
+class PlainCorpus:
+    """Token sequences without teacher labels, batched like `TopKCorpus` (L_KD is then 0)."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]]):
+        self.sequences = [list(s) for s in sequences]
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def batch(self, indices: Sequence[int]) -> KDBatch:
+        seqs = [self.sequences[i] for i in indices]
+        width = max(map(len, seqs))
+        targets = torch.full((len(seqs), width), PAD, dtype=torch.long)
+        inputs = torch.full((len(seqs), width), PAD, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            targets[b, : len(s)] = torch.as_tensor(s)
+            inputs[b, 0] = BOS
+            inputs[b, 1 : len(s)] = torch.as_tensor(s[:-1])
+        ids = torch.full((len(seqs), width, 1), PAD, dtype=torch.long)
+        return KDBatch(inputs, targets, ids, torch.full(ids.shape, float("-inf")))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _losses(model: torch.nn.Module, batch: KDBatch, beta: float, temperature: float, device):
+    inputs, targets, ids, logits = (t.to(device) for t in
+                                    (batch.inputs, batch.targets, batch.topk_ids, batch.topk_logits))
+    return public_loss(model(inputs), targets, ids, logits, beta, temperature, PAD)
+
+
+def kd_train(
+    model_cfg: ModelConfig,
+    theta: np.ndarray,
+    corpus,
+    indices: Sequence[int] | None,
+    cfg: KDTrainConfig,
+    *,
+    progress: bool = True,
+    desc: str = "public training",
+) -> tuple[np.ndarray, list[dict]]:
+    """Train from `theta` on `corpus` sequences `indices` (all when None) for `cfg.steps` steps.
+
+    `corpus` is a `TopKCorpus` or a `PlainCorpus`. Returns the new flat weights and a short
+    history of smoothed (L_pub, L_LM, L_KD).
+    """
+    pool = np.arange(len(corpus)) if indices is None else np.asarray(indices, dtype=np.int64)
+    if len(pool) == 0:
+        raise DpfleetError("public training got no sequences (raise the fraction q)")
+    if cfg.beta < 0 or cfg.steps < 0:
+        raise DpfleetError("public training needs beta >= 0 and steps >= 0")
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg)
+    set_flat(model, theta)
+    if cfg.steps == 0:
+        return get_flat(model), []
+    device = _device()
+    model.to(device).train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    rng = np.random.default_rng(cfg.seed)
+    steps = range(cfg.steps)
+    if progress:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc=f"{desc} ({device})", unit="step", leave=False)
+    history, ema = [], None
+    for step in steps:
+        batch = corpus.batch(rng.choice(pool, size=min(cfg.batch_size, len(pool)), replace=False))
+        loss, lm, kd = _losses(model, batch, cfg.beta, cfg.temperature, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        now = np.array([loss.item(), lm.item(), kd.item()])
+        ema = now if ema is None else 0.9 * ema + 0.1 * now
+        if step == 0 or (step + 1) % max(1, cfg.steps // 10) == 0:
+            history.append({"step": step + 1, "loss": ema[0], "lm": ema[1], "kd": ema[2]})
+        if progress:
+            steps.set_postfix(lm=f"{ema[1]:.3f}", kd=f"{ema[2]:.3f}", refresh=False)
+    model.to("cpu")
+    return get_flat(model), history
+
+
+@torch.no_grad()
+def kd_evaluate(model_cfg: ModelConfig, theta: np.ndarray, corpus, indices: Sequence[int],
+                temperature: float = 1.0, batch_size: int = 256) -> dict:
+    """Mean L_LM and L_KD of `theta` on `corpus` sequences `indices` (position-weighted)."""
+    model = build_model(model_cfg)
+    set_flat(model, theta)
+    model.eval()
+    totals, weight = np.zeros(2), 0
+    idx = np.asarray(indices)
+    for start in range(0, len(idx), batch_size):
+        batch = corpus.batch(idx[start : start + batch_size])
+        _, lm, kd = _losses(model, batch, 0.0, temperature, torch.device("cpu"))
+        n = int((batch.targets != PAD).sum())
+        totals += n * np.array([lm.item(), kd.item()])
+        weight += n
+    return {"lm": totals[0] / weight, "kd": totals[1] / weight}

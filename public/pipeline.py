@@ -1,0 +1,273 @@
+"""Algorithm 1 of paper 000 end to end, from one TOML file: private FL with public training.
+
+    1. first-stage DP-FTRL for T' rounds                          (the round engine)
+    2. score every public record: l_priv (DP checkpoint), l_pub (teacher)      (matching.py)
+    3. keep the top q by (1 - beta) l_pub + beta l_priv                        (matching.py)
+    4. public mid-training on that selection with L_LM + beta_kd L_KD      (kd_pretrain.py)
+    5. second-stage DP-FTRL for T - T' rounds                             (the round engine)
+
+Steps 2-4 run inside one simulation through its `before_round` hook at round T', so the DP-FTRL
+server (tree, momentum, round counter) simply continues with the new theta and the privacy
+report covers all T rounds: public training is post-processing of a DP release and needs no
+restart. The same file also gives every row of paper 000's Table 2: `selection = "none"` (no
+public data), `first_stage_rounds = 0` (public *pre*-training, random q, with or without KD),
+`selection = "random"` (mid-training on a random q) and `"match"` (distribution matching);
+`match_beta = 1` is Table 3's l_priv-only ablation.
+
+The teacher's work (the trimmed tokenizer, top-k labels and log-probs of the pool) is cached in
+`$DPFLEET_CACHE/public/` keyed by its inputs, and the top-k shards resume, so variants of one
+pool pay for the teacher once.
+
+Config layout (strict, like the simulate config):
+
+    [public]      teacher, vocab_size, first_stage_rounds, selection, fraction, match_beta,
+                  kd_beta, temperature, steps, batch_size, lr, k, batch_tokens, vocab_records
+    [pool]        sources, records, seq_len, seed
+    [simulation]  a full `dpfleet simulate` config (rounds = T; private data, model, dp, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.coordinator.config import SimulationConfig, _build, parse_config
+from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import build_model
+from dpfleet.export.params import set_flat
+from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
+from dpfleet.public.matching import (
+    Pool,
+    build_pool,
+    match_scores,
+    random_fraction,
+    source_report,
+    student_logprobs,
+    teacher_logprobs,
+    top_fraction,
+)
+from dpfleet.public.teacher_tokenizer import TeacherVocab
+
+SELECTIONS = ("none", "random", "match")
+
+
+@dataclass
+class PublicSection:
+    teacher: str = "gemma3-270m"  # packaged name or a Hugging Face folder
+    vocab_size: int = 4096  # on-device vocabulary trimmed from the teacher's (unless tokenizer.path)
+    vocab_records: int = 20_000  # WikiText-2 records that choose the kept pieces
+    first_stage_rounds: int = -1  # T'; -1 = rounds // 2; 0 = public pre-training
+    selection: str = "match"  # "none" | "random" | "match"
+    fraction: float = 0.1  # q: share of the pool trained on
+    match_beta: float = 0.5  # weight of l_priv in the ranking (1 = l_priv only)
+    kd_beta: float = 0.1  # weight of L_KD (0 = plain next-token loss, no teacher labels)
+    temperature: float = 1.0
+    steps: int = 200  # public training steps
+    batch_size: int = 32
+    lr: float = 3e-3
+    k: int = 10  # teacher logits kept per position
+    batch_tokens: int = 1024  # teacher batch size in tokens
+
+
+@dataclass
+class PoolSection:
+    sources: list[str] = field(default_factory=lambda: ["wikitext2", "kjv", "shakespeare-collab"])
+    records: list[int] = field(default_factory=lambda: [600, 200, 200])
+    seq_len: int = 20
+    seed: int = 0
+
+
+@dataclass
+class PipelineConfig:
+    public: PublicSection = field(default_factory=PublicSection)
+    pool: PoolSection = field(default_factory=PoolSection)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+
+    @property
+    def switch_round(self) -> int:
+        t = self.public.first_stage_rounds
+        return self.simulation.rounds // 2 if t == -1 else t
+
+    def resolved(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_pipeline(values: dict) -> PipelineConfig:
+    values = dict(values)
+    sim = parse_config(values.pop("simulation", {}))
+    parts = _build(PipelineConfig, values, "")
+    cfg = dataclasses.replace(parts, simulation=sim)
+    p = cfg.public
+    checks = [
+        (p.selection in SELECTIONS, f"public.selection must be one of {SELECTIONS}"),
+        (-1 <= p.first_stage_rounds < sim.rounds,
+         "public.first_stage_rounds must be in [0, simulation.rounds) (or -1: rounds // 2)"),
+        (p.selection != "match" or cfg.switch_round >= 1,
+         "distribution matching needs a DP checkpoint: public.first_stage_rounds >= 1"),
+        (0 < p.fraction <= 1, "public.fraction must be in (0, 1]"),
+        (0 <= p.match_beta <= 1, "public.match_beta must be in [0, 1]"),
+        (p.kd_beta >= 0 and p.temperature > 0, "public.kd_beta >= 0 and temperature > 0"),
+        (p.steps >= 0 and p.batch_size >= 1 and p.lr > 0, "public.steps/batch_size/lr out of range"),
+        (1 <= p.k <= 64, "public.k must be in [1, 64]"),
+        (len(cfg.pool.sources) == len(cfg.pool.records) and cfg.pool.sources,
+         "pool.sources and pool.records must be non-empty lists of the same length"),
+        (all(isinstance(n, int) and n >= 1 for n in cfg.pool.records), "pool.records must be >= 1"),
+        (cfg.pool.seq_len >= 4, "pool.seq_len must be >= 4"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise DpfleetError(message)
+    return cfg
+
+
+def load_pipeline(path: Path) -> PipelineConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise DpfleetError(f"pipeline config not found: {path}")
+    try:
+        return parse_pipeline(tomllib.loads(path.read_text()))
+    except tomllib.TOMLDecodeError as exc:
+        raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def teacher_vocab(cfg: PipelineConfig, log: Callable[[str], None]) -> TeacherVocab:
+    """The on-device tokenizer: simulation.tokenizer.path, or the teacher's trimmed (cached)."""
+    if cfg.simulation.tokenizer.path:
+        return TeacherVocab.load(Path(cfg.simulation.tokenizer.path))
+    from dpfleet.edge.datasets import load_records
+    from dpfleet.public.teacher import resolve_teacher
+    from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
+
+    p = cfg.public
+    folder = cache_dir() / "public" / f"vocab-{_digest(p.teacher, p.vocab_size, p.vocab_records)}"
+    if (folder / "teacher.json").is_file():
+        return TeacherVocab.load(folder)
+    log(f"trimming {p.teacher}'s vocabulary to {p.vocab_size} pieces -> {folder}")
+    texts = [r.text for r in load_records("wikitext2")[: p.vocab_records]]
+    return build_teacher_vocab(load_teacher_spm(resolve_teacher(p.teacher)), texts, p.vocab_size,
+                               folder, p.teacher)
+
+
+class TeacherWork:
+    """The teacher's labels for one pool, computed on first use and cached on disk."""
+
+    def __init__(self, cfg: PipelineConfig, vocab: TeacherVocab, pool: Pool, progress: bool):
+        p = cfg.public
+        key = _digest(p.teacher, vocab.meta, pool.fingerprint(), p.k)
+        self.folder = cache_dir() / "public" / f"pool-{key}"
+        self.cfg, self.vocab, self.pool, self.progress = cfg, vocab, pool, progress
+        self._extractor = None
+
+    def extractor(self):
+        if self._extractor is None:
+            from dpfleet.public.teacher import load_teacher
+            from dpfleet.public.topk import TopKExtractor
+
+            p = self.cfg.public
+            self._extractor = TopKExtractor(load_teacher(p.teacher), self.vocab, p.k)
+        return self._extractor
+
+    def corpus(self):
+        from dpfleet.public.topk import TopKCorpus, build_corpus
+
+        if not (self.folder / "topk" / "manifest.json").is_file() or "shards" not in json.loads(
+                (self.folder / "topk" / "manifest.json").read_text()):
+            build_corpus(self.extractor(), self.pool.sequences, self.folder / "topk",
+                         batch_tokens=self.cfg.public.batch_tokens, progress=self.progress)
+        corpus = TopKCorpus(self.folder / "topk")
+        if len(corpus) != len(self.pool.sequences):
+            raise DpfleetError(f"{self.folder / 'topk'} does not match the pool; delete it")
+        return corpus
+
+    def logprobs(self) -> np.ndarray:
+        path = self.folder / "l_pub.npy"
+        if not path.is_file():
+            scores = teacher_logprobs(self.extractor(), self.pool.sequences,
+                                      self.cfg.public.batch_tokens, self.progress)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            np.save(path.with_suffix(".tmp.npy"), scores)
+            path.with_suffix(".tmp.npy").replace(path)
+        return np.load(path)
+
+
+def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, progress: bool = True,
+                 log: Callable[[str], None] = print) -> dict:
+    """Run Algorithm 1 (or the Table 2 variant `cfg.public` describes) into run folder `out`."""
+    from dpfleet.coordinator.simulation import run_simulation
+
+    out = Path(out)
+    if (out / "summary.json").is_file() and not overwrite:
+        raise DpfleetError(f"{out} holds a finished pipeline; pass --overwrite or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    p = cfg.public
+    vocab = teacher_vocab(cfg, log)
+    tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
+    sim = dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
+        cfg.simulation.tokenizer, kind="sentencepiece", path=tok_path))
+    atomic_write(out / "pipeline.json", json.dumps(
+        dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
+    pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
+                      cfg.pool.seed)
+    pool.save(out / "pool.npz")
+    teacher = TeacherWork(cfg, vocab, pool, progress)
+    model_cfg = dataclasses.replace(sim.model, vocab_size=vocab.tokenizer.vocab_size)
+    switch = cfg.switch_round
+    report: dict = {"switch_round": switch, "selection": p.selection, "pool_size": len(pool.sequences)}
+
+    def public_training(r: int, theta: np.ndarray) -> np.ndarray | None:
+        if r != switch or p.selection == "none":
+            return None
+        t0 = time.perf_counter()
+        if p.selection == "match":
+            model = build_model(model_cfg)
+            set_flat(model, theta)
+            l_priv = student_logprobs(model, pool.sequences)
+            l_pub = teacher.logprobs() if p.match_beta < 1 else None
+            chosen = top_fraction(match_scores(l_pub, l_priv, p.match_beta), p.fraction)
+            np.savez(out / "scores.npz", l_priv=l_priv,
+                     l_pub=l_pub if l_pub is not None else np.full_like(l_priv, np.nan))
+        else:
+            chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
+        corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
+        kd_cfg = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=p.kd_beta,
+                               temperature=p.temperature, seed=sim.seed)
+        stage = "pre-training" if r == 0 else f"mid-training at round {r}"
+        new_theta, history = kd_train(model_cfg, theta, corpus, chosen, kd_cfg, progress=progress,
+                                      desc=f"public {stage}")
+        report.update(selected=len(chosen), sources=source_report(pool.sources, chosen),
+                      public_training=history, public_seconds=time.perf_counter() - t0,
+                      selected_indices=[int(i) for i in chosen])
+        shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
+        log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")
+        return new_theta
+
+    result = run_simulation(sim, out / "simulation", overwrite=True, progress=progress, log=log,
+                            before_round=public_training)
+    at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
+    summary = {
+        **report,
+        "final": result.final,
+        "accuracy_before_public_training": at_switch[0]["accuracy"] if at_switch else None,
+        "epsilon": result.privacy.get("epsilon"),
+        "privacy": result.privacy,
+        "rounds_completed": len(result.metrics),
+        "stopped_early": result.stopped_early,
+        "wall_seconds": time.perf_counter() - start,
+    }
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=float))
+    return summary
