@@ -154,9 +154,9 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
         privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)
-        _trivial_report(run_dir, "no round ran, so nothing about any device was released (eps = 0)."
+        _trivial_report(run_dir, "No round ran, so nothing about any device was released (eps = 0)."
                         if accountant.rounds == 0 else
-                        "none: the noise multiplier is 0, so the run is not differentially "
+                        "None: the noise multiplier is 0, so the run is not differentially "
                         "private (eps = inf).")
         return privacy
     summary = summarize_privacy(run_dir, setting)
