@@ -178,7 +178,8 @@ def pipeline(config, out, overwrite, quiet) -> None:
     L_LM + kd_beta * L_KD on the top `fraction`; second-stage DP-FTRL to [simulation] rounds, on
     the same DP-FTRL server, accounted over all rounds. selection = "random" / "none" and
     first_stage_rounds = 0 give the baselines (mid-training on a random q, no public data,
-    public pre-training). Writes pipeline.json, pool.npz, scores.npz, simulation/, summary.json.
+    public pre-training). Writes pipeline.json, pool.npz, first_stage_theta.npy, scores.npz,
+    simulation/ (the run, privacy over all rounds) and summary.json.
     """
     from dpfleet.public.pipeline import load_pipeline, run_pipeline
 

@@ -233,6 +233,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, pro
         if r != switch or p.selection == "none":
             return None
         t0 = time.perf_counter()
+        np.save(out / "first_stage_theta.npy", theta)  # the DP checkpoint at round T'
         if p.selection == "match":
             model = build_model(model_cfg)
             set_flat(model, theta)

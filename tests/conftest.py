@@ -11,3 +11,47 @@ def shakespeare_records():
     from dpfleet.edge.datasets import load_records
 
     return load_records("shakespeare")
+
+
+def _mixed_public_lines(n: int) -> list[str]:
+    """Real text of the pool's three styles (encyclopedic, biblical, Elizabethan)."""
+    from dpfleet.edge.datasets import load_records
+
+    out = []
+    for name in ("wikitext2", "kjv", "shakespeare-collab"):
+        out += [r.text for r in load_records(name)[: n // 3]]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """A tiny random 2-layer Llama teacher whose BPE vocabulary (Gemma's special-id order:
+    pad 0, eos 1, bos 2, unk 3) is trained on the public pool's styles."""
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-teacher")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_mixed_public_lines(3000)), model_prefix=str(folder / "tokenizer"),
+        model_type="bpe", vocab_size=900, byte_fallback=True, pad_id=0, eos_id=1, bos_id=2,
+        unk_id=3, num_threads=1, minloglevel=2,
+    )
+    (folder / "tokenizer.vocab").unlink()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=900, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_vocab(tiny_teacher_dir, tmp_path_factory):
+    """The tiny teacher's vocabulary trimmed to 700 on-device pieces."""
+    from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
+
+    out = tmp_path_factory.mktemp("tiny-vocab")
+    return build_teacher_vocab(load_teacher_spm(tiny_teacher_dir), _mixed_public_lines(1500), 700,
+                               out, str(tiny_teacher_dir))
