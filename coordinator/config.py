@@ -83,7 +83,10 @@ class ParticipationSection:
 
 @dataclass
 class AggregationSection:
-    kind: str = "plain"  # "plain" | "secagg"
+    kind: str = "plain"  # "plain" | "secagg" (pairwise-mask secure aggregation, in-process)
+    bits: int = 32  # secagg ring Z_(2^bits)
+    graph: str = "harary"  # secagg masking graph: "harary" (SecAgg+) | "complete" (SecAgg)
+    dropout: float = 0.0  # secagg: fraction of clients simulated to drop after sharing keys
 
 
 @dataclass
@@ -108,6 +111,7 @@ _CHOICES = {
     "client.runtime": ("eager", "executorch", "onnx"),
     "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),
+    "aggregation.graph": ("harary", "complete"),
 }
 
 _MOVED = {"dp.sampling": "participation.mode"}

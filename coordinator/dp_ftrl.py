@@ -27,6 +27,9 @@ class DPFTRLConfig:
     momentum: float = 0.9
     restart_rounds: tuple[int, ...] = ()  # 0-based rounds at whose start a new tree begins
     seed: int = 0
+    # One client's L2 contribution to the sum is at most clip_norm * sensitivity_factor; > 1 when
+    # secure aggregation's discretization inflates norms, so the noise must grow with it.
+    sensitivity_factor: float = 1.0
 
 
 class DPFTRLServer:
@@ -41,7 +44,7 @@ class DPFTRLServer:
         self.tree = self._new_tree(0)
 
     def _new_tree(self, tree_id: int) -> TreeNoise:
-        std = self.cfg.noise_multiplier * self.clip_norm
+        std = self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
         return TreeNoise(self.theta.size, std, self.cfg.seed, tree_id)
 
     @property

@@ -42,7 +42,7 @@ from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
 from dpfleet.errors import DpfleetError
-from dpfleet.export.models import build_model
+from dpfleet.export.models import build_model, count_parameters
 from dpfleet.export.params import get_flat, set_flat
 
 
@@ -88,7 +88,18 @@ def make_aggregator(cfg: SimulationConfig) -> Aggregator:
         from dpfleet.secagg.aggregator import SecAggAggregator
     except ImportError as exc:
         raise DpfleetError(f"secure aggregation is not available: {exc}") from exc
-    return SecAggAggregator(clip_norm=cfg.dp.clip_norm)
+    return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
+                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout)
+
+
+def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
+    """How much secure aggregation's discretization inflates one client's L2 contribution."""
+    if cfg.aggregation.kind == "plain":
+        return 1.0
+    from dpfleet.secagg.encoding import Discretizer
+
+    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal, seed=0)
+    return disc.norm_inflation
 
 
 def _seed(*parts: object) -> int:
@@ -120,8 +131,15 @@ def run_simulation(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
 ) -> SimulationResult:
-    """Run a whole simulation and write its run directory."""
+    """Run a whole simulation and write its run directory.
+
+    `before_round(r, theta)` runs before each round's clients train; a returned array replaces
+    the server's theta (public training between private rounds: post-processing, so it costs no
+    privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
+    all rounds.
+    """
     run = RunDir(out, overwrite=overwrite)
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
@@ -151,6 +169,7 @@ def run_simulation(
             noise_multiplier=z_model, clip_norm=cfg.dp.clip_norm,
             report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr, momentum=cfg.dp.momentum,
             restart_rounds=tuple(restarts), seed=_seed(cfg.seed, "tree"),
+            sensitivity_factor=sensitivity_factor(cfg, count_parameters(model)),
         ),
     )
     test_rows = data.test_examples(cfg.data.eval_examples or None)
@@ -187,6 +206,9 @@ def run_simulation(
         if restart and estimator is not None:  # the clip estimate becomes the clip norm
             server.restart(estimator.estimate)
             estimator.restart()
+        public_update = before_round(r, server.theta) if before_round else None
+        if public_update is not None:
+            server.theta = np.asarray(public_update, dtype=np.float32).copy()
         updates = [
             client_update(
                 runtime, server.theta, data.train[i].examples, lr=cfg.client.lr,
@@ -226,6 +248,10 @@ def run_simulation(
         }
         if estimator is not None:
             record["clip_estimate"] = estimator.estimate
+        if agg.info:  # secure aggregation's costs and guarantees, scalars only
+            record["aggregation"] = {
+                k: v for k, v in agg.info.items() if isinstance(v, int | float | str | bool)
+            }
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             set_flat(model, server.theta)
             ev = evaluate(model, test_rows)
