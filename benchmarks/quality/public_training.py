@@ -1,0 +1,183 @@
+"""Paper 000 Table 2 / Table 3 / Fig. 3 analogues at laptop scale, with `dpfleet public pipeline`.
+
+Private: Shakespeare without its collaborative plays (`shakespeare-solo`). Public pool: WikiText-2,
+the King James Bible and the collaborative plays (`shakespeare-collab`: same author, other
+plays), so matching has an in-style source to find. Teacher: Gemma-3-270M (packaged GGUF); its
+vocabulary trimmed to 4096 pieces is the on-device tokenizer of every row.
+
+Rows (T' = T / 2 for mid-training, the same number of public steps everywhere):
+  none         no public training
+  pre-100      public pre-training (T' = 0) on 100% of the pool, L_LM
+  pre-kd       public pre-training on a random q_small with KD
+  mid          mid-training on a random q, L_LM
+  mid-kd       + KD
+  mid-kd-dm    + distribution matching ((l_pub + l_priv) / 2)
+  mid-kd-priv  Table 3: matching on l_priv only
+
+    python benchmarks/quality/public_training.py --seeds 0 1 2 --noise 0.5 2.0
+
+Writes public_training.json / .md and fig3_ppl_scatter.png next to this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).parent
+
+VARIANTS = {
+    "none": {"selection": "none"},
+    "pre-100": {"first_stage_rounds": 0, "selection": "random", "fraction": 1.0, "kd_beta": 0.0},
+    "pre-kd": {"first_stage_rounds": 0, "selection": "random", "fraction": "small", "kd_beta": 0.1},
+    "mid": {"selection": "random", "kd_beta": 0.0},
+    "mid-kd": {"selection": "random", "kd_beta": 0.1},
+    "mid-kd-dm": {"selection": "match", "match_beta": 0.5, "kd_beta": 0.1},
+    "mid-kd-priv": {"selection": "match", "match_beta": 1.0, "kd_beta": 0.1},
+}
+
+
+def config(args, variant: str, noise: float, seed: int) -> dict:
+    public = {"teacher": args.teacher, "vocab_size": 4096, "fraction": args.q, "steps": args.steps,
+              "batch_size": 32, "lr": 3e-3}
+    public.update(VARIANTS[variant])
+    if public["fraction"] == "small":
+        public["fraction"] = args.q_small
+    return {
+        "public": public,
+        "pool": {"sources": ["wikitext2", "kjv", "shakespeare-collab"], "records": args.pool,
+                 "seq_len": 16, "seed": 0},
+        "simulation": {
+            "rounds": args.rounds, "eval_every": args.rounds // 2, "seed": seed,
+            "data": {"dataset": "shakespeare-solo", "seq_len": 16, "max_examples": 64,
+                     "max_clients": args.rounds * args.report_goal, "eval_examples": 1500},
+            "model": {"arch": "cifg", "embedding_dim": 64, "hidden_dim": 128, "projection_dim": 64},
+            "client": {"lr": 1.0, "batch_size": 16},
+            "dp": {"noise_multiplier": noise, "clip_norm": 1.0, "report_goal": args.report_goal,
+                   "server_lr": 1.0, "momentum": 0.9},
+        },
+    }
+
+
+def fig3(run: Path, teacher_work, vocab, model_cfg, private_texts: list[str], png: Path) -> dict:
+    """Per-record perplexity under the DP checkpoint at T' vs the teacher, pool and private."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dpfleet.export.models import build_model
+    from dpfleet.export.params import set_flat
+    from dpfleet.public.matching import student_logprobs, teacher_logprobs
+
+    with np.load(run / "scores.npz") as z:
+        l_priv, l_pub = z["l_priv"], z["l_pub"]
+    with np.load(run / "pool.npz") as z:
+        sources = z["sources"]
+    seqs = [ids for ids in (vocab.tokenizer.encode(t)[:16] for t in private_texts) if len(ids) >= 4]
+    model = build_model(model_cfg)
+    set_flat(model, np.load(run / "first_stage_theta.npy"))
+    priv_student = student_logprobs(model, seqs)
+    priv_teacher = teacher_logprobs(teacher_work.extractor(), seqs, progress=False)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    groups = {s: (np.exp(-l_priv[sources == s]), np.exp(-l_pub[sources == s]))
+              for s in dict.fromkeys(sources)}
+    groups["private (held-out shakespeare-solo)"] = (np.exp(-priv_student), np.exp(-priv_teacher))
+    for name, (x, y) in groups.items():
+        ax.scatter(x, y, s=8, alpha=0.5, label=name)
+    ax.set(xscale="log", yscale="log", xlabel="PPL under the private LM (DP checkpoint at T')",
+           ylabel="PPL under the teacher (Gemma-3-270M)", title="Fig. 3 analogue")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return {name: {"median_ppl_private_lm": float(np.median(x)), "median_ppl_teacher": float(np.median(y)),
+                   "records": len(x)} for name, (x, y) in groups.items()}
+
+
+def markdown(results: list[dict], args) -> str:
+    lines = [f"T = {args.rounds} rounds, report goal {args.report_goal}, pool {args.pool} "
+             f"(wikitext2, kjv, shakespeare-collab), q = {args.q}, q_small = {args.q_small}, "
+             f"{args.steps} public steps. Accuracy on held-out private clients (mean ± std over seeds).",
+             "", "| row | noise z | eps | accuracy | acc. at T' (before public) | selected from "
+             "wikitext2 / kjv / collab |", "|---|---|---|---|---|---|"]
+    keys = sorted({(r["variant"], r["noise"]) for r in results},
+                  key=lambda k: (k[1], list(VARIANTS).index(k[0])))
+    for variant, noise in keys:
+        rows = [r for r in results if r["variant"] == variant and r["noise"] == noise]
+        acc = np.array([r["accuracy"] for r in rows]) * 100
+        before = [r["accuracy_before_public_training"] for r in rows]
+        before_s = "" if before[0] is None else f"{np.mean(before) * 100:.2f}"
+        src = rows[0].get("sources") or {}
+        picked = " / ".join(str(src.get(s, {}).get("selected", "-"))
+                            for s in ("wikitext2", "kjv", "shakespeare-collab")) if src else "-"
+        std = f" ± {acc.std():.2f}" if len(acc) > 1 else ""
+        lines.append(f"| {variant} | {noise} | {rows[0]['epsilon']:.2f} | {acc.mean():.2f}{std} | "
+                     f"{before_s} | {picked} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--noise", type=float, nargs="+", default=[0.5, 2.0])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--report-goal", type=int, default=20)
+    ap.add_argument("--pool", type=int, nargs=3, default=[200, 100, 100])
+    ap.add_argument("--q", type=float, default=0.2)
+    ap.add_argument("--q-small", type=float, default=0.05)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--teacher", default="gemma3-270m")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-quality"))
+    args = ap.parse_args()
+
+    import torch
+
+    from dpfleet.public.pipeline import parse_pipeline, run_pipeline
+
+    torch.set_num_threads(1)
+    results = []
+    for noise in args.noise:
+        for seed in args.seeds:
+            for variant in args.variants:
+                cfg = parse_pipeline(config(args, variant, noise, seed))
+                out = args.work / f"{variant}-z{noise}-s{seed}"
+                t0 = time.perf_counter()
+                s = run_pipeline(cfg, out, overwrite=True, progress=False, log=lambda _: None)
+                results.append({"variant": variant, "noise": noise, "seed": seed,
+                                "accuracy": s["final"]["accuracy"], "epsilon": s["epsilon"],
+                                "accuracy_before_public_training": s["accuracy_before_public_training"],
+                                "sources": s.get("sources"), "seconds": time.perf_counter() - t0})
+                print(json.dumps(results[-1], default=float), flush=True)
+    payload = {"settings": vars(args) | {"work": str(args.work)}, "results": results}
+    dm = [r for r in results if r["variant"] == "mid-kd-dm"]
+    if dm:
+        from dpfleet.edge.datasets import load_records
+        from dpfleet.public.matching import Pool
+        from dpfleet.public.pipeline import TeacherWork, teacher_vocab
+
+        cfg = parse_pipeline(config(args, "mid-kd-dm", dm[0]["noise"], dm[0]["seed"]))
+        vocab = teacher_vocab(cfg, print)
+        with np.load(args.work / f"mid-kd-dm-z{dm[0]['noise']}-s{dm[0]['seed']}" / "pool.npz") as z:
+            lengths = np.cumsum(z["lengths"])[:-1]
+            pool = Pool([list(s) for s in np.split(z["tokens"], lengths)], list(z["sources"]),
+                        list(z["texts"]))
+        import dataclasses
+
+        model_cfg = dataclasses.replace(cfg.simulation.model, vocab_size=vocab.tokenizer.vocab_size)
+        private = [r.text for r in load_records("shakespeare-solo")[::150][:150]]
+        payload["fig3"] = fig3(args.work / f"mid-kd-dm-z{dm[0]['noise']}-s{dm[0]['seed']}",
+                               TeacherWork(cfg, vocab, pool, False), vocab, model_cfg, private,
+                               HERE / "fig3_ppl_scatter.png")
+    (HERE / "public_training.json").write_text(json.dumps(payload, indent=2, default=float))
+    (HERE / "public_training.md").write_text("# Public training at laptop scale (paper 000 Tables 2-3)\n\n"
+                                             + markdown(results, args))
+    print(markdown(results, args))
+
+
+if __name__ == "__main__":
+    main()
