@@ -1,7 +1,7 @@
 """On-device training through an ExecuTorch joint forward-backward program (`.pte`).
 
-Facts this relies on (ExecuTorch 1.5.1, checked in tests/test_edge_runtime_executorch.py):
-the runtime does not copy the buffer a program is loaded from (we keep it referenced: dropping it
+Facts this relies on (ExecuTorch 1.5.1; tests/test_edge_runtime_{parity,bad_input}.py check
+them): the runtime does not copy the buffer a program is loaded from (we keep it referenced: dropping it
 segfaults); with `clone_outputs=False` the parameter outputs alias the runtime's own weight
 memory, available after the first run, so a round's weights are set with `copy_` and SGD is applied
 in place; the batch is static, so the last partial minibatch is PAD-padded (exact, see

@@ -1,0 +1,151 @@
+"""Per-step training latency on CPU: eager torch vs the exported ExecuTorch and ORT programs.
+
+One step = forward + masked loss + backward + SGD update on a [batch, seq_len] minibatch, as a
+device runs it in `train_epoch`. For each zoo model: median step time of eager (1 and 2
+threads), ExecuTorch (.pte + XNNPACK) and ONNX Runtime (1 and 2 threads), the time to set a
+round's weights, export times and program sizes. Target: exported <= eager at equal threads.
+
+    python benchmarks/edge_step.py            # main-job sizes, all three architectures
+    python benchmarks/edge_step.py --gboard   # plus Gboard's CIFG (vocab 10k, hidden 670)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpfleet.edge.runtime import fixed_shape_batches
+from dpfleet.edge.runtime_executorch import PteTrainingProgram, set_threads
+from dpfleet.edge.runtime_onnx import OnnxTrainingProgram
+from dpfleet.edge.tokenizer import PAD
+from dpfleet.export.models import ModelConfig, build_model, count_parameters, next_token_loss
+from dpfleet.export.params import ParamLayout, get_flat
+from dpfleet.export.training import ProgramSpec, training_program
+
+RESULTS = Path(__file__).parent / "results" / "edge_step.json"
+SMALL = dict(vocab_size=4096, embedding_dim=96, hidden_dim=256, projection_dim=96, num_heads=4)
+GBOARD = ModelConfig(arch="cifg", vocab_size=10_000, embedding_dim=96, hidden_dim=670, projection_dim=96)
+
+
+def minibatch(cfg: ModelConfig, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """One realistic minibatch: rows of 6..seq_len+1 tokens, PAD tails."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(4, cfg.vocab_size, (batch, seq_len + 1))
+    for i, keep in enumerate(rng.integers(6, seq_len + 2, batch)):
+        rows[i, keep:] = PAD
+    ((x, y),) = fixed_shape_batches(rows, batch, 0, seq_len, pad_rows=True)
+    return x, y
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache: Path) -> dict:
+    x, y = minibatch(cfg, batch, seq_len)
+    model = build_model(cfg)
+    layout = ParamLayout.of(model)
+    flat = get_flat(model)
+    row = {
+        "arch": cfg.arch,
+        "config": cfg.to_dict(),
+        "params": count_parameters(model),
+        "batch": batch,
+        "seq_len": seq_len,
+    }
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def eager_step():
+        loss = next_token_loss(model(xt), yt, PAD)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        row[f"eager_ms_{threads}t"] = median_ms(eager_step, repeats)
+    torch.set_num_threads(1)
+
+    for fmt, prog_batch in (("pte", batch), ("onnx", None)):
+        spec = ProgramSpec(cfg, seq_len, prog_batch, fmt)
+        start = time.perf_counter()
+        program = training_program(spec, cache)
+        row[f"{fmt}_export_s"] = round(time.perf_counter() - start, 1)
+        row[f"{fmt}_bytes"] = program.path.stat().st_size
+        for threads in (1, 2):
+            if fmt == "pte":
+                set_threads(threads)
+                pte = PteTrainingProgram(program, layout)
+                pte.set_flat(flat)
+                row[f"pte_ms_{threads}t"] = median_ms(lambda p=pte: p.step(x, y, 0.01), repeats)
+                row["pte_set_weights_ms"] = median_ms(lambda p=pte: p.set_flat(flat), repeats)
+            else:
+                ort = OnnxTrainingProgram(program, layout, threads)
+                views = layout.split(flat.copy())
+                row[f"onnx_ms_{threads}t"] = median_ms(lambda o=ort, v=views: o.step(v, x, y, 0.01), repeats)
+    for threads in (1, 2):
+        for fmt in ("pte", "onnx"):
+            row[f"{fmt}_vs_eager_{threads}t"] = round(
+                row[f"{fmt}_ms_{threads}t"] / row[f"eager_ms_{threads}t"], 2
+            )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--gboard", action="store_true", help="add Gboard's CIFG as a row")
+    parser.add_argument("--archs", default="cifg,lstm,transformer")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="program cache (default: a fresh one, so export times are measured)",
+    )
+    args = parser.parse_args()
+    configs = [ModelConfig(arch=a, **SMALL) for a in args.archs.split(",")]
+    if args.gboard:
+        configs.append(GBOARD)
+    rows = []
+    tmp = tempfile.TemporaryDirectory()
+    cache = args.cache or Path(tmp.name)
+    for cfg in configs:
+        row = bench_model(cfg, args.batch, args.seq_len, args.repeats, cache)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    result = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "versions": {"torch": torch.__version__},
+        "rows": rows,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS}")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
