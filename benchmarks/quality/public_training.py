@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +85,7 @@ def fig3(run: Path, teacher_work, vocab, model_cfg, private_texts: list[str], pn
     fig, ax = plt.subplots(figsize=(6, 5))
     groups = {s: (np.exp(-l_priv[sources == s]), np.exp(-l_pub[sources == s]))
               for s in dict.fromkeys(sources)}
-    groups["private (held-out shakespeare-solo)"] = (np.exp(-priv_student), np.exp(-priv_teacher))
+    groups["private (shakespeare-solo sample)"] = (np.exp(-priv_student), np.exp(-priv_teacher))
     for name, (x, y) in groups.items():
         ax.scatter(x, y, s=8, alpha=0.5, label=name)
     ax.set(xscale="log", yscale="log", xlabel="PPL under the private LM (DP checkpoint at T')",
@@ -133,6 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--teacher", default="gemma3-270m")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-quality"))
+    ap.add_argument("--rerun", action="store_true", help="rerun pipelines finished in --work")
     args = ap.parse_args()
 
     import torch
@@ -146,12 +146,14 @@ def main() -> None:
             for variant in args.variants:
                 cfg = parse_pipeline(config(args, variant, noise, seed))
                 out = args.work / f"{variant}-z{noise}-s{seed}"
-                t0 = time.perf_counter()
-                s = run_pipeline(cfg, out, overwrite=True, progress=False, log=lambda _: None)
+                if (out / "summary.json").is_file() and not args.rerun:  # finished earlier
+                    s = json.loads((out / "summary.json").read_text())
+                else:
+                    s = run_pipeline(cfg, out, overwrite=True, progress=False, log=lambda _: None)
                 results.append({"variant": variant, "noise": noise, "seed": seed,
                                 "accuracy": s["final"]["accuracy"], "epsilon": s["epsilon"],
                                 "accuracy_before_public_training": s["accuracy_before_public_training"],
-                                "sources": s.get("sources"), "seconds": time.perf_counter() - t0})
+                                "sources": s.get("sources"), "seconds": s["wall_seconds"]})
                 print(json.dumps(results[-1], default=float), flush=True)
     payload = {"settings": vars(args) | {"work": str(args.work)}, "results": results}
     dm = [r for r in results if r["variant"] == "mid-kd-dm"]
