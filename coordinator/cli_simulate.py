@@ -10,7 +10,7 @@ import click
 @click.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Run directory (default: runs/<config name>).")
+              help="Run directory (default: runs/<config name>, or -2, -3, ... if that is taken).")
 @click.option("--overwrite", is_flag=True, help="Reuse a non-empty run directory.")
 @click.option("--rounds", type=int, default=None, help="Override the config's number of rounds.")
 @click.option("--seed", type=int, default=None, help="Override the config's seed.")
@@ -26,7 +26,7 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
     summary.json. Participation is disjoint, uniform or limited by device timers on a simulated
     clock ([participation]); the run stops before a round that would pass dp.budget_epsilon.
     """
-    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.simulation import run_simulation
 
     cfg = load_config(config)
@@ -34,7 +34,8 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
         cfg.rounds = rounds
     if seed is not None:
         cfg.seed = seed
-    out = out or Path("runs") / config.stem
+    validate(cfg)
+    out = out or _fresh_run_dir(Path("runs") / config.stem)
     result = run_simulation(cfg, out, overwrite=overwrite, progress=not quiet, log=click.echo)
     f, b, p = result.final, result.baseline, result.privacy
     click.echo(f"next-token accuracy   model {f['accuracy']:.4f}   unigram baseline {b['accuracy']:.4f}")
@@ -48,3 +49,12 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
     if result.stopped_early:
         click.echo(f"stopped early         {result.stopped_early}")
     click.echo(f"run directory         {result.run_dir}")
+
+
+def _fresh_run_dir(base: Path) -> Path:
+    """runs/NAME, or the first runs/NAME-N that is free: a rerun never overwrites a result."""
+    candidate, n = base, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate

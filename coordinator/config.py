@@ -160,7 +160,7 @@ def _build(cls: type, values: dict, prefix: str) -> object:
 
 def parse_config(values: dict) -> SimulationConfig:
     cfg = _build(SimulationConfig, values, "")
-    _validate(cfg)
+    validate(cfg)
     return cfg
 
 
@@ -175,7 +175,7 @@ def load_config(path: Path) -> SimulationConfig:
     return parse_config(values)
 
 
-def _validate(cfg: SimulationConfig) -> None:
+def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
