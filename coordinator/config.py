@@ -132,7 +132,7 @@ def _check_type(key: str, value: object, annotation: object) -> object:
     return value
 
 
-def _build(cls: type, values: dict, prefix: str) -> object:
+def build_section(cls: type, values: dict, prefix: str) -> object:
     if not isinstance(values, dict):
         raise DpfleetError(f"config section {prefix.rstrip('.')!r} must be a table")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -147,7 +147,7 @@ def _build(cls: type, values: dict, prefix: str) -> object:
             raise DpfleetError(f"invalid config key '{prefix}{key}'{hint}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, f"{prefix}{key}.")
+            kwargs[key] = build_section(hint, value, f"{prefix}{key}.")
         else:
             if isinstance(hint, types.UnionType):
                 hint = typing.get_args(hint)[0]
@@ -159,7 +159,7 @@ def _build(cls: type, values: dict, prefix: str) -> object:
 
 
 def parse_config(values: dict) -> SimulationConfig:
-    cfg = _build(SimulationConfig, values, "")
+    cfg = build_section(SimulationConfig, values, "")
     validate(cfg)
     return cfg
 

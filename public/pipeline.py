@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.config import SimulationConfig, _build, parse_config
+from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
@@ -105,7 +105,7 @@ class PipelineConfig:
 def parse_pipeline(values: dict) -> PipelineConfig:
     values = dict(values)
     sim = parse_config(values.pop("simulation", {}))
-    parts = _build(PipelineConfig, values, "")
+    parts = build_section(PipelineConfig, values, "")
     cfg = dataclasses.replace(parts, simulation=sim)
     p = cfg.public
     checks = [
