@@ -12,8 +12,13 @@ round's weights, export times and program sizes. Target: exported <= eager at eq
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+
+# Runtimes are timed round-robin; threads that spin-wait after a run (OpenMP's default) would
+# steal the next runtime's cores, so every pool here sleeps when idle.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
 import tempfile
 import time
@@ -45,15 +50,19 @@ def minibatch(cfg: ModelConfig, batch: int, seq_len: int) -> tuple[np.ndarray, n
     return x, y
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def interleaved_ms(steps: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median ms per step of each callable, run round-robin so that load from other processes
+    on a shared machine hits every runtime alike."""
+    for fn in steps.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3)
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(ts) * 1e3) for name, ts in times.items()}
 
 
 def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache: Path) -> dict:
@@ -68,6 +77,12 @@ def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache:
         "batch": batch,
         "seq_len": seq_len,
     }
+    programs = {}
+    for fmt, prog_batch in (("pte", batch), ("onnx", None)):
+        start = time.perf_counter()
+        programs[fmt] = training_program(ProgramSpec(cfg, seq_len, prog_batch, fmt), cache)
+        row[f"{fmt}_export_s"] = round(time.perf_counter() - start, 1)
+        row[f"{fmt}_bytes"] = programs[fmt].path.stat().st_size
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -78,33 +93,30 @@ def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache:
         loss.backward()
         opt.step()
 
+    views = layout.split(flat.copy())
+    pte = None
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        row[f"eager_ms_{threads}t"] = median_ms(eager_step, repeats)
-    torch.set_num_threads(1)
-
-    for fmt, prog_batch in (("pte", batch), ("onnx", None)):
-        spec = ProgramSpec(cfg, seq_len, prog_batch, fmt)
-        start = time.perf_counter()
-        program = training_program(spec, cache)
-        row[f"{fmt}_export_s"] = round(time.perf_counter() - start, 1)
-        row[f"{fmt}_bytes"] = program.path.stat().st_size
-        for threads in (1, 2):
-            if fmt == "pte":
-                set_threads(threads)
-                pte = PteTrainingProgram(program, layout)
-                pte.set_flat(flat)
-                row[f"pte_ms_{threads}t"] = median_ms(lambda p=pte: p.step(x, y, 0.01), repeats)
-                row["pte_set_weights_ms"] = median_ms(lambda p=pte: p.set_flat(flat), repeats)
-            else:
-                ort = OnnxTrainingProgram(program, layout, threads)
-                views = layout.split(flat.copy())
-                row[f"onnx_ms_{threads}t"] = median_ms(lambda o=ort, v=views: o.step(v, x, y, 0.01), repeats)
-    for threads in (1, 2):
+        pte = None  # ExecuTorch's threadpool may only be resized with no program loaded
+        gc.collect()
+        set_threads(threads)
+        pte = PteTrainingProgram(programs["pte"], layout)
+        pte.set_flat(flat)
+        ort = OnnxTrainingProgram(programs["onnx"], layout, threads)
+        ms = interleaved_ms(
+            {
+                "eager": eager_step,
+                "pte": lambda p=pte: p.step(x, y, 0.01),
+                "onnx": lambda o=ort: o.step(views, x, y, 0.01),
+            },
+            repeats,
+        )
+        for name, value in ms.items():
+            row[f"{name}_ms_{threads}t"] = round(value, 2)
         for fmt in ("pte", "onnx"):
-            row[f"{fmt}_vs_eager_{threads}t"] = round(
-                row[f"{fmt}_ms_{threads}t"] / row[f"eager_ms_{threads}t"], 2
-            )
+            row[f"{fmt}_vs_eager_{threads}t"] = round(ms[fmt] / ms["eager"], 2)
+    row["pte_set_weights_ms"] = round(interleaved_ms({"set": lambda: pte.set_flat(flat)}, 20)["set"], 3)
+    torch.set_num_threads(1)
     return row
 
 

@@ -10,6 +10,7 @@ in place; the batch is static, so the last partial minibatch is PAD-padded (exac
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +27,28 @@ PTE_MAGIC = b"ET"  # flatbuffer file identifier "ETnn" at byte offset 4
 _PREFIX = "model."  # LossModule holds the zoo model as `model`
 
 
-def set_threads(threads: int | None) -> None:
-    """Size ExecuTorch's (process-wide) threadpool, used by the XNNPACK delegate."""
-    if threads:
-        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # loaded programs, which hold the threadpool
 
-        _unsafe_reset_threadpool(int(threads))
+
+def set_threads(threads: int | None) -> None:
+    """Size ExecuTorch's process-wide threadpool (used by the XNNPACK delegate).
+
+    Resetting it while a loaded program is alive makes that program's next run segfault
+    (measured), so a change of thread count is refused until those programs are dropped.
+    """
+    from executorch.extension.pybindings.portable_lib import (
+        _threadpool_get_thread_count,
+        _unsafe_reset_threadpool,
+    )
+
+    if not threads or _threadpool_get_thread_count() == threads:
+        return
+    if len(_LIVE):
+        raise DpfleetError(
+            f"cannot switch ExecuTorch to {threads} threads while {len(_LIVE)} loaded program(s) "
+            "use its process-wide threadpool; use one thread count per process"
+        )
+    _unsafe_reset_threadpool(int(threads))
 
 
 class PteModule:
@@ -60,6 +77,7 @@ class PteModule:
             self.metas = {name: self.module.method_meta(name) for name in self.methods}
         except RuntimeError as exc:
             raise DpfleetError(f"cannot load ExecuTorch program {origin}: {exc}") from exc
+        _LIVE.add(self)
 
     def run(self, method: str, args: tuple) -> list:
         try:

@@ -32,6 +32,8 @@ def load_session(data: bytes, origin: Path, threads: int | None):
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.inter_op_num_threads = 1
+    # Idle ORT threads would spin and steal the host's (and other simulated clients') cores.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         opts.intra_op_num_threads = int(threads)
     try:

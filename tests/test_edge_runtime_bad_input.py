@@ -169,3 +169,20 @@ def test_program_buffer_outlives_the_caller(programs):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) > 0
+
+
+def test_thread_count_cannot_change_under_a_loaded_program(programs):
+    """Resizing ExecuTorch's process-wide threadpool under a live program would crash its next
+    run, so it is refused; the same count is a no-op."""
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    from dpfleet.edge.runtime_executorch import set_threads
+
+    program = load("pte", programs["pte"])
+    current = _threadpool_get_thread_count()
+    set_threads(current)
+    with pytest.raises(DpfleetError, match="process-wide threadpool"):
+        set_threads(current + 1)
+    program.set_flat(program.get_flat())  # still runs
+    x = np.full((4, SEQ_LEN), 5, dtype=np.int64)
+    assert np.isfinite(program.step(x, x, 0.0))
