@@ -50,6 +50,16 @@ OPTIONAL = {
     "secagg": False,
     "adaptive_clipping": False, "public_data": None, "participation_log": None,
 }
+def _participation_sentence(s: dict) -> str:
+    """How participation was bounded: by device timers, or by selecting each device once."""
+    if s["timer_min_separation"] is None:
+        return ("No timer was configured: the bound is what the participation log shows "
+                "(with disjoint selection, each device at most once).")
+    period = f" ({s['timer_period']})" if s["timer_period"] else ""
+    return (f"Participation is limited by a timer on each device{period} and the coordinator "
+            "refuses a device that would break MinS.")
+
+
 UNITS = {
     "device": "Device-level DP: adjacency concerns everything one client device contributes "
               "(its local dataset may be arbitrarily large). For a user with a single device "
@@ -172,9 +182,7 @@ def render_privacy_report(summary: dict) -> str:
         + method + ".",
         f"- (b) *Accounting assumptions*: each device takes part at most MaxP times with at "
         f"least MinS rounds between two participations (MinS counts the {MIN_SEPARATION_CONVENTION}"
-        "). Participation is limited by a timer on each device"
-        + (f" ({s['timer_period']})" if s["timer_period"] else "")
-        + " and the coordinator refuses a device that would break MinS.",
+        "). " + _participation_sentence(s),
         f"- (c) *Formal DP statement*: rho = {head['zcdp']:.4g}; eps = {head['epsilon']:.4g} "
         f"at delta = {s['delta']:g}.",
         "",

@@ -71,7 +71,7 @@ class RunDir:
         return self.path / name
 
 
-def plot_accuracy(metrics: list[dict], baseline: float, out: Path) -> Path:
+def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,8 +85,7 @@ def plot_accuracy(metrics: list[dict], baseline: float, out: Path) -> Path:
     ax.axhline(baseline, color="grey", linestyle="--", label="unigram baseline")
     ax.set_xlabel("round")
     ax.set_ylabel("next-token accuracy")
-    eps = [m.get("epsilon") for m in metrics if m.get("epsilon") is not None]
-    ax.set_title(f"held-out accuracy (eps so far: {eps[-1]:.2f})" if eps else "held-out accuracy")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -271,9 +271,11 @@ def run_simulation(
     final = evaluate(model, test_rows)
     _write_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer, server,
                       clip_estimator=estimator.state_dict() if estimator else None)
-    plot_accuracy(metrics, baseline["accuracy"], run.path / "accuracy.png")
     privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
                                 model_noise_multiplier=z_model, stopped_early=stopped_early)
+    title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
+             if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
+    plot_accuracy(metrics, baseline["accuracy"], run.path / "accuracy.png", title)
     run.write_json("privacy.json", privacy)
     summary = {
         "final": final, "unigram_baseline": baseline,
