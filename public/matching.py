@@ -13,8 +13,15 @@ noise), so neither extreme is best when both are comparable.
 
 A pool is a list of records, each cut to its first `seq_len` tokens of the on-device vocabulary,
 with the name of the source it came from, so one can report where the selection came from.
-Both models score exactly these tokens: the teacher reads them mapped into its own ids behind
-its bos (as the distillation corpus does), so the two log-probs average over the same targets.
+
+Both models score the same *text* (the decoded record), each in its own tokenization. The
+teacher must read its canonical segmentation: fed the trimmed on-device pieces, which split most
+rare words in ways it never saw in training, it finds every source about equally improbable
+(per-token PPL ~1000) and l_pub stops telling styles apart. Normalisation: the teacher's total
+log-likelihood of the text is divided by the record's number of *on-device* tokens, the same
+denominator as l_priv. The numerator no longer depends on any segmentation, and both scores are
+nats per on-device token of one string, so App. D.3's beta weighs like with like (per character
+would do the first but put l_pub and l_priv on different scales).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from tqdm import tqdm
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.tokenizer import BOS, PAD, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.public.teacher_tokenizer import load_teacher_spm, processor
 from dpfleet.public.topk import TopKExtractor, _batches
 
 
@@ -103,27 +111,27 @@ def student_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
 
 
 @torch.no_grad()
-def teacher_logprobs(extractor: TopKExtractor, sequences: Sequence[Sequence[int]],
-                     batch_tokens: int = 1024, progress: bool = True) -> np.ndarray:
-    """Average token log-probability of each student sequence under the teacher (full softmax
-    over the teacher's vocabulary, at each student token's exact teacher id)."""
+def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
+                     sequences: Sequence[Sequence[int]], batch_tokens: int = 1024,
+                     progress: bool = True) -> np.ndarray:
+    """l_pub: the teacher's log-likelihood of each record's text (decoded from the on-device ids
+    with `tokenizer`, re-encoded with the teacher's own SentencePiece model, read behind its bos),
+    divided by the record's number of on-device tokens (see the module docstring)."""
+    sp = processor(load_teacher_spm(extractor.teacher.path))
+    own = [sp.encode(tokenizer.decode(s)) for s in sequences]
+    if not all(own):
+        raise DpfleetError("a record decodes to no text the teacher can read")
     dev = extractor.teacher.device
-    scores = np.zeros(len(sequences))
-    bar = tqdm(total=sum(map(len, sequences)), unit="tok", desc="teacher log-probs",
-               disable=not progress)
+    totals = np.zeros(len(own))
+    bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
     first = 0
-    for batch in _batches(sequences, batch_tokens):  # consecutive runs of sequences
-        batch_ids = list(range(first, first + len(batch)))
-        first += len(batch)
+    for batch in _batches(own, batch_tokens):  # consecutive runs of records
         width = max(map(len, batch))
-        inputs = torch.full((len(batch_ids), width), extractor.teacher_bos, dtype=torch.long,
-                            device=dev)
-        targets = torch.zeros((len(batch_ids), width), dtype=torch.long, device=dev)
-        mask = torch.zeros((len(batch_ids), width), dtype=torch.long, device=dev)
-        for b, i in enumerate(batch_ids):
-            ids = extractor.s2t[torch.as_tensor(sequences[i], dtype=torch.long, device=dev)]
-            if (ids < 0).any():
-                raise DpfleetError("a sequence holds a special token with no teacher id")
+        inputs = torch.full((len(batch), width), extractor.teacher_bos, dtype=torch.long, device=dev)
+        targets = torch.zeros((len(batch), width), dtype=torch.long, device=dev)
+        mask = torch.zeros((len(batch), width), dtype=torch.long, device=dev)
+        for b, ids in enumerate(batch):
+            ids = torch.as_tensor(ids, dtype=torch.long, device=dev)
             inputs[b, 1 : len(ids)] = ids[:-1]
             targets[b, : len(ids)] = ids
             mask[b, : len(ids)] = 1
@@ -131,12 +139,12 @@ def teacher_logprobs(extractor: TopKExtractor, sequences: Sequence[Sequence[int]
         keep = mask.bool()
         rows = logits[keep]  # [tokens, vocab]: gather before the softmax's copy
         logp = rows.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, -1)
-        per_seq = torch.zeros(len(batch_ids), device=dev).index_add_(
-            0, keep.nonzero()[:, 0], logp)
-        scores[batch_ids] = (per_seq / mask.sum(1)).cpu().numpy()
+        per_seq = torch.zeros(len(batch), device=dev).index_add_(0, keep.nonzero()[:, 0], logp)
+        totals[first : first + len(batch)] = per_seq.cpu().numpy()
+        first += len(batch)
         bar.update(int(mask.sum()))
     bar.close()
-    return scores
+    return totals / np.array([len(s) for s in sequences])
 
 
 def match_scores(l_pub: np.ndarray | None, l_priv: np.ndarray, beta: float) -> np.ndarray:

@@ -194,9 +194,11 @@ class TeacherWork:
         return corpus
 
     def logprobs(self) -> np.ndarray:
-        path = self.folder / "l_pub.npy"
+        # named for the scoring method: an l_pub.npy cached by the old on-device-segmentation
+        # scoring (a different quantity) must not be picked up
+        path = self.folder / "l_pub_teacher_tokens.npy"
         if not path.is_file():
-            scores = teacher_logprobs(self.extractor(), self.pool.sequences,
+            scores = teacher_logprobs(self.extractor(), self.vocab.tokenizer, self.pool.sequences,
                                       self.cfg.public.batch_tokens, self.progress)
             self.folder.mkdir(parents=True, exist_ok=True)
             np.save(path.with_suffix(".tmp.npy"), scores)

@@ -7,11 +7,13 @@ import random
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
@@ -101,18 +103,49 @@ def test_top_fraction_keeps_the_best_q(scores, q):
     assert len(random_fraction(len(scores), q, 0)) == len(chosen)
 
 
-def test_teacher_logprobs_match_a_direct_computation(tiny_teacher_dir, tiny_teacher_vocab):
+def _teacher_total(teacher, bos: int, teacher_ids: list[int]) -> float:
+    ids = torch.tensor([[bos, *teacher_ids]])
+    logp = torch.log_softmax(teacher.logits(ids, torch.ones_like(ids))[0, :-1], -1)
+    return logp[torch.arange(len(teacher_ids)), ids[0, 1:]].sum().item()
+
+
+TEXTS = ("In the beginning God created", "Now is the winter of our discontent",
+         "The municipality of Quahog", "A b")
+
+
+def test_teacher_logprobs_read_the_teachers_own_tokenization(tiny_teacher_dir, tiny_teacher_vocab):
+    """l_pub = the teacher's log-likelihood of the decoded text in *its* segmentation, per
+    on-device token; trimming makes the two segmentations differ on rare words."""
     teacher = load_teacher(str(tiny_teacher_dir), device="cpu")
     extractor = TopKExtractor(teacher, tiny_teacher_vocab, k=5)
-    seqs = [tiny_teacher_vocab.tokenizer.encode(t)[:12] for t in
-            ("In the beginning God created", "Now is the winter of our discontent", "A b")]
-    got = teacher_logprobs(extractor, seqs, batch_tokens=16, progress=False)
-    s2t = tiny_teacher_vocab.student_to_teacher
-    for seq, score in zip(seqs, got, strict=True):
-        ids = torch.tensor([[extractor.teacher_bos, *(int(s2t[i]) for i in seq)]])
-        logp = torch.log_softmax(teacher.logits(ids, torch.ones_like(ids))[0, :-1], -1)
-        want = logp[torch.arange(len(seq)), ids[0, 1:]].mean().item()
+    tok = tiny_teacher_vocab.tokenizer
+    own = spm.SentencePieceProcessor(model_file=str(tiny_teacher_dir / "tokenizer.model"))
+    seqs = [tok.encode(t)[:12] for t in TEXTS]
+    got = teacher_logprobs(extractor, tok, seqs, batch_tokens=16, progress=False)
+    mapped = [[int(tiny_teacher_vocab.student_to_teacher[i]) for i in s] for s in seqs]
+    canonical = [own.encode(tok.decode(s)) for s in seqs]
+    assert any(m != c for m, c in zip(mapped, canonical, strict=True))  # the case that matters
+    for seq, ids, score in zip(seqs, canonical, got, strict=True):
+        want = _teacher_total(teacher, extractor.teacher_bos, ids) / len(seq)
         assert score == pytest.approx(want, abs=1e-4)
+
+
+def test_teacher_logprobs_ignore_the_on_device_segmentation(tiny_teacher_dir, tiny_teacher_vocab):
+    """The same text in a non-canonical on-device segmentation (BPE dropout) keeps its teacher
+    log-likelihood: only the per-token denominator changes."""
+    extractor = TopKExtractor(load_teacher(str(tiny_teacher_dir), device="cpu"),
+                              tiny_teacher_vocab, k=5)
+    tok = tiny_teacher_vocab.tokenizer
+    student = spm.SentencePieceProcessor(model_file=str(tok.model_file))
+    spm.set_random_generator_seed(0)
+    text = "Now is the winter of our discontent made glorious summer"
+    canonical = tok.encode(text)
+    split = student.encode(text, enable_sampling=True, alpha=0.5, nbest_size=-1)
+    assert tok.decode(split) == text and len(split) > len(canonical)
+    a, b = teacher_logprobs(extractor, tok, [canonical, split], progress=False)
+    assert a * len(canonical) == pytest.approx(b * len(split), abs=1e-4)
+    with pytest.raises(DpfleetError, match="no text"):
+        teacher_logprobs(extractor, tok, [[tok.bos_id]], progress=False)
 
 
 def test_kd_training_reduces_the_kd_loss(tiny_teacher_dir, tiny_teacher_vocab, tmp_path):
@@ -175,6 +208,9 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
     assert privacy["rounds"] == 4 and privacy["restarts"] == []
     with np.load(out / "scores.npz") as z:
         assert z["l_pub"].shape == (40,) and np.all(z["l_pub"] < 0) and np.all(z["l_priv"] < 0)
+        l_pub = z["l_pub"]
+    cached = list(cache_dir().glob("public/pool-*/l_pub_teacher_tokens.npy"))
+    assert any(np.array_equal(np.load(f), l_pub) for f in cached)  # reused by the next variant
     chosen = summary["selected_indices"]
     with np.load(out / "scores.npz") as z:
         h = 0.5 * z["l_pub"] + 0.5 * z["l_priv"]
