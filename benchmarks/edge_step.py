@@ -7,6 +7,19 @@ round's weights, export times and program sizes. Target: exported <= eager at eq
 
     python benchmarks/edge_step.py            # main-job sizes, all three architectures
     python benchmarks/edge_step.py --gboard   # plus Gboard's CIFG (vocab 10k, hidden 670)
+
+Where the .pte falls short of eager, and why (ETDump op profiles, results/edge_step.json):
+* What remains outside XNNPACK runs in ExecuTorch's portable (scalar) kernels: the bias and
+  LayerNorm gradient reductions (`sum.dim_IntList`, ~6-8% of a step), the embedding gradient
+  (`index_put`/`scatter_add`), `where`, and the transformer's LayerNorm. The worst one, the
+  [batch, length, vocab] `log_softmax` (22% of a Gboard step), is gone: the program's loss is
+  logsumexp - target logit (export/training.py).
+* Trainable weights are not static, so each XNNPACK fully-connected call re-packs its weights
+  and the backward transposes them (`Transpose (ND)`, ~5%); eager's MKL/oneDNN GEMMs read them
+  in place.
+* The recurrent loop is unrolled into ~30 small delegate partitions, each with call overhead.
+Timings on a 2-core machine shared with other jobs are noisy (+-20% between runs); the runtimes
+are timed round-robin so that load hits each alike.
 """
 
 from __future__ import annotations
