@@ -34,13 +34,13 @@ import dp_accounting
 import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+
 from dpfleet.coordinator.tree_sensitivity import (
     check_int,
     normalize_restarts,
     pattern_sensitivity_squared,
     tree_sensitivity_squared,
 )
-
 from dpfleet.errors import DpfleetError
 
 METHODS = ("pld", "rdp", "zcdp_bound")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import click
+
 from dpfleet.coordinator.accounting import (
     ADJACENCY,
     METHODS,
@@ -13,7 +14,6 @@ from dpfleet.coordinator.accounting import (
     account_worst_case,
 )
 from dpfleet.coordinator.tree_sensitivity import NODES
-
 from dpfleet.errors import DpfleetError
 
 

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import click
+
 from dpfleet.coordinator.accounting import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.planner import Plan, make_plan, plot_plan
-
 from dpfleet.errors import DpfleetError
 
 

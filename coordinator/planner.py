@@ -23,14 +23,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
 from dpfleet.coordinator.accounting import (
     epsilon_from_zcdp,
     noise_for_zcdp,
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
-from tqdm import tqdm
-
 from dpfleet.errors import DpfleetError
 
 

@@ -39,7 +39,6 @@ from dpfleet.coordinator.accounting import (
 )
 from dpfleet.coordinator.planner import worst_case_max_participation
 from dpfleet.coordinator.tree_sensitivity import NODES, check_int
-
 from dpfleet.errors import DpfleetError
 
 REQUIRED = ("noise_multiplier", "delta")

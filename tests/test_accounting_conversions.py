@@ -4,6 +4,9 @@ import math
 
 import dp_accounting
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dpfleet.coordinator.accounting import (
     METHODS,
     account_worst_case,
@@ -13,9 +16,6 @@ from dpfleet.coordinator.accounting import (
     zcdp_from_noise,
     zcdp_from_sensitivity,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dpfleet.errors import DpfleetError
 
 rhos = st.floats(1e-4, 20.0)

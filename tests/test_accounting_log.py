@@ -3,16 +3,16 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfleet.cli import main
 from dpfleet.coordinator.accounting import (
     account_participation_log,
     observe_participation,
     zcdp_from_noise,
 )
 from dpfleet.coordinator.tree_sensitivity import pattern_sensitivity_squared
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from dpfleet.cli import main
 from dpfleet.errors import DpfleetError
 
 

@@ -7,6 +7,7 @@ Conventions established here (see coordinator/tree_sensitivity.py and accounting
 """
 
 import pytest
+
 from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
 

@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dpfleet.coordinator.tree_sensitivity import (
     pattern_sensitivity_squared,
     tree_pieces,
     tree_sensitivity_squared,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dpfleet.errors import DpfleetError
 
 

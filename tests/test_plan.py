@@ -3,6 +3,8 @@
 import json
 
 import pytest
+
+from dpfleet.cli import main
 from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.coordinator.planner import (
     make_plan,
@@ -11,8 +13,6 @@ from dpfleet.coordinator.planner import (
     timer_for,
     worst_case_max_participation,
 )
-
-from dpfleet.cli import main
 from dpfleet.errors import DpfleetError
 
 
