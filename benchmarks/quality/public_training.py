@@ -79,7 +79,8 @@ def fig3(run: Path, teacher_work, vocab, model_cfg, private_texts: list[str], pn
     from dpfleet.public.matching import student_logprobs, teacher_logprobs
 
     with np.load(run / "scores.npz") as z:
-        l_priv, l_pub = z["l_priv"], z["l_pub"]
+        l_priv = z["l_priv"]
+    l_pub = teacher_work.logprobs()  # cached; the l_priv-only run stores no l_pub
     with np.load(run / "pool.npz") as z:
         sources = z["sources"]
     seqs = [ids for ids in (vocab.tokenizer.encode(t)[:16] for t in private_texts) if len(ids) >= 4]
@@ -165,24 +166,24 @@ def main() -> None:
                                 "sources": s.get("sources"), "seconds": s["wall_seconds"]})
                 print(json.dumps(results[-1], default=float), flush=True)
     payload = {"settings": vars(args) | {"work": str(args.work)}, "results": results}
-    dm = [r for r in results if r["variant"] == "mid-kd-dm"]
+    dm = [r for r in results if r["variant"] in ("mid-kd-dm", "mid-kd-priv")]  # same T' checkpoint
     if dm:
+        run = args.work / f"{dm[0]['variant']}-z{dm[0]['noise']}-s{dm[0]['seed']}"
         from dpfleet.edge.datasets import load_records
         from dpfleet.public.matching import Pool
         from dpfleet.public.pipeline import TeacherWork, teacher_vocab
 
         cfg = parse_pipeline(config(args, "mid-kd-dm", dm[0]["noise"], dm[0]["seed"]))
         vocab = teacher_vocab(cfg, print)
-        with np.load(args.work / f"mid-kd-dm-z{dm[0]['noise']}-s{dm[0]['seed']}" / "pool.npz") as z:
+        with np.load(run / "pool.npz") as z:
             lengths = np.cumsum(z["lengths"])[:-1]
             pool = Pool([list(s) for s in np.split(z["tokens"], lengths)], list(z["sources"]),
                         list(z["texts"]))
         import dataclasses
 
         model_cfg = dataclasses.replace(cfg.simulation.model, vocab_size=vocab.tokenizer.vocab_size)
-        private = [r.text for r in load_records("shakespeare-solo")[::150][:150]]
-        payload["fig3"] = fig3(args.work / f"mid-kd-dm-z{dm[0]['noise']}-s{dm[0]['seed']}",
-                               TeacherWork(cfg, vocab, pool, False), vocab, model_cfg, private,
+        private = [r.text for r in load_records("shakespeare-solo")[::300][:80]]
+        payload["fig3"] = fig3(run, TeacherWork(cfg, vocab, pool, False), vocab, model_cfg, private,
                                HERE / "fig3_ppl_scatter.png")
     (HERE / "public_training.json").write_text(json.dumps(payload, indent=2, default=float))
     (HERE / "public_training.md").write_text("# Public training at laptop scale (paper 000 Tables 2-3)\n\n"
