@@ -60,12 +60,26 @@ def cli() -> None:
     """
 
 
+# optional top-level modules -> the extra that installs them
+EXTRAS = {
+    "executorch": "edge", "onnx": "edge", "onnxruntime": "edge", "onnxscript": "edge",
+    "transformers": "public", "gguf": "public", "accelerate": "public", "google": "public",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning user errors into one clean line."""
     try:
         cli.main(args=argv, standalone_mode=False)
     except DpfleetError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        click.echo(f"error: this command needs {top!r}: pip install 'dpfleet[{EXTRAS[top]}]'",
+                   err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -63,3 +63,25 @@ def test_config_defaults_and_int_to_float():
     cfg = parse_config({"dp": {"noise_multiplier": 2}})
     assert cfg.dp.noise_multiplier == 2.0 and isinstance(cfg.dp.noise_multiplier, float)
     assert cfg.data.seq_len == 20 and cfg.data.max_examples == 256
+
+
+def test_missing_optional_dependency_names_the_extra(monkeypatch, capsys):
+    """A command whose optional runtime is not installed: the fake `cli.main` stands in for
+    any command that imports onnxruntime on a machine without the `edge` extra."""
+    from dpfleet import cli
+
+    def missing(**kwargs):
+        raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime.capi")
+
+    monkeypatch.setattr(cli.cli, "main", missing)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", "x"])
+    assert exit_info.value.code == 2
+    assert "pip install 'dpfleet[edge]'" in capsys.readouterr().err
+
+    def broken(**kwargs):
+        raise ModuleNotFoundError("No module named 'dpfleet.nope'", name="dpfleet.nope")
+
+    monkeypatch.setattr(cli.cli, "main", broken)
+    with pytest.raises(ModuleNotFoundError):  # our own bugs are not disguised as user errors
+        cli.main(["export", "x"])
