@@ -16,7 +16,7 @@ import torch
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model, next_token_loss
-from dpfleet.export.params import get_flat, set_flat
+from dpfleet.export.params import ParamLayout, get_flat, set_flat
 
 
 @dataclass
@@ -44,6 +44,26 @@ def batches(n: int, batch_size: int, seed: int) -> list[np.ndarray]:
     """The shuffled minibatch index lists of one epoch; shared by all runtimes for parity."""
     order = np.random.default_rng(seed).permutation(n)
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+class HostWeights:
+    """Weights held on the host as one flat float32 vector (exported-program runtimes).
+
+    The program reads them at the start of each epoch and they are updated in place, so
+    swapping a round's model in costs one copy.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        model = build_model(cfg)
+        self.layout = ParamLayout.of(model)
+        self._flat = get_flat(model)
+
+    def set_weights(self, flat: np.ndarray) -> None:
+        self.layout.split(flat)  # shape check
+        self._flat = np.array(flat, dtype=np.float32)
+
+    def get_weights(self) -> np.ndarray:
+        return self._flat.copy()
 
 
 class EagerRuntime:

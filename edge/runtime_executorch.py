@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.edge.runtime import EpochResult, check_examples, fixed_shape_batches
+from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
 from dpfleet.errors import DpfleetError
-from dpfleet.export.models import ModelConfig, build_model
-from dpfleet.export.params import ParamLayout, get_flat
+from dpfleet.export.models import ModelConfig
+from dpfleet.export.params import ParamLayout
 from dpfleet.export.training import ProgramFile, ProgramSpec, training_program
 
 METHOD = "forward"
@@ -164,7 +164,7 @@ class PteTrainingProgram:
         return float(outs[0])
 
 
-class ExecuTorchRuntime:
+class ExecuTorchRuntime(HostWeights):
     """TrainingRuntime over ExecuTorch; one cached program per batch size (static batch)."""
 
     name = "executorch"
@@ -173,9 +173,7 @@ class ExecuTorchRuntime:
         self.cfg = cfg
         self.seq_len = seq_len
         self.cache_dir = Path(cache_dir)
-        model = build_model(cfg)
-        self.layout = ParamLayout.of(model)
-        self._flat = get_flat(model)
+        super().__init__(cfg)
         self._programs: dict[int, PteTrainingProgram] = {}
         set_threads(threads)
 
@@ -187,13 +185,6 @@ class ExecuTorchRuntime:
                 training_program(spec, self.cache_dir), self.layout
             )
         return self._programs[batch_size]
-
-    def set_weights(self, flat: np.ndarray) -> None:
-        self.layout.split(flat)  # shape check
-        self._flat = np.array(flat, dtype=np.float32)
-
-    def get_weights(self) -> np.ndarray:
-        return self._flat.copy()
 
     def train_epoch(self, examples: np.ndarray, lr: float, batch_size: int, seed: int) -> EpochResult:
         rows = check_examples(examples, self.cfg.vocab_size, self.seq_len)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.edge.runtime import EpochResult, check_examples, fixed_shape_batches
+from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
 from dpfleet.errors import DpfleetError
-from dpfleet.export.models import ModelConfig, build_model
-from dpfleet.export.params import ParamLayout, get_flat
+from dpfleet.export.models import ModelConfig
+from dpfleet.export.params import ParamLayout
 from dpfleet.export.training import (
     ProgramFile,
     ProgramSpec,
@@ -83,7 +83,7 @@ class OnnxTrainingProgram:
         return float(loss)
 
 
-class OnnxRuntime:
+class OnnxRuntime(HostWeights):
     """TrainingRuntime over plain onnxruntime; one cached dynamic-batch program."""
 
     name = "onnx"
@@ -91,18 +91,9 @@ class OnnxRuntime:
     def __init__(self, cfg: ModelConfig, seq_len: int, threads: int | None, cache_dir: Path):
         self.cfg = cfg
         self.seq_len = seq_len
-        model = build_model(cfg)
-        self.layout = ParamLayout.of(model)
-        self._flat = get_flat(model)
+        super().__init__(cfg)
         spec = ProgramSpec(cfg, seq_len, None, "onnx")
         self.program = OnnxTrainingProgram(training_program(spec, Path(cache_dir)), self.layout, threads)
-
-    def set_weights(self, flat: np.ndarray) -> None:
-        self.layout.split(flat)  # shape check
-        self._flat = np.array(flat, dtype=np.float32)
-
-    def get_weights(self) -> np.ndarray:
-        return self._flat.copy()
 
     def train_epoch(self, examples: np.ndarray, lr: float, batch_size: int, seed: int) -> EpochResult:
         rows = check_examples(examples, self.cfg.vocab_size, self.seq_len)
