@@ -43,7 +43,8 @@ def get(name: str, split: str, path: Path | None) -> None:
 @data.command()
 @click.argument("name")
 @_path_option
-@click.option("--vocab-size", default=4096, show_default=True, help="Public SentencePiece size.")
+@click.option("--vocab-size", default=1024, show_default=True,
+              help="Public SentencePiece size (the main job uses 1024).")
 @click.option("--seq-len", default=20, show_default=True, help="Tokens per example.")
 @click.option("--max-examples", default=256, show_default=True, help="Examples kept per client.")
 @click.option("--test-fraction", default=0.1, show_default=True, help="Held-out users.")
