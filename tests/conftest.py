@@ -23,28 +23,43 @@ def _mixed_public_lines(n: int) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_teacher_dir(tmp_path_factory):
-    """A tiny random 2-layer Llama teacher whose BPE vocabulary (Gemma's special-id order:
-    pad 0, eos 1, bos 2, unk 3) is trained on the public pool's styles."""
+def build_tiny_teacher(folder, lines, vocab_size, spread_logits=False, **spm_options):
+    """A real Hugging Face teacher folder: a random 2-layer Llama whose SentencePiece BPE
+    vocabulary (Gemma's special-id order: pad 0, eos 1, bos 2, unk 3) is trained on `lines`.
+    `spread_logits` widens the output layer so a top-k has no near-ties."""
     import sentencepiece as spm
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-teacher")
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_mixed_public_lines(3000)), model_prefix=str(folder / "tokenizer"),
-        model_type="bpe", vocab_size=900, byte_fallback=True, pad_id=0, eos_id=1, bos_id=2,
-        unk_id=3, num_threads=1, minloglevel=2,
+        sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"), model_type="bpe",
+        vocab_size=vocab_size, byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        num_threads=1, minloglevel=2, **spm_options,
     )
     (folder / "tokenizer.vocab").unlink()
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=900, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    if spread_logits:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_builder():
+    """`build_tiny_teacher`, for test modules that need a teacher with other properties."""
+    return build_tiny_teacher
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """A tiny teacher whose vocabulary is trained on the public pool's styles."""
+    return build_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), _mixed_public_lines(3000), 900)
 
 
 @pytest.fixture(scope="session")

@@ -58,39 +58,14 @@ def _lines(n: int, seed: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    """A tiny Llama teacher folder with a Gemma-ordered SentencePiece BPE tokenizer."""
-    import sentencepiece as spm
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("teacher")
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_lines(3000, seed=0)),
-        model_prefix=str(folder / "tokenizer"),
-        model_type="bpe",
-        vocab_size=700,
-        byte_fallback=True,
-        split_digits=True,
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        user_defined_symbols=["\u2581\u2581"],  # a whitespace-only piece, as Gemma has
-        add_dummy_prefix=False,
-        remove_extra_whitespaces=False,
-        normalization_rule_name="identity",
-        num_threads=1,
-        minloglevel=2,
+def teacher_dir(tmp_path_factory, tiny_teacher_builder):
+    """A tiny Llama teacher with Gemma-like tokenizer quirks: split digits, a whitespace-only
+    piece, no dummy prefix, identity normalisation."""
+    return tiny_teacher_builder(
+        tmp_path_factory.mktemp("teacher"), _lines(3000, seed=0), 700, spread_logits=True,
+        split_digits=True, user_defined_symbols=["\u2581\u2581"], add_dummy_prefix=False,
+        remove_extra_whitespaces=False, normalization_rule_name="identity",
     )
-    (folder / "tokenizer.vocab").unlink()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # spread the logits so the top-k has no near-ties
-        model.lm_head.weight.normal_(0.0, 0.5)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
