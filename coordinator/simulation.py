@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.numpy import save_file as save_numpy
-from safetensors.torch import save_file as save_torch
 
 from dpfleet.coordinator.adaptive_clipping import (
     QuantileClipEstimator,
@@ -42,6 +41,7 @@ from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.models import build_model, count_parameters
 from dpfleet.export.params import get_flat, set_flat
 
@@ -74,20 +74,16 @@ def prepare_data(cfg: SimulationConfig):
 def make_runtime(cfg: SimulationConfig, model_cfg, cache: Path) -> TrainingRuntime:
     if cfg.client.runtime == "eager":
         return EagerRuntime(model_cfg, threads=cfg.client.threads)
-    try:
-        from dpfleet.edge.runtimes import make_runtime as make_exported
-    except ImportError as exc:
-        raise DpfleetError(f"runtime {cfg.client.runtime!r} is not available: {exc}") from exc
+    from dpfleet.edge.runtimes import make_runtime as make_exported
+
     return make_exported(cfg.client.runtime, model_cfg, cfg.data.seq_len, cfg.client.threads, cache)
 
 
 def make_aggregator(cfg: SimulationConfig) -> Aggregator:
     if cfg.aggregation.kind == "plain":
         return PlainAggregator()
-    try:
-        from dpfleet.secagg.aggregator import SecAggAggregator
-    except ImportError as exc:
-        raise DpfleetError(f"secure aggregation is not available: {exc}") from exc
+    from dpfleet.secagg.aggregator import SecAggAggregator
+
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
                             graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout)
 
@@ -290,11 +286,7 @@ def run_simulation(
 def _write_checkpoint(folder: Path, model, model_cfg, tokenizer, server: DPFTRLServer, *,
                       clip_estimator: dict | None = None) -> None:
     """Model weights (safetensors), architecture, tokenizer, the DP server and clip estimator state."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_torch(state, str(folder / "model.safetensors"))
-    atomic_write(folder / "model_config.json", json.dumps(model_cfg.to_dict(), indent=2))
-    tokenizer.save(folder / "tokenizer")
+    save_checkpoint(folder, model, model_cfg, tokenizer)  # what `dpfleet export` reads
     s = server.state_dict()
     tree = s["tree"]
     arrays = {"theta": s["theta"], "momentum": s["momentum"]}
