@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
 
 @click.command()
-@click.argument("config", type=click.Path(path_type=Path))
+@click.argument("config", type=click.Path(path_type=Path), required=False)
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run directory (default: runs/<config name>, or -2, -3, ... if that is taken).")
 @click.option("--overwrite", is_flag=True, help="Reuse a non-empty run directory.")
 @click.option("--rounds", type=int, default=None, help="Override the config's number of rounds.")
 @click.option("--seed", type=int, default=None, help="Override the config's seed.")
+@click.option("--resume", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
+              help="Continue an interrupted run from its last resume point (no CONFIG needed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None,
-             seed: int | None, quiet: bool) -> None:
+def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int | None,
+             seed: int | None, resume: Path | None, quiet: bool) -> None:
     """Simulate private federated training of an on-device LM.
 
     Reads CONFIG (TOML; see examples/shakespeare_cifg.toml for every key), builds the clients
@@ -25,18 +28,34 @@ def simulate(config: Path, out: Path | None, overwrite: bool, rounds: int | None
     checkpoint/ (safetensors + tokenizer), accuracy.png, privacy_report.md, privacy.json and
     summary.json. Participation is disjoint, uniform or limited by device timers on a simulated
     clock ([participation]); the run stops before a round that would pass dp.budget_epsilon.
-    """
-    from dpfleet.coordinator.config import load_config, validate
-    from dpfleet.coordinator.simulation import run_simulation
 
-    cfg = load_config(config)
-    if rounds is not None:
-        cfg.rounds = rounds
-    if seed is not None:
-        cfg.seed = seed
+    Every `checkpoint_every` rounds the run directory gets a resume point; after a crash or
+    Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
+    with and gives the same result, bit for bit, as an uninterrupted run.
+    """
+    from dpfleet.coordinator.config import load_config, parse_config, validate
+    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.errors import DpfleetError
+
+    if resume is not None:
+        if config is not None or out is not None or overwrite or rounds is not None or seed is not None:
+            raise DpfleetError("--resume RUN_DIR continues a run with its own config: give no CONFIG, "
+                               "--out, --overwrite, --rounds or --seed with it")
+        if not (resume / "config.json").is_file():
+            raise DpfleetError(f"{resume} is not a run directory (no config.json): nothing to resume")
+        cfg, out = parse_config(json.loads((resume / "config.json").read_text())), resume
+    elif config is None:
+        raise DpfleetError("give a CONFIG to start a run, or --resume RUN_DIR to continue one")
+    else:
+        cfg = load_config(config)
+        if rounds is not None:
+            cfg.rounds = rounds
+        if seed is not None:
+            cfg.seed = seed
+        out = out or _fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
-    out = out or _fresh_run_dir(Path("runs") / config.stem)
-    result = run_simulation(cfg, out, overwrite=overwrite, progress=not quiet, log=click.echo)
+    result = run_simulation(cfg, out, overwrite=overwrite, resume=resume is not None,
+                            progress=not quiet, log=click.echo)
     f, b, p = result.final, result.baseline, result.privacy
     click.echo(f"next-token accuracy   model {f['accuracy']:.4f}   unigram baseline {b['accuracy']:.4f}")
     click.echo(f"perplexity            model {f['perplexity']:.1f}   unigram baseline {b['perplexity']:.1f}")

@@ -94,6 +94,7 @@ class SimulationConfig:
     rounds: int = 50
     eval_every: int = 10
     seed: int = 0
+    checkpoint_every: int = 10  # rounds between resume points (0: none; `simulate --resume`)
     data: DataSection = field(default_factory=DataSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -179,6 +180,7 @@ def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
+        (cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: no resume points)"),
         (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),
         (cfg.dp.clip_norm > 0, "dp.clip_norm must be > 0"),
         (cfg.dp.report_goal >= 1, "dp.report_goal must be >= 1"),

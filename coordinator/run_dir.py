@@ -45,8 +45,10 @@ def to_toml(resolved: dict) -> str:
 
 
 class RunDir:
-    def __init__(self, path: Path, overwrite: bool = False):
+    def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
         self.path = Path(path)
+        if resume:  # an interrupted run: its logs are kept (and truncated by `resume`)
+            return
         if self.path.exists() and any(self.path.iterdir()) and not overwrite:
             from dpfleet.errors import DpfleetError
 

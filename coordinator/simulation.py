@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import save_file as save_numpy
 
 from dpfleet.coordinator.adaptive_clipping import (
     QuantileClipEstimator,
@@ -33,8 +31,17 @@ from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate, unigram_baseline
 from dpfleet.coordinator.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.resume import (
+    check_resumable,
+    discard_resume,
+    replay,
+    restore,
+    save_resume,
+    save_server_state,
+    truncate_log,
+)
 from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
-from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
+from dpfleet.coordinator.run_dir import RunDir, plot_accuracy
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.datasets import load_records
@@ -125,6 +132,7 @@ def run_simulation(
     out: Path,
     *,
     overwrite: bool = False,
+    resume: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
     before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
@@ -135,8 +143,13 @@ def run_simulation(
     the server's theta (public training between private rounds: post-processing, so it costs no
     privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
     all rounds.
+
+    With `resume`, `out` is an interrupted run of this same config: it continues from the last
+    resume point (`checkpoint_every`), or from round 0 when none was written yet (`resume.py`).
     """
-    run = RunDir(out, overwrite=overwrite)
+    run = RunDir(out, overwrite=overwrite, resume=resume)
+    if resume:
+        check_resumable(run.path, cfg.resolved())
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
@@ -178,13 +191,20 @@ def run_simulation(
         f"{server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
 
-    metrics: list[dict] = []
+    start = restore(run.path, server, estimator) if resume else 0
+    metrics = truncate_log(run.path / "metrics.jsonl", start) if resume else []
+    if resume:
+        replay(participation, accountant, truncate_log(run.path / "participation.jsonl", start),
+               [c.user for c in data.train])
+        log(f"resuming after round {start} of {cfg.rounds}" if start else
+            "no resume point was written yet: starting from round 1")
     stopped_early = None
-    rounds = range(cfg.rounds)
+    rounds = range(start, cfg.rounds)
     if progress:
         from tqdm import tqdm
 
-        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True)
+        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=start,
+                      total=cfg.rounds)
     for r in rounds:
         restart = r in restarts
         try:
@@ -260,13 +280,15 @@ def run_simulation(
             "participation.jsonl",
             {"round": r, "devices": [data.train[i].user for i in in_sum], "restart": restart},
         )
+        if cfg.checkpoint_every and (r + 1) % cfg.checkpoint_every == 0 and r + 1 < cfg.rounds:
+            save_resume(run.path, r + 1, server, estimator)
 
     if stopped_early:
         log(stopped_early)
     set_flat(model, server.theta)
     final = evaluate(model, test_rows)
-    _write_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer, server,
-                      clip_estimator=estimator.state_dict() if estimator else None)
+    save_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer)  # what `dpfleet export` reads
+    save_server_state(run.path / "checkpoint", server, estimator.state_dict() if estimator else None)
     privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
                                 model_noise_multiplier=z_model, stopped_early=stopped_early)
     title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
@@ -278,23 +300,9 @@ def run_simulation(
         "wall_seconds": time.perf_counter() - t_start, "parameters": int(server.theta.size),
         "rounds_completed": len(metrics), "stopped_early": stopped_early,
         "simulated_hours": participation.hours(participation.slot),
+        "resumed_after_round": start or None,
     }
     run.write_json("summary.json", summary)
+    discard_resume(run.path)
     return SimulationResult(run.path, metrics, final, baseline, privacy, stopped_early)
 
-
-def _write_checkpoint(folder: Path, model, model_cfg, tokenizer, server: DPFTRLServer, *,
-                      clip_estimator: dict | None = None) -> None:
-    """Model weights (safetensors), architecture, tokenizer, the DP server and clip estimator state."""
-    save_checkpoint(folder, model, model_cfg, tokenizer)  # what `dpfleet export` reads
-    s = server.state_dict()
-    tree = s["tree"]
-    arrays = {"theta": s["theta"], "momentum": s["momentum"]}
-    arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
-    save_numpy(arrays, str(folder / "server_state.safetensors"))
-    meta = {k: v for k, v in tree.items() if k != "noise"}
-    atomic_write(
-        folder / "server_state.json",
-        json.dumps({"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
-                    "clip_estimator": clip_estimator}, indent=2),
-    )
