@@ -116,14 +116,20 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
 @click.option("--lr", type=click.FloatRange(0, min_open=True), default=3e-3, show_default=True,
               help="Adam learning rate")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--save-every", type=click.IntRange(1), default=100, show_default=True,
+              help="steps between saves of the training state (what --resume continues from)")
+@click.option("--resume", is_flag=True, help="continue an interrupted pretraining in --out")
 @click.option("--overwrite", is_flag=True, help="replace an existing checkpoint in --out")
 def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, path, max_records,
              seq_len, arch, embedding_dim, hidden_dim, projection_dim, steps, batch_size, lr, seed,
-             overwrite) -> None:
+             save_every, resume, overwrite) -> None:
     """Public pretraining of the on-device LM, with teacher distillation when --kd-corpus is given.
 
     The checkpoint initialises private training (`[simulation.tokenizer] path` must then be the
     same tokenizer) and can be exported with `dpfleet export`. Public data only: no privacy cost.
+
+    The training state is saved every --save-every steps; after an interruption, the same
+    command with --resume continues where it stopped, with the same result.
     """
     from dpfleet.edge.tokenizer import load_tokenizer
     from dpfleet.errors import DpfleetError
@@ -133,8 +139,16 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_evaluate, kd_train
     from dpfleet.public.topk import TopKCorpus, student_sequences
 
+    state_file = Path(out) / "pretrain_state.pt"
     if (Path(out) / WEIGHTS).is_file() and not overwrite:
         raise DpfleetError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    if state_file.is_file() and not resume:
+        if not overwrite:
+            raise DpfleetError(f"{out} holds an interrupted pretraining; pass --resume to continue "
+                               "it or --overwrite to start over")
+        state_file.unlink()
+    if resume and not state_file.is_file():
+        click.echo(f"no saved training state in {out}: starting from step 0", err=True)
     tokenizer = load_tokenizer(tokenizer_dir)
     if kd_corpus:
         corpus = TopKCorpus(kd_corpus)
@@ -152,8 +166,10 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     theta0 = get_flat(build_model(model_cfg))
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
                         temperature=temperature, seed=seed)
+    Path(out).mkdir(parents=True, exist_ok=True)
     theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,
-                              desc="KD pretraining" if kd_corpus else "pretraining")
+                              desc="KD pretraining" if kd_corpus else "pretraining",
+                              state_file=state_file, save_every=save_every)
     model = build_model(model_cfg)
     set_flat(model, theta)
     save_checkpoint(out, model, model_cfg, tokenizer)
@@ -162,6 +178,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
               "before": kd_evaluate(model_cfg, theta0, corpus, held, temperature),
               "after": kd_evaluate(model_cfg, theta, corpus, held, temperature)}
     (Path(out) / "pretrain.json").write_text(json.dumps(result, indent=2, default=float))
+    state_file.unlink(missing_ok=True)
     click.echo(json.dumps({k: result[k] for k in ("sequences", "before", "after")}, default=float))
 
 
@@ -169,8 +186,10 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="run folder")
 @click.option("--overwrite", is_flag=True, help="replace a finished pipeline in --out")
+@click.option("--resume", is_flag=True,
+              help="continue the interrupted pipeline in --out (same CONFIG) from its last resume point")
 @click.option("--quiet", is_flag=True, help="no progress bars")
-def pipeline(config, out, overwrite, quiet) -> None:
+def pipeline(config, out, overwrite, resume, quiet) -> None:
     """Private FL with public training (paper 000 Algorithm 1) from one TOML CONFIG.
 
     First-stage DP-FTRL for T' = [public] first_stage_rounds; distribution matching of the
@@ -179,12 +198,14 @@ def pipeline(config, out, overwrite, quiet) -> None:
     the same DP-FTRL server, accounted over all rounds. selection = "random" / "none" and
     first_stage_rounds = 0 give the baselines (mid-training on a random q, no public data,
     public pre-training). Writes pipeline.json, pool.npz, first_stage_theta.npy, scores.npz,
-    simulation/ (the run, privacy over all rounds) and summary.json.
+    simulation/ (the run, privacy over all rounds) and summary.json. An interrupted pipeline
+    continues with --resume: DP-FTRL from its last resume point ([simulation]
+    checkpoint_every), and a finished public stage is not redone.
     """
     from dpfleet.public.pipeline import load_pipeline, run_pipeline
 
-    summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, progress=not quiet,
-                           log=click.echo)
+    summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, resume=resume,
+                           progress=not quiet, log=click.echo)
     keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
             "final", "epsilon")
     click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=float))

@@ -10,8 +10,12 @@ Public data only, so it costs no privacy. Adam with gradient clipping at 1, like
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,11 +79,15 @@ def kd_train(
     *,
     progress: bool = True,
     desc: str = "public training",
+    state_file: Path | None = None,
+    save_every: int = 100,
 ) -> tuple[np.ndarray, list[dict]]:
     """Train from `theta` on `corpus` sequences `indices` (all when None) for `cfg.steps` steps.
 
     `corpus` is a `TopKCorpus` or a `PlainCorpus`. Returns the new flat weights and a short
-    history of smoothed (L_pub, L_LM, L_KD).
+    history of smoothed (L_pub, L_LM, L_KD). With `state_file`, the whole training state (model,
+    Adam, the batch sampler, step) is saved there every `save_every` steps, and a run that finds
+    one continues from it: the result is the same as without the interruption.
     """
     pool = np.arange(len(corpus)) if indices is None else np.asarray(indices, dtype=np.int64)
     if len(pool) == 0:
@@ -95,13 +103,17 @@ def kd_train(
     model.to(device).train()
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rng = np.random.default_rng(cfg.seed)
-    steps = range(cfg.steps)
     if progress:
         from tqdm import tqdm
 
-        steps = tqdm(steps, desc=f"{desc} ({device})", unit="step", leave=False)
-    history, ema = [], None
-    for step in steps:
+        bar = tqdm(total=cfg.steps, desc=f"{desc} ({device})", unit="step", leave=False)
+    history, ema, start = [], None, 0
+    fingerprint = _fingerprint(model_cfg, cfg, pool)
+    if state_file is not None and Path(state_file).is_file():
+        start, ema, history = _load_state(Path(state_file), fingerprint, model, opt, rng)
+    if progress:
+        bar.update(start)
+    for step in range(start, cfg.steps):
         batch = corpus.batch(rng.choice(pool, size=min(cfg.batch_size, len(pool)), replace=False))
         loss, lm, kd = _losses(model, batch, cfg.beta, cfg.temperature, device)
         opt.zero_grad(set_to_none=True)
@@ -113,9 +125,39 @@ def kd_train(
         if step == 0 or (step + 1) % max(1, cfg.steps // 10) == 0:
             history.append({"step": step + 1, "loss": ema[0], "lm": ema[1], "kd": ema[2]})
         if progress:
-            steps.set_postfix(lm=f"{ema[1]:.3f}", kd=f"{ema[2]:.3f}", refresh=False)
+            bar.update()
+            bar.set_postfix(lm=f"{ema[1]:.3f}", kd=f"{ema[2]:.3f}", refresh=False)
+        if state_file is not None and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
+            _save_state(Path(state_file), fingerprint, step + 1, model, opt, rng, ema, history)
+    if progress:
+        bar.close()
     model.to("cpu")
     return get_flat(model), history
+
+
+def _fingerprint(model_cfg: ModelConfig, cfg: KDTrainConfig, pool: np.ndarray) -> str:
+    parts = repr((dataclasses.asdict(model_cfg), dataclasses.asdict(cfg), pool.tolist()))
+    return hashlib.sha256(parts.encode()).hexdigest()
+
+
+def _save_state(path: Path, fingerprint: str, step: int, model, opt, rng, ema, history) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"fingerprint": fingerprint, "step": step, "model": model.state_dict(),
+                "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+                "ema": [float(v) for v in ema],
+                "history": [{k: float(v) for k, v in h.items()} for h in history]}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(path: Path, fingerprint: str, model, opt, rng) -> tuple[int, np.ndarray, list[dict]]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("fingerprint") != fingerprint:
+        raise DpfleetError(f"{path} is the training state of another job (other model, settings or "
+                           "data); delete it or use another output folder")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["rng"]
+    return state["step"], np.array(state["ema"]), state["history"]
 
 
 @torch.no_grad()

@@ -206,14 +206,31 @@ class TeacherWork:
         return np.load(path)
 
 
-def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, progress: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
-    """Run Algorithm 1 (or the Table 2 variant `cfg.public` describes) into run folder `out`."""
+def _check_resumable(cfg: PipelineConfig, out: Path) -> None:
+    if not (out / "pipeline.json").is_file():
+        raise DpfleetError(f"{out} holds no started pipeline (no pipeline.json): nothing to resume")
+    saved = json.loads((out / "pipeline.json").read_text())
+    current = json.loads(json.dumps(cfg.resolved()))
+    changed = sorted(k for k in ("public", "pool") if saved[k] != current[k])
+    if changed:
+        raise DpfleetError(f"{out} was started with another pipeline config (it differs in "
+                           f"[{'], ['.join(changed)}]); resume it with the config it was started with")
+
+
+def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
+                 progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Run Algorithm 1 (or the Table 2 variant `cfg.public` describes) into run folder `out`.
+
+    With `resume`, `out` is an interrupted pipeline of this config: its DP-FTRL run continues
+    from its last resume point, and a public stage already done is not redone.
+    """
     from dpfleet.coordinator.simulation import run_simulation
 
     out = Path(out)
     if (out / "summary.json").is_file() and not overwrite:
         raise DpfleetError(f"{out} holds a finished pipeline; pass --overwrite or choose another --out")
+    if resume:
+        _check_resumable(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     p = cfg.public
@@ -230,6 +247,9 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, pro
     model_cfg = dataclasses.replace(sim.model, vocab_size=vocab.tokenizer.vocab_size)
     switch = cfg.switch_round
     report: dict = {"switch_round": switch, "selection": p.selection, "pool_size": len(pool.sequences)}
+    stage_file = out / "public_stage.json"  # the public stage's report, once it is done
+    if resume and stage_file.is_file():
+        report.update(json.loads(stage_file.read_text()))
 
     def public_training(r: int, theta: np.ndarray) -> np.ndarray | None:
         if r != switch or p.selection == "none":
@@ -255,12 +275,14 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, pro
         report.update(selected=len(chosen), sources=source_report(pool.sources, chosen),
                       public_training=history, public_seconds=time.perf_counter() - t0,
                       selected_indices=[int(i) for i in chosen])
+        atomic_write(stage_file, json.dumps(report, default=float))
         shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
         log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")
         return new_theta
 
-    result = run_simulation(sim, out / "simulation", overwrite=True, progress=progress, log=log,
-                            before_round=public_training)
+    started = (out / "simulation" / "config.json").is_file()
+    result = run_simulation(sim, out / "simulation", overwrite=True, resume=resume and started,
+                            progress=progress, log=log, before_round=public_training)
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,

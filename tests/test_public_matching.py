@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from dpfleet.public.matching import (
     teacher_logprobs,
     top_fraction,
 )
-from dpfleet.public.pipeline import parse_pipeline, run_pipeline
+from dpfleet.public.pipeline import load_pipeline, parse_pipeline, run_pipeline
 from dpfleet.public.teacher import load_teacher
 from dpfleet.public.topk import TopKCorpus, TopKExtractor, build_corpus, student_sequences
 
@@ -168,6 +169,38 @@ def test_kd_training_reduces_the_kd_loss(tiny_teacher_dir, tiny_teacher_vocab, t
     assert kd_evaluate(model_cfg, lm_only, corpus, every)["kd"] > after["kd"]
 
 
+class Crash(Exception):
+    """Stands in for a killed process."""
+
+
+def test_kd_training_resumes_to_the_same_weights(tiny_teacher_vocab, tmp_path):
+    seqs = student_sequences(_style(40, OTHER_WORDS, 3), tiny_teacher_vocab.tokenizer, 12)
+    model_cfg, cfg = _model_cfg(tiny_teacher_vocab), KDTrainConfig(steps=12, batch_size=8, lr=1e-2)
+    theta0 = _theta0(model_cfg)
+    reference, ref_history = kd_train(model_cfg, theta0, PlainCorpus(seqs), None, cfg, progress=False)
+
+    class DiesAtBatch8(PlainCorpus):
+        calls = 0
+
+        def batch(self, indices):
+            DiesAtBatch8.calls += 1
+            if DiesAtBatch8.calls == 8:
+                raise Crash
+            return super().batch(indices)
+
+    state = tmp_path / "state.pt"
+    with pytest.raises(Crash):
+        kd_train(model_cfg, theta0, DiesAtBatch8(seqs), None, cfg, progress=False, state_file=state,
+                 save_every=5)
+    assert torch.load(state, weights_only=True)["step"] == 5
+    theta, history = kd_train(model_cfg, theta0, PlainCorpus(seqs), None, cfg, progress=False,
+                              state_file=state, save_every=5)
+    assert np.array_equal(theta, reference) and history == ref_history
+    with pytest.raises(DpfleetError, match="another job"):  # other settings: refused, not mixed
+        kd_train(model_cfg, theta0, PlainCorpus(seqs), None, KDTrainConfig(12, 8, 5e-3),
+                 progress=False, state_file=state)
+
+
 def _pipeline_values(teacher_dir, vocab, **public) -> dict:
     return {
         "public": {"teacher": str(teacher_dir), "first_stage_rounds": 2, "fraction": 0.25,
@@ -222,6 +255,48 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
         run_pipeline(parse_pipeline(values), out, progress=False)
 
 
+def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tiny_teacher_vocab,
+                                                           tmp_path, monkeypatch):
+    values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab)
+    values["simulation"]["checkpoint_every"] = 1
+    cfg = parse_pipeline(values)
+    reference = run_pipeline(cfg, tmp_path / "ref", progress=False, log=lambda s: None)
+    import dpfleet.coordinator.simulation as simulation
+    import dpfleet.public.pipeline as pipeline
+
+    calls, real_update = [], simulation.client_update
+
+    def dies_in_round_4(*args, **kwargs):  # 4 clients a round: the 13th update is round 4's
+        calls.append(1)
+        if len(calls) == 13:
+            raise Crash
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(simulation, "client_update", dies_in_round_4)
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        run_pipeline(cfg, out, progress=False, log=lambda s: None)
+    with pytest.raises(DpfleetError, match=r"another pipeline config.*\[public\]"):
+        run_pipeline(parse_pipeline(_pipeline_values(tiny_teacher_dir, tiny_teacher_vocab,
+                                                     fraction=0.5)), out, resume=True)
+
+    def no_public_training(*args, **kwargs):
+        raise AssertionError("the public stage finished before the crash and was redone")
+
+    monkeypatch.setattr(pipeline, "kd_train", no_public_training)
+    resumed = run_pipeline(cfg, out, resume=True, progress=False, log=lambda s: None)
+    for key in ("final", "epsilon", "selected_indices", "sources", "accuracy_before_public_training"):
+        assert resumed[key] == reference[key], key
+    assert (out / "simulation" / "metrics.jsonl").read_text() == \
+        (tmp_path / "ref" / "simulation" / "metrics.jsonl").read_text()
+
+
+def test_example_pipeline_config_is_valid():
+    cfg = load_pipeline(Path(__file__).parents[1] / "examples" / "public_pipeline.toml")
+    assert cfg.switch_round == cfg.simulation.rounds // 2 and cfg.public.selection == "match"
+    assert cfg.simulation.rounds * cfg.simulation.dp.report_goal <= cfg.simulation.data.max_clients
+
+
 def test_pipeline_config_errors(tiny_teacher_dir, tiny_teacher_vocab, tmp_path):
     values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, first_stage_rounds=0)
     with pytest.raises(DpfleetError, match="DP checkpoint"):
@@ -237,7 +312,7 @@ def test_pipeline_config_errors(tiny_teacher_dir, tiny_teacher_vocab, tmp_path):
     assert exit_info.value.code == 2
 
 
-def test_pretrain_cli_with_kd_corpus(tiny_teacher_dir, tiny_teacher_vocab, tmp_path):
+def test_pretrain_cli_with_kd_corpus(tiny_teacher_dir, tiny_teacher_vocab, tmp_path, capsys):
     folder = tiny_teacher_vocab.tokenizer.model_file.parent
     extractor = TopKExtractor(load_teacher(str(tiny_teacher_dir), device="cpu"),
                               tiny_teacher_vocab, k=10)
@@ -257,3 +332,12 @@ def test_pretrain_cli_with_kd_corpus(tiny_teacher_dir, tiny_teacher_vocab, tmp_p
     with pytest.raises(SystemExit) as exit_info:  # an existing checkpoint is kept
         main(args)
     assert exit_info.value.code == 2
+    assert not (tmp_path / "ckpt" / "pretrain_state.pt").exists()  # gone once finished
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save({"step": 3}, other / "pretrain_state.pt")  # a foreign training state
+    args[args.index("--out") + 1] = str(other)
+    for extra, message in (([], "pass --resume"), (["--resume"], "another job")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args + extra)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
