@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from grid import add_grid_args, private_simulation
 
 HERE = Path(__file__).parent
 
@@ -41,10 +42,7 @@ VARIANTS = {
 
 
 def config(args, variant: str, noise: float, seed: int) -> dict:
-    """The lead's tuned DP settings for the main job (examples/shakespeare_cifg.toml), with
-    server momentum `args.momentum[i]` for noise level `args.noise[i]` (0.9 helps at low noise,
-    0.5 at high: momentum also amplifies the tree noise)."""
-    momentum = dict(zip(args.noise, args.momentum, strict=True))[noise]
+    """One row's pipeline config: the tuned private setting of `grid.py` plus the public stage."""
     public = {"teacher": args.teacher, "vocab_size": 4096, "fraction": args.q, "steps": args.steps,
               "batch_size": 32, "lr": 3e-3}
     public.update(VARIANTS[variant])
@@ -54,16 +52,8 @@ def config(args, variant: str, noise: float, seed: int) -> dict:
         "public": public,
         "pool": {"sources": ["wikitext2", "kjv", "shakespeare-collab"], "records": args.pool,
                  "seq_len": 16, "seed": 0},
-        "simulation": {
-            "rounds": args.rounds, "eval_every": args.rounds // 2, "seed": seed,
-            "data": {"dataset": "shakespeare-solo", "seq_len": 16, "max_examples": 64,
-                     "max_clients": args.rounds * args.report_goal, "eval_examples": 1500},
-            "model": {"arch": "cifg", "embedding_dim": 32, "hidden_dim": 64, "projection_dim": 32},
-            "client": {"lr": 5.0, "batch_size": 16},
-            "dp": {"noise_multiplier": noise, "clip_norm": 2.0, "report_goal": args.report_goal,
-                   "server_lr": 1.0, "momentum": momentum},
-            "participation": {"mode": "disjoint"},
-        },
+        "simulation": private_simulation(args, noise, seed, eval_every=args.rounds // 2,
+                                         eval_examples=1500),
     }
 
 
@@ -105,37 +95,44 @@ def fig3(run: Path, teacher_work, vocab, model_cfg, private_texts: list[str], pn
                    "records": len(x)} for name, (x, y) in groups.items()}
 
 
+def _mean_std(values: np.ndarray, signed: bool = False) -> str:
+    mean = f"{values.mean():+.2f}" if signed else f"{values.mean():.2f}"
+    return mean + (f" ± {values.std():.2f}" if len(values) > 1 else "")
+
+
 def markdown(results: list[dict], args) -> str:
     lines = [f"T = {args.rounds} rounds, report goal {args.report_goal}, pool {args.pool} "
              f"(wikitext2, kjv, shakespeare-collab), q = {args.q}, q_small = {args.q_small}, "
-             f"{args.steps} public steps. Accuracy on held-out private clients (mean ± std over seeds).",
-             "", "| row | noise z | eps | accuracy | acc. at T' (before public) | selected from "
-             "wikitext2 / kjv / collab |", "|---|---|---|---|---|---|"]
+             f"{args.steps} public steps. Accuracy (%) on held-out private clients, mean ± std over "
+             "seeds; 'vs none' is the mean ± std of the per-seed difference to the `none` row of "
+             "the same seed (paired: same clients, same noise draws before public training).",
+             "", "| row | noise z | eps | accuracy | vs none | acc. at T' (before public) | selected "
+             "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["variant"], r["noise"]) for r in results},
                   key=lambda k: (k[1], list(VARIANTS).index(k[0])))
     for variant, noise in keys:
-        rows = [r for r in results if r["variant"] == variant and r["noise"] == noise]
+        rows = sorted((r for r in results if r["variant"] == variant and r["noise"] == noise),
+                      key=lambda r: r["seed"])
         acc = np.array([r["accuracy"] for r in rows]) * 100
+        none = {r["seed"]: r["accuracy"] * 100 for r in results
+                if r["variant"] == "none" and r["noise"] == noise}
+        diff = np.array([a - none[r["seed"]] for a, r in zip(acc, rows, strict=True) if r["seed"] in none])
         before = [r["accuracy_before_public_training"] for r in rows]
-        before_s = "" if before[0] is None else f"{np.mean(before) * 100:.2f}"
-        src = rows[0].get("sources") or {}
-        picked = " / ".join(str(src.get(s, {}).get("selected", "-"))
-                            for s in ("wikitext2", "kjv", "shakespeare-collab")) if src else "-"
-        std = f" ± {acc.std():.2f}" if len(acc) > 1 else ""
-        lines.append(f"| {variant} | {noise} | {rows[0]['epsilon']:.2f} | {acc.mean():.2f}{std} | "
-                     f"{before_s} | {picked} |")
+        before_s = "" if before[0] is None else _mean_std(np.array(before) * 100)
+        picked = "-"
+        if rows[0].get("sources"):
+            picked = " / ".join(f"{np.mean([r['sources'][s]['selected'] for r in rows]):.0f}"
+                                for s in ("wikitext2", "kjv", "shakespeare-collab"))
+        vs_none = _mean_std(diff, signed=True) if variant != "none" and len(diff) else ""
+        lines.append(f"| {variant} | {noise} | {rows[0]['epsilon']:.2f} | {_mean_std(acc)} | "
+                     f"{vs_none} | {before_s} | {picked} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--noise", type=float, nargs="+", default=[0.3, 0.7])
-    ap.add_argument("--momentum", type=float, nargs="+", default=[0.9, 0.5],
-                    help="server momentum for each --noise level, in order")
+    add_grid_args(ap)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--rounds", type=int, default=50)  # shakespeare-solo: 1056 clients
-    ap.add_argument("--report-goal", type=int, default=20)
     ap.add_argument("--pool", type=int, nargs=3, default=[200, 100, 100])
     ap.add_argument("--q", type=float, default=0.2)
     ap.add_argument("--q-small", type=float, default=0.05)
