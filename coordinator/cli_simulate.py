@@ -35,7 +35,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     """
     from dpfleet.coordinator.config import load_config, parse_config, validate
     from dpfleet.coordinator.simulation import run_simulation
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, resume_hint
 
     if resume is not None:
         if config is not None or out is not None or overwrite or rounds is not None or seed is not None:
@@ -54,8 +54,9 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
             cfg.seed = seed
         out = out or _fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
-    result = run_simulation(cfg, out, overwrite=overwrite, resume=resume is not None,
-                            progress=not quiet, log=click.echo)
+    with resume_hint(f"dpfleet simulate --resume {out}"):
+        result = run_simulation(cfg, out, overwrite=overwrite, resume=resume is not None,
+                                progress=not quiet, log=click.echo)
     f, b, p = result.final, result.baseline, result.privacy
     click.echo(f"next-token accuracy   model {f['accuracy']:.4f}   unigram baseline {b['accuracy']:.4f}")
     click.echo(f"perplexity            model {f['perplexity']:.1f}   unigram baseline {b['perplexity']:.1f}")

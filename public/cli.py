@@ -132,7 +132,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     command with --resume continues where it stopped, with the same result.
     """
     from dpfleet.edge.tokenizer import load_tokenizer
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, resume_hint
     from dpfleet.export.checkpoint import WEIGHTS, save_checkpoint
     from dpfleet.export.models import ModelConfig, build_model
     from dpfleet.export.params import get_flat, set_flat
@@ -167,9 +167,10 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
                         temperature=temperature, seed=seed)
     Path(out).mkdir(parents=True, exist_ok=True)
-    theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,
-                              desc="KD pretraining" if kd_corpus else "pretraining",
-                              state_file=state_file, save_every=save_every)
+    with resume_hint("the same `dpfleet public pretrain ...` command with --resume"):
+        theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,
+                                  desc="KD pretraining" if kd_corpus else "pretraining",
+                                  state_file=state_file, save_every=save_every)
     model = build_model(model_cfg)
     set_flat(model, theta)
     save_checkpoint(out, model, model_cfg, tokenizer)
@@ -202,10 +203,12 @@ def pipeline(config, out, overwrite, resume, quiet) -> None:
     continues with --resume: DP-FTRL from its last resume point ([simulation]
     checkpoint_every), and a finished public stage is not redone.
     """
+    from dpfleet.errors import resume_hint
     from dpfleet.public.pipeline import load_pipeline, run_pipeline
 
-    summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, resume=resume,
-                           progress=not quiet, log=click.echo)
+    with resume_hint(f"dpfleet public pipeline {config} --out {out} --resume"):
+        summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, resume=resume,
+                               progress=not quiet, log=click.echo)
     keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
             "final", "epsilon")
     click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=float))

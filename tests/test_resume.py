@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.resume import resume_point
+from dpfleet.coordinator.run_dir import to_toml
 from dpfleet.coordinator.simulation import run_simulation
 from dpfleet.errors import DpfleetError
 
@@ -146,3 +147,27 @@ def test_cli_resume(interrupted, capsys, reference):
     assert [m["round"] for m in metrics] == list(range(1, 10))
     assert (interrupted / "metrics.jsonl").read_text() == reference["metrics"]
     assert np.isfinite(json.loads((interrupted / "privacy.json").read_text())["epsilon"])
+
+
+def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeypatch, reference):
+    import dpfleet.coordinator.simulation as simulation
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(to_toml(parse_config(CFG).resolved()))
+    real_update, calls = simulation.client_update, []
+
+    def ctrl_c_in_round_8(*args, **kwargs):  # 4 clients a round
+        calls.append(1)
+        if len(calls) == 29:
+            raise KeyboardInterrupt
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(simulation, "client_update", ctrl_c_in_round_8)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", str(config), "--out", str(out), "--quiet"])
+    assert exc.value.code == 130
+    assert f"continue with: dpfleet simulate --resume {out}" in capsys.readouterr().err
+    monkeypatch.setattr(simulation, "client_update", real_update)
+    main(["simulate", "--resume", str(out), "--quiet"])
+    assert (out / "metrics.jsonl").read_text() == reference["metrics"]
