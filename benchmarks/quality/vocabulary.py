@@ -109,10 +109,14 @@ def plot(results: list[dict], args, png: Path) -> None:
             f"{kind} ({'w/ OOV' if col == 'with_oov' else 'strict'})"
         ax.bar(np.arange(len(args.noise)) + (j - (len(bars) - 1) / 2) * width, means, width, yerr=stds,
                capsize=3, label=label)
+    unigram = np.mean([r["unigram_token"] for r in results]) * 100
+    ax.axhline(unigram, color="grey", linestyle="--", linewidth=1,
+               label=f"unigram baseline (~{unigram:.1f}%)")
     eps = {r["noise"]: r["epsilon"] for r in results}
     ax.set_xticks(range(len(args.noise)), [f"z = {z:g} (eps = {eps[z]:.1f})" for z in args.noise])
-    ax.set(ylabel="next-token accuracy (%), token units", title="Fig. 1 analogue: public "
-           "SentencePiece vs private word vocabularies under DP")
+    ax.set_ylabel("next-token accuracy (%), token units")
+    ax.set_title("Fig. 1 analogue: public SentencePiece vs private word vocabularies under DP",
+                 fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
