@@ -15,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from edge_models import SEQ_LEN, tiny_config
 
 from dpfleet.edge.runtime import EagerRuntime
 from dpfleet.edge.runtimes import make_runtime
@@ -30,16 +31,7 @@ from dpfleet.export.training import (
 pytest.importorskip("executorch")
 pytest.importorskip("onnxruntime")
 
-SEQ_LEN = 5
-CFG = ModelConfig(  # the parity tests' CIFG: the session's program cache serves both files
-    arch="cifg",
-    vocab_size=48,
-    embedding_dim=12,
-    hidden_dim=16,
-    projection_dim=12,
-    num_heads=2,
-    max_length=8,
-)
+CFG = tiny_config("cifg")  # the parity tests' CIFG: the session's program cache serves both files
 OTHER = ModelConfig(**{**CFG.to_dict(), "arch": "lstm"})
 
 

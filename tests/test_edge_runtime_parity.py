@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from edge_models import SEQ_LEN, tiny_config
 
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.runtime import EagerRuntime, fixed_shape_batches
@@ -21,20 +22,8 @@ from dpfleet.export.training import ProgramSpec, training_program
 pytest.importorskip("executorch")
 pytest.importorskip("onnxruntime")
 
-SEQ_LEN = 5
 BATCH = 4
-CONFIGS = {
-    arch: ModelConfig(
-        arch=arch,
-        vocab_size=48,
-        embedding_dim=12,
-        hidden_dim=16,
-        projection_dim=12,
-        num_heads=2,
-        max_length=8,
-    )
-    for arch in ("cifg", "lstm", "transformer")
-}
+CONFIGS = {arch: tiny_config(arch) for arch in ("cifg", "lstm", "transformer")}
 
 
 @pytest.fixture(scope="module")
