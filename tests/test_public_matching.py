@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+from crashes import Crash, failing_on_call
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,10 +170,6 @@ def test_kd_training_reduces_the_kd_loss(tiny_teacher_dir, tiny_teacher_vocab, t
     assert kd_evaluate(model_cfg, lm_only, corpus, every)["kd"] > after["kd"]
 
 
-class Crash(Exception):
-    """Stands in for a killed process."""
-
-
 def test_kd_training_resumes_to_the_same_weights(tiny_teacher_vocab, tmp_path):
     seqs = student_sequences(_style(40, OTHER_WORDS, 3), tiny_teacher_vocab.tokenizer, 12)
     model_cfg, cfg = _model_cfg(tiny_teacher_vocab), KDTrainConfig(steps=12, batch_size=8, lr=1e-2)
@@ -264,15 +261,8 @@ def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tin
     import dpfleet.coordinator.simulation as simulation
     import dpfleet.public.pipeline as pipeline
 
-    calls, real_update = [], simulation.client_update
-
-    def dies_in_round_4(*args, **kwargs):  # 4 clients a round: the 13th update is round 4's
-        calls.append(1)
-        if len(calls) == 13:
-            raise Crash
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(simulation, "client_update", dies_in_round_4)
+    # 4 clients a round: the 13th client update is round 4's
+    monkeypatch.setattr(simulation, "client_update", failing_on_call(simulation.client_update, 13))
     out = tmp_path / "run"
     with pytest.raises(Crash):
         run_pipeline(cfg, out, progress=False, log=lambda s: None)

@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from crashes import Crash, failing_on_call
 from safetensors.numpy import load_file
 
 from dpfleet.cli import main
@@ -29,10 +30,6 @@ CFG = {
                       "availability": 0.6},
 }
 QUIET = {"progress": False, "log": lambda s: None}
-
-
-class Crash(Exception):
-    """Stands in for a killed process: raised before a round's clients train."""
 
 
 def crash_before(round_idx):
@@ -154,15 +151,8 @@ def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeyp
 
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(parse_config(CFG).resolved()))
-    real_update, calls = simulation.client_update, []
-
-    def ctrl_c_in_round_8(*args, **kwargs):  # 4 clients a round
-        calls.append(1)
-        if len(calls) == 29:
-            raise KeyboardInterrupt
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(simulation, "client_update", ctrl_c_in_round_8)
+    real_update = simulation.client_update  # 4 clients a round: Ctrl-C in round 8's first update
+    monkeypatch.setattr(simulation, "client_update", failing_on_call(real_update, 29, KeyboardInterrupt))
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(config), "--out", str(out), "--quiet"])
