@@ -8,6 +8,12 @@ report is computed from: a resumed run cannot account differently from what it l
 config or dataset that no longer reproduces the logged selections is refused. Every random draw
 of a round is keyed by (seed, round, client), so a resumed run continues bit for bit as the
 uninterrupted run would have.
+
+Privacy: rounds redone after a resume use the same tree-noise nodes as before the crash. That is
+safe here only because the redone round is bit-identical (same clients, same data, same noise),
+so nothing new is released, and the accountant counts each round once (the log is truncated, then
+replayed). A networked fleet, whose devices' data move on, must not redo a released round with
+the same noise: it would have to draw fresh noise and account the round again.
 """
 
 from __future__ import annotations
