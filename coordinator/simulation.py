@@ -191,9 +191,10 @@ def run_simulation(
         f"{server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
 
-    start = restore(run.path, server, estimator) if resume else 0
-    metrics = truncate_log(run.path / "metrics.jsonl", start) if resume else []
-    if resume:
+    start, metrics = 0, []
+    if resume:  # the rounds after the resume point are redone, bit for bit
+        start = restore(run.path, server, estimator)
+        metrics = truncate_log(run.path / "metrics.jsonl", start)
         replay(participation, accountant, truncate_log(run.path / "participation.jsonl", start),
                [c.user for c in data.train])
         log(f"resuming after round {start} of {cfg.rounds}" if start else
