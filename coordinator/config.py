@@ -165,15 +165,19 @@ def parse_config(values: dict) -> SimulationConfig:
     return cfg
 
 
-def load_config(path: Path) -> SimulationConfig:
+def read_toml(path: Path, what: str = "config file") -> dict:
+    """A TOML file's values; a missing file or bad TOML is one clear DpfleetError."""
     path = Path(path)
     if not path.is_file():
-        raise DpfleetError(f"config file not found: {path}")
+        raise DpfleetError(f"{what} not found: {path}")
     try:
-        values = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
-    return parse_config(values)
+
+
+def load_config(path: Path) -> SimulationConfig:
+    return parse_config(read_toml(path))
 
 
 def validate(cfg: SimulationConfig) -> None:

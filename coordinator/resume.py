@@ -69,14 +69,20 @@ def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
     estimator.tree = TreeNoise.from_state(tree)
 
 
+def differing_keys(saved: dict, resolved: dict, keys: Sequence[str] | None = None) -> list[str]:
+    """Top-level keys (all, or `keys`) where a config saved as JSON and a resolved one differ."""
+    current = json.loads(json.dumps(resolved))  # compare like with like: tuples become lists
+    keys = sorted(set(saved) | set(current)) if keys is None else list(keys)
+    return [k for k in keys if saved.get(k) != current.get(k)]
+
+
 def check_resumable(path: Path, resolved: dict) -> None:
     """`path` is an unfinished run of exactly this config (else resuming would mix two runs)."""
     if not (path / "config.json").is_file():
         raise DpfleetError(f"{path} is not a run directory (no config.json): nothing to resume")
     if (path / "summary.json").is_file():
         raise DpfleetError(f"{path} is a finished run: nothing to resume")
-    saved, current = json.loads((path / "config.json").read_text()), json.loads(json.dumps(resolved))
-    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    changed = differing_keys(json.loads((path / "config.json").read_text()), resolved)
     if changed:
         raise DpfleetError(f"{path} was started with another config (it differs in "
                            f"{', '.join(changed)}); resume it with the config it was started with")

@@ -32,14 +32,14 @@ import dataclasses
 import hashlib
 import json
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config
+from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
+from dpfleet.coordinator.resume import differing_keys
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
@@ -131,13 +131,7 @@ def parse_pipeline(values: dict) -> PipelineConfig:
 
 
 def load_pipeline(path: Path) -> PipelineConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise DpfleetError(f"pipeline config not found: {path}")
-    try:
-        return parse_pipeline(tomllib.loads(path.read_text()))
-    except tomllib.TOMLDecodeError as exc:
-        raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
+    return parse_pipeline(read_toml(path, "pipeline config"))
 
 
 def _digest(*parts: object) -> str:
@@ -209,9 +203,8 @@ class TeacherWork:
 def _check_resumable(cfg: PipelineConfig, out: Path) -> None:
     if not (out / "pipeline.json").is_file():
         raise DpfleetError(f"{out} holds no started pipeline (no pipeline.json): nothing to resume")
-    saved = json.loads((out / "pipeline.json").read_text())
-    current = json.loads(json.dumps(cfg.resolved()))
-    changed = sorted(k for k in ("public", "pool") if saved[k] != current[k])
+    changed = differing_keys(json.loads((out / "pipeline.json").read_text()), cfg.resolved(),
+                             ("public", "pool"))
     if changed:
         raise DpfleetError(f"{out} was started with another pipeline config (it differs in "
                            f"[{'], ['.join(changed)}]); resume it with the config it was started with")
