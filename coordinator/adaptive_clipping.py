@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dpfleet.coordinator.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 
@@ -69,7 +70,8 @@ class QuantileClipEstimator:
     """Private estimate of the gamma-quantile of update norms, with tree-noised clipped counts."""
 
     def __init__(self, initial_clip: float, report_goal: int, *, target_quantile: float = 0.5,
-                 learning_rate: float = 0.2, count_stddev: float | None = None, seed: int = 0):
+                 learning_rate: float = 0.2, count_stddev: float | None = None,
+                 noise_key: bytes | None = None):
         if not initial_clip > 0:
             raise DpfleetError(f"initial clip norm must be > 0, got {initial_clip}")
         if not 0.0 < target_quantile < 1.0:
@@ -80,10 +82,13 @@ class QuantileClipEstimator:
         if sigma_b < 0:
             raise DpfleetError(f"clipped-count stddev must be >= 0, got {sigma_b}")
         self.report_goal, self.gamma, self.eta = report_goal, target_quantile, learning_rate
-        self.count_stddev, self.seed = float(sigma_b), seed
+        self.count_stddev = float(sigma_b)
+        # the run's secret key, in its own keystream domain (never the model noise's nodes)
+        self.nodes = GaussianNodes(new_noise_key() if noise_key is None else noise_key,
+                                   self.count_stddev, 1, domain=b"count")
         self.estimate = self.base = float(initial_clip)
         self.noised_prefix = 0.0  # tree-noised sum of (b - 1/2) over the current tree's rounds
-        self.tree = TreeNoise(1, self.count_stddev, seed, 0)
+        self.tree = TreeNoise(1, self.nodes, 0)
 
     @property
     def rounds_in_tree(self) -> int:
@@ -98,14 +103,16 @@ class QuantileClipEstimator:
         self.estimate = self.base * math.exp(-self.eta * (below - n * self.gamma))
         return self.estimate
 
-    def restart(self) -> None:
-        """A new tree starts: the current estimate becomes the base of the next prefix sums."""
+    def restart(self, tree_id: int | None = None) -> None:
+        """A new tree (`tree_id`, default the next) starts: the current estimate becomes the base
+        of the next prefix sums."""
         self.base = self.estimate
         self.noised_prefix = 0.0
-        self.tree = TreeNoise(1, self.count_stddev, self.seed, self.tree.tree_id + 1)
+        self.tree = TreeNoise(1, self.nodes, self.tree.tree_id + 1 if tree_id is None else tree_id)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, with_noise: bool = True) -> dict:
+        """With `with_noise`, the live count-noise nodes (noise secrets: resume point only)."""
         tree = self.tree.state_dict()
-        tree["noise"] = [float(v[0]) for v in tree["noise"]]
+        tree["noise"] = [float(v[0]) for v in tree["noise"]] if with_noise else None
         return {"estimate": self.estimate, "base": self.base, "noised_prefix": self.noised_prefix,
                 "tree": tree}

@@ -64,6 +64,9 @@ class DPSection:
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     clip_count_stddev: float = -1.0  # sigma_b on the clipped counts; -1: report_goal / 20
+    # -1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
+    # derived from this seed and the DP guarantee does not hold against anyone who knows it
+    noise_seed: int = -1
 
 
 @dataclass
@@ -201,6 +204,7 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.dp.clip_lr > 0, "dp.clip_lr must be > 0"),
         (cfg.dp.clip_count_stddev >= 0 or cfg.dp.clip_count_stddev == -1,
          "dp.clip_count_stddev must be >= 0 (or -1: report_goal / 20)"),
+        (cfg.dp.noise_seed >= -1, "dp.noise_seed must be >= 0 (research mode) or -1 (secret noise)"),
         (not (cfg.dp.adaptive_clipping and cfg.aggregation.kind == "secagg"),
          "dp.adaptive_clipping with secure aggregation is not supported yet"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),

@@ -7,6 +7,9 @@ sensitivity of the average is C / m), fed to server SGD with momentum:
 Because the released prefix sums are the tree-noised ones, this is post-processing of the tree
 mechanism. At a restart round the tree is replaced by a fresh one (the old tree's noise stays in
 the model); the clip norm may change only there (adaptive clipping, issue 3).
+
+Noise: node vectors come from `noise_stream.GaussianNodes` under the run's secret 256-bit noise
+key (`noise_key`; a fresh one from the OS CSPRNG when none is given), never from `seed`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfleet.coordinator.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.tree_noise import TreeNoise
 
 
@@ -26,7 +30,6 @@ class DPFTRLConfig:
     server_lr: float = 1.0
     momentum: float = 0.9
     restart_rounds: tuple[int, ...] = ()  # 0-based rounds at whose start a new tree begins
-    seed: int = 0
     # One client's L2 contribution to the sum is at most clip_norm * sensitivity_factor; > 1 when
     # secure aggregation's discretization inflates norms, so the noise must grow with it.
     sensitivity_factor: float = 1.0
@@ -35,37 +38,41 @@ class DPFTRLConfig:
 class DPFTRLServer:
     """Holds theta, the momentum buffer and the noise tree; applies one round at a time."""
 
-    def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig):
+    def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig, noise_key: bytes | None = None):
         self.cfg = cfg
+        self.noise_key = new_noise_key() if noise_key is None else noise_key
         self.theta = theta0.astype(np.float32).copy()
         self.momentum = np.zeros_like(self.theta)
         self.round = 0
         self.clip_norm = cfg.clip_norm
         self.tree = self._new_tree(0)
 
-    def _new_tree(self, tree_id: int) -> TreeNoise:
-        std = self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
-        return TreeNoise(self.theta.size, std, self.cfg.seed, tree_id)
-
     @property
     def noise_std(self) -> float:
         """Per-node noise std on the *sum* of clipped deltas."""
-        return self.tree.std
+        return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
+
+    def _nodes(self) -> GaussianNodes:
+        return GaussianNodes(self.noise_key, self.noise_std, self.theta.size)
+
+    def _new_tree(self, tree_id: int) -> TreeNoise:
+        return TreeNoise(self.theta.size, self._nodes(), tree_id)
 
     @property
     def restart_due(self) -> bool:
         """The next round is a restart round whose fresh tree has not been started yet."""
         return self.round in self.cfg.restart_rounds and self.tree.t > 0
 
-    def restart(self, clip_norm: float | None = None) -> None:
-        """Start a new tree, optionally with a new clip norm (only allowed here).
+    def restart(self, clip_norm: float | None = None, tree_id: int | None = None) -> None:
+        """Start a new tree (`tree_id`, default the next one), optionally with a new clip norm
+        (only allowed here).
 
         Call it before a restart round's clients clip (adaptive clipping); otherwise `step`
         restarts with the same clip norm.
         """
         if clip_norm is not None:
             self.clip_norm = clip_norm
-        self.tree = self._new_tree(self.tree.tree_id + 1)
+        self.tree = self._new_tree(self.tree.tree_id + 1 if tree_id is None else tree_id)
 
     def step(self, delta_sum: np.ndarray) -> np.ndarray:
         """Apply one round's sum of clipped deltas; returns the new theta."""
@@ -81,6 +88,7 @@ class DPFTRLServer:
         return self.theta
 
     def state_dict(self) -> dict:
+        """Everything but the noise key; "tree" holds live node vectors (noise secrets)."""
         return {
             "theta": self.theta, "momentum": self.momentum, "round": self.round,
             "clip_norm": self.clip_norm, "tree": self.tree.state_dict(),
@@ -91,4 +99,4 @@ class DPFTRLServer:
         self.momentum = state["momentum"].astype(np.float32).copy()
         self.round = int(state["round"])
         self.clip_norm = float(state["clip_norm"])
-        self.tree = TreeNoise.from_state(state["tree"])
+        self.tree = TreeNoise.from_state(state["tree"], self._nodes())

@@ -1,26 +1,37 @@
 """Resuming an interrupted simulation from its run directory.
 
 Only what cannot be recomputed is saved, every `checkpoint_every` rounds and atomically: the
-DP-FTRL server (theta, momentum, the live noise nodes of the tree), the adaptive clip estimator
-and the number of rounds done. Participation (the guard, the device timers, the simulated clock)
-and the running accountant are *replayed* from participation.jsonl, the same log the privacy
-report is computed from: a resumed run cannot account differently from what it logged, and a
-config or dataset that no longer reproduces the logged selections is refused. Every random draw
-of a round is keyed by (seed, round, client), so a resumed run continues bit for bit as the
-uninterrupted run would have.
+DP-FTRL server (theta, momentum, the live noise nodes of the tree), the adaptive clip estimator,
+the number of rounds done, and the run's secret noise key. Participation (the guard, the device
+timers, the simulated clock) and the running accountant are *replayed* from the release log
+(`release_log`), the same records participation.jsonl and the privacy report come from: a
+resumed run cannot account differently from what it released, and a config or dataset that no
+longer reproduces the logged selections is refused. Every random draw of a round except the noise
+is keyed by (seed, round, client); the noise by (secret key, tree, node).
 
-Privacy: rounds redone after a resume use the same tree-noise nodes as before the crash. That is
-safe here only because the redone round is bit-identical (same clients, same data, same noise),
-so nothing new is released, and the accountant counts each round once (the log is truncated, then
-replayed). A networked fleet, whose devices' data move on, must not redo a released round with
-the same noise: it would have to draw fresh noise and account the round again.
+Secrets: `resume/noise_key` holds the 32-byte noise key in its own file, mode 0600, and
+`resume/server_state.safetensors` the live tree-node vectors (noise secrets too: with the model
+they would let one subtract the noise). Both exist only while the run is unfinished; the finished
+run's `checkpoint/server_state.*` keeps theta, momentum, the clip norm and the trees' positions,
+never node vectors or the key, and the resume folder is deleted. (A finished run cannot extend its
+tree: a continuation has to start a fresh tree.)
+
+Privacy rules after a crash (`release_log` has the full design): a round that was released (it is
+in the release log) is never computed again. Resuming from a point older than the last release
+continues at the round after it, on a fresh tree; the lost rounds stay in the logs and the
+accounting. If nothing was lost, the run continues bit for bit as an uninterrupted run would (the
+key is restored). Resuming with other training data (`data_fingerprint`) is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,22 +40,62 @@ from safetensors.numpy import save_file as save_numpy
 
 from dpfleet.coordinator.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.dp_ftrl import DPFTRLServer
+from dpfleet.coordinator.noise_stream import KEY_BYTES
 from dpfleet.coordinator.participation import Participation
+from dpfleet.coordinator.release_log import ReleaseLog
 from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 
 RESUME = "resume"  # folder in the run directory; gone once the run has finished
+KEY_FILE = "noise_key"
+
+
+def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer) -> str:
+    """sha256 over the training clients' token arrays (in order) and the saved tokenizer."""
+    digest = hashlib.sha256()
+    for rows in train_examples:
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        digest.update(repr(rows.shape).encode())
+        digest.update(rows.tobytes())
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(Path(tmp))
+        for f in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+            digest.update(f.relative_to(tmp).as_posix().encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def write_key(folder: Path, key: bytes) -> None:
+    """The noise key alone in `folder/noise_key`, created with mode 0600."""
+    fd = os.open(folder / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key)
+    finally:
+        os.close(fd)
+
+
+def read_key(folder: Path) -> bytes:
+    path = folder / KEY_FILE
+    if not path.is_file():
+        raise DpfleetError(f"{folder} has no {KEY_FILE}: the resume point is incomplete")
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        raise DpfleetError(f"{path} holds {len(key)} bytes, not a {KEY_BYTES}-byte noise key")
+    return key
 
 
 def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict | None,
-                      extra: dict | None = None) -> None:
-    """server_state.safetensors (theta, momentum, tree nodes) and server_state.json (the rest)."""
+                      extra: dict | None = None, with_noise: bool = True) -> None:
+    """server_state.safetensors (theta, momentum, and with `with_noise` the live tree nodes, noise
+    secrets for a resume point only) and server_state.json (the rest)."""
     s = server.state_dict()
     tree = s["tree"]
     arrays = {"theta": s["theta"], "momentum": s["momentum"]}
-    arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
+    if with_noise:
+        arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
     save_numpy(arrays, str(folder / "server_state.safetensors"))
     meta = {k: v for k, v in tree.items() if k != "noise"}
     atomic_write(folder / "server_state.json", json.dumps(
@@ -66,7 +117,7 @@ def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
     estimator.estimate, estimator.base = float(state["estimate"]), float(state["base"])
     estimator.noised_prefix = float(state["noised_prefix"])
     tree = dict(state["tree"], noise=[np.array([v], dtype=np.float32) for v in state["tree"]["noise"]])
-    estimator.tree = TreeNoise.from_state(tree)
+    estimator.tree = TreeNoise.from_state(tree, estimator.nodes)
 
 
 def differing_keys(saved: dict, resolved: dict, keys: Sequence[str] | None = None) -> list[str]:
@@ -93,13 +144,15 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     """Replace the run's resume point with the state after `rounds_done` rounds.
 
     Written to resume.tmp, then swapped in, so a crash at any moment leaves one whole resume
-    point (`resume/`, or `resume.old/` if the crash fell between the two renames).
+    point (`resume/`, or `resume.old/` if the crash fell between the two renames). The noise
+    key goes to its own 0600 file.
     """
     tmp, final, old = (run_path / f"{RESUME}{s}" for s in (".tmp", "", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_server_state(tmp, server, estimator.state_dict() if estimator else None,
                       {"rounds_done": rounds_done})
+    write_key(tmp, server.noise_key)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
@@ -128,21 +181,14 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
     if state["theta"].shape != server.theta.shape:
         raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
                            f"builds {server.theta.size}: it belongs to another run")
+    server.noise_key = read_key(folder)
     server.load_state(state)
     if estimator is not None:
         if meta["clip_estimator"] is None:
             raise DpfleetError(f"{folder} has no adaptive-clipping state but the config clips adaptively")
+        estimator.nodes.key = server.noise_key
         load_clip_estimator(estimator, meta["clip_estimator"])
     return int(meta["rounds_done"])
-
-
-def truncate_log(path: Path, lines: int) -> list[dict]:
-    """Keep the first `lines` records of a JSONL log (later ones are redone); returns them."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:lines]
-    if len(records) < lines:
-        raise DpfleetError(f"{path} has {len(records)} rounds but the resume point has {lines}")
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
-    return records
 
 
 def replay(participation: Participation, accountant: RunAccountant, logged: list[dict],
@@ -162,3 +208,62 @@ def replay(participation: Participation, accountant: RunAccountant, logged: list
                                "(other devices would be selected): the run was started differently")
         participation.commit(selection, contributed)
         accountant.record(entry["devices"], entry["restart"])
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run stands."""
+
+    start: int  # 0-based index of the next round to run (= rounds released so far)
+    rounds_done: int  # rounds in the resume point's state
+    metrics: list[dict] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)  # 1-based rounds released but not in the state
+
+    @property
+    def fresh_tree_at(self) -> int | None:
+        """The round that starts a fresh tree because released state was lost."""
+        return self.start if self.lost else None
+
+
+def _metrics_after_resume(path: Path, rounds_done: int, released: list[dict]) -> list[dict]:
+    """Metrics of every released round: logged ones kept, lost ones without a line get a stub."""
+    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(logged) < rounds_done:  # the saved rounds must all be there
+        raise DpfleetError(f"{path} has {len(logged)} rounds but the resume point has {rounds_done}")
+    by_round = {m["round"]: m for m in logged}
+    out = []
+    for r in released:
+        stub = {"round": r["round"], "clients": len(r["participants"]), "restart": r["restart"],
+                "lost_in_crash": True, "accuracy": None, "loss": None}
+        out.append(by_round.get(r["round"], stub))
+    return out
+
+
+def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
+               releases: ReleaseLog, participation: Participation, accountant: RunAccountant,
+               users: Sequence[str], fingerprint: str) -> Resumed:
+    """Restore the resume point, replay every released round, and start a fresh tree when
+    released rounds were lost (module docstring); rewrites metrics/participation logs to match."""
+    released = releases.released_rounds()
+    if released and released[-1]["data_sha256"] != fingerprint:
+        raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
+                           "clients or the tokenizer changed): resuming would mix two datasets")
+    done = restore(run_path, server, estimator)
+    if len(released) < done:
+        raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
+                           f"point has {done}: the release log was edited")
+    resumed = Resumed(start=len(released), rounds_done=done,
+                      lost=[r["round"] for r in released[done:]])
+    if resumed.lost:  # never reuse the lost rounds' nodes: a fresh tree from the saved model
+        tree_id = releases.next_tree_id()
+        server.round = resumed.start
+        server.restart(estimator.estimate if estimator else None, tree_id=tree_id)
+        if estimator is not None:
+            estimator.restart(tree_id)
+    entries = [{"round": r["round"] - 1, "devices": r["participants"], "restart": r["restart"]}
+               for r in released]
+    atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
+    resumed.metrics = _metrics_after_resume(run_path / "metrics.jsonl", done, released)
+    atomic_write(run_path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in resumed.metrics))
+    replay(participation, accountant, entries, users)
+    return resumed

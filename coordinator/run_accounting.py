@@ -125,6 +125,23 @@ def _report_setting(cfg: SimulationConfig, participation: Participation, rounds:
     return setting
 
 
+def noise_statement(cfg: SimulationConfig) -> str:
+    """How the DP noise was drawn; in research mode, that the guarantee is void for seed holders."""
+    if cfg.dp.noise_seed >= 0:
+        return (f"RESEARCH MODE (dp.noise_seed = {cfg.dp.noise_seed}): the DP guarantee below does "
+                "NOT hold against anyone who knows the noise seed: they can rebuild and subtract "
+                "all the noise.")
+    return ("Noise: AES-256-CTR keystream under a secret 256-bit key drawn for this run from the "
+            "OS CSPRNG (never derived from the seed, never stored with the released model).")
+
+
+def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
+    """The report's first line says when the guarantee does not hold against the seed's holders."""
+    if cfg.dp.noise_seed >= 0:
+        path = run_dir / "privacy_report.md"
+        atomic_write(path, f"**{noise_statement(cfg)}**\n\n" + path.read_text())
+
+
 def _trivial_report(run_dir: Path, statement: str) -> None:
     atomic_write(run_dir / "privacy_report.md", f"# Privacy report\n\n**Formal statement.** {statement}\n")
 
@@ -150,6 +167,9 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         "min_separation": accountant.min_separation,
         "max_participation": accountant.max_participation,
         "restarts": accountant.restarts,
+        "noise": noise_statement(cfg),
+        "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
+        "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
     }
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
@@ -158,6 +178,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                         if accountant.rounds == 0 else
                         "None: the noise multiplier is 0, so the run is not differentially "
                         "private (eps = inf).")
+        _mark_research_mode(run_dir, cfg)
         return privacy
     summary = summarize_privacy(run_dir, setting)
     obs, timer = summary["observed"], summary["timer"]
@@ -170,4 +191,5 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                                   "sensitivity_squared", "zcdp", "epsilon")},
     )
     write_privacy_report(run_dir, setting)
+    _mark_research_mode(run_dir, cfg)
     return privacy

@@ -4,6 +4,8 @@ Layout (every file is written atomically: a crash never leaves a half-written fi
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round
     participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
+    releases.jsonl              what each round released, fsynced before release (release_log.py)
+    resume/                     while unfinished: resume point + noise_key (0600; resume.py)
     checkpoint/                 model.safetensors, model_config.json, tokenizer/, server_state
     accuracy.png                held-out accuracy per round against the unigram baseline
     privacy.json                the privacy summary
@@ -56,7 +58,7 @@ class RunDir:
                 f"run directory {self.path} is not empty; pass --overwrite or choose another --out"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "participation.jsonl"):
+        for name in ("metrics.jsonl", "participation.jsonl", "releases.jsonl"):
             (self.path / name).write_text("")
 
     def write_config(self, resolved: dict) -> None:

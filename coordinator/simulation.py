@@ -5,8 +5,11 @@ timers on a simulated clock, with the coordinator's MinS refusal), stop first if
 pass the privacy budget, run each client's update through the configured runtime (one local
 epoch, delta, clip), aggregate (plain sum or secure aggregation), let the DP-FTRL server add
 tree noise and step, update the adaptive clip estimate, log metrics, participation and the
-privacy so far (`run_accounting`). Everything is seeded: the same config gives the same metrics
-bit for bit (on the same thread count).
+privacy so far (`run_accounting`). Selection, batching and init are seeded by `seed`; the DP
+noise is not: it comes from a fresh secret 256-bit key per run (`noise_stream`), so the same
+config gives fresh noise, unless `dp.noise_seed` (research mode, no privacy against whoever knows
+it) makes it reproducible. Each round is written to the release log before it is released
+(`release_log`).
 """
 
 from __future__ import annotations
@@ -30,15 +33,16 @@ from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate, unigram_baseline
+from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
 from dpfleet.coordinator.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, release_hash
 from dpfleet.coordinator.resume import (
     check_resumable,
+    data_fingerprint,
     discard_resume,
-    replay,
-    restore,
+    resume_run,
     save_resume,
     save_server_state,
-    truncate_log,
 )
 from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
 from dpfleet.coordinator.run_dir import RunDir, plot_accuracy
@@ -150,6 +154,8 @@ def run_simulation(
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
         check_resumable(run.path, cfg.resolved())
+    else:
+        discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
@@ -162,12 +168,13 @@ def run_simulation(
     accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
     restarts = restart_rounds(cfg)
     z_model, estimator = cfg.dp.noise_multiplier, None
+    noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
     if cfg.dp.adaptive_clipping:
         z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
         estimator = QuantileClipEstimator(
             cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
             learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
-            seed=_seed(cfg.seed, "count-tree"),
+            noise_key=noise_key,
         )
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, run.path / "programs")
@@ -177,10 +184,14 @@ def run_simulation(
         DPFTRLConfig(
             noise_multiplier=z_model, clip_norm=cfg.dp.clip_norm,
             report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr, momentum=cfg.dp.momentum,
-            restart_rounds=tuple(restarts), seed=_seed(cfg.seed, "tree"),
+            restart_rounds=tuple(restarts),
             sensitivity_factor=sensitivity_factor(cfg, count_parameters(model)),
         ),
+        noise_key=noise_key,
     )
+    releases = ReleaseLog(run.path / RELEASES)
+    users = [c.user for c in data.train]
+    fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer)
     test_rows = data.test_examples(cfg.data.eval_examples or None)
     if len(test_rows) == 0:
         raise DpfleetError("no held-out clients to evaluate on; raise data.test_fraction")
@@ -191,14 +202,18 @@ def run_simulation(
         f"{server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
 
-    start, metrics = 0, []
-    if resume:  # the rounds after the resume point are redone, bit for bit
-        start = restore(run.path, server, estimator)
-        metrics = truncate_log(run.path / "metrics.jsonl", start)
-        replay(participation, accountant, truncate_log(run.path / "participation.jsonl", start),
-               [c.user for c in data.train])
+    start, metrics, fresh_tree_at, lost = 0, [], None, []
+    if resume:  # released rounds are never redone (`release_log`)
+        resumed = resume_run(run.path, server, estimator, releases, participation, accountant,
+                             users, fingerprint)
+        start, metrics, fresh_tree_at, lost = (resumed.start, resumed.metrics,
+                                               resumed.fresh_tree_at, resumed.lost)
         log(f"resuming after round {start} of {cfg.rounds}" if start else
             "no resume point was written yet: starting from round 1")
+        if lost:
+            log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
+                f"accounted, and the run goes on from round {resumed.rounds_done}'s model on a "
+                "fresh noise tree")
     stopped_early = None
     rounds = range(start, cfg.rounds)
     if progress:
@@ -207,7 +222,7 @@ def run_simulation(
         rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=start,
                       total=cfg.rounds)
     for r in rounds:
-        restart = r in restarts
+        restart = r in restarts or r == fresh_tree_at
         try:
             selection = participation.propose(r)
         except RoundUnfillable as exc:
@@ -220,7 +235,7 @@ def run_simulation(
                 f"{cfg.dp.budget_epsilon:g} at delta = {cfg.dp.delta:g}"
             )
             break
-        if restart and estimator is not None:  # the clip estimate becomes the clip norm
+        if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
             server.restart(estimator.estimate)
             estimator.restart()
         public_update = before_round(r, server.theta) if before_round else None
@@ -242,6 +257,12 @@ def run_simulation(
         clip = server.clip_norm
         if estimator is not None:
             estimator.update([updates[i].norm for i in agg.survivors])
+        releases.record_release(  # durable before anything of round r + 1 leaves the engine
+            round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),
+            participants=[users[i] for i in in_sum], restart=restart, clip_norm=clip,
+            released=release_hash(server.theta, estimator.estimate if estimator else None),
+            data_sha256=fingerprint,
+        )
         noise_std = server.noise_std
         eps = spent["epsilon"]
         record = {
@@ -289,7 +310,8 @@ def run_simulation(
     set_flat(model, server.theta)
     final = evaluate(model, test_rows)
     save_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer)  # what `dpfleet export` reads
-    save_server_state(run.path / "checkpoint", server, estimator.state_dict() if estimator else None)
+    save_server_state(run.path / "checkpoint", server,  # no node vectors, no key (resume.py)
+                      estimator.state_dict(with_noise=False) if estimator else None, with_noise=False)
     privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
                                 model_noise_multiplier=z_model, stopped_early=stopped_early)
     title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
@@ -302,6 +324,7 @@ def run_simulation(
         "rounds_completed": len(metrics), "stopped_early": stopped_early,
         "simulated_hours": participation.hours(participation.slot),
         "resumed_after_round": start or None,
+        "rounds_lost_in_crash": lost,
     }
     run.write_json("summary.json", summary)
     discard_resume(run.path)

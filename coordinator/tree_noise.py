@@ -9,12 +9,16 @@ coordinator adds only the *residual* noise(t) - noise(t-1) to round t's sum, so 
 of what it releases are exactly the tree-noised prefix sums, and any server optimizer (momentum)
 can consume the per-round values. The live state is a stack of at most log2(T) node vectors.
 
-Node noise is drawn from a generator keyed by (seed, tree, level, index): the streaming residual
-and a direct recomputation of a prefix's noise agree exactly, which the tests check. The seed is
-a server secret; checkpoints store it with the stack.
+The tree does not draw noise itself: `nodes(tree_id, level, index)` returns a node's vector
+(float32 `noise_stream.GaussianNodes`, keyed by the run's secret noise key; int64 for the discrete
+Gaussian), and the residual and prefix arithmetic run in that dtype. Nodes are pure functions of
+their position, so the streaming residual and a direct recomputation of a prefix's noise agree
+exactly (the tests check it) and a resumed tree can be rebuilt. Only the live stack is state.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,54 +35,63 @@ def prefix_nodes(t: int) -> list[tuple[int, int]]:
     return nodes
 
 
-class TreeNoise:
-    """Streaming residual noise of the online binary tree mechanism."""
+NodeFn = Callable[[int, int, int], np.ndarray]  # (tree_id, level, index) -> node noise, shape (dim,)
 
-    def __init__(self, dim: int, std: float, seed: int, tree_id: int = 0):
-        if std < 0:
-            raise ValueError("noise std must be >= 0")
-        self.dim, self.std, self.seed, self.tree_id = dim, std, seed, tree_id
+
+class TreeNoise:
+    """Streaming residual noise of the online binary tree mechanism, in the nodes' dtype."""
+
+    def __init__(self, dim: int, nodes: NodeFn, tree_id: int = 0):
+        self.dim, self.nodes, self.tree_id = dim, nodes, tree_id
         self.t = 0
         self.stack: list[tuple[int, int, np.ndarray]] = []  # (level, index, noise)
 
     def node_noise(self, level: int, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.tree_id, level, index])
-        return rng.standard_normal(self.dim, dtype=np.float32) * np.float32(self.std)
+        noise = np.asarray(self.nodes(self.tree_id, level, index))
+        if noise.shape != (self.dim,):
+            raise ValueError(f"node noise of shape {noise.shape}, expected ({self.dim},)")
+        return noise
 
     def prefix_noise(self, t: int) -> np.ndarray:
         """Direct (non-streaming) noise of prefix t: the reference the stream must equal."""
-        total = np.zeros(self.dim, dtype=np.float32)
-        for level, index in prefix_nodes(t):
-            total += self.node_noise(level, index)
+        parts = [self.node_noise(level, index) for level, index in prefix_nodes(t)]
+        total = parts[0].copy()
+        for part in parts[1:]:
+            total += part
         return total
+
+    @staticmethod
+    def new_node(t: int) -> tuple[int, int]:
+        """(level, index) of the node that round t of a tree adds: level = trailing zeros of t."""
+        level = (t & -t).bit_length() - 1
+        return level, (t - 1) >> level
 
     def next_residual(self) -> np.ndarray:
         """Advance one round and return noise(t) - noise(t-1)."""
         self.t += 1
-        level = (self.t & -self.t).bit_length() - 1  # the new node's level = trailing zeros of t
-        residual = self.node_noise(level, (self.t - 1) >> level)
-        new = residual.copy()
+        level, index = self.new_node(self.t)
+        new = self.node_noise(level, index)
+        residual = new.copy()
         while self.stack and self.stack[-1][0] < level:  # children merged into the new node
             residual -= self.stack.pop()[2]
-        self.stack.append((level, (self.t - 1) >> level, new))
+        self.stack.append((level, index, new))
         return residual
 
     def current_noise(self) -> np.ndarray:
-        total = np.zeros(self.dim, dtype=np.float32)
+        total = np.zeros(self.dim, dtype=self.stack[0][2].dtype if self.stack else np.float32)
         for _, _, noise in self.stack:
             total += noise
         return total
 
     def state_dict(self) -> dict:
-        return {
-            "dim": self.dim, "std": self.std, "seed": self.seed, "tree_id": self.tree_id,
-            "t": self.t, "nodes": [(lv, ix) for lv, ix, _ in self.stack],
-            "noise": [n for _, _, n in self.stack],
-        }
+        """Position and live node vectors. The vectors are noise secrets: resume point only."""
+        return {"dim": self.dim, "tree_id": self.tree_id, "t": self.t,
+                "nodes": [(lv, ix) for lv, ix, _ in self.stack],
+                "noise": [n for _, _, n in self.stack]}
 
     @classmethod
-    def from_state(cls, state: dict) -> TreeNoise:
-        tree = cls(state["dim"], state["std"], state["seed"], state["tree_id"])
+    def from_state(cls, state: dict, nodes: NodeFn) -> TreeNoise:
+        tree = cls(state["dim"], nodes, state["tree_id"])
         tree.t = state["t"]
         tree.stack = [(lv, ix, n) for (lv, ix), n in zip(state["nodes"], state["noise"], strict=True)]
         return tree

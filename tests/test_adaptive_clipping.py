@@ -13,6 +13,7 @@ from dpfleet.coordinator.adaptive_clipping import (
     model_noise_multiplier,
 )
 from dpfleet.coordinator.config import clip_count_stddev, parse_config
+from dpfleet.coordinator.noise_stream import GaussianNodes
 from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 
@@ -63,8 +64,8 @@ def test_count_noise_is_the_trees_prefix_noise_not_a_sum_of_fresh_draws():
     # every norm is below the estimate, so the bits are known and only the noise moves C
     m, eta, gamma, sigma_b = 10, 0.2, 0.5, 3.0
     est = QuantileClipEstimator(1e9, m, target_quantile=gamma, learning_rate=eta,
-                                count_stddev=sigma_b, seed=7)
-    reference = TreeNoise(1, sigma_b, 7, 0)
+                                count_stddev=sigma_b, noise_key=bytes(32))
+    reference = TreeNoise(1, GaussianNodes(bytes(32), sigma_b, 1, domain=b"count"), 0)
     for n in range(1, 40):
         c = est.update(np.zeros(m))
         noise = float(reference.prefix_noise(n)[0])

@@ -20,7 +20,7 @@ def test_noiseless_server_is_sgd_with_momentum_on_the_average():
 def test_prefix_of_noisy_averages_equals_tree_noised_prefix_sums():
     # With momentum 0 and server lr 1, theta_t - theta_0 is the released noisy prefix sum / m.
     srv = DPFTRLServer(np.zeros(1000, np.float32), DPFTRLConfig(2.0, 0.5, report_goal=10,
-                                                                momentum=0.0, seed=5))
+                                                                momentum=0.0), noise_key=bytes(32))
     total = np.zeros(1000)
     for t in range(1, 12):
         s = np.full(1000, float(t), np.float32)
@@ -32,7 +32,7 @@ def test_prefix_of_noisy_averages_equals_tree_noised_prefix_sums():
 
 
 def test_restart_starts_a_fresh_tree_and_keeps_old_noise():
-    cfg = DPFTRLConfig(1.0, 1.0, report_goal=1, momentum=0.0, restart_rounds=(3,), seed=1)
+    cfg = DPFTRLConfig(1.0, 1.0, report_goal=1, momentum=0.0, restart_rounds=(3,))
     srv = DPFTRLServer(np.zeros(50, np.float32), cfg)
     for _ in range(3):
         srv.step(np.zeros(50, np.float32))
@@ -44,11 +44,11 @@ def test_restart_starts_a_fresh_tree_and_keeps_old_noise():
 
 
 def test_state_dict_round_trip():
-    cfg = DPFTRLConfig(1.0, 1.0, report_goal=2, seed=9)
+    cfg = DPFTRLConfig(1.0, 1.0, report_goal=2)
     a = DPFTRLServer(np.ones(8, np.float32), cfg)
     for _ in range(5):
         a.step(np.ones(8, np.float32))
-    b = DPFTRLServer(np.zeros(8, np.float32), cfg)
+    b = DPFTRLServer(np.zeros(8, np.float32), cfg, noise_key=a.noise_key)
     b.load_state(a.state_dict())
     for _ in range(4):
         np.testing.assert_array_equal(a.step(np.ones(8, np.float32)), b.step(np.ones(8, np.float32)))

@@ -1,5 +1,8 @@
-"""`simulate --resume`: an interrupted run continues bit for bit, and a run that is not the same
-run (other config, tampered log, finished) is refused rather than silently mixed."""
+"""`simulate --resume`: an interrupted run whose released rounds were all saved continues bit for
+bit (with `dp.noise_seed`, so that the reference run has the same noise); one whose released
+rounds were lost keeps them, accounts them and goes on with fresh noise; a run that is not the
+same run (other config, other data, tampered log, finished) is refused rather than silently
+mixed. The crash-point property test is in test_release_log.py."""
 
 import json
 import shutil
@@ -11,6 +14,7 @@ from safetensors.numpy import load_file
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.resume import resume_point
 from dpfleet.coordinator.run_dir import to_toml
 from dpfleet.coordinator.simulation import run_simulation
@@ -25,7 +29,8 @@ CFG = {
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"lr": 1.0, "batch_size": 16},
     "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 4, "momentum": 0.5,
-           "adaptive_clipping": True, "clip_count_stddev": 1.0, "restart_rounds": [5]},
+           "adaptive_clipping": True, "clip_count_stddev": 1.0, "restart_rounds": [5],
+           "noise_seed": 5},
     "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0,
                       "availability": 0.6},
 }
@@ -59,35 +64,87 @@ def reference(tmp_path_factory):
     return outputs(run_simulation(parse_config(CFG), tmp_path_factory.mktemp("ref") / "run", **QUIET))
 
 
-@pytest.mark.parametrize("crash_round", [2, 7])  # before any resume point / after the second
+@pytest.mark.parametrize("crash_round", [0, 6])  # nothing released / right after a resume point
 def test_resumed_run_equals_uninterrupted_run(tmp_path, reference, crash_round):
     out = tmp_path / "run"
     with pytest.raises(Crash):
         run_simulation(parse_config(CFG), out, before_round=crash_before(crash_round), **QUIET)
     done = json.loads((resume_point(out) / "server_state.json").read_text())["rounds_done"] \
         if resume_point(out) else 0
-    assert done == 3 * (crash_round // 3)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == crash_round  # redone past `done`
+    assert done == crash_round
+    assert (out / "resume" / "noise_key").stat().st_mode & 0o777 == 0o600 if done else True
     result = run_simulation(parse_config(CFG), out, resume=True, **QUIET)
     assert outputs(result) == reference
     assert resume_point(out) is None  # a finished run keeps only its final checkpoint
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_after_round"] == (done or None)
+    assert summary["rounds_lost_in_crash"] == []
+
+
+@pytest.mark.parametrize("crash_round", [2, 7])  # before any resume point / after the second
+def test_released_rounds_lost_in_a_crash_stay_accounted_and_get_fresh_noise(tmp_path, reference,
+                                                                            crash_round):
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        run_simulation(parse_config(CFG), out, before_round=crash_before(crash_round), **QUIET)
+    before = ReleaseLog(out / "releases.jsonl").released_rounds()
+    assert len(before) == crash_round  # every round that ran was released and logged
+    done = 3 * (crash_round // 3)
+    result = run_simulation(parse_config(CFG), out, resume=True, **QUIET)
+    after = ReleaseLog(out / "releases.jsonl").released_rounds()
+    assert after[:crash_round] == before  # released rounds are never rewritten or redone
+    check_no_reuse(after)
+    assert [r["round"] for r in after] == list(range(1, 10))
+    fresh = after[crash_round]
+    assert fresh["restart"] and fresh["t"] == 1 and fresh["tree_id"] > max(r["tree_id"] for r in before)
+    # the accounting and the participation log cover every release, lost ones included
+    log = [json.loads(line) for line in (out / "participation.jsonl").read_text().splitlines()]
+    assert [e["devices"] for e in log] == [r["participants"] for r in after]
+    assert result.privacy["rounds"] == 9 and crash_round in result.privacy["restarts"]
+    assert 0 < result.privacy["epsilon"] < float("inf")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds_lost_in_crash"] == list(range(done + 1, crash_round + 1))
+    assert [m["round"] for m in result.metrics] == list(range(1, 10))
+
+
+def test_resume_refuses_changed_client_data(tmp_path, monkeypatch, capsys):
+    import dpfleet.coordinator.simulation as simulation
+
+    out = tmp_path / "run"
+    config = tmp_path / "tiny.toml"
+    config.write_text(to_toml(parse_config(CFG).resolved()))
+    with pytest.raises(Crash):
+        run_simulation(parse_config(CFG), out, before_round=crash_before(4), **QUIET)
+    real = simulation.prepare_data
+
+    def one_client_edited(cfg):  # stands in for a client whose text changed before --resume
+        tokenizer, data = real(cfg)
+        data.train[1].examples[0, 1] = (data.train[1].examples[0, 1] + 1) % tokenizer.vocab_size
+        return tokenizer, data
+
+    monkeypatch.setattr(simulation, "prepare_data", one_client_edited)
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--resume", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "other client data" in err
+    assert len(ReleaseLog(out / "releases.jsonl").released_rounds()) == 4  # nothing was lost
 
 
 def test_resume_point_survives_a_crash_between_its_two_renames(tmp_path, reference):
     out = tmp_path / "run"
     with pytest.raises(Crash):
-        run_simulation(parse_config(CFG), out, before_round=crash_before(7), **QUIET)
+        run_simulation(parse_config(CFG), out, before_round=crash_before(6), **QUIET)
     (out / "resume").rename(out / "resume.old")  # the old point moved aside, the new one not yet in
     assert outputs(run_simulation(parse_config(CFG), out, resume=True, **QUIET)) == reference
 
 
 @pytest.fixture
 def interrupted(tmp_path):
+    """Crashed right after the resume point of round 6: nothing released was lost."""
     out = tmp_path / "run"
     with pytest.raises(Crash):
-        run_simulation(parse_config(CFG), out, before_round=crash_before(7), **QUIET)
+        run_simulation(parse_config(CFG), out, before_round=crash_before(6), **QUIET)
     return out
 
 
@@ -98,20 +155,24 @@ def test_resume_refuses_another_config(interrupted):
 
 
 def test_resume_refuses_a_log_that_does_not_replay(interrupted):
-    log = interrupted / "participation.jsonl"
+    log = interrupted / "releases.jsonl"
     entries = [json.loads(line) for line in log.read_text().splitlines()]
-    users = {d for e in entries for d in e["devices"]}
-    outsider = sorted(users - set(entries[1]["devices"]))[0]
-    entries[1]["devices"][0] = outsider  # a device the coordinator did not select in round 2
+    users = {d for e in entries for d in e["participants"]}
+    outsider = sorted(users - set(entries[1]["participants"]))[0]
+    entries[1]["participants"][0] = outsider  # a device the coordinator did not select in round 2
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
     with pytest.raises(DpfleetError, match="round 2 of the log does not replay"):
         run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
 
 
-def test_resume_refuses_a_truncated_log(interrupted):
-    log = interrupted / "metrics.jsonl"
+@pytest.mark.parametrize(("name", "message"), [
+    ("metrics.jsonl", "has 4 rounds but the resume point has 6"),
+    ("releases.jsonl", "has 4 released rounds but the resume point has 6"),
+])
+def test_resume_refuses_a_truncated_log(interrupted, name, message):
+    log = interrupted / name
     log.write_text("".join(log.read_text().splitlines(keepends=True)[:4]))
-    with pytest.raises(DpfleetError, match="has 4 rounds but the resume point has 6"):
+    with pytest.raises(DpfleetError, match=message):
         run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
 
 
@@ -151,8 +212,8 @@ def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeyp
 
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(parse_config(CFG).resolved()))
-    real_update = simulation.client_update  # 4 clients a round: Ctrl-C in round 8's first update
-    monkeypatch.setattr(simulation, "client_update", failing_on_call(real_update, 29, KeyboardInterrupt))
+    real_update = simulation.client_update  # 4 clients a round: Ctrl-C in round 7's first update
+    monkeypatch.setattr(simulation, "client_update", failing_on_call(real_update, 25, KeyboardInterrupt))
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(config), "--out", str(out), "--quiet"])
