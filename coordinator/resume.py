@@ -40,7 +40,7 @@ from safetensors.numpy import save_file as save_numpy
 
 from dpfleet.coordinator.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.dp_ftrl import DPFTRLServer
-from dpfleet.coordinator.noise_stream import KEY_BYTES
+from dpfleet.coordinator.noise_stream import KEY_BYTES, key_id
 from dpfleet.coordinator.participation import Participation
 from dpfleet.coordinator.release_log import ReleaseLog
 from dpfleet.coordinator.run_accounting import RunAccountant
@@ -252,6 +252,9 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     if len(released) < done:
         raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
                            f"point has {done}: the release log was edited")
+    if done and released[done - 1]["key_id"] != key_id(server.noise_key):
+        raise DpfleetError(f"{run_path}: the resume point's noise key is not the one round {done} "
+                           "was released with: the resume point belongs to another run")
     resumed = Resumed(start=len(released), rounds_done=done,
                       lost=[r["round"] for r in released[done:]])
     if resumed.lost:  # never reuse the lost rounds' nodes: a fresh tree from the saved model

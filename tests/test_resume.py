@@ -195,6 +195,17 @@ def test_resume_refuses_a_resume_point_of_another_model(interrupted, tmp_path):
         run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
 
 
+def test_resume_refuses_a_resume_point_with_another_noise_key(interrupted, tmp_path):
+    other_key = dict(CFG, dp=dict(CFG["dp"], noise_seed=6))  # same model shape, other noise
+    other = tmp_path / "other"
+    with pytest.raises(Crash):
+        run_simulation(parse_config(other_key), other, before_round=crash_before(6), **QUIET)
+    shutil.rmtree(interrupted / "resume")
+    shutil.copytree(other / "resume", interrupted / "resume")
+    with pytest.raises(DpfleetError, match="noise key is not the one round 6 was released with"):
+        run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
+
+
 def test_cli_resume(interrupted, capsys, reference):
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "examples/shakespeare_cifg.toml", "--resume", str(interrupted)])
