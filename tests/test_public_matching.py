@@ -256,6 +256,7 @@ def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tin
                                                            tmp_path, monkeypatch):
     values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab)
     values["simulation"]["checkpoint_every"] = 1
+    values["simulation"]["dp"]["noise_seed"] = 0  # research mode: the reference has the same noise
     cfg = parse_pipeline(values)
     reference = run_pipeline(cfg, tmp_path / "ref", progress=False, log=lambda s: None)
     import dpfleet.coordinator.simulation as simulation
