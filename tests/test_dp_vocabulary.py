@@ -161,3 +161,46 @@ def test_report_warns_about_a_nonprivate_vocabulary(tmp_path):
     assert "**Warning: the word vocabulary was built from the private training clients" in head
     assert "total_with_vocabulary" not in result.privacy
     assert "**The word vocabulary**" in report.split("## Not covered by the guarantee")[1]
+
+
+def test_resume_reuses_the_released_vocabulary_and_debug_log(tmp_path):
+    """A crash after the vocabulary was built: the resumed run trains on that same vocabulary
+    (a rebuild would be a second release with fresh noise) and the debug log is not doubled."""
+    from crashes import Crash
+
+    def crash_before_round_2(r, theta):
+        if r == 2:
+            raise Crash
+
+    data = tmp_path / "users.jsonl"
+    lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    values = {"rounds": 3, "eval_every": 3, "checkpoint_every": 1, "debug_nonprivate": True,
+              "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
+                       "test_fraction": 0.2},
+              "tokenizer": {"kind": "word", "vocab_size": 64, "dp_words_per_user": 8,
+                            "dp_delta": 0.3},  # loose: two builds would differ
+              "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
+                        "max_length": 8},
+              "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4}}
+    cfg, out = parse_config(values), tmp_path / "run"
+    with pytest.raises(Crash):
+        run_simulation(cfg, out, progress=False, log=lambda s: None, before_round=crash_before_round_2)
+    released = load_tokenizer(out / "vocabulary").words
+    result = run_simulation(cfg, out, resume=True, progress=False, log=lambda s: None)
+    assert load_tokenizer(out / "checkpoint" / "tokenizer").words == released
+    assert result.privacy["vocabulary"]["kept"] == len(released) - 4  # + pad, bos, eos, unk
+    debug = [json.loads(line)["round"] for line in (out / "debug_nonprivate.jsonl").open()]
+    assert debug == [1, 2, 3]
+
+
+def test_budget_counts_the_vocabulary():
+    """eps 5 at 1e-6 allows one round at z = 1 (rho 0.5, eps 4.89), not after a vocabulary
+    that already spent rho 0.5."""
+    from dpfleet.coordinator.run_accounting import RunAccountant
+
+    plain = RunAccountant(1.0, 1e-6, budget_epsilon=5.0)
+    spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0, spent_zcdp=0.5)
+    assert spent.rho_budget == pytest.approx(plain.rho_budget - 0.5)
+    assert not plain.would_exceed(["a"], False)
+    assert spent.would_exceed(["a"], False)
