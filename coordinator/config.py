@@ -33,7 +33,7 @@ class DataSection:
 
 @dataclass
 class TokenizerSection:
-    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private top-k baseline)
+    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private clients' words)
     vocab_size: int = 4096
     corpus: str = "wikitext2"  # public corpus the SentencePiece model is trained on
     path: str = ""  # an existing tokenizer folder (overrides kind/corpus)

@@ -2,7 +2,9 @@
 
 Layout (every file is written atomically: a crash never leaves a half-written file):
     config.toml / config.json   the resolved config
-    metrics.jsonl               one JSON object per round
+    metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
+    debug_nonprivate.jsonl      un-noised client telemetry, only with debug_nonprivate (not DP)
+    vocabulary/                 a DP word vocabulary and its privacy summary (tokenizer.kind word)
     participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
     checkpoint/                 model.safetensors, model_config.json, tokenizer/, server_state
     accuracy.png                held-out accuracy per round against the unigram baseline
