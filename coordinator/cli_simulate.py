@@ -18,8 +18,12 @@ import click
 @click.option("--resume", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
               help="Continue an interrupted run from its last resume point (no CONFIG needed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--debug-nonprivate", is_flag=True,
+              help="Also write un-noised client telemetry (train loss, update norms, clipped "
+                   "fraction) to debug_nonprivate.jsonl: NOT covered by the DP guarantee "
+                   "(same as the config key debug_nonprivate = true).")
 def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int | None,
-             seed: int | None, resume: Path | None, quiet: bool) -> None:
+             seed: int | None, resume: Path | None, quiet: bool, debug_nonprivate: bool) -> None:
     """Simulate private federated training of an on-device LM.
 
     Reads CONFIG (TOML; see examples/shakespeare_cifg.toml for every key), builds the clients
@@ -28,6 +32,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     checkpoint/ (safetensors + tokenizer), accuracy.png, privacy_report.md, privacy.json and
     summary.json. Participation is disjoint, uniform or limited by device timers on a simulated
     clock ([participation]); the run stops before a round that would pass dp.budget_epsilon.
+    metrics.jsonl holds only DP quantities (clip, noise, eps so far, MinS / MaxP, counts,
+    timing) and the held-out evaluation; privacy_report.md lists what is not covered.
 
     Every `checkpoint_every` rounds the run directory gets a resume point; after a crash or
     Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
@@ -38,9 +44,10 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     from dpfleet.errors import DpfleetError, resume_hint
 
     if resume is not None:
-        if config is not None or out is not None or overwrite or rounds is not None or seed is not None:
+        if (config is not None or out is not None or overwrite or rounds is not None
+                or seed is not None or debug_nonprivate):
             raise DpfleetError("--resume RUN_DIR continues a run with its own config: give no CONFIG, "
-                               "--out, --overwrite, --rounds or --seed with it")
+                               "--out, --overwrite, --rounds, --seed or --debug-nonprivate with it")
         if not (resume / "config.json").is_file():
             raise DpfleetError(f"{resume} is not a run directory (no config.json): nothing to resume")
         cfg, out = parse_config(json.loads((resume / "config.json").read_text())), resume
@@ -52,6 +59,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
             cfg.rounds = rounds
         if seed is not None:
             cfg.seed = seed
+        cfg.debug_nonprivate = cfg.debug_nonprivate or debug_nonprivate
         out = out or _fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
     with resume_hint(f"dpfleet simulate --resume {out}"):
@@ -66,6 +74,12 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         f"zCDP {p['zcdp']:.4g}, noise multiplier {p['noise_multiplier']:g}, observed MinS {mins}, "
         f"MaxP {p['max_participation']}; see privacy_report.md)"
     )
+    if "total_with_vocabulary" in p:
+        t = p["total_with_vocabulary"]
+        click.echo(f"with DP vocabulary    eps = {t['epsilon']:.2f} at delta = {t['delta']:.3g} "
+                   "(vocabulary + training; see privacy_report.md)")
+    if p.get("debug_nonprivate_file"):
+        click.echo("debug_nonprivate.jsonl holds un-noised client telemetry, outside the guarantee")
     if result.stopped_early:
         click.echo(f"stopped early         {result.stopped_early}")
     click.echo(f"run directory         {result.run_dir}")

@@ -33,10 +33,16 @@ class DataSection:
 
 @dataclass
 class TokenizerSection:
-    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private top-k baseline)
+    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private clients' words)
     vocab_size: int = 4096
     corpus: str = "wikitext2"  # public corpus the SentencePiece model is trained on
     path: str = ""  # an existing tokenizer folder (overrides kind/corpus)
+    # kind = "word": the vocabulary is chosen with user-level DP (coordinator/dp_vocabulary.py),
+    # unless allow_nonprivate_vocabulary (top words of the private clients, outside the guarantee)
+    allow_nonprivate_vocabulary: bool = False
+    dp_noise: float = 1.0  # sigma on each word's count of users (each user's L2 weight <= 1)
+    dp_words_per_user: int = 128  # k: distinct words one user contributes at most
+    dp_delta: float = 1e-7  # chance a word held by one user alone is kept; adds to dp.delta
 
 
 @dataclass
@@ -95,6 +101,9 @@ class AggregationSection:
 @dataclass
 class SimulationConfig:
     rounds: int = 50
+    # also write un-noised client telemetry (train loss, update norms, clipped fraction) to
+    # debug_nonprivate.jsonl: outside the DP guarantee, for debugging only
+    debug_nonprivate: bool = False
     eval_every: int = 10
     seed: int = 0
     checkpoint_every: int = 10  # rounds between resume points (0: none; `simulate --resume`)
@@ -196,6 +205,14 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.client.lr > 0, "client.lr must be > 0"),
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
+        (cfg.tokenizer.dp_noise >= 0, "tokenizer.dp_noise must be >= 0"),
+        (cfg.tokenizer.kind != "word" or cfg.tokenizer.path or cfg.tokenizer.dp_noise > 0
+         or cfg.tokenizer.allow_nonprivate_vocabulary,
+         "tokenizer.dp_noise = 0 would build the word vocabulary from the private clients without "
+         "DP; set tokenizer.allow_nonprivate_vocabulary = true to accept that it is outside the "
+         "guarantee"),
+        (cfg.tokenizer.dp_words_per_user >= 1, "tokenizer.dp_words_per_user must be >= 1"),
+        (0 < cfg.tokenizer.dp_delta < 1, "tokenizer.dp_delta must be in (0, 1)"),
         (cfg.model.max_length >= cfg.data.seq_len, "model.max_length must be >= data.seq_len"),
         (cfg.dp.budget_epsilon >= 0, "dp.budget_epsilon must be >= 0 (0: no budget)"),
         (not cfg.dp.budget_epsilon or cfg.dp.noise_multiplier > 0,

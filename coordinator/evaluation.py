@@ -11,13 +11,15 @@ all non-pad targets (OOV included: the model must still assign it probability).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from dpfleet.edge.client_data import ClientData
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
+from dpfleet.errors import DpfleetError
 
 SPECIAL_IDS = (PAD, BOS, EOS, UNK)
 
@@ -81,3 +83,24 @@ def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray) ->
     probs = np.array([(nonpad_counts.get(int(i), 0) + 1) / (total + vocab) for i in test_ids])
     loss = float(-np.log(probs).mean()) if len(probs) else float("nan")
     return {"accuracy": acc, "top_token": int(top), "loss": loss, "perplexity": float(np.exp(loss))}
+
+
+def split_held_out(test: Sequence[ClientData], limit: int | None) -> tuple[np.ndarray, list]:
+    """(evaluation rows, the held-out clients the unigram baseline is fitted on), from disjoint
+    held-out users: the baseline must not be fitted on training clients (that is private data
+    outside the guarantee) nor on the rows it is scored on.
+
+    The evaluation rows are the first `limit` rows of the held-out clients, in order (as
+    before); the baseline uses the held-out clients none of whose rows are scored. When the
+    evaluation takes every held-out client, the clients are split in two: the first half
+    (rounded up) is scored, the second half fits the baseline.
+    """
+    if len(test) < 2:
+        raise DpfleetError("at least 2 held-out clients are needed (one to evaluate on, one for "
+                           "the unigram baseline); raise data.test_fraction")
+    sizes = np.cumsum([len(c.examples) for c in test])
+    n_eval = int(np.searchsorted(sizes, limit) + 1) if limit else len(test)
+    if n_eval >= len(test):
+        n_eval, limit = (len(test) + 1) // 2, None
+    rows = np.concatenate([c.examples for c in test[:n_eval]])
+    return (rows[:limit] if limit else rows), list(test[n_eval:])

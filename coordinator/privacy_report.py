@@ -24,6 +24,10 @@ client timer enforces, also the worst case that timer implies over the planned r
   secagg                bool: updates were summed with secure aggregation
   adaptive_clipping     bool: clip norm adopted at tree restarts (paper 002 Alg. 1)
   public_data           str: public data used (e.g. for pretraining), not covered by DP
+  not_covered           list[str]: what the guarantee does not cover (`not_covered.py`)
+  vocabulary            dict: a DP word vocabulary (`dp_vocabulary.py`: zcdp, delta, ...),
+                        composed with training into the total
+  nonprivate_vocabulary bool: the word vocabulary was built without DP (warned up front)
   participation_log     path: default `run_dir / "participation.jsonl"`
 """
 
@@ -36,6 +40,7 @@ from dpfleet.coordinator.accounting import (
     MIN_SEPARATION_CONVENTION,
     account_participation_log,
     account_worst_case,
+    epsilon_from_zcdp,
 )
 from dpfleet.coordinator.planner import worst_case_max_participation
 from dpfleet.coordinator.tree_sensitivity import NODES, check_int
@@ -48,6 +53,7 @@ OPTIONAL = {
     "adjacency": "zero-out", "method": "pld", "tree_nodes": "all", "restarts": None,
     "secagg": False,
     "adaptive_clipping": False, "public_data": None, "participation_log": None,
+    "not_covered": None, "vocabulary": None, "nonprivate_vocabulary": False,
 }
 def _participation_sentence(s: dict) -> str:
     """How participation was bounded: by device timers, or by selecting each device once."""
@@ -119,7 +125,21 @@ def summarize_privacy(run_dir: str | Path, setting: dict) -> dict:
     if observed is None and timer is None:
         raise DpfleetError(f"nothing to account: no participation log at {log} and no "
                            "timer_min_separation in the setting")
-    return {"setting": s, "observed": observed, "timer": timer, "headline": observed or timer}
+    head = observed or timer
+    return {"setting": s, "observed": observed, "timer": timer, "headline": head,
+            "total": _with_vocabulary(head, s)}
+
+
+def _with_vocabulary(head: dict, s: dict) -> dict | None:
+    """Training composed with the DP vocabulary: zCDP adds (both are Gaussian mechanisms, so
+    the PLD of the sum is exact) and the vocabulary's thresholding delta adds."""
+    vocab = s["vocabulary"]
+    if vocab is None:
+        return None
+    rho = head["zcdp"] + vocab["zcdp"]
+    return {"zcdp": rho, "epsilon": epsilon_from_zcdp(rho, s["delta"], s["method"]),
+            "delta": s["delta"] + vocab["delta"],
+            "vocabulary_epsilon": epsilon_from_zcdp(vocab["zcdp"], s["delta"], s["method"])}
 
 
 def _cell(result: dict | None, key: str, fmt: str = "{}") -> str:
@@ -150,6 +170,7 @@ def render_privacy_report(summary: dict) -> str:
         f"{head['zcdp']:.4g} ({s['unit']}-level, {s['adjacency']} adjacency; from {source}), "
         f"hence (eps, delta)-DP with eps = {head['epsilon']:.4g} at delta = {s['delta']:g}.",
         "",
+        *_vocabulary_statement(summary),
         "## 1. DP setting",
         "",
         "Central DP: the service provider is trusted to run the mechanism as specified "
@@ -209,6 +230,7 @@ def render_privacy_report(summary: dict) -> str:
         lines += [f"**Warning**: the observed MinS ({obs['min_separation']}) is below the "
                   f"timer's ({timer['min_separation']}): participation was not limited as "
                   "configured; the observed figures are the valid ones.", ""]
+    lines += _vocabulary_section(summary) + _not_covered_section(s)
     adaptive = "yes (clip norm adopted at tree restarts)" if s["adaptive_clipping"] else "no"
     lines += [
         "## Parameters",
@@ -226,6 +248,59 @@ def render_privacy_report(summary: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _vocabulary_statement(summary: dict) -> list[str]:
+    s, total = summary["setting"], summary["total"]
+    if s["nonprivate_vocabulary"]:
+        return ["**Warning: the word vocabulary was built from the private training clients "
+                "without DP** (tokenizer.allow_nonprivate_vocabulary = true). It ships with the "
+                "model and is not covered by this statement: a word used by one client can be "
+                "in it.", ""]
+    if total is None:
+        return []
+    return [f"**With the DP vocabulary** the run as a whole (vocabulary + training) satisfies "
+            f"rho = {total['zcdp']:.4g} zCDP on the Gaussian parts and (eps, delta)-DP with "
+            f"eps = {total['epsilon']:.4g} at delta = {total['delta']:.4g} (dp.delta "
+            f"{s['delta']:g} + the vocabulary's thresholding delta {s['vocabulary']['delta']:g}). "
+            "See 'Vocabulary'.", ""]
+
+
+def _vocabulary_section(summary: dict) -> list[str]:
+    s, head, total = summary["setting"], summary["headline"], summary["total"]
+    if total is None:
+        return []
+    v = s["vocabulary"]
+    return [
+        "## Vocabulary (DP partition selection)",
+        "",
+        f"The word vocabulary was chosen with {v['mechanism']}: each client contributes at most "
+        f"k = {v['words_per_user']} distinct words with weight 1/sqrt(k) (L2 norm <= 1), "
+        f"Gaussian noise sigma = {v['noise']:g} is added to each word's weight, and a word is "
+        f"kept if its noisy weight passes {v['threshold']:.4g}, chosen so that words only one "
+        f"client used are kept with probability <= {v['delta']:g}. {v['kept']} of "
+        f"{v['candidates']} candidate words were kept. Gaussian mechanisms compose by adding "
+        "zCDP (exactly, through their PLD); the thresholding delta adds to delta.",
+        "",
+        "| part | zCDP rho | eps | delta |",
+        "|---|---|---|---|",
+        f"| vocabulary (Gaussian part) | {v['zcdp']:.4g} | {total['vocabulary_epsilon']:.4g} | "
+        f"{s['delta']:g} |",
+        f"| vocabulary (thresholding) | - | 0 | {v['delta']:g} |",
+        f"| DP-FTRL training | {head['zcdp']:.4g} | {head['epsilon']:.4g} | {s['delta']:g} |",
+        f"| **total** | **{total['zcdp']:.4g}** | **{total['epsilon']:.4g}** | "
+        f"**{total['delta']:.4g}** |",
+        "",
+        "The per-round `epsilon` / `zcdp` in metrics.jsonl are the training part only.",
+        "",
+    ]
+
+
+def _not_covered_section(s: dict) -> list[str]:
+    if not s["not_covered"]:
+        return []
+    return ["## Not covered by the guarantee", "",
+            *[f"- {item}" for item in s["not_covered"]], ""]
 
 
 def write_privacy_report(run_dir: str | Path, setting: dict) -> Path:

@@ -29,6 +29,7 @@ from dpfleet.coordinator.accounting import (
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.not_covered import not_covered
 from dpfleet.coordinator.participation import Participation
 from dpfleet.coordinator.privacy_report import summarize_privacy, write_privacy_report
 from dpfleet.coordinator.run_dir import atomic_write
@@ -39,12 +40,15 @@ from dpfleet.errors import DpfleetError
 class RunAccountant:
     """Observed participation of a running simulation and its privacy after each round."""
 
-    def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0):
+    def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
+                 spent_zcdp: float = 0.0):
+        """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget."""
         if budget_epsilon and noise_multiplier <= 0:
             raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
         self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
         self.budget_epsilon = float(budget_epsilon)
-        self.rho_budget = zcdp_for_epsilon(budget_epsilon, delta, "pld") if budget_epsilon else math.inf
+        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, "pld") - spent_zcdp
+                           if budget_epsilon else math.inf)
         self.rounds = 0
         self.restarts: list[int] = []
         self.last: dict[str, int] = {}
@@ -99,8 +103,14 @@ class RunAccountant:
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
 
 
+def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
+    """Every public input of the run: the SentencePiece corpus and the caller's."""
+    spm = cfg.tokenizer.kind == "sentencepiece" and not cfg.tokenizer.path
+    return [f"{cfg.tokenizer.corpus}, for the SentencePiece vocabulary"] * spm + list(public_data)
+
+
 def _report_setting(cfg: SimulationConfig, participation: Participation, rounds: int,
-                    population: int) -> dict:
+                    population: int, public_data: Sequence[str] = ()) -> dict:
     """The `privacy_report` setting of a simulation run."""
     dp, part = cfg.dp, cfg.participation
     clip = (f"adaptive: initial {dp.clip_norm:g}, target quantile {dp.target_quantile:g}, "
@@ -110,8 +120,9 @@ def _report_setting(cfg: SimulationConfig, participation: Participation, rounds:
         "report_goal": dp.report_goal, "population": population, "rounds": rounds,
         "secagg": cfg.aggregation.kind == "secagg", "adaptive_clipping": dp.adaptive_clipping,
     }
-    if cfg.tokenizer.kind == "sentencepiece" and not cfg.tokenizer.path:
-        setting["public_data"] = f"{cfg.tokenizer.corpus}, for the SentencePiece vocabulary"
+    public = _public_data(cfg, public_data)
+    if public:
+        setting["public_data"] = "; ".join(public)
     mins = participation.min_separation
     if part.mode == "timer":
         slots = participation.fleet.timer_slots
@@ -148,9 +159,22 @@ def _trivial_report(run_dir: Path, statement: str) -> None:
 
 def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Participation,
                       accountant: RunAccountant, population: int, *,
-                      model_noise_multiplier: float, stopped_early: str | None) -> dict:
-    """privacy_report.md and privacy.json of a finished (or stopped) run; returns the JSON dict."""
-    setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population)
+                      model_noise_multiplier: float, stopped_early: str | None,
+                      vocabulary: dict | None = None, public_data: Sequence[str] = ()) -> dict:
+    """privacy_report.md and privacy.json of a finished (or stopped) run; returns the JSON dict.
+
+    `vocabulary`: the DP word vocabulary's summary (dp_vocabulary.py), composed with training;
+    `public_data`: public data the caller trained on (listed, not accounted)."""
+    setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
+                              public_data)
+    debug_file = (run_dir / "debug_nonprivate.jsonl").is_file()
+    setting["not_covered"] = not_covered(cfg, public_data=_public_data(cfg, public_data),
+                                         debug_file=debug_file)
+    if vocabulary is not None:
+        setting["vocabulary"] = vocabulary
+    tok = cfg.tokenizer
+    setting["nonprivate_vocabulary"] = (tok.kind == "word" and not tok.path
+                                        and tok.allow_nonprivate_vocabulary)
     privacy = {
         "accounting": "rho-zCDP of DP-FTRL's tree aggregation with the exact worst-case sensitivity "
                       "over every participation pattern with the observed MinS / MaxP (zero-out, "
@@ -170,6 +194,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         "noise": noise_statement(cfg),
         "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
         "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
+        "debug_nonprivate_file": debug_file,
     }
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
@@ -182,6 +207,8 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         return privacy
     summary = summarize_privacy(run_dir, setting)
     obs, timer = summary["observed"], summary["timer"]
+    if summary["total"] is not None:
+        privacy["total_with_vocabulary"] = summary["total"]
     privacy.update(
         zcdp=obs["zcdp"], epsilon=obs["epsilon"],
         epsilon_rdp=epsilon_from_zcdp(obs["zcdp"], cfg.dp.delta, "rdp"),

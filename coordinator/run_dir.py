@@ -2,7 +2,9 @@
 
 Layout (every file is written atomically: a crash never leaves a half-written file):
     config.toml / config.json   the resolved config
-    metrics.jsonl               one JSON object per round
+    metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
+    debug_nonprivate.jsonl      un-noised client telemetry, only with debug_nonprivate (not DP)
+    vocabulary/                 a DP word vocabulary and its privacy summary (tokenizer.kind word)
     participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
     releases.jsonl              what each round released, fsynced before release (release_log.py)
     resume/                     while unfinished: resume point + noise_key (0600; resume.py)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from dpfleet.coordinator.adaptive_clipping import (
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
-from dpfleet.coordinator.evaluation import evaluate, unigram_baseline
+from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
+from dpfleet.coordinator.evaluation import evaluate, split_held_out, unigram_baseline
 from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
 from dpfleet.coordinator.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, release_hash
@@ -45,36 +48,56 @@ from dpfleet.coordinator.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
-from dpfleet.coordinator.run_dir import RunDir, plot_accuracy
+from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
-from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.models import build_model, count_parameters
 from dpfleet.export.params import get_flat, set_flat
 
 
-def make_tokenizer(cfg: SimulationConfig, train_texts: list[str]):
+def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
+                   folder: Path | None = None):
+    """The run's tokenizer. A `word` vocabulary is chosen with user-level DP (dp_vocabulary.py)
+    unless tokenizer.allow_nonprivate_vocabulary; a DP one is saved to `folder` with its privacy
+    summary and loaded from there on resume, so it is released (and paid for) once."""
     tok = cfg.tokenizer
     if tok.path:
         return load_tokenizer(Path(tok.path))
-    if tok.kind == "word":  # built from the private training clients only
-        return WordTokenizer.build(train_texts, tok.vocab_size)
+    if tok.kind == "word" and tok.allow_nonprivate_vocabulary:  # outside the guarantee
+        return WordTokenizer.build((t for texts in train_by_user for t in texts), tok.vocab_size)
+    if tok.kind == "word":
+        if folder is not None and (folder / DP_VOCABULARY).is_file():
+            return load_tokenizer(folder)
+        params = VocabularyDP(tok.dp_noise, tok.dp_words_per_user, tok.dp_delta)
+        tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params)
+        if folder is not None:
+            tokenizer.save(folder)
+            atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
+        return tokenizer
+    from dpfleet.public.overlap import check_public_sources
     from dpfleet.public.spm_public import public_sentencepiece
 
+    check_public_sources([tok.corpus], cfg.data.dataset, "tokenizer.corpus")
     return public_sentencepiece(tok.corpus, tok.vocab_size)
 
 
-def prepare_data(cfg: SimulationConfig):
+def vocabulary_privacy(folder: Path) -> dict | None:
+    """The DP vocabulary's privacy summary written by `make_tokenizer`, if this run has one."""
+    path = folder / DP_VOCABULARY
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None):
     """Records -> tokenizer -> per-client example arrays (train clients and held-out clients)."""
     path = Path(cfg.data.path) if cfg.data.path else None
     records = load_records(cfg.data.dataset, "train", path)
     by_user = group_by_user(records)
     train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
-    tokenizer = make_tokenizer(cfg, [t for u in train_users for t in by_user[u]])
+    tokenizer = make_tokenizer(cfg, [by_user[u] for u in train_users], vocabulary_folder)
     data = build_federated(
         records, tokenizer, seq_len=cfg.data.seq_len, max_examples=cfg.data.max_examples,
         test_fraction=cfg.data.test_fraction, seed=cfg.seed, max_clients=cfg.data.max_clients or None,
@@ -109,6 +132,12 @@ def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
     return disc.norm_inflation
 
 
+DP_VOCABULARY = "dp_vocabulary.json"
+DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
+# secure aggregation's per-round counts that depend on the clients' data (not noised)
+DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down")
+
+
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
@@ -140,6 +169,7 @@ def run_simulation(
     progress: bool = True,
     log: Callable[[str], None] = print,
     before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+    public_data: Sequence[str] = (),
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -150,6 +180,10 @@ def run_simulation(
 
     With `resume`, `out` is an interrupted run of this same config: it continues from the last
     resume point (`checkpoint_every`), or from round 0 when none was written yet (`resume.py`).
+
+    `public_data` names public data the caller trained on, for the privacy report.
+    metrics.jsonl holds DP quantities and held-out evaluation only; un-noised client telemetry
+    goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
     """
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
@@ -161,11 +195,18 @@ def run_simulation(
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
 
-    tokenizer, data = prepare_data(cfg)
+    vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
+    if not resume:  # nothing left over from an overwritten run
+        shutil.rmtree(vocabulary_folder, ignore_errors=True)
+        (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
+        if cfg.debug_nonprivate:
+            (run.path / DEBUG_NONPRIVATE).write_text("")
+    tokenizer, data = prepare_data(cfg, vocabulary_folder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     participation = Participation(cfg.participation, len(data.train), cfg.dp.report_goal, cfg.rounds,
                                   cfg.seed)
-    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
+    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
+                               spent_zcdp=(vocabulary_privacy(vocabulary_folder) or {}).get("zcdp", 0))
     restarts = restart_rounds(cfg)
     z_model, estimator = cfg.dp.noise_multiplier, None
     noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
@@ -192,13 +233,13 @@ def run_simulation(
     releases = ReleaseLog(run.path / RELEASES)
     users = [c.user for c in data.train]
     fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer)
-    test_rows = data.test_examples(cfg.data.eval_examples or None)
-    if len(test_rows) == 0:
-        raise DpfleetError("no held-out clients to evaluate on; raise data.test_fraction")
-    baseline = unigram_baseline((c.examples for c in data.train), test_rows)
+    test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
+    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
+    baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
-        f"data: {len(data.train)} train clients, {len(data.test)} held-out clients, "
-        f"{len(test_rows)} eval rows; model {model_cfg.arch} with "
+        f"data: {len(data.train)} train clients, {len(data.test)} held-out clients "
+        f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
+        f"{len(baseline_clients)} fit the unigram baseline); model {model_cfg.arch} with "
         f"{server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
 
@@ -268,9 +309,6 @@ def run_simulation(
         record = {
             "round": r + 1,
             "clients": len(in_sum),
-            "train_loss": float(np.mean([u.loss for u in updates])),
-            "mean_update_norm": float(np.mean([u.norm for u in updates])),
-            "clipped_fraction": float(np.mean([u.clipped for u in updates])),
             "clip": clip,
             "noise_std": noise_std,
             "epsilon": eps,  # RDP, worst case over the observed MinS / MaxP so far
@@ -288,7 +326,8 @@ def run_simulation(
             record["clip_estimate"] = estimator.estimate
         if agg.info:  # secure aggregation's costs and guarantees, scalars only
             record["aggregation"] = {
-                k: v for k, v in agg.info.items() if isinstance(v, int | float | str | bool)
+                k: v for k, v in agg.info.items()
+                if isinstance(v, int | float | str | bool) and k not in DATA_DEPENDENT_AGGREGATION
             }
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             set_flat(model, server.theta)
@@ -298,6 +337,14 @@ def run_simulation(
                 rounds.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps:.2f}")
         metrics.append(record)
         run.append("metrics.jsonl", record)
+        if cfg.debug_nonprivate:  # un-noised, over this round's few clients: not DP
+            run.append(DEBUG_NONPRIVATE, {
+                "round": r + 1,
+                "train_loss": float(np.mean([u.loss for u in updates])),
+                "mean_update_norm": float(np.mean([u.norm for u in updates])),
+                "clipped_fraction": float(np.mean([u.clipped for u in updates])),
+                **{k: agg.info[k] for k in DATA_DEPENDENT_AGGREGATION if k in agg.info},
+            })
         run.append(
             "participation.jsonl",
             {"round": r, "devices": [data.train[i].user for i in in_sum], "restart": restart},
@@ -313,7 +360,9 @@ def run_simulation(
     save_server_state(run.path / "checkpoint", server,  # no node vectors, no key (resume.py)
                       estimator.state_dict(with_noise=False) if estimator else None, with_noise=False)
     privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
-                                model_noise_multiplier=z_model, stopped_early=stopped_early)
+                                model_noise_multiplier=z_model, stopped_early=stopped_early,
+                                vocabulary=vocabulary_privacy(vocabulary_folder),
+                                public_data=list(public_data))
     title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
              if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
     plot_accuracy(metrics, baseline["accuracy"], run.path / "accuracy.png", title)

@@ -56,6 +56,7 @@ from dpfleet.public.matching import (
     teacher_logprobs,
     top_fraction,
 )
+from dpfleet.public.overlap import check_public_sources, check_public_texts
 from dpfleet.public.teacher_tokenizer import TeacherVocab
 
 SELECTIONS = ("none", "random", "match")
@@ -81,8 +82,10 @@ class PublicSection:
 
 @dataclass
 class PoolSection:
-    sources: list[str] = field(default_factory=lambda: ["wikitext2", "kjv", "shakespeare-collab"])
-    records: list[int] = field(default_factory=lambda: [600, 200, 200])
+    # no Shakespeare by default: shakespeare-collab is public only next to a private
+    # shakespeare-solo (public/overlap.py), and the default private dataset is shakespeare
+    sources: list[str] = field(default_factory=lambda: ["wikitext2", "kjv"])
+    records: list[int] = field(default_factory=lambda: [600, 400])
     seq_len: int = 20
     seed: int = 0
 
@@ -127,7 +130,35 @@ def parse_pipeline(values: dict) -> PipelineConfig:
     for ok, message in checks:
         if not ok:
             raise DpfleetError(message)
+    check_public_sources(cfg.pool.sources, sim.data.dataset, "pool source")
+    if not sim.tokenizer.path:
+        check_public_sources(["wikitext2"], sim.data.dataset, "the teacher vocabulary's corpus")
     return cfg
+
+
+def public_data(cfg: PipelineConfig) -> list[str]:
+    """The public data this pipeline trains on, for the privacy report."""
+    p, pool = cfg.public, cfg.pool
+    used = [f"the teacher LLM {p.teacher} (public weights; its own training data is outside "
+            "this run)"]
+    if not cfg.simulation.tokenizer.path:
+        used.append(f"{p.vocab_records} WikiText-2 records that trimmed the teacher's vocabulary")
+    if p.selection != "none":
+        records = ", ".join(f"{s} ({n} records)" for s, n in zip(pool.sources, pool.records,
+                                                                  strict=True))
+        used.append(f"public pool {records}: {p.selection} selection of q = {p.fraction:g} for "
+                    f"public training at round {cfg.switch_round}")
+    return used
+
+
+def check_pool_is_public(cfg: PipelineConfig, pool: Pool) -> None:
+    """No pool record's text is also a private record (see `public.overlap`)."""
+    from dpfleet.edge.datasets import load_records
+
+    data = cfg.simulation.data
+    private = load_records(data.dataset, "train", Path(data.path) if data.path else None)
+    check_public_texts(zip(pool.sources, pool.texts, strict=True), (r.text for r in private),
+                       data.dataset)
 
 
 def load_pipeline(path: Path) -> PipelineConfig:
@@ -235,6 +266,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
                       cfg.pool.seed)
+    check_pool_is_public(cfg, pool)
     pool.save(out / "pool.npz")
     teacher = TeacherWork(cfg, vocab, pool, progress)
     model_cfg = dataclasses.replace(sim.model, vocab_size=vocab.tokenizer.vocab_size)
@@ -275,7 +307,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
 
     started = (out / "simulation" / "config.json").is_file()
     result = run_simulation(sim, out / "simulation", overwrite=True, resume=resume and started,
-                            progress=progress, log=log, before_round=public_training)
+                            progress=progress, log=log, before_round=public_training,
+                            public_data=public_data(cfg))
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,

@@ -236,6 +236,9 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
     # the server continued: one tree over all T rounds, privacy accounted over all of them
     privacy = json.loads((out / "simulation" / "privacy.json").read_text())
     assert privacy["rounds"] == 4 and privacy["restarts"] == []
+    report = (out / "simulation" / "privacy_report.md").read_text()  # public data is listed
+    assert ("public pool wikitext2 (20 records), kjv (10 records), shakespeare-collab (10 records)"
+            in report.split("## Not covered by the guarantee")[1])
     with np.load(out / "scores.npz") as z:
         assert z["l_pub"].shape == (40,) and np.all(z["l_pub"] < 0) and np.all(z["l_priv"] < 0)
         l_pub = z["l_pub"]

@@ -15,8 +15,10 @@ Rows (T' = T / 2 for mid-training, the same number of public steps everywhere):
   mid-kd-priv  Table 3: matching on l_priv only
 
     python benchmarks/quality/public_training.py --seeds 0 1 2 --noise 0.3 0.7 --momentum 0.9 0.5
+    python benchmarks/quality/public_training.py --summarize   # public_training.md from the .json
 
-Writes public_training.json / .md and fig3_ppl_scatter.png next to this file.
+Writes public_training.json / .md and fig3_ppl_scatter.png next to this file. The private data
+(shakespeare-solo) and the pool's shakespeare-collab share no record (public/overlap.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 from grid import add_grid_args, private_simulation
+from paired import format_difference, paired_difference
 
 HERE = Path(__file__).parent
 
@@ -95,17 +98,46 @@ def fig3(run: Path, teacher_work, vocab, model_cfg, private_texts: list[str], pn
                    "records": len(x)} for name, (x, y) in groups.items()}
 
 
+# (row, compared with) pairs the notes discuss, each as a paired difference over seeds
+COMPARISONS = [("pre-100", "none"), ("pre-kd", "none"), ("mid", "none"), ("mid-kd", "none"),
+               ("mid-kd-dm", "none"), ("mid-kd-priv", "none"), ("mid", "pre-100"),
+               ("pre-kd", "pre-100"), ("mid-kd", "mid"), ("mid-kd-dm", "mid-kd"),
+               ("mid-kd-priv", "mid-kd"), ("mid-kd-priv", "mid-kd-dm")]
+
+
+def comparisons(results: list[dict]) -> list[dict]:
+    """Accuracy differences (points) of COMPARISONS per noise level, paired by seed."""
+    acc = {(r["variant"], r["noise"], r["seed"]): r["accuracy"] * 100 for r in results}
+    out = []
+    for noise in sorted({r["noise"] for r in results}):
+        for row, base in COMPARISONS:
+            seeds = sorted(s for v, z, s in acc if v == row and z == noise and (base, z, s) in acc)
+            if seeds:
+                out.append({"row": row, "vs": base, "noise": noise, "seeds": seeds,
+                            **paired_difference([acc[row, noise, s] for s in seeds],
+                                                [acc[base, noise, s] for s in seeds])})
+    return out
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| row - compared with | noise z | mean difference [95% t-interval] (points), "
+             "seeds up / down |", "|---|---|---|"]
+    lines += [f"| {c['row']} - {c['vs']} | {c['noise']} | {format_difference(c)} |" for c in rows]
+    return "\n".join(lines) + "\n"
+
+
 def _mean_std(values: np.ndarray, signed: bool = False) -> str:
     mean = f"{values.mean():+.2f}" if signed else f"{values.mean():.2f}"
-    return mean + (f" ± {values.std():.2f}" if len(values) > 1 else "")
+    return mean + (f" ± {values.std(ddof=1):.2f}" if len(values) > 1 else "")
 
 
 def markdown(results: list[dict], args) -> str:
     lines = [f"T = {args.rounds} rounds, report goal {args.report_goal}, pool {args.pool} "
              f"(wikitext2, kjv, shakespeare-collab), q = {args.q}, q_small = {args.q_small}, "
-             f"{args.steps} public steps. Accuracy (%) on held-out private clients, mean ± std over "
-             "seeds; 'vs none' is the mean ± std of the per-seed difference to the `none` row of "
-             "the same seed (paired: same clients, same noise draws before public training).",
+             f"{args.steps} public steps. Accuracy (%) on held-out private clients, mean ± sample "
+             "sd over seeds; 'vs none' is the mean ± sample sd of the per-seed difference to the "
+             "`none` row of the same seed (paired: same clients, same noise draws before public "
+             "training); 95% t-intervals are in the second table.",
              "", "| row | noise z | eps | accuracy | vs none | acc. at T' (before public) | selected "
              "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["variant"], r["noise"]) for r in results},
@@ -126,7 +158,21 @@ def markdown(results: list[dict], args) -> str:
         vs_none = _mean_std(diff, signed=True) if variant != "none" and len(diff) else ""
         lines.append(f"| {variant} | {noise} | {rows[0]['epsilon']:.2f} | {_mean_std(acc)} | "
                      f"{vs_none} | {before_s} | {picked} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + comparison_table(comparisons(results))
+
+
+def summarize() -> None:
+    """Rewrite public_training.md from public_training.json (no run)."""
+    payload = json.loads((HERE / "public_training.json").read_text())
+    args = argparse.Namespace(**payload["settings"])
+    write_markdown(payload["results"], args)
+
+
+def write_markdown(results: list[dict], args) -> None:
+    text = markdown(results, args)
+    (HERE / "public_training.md").write_text("# Public training at laptop scale (paper 000 Tables "
+                                             "2-3)\n\n" + text)
+    print(text)
 
 
 def main() -> None:
@@ -140,7 +186,11 @@ def main() -> None:
     ap.add_argument("--teacher", default="gemma3-270m")
     ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-quality-tuned"))
     ap.add_argument("--rerun", action="store_true", help="rerun pipelines finished in --work")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only rewrite public_training.md from public_training.json")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize()
 
     import torch
 
@@ -183,9 +233,7 @@ def main() -> None:
         payload["fig3"] = fig3(run, TeacherWork(cfg, vocab, pool, False), vocab, model_cfg, private,
                                HERE / "fig3_ppl_scatter.png")
     (HERE / "public_training.json").write_text(json.dumps(payload, indent=2, default=float))
-    (HERE / "public_training.md").write_text("# Public training at laptop scale (paper 000 Tables 2-3)\n\n"
-                                             + markdown(results, args))
-    print(markdown(results, args))
+    write_markdown(results, args)
 
 
 if __name__ == "__main__":

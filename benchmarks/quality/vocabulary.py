@@ -15,6 +15,7 @@ counts predicting <unk> for an OOV target as right (what a word model's raw accu
 All numbers are on every held-out row.
 
     python benchmarks/quality/vocabulary.py --seeds 0 1 2 --noise 0.3 0.7 --momentum 0.9 0.5
+    python benchmarks/quality/vocabulary.py --summarize   # vocabulary.md from vocabulary.json
 
 Writes vocabulary.json / .md / .png next to this file.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 from grid import add_grid_args, private_simulation
+from paired import format_difference, paired_difference
 
 HERE = Path(__file__).parent
 KINDS = {"word-1024": ("word", 1024), "word-4096": ("word", 4096),
@@ -38,6 +40,8 @@ def config(args, kind: str, noise: float, seed: int, spm_path: str) -> dict:
     values = private_simulation(args, noise, seed, eval_every=args.rounds, eval_examples=0)
     values["tokenizer"] = {"kind": tok_kind, "vocab_size": size,
                            "path": spm_path if tok_kind == "sentencepiece" else ""}
+    if tok_kind == "word":  # the paper's baseline: top words of the private clients, no DP
+        values["tokenizer"]["allow_nonprivate_vocabulary"] = True
     return values
 
 
@@ -122,11 +126,58 @@ def plot(results: list[dict], args, png: Path) -> None:
     plt.close(fig)
 
 
+PAIRS = [("sentencepiece-4096", "word-4096"), ("sentencepiece-4096", "word-1024"),
+         ("word-4096", "word-1024")]
+
+
+def write_markdown(results: list[dict], args) -> None:
+    """vocabulary.md: mean ± sample sd per cell, and paired differences with 95% t-intervals."""
+    lines = ["| tokenizer | noise z | eps | token acc. strict (%) | token acc. w/ OOV (%) | "
+             "unigram, token units (%) | own-unit acc. (%) | OOV rate (%) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for noise in args.noise:
+        for kind in KINDS:
+            rows = [r for r in results if r["tokenizer"] == kind and r["noise"] == noise]
+
+            def cell(key, rows=rows):
+                v = np.array([r[key] for r in rows]) * 100
+                return f"{v.mean():.2f}" + (f" ± {v.std(ddof=1):.2f}" if len(v) > 1 else "")
+
+            lines.append(f"| {kind} | {noise} | {rows[0]['epsilon']:.2f} | {cell('strict')} | "
+                         f"{cell('with_oov')} | {cell('unigram_token')} | "
+                         f"{cell('accuracy_own_units')} | {cell('oov_rate')} |")
+    lines += ["", "| strict token accuracy: row - compared with | noise z | mean difference "
+              "[95% t-interval] (points), seeds up / down |", "|---|---|---|"]
+    for noise in args.noise:
+        for a, b in PAIRS:
+            acc = {(r["tokenizer"], r["seed"]): r["strict"] * 100 for r in results
+                   if r["noise"] == noise}
+            seeds = sorted(s for k, s in acc if k == a and (b, s) in acc)
+            diff = paired_difference([acc[a, s] for s in seeds], [acc[b, s] for s in seeds])
+            lines.append(f"| {a} - {b} | {noise} | {format_difference(diff)} |")
+    table = "\n".join(lines) + "\n"
+    (HERE / "vocabulary.md").write_text(
+        "# Public SentencePiece vs private word vocabularies under DP (paper 000 Fig. 1 analogue)\n\n"
+        f"T = {args.rounds} rounds of {args.report_goal} clients on shakespeare-solo, no public "
+        f"training, seeds {args.seeds} (mean ± sample sd; paired differences by seed). Token "
+        "units: a word weighs its SentencePiece tokens (paper 000 Sec. 3.1). The word "
+        "vocabularies are the top words of the private training clients without DP "
+        "(tokenizer.allow_nonprivate_vocabulary), outside the guarantee. Plot: vocabulary.png.\n\n"
+        + table)
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid_args(ap)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-quality-vocab-tuned"))
+    ap.add_argument("--summarize", action="store_true",
+                    help="only rewrite vocabulary.md from vocabulary.json")
     args = ap.parse_args()
+    if args.summarize:
+        payload = json.loads((HERE / "vocabulary.json").read_text())
+        write_markdown(payload["results"], argparse.Namespace(**payload["settings"]))
+        return
 
     import torch
 
@@ -161,30 +212,10 @@ def main() -> None:
                 row["simulation_seconds"] = seconds
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    lines = ["| tokenizer | noise z | eps | token acc. strict (%) | token acc. w/ OOV (%) | "
-             "unigram, token units (%) | own-unit acc. (%) | OOV rate (%) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for noise in args.noise:
-        for kind in KINDS:
-            rows = [r for r in results if r["tokenizer"] == kind and r["noise"] == noise]
-
-            def cell(key, rows=rows):
-                v = np.array([r[key] for r in rows]) * 100
-                return f"{v.mean():.2f}" + (f" ± {v.std():.2f}" if len(v) > 1 else "")
-
-            lines.append(f"| {kind} | {noise} | {rows[0]['epsilon']:.2f} | {cell('strict')} | "
-                         f"{cell('with_oov')} | {cell('unigram_token')} | "
-                         f"{cell('accuracy_own_units')} | {cell('oov_rate')} |")
-    table = "\n".join(lines) + "\n"
     (HERE / "vocabulary.json").write_text(json.dumps(
         {"settings": vars(args) | {"work": str(args.work)}, "results": results}, indent=2))
-    (HERE / "vocabulary.md").write_text(
-        "# Public SentencePiece vs private word vocabularies under DP (paper 000 Fig. 1 analogue)\n\n"
-        f"T = {args.rounds} rounds of {args.report_goal} clients on shakespeare-solo, no public "
-        f"training, seeds {args.seeds} (mean ± std). Token units: a word weighs its SentencePiece "
-        "tokens (paper 000 Sec. 3.1). Plot: vocabulary.png.\n\n" + table)
+    write_markdown(results, args)
     plot(results, args, HERE / "vocabulary.png")
-    print(table)
 
 
 if __name__ == "__main__":

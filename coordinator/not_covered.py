@@ -1,0 +1,61 @@
+"""What a run's DP guarantee does not cover: the privacy report's "Not covered" list.
+
+The (eps, delta) statement is about the released models (and a DP vocabulary, when there is
+one). Everything else a run reads or writes about people is outside it, and a reader of the
+report must see that list instead of assuming "everything is covered".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpfleet.coordinator.config import SimulationConfig
+
+# what one client (the unit of the guarantee) is in each dataset
+CLIENT_UNIT = {
+    "shakespeare": "one (play, speaker) pair. A character who speaks in several plays (e.g. "
+                   "Falstaff) is several clients, and the one real author of every play is all "
+                   "of them: the guarantee protects one character's lines in one play, not a "
+                   "person who wrote or speaks across plays",
+    "jsonl": "one distinct `user` value of the file. A person who appears under several user "
+             "values is several clients and is protected only by group privacy (eps grows with "
+             "the number of their ids)",
+    "wikitext2": "one Wikipedia article (the records are keyed by title); an editor who wrote "
+                 "several articles is several clients",
+    "kjv": "one Bible chapter; not a person",
+}
+CLIENT_UNIT["shakespeare-solo"] = CLIENT_UNIT["shakespeare"]
+CLIENT_UNIT["shakespeare-collab"] = CLIENT_UNIT["shakespeare"]
+
+
+def not_covered(cfg: SimulationConfig, *, public_data: Sequence[str] = (),
+                debug_file: bool = False) -> list[str]:
+    """Markdown bullet texts, most important first."""
+    data, tok = cfg.data, cfg.tokenizer
+    items = []
+    if tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary:
+        items.append("**The word vocabulary** (`checkpoint/tokenizer/tokenizer.json`): the top "
+                     f"{tok.vocab_size - 4} words of every training client's text, chosen without "
+                     "DP (tokenizer.allow_nonprivate_vocabulary = true). A word only one client "
+                     "used can be in it, so the shipped tokenizer can reveal that client's text.")
+    if tok.path:
+        items.append(f"The tokenizer loaded from `{tok.path}`: this run cannot tell what data it "
+                     "was built from; it is covered only if that was public data (or a DP "
+                     "release accounted elsewhere).")
+    if debug_file:
+        items.append("`debug_nonprivate.jsonl` (debug_nonprivate = true): the mean train loss, "
+                     "update norm and clipped fraction of each round's few clients, without "
+                     "noise. Anyone who reads it learns about those clients' data.")
+    items += [
+        f"Held-out evaluation data: the held-out clients ({data.test_fraction:.0%} of users) are "
+        "not protected. Accuracy, loss and perplexity in metrics.jsonl, summary.json, "
+        "accuracy.png and the progress bar are computed on their data without noise, and the "
+        "unigram baseline is fitted on other held-out clients.",
+        "Hyper-parameter tuning: choosing this config (noise, clip norm, learning rates, rounds, "
+        "vocabulary) from earlier runs on the same private data is not accounted.",
+        f"What a client is in this dataset ({data.dataset}): "
+        + CLIENT_UNIT.get(data.dataset, "one distinct user key of the dataset") + ".",
+    ]
+    items += [f"Public data (not private, so not protected and not accounted): {p}."
+              for p in public_data]
+    return items
