@@ -117,8 +117,8 @@ def test_resume_refuses_changed_client_data(tmp_path, monkeypatch, capsys):
         run_simulation(parse_config(CFG), out, before_round=crash_before(4), **QUIET)
     real = simulation.prepare_data
 
-    def one_client_edited(cfg):  # stands in for a client whose text changed before --resume
-        tokenizer, data = real(cfg)
+    def one_client_edited(cfg, *args):  # stands in for a client whose text changed before --resume
+        tokenizer, data = real(cfg, *args)
         data.train[1].examples[0, 1] = (data.train[1].examples[0, 1] + 1) % tokenizer.vocab_size
         return tokenizer, data
 
