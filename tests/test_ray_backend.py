@@ -46,7 +46,8 @@ def test_ray_trainer_equals_local_cohort(ray_local):
         examples.append(rows)
     seeds = list(range(6))
     kw = {"lr": 0.5, "batch_size": 8, "clip_norm": 0.2}
-    local = CohortTrainer(cfg, seq_len=9, batch_size=8, device="cpu").train_round(theta, examples, seeds, **kw)
+    local = CohortTrainer(cfg, seq_len=9, batch_size=8, device="cpu").train_round(
+        theta, examples, seeds, **kw)
     remote = RayTrainer(cfg, seq_len=9, batch_size=8, workers=2).train_round(theta, examples, seeds, **kw)
     for a, b in zip(local, remote, strict=True):
         np.testing.assert_allclose(b.delta, a.delta, rtol=0, atol=1e-6)
