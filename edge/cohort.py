@@ -14,6 +14,14 @@ Exactness with the sequential path, client by client:
   (ragged clients by masking, without copying weights);
 * delta, non-finite check and clipping are `finish_update`, the sequential path's own code.
 What differs is float rounding of batched vs single matmuls (tolerance in tests/test_edge_cohort.py).
+
+Determinism. On CPU a config always gives the same chunks (the budget is a config value, not the
+free memory) and the same ops, so a run and its resume are bit for bit equal at a fixed thread
+count (tests/test_simulation_cohort.py, tests/test_resume.py). On CUDA (`client.device`, "auto"
+when a GPU is visible) the embedding backward accumulates with atomics, so repeated runs agree
+only to float32 rounding; the stated tolerance there is the CPU one against the sequential path
+(deltas 1e-6 absolute), not yet measured on a GPU. For bit-exact GPU resumes set
+`torch.use_deterministic_algorithms(True)` and CUBLAS_WORKSPACE_CONFIG=:4096:8 (slower).
 """
 
 from __future__ import annotations
