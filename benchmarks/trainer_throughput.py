@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trainers", default="sequential,cohort")
+    ap.add_argument("--ray-workers", type=int, default=2, help="Ray(local) actors, one thread each")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "trainer_throughput.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,7 +114,7 @@ def main() -> None:
     trainers = {
         "sequential": lambda: SequentialTrainer(EagerRuntime(model_cfg)),
         "cohort": lambda: CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=bs, device="cpu"),
-        "ray": lambda: _ray_trainer(model_cfg, cfg.data.seq_len, bs, args.threads),
+        "ray": lambda: _ray_trainer(model_cfg, cfg.data.seq_len, bs, args.ray_workers),
     }
     names = args.trainers.split(",")
     built = {n: trainers[n]() for n in names}
@@ -153,6 +154,7 @@ def main() -> None:
         "clip_norm_cost_1M_params": clip_norm_cost(int(theta.size)),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "ray_workers": args.ray_workers if "ray" in built else None,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
