@@ -29,6 +29,10 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     summary.json. Participation is disjoint, uniform or limited by device timers on a simulated
     clock ([participation]); the run stops before a round that would pass dp.budget_epsilon.
 
+    With the eager runtime a round's clients train at once as a cohort (client.trainer = "auto";
+    "sequential" forces the reference path), optionally sharded over Ray ([backend] kind = "ray");
+    summary.json's client_trainer says which ran.
+
     Every `checkpoint_every` rounds the run directory gets a resume point; after a crash or
     Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
     with and gives the same result, bit for bit, as an uninterrupted run.
