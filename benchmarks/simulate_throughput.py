@@ -5,6 +5,9 @@ bars, and records wall time per round, client updates per second, local SGD step
 the process's peak resident memory. Results: benchmarks/results/simulate_throughput.json.
 
     python benchmarks/simulate_throughput.py [--rounds 10] [--config examples/shakespeare_cifg.toml]
+
+`--workload peer` instead times the round trainers on issue 15's peer-shaped workload
+(benchmarks/trainer_throughput.py; results/trainer_throughput.json).
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "examples" / "shakespeare_cifg.toml")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "simulate_throughput.json")
-    args = ap.parse_args()
+    ap.add_argument("--workload", choices=("main", "peer"), default="main")
+    args, _ = ap.parse_known_args()
+    if args.workload == "peer":  # every other argument goes to trainer_throughput.py as given
+        import runpy
+        import sys
+
+        rest = [a for a in sys.argv[1:] if a not in ("--workload", "peer", "--workload=peer")]
+        sys.argv = [str(ROOT / "benchmarks" / "trainer_throughput.py"), *rest]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
 
     cfg = load_config(args.config)
     cfg.eval_every = 10**9  # evaluate once, at the end of each run

@@ -35,6 +35,10 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     metrics.jsonl holds only DP quantities (clip, noise, eps so far, MinS / MaxP, counts,
     timing) and the held-out evaluation; privacy_report.md lists what is not covered.
 
+    With the eager runtime a round's clients train at once as a cohort (client.trainer = "auto";
+    "sequential" forces the reference path), optionally sharded over Ray ([backend] kind = "ray");
+    summary.json's client_trainer says which ran.
+
     Every `checkpoint_every` rounds the run directory gets a resume point; after a crash or
     Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
     with and gives the same result, bit for bit, as an uninterrupted run.

@@ -51,6 +51,10 @@ class ClientSection:
     batch_size: int = 16
     runtime: str = "eager"  # "eager" | "executorch" | "onnx"
     threads: int = 1
+    # who trains a round's clients: "auto" (cohort when runtime = "eager") | "sequential" | "cohort"
+    trainer: str = "auto"
+    device: str = "auto"  # cohort trainer: "auto" (CUDA when present) | "cpu" | "cuda"
+    cohort_memory_mb: int = 160  # cohort chunk budget on CPU (edge/cohort.py: chunk_size)
 
 
 @dataclass
@@ -99,6 +103,15 @@ class AggregationSection:
 
 
 @dataclass
+class BackendSection:
+    """Where a round's clients train (coordinator/ray_backend.py)."""
+
+    kind: str = "local"  # "local" | "ray" (cohort sharded over Ray workers)
+    address: str = ""  # Ray cluster address (`ray start --head`); "": a private local instance
+    workers: int = 2  # Ray actors, one CPU each
+
+
+@dataclass
 class SimulationConfig:
     rounds: int = 50
     # also write un-noised client telemetry (train loss, update norms, clipped fraction) to
@@ -114,6 +127,7 @@ class SimulationConfig:
     dp: DPSection = field(default_factory=DPSection)
     participation: ParticipationSection = field(default_factory=ParticipationSection)
     aggregation: AggregationSection = field(default_factory=AggregationSection)
+    backend: BackendSection = field(default_factory=BackendSection)
 
     def resolved(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,6 +136,9 @@ class SimulationConfig:
 _CHOICES = {
     "tokenizer.kind": ("sentencepiece", "word"),
     "client.runtime": ("eager", "executorch", "onnx"),
+    "client.trainer": ("auto", "sequential", "cohort"),
+    "client.device": ("auto", "cpu", "cuda"),
+    "backend.kind": ("local", "ray"),
     "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
@@ -204,6 +221,8 @@ def validate(cfg: SimulationConfig) -> None:
         (0 <= cfg.dp.momentum < 1, "dp.momentum must be in [0, 1)"),
         (cfg.client.lr > 0, "client.lr must be > 0"),
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
+        (cfg.client.cohort_memory_mb >= 1, "client.cohort_memory_mb must be >= 1"),
+        (cfg.backend.workers >= 1, "backend.workers must be >= 1"),
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
         (cfg.tokenizer.dp_noise >= 0, "tokenizer.dp_noise must be >= 0"),
         (cfg.tokenizer.kind != "word" or cfg.tokenizer.path or cfg.tokenizer.dp_noise > 0

@@ -32,6 +32,7 @@ from dpfleet.coordinator.adaptive_clipping import (
     model_noise_multiplier,
 )
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
+from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
@@ -50,7 +51,6 @@ from dpfleet.coordinator.resume import (
 from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
 from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
-from dpfleet.edge.client_update import client_update
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
@@ -219,6 +219,9 @@ def run_simulation(
         )
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, run.path / "programs")
+    trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
+                           batch_size=cfg.client.batch_size, device=cfg.client.device,
+                           memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
     aggregator = make_aggregator(cfg)
     server = DPFTRLServer(
         get_flat(model),
@@ -282,14 +285,11 @@ def run_simulation(
         public_update = before_round(r, server.theta) if before_round else None
         if public_update is not None:
             server.theta = np.asarray(public_update, dtype=np.float32).copy()
-        updates = [
-            client_update(
-                runtime, server.theta, data.train[i].examples, lr=cfg.client.lr,
-                batch_size=cfg.client.batch_size, clip_norm=server.clip_norm,
-                seed=_seed(cfg.seed, r, i),
-            )
-            for i in chosen
-        ]
+        updates = trainer.train_round(
+            server.theta, [data.train[i].examples for i in chosen],
+            [_seed(cfg.seed, r, i) for i in chosen], lr=cfg.client.lr,
+            batch_size=cfg.client.batch_size, clip_norm=server.clip_norm,
+        )
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
         server.step(agg.total)
         in_sum = [chosen[i] for i in agg.survivors]  # dropped clients contributed nothing
@@ -374,6 +374,7 @@ def run_simulation(
         "simulated_hours": participation.hours(participation.slot),
         "resumed_after_round": start or None,
         "rounds_lost_in_crash": lost,
+        "client_trainer": trainer.name,  # "cohort" or "sequential" (coordinator/backends.py)
     }
     run.write_json("summary.json", summary)
     discard_resume(run.path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from dpfleet.edge.runtime import TrainingRuntime
 
@@ -27,7 +28,10 @@ def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
     """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm)."""
     if clip_norm <= 0:
         raise ValueError("clip norm must be positive")
-    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    # float64 accumulation in torch's thread pool: np.linalg.norm would first copy the vector to
+    # float64 and then wake OpenBLAS's own threads, which keep spinning against torch's threads
+    # on a small machine (issue 15's profile)
+    norm = float(torch.linalg.vector_norm(torch.from_numpy(vec), dtype=torch.float64))
     if norm > clip_norm:
         return (vec * (clip_norm / norm)).astype(vec.dtype), norm
     return vec, norm
@@ -45,8 +49,12 @@ def client_update(
 ) -> ClientUpdate:
     runtime.set_weights(theta0)
     result = runtime.train_epoch(examples, lr=lr, batch_size=batch_size, seed=seed)
-    delta = runtime.get_weights() - theta0
+    return finish_update(runtime.get_weights() - theta0, clip_norm, result.mean_loss, len(examples))
+
+
+def finish_update(delta: np.ndarray, clip_norm: float, loss: float, num_examples: int) -> ClientUpdate:
+    """Clip a trained delta; shared by the sequential and the cohort trainers."""
     if not np.isfinite(delta).all():  # diverged local training contributes nothing, not NaN
-        return ClientUpdate(np.zeros_like(delta), float("inf"), True, result.mean_loss, len(examples))
+        return ClientUpdate(np.zeros_like(delta), float("inf"), True, loss, num_examples)
     clipped, norm = clip_l2(delta, clip_norm)
-    return ClientUpdate(clipped, norm, norm > clip_norm, result.mean_loss, len(examples))
+    return ClientUpdate(clipped, norm, norm > clip_norm, loss, num_examples)

@@ -20,3 +20,25 @@ def failing_on_call(func: Callable, n: int, exc: type[BaseException] = Crash) ->
         return func(*args, **kwargs)
 
     return wrapper
+
+
+def failing_on_round(monkeypatch, n: int, exc: type[BaseException] = Crash) -> None:
+    """Makes the n-th round's client training raise `exc`, whichever trainer (sequential or
+    cohort, coordinator/backends.py) the simulation picks; rounds count across runs."""
+    import dpfleet.coordinator.simulation as simulation
+
+    real_make = simulation.make_trainer
+    tick = failing_on_call(lambda: None, n, exc)
+
+    def make_trainer(*args, **kwargs):
+        trainer = real_make(*args, **kwargs)
+        train_round = trainer.train_round
+
+        def counted(*a, **kw):
+            tick()
+            return train_round(*a, **kw)
+
+        trainer.train_round = counted
+        return trainer
+
+    monkeypatch.setattr(simulation, "make_trainer", make_trainer)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
-from crashes import Crash, failing_on_call
+from crashes import Crash, failing_on_round
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -262,11 +262,9 @@ def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tin
     values["simulation"]["dp"]["noise_seed"] = 0  # research mode: the reference has the same noise
     cfg = parse_pipeline(values)
     reference = run_pipeline(cfg, tmp_path / "ref", progress=False, log=lambda s: None)
-    import dpfleet.coordinator.simulation as simulation
     import dpfleet.public.pipeline as pipeline
 
-    # 4 clients a round: the 13th client update is round 4's
-    monkeypatch.setattr(simulation, "client_update", failing_on_call(simulation.client_update, 13))
+    failing_on_round(monkeypatch, 4)  # the crash comes while round 4's clients train
     out = tmp_path / "run"
     with pytest.raises(Crash):
         run_pipeline(cfg, out, progress=False, log=lambda s: None)

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from crashes import Crash, failing_on_call
+from crashes import Crash, failing_on_round
 from safetensors.numpy import load_file
 
 from dpfleet.cli import main
@@ -223,13 +223,13 @@ def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeyp
 
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(parse_config(CFG).resolved()))
-    real_update = simulation.client_update  # 4 clients a round: Ctrl-C in round 7's first update
-    monkeypatch.setattr(simulation, "client_update", failing_on_call(real_update, 25, KeyboardInterrupt))
+    real_make = simulation.make_trainer
+    failing_on_round(monkeypatch, 7, KeyboardInterrupt)  # Ctrl-C while round 7's clients train
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(config), "--out", str(out), "--quiet"])
     assert exc.value.code == 130
     assert f"continue with: dpfleet simulate --resume {out}" in capsys.readouterr().err
-    monkeypatch.setattr(simulation, "client_update", real_update)
+    monkeypatch.setattr(simulation, "make_trainer", real_make)
     main(["simulate", "--resume", str(out), "--quiet"])
     assert (out / "metrics.jsonl").read_text() == reference["metrics"]

@@ -1,0 +1,117 @@
+"""Client populations as one memory-mapped row array plus offsets, not Python lists.
+
+`FederatedData.train` keeps one `ClientData` (a Python object and its own array) per client,
+which is fine for Shakespeare's 1,277 clients and hopeless for a million. A `ClientStore` holds
+every client's rows back to back in one `[rows, seq_len + 1]` array (int16 when the vocabulary
+fits) and a `[clients + 1]` offsets array, both `.npy` files memory-mapped from the user cache, so
+the resident cost is the pages a round touches and `clients(ids)` is O(cohort).
+
+Scale tests need populations larger than any real dataset here: `generated(store, n)` cycles the
+real clients (client i reads real client i mod n_real) and says so in `meta["generated"]` and
+`meta["cycled_from"]`; such a population is for measuring speed and memory, never for accuracy or
+privacy claims (its "users" repeat).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.edge.client_data import ClientData
+from dpfleet.errors import DpfleetError
+
+
+def _dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.int16 if vocab_size <= np.iinfo(np.int16).max else np.int32)
+
+
+@dataclass
+class ClientStore:
+    """rows[offsets[i]:offsets[i+1]] are client i's example rows; ids map clients to stored rows."""
+
+    rows: np.ndarray  # [R, seq_len + 1], memory-mapped
+    offsets: np.ndarray  # [n_stored + 1] int64, memory-mapped
+    meta: dict
+    users: list[str]  # the real (stored) clients' user ids
+    cycle: int = 0  # generated population: client i reads stored client i % cycle (0: not generated)
+    size: int = 0
+
+    def __len__(self) -> int:
+        return self.size or len(self.offsets) - 1
+
+    def _stored(self, i: int) -> int:
+        if not 0 <= i < len(self):
+            raise IndexError(f"client {i} outside a population of {len(self)}")
+        return i % self.cycle if self.cycle else i
+
+    def examples(self, i: int) -> np.ndarray:
+        """Client i's rows as int32 (a copy of only its pages)."""
+        j = self._stored(i)
+        return np.asarray(self.rows[self.offsets[j] : self.offsets[j + 1]], dtype=np.int32)
+
+    def clients(self, ids: Sequence[int]) -> list[ClientData]:
+        """A cohort's data: O(len(ids)) reads, whatever the population size."""
+        return [ClientData(self.user(i), self.examples(i)) for i in ids]
+
+    def user(self, i: int) -> str:
+        j = self._stored(i)
+        return self.users[j] + (f"#{i // self.cycle}" if self.cycle else "")  # copies are labelled
+
+
+def build_store(clients: Sequence[ClientData], vocab_size: int, cache: Path, source: str) -> ClientStore:
+    """Write `clients` once as rows.npy + offsets.npy + meta.json under `cache` (content-hashed)."""
+    if not clients:
+        raise DpfleetError("no clients to store")
+    width = clients[0].examples.shape[1]
+    if any(c.examples.ndim != 2 or c.examples.shape[1] != width for c in clients):
+        raise DpfleetError("every client's rows must have the same width (seq_len + 1)")
+    counts = np.array([len(c.examples) for c in clients], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    digest = hashlib.sha256()
+    for c in clients:
+        digest.update(c.user.encode() + b"\0" + np.ascontiguousarray(c.examples).tobytes())
+    folder = Path(cache) / f"population-{digest.hexdigest()[:16]}"
+    if not (folder / "meta.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = np.lib.format.open_memmap(folder / "rows.npy", mode="w+", dtype=_dtype(vocab_size),
+                                         shape=(int(offsets[-1]), width))
+        for c, start in zip(clients, offsets[:-1], strict=False):
+            rows[start : start + len(c.examples)] = c.examples
+        rows.flush()
+        del rows
+        np.save(folder / "offsets.npy", offsets)
+        (folder / "users.json").write_text(json.dumps([c.user for c in clients]))
+        meta = {"clients": len(clients), "rows": int(offsets[-1]), "width": width, "source": source,
+                "vocab_size": vocab_size, "generated": False}
+        atomic_write(folder / "meta.json", json.dumps(meta, indent=2))  # written last: complete
+    return open_store(folder)
+
+
+def open_store(folder: Path) -> ClientStore:
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        rows = np.load(folder / "rows.npy", mmap_mode="r")
+        offsets = np.load(folder / "offsets.npy", mmap_mode="r")
+        users = json.loads((folder / "users.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise DpfleetError(f"{folder} is not a complete client store ({exc}); delete it to rebuild") from exc
+    if (offsets.ndim != 1 or offsets[-1] != len(rows) or len(offsets) != meta["clients"] + 1
+            or len(users) != meta["clients"]):
+        raise DpfleetError(f"{folder}: rows and offsets disagree; delete it to rebuild")
+    return ClientStore(rows, offsets, meta, users)
+
+
+def generated(store: ClientStore, size: int) -> ClientStore:
+    """A population of `size` clients cycled from the real ones, labelled as generated."""
+    if size < 1:
+        raise DpfleetError("a generated population needs at least one client")
+    real = len(store.offsets) - 1
+    meta = dict(store.meta, generated=True, cycled_from=real, clients=size)
+    return ClientStore(store.rows, store.offsets, meta, store.users, cycle=real, size=size)

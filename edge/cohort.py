@@ -1,0 +1,167 @@
+"""Cohort training: all clients of a round trained at once, one weight copy per client.
+
+The sequential path (`client_update`) runs one Python loop of minibatches per client, so a small
+on-device model is dominated by per-op dispatch, not arithmetic. Here each client's weights are
+one row of a stacked tensor and a local SGD step of every client is one call of
+`vmap(grad(loss))` (torch.func), i.e. batched matmuls over the client axis.
+
+Exactness with the sequential path, client by client:
+* the same shuffled minibatches (`runtime.batches` with the same seed);
+* a short last minibatch is filled with all-PAD rows: the loss masks PAD targets, so sum and count
+  (hence loss and gradient) are unchanged;
+* clients are sorted by their number of minibatches (longest first), so the clients still training
+  at step s are a prefix of the chunk: step s updates a view `w[:k_s]` and finished clients stop
+  (ragged clients by masking, without copying weights);
+* delta, non-finite check and clipping are `finish_update`, the sequential path's own code.
+What differs is float rounding of batched vs single matmuls (tolerance in tests/test_edge_cohort.py).
+
+Determinism. On CPU a config always gives the same chunks (the budget is a config value, not the
+free memory) and the same ops, so a run and its resume are bit for bit equal at a fixed thread
+count (tests/test_simulation_cohort.py, tests/test_resume.py). On CUDA (`client.device`, "auto"
+when a GPU is visible) the embedding backward accumulates with atomics, so repeated runs agree
+only to float32 rounding; the stated tolerance there is the CPU one against the sequential path
+(deltas 1e-6 absolute), not yet measured on a GPU. For bit-exact GPU resumes set
+`torch.use_deterministic_algorithms(True)` and CUBLAS_WORKSPACE_CONFIG=:4096:8 (slower).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from dpfleet.edge.client_update import ClientUpdate, finish_update
+from dpfleet.edge.runtime import batches
+from dpfleet.edge.tokenizer import PAD
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig, build_model, next_token_loss
+from dpfleet.export.params import ParamLayout
+
+# CPU budget for one chunk's weights, gradients and activations. Small on purpose: on CPU the
+# stacked weight gradients of a big chunk fall out of cache (issue 15 workload, 1 thread: chunks of
+# 4 / 8 / 16 / 28 clients ran 1.44 / 1.06 / 0.88 / 0.77x the sequential speed).
+DEFAULT_MEMORY_MB = 160
+
+
+def bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Working memory of one client in a chunk (float32), the rule the chunk size is chosen by.
+
+    Weights + gradient + update temporary (3 x params), plus activations saved for backward per
+    minibatch: the vocabulary-sized logits, log-softmax and their gradients (4 x V per token), and
+    per recurrent step / block about 12 x hidden + 8 x embedding floats per token and layer.
+    """
+    params = ParamLayout.of(build_model(cfg)).total
+    tokens = batch_size * seq_len
+    per_token = 4 * cfg.vocab_size + cfg.num_layers * (12 * cfg.hidden_dim + 8 * cfg.embedding_dim)
+    return 4 * (3 * params + tokens * per_token)
+
+
+def chunk_size(cfg: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
+               memory_mb: int = DEFAULT_MEMORY_MB) -> int:
+    """Clients per chunk: floor(budget / bytes_per_client), at least 1.
+
+    On CPU the budget is `memory_mb` (a config value, not the machine's free memory, so the chunks
+    - and the float rounding - are the same on every run of a config). On CUDA it is half the
+    device's free memory at the start of the run.
+    """
+    budget = memory_mb * 2**20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free // 2
+    return max(1, budget // bytes_per_client(cfg, batch_size, seq_len))
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when a GPU is visible, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DpfleetError("client.device = 'cuda' but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise DpfleetError(f"client.device must be 'auto', 'cpu' or 'cuda', not {name!r}")
+    return torch.device(name)
+
+
+@dataclass
+class _Plan:
+    """One chunk: its clients (longest first) and, per step, each active client's row indices."""
+
+    clients: list[int]
+    steps: list[list[np.ndarray]]  # steps[s][j]: rows of client clients[j] at step s (prefix)
+
+
+class CohortTrainer:
+    """Trains a round's clients in chunks of stacked weights (eager torch, CPU or CUDA)."""
+
+    name = "cohort"
+
+    def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
+                 memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(device)
+        self.model = build_model(cfg).to(self.device)
+        self.layout = ParamLayout.of(self.model)
+        self.chunk = chunk or chunk_size(cfg, batch_size, seq_len, self.device, memory_mb)
+
+        def loss(params: dict, rows: torch.Tensor) -> torch.Tensor:
+            logits = functional_call(self.model, params, (rows[:, :-1],))
+            return next_token_loss(logits, rows[:, 1:], PAD)
+
+        self._step = vmap(grad_and_value(loss))
+
+    def train_round(self, theta0: np.ndarray, examples: Sequence[np.ndarray], seeds: Sequence[int],
+                    *, lr: float, batch_size: int, clip_norm: float) -> list[ClientUpdate]:
+        """Per-client clipped updates, in the order of `examples` (as the sequential path)."""
+        if len(examples) != len(seeds):
+            raise DpfleetError("cohort: one seed per client is needed")
+        for rows in examples:
+            if rows.ndim != 2 or rows.shape[1] < 2:
+                raise DpfleetError(f"examples must be [n, L+1] token rows, got {rows.shape}")
+        theta = torch.from_numpy(np.ascontiguousarray(theta0, dtype=np.float32)).to(self.device)
+        plans = [batches(len(x), batch_size, s) for x, s in zip(examples, seeds, strict=True)]
+        # longest first, then by rows: a chunk's short clients pad their rows to similar sizes
+        order = sorted(range(len(examples)), key=lambda i: (-len(plans[i]), -len(examples[i])))
+        out: list[ClientUpdate | None] = [None] * len(examples)
+        for start in range(0, len(order), self.chunk):
+            ids = order[start : start + self.chunk]
+            deltas, losses = self._train_chunk(theta, [examples[i] for i in ids],
+                                               [plans[i] for i in ids], lr, batch_size)
+            for j, i in enumerate(ids):
+                out[i] = finish_update(deltas[j], clip_norm, losses[j], len(examples[i]))
+        return out  # type: ignore[return-value]
+
+    def _train_chunk(self, theta: torch.Tensor, examples: list[np.ndarray],
+                     plans: list[list[np.ndarray]], lr: float, batch_size: int
+                     ) -> tuple[np.ndarray, list[float]]:
+        n = len(examples)
+        width = max(x.shape[1] for x in examples)
+        params = {
+            name: part.reshape(shape).unsqueeze(0).repeat(n, *([1] * len(shape))).contiguous()
+            for name, shape, part in zip(
+                self.layout.names, self.layout.shapes, theta.split(self.layout.sizes), strict=True
+            )
+        }
+        loss_sum = torch.zeros(n, dtype=torch.float64)
+        steps = [len(p) for p in plans]
+        for s in range(steps[0] if n else 0):
+            k = sum(1 for m in steps if m > s)  # active clients: a prefix (sorted longest first)
+            rows_s = max(len(plans[j][s]) for j in range(k))  # PAD rows only up to the widest
+            block = np.full((k, rows_s, width), PAD, dtype=np.int64)
+            for j in range(k):
+                idx = plans[j][s]
+                x = examples[j]
+                block[j, : len(idx), : x.shape[1]] = x[idx]
+            rows = torch.from_numpy(block).to(self.device)
+            active = {name: p[:k] for name, p in params.items()}
+            grads, loss = self._step(active, rows)
+            with torch.no_grad():
+                for name, p in active.items():
+                    p.sub_(grads[name], alpha=lr)
+            loss_sum[:k] += loss.detach().to("cpu", torch.float64)
+        flat = torch.cat([params[name].reshape(n, -1) for name in self.layout.names], dim=1)
+        deltas = (flat - theta).cpu().numpy()
+        losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
+        return deltas, losses
