@@ -43,7 +43,7 @@ def bench_round(
     """One round with `dropout` of the clients vanishing after sharing keys (the case that
     makes the server rebuild their pairwise masks); k and t are planned for that dropout."""
     setup, identities, plan = plan_round(clients, dim, bits, graph, None, dropout, corruption,
-                                         signed, round_id=seed, seed=seed)
+                                         signed)
     rng = np.random.default_rng([seed, 0xD0])
     dropped = rng.choice(clients, size=round(dropout * clients), replace=False).tolist()
     started = time.perf_counter()
@@ -63,8 +63,8 @@ def bench_round(
         "clients": clients,
         "dim": dim,
         "dropout": dropout,
-        "graph": setup.graph.kind,
-        "k": setup.graph.k,
+        "graph": "complete" if setup.k == setup.n - 1 else "harary",
+        "k": setup.k,
         "threshold": setup.threshold,
         "threshold_bounded": plan.bounded,
         "bits": bits,

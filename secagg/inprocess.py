@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -23,15 +24,17 @@ from tqdm import tqdm
 
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
+from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.messages import SERVER, Outbound
 from dpfleet.secagg.params import RoundSetup
+from dpfleet.secagg.policy import ClientPolicy
 from dpfleet.secagg.server import SecAggServer
 
 # The client message of each phase, in protocol order; a dropout is keyed by the first one a
 # client fails to send. The server phase collecting it is the matching SecAggServer.phase.
-PHASES = ("advertise", "share", "mask", "consistency", "unmask")
+PHASES = ("commit", "advertise", "share", "mask", "consistency", "unmask")
 _SERVER_PHASE = dict(
-    zip(("keys", "shares", "masked", "consistency", "unmask"), PHASES, strict=True)
+    zip(("commit", "keys", "shares", "masked", "consistency", "unmask"), PHASES, strict=True)
 )
 
 Intercept = Callable[[str, int, int, bytes], Sequence[bytes]]
@@ -58,6 +61,9 @@ class RoundReport:
     bytes_sent: dict[int, int] = field(default_factory=dict)  # client -> bytes it sent
     bytes_received: dict[int, int] = field(default_factory=dict)  # client -> bytes it received
     rejections: list[Rejection] = field(default_factory=list)
+    graph: Graph | None = None  # the masking graph the clients' reveals produced
+    inconsistent: dict[int, list[int]] = field(default_factory=dict)  # owner -> bad holders
+    aborted: SecAggError | None = None  # set instead of raising when raise_on_abort=False
 
 
 def run_round(
@@ -67,25 +73,34 @@ def run_round(
     dropouts: Mapping[str, Collection[int]] | None = None,
     intercept: Intercept | None = None,
     progress: bool = False,
+    policy: ClientPolicy | None = None,
+    raise_on_abort: bool = True,
 ) -> RoundReport:
     """One round over clients 0..n-1. `inputs(u)` returns client u's ring vector (asked for
     only when u is about to mask, so inputs can be produced lazily); `dropouts[phase]` lists
-    the clients that vanish before sending that phase's message."""
+    the clients that vanish before sending that phase's message. In signed mode
+    `identities` is the emulated fleet: each device pins the fleet's public keys from it,
+    never from the setup. `policy` is every device's local policy (None: lenient)."""
     unknown = set(dropouts or {}) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown dropout phases {sorted(unknown)}; phases are {PHASES}")
-    return _Round(setup, inputs, identities, dropouts or {}, intercept, progress).run()
+    return _Round(setup, inputs, identities, dropouts or {}, intercept, progress, policy,
+                  raise_on_abort).run()
 
 
 class _Round:
     """One in-process round: the parties, who has vanished, and what it all cost."""
 
-    def __init__(self, setup, inputs, identities, dropouts, intercept, progress) -> None:
+    def __init__(self, setup, inputs, identities, dropouts, intercept, progress, policy,
+                 raise_on_abort) -> None:
         self.setup, self.inputs, self.dropouts = setup, inputs, dropouts
         self.intercept = intercept or (lambda phase, sender, recipient, data: [data])
-        self.progress = progress
+        self.progress, self.raise_on_abort = progress, raise_on_abort
         self.server = SecAggServer(setup)
-        self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None)
+        pinned = MappingProxyType({u: k.public_key().public_bytes_raw()
+                                   for u, k in identities.items()}) if identities else None
+        self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None,
+                                        policy, pinned)
                         for u in range(setup.n)}
         self.gone: set[int] = set()
         self.report = RoundReport(
@@ -96,7 +111,7 @@ class _Round:
         )
 
     def run(self) -> RoundReport:
-        phase, batch = "advertise", [(u, None) for u in range(self.setup.n)]
+        phase, batch = "commit", [(u, None) for u in range(self.setup.n)]
         while True:
             collecting = self.server.phase
             following = self._client_step(phase, batch)
@@ -111,8 +126,13 @@ class _Round:
         for notice in following:  # abort notices, if any
             self._deliver("abort", SERVER, notice.recipient, notice.data,
                           self.clients[notice.recipient].handle)
+        self.report.graph = self.server.graph
+        self.report.inconsistent = self.server.inconsistent
         if self.server.phase == "aborted":
-            raise self.server.error
+            if self.raise_on_abort:
+                raise self.server.error
+            self.report.aborted = self.server.error
+            return self.report
         self.report.total = self.server.result()
         self.report.survivors = self.server.survivors
         return self.report
