@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.aggregation import AggregateResult
+from dpfleet.errors import DpfleetError
 from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.policy import ClientPolicy
@@ -43,6 +46,7 @@ class SecAggAggregator:
         corruption: float = 0.05,
         signed: bool = False,
         block_size: int = 1 << 14,
+        fleet_keys: str | Path | None = None,
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
@@ -50,7 +54,8 @@ class SecAggAggregator:
         fraction of clients simulated to vanish after sharing keys (the costliest moment);
         signed: add signatures and the consistency round (malicious-server setting); the
         emulated fleet's identity keys are made once and pinned on every emulated device, and
-        each device's local policy demands the planned n, k, t and c."""
+        each device's local policy demands the planned n, k, t and c; fleet_keys: a fleet key
+        file (`dpfleet.secagg.fleet`) holding those identity keys instead (signed mode)."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if not 0 <= dropout < 1:
@@ -59,7 +64,10 @@ class SecAggAggregator:
         self.threshold, self.dropout = threshold, dropout
         self.assumed_dropout, self.corruption = max(assumed_dropout, dropout), corruption
         self.signed, self.block_size = signed, block_size
-        self._fleet: dict[int, Ed25519PrivateKey] = {}  # emulated devices' identity keys
+        # the emulated devices' identity keys: from the fleet key file, or made once per run
+        self._fleet: dict[int, Ed25519PrivateKey] = (
+            load_fleet_file(Path(fleet_keys)) if fleet_keys and signed else {})
+        self._fleet_file = fleet_keys if signed else None
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
         if not deltas:
@@ -68,6 +76,9 @@ class SecAggAggregator:
         n, length = len(deltas), int(np.asarray(deltas[0]).size)
         disc = Discretizer(length, self.clip_norm, self.bits, n, round_seed,
                            block_size=self.block_size)
+        if self.signed and self._fleet_file and len(self._fleet) < n:
+            raise DpfleetError(f"fleet key file {self._fleet_file} holds {len(self._fleet)} "
+                               f"identity keys, the round has {n} clients")
         if self.signed:
             for u in range(len(self._fleet), n):
                 self._fleet[u] = Ed25519PrivateKey.generate()

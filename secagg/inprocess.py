@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
+from dpfleet.secagg.fleet import pinned_keys
 from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.messages import SERVER, Outbound
 from dpfleet.secagg.params import RoundSetup
@@ -97,8 +97,7 @@ class _Round:
         self.intercept = intercept or (lambda phase, sender, recipient, data: [data])
         self.progress, self.raise_on_abort = progress, raise_on_abort
         self.server = SecAggServer(setup)
-        pinned = MappingProxyType({u: k.public_key().public_bytes_raw()
-                                   for u, k in identities.items()}) if identities else None
+        pinned = pinned_keys(identities) if identities else None
         self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None,
                                         policy, pinned)
                         for u in range(setup.n)}
