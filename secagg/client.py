@@ -253,7 +253,7 @@ class SecAggClient:
         masked &= masked.dtype.type(self.setup.modulus_mask)
         self._held, self._input, self.phase = held, None, "masked"
         self._s_key, self._seed, self._c_shared = None, b"", {}  # now only shares are secret
-        return self._send(MaskedInput(ctx, self.id, SERVER, masked))
+        return self._send(MaskedInput(ctx, self.id, SERVER, masked, self.setup.bits))
 
     def _check_survivors(self, survivors: tuple[int, ...]) -> frozenset[int]:
         """U3 must be sorted, include us, reach the threshold, and hold no neighbour that did

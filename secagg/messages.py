@@ -275,29 +275,73 @@ class SharesForward(Message):
 
 @dataclass(frozen=True, eq=False)
 class MaskedInput(Message):
-    """Round 2, client -> server: y = x + PRG(b_u) + sum_v +-PRG(s_uv) in the ring."""
+    """Round 2, client -> server: y = x + PRG(b_u) + sum_v +-PRG(s_uv) in Z_(2^bits), packed
+    to `bits` bits per element (`pack_bits`), so a 20-bit ring costs 20 bits per coordinate
+    on the wire, not 32."""
 
     vector: np.ndarray
+    bits: int = 32
     TYPE: ClassVar[int] = 5
 
     def _write(self, w: _Writer) -> None:
         v = np.ascontiguousarray(self.vector)
-        if v.dtype.kind != "u" or v.dtype.itemsize not in (1, 2, 4) or v.ndim != 1:
-            raise ValueError("masked input must be a 1-D uint8/16/32 vector")
-        w.u8(v.dtype.itemsize)
+        if v.dtype.kind != "u" or v.ndim != 1 or not 1 <= self.bits <= 8 * v.dtype.itemsize:
+            raise ValueError("masked input must be a 1-D unsigned vector wide enough for bits")
+        w.u8(self.bits)
         w.u64(v.size)
-        w.parts.append(v.astype(v.dtype.newbyteorder("<"), copy=False).tobytes())
+        w.parts.append(pack_bits(v, self.bits))
 
     @classmethod
     def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> MaskedInput:
-        width = r.u8()
-        if width not in (1, 2, 4):
-            raise DecodeError(f"unknown vector element width {width}")
+        bits = r.u8()
+        if not 1 <= bits <= 32:
+            raise DecodeError(f"ring width {bits} outside 1..32 bits")
         size = r.u64()
-        if size > (r.end - r.pos) // width:
+        if size > 8 * (r.end - r.pos) // bits:
             raise DecodeError("vector overruns the message")
-        vector = np.frombuffer(r.data, dtype=f"<u{width}", count=size, offset=r.take(size * width))
-        return cls(*header, vector)
+        packed = r.raw(packed_size(size, bits))
+        return cls(*header, unpack_bits(packed, size, bits), bits)
+
+
+def _dtype(bits: int) -> np.dtype:
+    return np.dtype("u1" if bits <= 8 else "<u2" if bits <= 16 else "<u4")
+
+
+def packed_size(size: int, bits: int) -> int:
+    """Bytes of `size` packed `bits`-bit fields: whole bytes, then the leftover bit planes."""
+    return size * (bits // 8) + -(-size * (bits % 8) // 8)
+
+
+def pack_bits(values: np.ndarray, bits: int) -> bytes:
+    """`values` (each < 2^bits) in `bits` bits each: the low 8 * (bits // 8) bits as whole
+    little-endian bytes, then the remaining bits % 8 high bits of every element as a packed
+    bit stream (zero-padded to a byte). At most one byte more than size * bits / 8."""
+    if values.size and bits < 8 * values.dtype.itemsize and int(values.max()) >> bits:
+        raise ValueError(f"masked input element does not fit in {bits} bits")
+    whole, rest = divmod(bits, 8)
+    raw = values.astype("<u4").view(np.uint8).reshape(-1, 4)
+    out = raw[:, :whole].tobytes()
+    if rest:
+        high = np.unpackbits(raw[:, whole : whole + 1], axis=1, bitorder="little")[:, :rest]
+        out += np.packbits(high.ravel(), bitorder="little").tobytes()
+    return out
+
+
+def unpack_bits(packed: bytes, size: int, bits: int) -> np.ndarray:
+    """Inverse of `pack_bits`; stray bits in the final byte's padding are a `DecodeError`."""
+    whole, rest = divmod(bits, 8)
+    raw = np.zeros((size, 4), dtype=np.uint8)
+    raw[:, :whole] = np.frombuffer(packed, dtype=np.uint8, count=size * whole).reshape(
+        size, whole)
+    if rest:
+        stream = np.unpackbits(np.frombuffer(packed, dtype=np.uint8, offset=size * whole),
+                               bitorder="little")
+        if stream[size * rest :].any():
+            raise DecodeError("nonzero padding bits after the packed vector")
+        planes = np.zeros((size, 8), dtype=np.uint8)
+        planes[:, :rest] = stream[: size * rest].reshape(size, rest)
+        raw[:, whole] = np.packbits(planes, axis=1, bitorder="little").ravel()
+    return raw.view("<u4").ravel().astype(_dtype(bits))
 
 
 @dataclass(frozen=True)

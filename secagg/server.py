@@ -178,7 +178,7 @@ class SecAggServer:
 
     def _take_masked(self, m: MaskedInput, data: bytes) -> None:
         v = m.vector
-        if v.dtype != self.setup.dtype or v.size != self.setup.length:
+        if m.bits != self.setup.bits or v.dtype != self.setup.dtype or v.size != self.setup.length:
             raise ProtocolViolationError(f"masked input must be {self.setup.length} elements "
                                          f"of {self.setup.dtype}")
         if self.setup.bits < 8 * v.itemsize and np.any(v > self.setup.modulus_mask):

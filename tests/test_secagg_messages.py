@@ -33,9 +33,11 @@ MESSAGES = st.one_of(
               adverts=st.lists(blob, max_size=4).map(tuple)),
     st.builds(m.ShareKeys, **header, commitment=blob, shares=pairs),
     st.builds(m.SharesForward, **header, shares=pairs),
-    st.builds(m.MaskedInput, **header, vector=st.sampled_from(["u1", "<u2", "<u4"]).flatmap(
-        lambda dt: st.lists(st.integers(0, 2 ** (8 * np.dtype(dt).itemsize) - 1), max_size=50)
-        .map(lambda v, dt=dt: np.array(v, dtype=dt)))),
+    st.integers(1, 32).flatmap(lambda bits: st.builds(
+        m.MaskedInput, **header, bits=st.just(bits),
+        vector=st.lists(st.integers(0, 2**bits - 1), max_size=50).map(
+            lambda v, bits=bits: np.array(v, dtype="u1" if bits <= 8 else "<u2" if bits <= 16
+                                          else "<u4")))),
     st.builds(m.ConsistencyCheck, **header, survivors=id_list),
     st.builds(m.ConsistencySignature, **header, survivors=id_list),
     st.builds(m.UnmaskRequest, **header, survivors=id_list, signatures=pairs),
@@ -48,7 +50,8 @@ PUBLIC = KEY.public_key().public_bytes_raw()
 
 def _same(a: m.Message, b: m.Message) -> bool:
     if isinstance(a, m.MaskedInput):
-        return (type(b) is m.MaskedInput and a.vector.dtype.itemsize == b.vector.dtype.itemsize
+        return (type(b) is m.MaskedInput and a.bits == b.bits
+                and a.vector.dtype.itemsize == b.vector.dtype.itemsize
                 and np.array_equal(a.vector, b.vector)
                 and (a.context, a.sender, a.recipient) == (b.context, b.sender, b.recipient))
     return a == b
@@ -146,6 +149,26 @@ def test_header_checks():
         m.check_header(message, CTX, 7)
     with pytest.raises(RoundMismatchError):
         m.check_header(dataclasses.replace(message, context=bytes(32)), CTX, m.SERVER)
+
+
+@pytest.mark.parametrize("bits", [1, 7, 12, 17, 20, 31, 32])
+def test_masked_vectors_travel_in_exactly_b_bits(bits):
+    dtype = "u1" if bits <= 8 else "<u2" if bits <= 16 else "<u4"
+    vector = np.random.default_rng(bits).integers(0, 2**bits, 1001).astype(dtype)
+    data = m.encode(m.MaskedInput(CTX, 1, m.SERVER, vector, bits))
+    assert len(data) == m.HEADER_BYTES + 1 + 8 + m.packed_size(1001, bits)
+    assert m.packed_size(1001, bits) <= -(-1001 * bits // 8) + 1
+    back = m.decode(data)
+    np.testing.assert_array_equal(back.vector, vector)
+    assert back.vector.dtype == np.dtype(dtype)
+    if 1001 * (bits % 8) % 8:
+        stray = bytearray(data)
+        stray[-1] |= 0x80  # a bit past the last field
+        with pytest.raises(DecodeError):
+            m.decode(bytes(stray))
+    too_wide = np.full(3, 2**bits, "<u8")  # does not fit in `bits`
+    with pytest.raises(ValueError):
+        m.encode(m.MaskedInput(CTX, 1, m.SERVER, too_wide, bits))
 
 
 def test_survivor_bitmap_is_canonical_and_linear():

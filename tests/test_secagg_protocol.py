@@ -140,6 +140,14 @@ def test_abort_below_threshold_tells_clients_and_yields_nothing():
     for o in notices:
         assert clients[o.recipient].handle(o.data) == []
         assert clients[o.recipient].phase == "aborted"
+        _assert_wiped(clients[o.recipient])
+
+
+def _assert_wiped(client):
+    """No secret left on a finished or aborted client: key pairs, seeds, shares, input."""
+    assert client._c_key is None and client._s_key is None
+    assert client._seed == b"" and client._reveal == b""
+    assert client._held == {} and client._c_shared == {} and client._input is None
 
 
 def test_sans_io_machines_driven_by_hand():
@@ -160,6 +168,8 @@ def test_sans_io_machines_driven_by_hand():
     assert server.survivors == (0, 1, 2, 3)
     np.testing.assert_array_equal(server.result(), inputs.sum(axis=0, dtype=np.uint8))
     assert all(c.phase == "done" for c in clients)
+    for c in clients:
+        _assert_wiped(c)
 
 
 def test_pruning_drops_clients_whose_secrets_could_not_be_rebuilt():
