@@ -76,6 +76,13 @@ def bench_round(
         "bytes_sent_per_client": {"mean": float(np.mean(sent)), "max": int(np.max(sent))},
         "bytes_received_per_client": {"mean": float(np.mean(received)),
                                       "max": int(np.max(received))},
+        # mean over clients; "sent" in phase p is the client's message of p, "received" the
+        # server message that prompted it
+        "bytes_sent_per_client_by_phase": {
+            p: report.phase_bytes_sent[p] / clients for p in PHASES},
+        "bytes_received_per_client_by_phase": {
+            p: report.phase_bytes_received[p] / clients for p in PHASES},
+        "upload_floor_bytes": dim * bits / 8,  # the masked vector itself, d * b / 8
         "round_seconds": sum(max(client[p]) + report.server_seconds[p] for p in PHASES),
         "wall_seconds": wall,
         "rejections": len(report.rejections),

@@ -60,6 +60,8 @@ class RoundReport:
     server_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     bytes_sent: dict[int, int] = field(default_factory=dict)  # client -> bytes it sent
     bytes_received: dict[int, int] = field(default_factory=dict)  # client -> bytes it received
+    phase_bytes_sent: dict[str, int] = field(default_factory=dict)  # phase -> all clients' bytes
+    phase_bytes_received: dict[str, int] = field(default_factory=dict)
     rejections: list[Rejection] = field(default_factory=list)
     graph: Graph | None = None  # the masking graph the clients' reveals produced
     inconsistent: dict[int, list[int]] = field(default_factory=dict)  # owner -> bad holders
@@ -107,6 +109,8 @@ class _Round:
             client_seconds={p: {} for p in PHASES}, server_seconds=dict.fromkeys(PHASES, 0.0),
             bytes_sent=dict.fromkeys(range(setup.n), 0),
             bytes_received=dict.fromkeys(range(setup.n), 0),
+            phase_bytes_sent=dict.fromkeys(PHASES, 0),
+            phase_bytes_received=dict.fromkeys(PHASES, 0),
         )
 
     def run(self) -> RoundReport:
@@ -148,6 +152,7 @@ class _Round:
                 self.clients[u].provide_input(self.inputs(u))
             for reply in self._to_client(phase, u, data):
                 self.report.bytes_sent[u] += len(reply.data)
+                self.report.phase_bytes_sent[phase] += len(reply.data)
                 for wire in self.intercept(phase, u, SERVER, reply.data):
                     out, seconds = self._deliver(phase, u, SERVER, wire, self.server.handle)
                     self.report.server_seconds[phase] += seconds
@@ -164,6 +169,7 @@ class _Round:
         replies: list[Outbound] = []
         for wire in self.intercept(phase, SERVER, u, data):
             self.report.bytes_received[u] += len(wire)
+            self.report.phase_bytes_received[phase] += len(wire)
             out, seconds = self._deliver(phase, SERVER, u, wire, client.handle)
             self.report.client_seconds[phase][u] = (
                 self.report.client_seconds[phase].get(u, 0.0) + seconds)

@@ -22,6 +22,7 @@ def test_bench_table(capsys):
           "--signed"])
     out = capsys.readouterr().out
     assert "sum_exact: true" in out and "complete graph" in out and "consistency" in out
+    assert "sent B/client" in out and "commit" in out
 
 
 @pytest.mark.parametrize("args,message", [
