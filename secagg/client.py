@@ -83,12 +83,14 @@ class SecAggClient:
         policy: ClientPolicy | None = None,
         pinned: Mapping[int, bytes] | None = None,
     ) -> None:
-        """policy: the device's minimums (None: `ClientPolicy.lenient()`, the protocol's own
-        rules only); pinned: the fleet's identity keys as the device got them out of band."""
+        """policy: the device's minimums (None: `ClientPolicy()`, which demands signed mode --
+        the default for anything that leaves one process; in-process simulations pass
+        `ClientPolicy.lenient()`); pinned: the fleet's identity keys as the device got them
+        out of band."""
         if setup.signed != (identity is not None):
             raise ValueError("signed rounds need the client's identity key, unsigned ones none")
         own = identity.public_key().public_bytes_raw() if identity is not None else None
-        (policy or ClientPolicy.lenient()).check(setup, client_id, own, pinned)
+        (policy or ClientPolicy()).check(setup, client_id, own, pinned)
         self.setup = setup
         self.context = setup.setup_hash
         self.id = client_id

@@ -82,7 +82,8 @@ def run_round(
     only when u is about to mask, so inputs can be produced lazily); `dropouts[phase]` lists
     the clients that vanish before sending that phase's message. In signed mode
     `identities` is the emulated fleet: each device pins the fleet's public keys from it,
-    never from the setup. `policy` is every device's local policy (None: lenient)."""
+    never from the setup. `policy` is every device's local policy (None: lenient, as every
+    party is in this process)."""
     unknown = set(dropouts or {}) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown dropout phases {sorted(unknown)}; phases are {PHASES}")
@@ -101,7 +102,7 @@ class _Round:
         self.server = SecAggServer(setup)
         pinned = pinned_keys(identities) if identities else None
         self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None,
-                                        policy, pinned)
+                                        policy or ClientPolicy.lenient(), pinned)
                         for u in range(setup.n)}
         self.gone: set[int] = set()
         self.report = RoundReport(

@@ -46,7 +46,8 @@ class MaliciousServer:
             given = (setups or {}).get(u, setup)
             try:
                 self.clients[u] = SecAggClient(given, u, keys[u] if keys and given.signed
-                                               else None, policy, pinned)
+                                               else None, policy or ClientPolicy.lenient(),
+                                               pinned)
             except SecAggError as exc:
                 self.rejected[u] = exc
         self.adverts: dict[int, bytes] = {}

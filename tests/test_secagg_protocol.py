@@ -8,11 +8,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from dpfleet.secagg.client import SecAggClient
-from dpfleet.secagg.errors import ThresholdError
+from dpfleet.secagg.errors import PolicyError, ThresholdError
 from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.messages import SERVER
 from dpfleet.secagg.params import RoundSetup, plan_round
+from dpfleet.secagg.policy import ClientPolicy
 from dpfleet.secagg.server import SecAggServer
 
 
@@ -121,7 +122,7 @@ def test_eighty_clients_with_thirty_percent_dropout(graph):
 def test_abort_below_threshold_tells_clients_and_yields_nothing():
     setup = RoundSetup(n=5, k=4, threshold=4, length=10, bits=16)
     server = SecAggServer(setup)
-    clients = [SecAggClient(setup, u) for u in range(5)]
+    clients = [SecAggClient(setup, u, policy=ClientPolicy.lenient()) for u in range(5)]
     commitments = []
     for c in clients:
         commitments += server.handle(c.start()[0].data)
@@ -153,7 +154,8 @@ def _assert_wiped(client):
 def test_sans_io_machines_driven_by_hand():
     """The same objects a network shell would drive: bytes in, addressed bytes out."""
     setup = RoundSetup(n=4, k=3, threshold=2, length=6, bits=8)
-    server, clients = SecAggServer(setup), [SecAggClient(setup, u) for u in range(4)]
+    server = SecAggServer(setup)
+    clients = [SecAggClient(setup, u, policy=ClientPolicy.lenient()) for u in range(4)]
     inputs = np.arange(24, dtype=np.uint8).reshape(4, 6)
     outbox = [o for c in clients for o in c.start()]
     while server.phase not in ("done", "aborted"):
@@ -190,3 +192,10 @@ def test_a_committed_client_that_does_not_reveal_aborts_the_attempt():
     report = run_round(setup, lambda u: np.ones(4, np.uint8), dropouts={"commit": {3}})
     assert report.survivors == (0, 1, 2, 4, 5, 6, 7)
     np.testing.assert_array_equal(report.total, np.full(4, 7, np.uint8))
+
+
+def test_a_bare_client_refuses_unsigned_mode():
+    """Signed mode is the default outside one process: a device that builds its client without
+    saying otherwise refuses an unsigned setup."""
+    with pytest.raises(PolicyError, match="signed"):
+        SecAggClient(RoundSetup(n=4, k=3, threshold=2, length=6, bits=8), 0)
