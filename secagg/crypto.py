@@ -184,7 +184,8 @@ def reconstruct_checked(
     max_subsets: int = 256,
 ) -> tuple[bytes, list[int]]:
     """Robust reconstruction: the secret that `valid` (a commitment or public-key check)
-    accepts, and the share points whose shares disagree with it.
+    accepts, and -- when the first t shares did not already pass -- the share points whose
+    shares disagree with it.
 
     The first t shares are tried first; when they fail, random t-subsets follow, up to
     `max_subsets` tries: with e bad shares among m, each try is all-good with probability
@@ -204,6 +205,8 @@ def reconstruct_checked(
         except ReconstructionError:
             continue
         if valid(secret):
+            if tried == 0:  # the usual case: no share needed checking (nor is reported)
+                return secret, []
             good = {x for x, _ in subset}
             bad = [x for x, share in ordered if x not in good and not valid_share(
                 subset, (x, share), threshold, length, secret)]

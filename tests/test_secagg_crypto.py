@@ -115,7 +115,8 @@ def test_ring_dtype_widths():
 @given(t=st.integers(2, 12), extra=st.integers(1, 8), data=st.data())
 def test_robust_reconstruction_survives_bad_shares_and_names_their_holders(t, extra, data):
     """With up to `extra` // 2 corrupted shares among t + extra, the commitment oracle still
-    finds the secret, and exactly the corrupted holders are reported."""
+    finds the secret; when a corrupted share was among the first t tried, exactly the
+    corrupted holders are reported (otherwise none had to be looked at)."""
     secret = b"s" * 7 + bytes([t, extra]) + b"e" * 7
     m = t + extra
     shares = list(zip(range(1, m + 1), crypto.share_secret(secret, list(range(1, m + 1)), t),
@@ -127,7 +128,8 @@ def test_robust_reconstruction_survives_bad_shares_and_names_their_holders(t, ex
     got, reported = crypto.reconstruct_checked(shares, t, len(secret), lambda s: s == secret,
                                                max_subsets=2000)
     assert got == secret
-    assert reported == sorted(i + 1 for i in bad)
+    first_tried_bad = any(i < t for i in bad)
+    assert reported == (sorted(i + 1 for i in bad) if first_tried_bad else [])
 
 
 def test_robust_reconstruction_gives_up_when_too_few_good_shares():
