@@ -318,6 +318,8 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
     bit stream (zero-padded to a byte). At most one byte more than size * bits / 8."""
     if values.size and bits < 8 * values.dtype.itemsize and int(values.max()) >> bits:
         raise ValueError(f"masked input element does not fit in {bits} bits")
+    if bits in (8, 16, 32):  # whole machine words: the ring dtype's bytes as they are
+        return values.astype(_dtype(bits), copy=False).tobytes()
     whole, rest = divmod(bits, 8)
     raw = values.astype("<u4").view(np.uint8).reshape(-1, 4)
     out = raw[:, :whole].tobytes()
@@ -329,6 +331,8 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
 
 def unpack_bits(packed: bytes, size: int, bits: int) -> np.ndarray:
     """Inverse of `pack_bits`; stray bits in the final byte's padding are a `DecodeError`."""
+    if bits in (8, 16, 32):
+        return np.frombuffer(packed, dtype=_dtype(bits), count=size)
     whole, rest = divmod(bits, 8)
     raw = np.zeros((size, 4), dtype=np.uint8)
     raw[:, :whole] = np.frombuffer(packed, dtype=np.uint8, count=size * whole).reshape(
