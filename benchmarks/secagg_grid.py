@@ -15,6 +15,13 @@ is the critical path with clients in parallel on their own devices (slowest clie
 plus the server), which is what a deployment would wait for, network excluded.
 
     python benchmarks/secagg_grid.py [--budget 840] [--cell-cap 150]
+
+`--issue11 [--before-tree DIR]` instead measures what issue 11 asks, written to
+`results/secagg_issue11.json`: (a) bytes per client per phase in signed mode at n = 100, 200,
+1000 (d = 1e6, 32-bit ring) against the d * b / 8 upload floor; (b) round time at n = 50, 100
+x d = 1e5, 1e6, signed and unsigned, each cell run alternately on the code in DIR (a copy of
+main before the change, e.g. `git archive`) and on this tree, in fresh processes, so the
+before/after ratio is taken under the same machine load (recorded per run).
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import torch
 
 from dpfleet.secagg.bench import bench_round, cipher_throughput, expansion_throughput
 from dpfleet.secagg.graph import plan_graph
@@ -53,12 +64,84 @@ def summary(cell: dict) -> str:
             f"exact {cell['sum_exact']}")
 
 
+def _cli_round(tree: Path | None, n: int, d: int, signed: bool) -> dict:
+    """One `dpfleet secagg bench --json` round in a fresh process, on `tree`'s code if given."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    cmd = [sys.executable, "-m", "dpfleet", "secagg", "bench", "-n", str(n), "-d", str(d),
+           "--json"] + (["--signed"] if signed else [])
+    load = os.getloadavg()[0]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    cell = json.loads(out)
+    cell["loadavg_1min_before_run"] = load
+    return cell
+
+
+def issue11(before_tree: Path | None, out: Path) -> None:
+    started = time.perf_counter()
+    result: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                                "loadavg_start": os.getloadavg(),
+                                "note": "2 cores shared with 5 other engineers' jobs"}}
+    sizes = []
+    for n in (100, 200, 1000):
+        cell = bench_round(n, 1_000_000, 0.0, "harary", 32, signed=True)
+        cell["loadavg"] = os.getloadavg()
+        total = sum(cell["bytes_sent_per_client_by_phase"].values())
+        cell["sent_over_upload_floor"] = total / cell["upload_floor_bytes"]
+        sizes.append(cell)
+        print(f"signed n={n} k={cell['k']} t={cell['threshold']}: sent/client "
+              f"{total:.0f} B = {cell['sent_over_upload_floor']:.4f} x d*b/8; received "
+              f"{sum(cell['bytes_received_per_client_by_phase'].values()):.0f} B; by phase "
+              f"{cell['bytes_sent_per_client_by_phase']}", flush=True)
+    result["bytes_signed_d1e6"] = sizes
+    rounds = []
+    for signed in (False, True):
+        for n in (50, 100):
+            for d in (100_000, 1_000_000):
+                pair = {"clients": n, "dim": d, "signed": signed}
+                for label, tree in (("before", before_tree), ("after", None)):
+                    if label == "before" and before_tree is None:
+                        continue
+                    pair[label] = _cli_round(tree, n, d, signed)
+                if "before" in pair:
+                    pair["round_speedup"] = (pair["before"]["round_seconds"]
+                                             / pair["after"]["round_seconds"])
+                    pair["wall_speedup"] = (pair["before"]["wall_seconds"]
+                                            / pair["after"]["wall_seconds"])
+                if (n, d) == (50, 1_000_000):  # the one cell Flower was measured at
+                    pair["after_vs_flower_round"] = (FLOWER_SECONDS
+                                                     / pair["after"]["round_seconds"])
+                rounds.append(pair)
+                print(f"n={n} d={d} signed={signed}: round "
+                      f"{pair.get('before', {}).get('round_seconds', float('nan')):.3f} -> "
+                      f"{pair['after']['round_seconds']:.3f} s, wall "
+                      f"{pair.get('before', {}).get('wall_seconds', float('nan')):.2f} -> "
+                      f"{pair['after']['wall_seconds']:.2f} s, exact "
+                      f"{pair['after']['sum_exact']}", flush=True)
+    result["rounds"] = rounds
+    result["flower_seconds_n50_d1e6"] = FLOWER_SECONDS
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    result["total_seconds"] = time.perf_counter() - started
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} ({result['total_seconds']:.0f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=float, default=840.0, help="seconds for the grid")
     parser.add_argument("--cell-cap", type=float, default=150.0, help="max seconds per cell")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--issue11", action="store_true",
+                        help="issue 11 measurements (bytes per phase, before/after round times)")
+    parser.add_argument("--before-tree", type=Path, default=None,
+                        help="with --issue11: a directory holding main's dpfleet package")
     args = parser.parse_args()
+    if args.issue11:
+        issue11(args.before_tree, args.out or OUT.with_name("secagg_issue11.json"))
+        return
+    args.out = args.out or OUT
     started = time.perf_counter()
 
     cipher = cipher_throughput()

@@ -100,6 +100,9 @@ class AggregationSection:
     bits: int = 32  # secagg ring Z_(2^bits)
     graph: str = "harary"  # secagg masking graph: "harary" (SecAgg+) | "complete" (SecAgg)
     dropout: float = 0.0  # secagg: fraction of clients simulated to drop after sharing keys
+    signed: bool = False  # secagg: malicious-server mode (signatures, consistency, pinned keys)
+    corruption: float = 0.05  # secagg threat model: fraction of colluding clients t must beat
+    fleet_keys: str = ""  # secagg signed mode: fleet key file of the devices' identity keys
 
 
 @dataclass
@@ -241,6 +244,9 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.dp.clip_count_stddev >= 0 or cfg.dp.clip_count_stddev == -1,
          "dp.clip_count_stddev must be >= 0 (or -1: report_goal / 20)"),
         (cfg.dp.noise_seed >= -1, "dp.noise_seed must be >= 0 (research mode) or -1 (secret noise)"),
+        (0 <= cfg.aggregation.corruption < 0.5, "aggregation.corruption must be in [0, 0.5)"),
+        (not cfg.aggregation.fleet_keys or cfg.aggregation.signed,
+         "aggregation.fleet_keys needs aggregation.signed = true"),
         (not (cfg.dp.adaptive_clipping and cfg.aggregation.kind == "secagg"),
          "dp.adaptive_clipping with secure aggregation is not supported yet"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),

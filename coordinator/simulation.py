@@ -119,7 +119,9 @@ def make_aggregator(cfg: SimulationConfig) -> Aggregator:
     from dpfleet.secagg.aggregator import SecAggAggregator
 
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
-                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout)
+                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
+                            signed=cfg.aggregation.signed, corruption=cfg.aggregation.corruption,
+                            fleet_keys=cfg.aggregation.fleet_keys or None)
 
 
 def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:

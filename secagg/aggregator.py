@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.aggregation import AggregateResult
+from dpfleet.errors import DpfleetError
 from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
+from dpfleet.secagg.policy import ClientPolicy
 
 
 class SecAggAggregator:
@@ -41,12 +46,16 @@ class SecAggAggregator:
         corruption: float = 0.05,
         signed: bool = False,
         block_size: int = 1 << 14,
+        fleet_keys: str | Path | None = None,
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
         assumed_dropout and corruption when None, see `dpfleet.secagg.graph`); dropout: the
         fraction of clients simulated to vanish after sharing keys (the costliest moment);
-        signed: add signatures and the consistency round (malicious-server setting)."""
+        signed: add signatures and the consistency round (malicious-server setting); the
+        emulated fleet's identity keys are made once and pinned on every emulated device, and
+        each device's local policy demands the planned n, k, t and c; fleet_keys: a fleet key
+        file (`dpfleet.secagg.fleet`) holding those identity keys instead (signed mode)."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if not 0 <= dropout < 1:
@@ -55,6 +64,10 @@ class SecAggAggregator:
         self.threshold, self.dropout = threshold, dropout
         self.assumed_dropout, self.corruption = max(assumed_dropout, dropout), corruption
         self.signed, self.block_size = signed, block_size
+        # the emulated devices' identity keys: from the fleet key file, or made once per run
+        self._fleet: dict[int, Ed25519PrivateKey] = (
+            load_fleet_file(Path(fleet_keys)) if fleet_keys and signed else {})
+        self._fleet_file = fleet_keys if signed else None
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
         if not deltas:
@@ -63,10 +76,16 @@ class SecAggAggregator:
         n, length = len(deltas), int(np.asarray(deltas[0]).size)
         disc = Discretizer(length, self.clip_norm, self.bits, n, round_seed,
                            block_size=self.block_size)
+        if self.signed and self._fleet_file and len(self._fleet) < n:
+            raise DpfleetError(f"fleet key file {self._fleet_file} holds {len(self._fleet)} "
+                               f"identity keys, the round has {n} clients")
+        if self.signed:
+            for u in range(len(self._fleet), n):
+                self._fleet[u] = Ed25519PrivateKey.generate()
         setup, identities, plan = plan_round(
             n, disc.padded_length, self.bits, self.graph, self.threshold,
             self.assumed_dropout, self.corruption, self.signed,
-            round_id=round_seed & 0xFFFF_FFFF_FFFF_FFFF, seed=round_seed)
+            identity_keys={u: self._fleet[u] for u in range(n)} if self.signed else None)
         rng = np.random.default_rng([round_seed, 0xA66])
         dropped = rng.choice(n, size=round(self.dropout * n), replace=False).tolist()
         encodings = {}
@@ -79,15 +98,18 @@ class SecAggAggregator:
             encode_seconds += time.perf_counter() - begun
             return encodings[u].values
 
-        report = run_round(setup, encode, identities, dropouts={"mask": dropped})
+        report = run_round(setup, encode, identities, dropouts={"mask": dropped},
+                           policy=ClientPolicy.for_setup(setup))
         total = disc.decode(report.total)
         phase_client = {p: sum(report.client_seconds[p].values()) for p in PHASES}
         info = {
             "aggregation": "secagg",
-            "graph": setup.graph.kind,
-            "k": setup.graph.k,
+            "graph": "complete" if setup.k == setup.n - 1 else "harary",
+            "k": setup.k,
             "threshold": setup.threshold,
             "threshold_bounded": plan.bounded,
+            "assumed_corrupt": setup.corrupt,
+            "signed": setup.signed,
             "bits": self.bits,
             "padded_length": disc.padded_length,
             "scale": disc.scale,

@@ -43,7 +43,7 @@ def bench_round(
     """One round with `dropout` of the clients vanishing after sharing keys (the case that
     makes the server rebuild their pairwise masks); k and t are planned for that dropout."""
     setup, identities, plan = plan_round(clients, dim, bits, graph, None, dropout, corruption,
-                                         signed, round_id=seed, seed=seed)
+                                         signed)
     rng = np.random.default_rng([seed, 0xD0])
     dropped = rng.choice(clients, size=round(dropout * clients), replace=False).tolist()
     started = time.perf_counter()
@@ -63,8 +63,8 @@ def bench_round(
         "clients": clients,
         "dim": dim,
         "dropout": dropout,
-        "graph": setup.graph.kind,
-        "k": setup.graph.k,
+        "graph": "complete" if setup.k == setup.n - 1 else "harary",
+        "k": setup.k,
         "threshold": setup.threshold,
         "threshold_bounded": plan.bounded,
         "bits": bits,
@@ -76,6 +76,13 @@ def bench_round(
         "bytes_sent_per_client": {"mean": float(np.mean(sent)), "max": int(np.max(sent))},
         "bytes_received_per_client": {"mean": float(np.mean(received)),
                                       "max": int(np.max(received))},
+        # mean over clients; "sent" in phase p is the client's message of p, "received" the
+        # server message that prompted it
+        "bytes_sent_per_client_by_phase": {
+            p: report.phase_bytes_sent[p] / clients for p in PHASES},
+        "bytes_received_per_client_by_phase": {
+            p: report.phase_bytes_received[p] / clients for p in PHASES},
+        "upload_floor_bytes": dim * bits / 8,  # the masked vector itself, d * b / 8
         "round_seconds": sum(max(client[p]) + report.server_seconds[p] for p in PHASES),
         "wall_seconds": wall,
         "rejections": len(report.rejections),

@@ -31,7 +31,9 @@ def secagg() -> None:
                    "graph (SecAgg+).")
 @click.option("--bits", type=int, default=32, show_default=True, help="Ring Z_(2^bits), 1..32.")
 @click.option("--signed", is_flag=True,
-              help="Malicious-server mode: signatures and the consistency-check round.")
+              help="Malicious-server mode: identity signatures, pinned keys, the consistency "
+                   "round (the mode for anything that leaves one process; see "
+                   "secagg/THREAT_MODEL.md).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for inputs/graph.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(clients: int, dim: float, dropout: float, graph: str, bits: int, signed: bool,
@@ -57,11 +59,14 @@ def bench(clients: int, dim: float, dropout: float, graph: str, bits: int, signe
     click.echo(f"{result['graph']} graph  n={clients}  d={int(dim)}  dropout={dropout}  "
                f"k={result['k']}  t={result['threshold']}  bits={bits}"
                f"{'  signed' if signed else ''}")
-    click.echo(f"{'phase':<12}{'client mean s':>15}{'client max s':>15}{'server s':>12}")
+    click.echo(f"{'phase':<12}{'client mean s':>15}{'client max s':>15}{'server s':>12}"
+               f"{'sent B/client':>15}{'recv B/client':>15}")
     for phase in PHASES:
         click.echo(f"{phase:<12}{result['client_seconds_mean'][phase]:>15.4f}"
                    f"{result['client_seconds_max'][phase]:>15.4f}"
-                   f"{result['server_seconds'][phase]:>12.4f}")
+                   f"{result['server_seconds'][phase]:>12.4f}"
+                   f"{result['bytes_sent_per_client_by_phase'][phase]:>15.0f}"
+                   f"{result['bytes_received_per_client_by_phase'][phase]:>15.0f}")
     sent, received = result["bytes_sent_per_client"], result["bytes_received_per_client"]
     click.echo(f"bytes per client: sent {sent['mean']:.0f} (max {sent['max']}), "
                f"received {received['mean']:.0f} (max {received['max']})")

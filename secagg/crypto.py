@@ -15,9 +15,10 @@
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -67,29 +68,36 @@ def _derive(shared: bytes, info: bytes, length: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(shared)
 
 
-def pairwise_mask_seed(shared: bytes, round_id: int, u: int, v: int) -> bytes:
-    """s_uv: the AES-128 seed u and v both derive for their shared mask (symmetric in u, v)."""
+def pairwise_mask_seed(shared: bytes, context: bytes, u: int, v: int) -> bytes:
+    """s_uv: the AES-128 seed u and v both derive for their shared mask (symmetric in u, v).
+    `context` is the setup hash: a key agreed under one setup is useless under any other."""
     lo, hi = min(u, v), max(u, v)
-    return _derive(shared, b"dpfleet/secagg/mask" + struct.pack("<QII", round_id, lo, hi),
+    return _derive(shared, b"dpfleet/secagg/mask" + context + struct.pack("<II", lo, hi),
                    SEED_BYTES)
 
 
-def share_key(shared: bytes, round_id: int, sender: int, recipient: int) -> bytes:
+def share_key(shared: bytes, context: bytes, sender: int, recipient: int) -> bytes:
     """The AES-256-GCM key for sender's shares to recipient (one key per direction)."""
-    info = b"dpfleet/secagg/share" + struct.pack("<QII", round_id, sender, recipient)
+    info = b"dpfleet/secagg/share" + context + struct.pack("<II", sender, recipient)
     return _derive(shared, info, 32)
 
 
-def share_aad(round_id: int, sender: int, recipient: int) -> bytes:
-    """Associated data binding a sealed share to its round and both parties."""
-    return struct.pack("<QII", round_id, sender, recipient)
+def share_aad(context: bytes, sender: int, recipient: int) -> bytes:
+    """Associated data binding a sealed share to its setup and both parties."""
+    return context + struct.pack("<II", sender, recipient)
 
 
-def seed_commitment(round_id: int, owner: int, seed: bytes) -> bytes:
-    """SHA-256 commitment to a self-mask seed, so the server can tell a corrupted share."""
+def commitment(label: bytes, context: bytes, owner: int, value: bytes) -> bytes:
+    """SHA-256 commitment of `owner` to `value` under the setup hash `context`; the label
+    separates what is committed to (self-mask seed, graph-seed randomness)."""
     digest = hashes.Hash(hashes.SHA256())
-    digest.update(b"dpfleet/secagg/self-mask" + struct.pack("<QI", round_id, owner) + seed)
+    digest.update(b"dpfleet/secagg/" + label + context + struct.pack("<I", owner) + value)
     return digest.finalize()
+
+
+def seed_commitment(context: bytes, owner: int, seed: bytes) -> bytes:
+    """Commitment to a self-mask seed, so the server can tell a corrupted share."""
+    return commitment(b"self-mask", context, owner, seed)
 
 
 # ------------------------------------------------------------------ authenticated encryption
@@ -166,6 +174,57 @@ def _lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
                 den = den * (xj - xi) % PRIME
         coefficients.append(num * pow(den, PRIME - 2, PRIME) % PRIME)
     return np.asarray(coefficients, dtype=np.int64)
+
+
+def reconstruct_checked(
+    shares: Sequence[tuple[int, bytes]],
+    threshold: int,
+    length: int,
+    valid: Callable[[bytes], bool],
+    max_subsets: int = 256,
+) -> tuple[bytes, list[int]]:
+    """Robust reconstruction: the secret that `valid` (a commitment or public-key check)
+    accepts, and -- when the first t shares did not already pass -- the share points whose
+    shares disagree with it.
+
+    The first t shares are tried first; when they fail, random t-subsets follow, up to
+    `max_subsets` tries: with e bad shares among m, each try is all-good with probability
+    C(m - e, t) / C(m, t), so a few bad shares do not abort the round as long as enough good
+    ones came back. Raises `ReconstructionError` when no tried subset passes the check.
+    """
+    ordered = sorted(shares)
+    if len(ordered) < threshold:
+        raise ReconstructionError(f"{len(ordered)} shares, {threshold} needed")
+    rng = np.random.default_rng(len(ordered))  # which subsets are tried need not be secret
+    for tried in range(min(max_subsets, math.comb(len(ordered), threshold))):
+        picks = range(threshold) if tried == 0 else sorted(
+            rng.choice(len(ordered), threshold, replace=False).tolist())
+        subset = [ordered[i] for i in picks]
+        try:
+            secret = reconstruct_secret(subset, threshold, length)
+        except ReconstructionError:
+            continue
+        if valid(secret):
+            if tried == 0:  # the usual case: no share needed checking (nor is reported)
+                return secret, []
+            good = {x for x, _ in subset}
+            bad = [x for x, share in ordered if x not in good and not valid_share(
+                subset, (x, share), threshold, length, secret)]
+            return secret, bad
+    raise ReconstructionError(f"no {threshold} of {len(ordered)} shares (tried up to "
+                              f"{max_subsets} subsets) rebuild a secret that passes its check")
+
+
+def valid_share(
+    good: Sequence[tuple[int, bytes]], candidate: tuple[int, bytes], threshold: int, length: int,
+    secret: bytes,
+) -> bool:
+    """Whether `candidate` lies on the polynomial through the t good shares: swap it in for
+    one of them and see whether the same secret comes out."""
+    try:
+        return reconstruct_secret([*good[1:], candidate], threshold, length) == secret
+    except ReconstructionError:
+        return False
 
 
 def reconstruct_secret(shares: Sequence[tuple[int, bytes]], threshold: int, length: int) -> bytes:

@@ -50,3 +50,8 @@ class ThresholdError(SecAggError):
 
 class ReconstructionError(SecAggError):
     """Shares reconstructed a secret that does not match its public key or commitment."""
+
+
+class PolicyError(SecAggError):
+    """The setup is weaker than the client's local policy, or its identity keys are not the
+    ones pinned on the device: the client refuses to take part."""

@@ -18,17 +18,20 @@ exact binomial tails and a union bound over the n clients we require
 3. no split sum: n * (delta + gamma)^(k/2) <= 2^-sigma -- honest survivors stay connected (a
    circulant needs a run of k/2 consecutive removed clients to be cut), so the server learns
    no partial sum of a sub-group;
-4. with a malicious server (the consistency round is on), 2t > k + c, where c is the
-   2^-sigma / n quantile of corrupt neighbours: two contradictory survivor lists can never both
-   collect t signatures, so no honest client releases both shares of one secret.
+4. 2t > k + c, where c is the 2^-sigma / n quantile of corrupt neighbours: a server that
+   shows two contradictory survivor lists can never get t holders to answer each of them (an
+   honest holder answers one list only; the c corrupt ones answer both), so no honest client's
+   two secrets are both rebuilt. Enforced in both modes (`RoundSetup` refuses anything else);
+   see THREAT_MODEL.md for what each mode does and does not resist.
 
-The relabelling is drawn from the round seed, which the server picks: sound against an
-honest-but-curious server; against a malicious one the seed should come from public randomness
-(a beacon, or commit-and-reveal among the clients), which is left to the deployment.
+The relabelling is drawn from a seed the clients of the round produce by commit-and-reveal
+(`client.py`), so the server cannot choose it.
 
 `plan_graph` takes the smallest even k, then the smallest t, meeting all of them. When even
 the complete graph (k = n - 1) cannot meet them -- small n cannot give 2^-40 guarantees -- it
-falls back to the honest-majority threshold t = floor(k / 2) + 1 and says so (`bounded`).
+assumes c = ceil(corruption * n) corrupt clients outright and takes t = max(c + 1,
+floor((k + c) / 2) + 1) on the complete graph, flagged `bounded = False` (dropout tolerance is
+then whatever k - t leaves); when that t exceeds k it refuses with `ValueError`.
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ class GraphPlan:
 
     k: int
     threshold: int
-    bounded: bool  # False: fell back to the honest-majority threshold on the complete graph
+    bounded: bool  # False: fell back to c = ceil(corruption * n) on the complete graph
+    corrupt: int = 0  # c: corrupt neighbours the threshold is sized against (2t > k + c)
 
 
 def _log_tails(k: int, p: float) -> np.ndarray:
@@ -104,12 +108,17 @@ def _log_tails(k: int, p: float) -> np.ndarray:
     return np.r_[np.logaddexp.accumulate(log_pmf[::-1])[::-1], -np.inf]
 
 
+def corrupt_bound(k: int, n: int, corruption: float, sigma: int = SECURITY_BITS) -> int:
+    """c: the number of corrupt neighbours exceeded with probability at most 2^-sigma / n."""
+    corrupt = _log_tails(k, corruption)
+    return int(np.argmax(corrupt[1:] <= -sigma * math.log(2) - math.log(n)))
+
+
 def threshold_for(
     k: int,
     n: int,
     dropout: float,
     corruption: float,
-    malicious: bool = False,
     sigma: int = SECURITY_BITS,
     eta: int = CORRECTNESS_BITS,
 ) -> int | None:
@@ -117,11 +126,11 @@ def threshold_for(
     secure = -sigma * math.log(2) - math.log(n)
     correct = -eta * math.log(2) - math.log(n)
     dropped, corrupt = _log_tails(k, dropout), _log_tails(k, corruption)
-    worst_corrupt = int(np.argmax(corrupt[1:] <= secure))  # c with P[more than c] small
+    worst_corrupt = corrupt_bound(k, n, corruption, sigma)
     for t in range(1, k + 1):
         if dropped[k - t + 1] > correct:  # P[fewer than t live neighbours] too large
             return None
-        if corrupt[t] <= secure and (not malicious or 2 * t > k + worst_corrupt):
+        if corrupt[t] <= secure and 2 * t > k + worst_corrupt:
             return t
     return None
 
@@ -131,7 +140,6 @@ def plan_graph(
     kind: str = "harary",
     dropout: float = 0.1,
     corruption: float = 0.05,
-    malicious: bool = False,
     sigma: int = SECURITY_BITS,
     eta: int = CORRECTNESS_BITS,
 ) -> GraphPlan:
@@ -147,10 +155,16 @@ def plan_graph(
         for k in range(2, n - 1, 2):
             if removed > 0 and math.log(n) + k / 2 * math.log(removed) > -sigma * math.log(2):
                 continue
-            t = threshold_for(k, n, dropout, corruption, malicious, sigma, eta)
+            t = threshold_for(k, n, dropout, corruption, sigma, eta)
             if t is not None:
-                return GraphPlan(k, t, True)
-    t = threshold_for(n - 1, n, dropout, corruption, malicious, sigma, eta)
+                return GraphPlan(k, t, True, corrupt_bound(k, n, corruption, sigma))
+    k = n - 1
+    t = threshold_for(k, n, dropout, corruption, sigma, eta)
     if t is not None:
-        return GraphPlan(n - 1, t, True)
-    return GraphPlan(n - 1, (n - 1) // 2 + 1, False)
+        return GraphPlan(k, t, True, corrupt_bound(k, n, corruption, sigma))
+    c = math.ceil(corruption * n)
+    t = max(c + 1, (k + c) // 2 + 1)
+    if t > k:
+        raise ValueError(f"no threshold for {n} clients with {c} assumed corrupt: need "
+                         f"2t > {k} + {c} and t <= {k}; use more clients or less corruption")
+    return GraphPlan(k, t, False, c)

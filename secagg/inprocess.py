@@ -23,15 +23,18 @@ from tqdm import tqdm
 
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
+from dpfleet.secagg.fleet import pinned_keys
+from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.messages import SERVER, Outbound
 from dpfleet.secagg.params import RoundSetup
+from dpfleet.secagg.policy import ClientPolicy
 from dpfleet.secagg.server import SecAggServer
 
 # The client message of each phase, in protocol order; a dropout is keyed by the first one a
 # client fails to send. The server phase collecting it is the matching SecAggServer.phase.
-PHASES = ("advertise", "share", "mask", "consistency", "unmask")
+PHASES = ("commit", "advertise", "share", "mask", "consistency", "unmask")
 _SERVER_PHASE = dict(
-    zip(("keys", "shares", "masked", "consistency", "unmask"), PHASES, strict=True)
+    zip(("commit", "keys", "shares", "masked", "consistency", "unmask"), PHASES, strict=True)
 )
 
 Intercept = Callable[[str, int, int, bytes], Sequence[bytes]]
@@ -57,7 +60,12 @@ class RoundReport:
     server_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     bytes_sent: dict[int, int] = field(default_factory=dict)  # client -> bytes it sent
     bytes_received: dict[int, int] = field(default_factory=dict)  # client -> bytes it received
+    phase_bytes_sent: dict[str, int] = field(default_factory=dict)  # phase -> all clients' bytes
+    phase_bytes_received: dict[str, int] = field(default_factory=dict)
     rejections: list[Rejection] = field(default_factory=list)
+    graph: Graph | None = None  # the masking graph the clients' reveals produced
+    inconsistent: dict[int, list[int]] = field(default_factory=dict)  # owner -> bad holders
+    aborted: SecAggError | None = None  # set instead of raising when raise_on_abort=False
 
 
 def run_round(
@@ -67,25 +75,34 @@ def run_round(
     dropouts: Mapping[str, Collection[int]] | None = None,
     intercept: Intercept | None = None,
     progress: bool = False,
+    policy: ClientPolicy | None = None,
+    raise_on_abort: bool = True,
 ) -> RoundReport:
     """One round over clients 0..n-1. `inputs(u)` returns client u's ring vector (asked for
     only when u is about to mask, so inputs can be produced lazily); `dropouts[phase]` lists
-    the clients that vanish before sending that phase's message."""
+    the clients that vanish before sending that phase's message. In signed mode
+    `identities` is the emulated fleet: each device pins the fleet's public keys from it,
+    never from the setup. `policy` is every device's local policy (None: lenient, as every
+    party is in this process)."""
     unknown = set(dropouts or {}) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown dropout phases {sorted(unknown)}; phases are {PHASES}")
-    return _Round(setup, inputs, identities, dropouts or {}, intercept, progress).run()
+    return _Round(setup, inputs, identities, dropouts or {}, intercept, progress, policy,
+                  raise_on_abort).run()
 
 
 class _Round:
     """One in-process round: the parties, who has vanished, and what it all cost."""
 
-    def __init__(self, setup, inputs, identities, dropouts, intercept, progress) -> None:
+    def __init__(self, setup, inputs, identities, dropouts, intercept, progress, policy,
+                 raise_on_abort) -> None:
         self.setup, self.inputs, self.dropouts = setup, inputs, dropouts
         self.intercept = intercept or (lambda phase, sender, recipient, data: [data])
-        self.progress = progress
+        self.progress, self.raise_on_abort = progress, raise_on_abort
         self.server = SecAggServer(setup)
-        self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None)
+        pinned = pinned_keys(identities) if identities else None
+        self.clients = {u: SecAggClient(setup, u, identities[u] if identities else None,
+                                        policy or ClientPolicy.lenient(), pinned)
                         for u in range(setup.n)}
         self.gone: set[int] = set()
         self.report = RoundReport(
@@ -93,10 +110,12 @@ class _Round:
             client_seconds={p: {} for p in PHASES}, server_seconds=dict.fromkeys(PHASES, 0.0),
             bytes_sent=dict.fromkeys(range(setup.n), 0),
             bytes_received=dict.fromkeys(range(setup.n), 0),
+            phase_bytes_sent=dict.fromkeys(PHASES, 0),
+            phase_bytes_received=dict.fromkeys(PHASES, 0),
         )
 
     def run(self) -> RoundReport:
-        phase, batch = "advertise", [(u, None) for u in range(self.setup.n)]
+        phase, batch = "commit", [(u, None) for u in range(self.setup.n)]
         while True:
             collecting = self.server.phase
             following = self._client_step(phase, batch)
@@ -111,8 +130,13 @@ class _Round:
         for notice in following:  # abort notices, if any
             self._deliver("abort", SERVER, notice.recipient, notice.data,
                           self.clients[notice.recipient].handle)
+        self.report.graph = self.server.graph
+        self.report.inconsistent = self.server.inconsistent
         if self.server.phase == "aborted":
-            raise self.server.error
+            if self.raise_on_abort:
+                raise self.server.error
+            self.report.aborted = self.server.error
+            return self.report
         self.report.total = self.server.result()
         self.report.survivors = self.server.survivors
         return self.report
@@ -129,6 +153,7 @@ class _Round:
                 self.clients[u].provide_input(self.inputs(u))
             for reply in self._to_client(phase, u, data):
                 self.report.bytes_sent[u] += len(reply.data)
+                self.report.phase_bytes_sent[phase] += len(reply.data)
                 for wire in self.intercept(phase, u, SERVER, reply.data):
                     out, seconds = self._deliver(phase, u, SERVER, wire, self.server.handle)
                     self.report.server_seconds[phase] += seconds
@@ -145,6 +170,7 @@ class _Round:
         replies: list[Outbound] = []
         for wire in self.intercept(phase, SERVER, u, data):
             self.report.bytes_received[u] += len(wire)
+            self.report.phase_bytes_received[phase] += len(wire)
             out, seconds = self._deliver(phase, SERVER, u, wire, client.handle)
             self.report.client_seconds[phase][u] = (
                 self.report.client_seconds[phase].get(u, 0.0) + seconds)

@@ -3,16 +3,21 @@
 Every message is a header followed by a type-specific body and, in the signed
 (malicious-server) mode, an Ed25519 signature over all preceding bytes:
 
-    magic "DPSA" | version u8 | type u8 | flags u8 | round u64 | sender u32 | recipient u32
-    body ... | [signature 64 bytes if flags & SIGNED]
+    magic "DPSA" | version u8 | type u8 | flags u8 | setup hash 32 bytes | sender u32 |
+    recipient u32 | body ... | [signature 64 bytes if flags & SIGNED]
 
+The setup hash (`RoundSetup.setup_hash`) names the round attempt and every parameter of it, so
+a message from another attempt, or from a party holding another setup, is refused on its header
+and every signature covers the whole setup.
 All integers are little-endian; byte strings and lists carry a u32 length/count; vectors carry a
 width code and a u64 element count followed by their raw little-endian elements. Decoding is
 strict: a truncated message, trailing bytes, an unknown version/type/flag or a length that
 overruns the buffer all raise `DecodeError` and nothing else, so the decoder can be fed
 arbitrary bytes from the network. Whole signed messages are forwarded verbatim inside
-`KeyBroadcast` / `UnmaskRequest`, so a client can check the original author's signature
-itself instead of trusting the server.
+`KeyBroadcast`, so a client can check the original author's signature itself instead of
+trusting the server. Survivor lists travel as bitmaps, and the consistency proof in
+`UnmaskRequest` as (signer, 64-byte signature) pairs over the one survivor list it carries: a
+client rebuilds each signer's `ConsistencySignature` bytes and checks them (`signed_part`).
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from dpfleet.secagg.errors import (
 )
 
 MAGIC = b"DPSA"
-VERSION = 1
+VERSION = 2
 SIGNED = 0x01
 SIGNATURE_BYTES = 64
 SERVER = 0xFFFF_FFFF  # the server's party id in headers
-_HEADER = struct.Struct("<4sBBBQII")
+CONTEXT_BYTES = 32
+_HEADER = struct.Struct("<4sBBB32sII")
 HEADER_BYTES = _HEADER.size
 
 
@@ -68,6 +74,16 @@ class _Writer:
     def ids(self, ids: tuple[int, ...]) -> None:
         self.u32(len(ids))
         self.parts.append(np.asarray(ids, dtype="<u4").tobytes())
+
+    def bitmap(self, ids: tuple[int, ...]) -> None:
+        """Sorted unique ids as a bitmap of max(ids) + 1 bits (bit i of byte i // 8)."""
+        if list(ids) != sorted(set(ids)):
+            raise ValueError("a survivor list must be sorted, unique ids")
+        size = ids[-1] + 1 if ids else 0
+        bits = np.zeros(size, dtype=np.uint8)
+        bits[list(ids)] = 1
+        self.u32(size)
+        self.parts.append(np.packbits(bits, bitorder="little").tobytes())
 
     def pairs(self, pairs: tuple[tuple[int, bytes], ...]) -> None:
         self.u32(len(pairs))
@@ -119,6 +135,14 @@ class _Reader:
         at = self.take(4 * n)
         return tuple(np.frombuffer(self.data, dtype="<u4", count=n, offset=at).tolist())
 
+    def bitmap(self) -> tuple[int, ...]:
+        size = self.u32()
+        bits = np.unpackbits(np.frombuffer(self.raw(-(-size // 8)), dtype=np.uint8),
+                             bitorder="little")
+        if bits[size:].any() or (size and not bits[size - 1]):
+            raise DecodeError("survivor bitmap is not in canonical form")
+        return tuple(np.flatnonzero(bits).tolist())
+
     def pairs(self) -> tuple[tuple[int, bytes], ...]:
         return tuple((self.u32(), self.blob()) for _ in range(self.count(8)))
 
@@ -134,7 +158,7 @@ class _Reader:
 class Message:
     """Header fields shared by all messages."""
 
-    round_id: int
+    context: bytes  # the setup hash
     sender: int
     recipient: int
     TYPE: ClassVar[int] = 0
@@ -143,40 +167,77 @@ class Message:
         raise NotImplementedError
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> Message:
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> Message:
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
+class SeedCommit(Message):
+    """Round -1, client -> server: a commitment to the client's graph-seed randomness."""
+
+    commitment: bytes
+    TYPE: ClassVar[int] = 11
+
+    def _write(self, w: _Writer) -> None:
+        w.blob(self.commitment)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> SeedCommit:
+        return cls(*header, r.blob())
+
+
+@dataclass(frozen=True)
+class SeedCommitments(Message):
+    """Round -1, server -> client: every committed client's commitment, fixed before any
+    reveal, so nobody can choose its randomness after seeing another's."""
+
+    commitments: tuple[tuple[int, bytes], ...]  # (client, commitment), sorted
+    TYPE: ClassVar[int] = 12
+
+    def _write(self, w: _Writer) -> None:
+        w.pairs(self.commitments)
+
+    @classmethod
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> SeedCommitments:
+        return cls(*header, r.pairs())
+
+
+@dataclass(frozen=True)
 class AdvertiseKeys(Message):
-    """Round 0, client -> server: the two X25519 public keys (share encryption, masking)."""
+    """Round 0, client -> server: the two X25519 public keys (share encryption, masking) and
+    the opening of the client's graph-seed commitment."""
 
     c_public: bytes
     s_public: bytes
+    reveal: bytes
     TYPE: ClassVar[int] = 1
 
     def _write(self, w: _Writer) -> None:
         w.blob(self.c_public)
         w.blob(self.s_public)
+        w.blob(self.reveal)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> AdvertiseKeys:
-        return cls(*header, r.blob(), r.blob())
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> AdvertiseKeys:
+        return cls(*header, r.blob(), r.blob(), r.blob())
 
 
 @dataclass(frozen=True)
 class KeyBroadcast(Message):
-    """Round 1, server -> client: the neighbours' AdvertiseKeys messages, verbatim."""
+    """Round 1, server -> client: every committed client's reveal (to derive the graph) and
+    the neighbours' AdvertiseKeys messages, verbatim."""
 
+    reveals: tuple[tuple[int, bytes], ...]  # (client, reveal), sorted
     adverts: tuple[bytes, ...]
     TYPE: ClassVar[int] = 2
 
     def _write(self, w: _Writer) -> None:
+        w.pairs(self.reveals)
         w.blobs(self.adverts)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> KeyBroadcast:
-        return cls(*header, r.blobs())
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> KeyBroadcast:
+        return cls(*header, r.pairs(), r.blobs())
 
 
 @dataclass(frozen=True)
@@ -193,7 +254,7 @@ class ShareKeys(Message):
         w.pairs(self.shares)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ShareKeys:
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> ShareKeys:
         return cls(*header, r.blob(), r.pairs())
 
 
@@ -208,35 +269,83 @@ class SharesForward(Message):
         w.pairs(self.shares)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> SharesForward:
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> SharesForward:
         return cls(*header, r.pairs())
 
 
 @dataclass(frozen=True, eq=False)
 class MaskedInput(Message):
-    """Round 2, client -> server: y = x + PRG(b_u) + sum_v +-PRG(s_uv) in the ring."""
+    """Round 2, client -> server: y = x + PRG(b_u) + sum_v +-PRG(s_uv) in Z_(2^bits), packed
+    to `bits` bits per element (`pack_bits`), so a 20-bit ring costs 20 bits per coordinate
+    on the wire, not 32."""
 
     vector: np.ndarray
+    bits: int = 32
     TYPE: ClassVar[int] = 5
 
     def _write(self, w: _Writer) -> None:
         v = np.ascontiguousarray(self.vector)
-        if v.dtype.kind != "u" or v.dtype.itemsize not in (1, 2, 4) or v.ndim != 1:
-            raise ValueError("masked input must be a 1-D uint8/16/32 vector")
-        w.u8(v.dtype.itemsize)
+        if v.dtype.kind != "u" or v.ndim != 1 or not 1 <= self.bits <= 8 * v.dtype.itemsize:
+            raise ValueError("masked input must be a 1-D unsigned vector wide enough for bits")
+        w.u8(self.bits)
         w.u64(v.size)
-        w.parts.append(v.astype(v.dtype.newbyteorder("<"), copy=False).tobytes())
+        w.parts.append(pack_bits(v, self.bits))
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> MaskedInput:
-        width = r.u8()
-        if width not in (1, 2, 4):
-            raise DecodeError(f"unknown vector element width {width}")
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> MaskedInput:
+        bits = r.u8()
+        if not 1 <= bits <= 32:
+            raise DecodeError(f"ring width {bits} outside 1..32 bits")
         size = r.u64()
-        if size > (r.end - r.pos) // width:
+        if size > 8 * (r.end - r.pos) // bits:
             raise DecodeError("vector overruns the message")
-        vector = np.frombuffer(r.data, dtype=f"<u{width}", count=size, offset=r.take(size * width))
-        return cls(*header, vector)
+        packed = r.raw(packed_size(size, bits))
+        return cls(*header, unpack_bits(packed, size, bits), bits)
+
+
+def _dtype(bits: int) -> np.dtype:
+    return np.dtype("u1" if bits <= 8 else "<u2" if bits <= 16 else "<u4")
+
+
+def packed_size(size: int, bits: int) -> int:
+    """Bytes of `size` packed `bits`-bit fields: whole bytes, then the leftover bit planes."""
+    return size * (bits // 8) + -(-size * (bits % 8) // 8)
+
+
+def pack_bits(values: np.ndarray, bits: int) -> bytes:
+    """`values` (each < 2^bits) in `bits` bits each: the low 8 * (bits // 8) bits as whole
+    little-endian bytes, then the remaining bits % 8 high bits of every element as a packed
+    bit stream (zero-padded to a byte). At most one byte more than size * bits / 8."""
+    if values.size and bits < 8 * values.dtype.itemsize and int(values.max()) >> bits:
+        raise ValueError(f"masked input element does not fit in {bits} bits")
+    if bits in (8, 16, 32):  # whole machine words: the ring dtype's bytes as they are
+        return values.astype(_dtype(bits), copy=False).tobytes()
+    whole, rest = divmod(bits, 8)
+    raw = values.astype("<u4").view(np.uint8).reshape(-1, 4)
+    out = raw[:, :whole].tobytes()
+    if rest:
+        high = np.unpackbits(raw[:, whole : whole + 1], axis=1, bitorder="little")[:, :rest]
+        out += np.packbits(high.ravel(), bitorder="little").tobytes()
+    return out
+
+
+def unpack_bits(packed: bytes, size: int, bits: int) -> np.ndarray:
+    """Inverse of `pack_bits`; stray bits in the final byte's padding are a `DecodeError`."""
+    if bits in (8, 16, 32):
+        return np.frombuffer(packed, dtype=_dtype(bits), count=size)
+    whole, rest = divmod(bits, 8)
+    raw = np.zeros((size, 4), dtype=np.uint8)
+    raw[:, :whole] = np.frombuffer(packed, dtype=np.uint8, count=size * whole).reshape(
+        size, whole)
+    if rest:
+        stream = np.unpackbits(np.frombuffer(packed, dtype=np.uint8, offset=size * whole),
+                               bitorder="little")
+        if stream[size * rest :].any():
+            raise DecodeError("nonzero padding bits after the packed vector")
+        planes = np.zeros((size, 8), dtype=np.uint8)
+        planes[:, :rest] = stream[: size * rest].reshape(size, rest)
+        raw[:, whole] = np.packbits(planes, axis=1, bitorder="little").ravel()
+    return raw.view("<u4").ravel().astype(_dtype(bits))
 
 
 @dataclass(frozen=True)
@@ -247,11 +356,11 @@ class ConsistencyCheck(Message):
     TYPE: ClassVar[int] = 6
 
     def _write(self, w: _Writer) -> None:
-        w.ids(self.survivors)
+        w.bitmap(self.survivors)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ConsistencyCheck:
-        return cls(*header, r.ids())
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> ConsistencyCheck:
+        return cls(*header, r.bitmap())
 
 
 @dataclass(frozen=True)
@@ -262,29 +371,29 @@ class ConsistencySignature(Message):
     TYPE: ClassVar[int] = 7
 
     def _write(self, w: _Writer) -> None:
-        w.ids(self.survivors)
+        w.bitmap(self.survivors)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> ConsistencySignature:
-        return cls(*header, r.ids())
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> ConsistencySignature:
+        return cls(*header, r.bitmap())
 
 
 @dataclass(frozen=True)
 class UnmaskRequest(Message):
-    """Round 4, server -> client: the survivor set and (malicious-server mode) at least t
-    signed ConsistencySignature messages on it, verbatim."""
+    """Round 4, server -> client: the survivor set once and (signed mode) the recipient's
+    neighbours' signatures on it as (signer, 64-byte signature) pairs."""
 
     survivors: tuple[int, ...]
-    signatures: tuple[bytes, ...]
+    signatures: tuple[tuple[int, bytes], ...]
     TYPE: ClassVar[int] = 8
 
     def _write(self, w: _Writer) -> None:
-        w.ids(self.survivors)
-        w.blobs(self.signatures)
+        w.bitmap(self.survivors)
+        w.pairs(self.signatures)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> UnmaskRequest:
-        return cls(*header, r.ids(), r.blobs())
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> UnmaskRequest:
+        return cls(*header, r.bitmap(), r.pairs())
 
 
 @dataclass(frozen=True)
@@ -301,7 +410,7 @@ class UnmaskShares(Message):
         w.pairs(self.mask_key)
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> UnmaskShares:
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> UnmaskShares:
         return cls(*header, r.pairs(), r.pairs())
 
 
@@ -316,7 +425,7 @@ class Abort(Message):
         w.blob(self.reason.encode())
 
     @classmethod
-    def _read(cls, r: _Reader, header: tuple[int, int, int]) -> Abort:
+    def _read(cls, r: _Reader, header: tuple[bytes, int, int]) -> Abort:
         try:
             return cls(*header, r.blob().decode())
         except UnicodeDecodeError as exc:
@@ -325,19 +434,26 @@ class Abort(Message):
 
 TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (AdvertiseKeys, KeyBroadcast, ShareKeys, SharesForward, MaskedInput,
-                ConsistencyCheck, ConsistencySignature, UnmaskRequest, UnmaskShares, Abort)
+    for cls in (SeedCommit, SeedCommitments, AdvertiseKeys, KeyBroadcast, ShareKeys,
+                SharesForward, MaskedInput, ConsistencyCheck, ConsistencySignature, UnmaskRequest,
+                UnmaskShares, Abort)
 }
+
+
+def signed_part(message: Message, signed: bool = True) -> bytes:
+    """The message's bytes up to (not including) its signature."""
+    if len(message.context) != CONTEXT_BYTES:
+        raise ValueError(f"message context must be a {CONTEXT_BYTES}-byte setup hash")
+    w = _Writer()
+    w.parts.append(_HEADER.pack(MAGIC, VERSION, message.TYPE, SIGNED if signed else 0,
+                                message.context, message.sender, message.recipient))
+    message._write(w)
+    return b"".join(w.parts)
 
 
 def encode(message: Message, signing_key: Ed25519PrivateKey | None = None) -> bytes:
     """The message's bytes, signed by `signing_key` when one is given."""
-    w = _Writer()
-    flags = SIGNED if signing_key is not None else 0
-    w.parts.append(_HEADER.pack(MAGIC, VERSION, message.TYPE, flags,
-                                message.round_id, message.sender, message.recipient))
-    message._write(w)
-    data = b"".join(w.parts)
+    data = signed_part(message, signing_key is not None)
     return data + signing_key.sign(data) if signing_key is not None else data
 
 
@@ -347,7 +463,7 @@ def decode(data: bytes) -> Message:
     data = bytes(data)
     if len(data) < HEADER_BYTES:
         raise DecodeError("message is shorter than its header")
-    magic, version, kind, flags, round_id, sender, recipient = _HEADER.unpack_from(data)
+    magic, version, kind, flags, context, sender, recipient = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise DecodeError("bad magic")
     if version != VERSION:
@@ -360,7 +476,7 @@ def decode(data: bytes) -> Message:
     if end < HEADER_BYTES:
         raise DecodeError("signed message is shorter than its signature")
     reader = _Reader(data, HEADER_BYTES, end)
-    message = TYPES[kind]._read(reader, (round_id, sender, recipient))
+    message = TYPES[kind]._read(reader, (context, sender, recipient))
     reader.done()
     return message
 
@@ -369,16 +485,24 @@ def verify(data: bytes, public_key: bytes) -> None:
     """Check that `data` carries a valid signature by the holder of `public_key`."""
     if len(data) < HEADER_BYTES + SIGNATURE_BYTES or not data[6] & SIGNED:
         raise AuthenticationError("message is not signed")
+    verify_detached(data[:-SIGNATURE_BYTES], data[-SIGNATURE_BYTES:], public_key)
+
+
+def verify_detached(signed: bytes, signature: bytes, public_key: bytes) -> None:
+    """Check a signature carried apart from the bytes it signs."""
+    if len(signature) != SIGNATURE_BYTES:
+        raise AuthenticationError("signature has the wrong length")
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(
-            data[-SIGNATURE_BYTES:], data[:-SIGNATURE_BYTES])
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, signed)
     except InvalidSignature as exc:
         raise AuthenticationError("signature does not verify") from exc
 
 
-def check_header(message: Message, round_id: int, recipient: int) -> None:
-    """Reject a message addressed to someone else or belonging to another round."""
+def check_header(message: Message, context: bytes, recipient: int) -> None:
+    """Reject a message addressed to someone else or made under another setup (another
+    attempt, another round, or a setup with other parameters)."""
     if message.recipient != recipient:
         raise MisaddressedError(f"message for party {message.recipient} reached party {recipient}")
-    if message.round_id != round_id:
-        raise RoundMismatchError(f"message from round {message.round_id} in round {round_id}")
+    if message.context != context:
+        raise RoundMismatchError(f"message made under setup {message.context[:6].hex()}..., "
+                                 f"this party holds {context[:6].hex()}...")

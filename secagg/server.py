@@ -13,17 +13,24 @@ their advertised public keys), then removes the matching PRG streams from the su
 
 Between phases the server prunes clients with fewer than t live neighbours (SecAgg+): their
 secrets could never be rebuilt, so they are left out before anyone masks against them.
+
+The masking graph comes from the clients' commit-and-reveal: the server collects commitments,
+fixes the list, then collects the reveals with the keys. A client that committed but does not
+reveal aborts the attempt (a retry needs a fresh session id): letting the server leave out
+reveals would let it choose among many graphs. A share that does not fit its commitment or
+public key does not abort the round: other t-subsets are tried (`crypto.reconstruct_checked`)
+and the holders whose shares disagree are reported in `inconsistent`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from dpfleet.secagg import crypto
-from dpfleet.secagg.client import SEALED_SHARE, SEED_SHARE, SK_SHARE
+from dpfleet.secagg.client import REVEAL_BYTES, SEALED_SHARE, SEED_SHARE, SK_SHARE, reveal_commitment
 from dpfleet.secagg.errors import (
     DuplicateMessageError,
     ProtocolViolationError,
@@ -33,8 +40,10 @@ from dpfleet.secagg.errors import (
     UnexpectedMessageError,
     UnknownSenderError,
 )
+from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.messages import (
     SERVER,
+    SIGNATURE_BYTES,
     Abort,
     AdvertiseKeys,
     ConsistencyCheck,
@@ -43,6 +52,8 @@ from dpfleet.secagg.messages import (
     MaskedInput,
     Message,
     Outbound,
+    SeedCommit,
+    SeedCommitments,
     ShareKeys,
     SharesForward,
     UnmaskRequest,
@@ -52,12 +63,13 @@ from dpfleet.secagg.messages import (
     encode,
     verify,
 )
-from dpfleet.secagg.params import RoundSetup
+from dpfleet.secagg.params import RoundSetup, graph_seed
 
 _PROBE, _ = crypto.generate_keypair()  # only to test advertised keys for low order
 
 # phase -> the one client message type it collects
 PHASE_MESSAGE: dict[str, type[Message]] = {
+    "commit": SeedCommit,
     "keys": AdvertiseKeys,
     "shares": ShareKeys,
     "masked": MaskedInput,
@@ -71,14 +83,18 @@ class SecAggServer:
 
     def __init__(self, setup: RoundSetup) -> None:
         self.setup = setup
-        self.phase = "keys"
+        self.context = setup.setup_hash
+        self.phase = "commit"
         self.error: SecAggError | None = None  # why the round aborted
         self.survivors: tuple[int, ...] = ()  # U3: clients whose inputs are in the sum
-        self._neighbours = [setup.graph.neighbours(u) for u in range(setup.n)]
+        self.graph: Graph | None = None  # known once every committed client has revealed
+        self.inconsistent: dict[int, list[int]] = {}  # owner -> holders whose share was bad
+        self._commitments: dict[int, bytes] = {}
+        self._neighbours: list[frozenset[int]] = []
         self._expected: frozenset[int] = frozenset(range(setup.n))
         self._answered: set[int] = set()  # who delivered the current phase's message
         self._seen: set[tuple[int, type[Message]]] = set()
-        self._adverts: dict[int, tuple[bytes, bytes, bytes]] = {}  # u -> (c_pk, s_pk, blob)
+        self._adverts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}  # (c, s, blob, reveal)
         self._keys_seen: set[bytes] = set()
         self._shares: dict[int, ShareKeys] = {}
         self._alive: frozenset[int] = frozenset()  # clients still in after the last pruning
@@ -91,7 +107,7 @@ class SecAggServer:
     def handle(self, data: bytes) -> list[Outbound]:
         """Take one client message; returns the next phase's messages when the phase is full."""
         message = decode(data)
-        check_header(message, self.setup.round_id, SERVER)
+        check_header(message, self.context, SERVER)
         u = message.sender
         if not 0 <= u < self.setup.n:
             raise UnknownSenderError(f"no client {u} in this round")
@@ -121,7 +137,7 @@ class SecAggServer:
             return getattr(self, f"_close_{self.phase}")(answered)
         except (ThresholdError, ReconstructionError) as exc:
             self.error, self.phase = exc, "aborted"
-            return [Outbound(u, encode(Abort(self.setup.round_id, SERVER, u, str(exc))))
+            return [Outbound(u, encode(Abort(self.context, SERVER, u, str(exc))))
                     for u in sorted(answered)]
 
     def result(self) -> np.ndarray:
@@ -134,14 +150,22 @@ class SecAggServer:
 
     # ------------------------------------------------------------- collecting messages
 
+    def _take_commit(self, m: SeedCommit, data: bytes) -> None:
+        if len(m.commitment) != 32:
+            raise ProtocolViolationError("graph-seed commitment must be 32 bytes")
+        self._commitments[m.sender] = m.commitment
+
     def _take_keys(self, m: AdvertiseKeys, data: bytes) -> None:
+        if len(m.reveal) != REVEAL_BYTES or reveal_commitment(
+                self.context, m.sender, m.reveal) != self._commitments[m.sender]:
+            raise ProtocolViolationError("graph-seed reveal does not open the commitment")
         if len(m.c_public) != crypto.KEY_BYTES or len(m.s_public) != crypto.KEY_BYTES:
             raise ProtocolViolationError("public keys must be 32 bytes")
         if m.c_public == m.s_public or {m.c_public, m.s_public} & self._keys_seen:
             raise ProtocolViolationError("public keys must differ from each other and all others")
         for key in (m.c_public, m.s_public):
             crypto.exchange(_PROBE, key)  # refuses low-order points before anyone uses them
-        self._adverts[m.sender] = (m.c_public, m.s_public, data)
+        self._adverts[m.sender] = (m.c_public, m.s_public, data, m.reveal)
         self._keys_seen |= {m.c_public, m.s_public}
 
     def _take_shares(self, m: ShareKeys, data: bytes) -> None:
@@ -154,7 +178,7 @@ class SecAggServer:
 
     def _take_masked(self, m: MaskedInput, data: bytes) -> None:
         v = m.vector
-        if v.dtype != self.setup.dtype or v.size != self.setup.length:
+        if m.bits != self.setup.bits or v.dtype != self.setup.dtype or v.size != self.setup.length:
             raise ProtocolViolationError(f"masked input must be {self.setup.length} elements "
                                          f"of {self.setup.dtype}")
         if self.setup.bits < 8 * v.itemsize and np.any(v > self.setup.modulus_mask):
@@ -164,7 +188,7 @@ class SecAggServer:
     def _take_consistency(self, m: ConsistencySignature, data: bytes) -> None:
         if m.survivors != self.survivors:
             raise ProtocolViolationError("client signed another survivor list")
-        self._signatures[m.sender] = data
+        self._signatures[m.sender] = data[-SIGNATURE_BYTES:]
 
     def _take_unmask(self, m: UnmaskShares, data: bytes) -> None:
         held = self._neighbours[m.sender] & self._alive
@@ -180,11 +204,26 @@ class SecAggServer:
 
     # ---------------------------------------------------------------- closing phases
 
+    def _close_commit(self, answered: frozenset[int]) -> list[Outbound]:
+        if len(answered) <= self.setup.threshold:
+            raise ThresholdError(f"{len(answered)} commitments, threshold "
+                                 f"{self.setup.threshold}: abort")
+        self._expected, self.phase = answered, "keys"
+        fixed = tuple(sorted((u, self._commitments[u]) for u in answered))
+        return [Outbound(u, encode(SeedCommitments(self.context, SERVER, u, fixed)))
+                for u in sorted(answered)]
+
     def _close_keys(self, answered: frozenset[int]) -> list[Outbound]:
+        silent = sorted(self._expected - answered)
+        if silent:
+            raise ThresholdError(f"clients {silent[:5]} committed but did not reveal: the "
+                                 f"attempt aborts (retry with a fresh session id)")
+        reveals = tuple(sorted((u, self._adverts[u][3]) for u in answered))
+        self.graph = self.setup.graph(graph_seed(self.context, reveals))
+        self._neighbours = [self.graph.neighbours(u) for u in range(self.setup.n)]
         self._advance(self._prune(answered), "shares")
-        r = self.setup.round_id
         return [
-            Outbound(u, encode(KeyBroadcast(r, SERVER, u, tuple(
+            Outbound(u, encode(KeyBroadcast(self.context, SERVER, u, reveals, tuple(
                 self._adverts[v][2] for v in sorted(self._neighbours[u] & self._alive)))))
             for u in sorted(self._alive)
         ]
@@ -196,29 +235,28 @@ class SecAggServer:
             for v, sealed in self._shares[w].shares:
                 if v in self._alive:
                     inbox[v].append((w, sealed))
-        r = self.setup.round_id
-        return [Outbound(v, encode(SharesForward(r, SERVER, v, tuple(inbox[v]))))
+        return [Outbound(v, encode(SharesForward(self.context, SERVER, v, tuple(inbox[v]))))
                 for v in sorted(self._alive)]
 
     def _close_masked(self, answered: frozenset[int]) -> list[Outbound]:
         self._require(answered, "masked inputs")
         self.survivors = tuple(sorted(answered))
         self._expected = answered
-        r = self.setup.round_id
+        ctx = self.context
         if self.setup.signed:
             self.phase = "consistency"
-            return [Outbound(u, encode(ConsistencyCheck(r, SERVER, u, self.survivors)))
+            return [Outbound(u, encode(ConsistencyCheck(ctx, SERVER, u, self.survivors)))
                     for u in self.survivors]
         self.phase = "unmask"
-        return [Outbound(u, encode(UnmaskRequest(r, SERVER, u, self.survivors, ())))
+        return [Outbound(u, encode(UnmaskRequest(ctx, SERVER, u, self.survivors, ())))
                 for u in self.survivors]
 
     def _close_consistency(self, answered: frozenset[int]) -> list[Outbound]:
         self._require(answered, "consistency signatures")
         self._expected, self.phase = answered, "unmask"
-        proof = tuple(self._signatures[u] for u in sorted(answered))
-        r = self.setup.round_id
-        return [Outbound(u, encode(UnmaskRequest(r, SERVER, u, self.survivors, proof)))
+        ctx = self.context
+        return [Outbound(u, encode(UnmaskRequest(ctx, SERVER, u, self.survivors, tuple(
+                    (v, self._signatures[v]) for v in sorted(self._neighbours[u] & answered)))))
                 for u in sorted(answered)]
 
     def _close_unmask(self, answered: frozenset[int]) -> list[Outbound]:
@@ -226,23 +264,22 @@ class SecAggServer:
         alive_set = set(self.survivors)
         seeds = {w: self._collect(w, answered, "self_mask") for w in self.survivors}
         keys = {w: self._collect(w, answered, "mask_key") for w in self._alive - alive_set}
-        r, t = self.setup.round_id, self.setup.threshold
+        ctx = self.context
         plus: list[bytes] = []
         minus: list[bytes] = []
         for w, shares in seeds.items():
-            seed = crypto.reconstruct_secret(shares, t, crypto.SEED_BYTES)
-            if crypto.seed_commitment(r, w, seed) != self._shares[w].commitment:
-                raise ReconstructionError(f"self-mask seed of client {w} fails its commitment")
-            minus.append(seed)
+            minus.append(self._rebuild(
+                w, shares, crypto.SEED_BYTES, "self-mask seed",
+                lambda s, w=w: crypto.seed_commitment(ctx, w, s) == self._shares[w].commitment))
         for w, shares in keys.items():
-            key = X25519PrivateKey.from_private_bytes(
-                crypto.reconstruct_secret(shares, t, crypto.KEY_BYTES))
-            if crypto.public_bytes(key) != self._adverts[w][1]:
-                raise ReconstructionError(f"masking key of client {w} fails its public key")
+            key = X25519PrivateKey.from_private_bytes(self._rebuild(
+                w, shares, crypto.KEY_BYTES, "masking key",
+                lambda s, w=w: crypto.public_bytes(X25519PrivateKey.from_private_bytes(s))
+                == self._adverts[w][1]))
             for v in sorted(self._neighbours[w] & alive_set):
                 # v added +PRG(s_vw) if v < w, else -PRG(s_vw); take it back out.
                 shared = crypto.exchange(key, self._adverts[v][1])
-                seed = crypto.pairwise_mask_seed(shared, r, v, w)
+                seed = crypto.pairwise_mask_seed(shared, ctx, v, w)
                 (minus if v < w else plus).append(seed)
         crypto.add_streams(self._sum, plus, minus)
         self._sum &= self._sum.dtype.type(self.setup.modulus_mask)
@@ -269,6 +306,17 @@ class SecAggServer:
     def _advance(self, alive: frozenset[int], phase: str) -> None:
         self._require(alive, "clients with enough live neighbours")
         self._alive, self._expected, self.phase = alive, alive, phase
+
+    def _rebuild(self, owner: int, shares: list[tuple[int, bytes]], length: int, what: str,
+                 valid: Callable[[bytes], bool]) -> bytes:
+        """The owner's secret, checked by `valid`; bad holders go to `inconsistent`."""
+        try:
+            secret, bad = crypto.reconstruct_checked(shares, self.setup.threshold, length, valid)
+        except ReconstructionError as exc:
+            raise ReconstructionError(f"{what} of client {owner}: {exc}") from exc
+        if bad:
+            self.inconsistent[owner] = [x - 1 for x in bad]  # share point x = holder + 1
+        return secret
 
     def _collect(self, owner: int, answered: frozenset[int], kind: str) -> list[tuple[int, bytes]]:
         holders = sorted(self._neighbours[owner] & answered)

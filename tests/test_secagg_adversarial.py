@@ -16,25 +16,29 @@ from dpfleet.secagg.errors import (
     ProtocolViolationError,
     ReconstructionError,
     RoundMismatchError,
+    ThresholdError,
     UnexpectedMessageError,
     UnknownSenderError,
 )
 from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.params import plan_round
 
-N, LENGTH, BITS = 6, 40, 16
+N, LENGTH, BITS = 7, 40, 16
 ATTACKER = Ed25519PrivateKey.generate()
 
 
-def _round(intercept=None, signed=False, round_id=1, dropouts=None):
-    setup, keys, _ = plan_round(N, LENGTH, BITS, graph="complete", threshold=3, signed=signed,
-                                round_id=round_id, seed=round_id)
-    inputs = np.random.default_rng(round_id).integers(0, 1 << BITS, (N, LENGTH)).astype(
+def _round(intercept=None, signed=False, seed=1, dropouts=None):
+    setup, keys, _ = plan_round(N, LENGTH, BITS, graph="complete", threshold=4, signed=signed)
+    inputs = np.random.default_rng(seed).integers(0, 1 << BITS, (N, LENGTH)).astype(
         setup.dtype)
     report = run_round(setup, inputs.__getitem__, keys, dropouts, intercept)
     expected = inputs[list(report.survivors)].astype(np.int64).sum(axis=0) % (1 << BITS)
     np.testing.assert_array_equal(report.total, expected)  # never corrupted
     return report
+
+
+def _all_but(*gone):
+    return tuple(u for u in range(N) if u not in gone)
 
 
 def _errors(report):
@@ -61,7 +65,7 @@ def test_forged_share_ciphertext_fails_authentication():
 
     report = _round(_on("mask", m.SERVER, 2, flip))
     assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
-    assert report.survivors == (0, 1, 3, 4, 5)
+    assert report.survivors == _all_but(2)
 
 
 def test_ciphertext_for_another_client_fails_authentication():
@@ -79,19 +83,19 @@ def test_ciphertext_for_another_client_fails_authentication():
     assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
 
 
-def test_replay_from_an_earlier_round():
+def test_replay_from_an_earlier_attempt():
     old = {}
 
     def record(phase, sender, recipient, data):
         old[phase, sender, recipient] = data
         return [data]
 
-    _round(record, round_id=1)
+    _round(record)
 
     def replay(phase, sender, recipient, data):
         return [data, old[phase, sender, recipient]] if sender in (0, m.SERVER) else [data]
 
-    report = _round(replay, round_id=2)
+    report = _round(replay)  # same parameters, fresh session id
     assert report.rejections and all(
         isinstance(r.error, RoundMismatchError) for r in report.rejections)
     assert report.survivors == tuple(range(N))
@@ -101,14 +105,14 @@ def test_every_message_duplicated():
     report = _round(lambda phase, sender, recipient, data: [data, data])
     assert report.rejections and all(
         isinstance(r.error, DuplicateMessageError) for r in report.rejections)
-    assert len(report.rejections) == N * (4 + 3)  # 4 messages sent, 3 received per client
+    assert len(report.rejections) == N * (5 + 4)  # 5 messages sent, 4 received per client
     assert report.survivors == tuple(range(N))
 
 
 def test_truncated_masked_input():
     report = _round(_on("mask", 1, m.SERVER, lambda data: [data[:-3]]))
     assert _errors(report) == [(DecodeError, 1, m.SERVER)]
-    assert report.survivors == (0, 2, 3, 4, 5)
+    assert report.survivors == _all_but(1)
 
 
 def test_wrongly_addressed_messages():
@@ -121,8 +125,10 @@ def test_wrongly_addressed_messages():
 def test_unknown_sender_and_out_of_phase_messages():
     def inject(data):
         stranger = _rewrite(data, sender=N + 7)
-        late_advert = m.encode(m.AdvertiseKeys(1, 4, m.SERVER, b"a" * 32, b"b" * 32))
-        early_unmask = m.encode(m.UnmaskShares(1, 4, m.SERVER, (), ()))
+        context = m.decode(data).context
+        late_advert = m.encode(m.AdvertiseKeys(context, 4, m.SERVER, b"a" * 32, b"b" * 32,
+                                               b"r" * 32))
+        early_unmask = m.encode(m.UnmaskShares(context, 4, m.SERVER, (), ()))
         return [stranger, late_advert, early_unmask, data]
 
     report = _round(_on("mask", 4, m.SERVER, inject))
@@ -138,7 +144,7 @@ def test_masked_input_of_the_wrong_length():
 
     report = _round(_on("mask", 5, m.SERVER, shorten))
     assert _errors(report) == [(ProtocolViolationError, 5, m.SERVER)]
-    assert report.survivors == (0, 1, 2, 3, 4)
+    assert report.survivors == _all_but(5)
 
 
 def test_signed_mode_rejects_forged_and_tampered_client_messages():
@@ -169,7 +175,7 @@ def test_signed_mode_rejects_a_substituted_public_key():
 def test_advert_replayed_from_another_round_inside_a_key_broadcast():
     def stale(data):
         message = m.decode(data)
-        old = _rewrite(message.adverts[0], round_id=0)
+        old = _rewrite(message.adverts[0], context=bytes(32))
         return [_rewrite(data, adverts=(old, *message.adverts[1:]))]
 
     report = _round(_on("share", m.SERVER, 3, stale))
@@ -190,14 +196,16 @@ def test_survivor_list_naming_a_client_that_never_shared():
     report = _round(_on("unmask", m.SERVER, 0, lambda d: [_rewrite(d, survivors=tuple(range(N)))]),
                     dropouts={"share": {5}})
     assert _errors(report) == [(ProtocolViolationError, m.SERVER, 0)]
-    assert report.survivors == (0, 1, 2, 3, 4)
+    assert report.survivors == _all_but(5)
 
 
 def test_signed_mode_checks_the_consistency_proof():
     def forge_signature(data):
         message = m.decode(data)
-        signer = m.decode(message.signatures[0])
-        return [_rewrite(data, signatures=(m.encode(signer, ATTACKER), *message.signatures[1:]))]
+        (signer, _), *rest = message.signatures
+        statement = m.ConsistencySignature(message.context, signer, m.SERVER, message.survivors)
+        forged = ATTACKER.sign(m.signed_part(statement))
+        return [_rewrite(data, signatures=((signer, forged), *rest))]
 
     report = _round(_on("unmask", m.SERVER, 0, forge_signature), signed=True)
     assert _errors(report) == [(AuthenticationError, m.SERVER, 0)]
@@ -209,19 +217,36 @@ def test_signed_mode_checks_the_consistency_proof():
     assert _errors(report) == [(ProtocolViolationError, m.SERVER, 0)]
 
 
-def test_corrupted_unmask_share_aborts_instead_of_a_wrong_sum():
-    def corrupt(data):
+def _corrupt_shares_of(owner, holders):
+    """Holders return random field elements instead of their share of `owner`'s seed."""
+    def intercept(phase, sender, recipient, data):
+        if phase != "unmask" or sender not in holders:
+            return [data]
         message = m.decode(data)
-        (owner, share), *rest = message.self_mask
-        bad = bytes([share[0] ^ 1]) + share[1:]
-        return [_rewrite(data, self_mask=((owner, bad), *rest))]
+        noise = np.random.default_rng(sender).integers(0, 2**31 - 1, 8, dtype=np.uint32)
+        shares = tuple((w, noise.astype("<u4").tobytes() if w == owner else s)
+                       for w, s in message.self_mask)
+        return [_rewrite(data, self_mask=shares)]
+    return intercept
 
+
+def test_corrupted_unmask_shares_are_routed_around_and_their_holders_reported():
+    """Robust reconstruction: the commitment picks out a good t-subset, the sum stays exact."""
+    report = _round(_corrupt_shares_of(6, {0, 3}))
+    assert report.survivors == tuple(range(N))
+    assert report.inconsistent == {6: [0, 3]}
+
+
+def test_too_many_corrupted_shares_abort_instead_of_a_wrong_sum():
+    """k - t + 1 = 3 bad shares of one secret leave fewer than t good ones: a clean abort."""
     with pytest.raises(ReconstructionError):
-        _round(_on("unmask", 0, m.SERVER, corrupt))
+        _round(_corrupt_shares_of(6, {0, 1, 2}))
 
 
 @pytest.mark.parametrize("bad_key", ["own", "copied", "low_order"])
 def test_bad_public_keys_are_refused(bad_key):
+    """The advert is refused; since it also carried the client's graph-seed reveal, the attempt
+    aborts (a retry gets a fresh session) rather than letting the server drop reveals."""
     adverts = {}
 
     def intercept(phase, sender, recipient, data):
@@ -234,6 +259,5 @@ def test_bad_public_keys_are_refused(bad_key):
                "low_order": bytes(32)}[bad_key]
         return [_rewrite(data, s_public=key)]
 
-    report = _round(intercept)
-    assert _errors(report) == [(ProtocolViolationError, 2, m.SERVER)]
-    assert 2 not in report.survivors
+    with pytest.raises(ThresholdError, match="did not reveal"):
+        _round(intercept)

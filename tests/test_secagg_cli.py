@@ -14,7 +14,7 @@ def test_bench_json_reports_an_exact_sum(capsys):
     assert result["survivors"] == 9 and result["dim"] == 1000
     assert result["bytes_sent_per_client"]["max"] >= 1000 * 4
     assert set(result["client_seconds_mean"]) == {
-        "advertise", "share", "mask", "consistency", "unmask"}
+        "commit", "advertise", "share", "mask", "consistency", "unmask"}
 
 
 def test_bench_table(capsys):
@@ -22,6 +22,7 @@ def test_bench_table(capsys):
           "--signed"])
     out = capsys.readouterr().out
     assert "sum_exact: true" in out and "complete graph" in out and "consistency" in out
+    assert "sent B/client" in out and "commit" in out
 
 
 @pytest.mark.parametrize("args,message", [

@@ -67,13 +67,16 @@ def test_sealed_shares_reject_any_tampering():
         crypto.open_sealed(key, sealed, b"other aad")
 
 
-def test_key_agreement_is_symmetric_and_bound_to_round_and_parties():
+def test_key_agreement_is_symmetric_and_bound_to_setup_and_parties():
     a, a_pub = crypto.generate_keypair()
     b, b_pub = crypto.generate_keypair()
     ab, ba = crypto.exchange(a, b_pub), crypto.exchange(b, a_pub)
-    assert crypto.pairwise_mask_seed(ab, 7, 1, 2) == crypto.pairwise_mask_seed(ba, 7, 2, 1)
-    assert crypto.pairwise_mask_seed(ab, 7, 1, 2) != crypto.pairwise_mask_seed(ab, 8, 1, 2)
-    assert crypto.share_key(ab, 7, 1, 2) != crypto.share_key(ab, 7, 2, 1)
+    one, other = b"\x07" * 32, b"\x08" * 32
+    assert crypto.pairwise_mask_seed(ab, one, 1, 2) == crypto.pairwise_mask_seed(ba, one, 2, 1)
+    assert crypto.pairwise_mask_seed(ab, one, 1, 2) != crypto.pairwise_mask_seed(ab, other, 1, 2)
+    assert crypto.share_key(ab, one, 1, 2) != crypto.share_key(ab, one, 2, 1)
+    assert crypto.share_key(ab, one, 1, 2) != crypto.share_key(ab, other, 1, 2)
+    assert crypto.share_aad(one, 1, 2) != crypto.share_aad(other, 1, 2)
 
 
 def test_low_order_public_key_is_a_protocol_violation():
@@ -106,3 +109,33 @@ def test_ring_dtype_widths():
     for bad in (0, 33):
         with pytest.raises(ValueError):
             crypto.ring_dtype(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(2, 12), extra=st.integers(1, 8), data=st.data())
+def test_robust_reconstruction_survives_bad_shares_and_names_their_holders(t, extra, data):
+    """With up to `extra` // 2 corrupted shares among t + extra, the commitment oracle still
+    finds the secret; when a corrupted share was among the first t tried, exactly the
+    corrupted holders are reported (otherwise none had to be looked at)."""
+    secret = b"s" * 7 + bytes([t, extra]) + b"e" * 7
+    m = t + extra
+    shares = list(zip(range(1, m + 1), crypto.share_secret(secret, list(range(1, m + 1)), t),
+                      strict=True))
+    bad = data.draw(st.sets(st.integers(0, m - 1), max_size=extra // 2))
+    for i in bad:
+        x, share = shares[i]
+        shares[i] = (x, bytes([share[0] ^ 0x5A]) + share[1:])
+    got, reported = crypto.reconstruct_checked(shares, t, len(secret), lambda s: s == secret,
+                                               max_subsets=2000)
+    assert got == secret
+    first_tried_bad = any(i < t for i in bad)
+    assert reported == (sorted(i + 1 for i in bad) if first_tried_bad else [])
+
+
+def test_robust_reconstruction_gives_up_when_too_few_good_shares():
+    secret = b"k" * 16
+    shares = list(zip(range(1, 6), crypto.share_secret(secret, list(range(1, 6)), 4),
+                      strict=True))
+    shares = [(x, bytes([s[0] ^ 1]) + s[1:]) if x <= 2 else (x, s) for x, s in shares]
+    with pytest.raises(ReconstructionError):
+        crypto.reconstruct_checked(shares, 4, 16, lambda s: s == secret)

@@ -21,9 +21,24 @@ def test_rotation_is_orthogonal_and_invertible(length, block, seed):
     disc = Discretizer(length, 1.0, 32, 1, seed, block_size=block)
     x = np.random.default_rng(seed).normal(size=length)
     z = disc.rotate(x)
-    assert z.size == disc.padded_length and disc.padded_length % disc.block == 0
+    assert z.size == disc.padded_length == max(length, disc.block)
     assert np.isclose(np.linalg.norm(z), np.linalg.norm(x))
     np.testing.assert_allclose(disc.unrotate(z), x, atol=1e-9)
+
+
+@pytest.mark.parametrize("length", [100_000, 1_000_000, 4_400_000, 16_384 * 3 + 1])
+def test_no_padding_past_one_block_and_every_coordinate_still_spread(length):
+    """The overlapping last block replaces zero-padding (14.7% at d = 1e5 before); a unit
+    input anywhere, including where the last two blocks overlap, stays spread to the
+    Hoeffding bound the scale is computed from."""
+    disc = Discretizer(length, 1.0, 32, 10, seed=3)
+    assert disc.padded_length == length
+    bound = np.sqrt(2 * np.log(2 * length / disc.clip_failure) / disc.block)
+    for j in (0, length - disc.block - 1, length - disc.block + 1, length - 1):
+        x = np.zeros(length)
+        x[j] = 1.0
+        z = disc.rotate(x)
+        assert np.abs(z).max() <= bound and np.isclose(np.linalg.norm(z), 1.0)
 
 
 @settings(max_examples=80, deadline=None)

@@ -69,17 +69,29 @@ def test_plan_meets_its_stated_bounds_and_is_minimal(n, dropout, corruption):
             or n * (dropout + corruption) ** (smaller / 2) > 2**-40)
 
 
-def test_malicious_setting_needs_a_larger_threshold():
-    honest = plan_graph(1000, "harary", 0.1, 0.05)
-    malicious = plan_graph(1000, "harary", 0.1, 0.05, malicious=True)
-    assert 2 * malicious.threshold > malicious.k
-    assert malicious.threshold > honest.threshold
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 400), st.sampled_from(["harary", "complete"]),
+       st.floats(0, 0.3), st.floats(0, 0.2))
+def test_every_plan_beats_a_split_view_or_refuses(n, kind, dropout, corruption):
+    """2t > k + c and t > c in every plan (split view: two lists, each needing t holders, the
+    c corrupt ones answering both); where no such t exists planning refuses."""
+    try:
+        plan = plan_graph(n, kind, dropout, corruption)
+    except ValueError as exc:
+        assert "no threshold" in str(exc)
+        return
+    assert 2 * plan.threshold > plan.k + plan.corrupt
+    assert plan.corrupt < plan.threshold <= plan.k
 
 
-def test_small_rounds_fall_back_to_an_honest_majority_on_the_complete_graph():
+def test_small_rounds_assume_a_fixed_number_of_colluders_on_the_complete_graph():
     plan = plan_graph(10, "harary", 0.1, 0.05)
-    assert (plan.k, plan.threshold, plan.bounded) == (9, 5, False)
+    assert (plan.k, plan.corrupt, plan.threshold, plan.bounded) == (9, 1, 6, False)
+    plan = plan_graph(50, "harary", 0.1, 0.05)  # the issue's n = 50: t was 21 of 49
+    assert (plan.k, plan.corrupt, plan.threshold) == (49, 3, 27)
     assert plan_graph(300, "complete", 0.1, 0.05).k == 299
+    with pytest.raises(ValueError, match="no threshold"):
+        plan_graph(3, "complete", 0.0, 0.5)
 
 
 def test_bad_plan_arguments():

@@ -21,21 +21,26 @@ from dpfleet.secagg.errors import (
 ids = st.integers(0, 2**32 - 1)
 blob = st.binary(max_size=40)
 pairs = st.lists(st.tuples(ids, blob), max_size=5).map(tuple)
-id_list = st.lists(ids, max_size=8).map(tuple)
-header = {"round_id": st.integers(0, 2**64 - 1), "sender": ids, "recipient": ids}
+id_list = st.sets(st.integers(0, 5000), max_size=8).map(lambda s: tuple(sorted(s)))
+header = {"context": st.binary(min_size=32, max_size=32), "sender": ids, "recipient": ids}
+CTX = bytes(range(32))
 
 MESSAGES = st.one_of(
-    st.builds(m.AdvertiseKeys, **header, c_public=blob, s_public=blob),
-    st.builds(m.KeyBroadcast, **header, adverts=st.lists(blob, max_size=4).map(tuple)),
+    st.builds(m.SeedCommit, **header, commitment=blob),
+    st.builds(m.SeedCommitments, **header, commitments=pairs),
+    st.builds(m.AdvertiseKeys, **header, c_public=blob, s_public=blob, reveal=blob),
+    st.builds(m.KeyBroadcast, **header, reveals=pairs,
+              adverts=st.lists(blob, max_size=4).map(tuple)),
     st.builds(m.ShareKeys, **header, commitment=blob, shares=pairs),
     st.builds(m.SharesForward, **header, shares=pairs),
-    st.builds(m.MaskedInput, **header, vector=st.sampled_from(["u1", "<u2", "<u4"]).flatmap(
-        lambda dt: st.lists(st.integers(0, 2 ** (8 * np.dtype(dt).itemsize) - 1), max_size=50)
-        .map(lambda v, dt=dt: np.array(v, dtype=dt)))),
+    st.integers(1, 32).flatmap(lambda bits: st.builds(
+        m.MaskedInput, **header, bits=st.just(bits),
+        vector=st.lists(st.integers(0, 2**bits - 1), max_size=50).map(
+            lambda v, bits=bits: np.array(v, dtype="u1" if bits <= 8 else "<u2" if bits <= 16
+                                          else "<u4")))),
     st.builds(m.ConsistencyCheck, **header, survivors=id_list),
     st.builds(m.ConsistencySignature, **header, survivors=id_list),
-    st.builds(m.UnmaskRequest, **header, survivors=id_list,
-              signatures=st.lists(blob, max_size=3).map(tuple)),
+    st.builds(m.UnmaskRequest, **header, survivors=id_list, signatures=pairs),
     st.builds(m.UnmaskShares, **header, self_mask=pairs, mask_key=pairs),
     st.builds(m.Abort, **header, reason=st.text(max_size=30)),
 )
@@ -45,9 +50,10 @@ PUBLIC = KEY.public_key().public_bytes_raw()
 
 def _same(a: m.Message, b: m.Message) -> bool:
     if isinstance(a, m.MaskedInput):
-        return (type(b) is m.MaskedInput and a.vector.dtype.itemsize == b.vector.dtype.itemsize
+        return (type(b) is m.MaskedInput and a.bits == b.bits
+                and a.vector.dtype.itemsize == b.vector.dtype.itemsize
                 and np.array_equal(a.vector, b.vector)
-                and (a.round_id, a.sender, a.recipient) == (b.round_id, b.sender, b.recipient))
+                and (a.context, a.sender, a.recipient) == (b.context, b.sender, b.recipient))
     return a == b
 
 
@@ -74,11 +80,11 @@ def test_decoder_fuzz_random_bytes(data):
 
 
 def _header_bytes(kind=1, flags=0, version=m.VERSION, magic=m.MAGIC):
-    return struct.pack("<4sBBBQII", magic, version, kind, flags, 1, 2, 3)
+    return struct.pack("<4sBBB32sII", magic, version, kind, flags, CTX, 2, 3)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 10), st.integers(0, 1), st.binary(max_size=120))
+@given(st.integers(1, 12), st.integers(0, 1), st.binary(max_size=120))
 def test_decoder_fuzz_valid_header_random_body(kind, flags, body):
     with contextlib.suppress(DecodeError):
         assert isinstance(m.decode(_header_bytes(kind, flags) + body), m.Message)
@@ -96,7 +102,7 @@ def test_decoder_fuzz_mutations_of_valid_messages(message, data):
 
 
 def test_every_truncation_is_a_decode_error():
-    message = m.ShareKeys(5, 1, m.SERVER, b"c" * 32, ((2, b"x" * 10), (3, b"y" * 10)))
+    message = m.ShareKeys(CTX, 1, m.SERVER, b"c" * 32, ((2, b"x" * 10), (3, b"y" * 10)))
     for signed in (None, KEY):
         data = m.encode(message, signed)
         for cut in range(len(data)):
@@ -107,7 +113,7 @@ def test_every_truncation_is_a_decode_error():
 
 
 @pytest.mark.parametrize("bad", [
-    _header_bytes(magic=b"XXXX"), _header_bytes(version=2), _header_bytes(kind=0),
+    _header_bytes(magic=b"XXXX"), _header_bytes(version=1), _header_bytes(kind=0),
     _header_bytes(kind=99), _header_bytes(flags=0x80),
 ])
 def test_unknown_magic_version_type_or_flag(bad):
@@ -125,7 +131,7 @@ def test_huge_counts_fail_fast_without_allocating():
 
 
 def test_signature_covers_every_byte():
-    data = m.encode(m.ConsistencySignature(1, 2, m.SERVER, (1, 2, 3)), KEY)
+    data = m.encode(m.ConsistencySignature(CTX, 2, m.SERVER, (1, 2, 3)), KEY)
     for i in range(len(data)):
         forged = bytearray(data)
         forged[i] ^= 1
@@ -137,9 +143,45 @@ def test_signature_covers_every_byte():
 
 
 def test_header_checks():
-    message = m.AdvertiseKeys(4, 1, m.SERVER, b"a", b"b")
-    m.check_header(message, 4, m.SERVER)
+    message = m.AdvertiseKeys(CTX, 1, m.SERVER, b"a", b"b", b"r")
+    m.check_header(message, CTX, m.SERVER)
     with pytest.raises(MisaddressedError):
-        m.check_header(message, 4, 7)
+        m.check_header(message, CTX, 7)
     with pytest.raises(RoundMismatchError):
-        m.check_header(dataclasses.replace(message, round_id=3), 4, m.SERVER)
+        m.check_header(dataclasses.replace(message, context=bytes(32)), CTX, m.SERVER)
+
+
+@pytest.mark.parametrize("bits", [1, 7, 12, 17, 20, 31, 32])
+def test_masked_vectors_travel_in_exactly_b_bits(bits):
+    dtype = "u1" if bits <= 8 else "<u2" if bits <= 16 else "<u4"
+    vector = np.random.default_rng(bits).integers(0, 2**bits, 1001).astype(dtype)
+    data = m.encode(m.MaskedInput(CTX, 1, m.SERVER, vector, bits))
+    assert len(data) == m.HEADER_BYTES + 1 + 8 + m.packed_size(1001, bits)
+    assert m.packed_size(1001, bits) <= -(-1001 * bits // 8) + 1
+    back = m.decode(data)
+    np.testing.assert_array_equal(back.vector, vector)
+    assert back.vector.dtype == np.dtype(dtype)
+    if 1001 * (bits % 8) % 8:
+        stray = bytearray(data)
+        stray[-1] |= 0x80  # a bit past the last field
+        with pytest.raises(DecodeError):
+            m.decode(bytes(stray))
+    too_wide = np.full(3, 2**bits, "<u8")  # does not fit in `bits`
+    with pytest.raises(ValueError):
+        m.encode(m.MaskedInput(CTX, 1, m.SERVER, too_wide, bits))
+
+
+def test_survivor_bitmap_is_canonical_and_linear():
+    """n survivors cost n/8 bytes; a bitmap with stray high bits or a cleared last bit (two
+    encodings of one list) is refused."""
+    survivors = tuple(range(0, 1000, 3))
+    data = m.encode(m.ConsistencyCheck(CTX, m.SERVER, 1, survivors))
+    assert len(data) == m.HEADER_BYTES + 4 + 125
+    assert m.decode(data).survivors == survivors
+    size_at = m.HEADER_BYTES
+    longer = bytearray(data)
+    struct.pack_into("<I", longer, size_at, 998)  # claims 998 bits but bit 997 is clear
+    with pytest.raises(DecodeError):
+        m.decode(bytes(longer))
+    with pytest.raises(ValueError):
+        m.encode(m.ConsistencyCheck(CTX, m.SERVER, 1, (3, 1)))

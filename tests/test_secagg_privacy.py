@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from dpfleet.secagg import crypto
 from dpfleet.secagg import messages as m
-from dpfleet.secagg.graph import Graph
 from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.params import RoundSetup
 
@@ -41,7 +40,7 @@ def test_a_single_masked_input_is_uniform_on_the_ring(pattern):
             seen["y"] = m.decode(data).vector
         return [data]
 
-    setup = RoundSetup(round_id=3, graph=Graph(3, 2), threshold=2, length=length, bits=bits)
+    setup = RoundSetup(n=3, k=2, threshold=2, length=length, bits=bits)
     run_round(setup, lambda u: x if u == 0 else np.zeros(length, np.uint16), intercept=grab)
     y = seen["y"]
     _assert_uniform((y >> 8).astype(np.int64), 256)  # high byte
