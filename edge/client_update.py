@@ -24,13 +24,22 @@ class ClientUpdate:
 
 
 def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
-    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm)."""
+    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm).
+
+    The sensitivity is C exactly, not C up to rounding: scaling to C in float64 and rounding to
+    float32 can land up to ~6e-8 relative above C, so while the float64 norm of the result is
+    still > C every coordinate moves one ulp toward zero (each then lies below its exact
+    scaled value, so one step suffices in practice).
+    """
     if clip_norm <= 0:
         raise ValueError("clip norm must be positive")
     norm = float(np.linalg.norm(vec.astype(np.float64)))
-    if norm > clip_norm:
-        return (vec * (clip_norm / norm)).astype(vec.dtype), norm
-    return vec, norm
+    if norm <= clip_norm:
+        return vec, norm
+    out = (vec.astype(np.float64) * (clip_norm / norm)).astype(vec.dtype)
+    while float(np.linalg.norm(out.astype(np.float64))) > clip_norm:
+        out = np.nextafter(out, np.zeros((), out.dtype))
+    return out, norm
 
 
 def client_update(
