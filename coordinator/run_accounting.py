@@ -39,12 +39,15 @@ from dpfleet.errors import DpfleetError
 class RunAccountant:
     """Observed participation of a running simulation and its privacy after each round."""
 
-    def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0):
+    def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
+                 conversion: str = "pld"):
         if budget_epsilon and noise_multiplier <= 0:
             raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
         self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
         self.budget_epsilon = float(budget_epsilon)
-        self.rho_budget = zcdp_for_epsilon(budget_epsilon, delta, "pld") if budget_epsilon else math.inf
+        # "rdp" for discrete noise, whose zCDP the Gaussian PLD does not bound (privacy_report)
+        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) if budget_epsilon
+                           else math.inf)
         self.rounds = 0
         self.restarts: list[int] = []
         self.last: dict[str, int] = {}
@@ -110,6 +113,8 @@ def _report_setting(cfg: SimulationConfig, participation: Participation, rounds:
         "report_goal": dp.report_goal, "population": population, "rounds": rounds,
         "secagg": cfg.aggregation.kind == "secagg", "adaptive_clipping": dp.adaptive_clipping,
     }
+    if dp.noise == "discrete":
+        setting.update(noise="discrete", method="rdp")
     if cfg.tokenizer.kind == "sentencepiece" and not cfg.tokenizer.path:
         setting["public_data"] = f"{cfg.tokenizer.corpus}, for the SentencePiece vocabulary"
     mins = participation.min_separation
@@ -137,7 +142,10 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
     privacy = {
         "accounting": "rho-zCDP of DP-FTRL's tree aggregation with the exact worst-case sensitivity "
                       "over every participation pattern with the observed MinS / MaxP (zero-out, "
-                      "device level); epsilon by PLD, epsilon_rdp by RDP",
+                      "device level); " + ("epsilon and epsilon_rdp by RDP (discrete noise: the "
+                                           "Gaussian PLD is no bound for it)"
+                                           if cfg.dp.noise == "discrete" else
+                                           "epsilon by PLD, epsilon_rdp by RDP"),
         "participation": cfg.participation.mode,
         "min_separation_enforced": participation.min_separation,
         "max_participation_enforced": cfg.participation.max_participation or None,

@@ -86,13 +86,14 @@ def make_runtime(cfg: SimulationConfig, model_cfg, cache: Path) -> TrainingRunti
     return make_exported(cfg.client.runtime, model_cfg, cfg.data.seq_len, cfg.client.threads, cache)
 
 
-def make_aggregator(cfg: SimulationConfig) -> Aggregator:
+def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> Aggregator:
     if cfg.aggregation.kind == "plain":
         return PlainAggregator()
     from dpfleet.secagg.aggregator import SecAggAggregator
 
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
-                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout)
+                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
+                            ring_clients=ring_clients)
 
 
 def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
@@ -150,6 +151,8 @@ def run_simulation(
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
         check_resumable(run.path, cfg.resolved())
+        if cfg.dp.noise == "discrete":  # its noise key is not kept for a resume point (yet)
+            raise DpfleetError("--resume of a dp.noise = 'discrete' run is not supported yet")
     run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
@@ -159,7 +162,8 @@ def run_simulation(
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     participation = Participation(cfg.participation, len(data.train), cfg.dp.report_goal, cfg.rounds,
                                   cfg.seed)
-    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
+    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
+                               conversion="rdp" if cfg.dp.noise == "discrete" else "pld")
     restarts = restart_rounds(cfg)
     z_model, estimator = cfg.dp.noise_multiplier, None
     if cfg.dp.adaptive_clipping:
@@ -171,11 +175,16 @@ def run_simulation(
         )
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, run.path / "programs")
-    aggregator = make_aggregator(cfg)
+    ring_noise = None  # dp.noise = "discrete": integer tree noise on the ring sum, not in `server`
+    if cfg.dp.noise == "discrete":
+        from dpfleet.coordinator.ring_noise import discrete_ring_noise
+
+        ring_noise = discrete_ring_noise(cfg, count_parameters(model))
+    aggregator = make_aggregator(cfg, ring_noise.plan.ring_clients if ring_noise else None)
     server = DPFTRLServer(
         get_flat(model),
         DPFTRLConfig(
-            noise_multiplier=z_model, clip_norm=cfg.dp.clip_norm,
+            noise_multiplier=0.0 if ring_noise else z_model, clip_norm=cfg.dp.clip_norm,
             report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr, momentum=cfg.dp.momentum,
             restart_rounds=tuple(restarts), seed=_seed(cfg.seed, "tree"),
             sensitivity_factor=sensitivity_factor(cfg, count_parameters(model)),
@@ -223,6 +232,8 @@ def run_simulation(
         if restart and estimator is not None:  # the clip estimate becomes the clip norm
             server.restart(estimator.estimate)
             estimator.restart()
+        if restart and ring_noise is not None:
+            ring_noise.restart()
         public_update = before_round(r, server.theta) if before_round else None
         if public_update is not None:
             server.theta = np.asarray(public_update, dtype=np.float32).copy()
@@ -235,14 +246,14 @@ def run_simulation(
             for i in chosen
         ]
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
-        server.step(agg.total)
+        server.step(agg.total if ring_noise is None else ring_noise.release(agg.ring))
         in_sum = [chosen[i] for i in agg.survivors]  # dropped clients contributed nothing
         participation.commit(selection, in_sum)
         spent = accountant.record([data.train[i].user for i in in_sum], restart)
         clip = server.clip_norm
         if estimator is not None:
             estimator.update([updates[i].norm for i in agg.survivors])
-        noise_std = server.noise_std
+        noise_std = server.noise_std if ring_noise is None else ring_noise.plan.noise_std
         eps = spent["epsilon"]
         record = {
             "round": r + 1,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dpfleet.coordinator.aggregation import AggregateResult
+from dpfleet.coordinator.aggregation import AggregateResult, RingSum
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
@@ -41,12 +41,16 @@ class SecAggAggregator:
         corruption: float = 0.05,
         signed: bool = False,
         block_size: int = 1 << 14,
+        ring_clients: int | None = None,
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
         assumed_dropout and corruption when None, see `dpfleet.secagg.graph`); dropout: the
         fraction of clients simulated to vanish after sharing keys (the costliest moment);
-        signed: add signatures and the consistency round (malicious-server setting)."""
+        signed: add signatures and the consistency round (malicious-server setting);
+        ring_clients: size the per-client coordinate range for this many clients instead of
+        the round's count (fixed scale across rounds, and headroom for integer noise added to
+        the ring sum, see `coordinator.ring_noise`)."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if not 0 <= dropout < 1:
@@ -55,13 +59,16 @@ class SecAggAggregator:
         self.threshold, self.dropout = threshold, dropout
         self.assumed_dropout, self.corruption = max(assumed_dropout, dropout), corruption
         self.signed, self.block_size = signed, block_size
+        self.ring_clients = ring_clients
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
         if not deltas:
             raise ValueError("no deltas to aggregate")
         started = time.perf_counter()
         n, length = len(deltas), int(np.asarray(deltas[0]).size)
-        disc = Discretizer(length, self.clip_norm, self.bits, n, round_seed,
+        if self.ring_clients is not None and n > self.ring_clients:
+            raise ValueError(f"{n} clients exceed the ring's {self.ring_clients}")
+        disc = Discretizer(length, self.clip_norm, self.bits, self.ring_clients or n, round_seed,
                            block_size=self.block_size)
         setup, identities, plan = plan_round(
             n, disc.padded_length, self.bits, self.graph, self.threshold,
@@ -105,4 +112,5 @@ class SecAggAggregator:
             "rejected_messages": len(report.rejections),
             "seconds": time.perf_counter() - started,
         }
-        return AggregateResult(total=total, survivors=list(report.survivors), info=info)
+        return AggregateResult(total=total, survivors=list(report.survivors), info=info,
+                               ring=RingSum(report.total, self.bits, disc.decode))
