@@ -15,11 +15,12 @@ Gaussian (Canonne, Kamath, Steinke 2020, Thm. 14). sigma^2 is rounded *up* to an
 
 Headroom: the ring level L (per-client coordinate bound) is sized for `ring_clients` >= the
 report goal n, so that n L plus the largest residual noise never wraps. A residual sums at most
-j = 1 + floor(log2 T) independent nodes; the discrete Gaussian is sigma-subgaussian (CKS
-Prop. 19), so P(|residual coordinate| >= x) <= 2 exp(-x^2 / (2 j sigma^2)), and over d'
-coordinates and T rounds the run wraps with probability <= WRAP_PROBABILITY when
-n L + sigma sqrt(2 j ln(2 d' T / WRAP_PROBABILITY)) <= 2^(b-1) - 1. A config that cannot meet
-this is refused. (A wrap would only spoil utility: privacy is that of the ring value.)
+j = 1 + floor(log2 T) independent nodes; the discrete Gaussian is sigma-subgaussian (CKS 2020,
+Sec. 2: E exp(lambda X) <= exp(lambda^2 sigma^2 / 2)), so P(|residual coordinate| >= x) <=
+2 exp(-x^2 / (2 j sigma^2)), and over d' coordinates and T rounds the run wraps with
+probability <= WRAP_PROBABILITY when n L + sigma sqrt(2 j ln(2 d' T / WRAP_PROBABILITY))
+<= 2^(b-1) - 1. A config that cannot meet this is refused. (A wrap would only spoil utility:
+privacy is that of the ring value.)
 """
 
 from __future__ import annotations

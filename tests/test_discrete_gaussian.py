@@ -1,5 +1,5 @@
 """The discrete Gaussian sampler is exact: its samples follow the N_Z(0, sigma^2) pmf (chi-square),
-its variance is the pmf's (below sigma^2 for small sigma, as CKS Cor. 9 says), it is a function
+its variance is the pmf's (below sigma^2 for small sigma, as CKS 2020 Sec. 2 shows), it is a function
 of the stream's words alone, and no floating-point value decides anything."""
 
 import ast

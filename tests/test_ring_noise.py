@@ -137,7 +137,7 @@ def renyi_discrete_gaussian(sigma: float, shift: int, alpha: float) -> float:
 def test_discrete_accounting_against_dp_accounting(sigma, sens):
     rho = zcdp_from_sensitivity(sigma / sens, 1)  # z = sigma / Delta, S = 1 (one release)
     assert rho == pytest.approx(sens**2 / (2 * sigma**2))
-    for alpha in (2, 3, 8):  # CKS Prop. 5: D_alpha = alpha * rho exactly for integer alpha
+    for alpha in (2, 3, 8):  # CKS 2020: D_alpha = alpha * rho exactly for integer alpha
         assert renyi_discrete_gaussian(sigma, sens, alpha) == pytest.approx(alpha * rho, rel=1e-9)
     for alpha in (1.25, 1.5, 4.5):  # and <= alpha * rho in between (the zCDP statement)
         renyi = renyi_discrete_gaussian(sigma, sens, alpha)
@@ -148,3 +148,14 @@ def test_discrete_accounting_against_dp_accounting(sigma, sens):
             sigma, sensitivity=sens).get_epsilon_for_delta(delta)
         assert pld <= ours  # the discrete PLD (exact) never exceeds the zCDP conversion
         assert ours < 2.5 * pld + 0.5  # and the conversion is not vacuous
+
+
+def test_restart_starts_a_fresh_tree_with_fresh_nodes():
+    plan = plan_ring(1500, 0.5, 32, 3, 1.0, rounds=6, block_size=512)
+    noise = RingNoise(plan, standin_streams(b"r" * 32))
+    first = [noise.tree.next_residual() for _ in range(3)]
+    noise.restart()
+    assert noise.tree.tree_id == 1 and noise.tree.t == 0
+    after = noise.tree.next_residual()
+    np.testing.assert_array_equal(after, noise.nodes(1, 0, 0))  # t = 1 of tree 1: one node
+    assert not np.array_equal(after, first[0])  # never the old tree's node again
