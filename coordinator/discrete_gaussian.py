@@ -92,19 +92,21 @@ def bernoulli(num: np.ndarray, den: int, stream: WordStream) -> np.ndarray:
 
 
 def bernoulli_exp_fraction(num: np.ndarray, den: int, stream: WordStream) -> np.ndarray:
-    """Bernoulli(exp(-num / den)) per element for 0 <= num <= den (CKS Alg. 1, gamma <= 1)."""
+    """Bernoulli(exp(-num / den)) per element for 0 <= num <= den (CKS Alg. 1, gamma <= 1).
+
+    Every element still looping at pass K has the same K, so Bernoulli(1 / K) is one scalar-m
+    uniform draw per pass; an element that fails at pass K returns whether K is odd."""
     num = np.asarray(num, dtype=np.int64)
-    k = np.ones(num.shape, dtype=np.int64)
-    active = np.arange(num.size)
+    out = np.zeros(num.size, dtype=bool)
+    active, k = np.arange(num.size), 1
     while active.size:
         hit = bernoulli(num[active], den, stream)  # Bernoulli(gamma / K) = B(gamma) and B(1 / K)
-        deeper = k[active] > 1
-        if deeper.any():
-            idx = np.flatnonzero(hit & deeper)
-            hit[idx] = uniform_below(k[active[idx]], stream) == 0
-        k[active[hit]] += 1
-        active = active[hit]
-    return k % 2 == 1
+        if k > 1:
+            hit &= uniform_below(k, stream, active.size) == 0
+        if k % 2:
+            out[active[~hit]] = True
+        active, k = active[hit], k + 1
+    return out
 
 
 def bernoulli_exp(whole: np.ndarray, num: np.ndarray, den: int, stream: WordStream) -> np.ndarray:

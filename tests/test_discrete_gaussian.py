@@ -199,3 +199,16 @@ def test_integer_sigma_sq_rounds_up_and_stays_fast(target):
     assert float(sigma_sq) <= target * (1 + 2 / math.sqrt(target)) + 2
     dg = DiscreteGaussian(sigma_sq, t)
     assert dg.y_fast > 30 * math.sqrt(target)  # int64 fast path well into the tail
+
+
+@pytest.mark.parametrize("whole,num,den", [(0, 0, 7), (0, 1, 3), (0, 5, 10), (0, 1, 1), (2, 3, 4),
+                                           (0, 123_456_789, 10**17)])
+def test_bernoulli_exp_hits_exp_minus_gamma(whole, num, den):
+    n = 200_000
+    s = stream(whole * 1000 + num % 997)
+    if num == den:
+        got = dgm.bernoulli_exp_fraction(np.full(n, num), den, s)
+    else:
+        got = dgm.bernoulli_exp(np.full(n, whole), np.full(n, num), den, s)
+    p = math.exp(-(whole + num / den))
+    assert abs(got.mean() - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-12
