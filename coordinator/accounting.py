@@ -9,6 +9,8 @@ tighter for the plain streaming tree of `tree_noise`), see `tree_sensitivity`.
 (eps, delta) conversions, `method`:
   "pld"         the Gaussian's privacy loss distribution (dp-accounting PLDAccountant), the
                 tightest; valid because rho always comes from one Gaussian mechanism here.
+                Where the PLD overflows (rho in the hundreds, eps ~ 700), the exact analytic
+                Gaussian of that one release (`analytic_gaussian`, Balle & Wang 2018) instead.
                 Paper 002 converts this way (Table 2, App. C: zCDP 0.25 -> eps 4.49, 1.86 ->
                 13.69 at delta = 1e-10; it converts the zCDP *rounded to two decimals*).
   "rdp"         dp-accounting's RdpAccountant on ZCDpEvent(rho) (RDP of order a is a * rho).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,7 @@ import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpfleet.coordinator.analytic_gaussian import analytic_gaussian_epsilon
 from dpfleet.coordinator.tree_sensitivity import (
     check_int,
     normalize_restarts,
@@ -122,8 +126,11 @@ def epsilon_from_zcdp(rho: float, delta: float, method: str = "pld") -> float:
     # adds is < 1e-4 relative, and the grid size stays bounded for tiny and for huge rho
     scale = epsilon_from_zcdp(rho, delta, "zcdp_bound")
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4 * scale)
-    acc.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(2.0 * rho)))
-    return float(acc.get_epsilon(delta))
+    with warnings.catch_warnings():  # the PLD's overflow is handled below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        acc.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(2.0 * rho)))
+        eps = float(acc.get_epsilon(delta))
+    return eps if math.isfinite(eps) else analytic_gaussian_epsilon(rho, delta)
 
 
 def zcdp_for_epsilon(epsilon: float, delta: float, method: str = "pld") -> float:

@@ -4,16 +4,27 @@ The round engine only ever asks an `Aggregator` for the *sum* of a round's flatt
 already-clipped deltas; it never needs one device's delta afterwards. The plain aggregator
 adds them in the clear (fast simulation); `dpfleet.secagg` provides one that runs the
 pairwise-mask protocol so that the server side only learns the sum. DP-FTRL noise is added
-by the coordinator to whatever sum comes back.
+by the coordinator to whatever sum comes back: to the decoded float `total`, or (discrete
+noise, `ring_noise`) to the integer `ring` sum before it is decoded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class RingSum:
+    """A secure sum still in Z_(2^bits), and the map back to reals. Decoding is
+    post-processing, so integer noise added to `values` before `decode` protects the release."""
+
+    values: np.ndarray  # unsigned ring elements, the modular sum of the encodings
+    bits: int
+    decode: Callable[[np.ndarray], np.ndarray]  # ring elements -> float64 sum
 
 
 @dataclass
@@ -23,6 +34,7 @@ class AggregateResult:
     total: np.ndarray  # float64 vector, the (decoded) sum over surviving clients
     survivors: list[int]  # positions (into the input list) whose deltas are in the sum
     info: dict = field(default_factory=dict)  # e.g. bytes sent, timings, norm inflation
+    ring: RingSum | None = None  # the integer sum before decoding (secure aggregation only)
 
 
 class Aggregator(Protocol):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from dpfleet.coordinator.accounting import (
@@ -15,6 +13,7 @@ from dpfleet.coordinator.accounting import (
 )
 from dpfleet.coordinator.tree_sensitivity import NODES
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
 
 
 def parse_rounds_list(text: str | None) -> list[int]:
@@ -113,4 +112,4 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
                                     1 if max_participation is None else max_participation,
                                     min_separation, parse_rounds_list(restarts), delta, method,
                                     adjacency=adjacency, nodes=tree_nodes)
-    click.echo(json.dumps(result) if as_json else _format(result))
+    click.echo(dumps(result) if as_json else _format(result))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -10,6 +9,7 @@ import click
 from dpfleet.coordinator.accounting import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.planner import Plan, make_plan, plot_plan
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
 
 
 def format_plan(plan: Plan) -> str:
@@ -82,6 +82,6 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
     if out is not None:
         out_dir = Path(out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "plan.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        (out_dir / "plan.json").write_text(dumps(result.to_dict(), indent=1) + "\n")
         figure = plot_plan(result, out_dir / "plan.png")
         click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")

@@ -77,6 +77,9 @@ class DPSection:
     # -1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
     # derived from this seed and the DP guarantee does not hold against anyone who knows it
     noise_seed: int = -1
+    # "discrete": the tree noise is a discrete Gaussian added to secure aggregation's integer
+    # ring sum before decoding (coordinator/ring_noise.py); needs aggregation.kind = "secagg"
+    noise: str = "gaussian"
 
 
 @dataclass
@@ -145,6 +148,7 @@ _CHOICES = {
     "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
+    "dp.noise": ("gaussian", "discrete"),
 }
 
 _MOVED = {"dp.sampling": "participation.mode"}
@@ -249,6 +253,11 @@ def validate(cfg: SimulationConfig) -> None:
          "aggregation.fleet_keys needs aggregation.signed = true"),
         (not (cfg.dp.adaptive_clipping and cfg.aggregation.kind == "secagg"),
          "dp.adaptive_clipping with secure aggregation is not supported yet"),
+        (cfg.dp.noise != "discrete" or cfg.aggregation.kind == "secagg",
+         "dp.noise = 'discrete' requires aggregation.kind = 'secagg' (the integer noise is added "
+         "to secure aggregation's ring sum)"),
+        (cfg.dp.noise != "discrete" or cfg.dp.noise_multiplier > 0,
+         "dp.noise = 'discrete' needs dp.noise_multiplier > 0"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
          "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),
         (cfg.participation.timer_period >= 0, "participation.timer_period must be >= 0 hours"),

@@ -10,16 +10,25 @@ the model); the clip norm may change only there (adaptive clipping, issue 3).
 
 Noise: node vectors come from `noise_stream.GaussianNodes` under the run's secret 256-bit noise
 key (`noise_key`; a fresh one from the OS CSPRNG when none is given), never from `seed`.
+With a `ring` plan (`dp.noise = "discrete"`, `ring_noise.py`) the nodes are int64 discrete
+Gaussians under the same key, and `step` takes secure aggregation's `RingSum`: the integer
+residual is added in Z_(2^b) before decoding, so no floating-point sampler touches a release.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpfleet.coordinator.aggregation import RingSum
 from dpfleet.coordinator.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.tree_noise import TreeNoise
+
+if TYPE_CHECKING:
+    from dpfleet.coordinator.ring_noise import RingPlan
 
 
 @dataclass
@@ -38,8 +47,9 @@ class DPFTRLConfig:
 class DPFTRLServer:
     """Holds theta, the momentum buffer and the noise tree; applies one round at a time."""
 
-    def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig, noise_key: bytes | None = None):
-        self.cfg = cfg
+    def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig, noise_key: bytes | None = None,
+                 ring: RingPlan | None = None):
+        self.cfg, self.ring = cfg, ring
         self.noise_key = new_noise_key() if noise_key is None else noise_key
         self.theta = theta0.astype(np.float32).copy()
         self.momentum = np.zeros_like(self.theta)
@@ -49,14 +59,20 @@ class DPFTRLServer:
 
     @property
     def noise_std(self) -> float:
-        """Per-node noise std on the *sum* of clipped deltas."""
+        """Per-node noise std on the *sum* of clipped deltas (in decoded units for a ring)."""
+        if self.ring is not None:
+            return self.ring.noise_std
         return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
 
-    def _nodes(self) -> GaussianNodes:
+    def _nodes(self) -> Callable[[int, int, int], np.ndarray]:
+        if self.ring is not None:
+            from dpfleet.coordinator.ring_noise import ring_nodes
+
+            return ring_nodes(self.ring, self.noise_key)
         return GaussianNodes(self.noise_key, self.noise_std, self.theta.size)
 
     def _new_tree(self, tree_id: int) -> TreeNoise:
-        return TreeNoise(self.theta.size, self._nodes(), tree_id)
+        return TreeNoise(self.ring.length if self.ring else self.theta.size, self._nodes(), tree_id)
 
     @property
     def restart_due(self) -> bool:
@@ -74,13 +90,21 @@ class DPFTRLServer:
             self.clip_norm = clip_norm
         self.tree = self._new_tree(self.tree.tree_id + 1 if tree_id is None else tree_id)
 
-    def step(self, delta_sum: np.ndarray) -> np.ndarray:
-        """Apply one round's sum of clipped deltas; returns the new theta."""
+    def step(self, delta_sum: np.ndarray | RingSum) -> np.ndarray:
+        """Apply one round's sum of clipped deltas (float, or a ring sum with a `ring` plan);
+        returns the new theta."""
         if self.restart_due:
             self.restart()
-        noisy_avg = (delta_sum.astype(np.float32) + self.tree.next_residual()) / np.float32(
-            self.cfg.report_goal
-        )
+        residual = self.tree.next_residual()
+        if isinstance(delta_sum, RingSum) != (self.ring is not None):
+            raise TypeError("a discrete-noise server steps on ring sums, a Gaussian one on floats")
+        if self.ring is not None:
+            from dpfleet.coordinator.ring_noise import release
+
+            noisy_sum = release(delta_sum, residual).astype(np.float32)
+        else:
+            noisy_sum = delta_sum.astype(np.float32) + residual
+        noisy_avg = noisy_sum / np.float32(self.cfg.report_goal)
         self.momentum *= np.float32(self.cfg.momentum)
         self.momentum += noisy_avg
         self.theta += np.float32(self.cfg.server_lr) * self.momentum

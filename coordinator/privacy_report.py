@@ -22,6 +22,8 @@ client timer enforces, also the worst case that timer implies over the planned r
                         plain streaming tree, see `tree_sensitivity`)
   restarts              list[int]: tree restart rounds when there is no log (else the log's)
   secagg                bool: updates were summed with secure aggregation
+  noise                 "gaussian" (default) or "discrete": integer noise on the SecAgg ring sum,
+                        accounted by zCDP (CKS Thm. 14) and converted by "rdp", never "pld"
   adaptive_clipping     bool: clip norm adopted at tree restarts (paper 002 Alg. 1)
   public_data           str: public data used (e.g. for pretraining), not covered by DP
   not_covered           list[str]: what the guarantee does not cover (`not_covered.py`)
@@ -51,7 +53,7 @@ OPTIONAL = {
     "clip_norm": None, "report_goal": None, "population": None, "rounds": None,
     "timer_min_separation": None, "timer_period": None, "unit": "device",
     "adjacency": "zero-out", "method": "pld", "tree_nodes": "all", "restarts": None,
-    "secagg": False,
+    "secagg": False, "noise": "gaussian",
     "adaptive_clipping": False, "public_data": None, "participation_log": None,
     "not_covered": None, "vocabulary": None, "nonprivate_vocabulary": False,
 }
@@ -95,6 +97,10 @@ def _check_setting(setting: dict) -> dict:
         raise DpfleetError(f"unit must be one of {', '.join(UNITS)}, got {full['unit']!r}")
     if full["adjacency"] not in ADJACENCY:
         raise DpfleetError(f"adjacency must be one of {', '.join(ADJACENCY)}")
+    if full["noise"] not in ("gaussian", "discrete"):
+        raise DpfleetError(f"noise must be 'gaussian' or 'discrete', got {full['noise']!r}")
+    if full["noise"] == "discrete" and full["method"] == "pld":
+        raise DpfleetError("discrete noise: the Gaussian PLD is not a proven bound; use method 'rdp'")
     if full["tree_nodes"] not in NODES:
         raise DpfleetError(f"tree_nodes must be one of {', '.join(NODES)}")
     for key, minimum in (("timer_min_separation", 0), ("rounds", 1), ("report_goal", 1),
@@ -180,6 +186,14 @@ def render_privacy_report(summary: dict) -> str:
         lines.append("Updates were summed with secure aggregation: the server sees only sums "
                      "over at least the report goal's devices. The DP guarantee does not rely "
                      "on it.")
+    if s["noise"] == "discrete":
+        lines.append("The tree noise is a discrete Gaussian N_Z(0, sigma^2) added to secure "
+                     "aggregation's integer ring sum before decoding (exact sampler from AES-CTR "
+                     "words, Canonne, Kamath, Steinke 2020): no floating-point sampler touches "
+                     "the release. It is rho-zCDP with the same rho = S / (2 z^2) as the "
+                     "continuous Gaussian (CKS Thm. 14), but the continuous Gaussian's PLD is not "
+                     "a proven bound for it, so eps comes from the zCDP statement through the "
+                     "RDP conversion (valid for every rho-zCDP mechanism).")
     lines += [
         "",
         "## 2. Instantiating the DP definition",

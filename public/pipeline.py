@@ -45,6 +45,7 @@ from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
+from dpfleet.jsonio import dumps
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 from dpfleet.public.matching import (
     Pool,
@@ -262,7 +263,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
     sim = dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
         cfg.simulation.tokenizer, kind="sentencepiece", path=tok_path))
-    atomic_write(out / "pipeline.json", json.dumps(
+    atomic_write(out / "pipeline.json", dumps(
         dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
                       cfg.pool.seed)
@@ -300,7 +301,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         report.update(selected=len(chosen), sources=source_report(pool.sources, chosen),
                       public_training=history, public_seconds=time.perf_counter() - t0,
                       selected_indices=[int(i) for i in chosen])
-        atomic_write(stage_file, json.dumps(report, default=float))
+        atomic_write(stage_file, dumps(report, default=float))
         shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
         log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")
         return new_theta
@@ -320,5 +321,5 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         "stopped_early": result.stopped_early,
         "wall_seconds": time.perf_counter() - start,
     }
-    atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=float))
+    atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
     return summary

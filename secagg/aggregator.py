@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.aggregation import AggregateResult
+from dpfleet.coordinator.aggregation import AggregateResult, RingSum
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.fleet import load_fleet_file
@@ -47,6 +47,7 @@ class SecAggAggregator:
         signed: bool = False,
         block_size: int = 1 << 14,
         fleet_keys: str | Path | None = None,
+        ring_clients: int | None = None,
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
@@ -55,7 +56,10 @@ class SecAggAggregator:
         signed: add signatures and the consistency round (malicious-server setting); the
         emulated fleet's identity keys are made once and pinned on every emulated device, and
         each device's local policy demands the planned n, k, t and c; fleet_keys: a fleet key
-        file (`dpfleet.secagg.fleet`) holding those identity keys instead (signed mode)."""
+        file (`dpfleet.secagg.fleet`) holding those identity keys instead (signed mode);
+        ring_clients: size the per-client coordinate range for this many clients instead of
+        the round's count (fixed scale across rounds, and headroom for integer noise added to
+        the ring sum, see `coordinator.ring_noise`)."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if not 0 <= dropout < 1:
@@ -68,13 +72,16 @@ class SecAggAggregator:
         self._fleet: dict[int, Ed25519PrivateKey] = (
             load_fleet_file(Path(fleet_keys)) if fleet_keys and signed else {})
         self._fleet_file = fleet_keys if signed else None
+        self.ring_clients = ring_clients
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
         if not deltas:
             raise ValueError("no deltas to aggregate")
         started = time.perf_counter()
         n, length = len(deltas), int(np.asarray(deltas[0]).size)
-        disc = Discretizer(length, self.clip_norm, self.bits, n, round_seed,
+        if self.ring_clients is not None and n > self.ring_clients:
+            raise ValueError(f"{n} clients exceed the ring's {self.ring_clients}")
+        disc = Discretizer(length, self.clip_norm, self.bits, self.ring_clients or n, round_seed,
                            block_size=self.block_size)
         if self.signed and self._fleet_file and len(self._fleet) < n:
             raise DpfleetError(f"fleet key file {self._fleet_file} holds {len(self._fleet)} "
@@ -127,4 +134,5 @@ class SecAggAggregator:
             "rejected_messages": len(report.rejections),
             "seconds": time.perf_counter() - started,
         }
-        return AggregateResult(total=total, survivors=list(report.survivors), info=info)
+        return AggregateResult(total=total, survivors=list(report.survivors), info=info,
+                               ring=RingSum(report.total, self.bits, disc.decode))

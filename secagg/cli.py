@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
 from dpfleet.secagg.bench import bench_round
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.inprocess import PHASES
@@ -54,7 +53,7 @@ def bench(clients: int, dim: float, dropout: float, graph: str, bits: int, signe
     except SecAggError as exc:
         raise DpfleetError(f"round aborted: {exc}") from exc
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(dumps(result, indent=2))
         return
     click.echo(f"{result['graph']} graph  n={clients}  d={int(dim)}  dropout={dropout}  "
                f"k={result['k']}  t={result['threshold']}  bits={bits}"

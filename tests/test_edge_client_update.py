@@ -15,11 +15,35 @@ finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 def test_clip_bounds_norm_and_keeps_direction(vec, clip):
     out, norm = clip_l2(vec, clip)
     assert norm == pytest.approx(float(np.linalg.norm(vec.astype(np.float64))), rel=1e-9)
-    assert np.linalg.norm(out.astype(np.float64)) <= clip * (1 + 1e-5)
+    assert np.linalg.norm(out.astype(np.float64)) <= clip  # exactly, not up to rounding
     if norm <= clip:
         np.testing.assert_array_equal(out, vec)
     else:
         np.testing.assert_allclose(out * (norm / clip), vec, rtol=1e-4, atol=1e-3)
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 5000), st.floats(1e-6, 1e6), st.floats(1e-3, 1e3), st.integers(0, 2**32 - 1))
+def test_clip_never_exceeds_the_bound_over_scales(d, scale, clip, seed):
+    vec = (np.random.default_rng(seed).standard_normal(d) * scale).astype(np.float32)
+    out, norm = clip_l2(vec, clip)
+    assert out.dtype == np.float32
+    assert float(np.linalg.norm(out.astype(np.float64))) <= clip
+    if norm > clip:  # only the rounding step is taken off: the length is C to float32 precision
+        assert float(np.linalg.norm(out.astype(np.float64))) >= clip * (1 - 1e-6)
+
+
+def test_plain_float32_scaling_does_exceed_the_bound():
+    """The bug this guards against: scale in float64, round to float32, and the norm is > C."""
+    worst = 0.0
+    for seed in range(200):
+        vec = np.random.default_rng(seed).standard_normal(1000).astype(np.float32)
+        norm = float(np.linalg.norm(vec.astype(np.float64)))
+        naive = (vec * (0.3 / norm)).astype(np.float32)
+        worst = max(worst, float(np.linalg.norm(naive.astype(np.float64))) / 0.3 - 1)
+        out, _ = clip_l2(vec, 0.3)
+        assert float(np.linalg.norm(out.astype(np.float64))) <= 0.3
+    assert worst > 1e-8  # the naive clip overshoots; clip_l2 above never does
 
 
 def test_clip_rejects_nonpositive_bound():

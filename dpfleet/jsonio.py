@@ -1,0 +1,35 @@
+"""JSON that every reader can parse: non-finite floats become null.
+
+Python's `json` writes `Infinity` / `NaN` by default, which is not JSON (jq, browsers and most
+languages refuse the file). eps = inf (no noise), a diverged loss or a 0/0 metric are legitimate
+values here, so every JSON the project writes goes through `dumps`, which maps them to `null`
+and then refuses any non-finite float that slipped through (`allow_nan=False`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every non-finite float (also numpy floats, in dicts / lists / tuples) as None."""
+    if isinstance(obj, float | np.floating):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.ndarray):
+        return finite(obj.tolist())
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """`json.dumps` with non-finite floats written as null (keyword arguments pass through)."""
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
