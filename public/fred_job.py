@@ -282,3 +282,21 @@ def plot_ranking(rows: list[dict], title: str, out: Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def fred_select(stats_file: Path, texts: Sequence[str], sources: Sequence[str],
+                fraction: float) -> tuple[np.ndarray, dict]:
+    """The pipeline's `selection = "fred"`: the top `fraction` of pool records by Gaussian
+    log-likelihood under the DP statistics, plus each pool source's FreD (both free)."""
+    from dpfleet.public.fred import gaussian_loglik
+    from dpfleet.public.matching import top_fraction
+
+    release = load_release(stats_file)
+    x = release.view(embed_cached(load_embedder(release.summary["embedder"]), list(texts)))
+    chosen = top_fraction(gaussian_loglik(x, release.mean, release.cov), fraction)
+    by_source = {}
+    for source in sorted(set(sources)):
+        rows = x[[i for i, s in enumerate(sources) if s == source]]
+        if len(rows) >= 2:
+            by_source[source] = frechet_distance(*moments(rows), release.mean, release.cov)
+    return chosen, {"fred_by_source": by_source, "fred_privacy": release.summary["privacy"]}
