@@ -286,17 +286,21 @@ def plot_ranking(rows: list[dict], title: str, out: Path) -> Path:
 
 def fred_select(stats_file: Path, texts: Sequence[str], sources: Sequence[str],
                 fraction: float) -> tuple[np.ndarray, dict]:
-    """The pipeline's `selection = "fred"`: the top `fraction` of pool records by Gaussian
-    log-likelihood under the DP statistics, plus each pool source's FreD (both free)."""
-    from dpfleet.public.fred import gaussian_loglik
-    from dpfleet.public.matching import top_fraction
+    """The pipeline's `selection = "fred"`: the pool mixture FreD prefers (free post-processing).
+
+    Sources are ordered by their FreD to the DP statistics; the top `fraction` of the pool is
+    filled with the closest source's records first (pool order), then the next source's. Paper
+    003 chooses among datasets; ranking single records by their Gaussian likelihood under the
+    DP moments (`fred.gaussian_loglik`) was no better than chance on real text at small K and d."""
+    from dpfleet.public.matching import selection_size
 
     release = load_release(stats_file)
     x = release.view(embed_cached(load_embedder(release.summary["embedder"]), list(texts)))
-    chosen = top_fraction(gaussian_loglik(x, release.mean, release.cov), fraction)
     by_source = {}
     for source in sorted(set(sources)):
         rows = x[[i for i, s in enumerate(sources) if s == source]]
-        if len(rows) >= 2:
-            by_source[source] = frechet_distance(*moments(rows), release.mean, release.cov)
+        by_source[source] = (frechet_distance(*moments(rows), release.mean, release.cov)
+                             if len(rows) >= 2 else float("inf"))
+    order = sorted(range(len(sources)), key=lambda i: (by_source[sources[i]], i))
+    chosen = np.asarray(order[: selection_size(len(order), fraction)], dtype=np.int64)
     return chosen, {"fred_by_source": by_source, "fred_privacy": release.summary["privacy"]}
