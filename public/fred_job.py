@@ -176,6 +176,9 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     else:
         public_view = np.asarray(public, np.float64)
     z1, z2 = calibrate(f.epsilon, f.delta, f.mean_share)
+    if f.noise_seed >= 0:
+        log(f"warning: fred.noise_seed = {f.noise_seed} makes the noise reproducible; "
+            "for benchmarks only, never for a real query")
     log(f"FreD query over {len(users)} users ({sum(counts)} texts), d = {dim}, {f.level} level, "
         f"z1 = {z1:.3g}, z2 = {z2:.3g}")
     release = private_moments(users, clip=f.clip, z_mean=z1, z_cov=z2, level=f.level,

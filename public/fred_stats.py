@@ -39,8 +39,10 @@ LEVELS = ("user", "sample")
 
 
 def clip_rows(x: np.ndarray, c: float) -> np.ndarray:
-    """Each row scaled to L2 norm at most c (Definition 2.4)."""
+    """Each row scaled to L2 norm at most c (Definition 2.4). A row with a NaN or inf becomes 0:
+    one user's NaN would otherwise turn the whole noisy sum into NaN and reveal that user."""
     x = np.asarray(x, dtype=np.float64)
+    x = np.where(np.isfinite(x).all(axis=1, keepdims=True), x, 0.0)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(1.0, norms / c)
 

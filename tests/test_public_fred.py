@@ -122,6 +122,16 @@ def test_adding_or_removing_one_user_moves_the_sums_by_at_most_c_and_c2(users, c
         assert np.linalg.norm(step2) <= c * c * (1 + 1e-9)
 
 
+def test_a_non_finite_embedding_cannot_poison_the_release():
+    rng = np.random.default_rng(9)
+    users = [rng.normal(size=(4, 3)) for _ in range(10)]
+    users[0] = users[0].copy()
+    users[0][1] = [np.nan, 1.0, np.inf]
+    r = private_moments(users, clip=1.0, z_mean=1.0, z_cov=1.0, noise_seed=0)
+    assert np.isfinite(r.mean).all() and np.isfinite(r.cov_raw).all()
+    assert np.linalg.norm(mean_contribution(users[0], 1.0, "user")) <= 1.0
+
+
 def _cohort(rng, k, d=3, per_user=5):
     return [rng.normal(size=(per_user, d)) * 0.3 for _ in range(k)]
 
