@@ -300,7 +300,16 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
 
         fig = report["fred_privacy"]
         if fig["level"] == "user" and 0 < (result.privacy.get("zcdp") or 0) < float("inf"):
-            summary["epsilon_with_fred"] = privacy_figures(
-                fig["z_mean"], fig["z_cov"], sim.dp.delta, "user", result.privacy["zcdp"])["composed_epsilon"]
+            composed = privacy_figures(fig["z_mean"], fig["z_cov"], sim.dp.delta, "user",
+                                       result.privacy["zcdp"])
+            summary["epsilon_with_fred"] = composed["composed_epsilon"]
+            report_md = out / "simulation" / "privacy_report.md"
+            if report_md.is_file():
+                atomic_write(report_md, report_md.read_text() + (
+                    f"\n## With the FreD statistics (paper 003)\n\nThe public pre-training set was chosen "
+                    f"with FreD statistics of the same users (two Gaussian releases, z1 = "
+                    f"{fig['z_mean']:.4g}, z2 = {fig['z_cov']:.4g}). DP-FTRL and FreD together: "
+                    f"({composed['composed_epsilon']:.4g}, {sim.dp.delta:g})-DP, rho-zCDP "
+                    f"{composed['composed_zcdp']:.4g} (PLD of the Gaussian mechanisms).\n"))
     atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
