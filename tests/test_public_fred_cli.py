@@ -131,3 +131,30 @@ def test_pipeline_fred_selection_needs_a_stats_file():
     with pytest.raises(DpfleetError, match='selection = "fred" needs public.fred_stats'):
         parse_pipeline({"public": {"selection": "fred", "first_stage_rounds": 0,
                                    "fred_stats": "/nonexistent/fred_stats.npz"}})
+
+
+def test_pipeline_pretrains_on_the_fred_closest_source(files, tiny_teacher_vocab, tmp_path):
+    from dpfleet.public.fred_job import load_fred_config, run_fred_stats
+    from dpfleet.public.pipeline import parse_pipeline, run_pipeline
+
+    stats = tmp_path / "stats"
+    run_fred_stats(load_fred_config(_config(files)), stats, progress=False, log=lambda s: None)
+    values = {
+        "public": {"first_stage_rounds": 0, "selection": "fred", "kd_beta": 0.0, "fraction": 0.5,
+                   "fred_stats": str(stats / "fred_stats.npz"), "steps": 5, "batch_size": 8},
+        "pool": {"sources": ["wikitext2", "shakespeare-collab"], "records": [20, 20], "seq_len": 12},
+        "simulation": {
+            "rounds": 2, "eval_every": 2,
+            "data": {"dataset": "shakespeare-solo", "seq_len": 12, "max_clients": 8,
+                     "max_examples": 8, "eval_examples": 50},
+            "tokenizer": {"path": str(tiny_teacher_vocab.tokenizer.model_file.parent)},
+            "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 16, "projection_dim": 8},
+            "dp": {"report_goal": 4, "noise_multiplier": 0.5},
+        },
+    }
+    summary = run_pipeline(parse_pipeline(values), tmp_path / "run", progress=False, log=lambda s: None)
+    assert summary["sources"]["shakespeare-collab"]["selected"] == 20
+    assert summary["sources"]["wikitext2"]["selected"] == 0
+    assert summary["fred_by_source"]["shakespeare-collab"] < summary["fred_by_source"]["wikitext2"]
+    assert summary["epsilon_with_fred"] > summary["epsilon"]
+    assert "With the FreD statistics" in (tmp_path / "run" / "simulation" / "privacy_report.md").read_text()
