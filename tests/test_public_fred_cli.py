@@ -158,3 +158,12 @@ def test_pipeline_pretrains_on_the_fred_closest_source(files, tiny_teacher_vocab
     assert summary["fred_by_source"]["shakespeare-collab"] < summary["fred_by_source"]["wikitext2"]
     assert summary["epsilon_with_fred"] > summary["epsilon"]
     assert "With the FreD statistics" in (tmp_path / "run" / "simulation" / "privacy_report.md").read_text()
+
+
+def test_example_fred_config_is_valid():
+    from pathlib import Path
+
+    from dpfleet.public.fred_job import load_fred_config
+
+    cfg = load_fred_config(Path(__file__).parent.parent / "examples" / "fred.toml")
+    assert cfg.fred.level == "user" and cfg.fred.epsilon == 0.6 and cfg.fred.pca_dim == 16
