@@ -71,10 +71,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="public pre-training steps")
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--candidates", nargs="+", default=CANDIDATES)
+    ap.add_argument("--append", action="store_true", help="keep the rows already in the JSON")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = HERE / "fred_training.json"
-    rows = []
+    rows = json.loads(out.read_text())["rows"] if args.append and out.is_file() else []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for cand in args.candidates:
