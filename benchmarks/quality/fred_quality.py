@@ -67,13 +67,14 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=4000,
                     help="records of each Fig. 2 source the mixtures are drawn from")
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--pca-records", type=int, default=1000, help="public PCA records per source")
     ap.add_argument("--epsilon", type=float, default=0.6)
     ap.add_argument("--delta", type=float, default=2e-6)
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     f = FredSection(embedder=args.embedder, cohort_size=args.cohort, max_samples=args.max_samples,
-                    pca_dim=args.pca_dim)
+                    pca_dim=args.pca_dim, pca_records=args.pca_records)
     embedder = load_embedder(args.embedder)
     cohort = _cohort_texts(f)
     collab = candidate_texts("shakespeare-collab", args.pool)
@@ -147,6 +148,7 @@ def main() -> None:
         }
     result = {
         "setting": {"embedder": embedder.name, "pca_dim": args.pca_dim, "clip": clip,
+                    "pca_records_per_source": args.pca_records,
                     "cohort": args.cohort, "cohort_texts": int(sum(counts)),
                     "max_samples": args.max_samples, "epsilon": args.epsilon, "delta": args.delta,
                     "z_mean": z1, "z_cov": z2, "records_per_candidate": args.records,
