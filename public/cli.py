@@ -213,3 +213,9 @@ def pipeline(config, out, overwrite, resume, quiet) -> None:
     keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
             "final", "epsilon")
     click.echo(dumps({k: summary.get(k) for k in keys}, indent=2, default=float))
+
+
+from dpfleet.public.cli_fred import fred_rank, fred_stats  # noqa: E402
+
+public.add_command(fred_stats)
+public.add_command(fred_rank)

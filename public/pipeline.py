@@ -60,7 +60,7 @@ from dpfleet.public.matching import (
 from dpfleet.public.overlap import check_public_sources, check_public_texts
 from dpfleet.public.teacher_tokenizer import TeacherVocab
 
-SELECTIONS = ("none", "random", "match")
+SELECTIONS = ("none", "random", "match", "fred")
 
 
 @dataclass
@@ -69,7 +69,8 @@ class PublicSection:
     vocab_size: int = 4096  # on-device vocabulary trimmed from the teacher's (unless tokenizer.path)
     vocab_records: int = 20_000  # WikiText-2 records that choose the kept pieces
     first_stage_rounds: int = -1  # T'; -1 = rounds // 2; 0 = public pre-training
-    selection: str = "match"  # "none" | "random" | "match"
+    selection: str = "match"  # "none" | "random" | "match" | "fred"
+    fred_stats: str = ""  # fred_stats.npz (`dpfleet public fred-stats`) for selection = "fred"
     fraction: float = 0.1  # q: share of the pool trained on
     match_beta: float = 0.5  # weight of l_priv in the ranking (1 = l_priv only)
     kd_beta: float = 0.1  # weight of L_KD (0 = plain next-token loss, no teacher labels)
@@ -119,6 +120,8 @@ def parse_pipeline(values: dict) -> PipelineConfig:
         (p.selection != "match" or cfg.switch_round >= 1,
          "distribution matching needs a DP checkpoint: public.first_stage_rounds >= 1"),
         (0 < p.fraction <= 1, "public.fraction must be in (0, 1]"),
+        (p.selection != "fred" or Path(p.fred_stats).is_file(),
+         f'selection = "fred" needs public.fred_stats, an existing fred_stats.npz (got {p.fred_stats!r})'),
         (0 <= p.match_beta <= 1, "public.match_beta must be in [0, 1]"),
         (p.kd_beta >= 0 and p.temperature > 0, "public.kd_beta >= 0 and temperature > 0"),
         (p.steps >= 0 and p.batch_size >= 1 and p.lr > 0, "public.steps/batch_size/lr out of range"),
@@ -290,6 +293,11 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
             chosen = top_fraction(match_scores(l_pub, l_priv, p.match_beta), p.fraction)
             np.savez(out / "scores.npz", l_priv=l_priv,
                      l_pub=l_pub if l_pub is not None else np.full_like(l_priv, np.nan))
+        elif p.selection == "fred":  # FreD (paper 003): rank by likelihood under the DP statistics
+            from dpfleet.public.fred_job import fred_select
+
+            chosen, fred_report = fred_select(Path(p.fred_stats), pool.texts, pool.sources, p.fraction)
+            report.update(fred_report)
         else:
             chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
         corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
@@ -321,5 +329,21 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         "stopped_early": result.stopped_early,
         "wall_seconds": time.perf_counter() - start,
     }
+    if p.selection == "fred" and "fred_privacy" in report:  # the same users' two FreD releases
+        from dpfleet.public.fred_privacy import privacy_figures
+
+        fig = report["fred_privacy"]
+        if fig["level"] == "user" and 0 < (result.privacy.get("zcdp") or 0) < float("inf"):
+            composed = privacy_figures(fig["z_mean"], fig["z_cov"], sim.dp.delta, "user",
+                                       result.privacy["zcdp"])
+            summary["epsilon_with_fred"] = composed["composed_epsilon"]
+            report_md = out / "simulation" / "privacy_report.md"
+            if report_md.is_file():
+                atomic_write(report_md, report_md.read_text() + (
+                    f"\n## With the FreD statistics (paper 003)\n\nThe public pre-training set was chosen "
+                    f"with FreD statistics of the same users (two Gaussian releases, z1 = "
+                    f"{fig['z_mean']:.4g}, z2 = {fig['z_cov']:.4g}). DP-FTRL and FreD together: "
+                    f"({composed['composed_epsilon']:.4g}, {sim.dp.delta:g})-DP, rho-zCDP "
+                    f"{composed['composed_zcdp']:.4g} (PLD of the Gaussian mechanisms).\n"))
     atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
     return summary
