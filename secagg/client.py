@@ -192,7 +192,7 @@ class SecAggClient:
             if advert.sender in peers:
                 raise DuplicateMessageError(f"two adverts from client {advert.sender}")
             if self.setup.signed:
-                verify(blob, self.setup.identities[advert.sender])
+                verify(blob, self.setup.identities[advert.sender], self.context)
             if advert.reveal != reveals[advert.sender]:
                 raise ProtocolViolationError("advert and reveal list disagree")
             if len(advert.c_public) != crypto.KEY_BYTES or len(advert.s_public) != crypto.KEY_BYTES:
@@ -301,7 +301,8 @@ class SecAggClient:
             if signer in signers:
                 raise ProtocolViolationError("two consistency signatures from one neighbour")
             statement = ConsistencySignature(self.context, signer, SERVER, message.survivors)
-            verify_detached(signed_part(statement), signature, self.setup.identities[signer])
+            verify_detached(signed_part(statement), signature, self.setup.identities[signer],
+                            self.context)
             signers.add(signer)
         if len(signers) < self.setup.threshold:
             raise ThresholdError(f"{len(signers)} neighbours signed the survivor list, threshold "

@@ -2,6 +2,7 @@
 rejected with their specific error, and the sum over the survivors stays exact."""
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -204,7 +205,8 @@ def test_signed_mode_checks_the_consistency_proof():
         message = m.decode(data)
         (signer, _), *rest = message.signatures
         statement = m.ConsistencySignature(message.context, signer, m.SERVER, message.survivors)
-        forged = ATTACKER.sign(m.signed_part(statement))
+        forged = ATTACKER.sign(m.signature_input(message.context, hashlib.sha256(
+            m.signed_part(statement)).digest()))
         return [_rewrite(data, signatures=((signer, forged), *rest))]
 
     report = _round(_on("unmask", m.SERVER, 0, forge_signature), signed=True)

@@ -66,10 +66,10 @@ def test_round_trip(message, signed):
     assert m.encode(back, KEY if signed else None)[: len(data) - 64 * signed] == data[
         : len(data) - 64 * signed]
     if signed:
-        m.verify(data, PUBLIC)
+        m.verify(data, PUBLIC, message.context)
     else:
         with pytest.raises(AuthenticationError):
-            m.verify(data, PUBLIC)
+            m.verify(data, PUBLIC, message.context)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,9 +137,9 @@ def test_signature_covers_every_byte():
         forged[i] ^= 1
         with pytest.raises((AuthenticationError, DecodeError)):
             m.decode(bytes(forged))
-            m.verify(bytes(forged), PUBLIC)
+            m.verify(bytes(forged), PUBLIC, CTX)
     with pytest.raises(AuthenticationError):
-        m.verify(data, Ed25519PrivateKey.generate().public_key().public_bytes_raw())
+        m.verify(data, Ed25519PrivateKey.generate().public_key().public_bytes_raw(), CTX)
 
 
 def test_header_checks():
