@@ -72,7 +72,9 @@ def _cli_round(tree: Path | None, n: int, d: int, signed: bool) -> dict:
     cmd = [sys.executable, "-m", "dpfleet", "secagg", "bench", "-n", str(n), "-d", str(d),
            "--json"] + (["--signed"] if signed else [])
     load = os.getloadavg()[0]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    # run inside `tree`: from this checkout's root, its own dpfleet/ would shadow PYTHONPATH
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+                         cwd=tree).stdout
     cell = json.loads(out)
     cell["loadavg_1min_before_run"] = load
     return cell

@@ -252,7 +252,8 @@ class SecAggClient:
             (plus if self.id < v else minus).append(seed)
         masked = self._input.copy()
         crypto.add_streams(masked, plus, minus)
-        masked &= masked.dtype.type(self.setup.modulus_mask)
+        if self.setup.bits < 8 * masked.itemsize:  # a full-width ring wraps by itself
+            masked &= masked.dtype.type(self.setup.modulus_mask)
         self._held, self._input, self.phase = held, None, "masked"
         self._s_key, self._seed, self._c_shared = None, b"", {}  # now only shares are secret
         return self._send(MaskedInput(ctx, self.id, SERVER, masked, self.setup.bits))
