@@ -122,6 +122,7 @@ def issue11(before_tree: Path | None, out: Path) -> None:
                       f"{pair['after']['wall_seconds']:.2f} s, exact "
                       f"{pair['after']['sum_exact']}", flush=True)
     result["rounds"] = rounds
+    result["before_tree"] = str(before_tree) if before_tree else None
     result["flower_seconds_n50_d1e6"] = FLOWER_SECONDS
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["total_seconds"] = time.perf_counter() - started
