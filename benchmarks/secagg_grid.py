@@ -72,7 +72,9 @@ def _cli_round(tree: Path | None, n: int, d: int, signed: bool) -> dict:
     cmd = [sys.executable, "-m", "dpfleet", "secagg", "bench", "-n", str(n), "-d", str(d),
            "--json"] + (["--signed"] if signed else [])
     load = os.getloadavg()[0]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    # run inside `tree`: from this checkout's root, its own dpfleet/ would shadow PYTHONPATH
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+                         cwd=tree).stdout
     cell = json.loads(out)
     cell["loadavg_1min_before_run"] = load
     return cell
@@ -120,6 +122,7 @@ def issue11(before_tree: Path | None, out: Path) -> None:
                       f"{pair['after']['wall_seconds']:.2f} s, exact "
                       f"{pair['after']['sum_exact']}", flush=True)
     result["rounds"] = rounds
+    result["before_tree"] = str(before_tree) if before_tree else None
     result["flower_seconds_n50_d1e6"] = FLOWER_SECONDS
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["total_seconds"] = time.perf_counter() - started

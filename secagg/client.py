@@ -192,7 +192,7 @@ class SecAggClient:
             if advert.sender in peers:
                 raise DuplicateMessageError(f"two adverts from client {advert.sender}")
             if self.setup.signed:
-                verify(blob, self.setup.identities[advert.sender])
+                verify(blob, self.setup.identities[advert.sender], self.context)
             if advert.reveal != reveals[advert.sender]:
                 raise ProtocolViolationError("advert and reveal list disagree")
             if len(advert.c_public) != crypto.KEY_BYTES or len(advert.s_public) != crypto.KEY_BYTES:
@@ -252,7 +252,8 @@ class SecAggClient:
             (plus if self.id < v else minus).append(seed)
         masked = self._input.copy()
         crypto.add_streams(masked, plus, minus)
-        masked &= masked.dtype.type(self.setup.modulus_mask)
+        if self.setup.bits < 8 * masked.itemsize:  # a full-width ring wraps by itself
+            masked &= masked.dtype.type(self.setup.modulus_mask)
         self._held, self._input, self.phase = held, None, "masked"
         self._s_key, self._seed, self._c_shared = None, b"", {}  # now only shares are secret
         return self._send(MaskedInput(ctx, self.id, SERVER, masked, self.setup.bits))
@@ -301,7 +302,8 @@ class SecAggClient:
             if signer in signers:
                 raise ProtocolViolationError("two consistency signatures from one neighbour")
             statement = ConsistencySignature(self.context, signer, SERVER, message.survivors)
-            verify_detached(signed_part(statement), signature, self.setup.identities[signer])
+            verify_detached(signed_part(statement), signature, self.setup.identities[signer],
+                            self.context)
             signers.add(signer)
         if len(signers) < self.setup.threshold:
             raise ThresholdError(f"{len(signers)} neighbours signed the survivor list, threshold "

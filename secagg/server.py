@@ -112,7 +112,7 @@ class SecAggServer:
         if not 0 <= u < self.setup.n:
             raise UnknownSenderError(f"no client {u} in this round")
         if self.setup.signed:
-            verify(data, self.setup.identities[u])
+            verify(data, self.setup.identities[u], self.context)
         if (u, type(message)) in self._seen:
             raise DuplicateMessageError(f"client {u} already sent {type(message).__name__}")
         if PHASE_MESSAGE.get(self.phase) is not type(message):

@@ -116,7 +116,9 @@ class MaliciousServer:
             for c in colluders:
                 for survivors in signatures:
                     statement = m.ConsistencySignature(self.ctx, c, m.SERVER, survivors)
-                    signatures[survivors][c] = self.keys[c].sign(m.signed_part(statement))
+                    # exactly what the colluder's own client would sign (encode's signature)
+                    signatures[survivors][c] = m.encode(statement, self.keys[c])[
+                        -m.SIGNATURE_BYTES:]
         collected: dict[str, list] = {"self_mask": [], "mask_key": []}
         for a, survivors in view.items():
             proof = tuple((v, signatures[survivors][v]) for v in sorted(self.graph.neighbours(a))

@@ -2,10 +2,13 @@
 rejected with their specific error, and the sum over the survivors stays exact."""
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpfleet.secagg import messages as m
 from dpfleet.secagg.errors import (
@@ -27,8 +30,9 @@ N, LENGTH, BITS = 7, 40, 16
 ATTACKER = Ed25519PrivateKey.generate()
 
 
-def _round(intercept=None, signed=False, seed=1, dropouts=None):
-    setup, keys, _ = plan_round(N, LENGTH, BITS, graph="complete", threshold=4, signed=signed)
+def _round(intercept=None, signed=False, seed=1, dropouts=None, identity_keys=None):
+    setup, keys, _ = plan_round(N, LENGTH, BITS, graph="complete", threshold=4, signed=signed,
+                                identity_keys=identity_keys)
     inputs = np.random.default_rng(seed).integers(0, 1 << BITS, (N, LENGTH)).astype(
         setup.dtype)
     report = run_round(setup, inputs.__getitem__, keys, dropouts, intercept)
@@ -160,6 +164,60 @@ def test_signed_mode_rejects_forged_and_tampered_client_messages():
     assert report.survivors == tuple(range(N))
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_masked_input_with_one_payload_bit_flipped_after_signing_is_left_out(data):
+    """The signature covers the payload through its SHA-256 digest: one flipped bit anywhere
+    in the packed vector is refused, and the client's (altered) input stays out of the sum."""
+    seen = {}
+
+    def flip(wire):
+        start = m.HEADER_BYTES + 9  # bits u8, element count u64, then the packed vector
+        bit = data.draw(st.integers(0, 8 * (len(wire) - m.SIGNATURE_BYTES - start) - 1))
+        tampered = bytearray(wire)
+        tampered[start + bit // 8] ^= 1 << bit % 8
+        seen["altered"] = m.decode(bytes(tampered)).vector.astype(np.int64)
+        return [bytes(tampered)]  # the genuine message never arrives
+
+    report = _round(_on("mask", 1, m.SERVER, flip), signed=True)
+    assert [(type(r.error), r.sender, str(r.error)) for r in report.rejections] == [
+        (AuthenticationError, 1, "signature does not verify")]
+    assert report.survivors == _all_but(1)
+    # _round checked the total is the sum over survivors only; the altered vector is not in it
+    with_altered = (report.total.astype(np.int64) + seen["altered"]) % (1 << BITS)
+    assert not np.array_equal(report.total, with_altered)
+
+
+def test_signature_over_the_digest_of_another_setup_hash_is_refused():
+    """A genuine client key signing the right bytes under another setup hash (another attempt
+    or a setup the server showed it) does not verify under this round's setup hash."""
+    keys = {u: Ed25519PrivateKey.generate() for u in range(N)}
+    other = bytes(range(32))
+
+    def resign(wire):
+        body = memoryview(wire)[: -m.SIGNATURE_BYTES]
+        statement = m.signature_input(other, hashlib.sha256(body).digest())
+        return [bytes(body) + keys[3].sign(statement)]
+
+    report = _round(_on("mask", 3, m.SERVER, resign), signed=True, identity_keys=keys)
+    assert [(type(r.error), r.sender, str(r.error)) for r in report.rejections] == [
+        (AuthenticationError, 3, "signature does not verify")]
+    assert report.survivors == _all_but(3)
+
+    def resign_advert(wire):  # the same for an advert a client checks itself
+        message = m.decode(wire)
+        advert = message.adverts[0]
+        sender = m.decode(advert).sender
+        body = advert[: -m.SIGNATURE_BYTES]
+        forged = body + keys[sender].sign(m.signature_input(other, hashlib.sha256(
+            body).digest()))
+        return [_rewrite(wire, adverts=(forged, *message.adverts[1:]))]
+
+    report = _round(_on("share", m.SERVER, 2, resign_advert), signed=True, identity_keys=keys)
+    assert _errors(report) == [(AuthenticationError, m.SERVER, 2)]
+    assert 2 not in report.survivors
+
+
 def test_signed_mode_rejects_a_substituted_public_key():
     def substitute(data):
         message = m.decode(data)
@@ -204,7 +262,8 @@ def test_signed_mode_checks_the_consistency_proof():
         message = m.decode(data)
         (signer, _), *rest = message.signatures
         statement = m.ConsistencySignature(message.context, signer, m.SERVER, message.survivors)
-        forged = ATTACKER.sign(m.signed_part(statement))
+        forged = ATTACKER.sign(m.signature_input(message.context, hashlib.sha256(
+            m.signed_part(statement)).digest()))
         return [_rewrite(data, signatures=((signer, forged), *rest))]
 
     report = _round(_on("unmask", m.SERVER, 0, forge_signature), signed=True)

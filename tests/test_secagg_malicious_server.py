@@ -64,6 +64,9 @@ def test_split_view_recovers_nothing(n, signed, with_colluders):
     estimate = attack.estimate(TARGET, collected)
     assert TARGET in attack.masked  # the attacker holds y_u; only the masks protect it
     assert match_fraction(estimate, inputs[TARGET]) < CHANCE
+    # the colluders' signatures are genuine: what stops the attack is the threshold, not a
+    # signature the harness got wrong
+    assert not [e for e in attack.rejected.values() if isinstance(e, AuthenticationError)]
     # the honest clients answered at most one list each: never t shares of both secrets
     assert min(len(collected["self_mask"]), len(collected["mask_key"])) < setup.threshold
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import hashlib
 import struct
 
 import numpy as np
@@ -66,10 +67,10 @@ def test_round_trip(message, signed):
     assert m.encode(back, KEY if signed else None)[: len(data) - 64 * signed] == data[
         : len(data) - 64 * signed]
     if signed:
-        m.verify(data, PUBLIC)
+        m.verify(data, PUBLIC, message.context)
     else:
         with pytest.raises(AuthenticationError):
-            m.verify(data, PUBLIC)
+            m.verify(data, PUBLIC, message.context)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -137,9 +138,41 @@ def test_signature_covers_every_byte():
         forged[i] ^= 1
         with pytest.raises((AuthenticationError, DecodeError)):
             m.decode(bytes(forged))
-            m.verify(bytes(forged), PUBLIC)
+            m.verify(bytes(forged), PUBLIC, CTX)
     with pytest.raises(AuthenticationError):
-        m.verify(data, Ed25519PrivateKey.generate().public_key().public_bytes_raw())
+        m.verify(data, Ed25519PrivateKey.generate().public_key().public_bytes_raw(), CTX)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([8, 16, 20, 32]), st.integers(1, 300), st.data())
+def test_masked_input_signature_covers_every_payload_bit(bits, size, data):
+    dtype = np.uint8 if bits == 8 else np.uint16 if bits == 16 else np.uint32
+    vector = np.random.default_rng(size).integers(0, 1 << bits, size).astype(dtype)
+    signed = m.encode(m.MaskedInput(CTX, 4, m.SERVER, vector, bits), KEY)
+    m.verify(signed, PUBLIC, CTX)
+    start = m.HEADER_BYTES + 9
+    bit = data.draw(st.integers(0, 8 * (len(signed) - m.SIGNATURE_BYTES - start) - 1))
+    forged = bytearray(signed)
+    forged[start + bit // 8] ^= 1 << bit % 8
+    with pytest.raises(AuthenticationError, match="signature does not verify"):
+        m.verify(bytes(forged), PUBLIC, CTX)
+
+
+def test_signature_is_bound_to_the_verifiers_setup_hash():
+    """What is signed is label | setup hash | SHA-256(bytes): a signature made under another
+    setup hash is refused even over identical bytes, and a message made and signed under
+    another setup does not verify under ours."""
+    message = m.ConsistencySignature(CTX, 2, m.SERVER, (1, 2, 3))
+    body = m.signed_part(message)
+    other = bytes(32)
+    foreign = KEY.sign(m.signature_input(other, hashlib.sha256(body).digest()))
+    with pytest.raises(AuthenticationError, match="signature does not verify"):
+        m.verify(body + foreign, PUBLIC, CTX)
+    m.verify(body + foreign, PUBLIC, other)  # the same signature is fine where it was made
+    theirs = m.encode(dataclasses.replace(message, context=other), KEY)
+    with pytest.raises(AuthenticationError):
+        m.verify(theirs, PUBLIC, CTX)
+    m.verify(m.encode(message, KEY), PUBLIC, CTX)
 
 
 def test_header_checks():
