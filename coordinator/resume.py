@@ -26,8 +26,10 @@ key is restored). Resuming with other training data (`data_fingerprint`) is refu
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -50,11 +52,30 @@ from dpfleet.errors import DpfleetError
 
 RESUME = "resume"  # folder in the run directory; gone once the run has finished
 KEY_FILE = "noise_key"
+FINGERPRINT_KEY = ".fingerprint_key"  # in the run directory while the run is unfinished
 
 
-def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer) -> str:
-    """sha256 over the training clients' token arrays (in order) and the saved tokenizer."""
-    digest = hashlib.sha256()
+def fingerprint_secret(run_path: Path, create: bool) -> bytes:
+    """The run's secret for `data_fingerprint`: `.fingerprint_key` (0600), made when a run
+    starts and removed with the resume point when it finishes (`discard_resume`).
+
+    Why secret: the fingerprint goes into every line of `releases.jsonl`, which a user may
+    publish. A plain hash of the data is a deterministic, non-private release: whoever knows
+    every other client's text could test two guesses of one client's text against it."""
+    path = run_path / FINGERPRINT_KEY
+    if create:
+        path.unlink(missing_ok=True)
+        write_secret(path, secrets.token_bytes(KEY_BYTES))
+    if not path.is_file():
+        raise DpfleetError(f"{run_path} has no {FINGERPRINT_KEY}: its training data cannot be checked "
+                           "against the release log, so it cannot be resumed")
+    return path.read_bytes()
+
+
+def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer, secret: bytes) -> str:
+    """HMAC-SHA256 under the run's secret over the training clients' token arrays (in order) and
+    the saved tokenizer (`fingerprint_secret` says why it is keyed)."""
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
     for rows in train_examples:
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         digest.update(repr(rows.shape).encode())
@@ -67,14 +88,19 @@ def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer) -> str:
     return digest.hexdigest()
 
 
-def write_key(folder: Path, key: bytes) -> None:
-    """The noise key alone in `folder/noise_key`, created with mode 0600."""
-    fd = os.open(folder / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def write_secret(path: Path, secret: bytes) -> None:
+    """`secret` alone in a new file created with mode 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, key)
+        os.write(fd, secret)
     finally:
         os.close(fd)
+
+
+def write_key(folder: Path, key: bytes) -> None:
+    """The noise key alone in `folder/noise_key`, created with mode 0600."""
+    write_secret(folder / KEY_FILE, key)
 
 
 def read_key(folder: Path) -> bytes:
@@ -170,6 +196,7 @@ def resume_point(run_path: Path) -> Path | None:
 def discard_resume(run_path: Path) -> None:
     for suffix in ("", ".tmp", ".old"):
         shutil.rmtree(run_path / f"{RESUME}{suffix}", ignore_errors=True)
+    (run_path / FINGERPRINT_KEY).unlink(missing_ok=True)
 
 
 def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None) -> int:

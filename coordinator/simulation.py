@@ -44,6 +44,7 @@ from dpfleet.coordinator.resume import (
     check_resumable,
     data_fingerprint,
     discard_resume,
+    fingerprint_secret,
     resume_run,
     save_resume,
     save_server_state,
@@ -243,7 +244,8 @@ def run_simulation(
     )
     releases = ReleaseLog(run.path / RELEASES)
     users = [c.user for c in data.train]
-    fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer)
+    fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
+                                   fingerprint_secret(run.path, create=not resume))
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)

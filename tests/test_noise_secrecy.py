@@ -17,11 +17,13 @@ from crashes import Crash
 from safetensors.numpy import load_file
 
 import dpfleet.coordinator.simulation as simulation
+from dpfleet.coordinator import resume
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.noise_stream import GaussianNodes, seeded_noise_key
 from dpfleet.coordinator.resume import resume_point
 from dpfleet.coordinator.tree_noise import prefix_nodes
+from dpfleet.errors import DpfleetError
 
 ROUNDS = 3
 CFG = {
@@ -172,3 +174,55 @@ def test_an_unfinished_run_keeps_its_key_only_in_a_0600_file(tmp_path, monkeypat
     for path in _files(out):
         if path != key_file:
             assert keys[0] not in path.read_bytes(), path
+
+
+def test_release_log_fingerprint_cannot_test_a_guess_of_one_clients_data(tmp_path, monkeypatch):
+    """The attacker knows every training client's tokens exactly and has two guesses for one
+    client's (the truth and a one-token edit). A plain hash of the data in releases.jsonl would
+    tell them apart; the run's keyed fingerprint matches neither hash, under no key the run
+    directory holds, and its key is gone once the run finishes."""
+    seen = {}
+    real_prepare = simulation.prepare_data
+
+    def prepare(cfg, *args):
+        tokenizer, data = real_prepare(cfg, *args)
+        seen.update(tokenizer=tokenizer, examples=[c.examples.copy() for c in data.train])
+        return tokenizer, data
+
+    monkeypatch.setattr(simulation, "prepare_data", prepare)
+    run, *_ = spied_run(tmp_path, monkeypatch, "run")
+    logged = {json.loads(line)["data_sha256"] for line in (run.run_dir / "releases.jsonl").open()}
+    assert len(logged) == 1
+
+    def plain_hash(examples):  # what the release log held before: sha256 of the tokenized data
+        digest = hashlib.sha256()
+        for rows in examples:
+            rows = np.ascontiguousarray(rows, dtype=np.int32)
+            digest.update(repr(rows.shape).encode())
+            digest.update(rows.tobytes())
+        return digest.hexdigest()
+
+    edited = [e.copy() for e in seen["examples"]]
+    edited[0][0, 1] = (edited[0][0, 1] + 1) % seen["tokenizer"].vocab_size
+    guesses = {plain_hash(seen["examples"]), plain_hash(edited)}
+    for f in _files(run.run_dir):  # every file of the published run directory as a candidate key
+        for guess in (seen["examples"], edited):
+            guesses.add(resume.data_fingerprint(guess, seen["tokenizer"], f.read_bytes()))
+    assert logged.isdisjoint(guesses)
+    assert not (run.run_dir / resume.FINGERPRINT_KEY).exists()
+
+
+def test_resume_without_the_fingerprint_key_is_refused(tmp_path):
+    out = tmp_path / "run"
+
+    def crash_before_round_3(r, theta):
+        if r == 2:
+            raise Crash
+
+    with pytest.raises(Crash):
+        simulation.run_simulation(parse_config(CFG), out, before_round=crash_before_round_3, **QUIET)
+    key_file = out / resume.FINGERPRINT_KEY
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    key_file.unlink()
+    with pytest.raises(DpfleetError, match="cannot be resumed"):
+        simulation.run_simulation(parse_config(CFG), out, resume=True, **QUIET)
