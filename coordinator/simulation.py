@@ -1,15 +1,15 @@
-"""The in-process round engine: a fleet of emulated clients trained with DP-FTRL.
+"""The in-process driver of the round engine: a fleet of emulated clients trained with DP-FTRL.
 
-One round: select the report goal's clients (`participation`: disjoint, uniform, or device
-timers on a simulated clock, with the coordinator's MinS refusal), stop first if the round would
-pass the privacy budget, run each client's update through the configured runtime (one local
-epoch, delta, clip), aggregate (plain sum or secure aggregation), let the DP-FTRL server add
-tree noise and step, update the adaptive clip estimate, log metrics, participation and the
-privacy so far (`run_accounting`). Selection, batching and init are seeded by `seed`; the DP
-noise is not: it comes from a fresh secret 256-bit key per run (`noise_stream`), so the same
-config gives fresh noise, unless `dp.noise_seed` (research mode, no privacy against whoever knows
-it) makes it reproducible. Each round is written to the release log before it is released
-(`release_log`).
+Why a driver: the round's coordinator side (selection with the MinS / MaxP refusal, the budget
+check, tree restarts, the DP-FTRL step, the release log, accounting, resume) lives in the
+transport-free `round_engine`, shared with the networked coordinator. This module does what
+the devices and the aggregation would do elsewhere: it loads the data, builds the tokenizer and
+the runtime, trains each planned client in-process (one local epoch, delta, clip;
+`backends`), sums the deltas (plain or secure aggregation) and hands the sum to the engine, with
+a progress bar. Selection, batching and init are seeded by `seed`; the DP noise is not: it comes
+from a fresh secret 256-bit key per run (`noise_stream`), so the same config gives fresh noise,
+unless `dp.noise_seed` (research mode, no privacy against whoever knows it) makes it
+reproducible. Each round is written to the release log before it is released (`release_log`).
 """
 
 from __future__ import annotations
@@ -26,38 +26,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.adaptive_clipping import (
-    QuantileClipEstimator,
-    default_restart_rounds,
-    model_noise_multiplier,
-)
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.backends import make_trainer
-from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
-from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
-from dpfleet.coordinator.evaluation import evaluate, split_held_out, unigram_baseline
-from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
-from dpfleet.coordinator.participation import Participation, RoundUnfillable
-from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, release_hash
+from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.resume import (
     check_resumable,
     data_fingerprint,
     discard_resume,
     fingerprint_secret,
-    resume_run,
-    save_resume,
-    save_server_state,
 )
-from dpfleet.coordinator.run_accounting import RunAccountant, write_run_privacy
-from dpfleet.coordinator.run_dir import RunDir, atomic_write, plot_accuracy
+from dpfleet.coordinator.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGGREGATION re-exported)
+    DATA_DEPENDENT_AGGREGATION,
+    DEBUG_NONPRIVATE,
+    RoundEngine,
+    RoundPlan,
+    Stop,
+)
+from dpfleet.coordinator.run_dir import RunDir, atomic_write
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
-from dpfleet.export.checkpoint import save_checkpoint
-from dpfleet.export.models import build_model, count_parameters
-from dpfleet.export.params import get_flat, set_flat
+from dpfleet.export.models import build_model
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
@@ -125,20 +117,7 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
                             fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients)
 
 
-def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
-    """How much secure aggregation's discretization inflates one client's L2 contribution."""
-    if cfg.aggregation.kind == "plain":
-        return 1.0
-    from dpfleet.secagg.encoding import Discretizer
-
-    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal, seed=0)
-    return disc.norm_inflation
-
-
 DP_VOCABULARY = "dp_vocabulary.json"
-DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
-# secure aggregation's per-round counts that depend on the clients' data (not noised)
-DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down")
 
 
 def _seed(*parts: object) -> int:
@@ -153,14 +132,6 @@ class SimulationResult:
     baseline: dict
     privacy: dict
     stopped_early: str | None = None  # why the run ended before its planned rounds
-
-
-def restart_rounds(cfg: SimulationConfig) -> list[int]:
-    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping."""
-    rounds = cfg.dp.restart_rounds
-    if not rounds and cfg.dp.adaptive_clipping:
-        rounds = default_restart_rounds(cfg.rounds)
-    return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
 
 
 def run_simulation(
@@ -206,67 +177,35 @@ def run_simulation(
             (run.path / DEBUG_NONPRIVATE).write_text("")
     tokenizer, data = prepare_data(cfg, vocabulary_folder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    participation = Participation(cfg.participation, len(data.train), cfg.dp.report_goal, cfg.rounds,
-                                  cfg.seed)
-    accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
-                               spent_zcdp=(vocabulary_privacy(vocabulary_folder) or {}).get("zcdp", 0),
-                               conversion="rdp" if cfg.dp.noise == "discrete" else "pld")
-    restarts = restart_rounds(cfg)
-    z_model, estimator = cfg.dp.noise_multiplier, None
-    noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
-    if cfg.dp.adaptive_clipping:
-        z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
-        estimator = QuantileClipEstimator(
-            cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
-            learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
-            noise_key=noise_key,
-        )
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, run.path / "programs")
     trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                            batch_size=cfg.client.batch_size, device=cfg.client.device,
                            memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
-    ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum (ring_noise.py)
-    if cfg.dp.noise == "discrete":
-        from dpfleet.coordinator.ring_noise import discrete_plan
-
-        ring = discrete_plan(cfg, count_parameters(model))
-    aggregator = make_aggregator(cfg, ring.ring_clients if ring else None)
-    server = DPFTRLServer(
-        get_flat(model),
-        DPFTRLConfig(
-            noise_multiplier=z_model, clip_norm=cfg.dp.clip_norm,
-            report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr, momentum=cfg.dp.momentum,
-            restart_rounds=tuple(restarts),
-            sensitivity_factor=sensitivity_factor(cfg, count_parameters(model)),
-        ),
-        noise_key=noise_key, ring=ring,
-    )
-    releases = ReleaseLog(run.path / RELEASES)
-    users = [c.user for c in data.train]
-    fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
-                                   fingerprint_secret(run.path, create=not resume))
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
+    engine = RoundEngine(
+        cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
+        users=[c.user for c in data.train],
+        fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
+                                     fingerprint_secret(run.path, create=not resume)),
+        test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
+    )
+    aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
         f"data: {len(data.train)} train clients, {len(data.test)} held-out clients "
         f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
         f"{len(baseline_clients)} fit the unigram baseline); model {model_cfg.arch} with "
-        f"{server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
+        f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
-
-    start, metrics, fresh_tree_at, lost = 0, [], None, []
-    if resume:  # released rounds are never redone (`release_log`)
-        resumed = resume_run(run.path, server, estimator, releases, participation, accountant,
-                             users, fingerprint)
-        start, metrics, fresh_tree_at, lost = (resumed.start, resumed.metrics,
-                                               resumed.fresh_tree_at, resumed.lost)
+    start, lost = engine.start, engine.lost
+    if resume:
         log(f"resuming after round {start} of {cfg.rounds}" if start else
             "no resume point was written yet: starting from round 1")
         if lost:
             log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
-                f"accounted, and the run goes on from round {resumed.rounds_done}'s model on a "
+                f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
                 "fresh noise tree")
     stopped_early = None
     rounds = range(start, cfg.rounds)
@@ -276,117 +215,30 @@ def run_simulation(
         rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=start,
                       total=cfg.rounds)
     for r in rounds:
-        restart = r in restarts or r == fresh_tree_at
-        try:
-            selection = participation.propose(r)
-        except RoundUnfillable as exc:
-            stopped_early = f"stopped before round {r + 1}: {exc}"
+        plan = engine.open_round(before_round)
+        if isinstance(plan, Stop):
+            stopped_early = plan.message
             break
-        chosen = selection.devices
-        if accountant.would_exceed([data.train[i].user for i in chosen], restart):
-            stopped_early = (
-                f"stopped before round {r + 1}: it would pass the privacy budget eps = "
-                f"{cfg.dp.budget_epsilon:g} at delta = {cfg.dp.delta:g}"
-            )
-            break
-        if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
-            server.restart(estimator.estimate)
-            estimator.restart()
-        public_update = before_round(r, server.theta) if before_round else None
-        if public_update is not None:
-            server.theta = np.asarray(public_update, dtype=np.float32).copy()
-        updates = trainer.train_round(
-            server.theta, [data.train[i].examples for i in chosen],
-            [_seed(cfg.seed, r, i) for i in chosen], lr=cfg.client.lr,
-            batch_size=cfg.client.batch_size, clip_norm=server.clip_norm,
-        )
+        updates = train_plan(cfg, trainer, data.train, plan)
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
-        server.step(agg.total if ring is None else agg.ring)
-        in_sum = [chosen[i] for i in agg.survivors]  # dropped clients contributed nothing
-        participation.commit(selection, in_sum)
-        spent = accountant.record([data.train[i].user for i in in_sum], restart)
-        clip = server.clip_norm
-        if estimator is not None:
-            estimator.update([updates[i].norm for i in agg.survivors])
-        releases.record_release(  # durable before anything of round r + 1 leaves the engine
-            round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),
-            participants=[users[i] for i in in_sum], restart=restart, clip_norm=clip,
-            released=release_hash(server.theta, estimator.estimate if estimator else None),
-            data_sha256=fingerprint,
-        )
-        noise_std = server.noise_std
-        eps = spent["epsilon"]
-        record = {
-            "round": r + 1,
-            "clients": len(in_sum),
-            "clip": clip,
-            "noise_std": noise_std,
-            "epsilon": eps,  # RDP, worst case over the observed MinS / MaxP so far
-            "zcdp": spent["zcdp"],
-            "min_separation": spent["min_separation"],
-            "max_participation": spent["max_participation"],
-            "restart": restart,
-            "clock_hours": participation.hours(selection.slot),
-            "waited_hours": participation.hours(selection.waited_slots),
-            "refused": selection.refused,
-            "accuracy": None,
-            "loss": None,
-        }
-        if estimator is not None:
-            record["clip_estimate"] = estimator.estimate
-        if agg.info:  # secure aggregation's costs and guarantees, scalars only
-            record["aggregation"] = {
-                k: v for k, v in agg.info.items()
-                if isinstance(v, int | float | str | bool) and k not in DATA_DEPENDENT_AGGREGATION
-            }
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-            set_flat(model, server.theta)
-            ev = evaluate(model, test_rows)
-            record.update(accuracy=ev["accuracy"], loss=ev["loss"], perplexity=ev["perplexity"])
-            if progress:
-                rounds.set_postfix(acc=f"{ev['accuracy']:.4f}", eps=f"{eps:.2f}")
-        metrics.append(record)
-        run.append("metrics.jsonl", record)
-        if cfg.debug_nonprivate:  # un-noised, over this round's few clients: not DP
-            run.append(DEBUG_NONPRIVATE, {
-                "round": r + 1,
-                "train_loss": float(np.mean([u.loss for u in updates])),
-                "mean_update_norm": float(np.mean([u.norm for u in updates])),
-                "clipped_fraction": float(np.mean([u.clipped for u in updates])),
-                **{k: agg.info[k] for k in DATA_DEPENDENT_AGGREGATION if k in agg.info},
-            })
-        run.append(
-            "participation.jsonl",
-            {"round": r, "devices": [data.train[i].user for i in in_sum], "restart": restart},
-        )
-        if cfg.checkpoint_every and (r + 1) % cfg.checkpoint_every == 0 and r + 1 < cfg.rounds:
-            save_resume(run.path, r + 1, server, estimator)
+        record = engine.close_round(plan, agg, updates)
+        if progress and record["accuracy"] is not None:
+            rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")
+        if engine.resume_point_due():
+            engine.save_resume_point()
 
     if stopped_early:
         log(stopped_early)
-    set_flat(model, server.theta)
-    final = evaluate(model, test_rows)
-    save_checkpoint(run.path / "checkpoint", model, model_cfg, tokenizer)  # what `dpfleet export` reads
-    save_server_state(run.path / "checkpoint", server,  # no node vectors, no key (resume.py)
-                      estimator.state_dict(with_noise=False) if estimator else None, with_noise=False)
-    privacy = write_run_privacy(run.path, cfg, participation, accountant, len(data.train),
-                                model_noise_multiplier=z_model, stopped_early=stopped_early,
-                                vocabulary=vocabulary_privacy(vocabulary_folder),
-                                public_data=list(public_data))
-    title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
-             if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
-    plot_accuracy(metrics, baseline["accuracy"], run.path / "accuracy.png", title)
-    run.write_json("privacy.json", privacy)
-    summary = {
-        "final": final, "unigram_baseline": baseline,
-        "wall_seconds": time.perf_counter() - t_start, "parameters": int(server.theta.size),
-        "rounds_completed": len(metrics), "stopped_early": stopped_early,
-        "simulated_hours": participation.hours(participation.slot),
-        "resumed_after_round": start or None,
-        "rounds_lost_in_crash": lost,
-        "client_trainer": trainer.name,  # "cohort" or "sequential" (coordinator/backends.py)
-    }
-    run.write_json("summary.json", summary)
-    discard_resume(run.path)
-    return SimulationResult(run.path, metrics, final, baseline, privacy, stopped_early)
+    final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
+                                   public_data=public_data, started=t_start,
+                                   extra={"client_trainer": trainer.name})  # cohort / sequential
+    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early)
 
+
+def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list:
+    """The plan's devices trained in-process on the plan's model (seeds keyed by round, client)."""
+    return trainer.train_round(
+        plan.theta, [clients[i].examples for i in plan.devices],
+        [_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
+        batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm,
+    )

@@ -16,6 +16,7 @@ import pytest
 from crashes import Crash
 from safetensors.numpy import load_file
 
+import dpfleet.coordinator.round_engine as round_engine
 import dpfleet.coordinator.simulation as simulation
 from dpfleet.coordinator import resume
 from dpfleet.coordinator.config import parse_config
@@ -41,7 +42,7 @@ QUIET = {"progress": False, "log": lambda s: None}
 def spied_run(tmp_path, monkeypatch, name, values=CFG):
     """A finished run, the true sums it noised, its initial model and its (captured) noise key."""
     sums, start, keys = [], [], []
-    real_step, real_key = DPFTRLServer.step, simulation.new_noise_key
+    real_step, real_key = DPFTRLServer.step, round_engine.new_noise_key
 
     def step(self, delta_sum):
         if not start:
@@ -54,10 +55,10 @@ def spied_run(tmp_path, monkeypatch, name, values=CFG):
         return keys[-1]
 
     monkeypatch.setattr(DPFTRLServer, "step", step)
-    monkeypatch.setattr(simulation, "new_noise_key", key)
+    monkeypatch.setattr(round_engine, "new_noise_key", key)
     result = simulation.run_simulation(parse_config(values), tmp_path / name, **QUIET)
     monkeypatch.setattr(DPFTRLServer, "step", real_step)
-    monkeypatch.setattr(simulation, "new_noise_key", real_key)
+    monkeypatch.setattr(round_engine, "new_noise_key", real_key)
     return result, np.sum(sums, axis=0), start[0], keys
 
 
@@ -158,8 +159,8 @@ def test_no_key_and_no_node_vector_next_to_released_artifacts(tmp_path, monkeypa
 
 def test_an_unfinished_run_keeps_its_key_only_in_a_0600_file(tmp_path, monkeypatch):
     keys = []
-    real_key = simulation.new_noise_key
-    monkeypatch.setattr(simulation, "new_noise_key", lambda: keys.append(real_key()) or keys[-1])
+    real_key = round_engine.new_noise_key
+    monkeypatch.setattr(round_engine, "new_noise_key", lambda: keys.append(real_key()) or keys[-1])
 
     def crash(r, theta):
         if r == 2:

@@ -15,6 +15,7 @@ from crashes import Crash
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import dpfleet.coordinator.round_engine as round_engine
 import dpfleet.coordinator.simulation as simulation
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse, release_hash
@@ -93,7 +94,7 @@ CRASHES = st.lists(st.tuples(st.sampled_from(["before_round", "after_release", "
 def _attempt(out: Path, resume: bool, crash: tuple[str, int] | None, released: list[dict]) -> bool:
     """One run or resume of CFG that may crash at `crash`; returns whether it finished."""
     kind, at = crash or ("", 0)
-    real_record, real_save = ReleaseLog.record_release, simulation.save_resume
+    real_record, real_save = ReleaseLog.record_release, round_engine.save_resume
 
     def spy_record(self, **kwargs):
         released.append(json.loads(json.dumps(real_record(self, **kwargs))))
@@ -110,14 +111,14 @@ def _attempt(out: Path, resume: bool, crash: tuple[str, int] | None, released: l
         if kind == "before_round" and r + 1 == at:
             raise Crash
 
-    ReleaseLog.record_release, simulation.save_resume = spy_record, failing_save
+    ReleaseLog.record_release, round_engine.save_resume = spy_record, failing_save
     try:
         simulation.run_simulation(parse_config(CFG), out, resume=resume, before_round=hook, **QUIET)
         return True
     except Crash:
         return False
     finally:
-        ReleaseLog.record_release, simulation.save_resume = real_record, real_save
+        ReleaseLog.record_release, round_engine.save_resume = real_record, real_save
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,198 @@
+"""The round engine's contract, driven by hand phase by phase as the networked coordinator will
+drive it: the same run as `run_simulation`, bit for bit; phases out of order refused without
+touching the state; Stop returned at the end of the budget or the population; the release record
+durable before close_round returns, so a crash right after it never recomputes that round."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from crashes import Crash
+from safetensors.numpy import load_file
+
+from dpfleet.coordinator.backends import make_trainer
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.evaluation import split_held_out
+from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, check_no_reuse, release_hash
+from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
+from dpfleet.coordinator.round_engine import RoundEngine, RoundPlan, RoundStateError, Stop
+from dpfleet.coordinator.run_dir import RunDir
+from dpfleet.coordinator.simulation import (
+    _seed,
+    make_aggregator,
+    make_runtime,
+    prepare_data,
+    run_simulation,
+    train_plan,
+)
+from dpfleet.export.models import build_model
+
+ROUNDS = 6
+# timer participation with waits and refusals, adaptive clipping with a restart, research-mode
+# noise (dp.noise_seed) so that two runs of the config can be compared exactly
+CFG = {
+    "rounds": ROUNDS, "eval_every": 3, "seed": 3, "checkpoint_every": 2,
+    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 40, "max_examples": 8},
+    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
+    "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
+    "client": {"lr": 1.0, "batch_size": 8},
+    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 3, "momentum": 0.5,
+           "adaptive_clipping": True, "clip_count_stddev": 1.0, "restart_rounds": [4],
+           "noise_seed": 11},
+    "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0,
+                      "availability": 0.7},
+}
+QUIET = {"progress": False, "log": lambda s: None}
+LOGS = ("participation.jsonl", RELEASES, "metrics.jsonl")
+
+
+def cfg_with(**dp):
+    return parse_config({**CFG, "dp": {**CFG["dp"], **dp}})
+
+
+def by_hand(cfg, out):
+    """What a service does, in-process: the engine plus a trainer and an aggregator of its own."""
+    run = RunDir(out)
+    run.write_config(cfg.resolved())
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(max(1, cfg.client.threads))
+    tokenizer, data = prepare_data(cfg, out / "vocabulary")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    model = build_model(model_cfg)
+    runtime = make_runtime(cfg, model_cfg, out / "programs")
+    trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
+                           batch_size=cfg.client.batch_size, device=cfg.client.device,
+                           memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+    test_rows, _ = split_held_out(data.test, cfg.data.eval_examples or None)
+    engine = RoundEngine(cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
+                         users=[c.user for c in data.train], test_rows=test_rows,
+                         fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
+                                                      fingerprint_secret(out, create=True)))
+    aggregator = make_aggregator(cfg)
+
+    def train_and_sum(plan: RoundPlan):  # in a service: devices train, SecAgg messages sum
+        updates = train_plan(cfg, trainer, data.train, plan)
+        return aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", plan.round)), updates
+
+    return engine, train_and_sum
+
+
+def test_engine_by_hand_gives_the_simulation_bit_for_bit(tmp_path):
+    cfg = cfg_with()
+    sim = run_simulation(cfg, tmp_path / "sim", **QUIET)
+    engine, train_and_sum = by_hand(cfg, tmp_path / "hand")
+    while not isinstance(plan := engine.open_round(), Stop):
+        assert plan.theta_sha256 == release_hash(plan.theta)  # what devices download, by hash
+        engine.close_round(plan, *train_and_sum(plan))
+        if engine.resume_point_due():
+            engine.save_resume_point()
+    assert plan.reason == "done"
+    engine.finish(stopped_early=None, baseline={"accuracy": 0.0}, started=0.0)
+    for name in LOGS:  # participation, releases (model hashes, tree positions), DP metrics: exact
+        hand, ref = (tmp_path / "hand" / name).read_text(), (tmp_path / "sim" / name).read_text()
+        if name == RELEASES:  # all but the data fingerprint, a MAC under each run's own secret
+            hand, ref = ([{k: v for k, v in json.loads(line).items() if k != "data_sha256"}
+                          for line in text.splitlines()] for text in (hand, ref))
+        assert hand == ref, name
+    fingerprints = {r["data_sha256"] for d in ("hand", "sim")
+                    for r in ReleaseLog(tmp_path / d / RELEASES).released_rounds()}
+    assert len(fingerprints) == 2  # one per run: independent secrets
+    released = [r["participants"] for r in ReleaseLog(tmp_path / "sim" / RELEASES).released_rounds()]
+    assert len(released) == ROUNDS and any(r["restart"] for r in sim.metrics[1:])
+    assert len({tuple(p) for p in released}) > 1  # the timer really rotated devices
+    hand = load_file(str(tmp_path / "hand" / "checkpoint" / "server_state.safetensors"))
+    ref = load_file(str(tmp_path / "sim" / "checkpoint" / "server_state.safetensors"))
+    assert hand.keys() == ref.keys() and all(np.array_equal(hand[k], ref[k]) for k in ref)
+    assert json.loads((tmp_path / "hand" / "privacy.json").read_text())["epsilon"] == sim.privacy["epsilon"]
+
+
+def test_a_different_noise_seed_changes_the_released_models(tmp_path):
+    """The equality above is not vacuous: the release hashes do depend on the noise."""
+    a = run_simulation(cfg_with(noise_seed=11), tmp_path / "a", **QUIET).run_dir / RELEASES
+    b = run_simulation(cfg_with(noise_seed=12), tmp_path / "b", **QUIET).run_dir / RELEASES
+    ra, rb = ReleaseLog(a).released_rounds(), ReleaseLog(b).released_rounds()
+    assert [r["participants"] for r in ra] == [r["participants"] for r in rb]
+    assert all(x["released"] != y["released"] for x, y in zip(ra, rb, strict=True))
+
+
+def test_phases_out_of_order_are_refused_and_change_nothing(tmp_path):
+    engine, train_and_sum = by_hand(cfg_with(), tmp_path / "run")
+    first = engine.open_round()
+    with pytest.raises(RoundStateError, match="is open"):
+        engine.open_round()
+    with pytest.raises(RoundStateError, match="is open"):
+        engine.save_resume_point()
+    agg1, stats1 = train_and_sum(first)
+    with pytest.raises(RoundStateError, match="client reports"):
+        engine.close_round(first, agg1, stats1[:-1])
+    engine.close_round(first, agg1, stats1)
+    theta, released = engine.server.theta.copy(), len(engine.releases.released_rounds())
+    with pytest.raises(RoundStateError, match="no round is open"):  # the same plan twice
+        engine.close_round(first, agg1, stats1)
+    second = engine.open_round()
+    with pytest.raises(RoundStateError, match="round 2 is open"):  # round 1's sum in round 2
+        engine.close_round(first, agg1, stats1)
+    forged = dataclasses.replace(second)  # equal fields, but not the plan the engine handed out
+    with pytest.raises(RoundStateError):
+        engine.close_round(forged, *train_and_sum(second))
+    assert np.array_equal(engine.server.theta, theta) and engine.server.tree.t == 1
+    assert len(ReleaseLog(tmp_path / "run" / RELEASES).released_rounds()) == released == 1
+    record = engine.close_round(second, *train_and_sum(second))
+    assert record["round"] == 2 and engine.server.tree.t == 2
+
+
+def test_stop_is_returned_when_the_budget_runs_out(tmp_path):
+    engine, train_and_sum = by_hand(cfg_with(budget_epsilon=6.0), tmp_path / "run")
+    closed = []
+    while not isinstance(plan := engine.open_round(), Stop):
+        closed.append(engine.close_round(plan, *train_and_sum(plan)))
+    assert plan.reason == "budget" and 0 < len(closed) < ROUNDS
+    assert f"before round {len(closed) + 1}" in plan.message
+    assert closed[-1]["epsilon"] <= 6.0
+    assert isinstance(engine.open_round(), Stop)  # asking again is still an answer, not a crash
+
+
+def test_stop_is_returned_when_the_population_runs_out(tmp_path):
+    values = {**CFG, "participation": {"mode": "uniform", "max_participation": 1}}
+    engine, train_and_sum = by_hand(parse_config(values), tmp_path / "run")
+    closed = 0
+    while not isinstance(plan := engine.open_round(), Stop):
+        engine.close_round(plan, *train_and_sum(plan))
+        closed += 1
+    assert plan.reason == "unfillable" and closed == 10 // 3
+    assert "before round 4" in plan.message
+
+
+def test_the_release_is_durable_before_close_round_returns(tmp_path, monkeypatch):
+    """A crash right after the release record (before metrics, participation log, resume point):
+    the round is on disk, and resuming never computes it again."""
+    cfg, out = cfg_with(), tmp_path / "run"
+    engine, train_and_sum = by_hand(cfg, out)
+    for _ in range(2):
+        engine.close_round(plan := engine.open_round(), *train_and_sum(plan))
+    engine.save_resume_point()
+    plan = engine.open_round()
+
+    def crash(record):
+        raise Crash
+
+    monkeypatch.setattr(engine.sink, "metrics", crash)
+    with pytest.raises(Crash):
+        engine.close_round(plan, *train_and_sum(plan))
+    on_disk = ReleaseLog(out / RELEASES).released_rounds()  # read back as a restart would
+    assert [r["round"] for r in on_disk] == [1, 2, 3]
+    third = on_disk[2]
+    assert len((out / "participation.jsonl").read_text().splitlines()) == 2
+
+    resumed = run_simulation(cfg, out, resume=True, **QUIET)
+    records = ReleaseLog(out / RELEASES).released_rounds()
+    assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
+    assert records[2] == third  # round 3 was not recomputed
+    assert records[3]["restart"] and records[3]["tree_id"] > third["tree_id"]  # a fresh tree
+    check_no_reuse(records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds_lost_in_crash"] == [3] and resumed.metrics[2]["lost_in_crash"]
+    log = [json.loads(x) for x in (out / "participation.jsonl").read_text().splitlines()]
+    assert log[2]["devices"] == third["participants"]  # still accounted
