@@ -202,11 +202,19 @@ def reconstruct_checked(
     `max_subsets` tries: with e bad shares among m, each try is all-good with probability
     C(m - e, t) / C(m, t), so a few bad shares do not abort the round as long as enough good
     ones came back. Raises `ReconstructionError` when no tried subset passes the check.
+
+    Attribution never accuses an honest holder: a subset holding bad shares whose errors cancel
+    at x = 0 (by chance, or crafted by colluders) rebuilds the right secret on a wrong
+    polynomial. Two distinct polynomials of degree t - 1 through (0, secret) share at most t - 2
+    other points, so while m >= t + 2e a wrong one agrees with fewer than (m + t - 1) / 2 shares
+    and the true one with at least that many: only a polynomial with that much agreement is used
+    to name holders; if none is found within the budget, the secret is returned and nobody is named.
     """
     ordered = sorted(shares)
     if len(ordered) < threshold:
         raise ReconstructionError(f"{len(ordered)} shares, {threshold} needed")
     rng = np.random.default_rng(len(ordered))  # which subsets are tried need not be secret
+    found = None
     for tried in range(min(max_subsets, math.comb(len(ordered), threshold))):
         picks = range(threshold) if tried == 0 else sorted(
             rng.choice(len(ordered), threshold, replace=False).tolist())
@@ -215,13 +223,18 @@ def reconstruct_checked(
             secret = reconstruct_secret(subset, threshold, length)
         except ReconstructionError:
             continue
-        if valid(secret):
-            if tried == 0:  # the usual case: no share needed checking (nor is reported)
-                return secret, []
-            good = {x for x, _ in subset}
-            bad = [x for x, share in ordered if x not in good and not valid_share(
-                subset, (x, share), threshold, length, secret)]
-            return secret, bad
+        if found is not None and secret != found or found is None and not valid(secret):
+            continue
+        if tried == 0:  # the usual case: no share needed checking (nor is reported)
+            return secret, []
+        found = secret
+        members = {x for x, _ in subset}
+        agree = [x for x, share in ordered if x in members or valid_share(
+            subset, (x, share), threshold, length, secret)]
+        if 2 * len(agree) >= len(ordered) + threshold - 1:  # the true polynomial (docstring)
+            return secret, [x for x, _ in ordered if x not in set(agree)]
+    if found is not None:
+        return found, []
     raise ReconstructionError(f"no {threshold} of {len(ordered)} shares (tried up to "
                               f"{max_subsets} subsets) rebuild a secret that passes its check")
 
