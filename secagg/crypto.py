@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import secrets
 import struct
@@ -207,18 +208,28 @@ def reconstruct_checked(
     at x = 0 (by chance, or crafted by colluders) rebuilds the right secret on a wrong
     polynomial. Two distinct polynomials of degree t - 1 through (0, secret) share at most t - 2
     other points, so while m >= t + 2e a wrong one agrees with fewer than (m + t - 1) / 2 shares
-    and the true one with at least that many: only a polynomial with that much agreement is used
-    to name holders; if none is found within the budget, the secret is returned and nobody is named.
+    and the true one with at least that many: such a polynomial names the holders off it. Below
+    that bound, when every t-subset fits in the budget they are all tried: the true polynomial is
+    always among those found, so if it is the only one, it names the holders; two or more
+    (colluders framing honest holders) name nobody. Otherwise nobody is named.
     """
     ordered = sorted(shares)
-    if len(ordered) < threshold:
-        raise ReconstructionError(f"{len(ordered)} shares, {threshold} needed")
-    rng = np.random.default_rng(len(ordered))  # which subsets are tried need not be secret
-    found = None
-    for tried in range(min(max_subsets, math.comb(len(ordered), threshold))):
-        picks = range(threshold) if tried == 0 else sorted(
-            rng.choice(len(ordered), threshold, replace=False).tolist())
+    m = len(ordered)
+    if m < threshold:
+        raise ReconstructionError(f"{m} shares, {threshold} needed")
+    exhaustive = math.comb(m, threshold) <= max_subsets
+    if exhaustive:  # the first t come first here too
+        subsets = itertools.combinations(range(m), threshold)
+    else:
+        rng = np.random.default_rng(m)  # which subsets are tried need not be secret
+        subsets = itertools.chain([range(threshold)], (sorted(
+            rng.choice(m, threshold, replace=False).tolist()) for _ in range(max_subsets - 1)))
+    found, fits = None, []  # the secret, and the agreement sets of the polynomials giving it
+    for tried, picks in enumerate(subsets):
         subset = [ordered[i] for i in picks]
+        members = {x for x, _ in subset}
+        if any(members <= fit for fit in fits):  # t points of a polynomial already found
+            continue
         try:
             secret = reconstruct_secret(subset, threshold, length)
         except ReconstructionError:
@@ -228,15 +239,17 @@ def reconstruct_checked(
         if tried == 0:  # the usual case: no share needed checking (nor is reported)
             return secret, []
         found = secret
-        members = {x for x, _ in subset}
-        agree = [x for x, share in ordered if x in members or valid_share(
-            subset, (x, share), threshold, length, secret)]
-        if 2 * len(agree) >= len(ordered) + threshold - 1:  # the true polynomial (docstring)
-            return secret, [x for x, _ in ordered if x not in set(agree)]
-    if found is not None:
-        return found, []
-    raise ReconstructionError(f"no {threshold} of {len(ordered)} shares (tried up to "
-                              f"{max_subsets} subsets) rebuild a secret that passes its check")
+        fit = frozenset(x for x, share in ordered if x in members or valid_share(
+            subset, (x, share), threshold, length, secret))
+        if 2 * len(fit) >= m + threshold - 1:  # the true polynomial (docstring)
+            return secret, [x for x, _ in ordered if x not in fit]
+        fits.append(fit)
+    if found is None:
+        raise ReconstructionError(f"no {threshold} of {m} shares (tried up to {max_subsets} "
+                                  "subsets) rebuild a secret that passes its check")
+    if exhaustive and len(fits) == 1:
+        return found, [x for x, _ in ordered if x not in fits[0]]
+    return found, []
 
 
 def valid_share(
