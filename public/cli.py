@@ -67,8 +67,9 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
               help="records are cut into sequences of at most this many tokens")
 @click.option("--shard-sequences", type=click.IntRange(1), default=4096, show_default=True,
               help="sequences per shard file (the unit of resumption)")
-@click.option("--batch-tokens", type=click.IntRange(1), default=1024, show_default=True,
-              help="teacher batch size in tokens (the body's activations scale with it)")
+@click.option("--batch-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="teacher batch size in tokens (the body's activations scale with it); "
+                   "0: from the accelerator's free memory, 4096 on CPU")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 @click.option("--targets", type=click.Choice(["teacher", "student"]), default="teacher",
               show_default=True,

@@ -44,6 +44,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher_head import (
     kept_hidden,
     reduce_head,
+    resolve_batch_tokens,
     right_padded,
     target_logprob,
     to_device,
@@ -119,7 +120,7 @@ def student_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
 
 @torch.no_grad()
 def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
-                     sequences: Sequence[Sequence[int]], batch_tokens: int = 1024,
+                     sequences: Sequence[Sequence[int]], batch_tokens: int = 0,
                      progress: bool = True) -> np.ndarray:
     """l_pub: the teacher's log-likelihood of each record's text (decoded from the on-device ids
     with `tokenizer`, re-encoded with the teacher's own SentencePiece model, read behind its bos),
@@ -128,6 +129,7 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
     own = [sp.encode(tokenizer.decode(s)) for s in sequences]
     if not all(own):
         raise DpfleetError("a record decodes to no text the teacher can read")
+    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
     totals = np.zeros(len(own))
     bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
     first = 0

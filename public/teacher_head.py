@@ -100,6 +100,13 @@ def student_space_reduce(t2s: torch.Tensor, student_vocab: int, k: int):
     return reduce
 
 
+def resolve_batch_tokens(teacher: Teacher, batch_tokens: int, chunk_tokens: int) -> int:
+    """`batch_tokens`, or (when 0) a size chosen from the free accelerator memory."""
+    if batch_tokens < 0:
+        raise ValueError("batch_tokens must be >= 0 (0: from free memory)")
+    return batch_tokens or auto_batch_tokens(teacher, chunk_tokens)
+
+
 def auto_batch_tokens(teacher: Teacher, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       seq_len: int = 128, fraction: float = 0.5, cap: int = 1 << 16) -> int:
     """A batch size in tokens from the accelerator's free memory (CUDA), else 4,096.

@@ -53,6 +53,7 @@ from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
     kept_hidden,
     reduce_head,
+    resolve_batch_tokens,
     right_padded,
     student_space_reduce,
     topk_reduce,
@@ -182,10 +183,13 @@ def build_corpus(
     sequences: Sequence[Sequence[int]],
     out: Path,
     shard_sequences: int = 4096,
-    batch_tokens: int = 1024,
+    batch_tokens: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest."""
+    """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
+
+    `batch_tokens` 0 sizes the teacher's batches from free accelerator memory (4,096 on CPU)."""
+    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:
         raise DpfleetError("no sequences to distill")

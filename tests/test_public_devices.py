@@ -89,3 +89,22 @@ def test_cuda_teacher_bf16_body_fp32_head(tiny_teacher_dir, tiny_teacher_vocab):
     assert v_g.dtype == torch.float32 and torch.allclose(v_g.cpu(), v_c, atol=0.1)
     assert (ids_g.cpu()[:, 0] == ids_c[:, 0]).float().mean() > 0.9
     assert 256 <= auto_batch_tokens(gpu) <= 1 << 16
+
+
+def test_batch_size_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
+    """0 = automatic: 4,096 tokens on CPU; on CUDA, more free memory gives larger batches
+    within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs)."""
+    from dpfleet.public.teacher import Teacher
+    from dpfleet.public.teacher_head import resolve_batch_tokens
+
+    cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
+    assert resolve_batch_tokens(cpu, 0, 512) == 4096 and resolve_batch_tokens(cpu, 77, 512) == 77
+    with pytest.raises(ValueError):
+        resolve_batch_tokens(cpu, -1, 512)
+    fake = Teacher(cpu.name, cpu.path, cpu.model, torch.device("cuda"), cpu.head_weight)
+    sizes = []
+    for free_gib in (0.001, 0.05, 0.2, 80):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, f=free_gib: (int(f * 2**30), 0))
+        sizes.append(auto_batch_tokens(fake, chunk_tokens=512))
+    assert sizes[0] == 256 and sizes[-1] == 1 << 16
+    assert sizes == sorted(sizes) and sizes[1] < sizes[2]
