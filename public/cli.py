@@ -69,7 +69,7 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
               help="sequences per shard file (the unit of resumption)")
 @click.option("--batch-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="teacher batch size in tokens (the body's activations scale with it); "
-                   "0: from the accelerator's free memory, 4096 on CPU")
+                   "0: from the accelerator's free memory, 1024 on CPU")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 @click.option("--targets", type=click.Choice(["teacher", "student"]), default="teacher",
               show_default=True,

@@ -21,6 +21,7 @@ import torch
 from dpfleet.public.teacher import Teacher
 
 DEFAULT_CHUNK_TOKENS = 2048
+CPU_BATCH_TOKENS = 1024  # on CPU larger batches only add memory (benchmarks/public_topk.py --scaling)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -109,7 +110,7 @@ def resolve_batch_tokens(teacher: Teacher, batch_tokens: int, chunk_tokens: int)
 
 def auto_batch_tokens(teacher: Teacher, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       seq_len: int = 128, fraction: float = 0.5, cap: int = 1 << 16) -> int:
-    """A batch size in tokens from the accelerator's free memory (CUDA), else 4,096.
+    """A batch size in tokens from the accelerator's free memory (CUDA), else 1,024.
 
     Without autograd the body keeps about one layer's activations: per token the residual
     stream, the attention projections and the MLP's gate/up/down (~(6 h + 3 i) values, in the
@@ -117,7 +118,7 @@ def auto_batch_tokens(teacher: Teacher, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     float32, twice for the reductions' temporaries) is a fixed cost taken off first.
     """
     if teacher.device.type != "cuda":
-        return 4096
+        return CPU_BATCH_TOKENS
     cfg = getattr(teacher.model.config, "get_text_config", lambda: teacher.model.config)()
     hidden = int(getattr(cfg, "hidden_size", 1024))
     inner = int(getattr(cfg, "intermediate_size", 4 * hidden))

@@ -188,7 +188,7 @@ def build_corpus(
 ) -> dict:
     """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
 
-    `batch_tokens` 0 sizes the teacher's batches from free accelerator memory (4,096 on CPU)."""
+    `batch_tokens` 0 sizes the teacher's batches from free accelerator memory (1,024 on CPU)."""
     batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:

@@ -73,7 +73,7 @@ def test_teacher_takes_the_accelerator_when_present(tiny_teacher_dir, monkeypatc
     # CPU: float32 throughout, and the head is the model's own weight (no second copy)
     assert next(teacher.model.parameters()).dtype == torch.float32
     assert teacher.head_weight is teacher.model.get_output_embeddings().weight
-    assert auto_batch_tokens(teacher) == 4096
+    assert auto_batch_tokens(teacher) == 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -92,13 +92,13 @@ def test_cuda_teacher_bf16_body_fp32_head(tiny_teacher_dir, tiny_teacher_vocab):
 
 
 def test_batch_size_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
-    """0 = automatic: 4,096 tokens on CPU; on CUDA, more free memory gives larger batches
+    """0 = automatic: 1,024 tokens on CPU; on CUDA, more free memory gives larger batches
     within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs)."""
     from dpfleet.public.teacher import Teacher
     from dpfleet.public.teacher_head import resolve_batch_tokens
 
     cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
-    assert resolve_batch_tokens(cpu, 0, 512) == 4096 and resolve_batch_tokens(cpu, 77, 512) == 77
+    assert resolve_batch_tokens(cpu, 0, 512) == 1024 and resolve_batch_tokens(cpu, 77, 512) == 77
     with pytest.raises(ValueError):
         resolve_batch_tokens(cpu, -1, 512)
     fake = Teacher(cpu.name, cpu.path, cpu.model, torch.device("cuda"), cpu.head_weight)
