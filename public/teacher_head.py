@@ -83,7 +83,8 @@ def student_space_reduce(t2s: torch.Tensor, student_vocab: int, k: int):
     student row is log(sum of those masses) + the row's max logit, so entries are on the
     teacher-logit scale like the teacher-space top-k (only differences are ever used). Ids no
     teacher id maps to are -inf; a row with fewer than k reachable ids has id PAD (0) and -inf
-    in the empty slots, and a row where nothing is reachable is all -inf, never NaN.
+    in the empty slots, and a row where nothing is reachable is all -inf, never NaN. On CUDA
+    the scatter adds atomically, so the last bits of a sum may vary between runs.
     """
     if not 1 <= k <= student_vocab:
         raise ValueError("k must be in [1, student vocabulary]")
