@@ -4,6 +4,16 @@ Builds the trimmed teacher vocabulary on WikiText-2 train (timed), cuts WikiText
 `--seq-len`-token sequences and stores the teacher's top-k for `--sequences` of them with the
 real job (`public.topk.build_corpus`). Default teacher: the packaged Gemma 3 270M on whatever
 device `load_teacher` picks (cuda when present). Saves results/public_topk.json.
+
+`--scaling` instead measures how the chunked LM head (public/teacher_head.py) scales with the
+batch size: teacher tokens/s and peak memory of top-k extraction (teacher- and student-space
+targets) and of l_pub scoring, at several `--batch-sizes`, with the head in `--chunk-tokens`
+chunks and in one chunk per batch (what the code did before: the full [tokens x vocab] logits).
+Each point runs in a fresh process; peak memory is the resident set sampled every 2 ms above
+the level after loading and a warm-up, plus tracemalloc's peak of Python/numpy allocations.
+Without `--teacher`, the model is a random-weight Llama (hidden 256, 4 layers) over a real
+SentencePiece vocabulary of `--teacher-vocab` pieces trained on WikiText-2 (speed and memory
+only: random weights make meaningless labels). Saves results/public_topk_scaling.json.
 """
 
 from __future__ import annotations
@@ -12,14 +22,20 @@ import argparse
 import json
 import os
 import platform
+import resource
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import torch
 
 from dpfleet.edge.datasets import load_records
-from dpfleet.public.teacher import load_teacher
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.public.teacher import PACKAGED, load_teacher
 from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
 from dpfleet.public.topk import TopKExtractor, build_corpus, student_sequences
 
@@ -34,7 +50,20 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=1024)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--scaling", action="store_true", help="memory/speed vs batch size")
+    parser.add_argument("--batch-sizes", default="512,2048,8192")
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per measured point")
+    parser.add_argument("--teacher-vocab", type=int, default=16_384)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = parser.parse_args()
+    if args.point:
+        print(json.dumps(_point(**json.loads(args.point))))
+        return
+    if args.scaling:
+        _scaling(args)
+        return
 
     start = time.perf_counter()
     teacher = load_teacher(args.teacher, args.device)
@@ -75,6 +104,122 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "public_topk.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _synthetic_teacher(folder: Path, teacher_vocab: int) -> Path:
+    """A random-weight Llama saved as a Hugging Face folder with a real SentencePiece model
+    (Gemma's special-id order) trained on WikiText-2 train."""
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lines = [r.text for r in load_records("wikitext2", "train")]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"), model_type="bpe",
+        vocab_size=teacher_vocab, byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        num_threads=1, minloglevel=2,
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=teacher_vocab, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _point(teacher: str, vocab_dir: str, mode: str, batch_tokens: int, chunk_tokens: int,
+           tokens: int, seq_len: int, k: int, threads: int, device: str | None) -> dict:
+    """One measurement in this (fresh) process."""
+    from dpfleet.public.matching import teacher_logprobs
+    from dpfleet.public.teacher_tokenizer import TeacherVocab
+    from dpfleet.public.topk import _batches
+
+    torch.set_num_threads(threads)
+    vocab = TeacherVocab.load(Path(vocab_dir))
+    ext = TopKExtractor(load_teacher(teacher, device), vocab, k,
+                        "student" if mode == "topk-student" else "teacher", chunk_tokens)
+    texts = [r.text for r in load_records("wikitext2", "valid")]
+    sequences = [s for s in student_sequences(texts, vocab.tokenizer, seq_len) if len(s) == seq_len]
+    n = tokens // seq_len
+
+    def run(seqs) -> None:
+        if mode == "lpub":
+            teacher_logprobs(ext, vocab.tokenizer, seqs, batch_tokens, progress=False)
+        else:
+            for batch in _batches(seqs, batch_tokens):
+                ext.rows(batch)
+
+    run(sequences[:2])  # warm-up on a tiny batch
+    base, peak, stop = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    tracemalloc.start()
+    sampler.start()
+    start = time.perf_counter()
+    run(sequences[:n])
+    seconds = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    _, py_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    if ext.teacher.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"mode": mode, "batch_tokens": batch_tokens, "chunk_tokens": chunk_tokens,
+            "tokens": n * seq_len, "tokens_per_s": round(n * seq_len / seconds, 1),
+            "peak_rss_above_base_mib": round(max(0, peak[0] - base) / 2**20, 1),
+            "tracemalloc_peak_mib": round(py_peak / 2**20, 2),
+            "max_rss_process_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "teacher_vocab": ext.teacher.vocab_size, "device": str(ext.teacher.device)}
+
+
+def _scaling(args) -> None:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic = args.teacher == "synthetic" or (
+            args.teacher in PACKAGED
+            and not (cache_dir() / "teachers" / args.teacher / "config.json").is_file())
+        teacher = str(_synthetic_teacher(Path(tmp), args.teacher_vocab)) if synthetic else args.teacher
+        folder = load_teacher(teacher, "cpu").path
+        student_vocab = min(args.vocab_size, args.teacher_vocab // 2) if synthetic else args.vocab_size
+        build_teacher_vocab(load_teacher_spm(folder),
+                            [r.text for r in load_records("wikitext2", "train")],
+                            student_vocab, Path(tmp) / "tok", teacher)
+        points = []
+        for mode in ("topk", "topk-student", "lpub"):
+            for batch in sizes:
+                for chunk in (args.chunk_tokens, max(sizes) * 4):  # chunked / one chunk per batch
+                    spec = {"teacher": teacher, "vocab_dir": str(Path(tmp) / "tok"), "mode": mode,
+                            "batch_tokens": batch, "chunk_tokens": chunk, "tokens": args.tokens,
+                            "seq_len": args.seq_len, "k": args.k, "threads": args.threads,
+                            "device": args.device}
+                    out = subprocess.run([sys.executable, __file__, "--point", json.dumps(spec)],
+                                         capture_output=True, text=True, check=True)
+                    point = json.loads(out.stdout.strip().splitlines()[-1])
+                    point["chunked"] = chunk == args.chunk_tokens
+                    point["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+                    print(json.dumps(point), flush=True)
+                    points.append(point)
+    result = {
+        "teacher": "random-weight Llama (hidden 256, 4 layers, 4 heads, MLP 1024), real "
+                   f"{args.teacher_vocab}-piece SentencePiece vocabulary" if synthetic else args.teacher,
+        "student_vocab": student_vocab, "k": args.k, "seq_len": args.seq_len,
+        "chunk_tokens": args.chunk_tokens, "cpu_count": os.cpu_count(),
+        "torch_threads": args.threads, "platform": platform.platform(),
+        "processor": platform.processor(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "points": points,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "public_topk_scaling.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

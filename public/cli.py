@@ -67,11 +67,20 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
               help="records are cut into sequences of at most this many tokens")
 @click.option("--shard-sequences", type=click.IntRange(1), default=4096, show_default=True,
               help="sequences per shard file (the unit of resumption)")
-@click.option("--batch-tokens", type=click.IntRange(1), default=1024, show_default=True,
-              help="teacher batch size in tokens (the logits are tokens x teacher vocab)")
+@click.option("--batch-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="teacher batch size in tokens (the body's activations scale with it); "
+                   "0: from the accelerator's free memory, 1024 on CPU")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
+@click.option("--targets", type=click.Choice(["teacher", "student"]), default="teacher",
+              show_default=True,
+              help="take the top-K in the teacher's vocabulary, then map (paper 000), or map the "
+                   "whole teacher distribution into the on-device vocabulary, then take the top-K "
+                   "(keeps the mass of trimmed pieces)")
+@click.option("--chunk-tokens", type=click.IntRange(1), default=2048, show_default=True,
+              help="token positions per LM-head chunk: bounds memory to about this x the "
+                   "teacher vocabulary in floats, whatever --batch-tokens is")
 def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_records, k, seq_len,
-                   shard_sequences, batch_tokens, device) -> None:
+                   shard_sequences, batch_tokens, device, targets, chunk_tokens) -> None:
     """Store the teacher's top-K next-token logits on public text (resumable shards).
 
     The teacher reads the on-device tokenization; its top-K ids are mapped into the on-device
@@ -85,7 +94,7 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     vocab = TeacherVocab.load(tokenizer_dir)
     texts = _public_texts(dataset, split, path, max_records)
     sequences = student_sequences(texts, vocab.tokenizer, seq_len)
-    extractor = TopKExtractor(load_teacher(teacher, device), vocab, k)
+    extractor = TopKExtractor(load_teacher(teacher, device), vocab, k, targets, chunk_tokens)
     manifest = build_corpus(extractor, sequences, out, shard_sequences, batch_tokens)
     summary = {key: manifest[key] for key in
                ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}
@@ -121,9 +130,12 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
               help="steps between saves of the training state (what --resume continues from)")
 @click.option("--resume", is_flag=True, help="continue an interrupted pretraining in --out")
 @click.option("--overwrite", is_flag=True, help="replace an existing checkpoint in --out")
+@click.option("--device", default="cpu", show_default=True,
+              help="the student's device: small recurrent models train faster and resume "
+                   "bit-exactly on CPU; cuda needs deterministic kernels for that")
 def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, path, max_records,
              seq_len, arch, embedding_dim, hidden_dim, projection_dim, steps, batch_size, lr, seed,
-             save_every, resume, overwrite) -> None:
+             save_every, resume, overwrite, device) -> None:
     """Public pretraining of the on-device LM, with teacher distillation when --kd-corpus is given.
 
     The checkpoint initialises private training (`[simulation.tokenizer] path` must then be the
@@ -166,7 +178,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     torch.manual_seed(seed)
     theta0 = get_flat(build_model(model_cfg))
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
-                        temperature=temperature, seed=seed)
+                        temperature=temperature, seed=seed, device=device)
     Path(out).mkdir(parents=True, exist_ok=True)
     with resume_hint("the same `dpfleet public pretrain ...` command with --resume"):
         theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,

@@ -6,6 +6,16 @@ private round (theta = the seeded init) and *mid*-training between the two DP-FT
 Algorithm 1 (theta = the DP checkpoint at round T'). It trains on a subset of a corpus's
 sequences (all of them, a random q, or the distribution-matched q) and beta = 0 is plain L_LM.
 Public data only, so it costs no privacy. Adam with gradient clipping at 1, like pretrain.py.
+
+Device. The student trains on `KDTrainConfig.device`, CPU by default, chosen on purpose and
+never picked up from whatever accelerator is present: the small recurrent students step one
+time position at a time, a launch-bound loop on a GPU, and CPU kernels give the bit-exact
+resume the tests check (tests run on 1 torch thread). On CUDA, the same result after an
+interruption additionally needs deterministic kernels, which the caller sets before training:
+`CUBLAS_WORKSPACE_CONFIG=:4096:8` in the environment and `torch.use_deterministic_algorithms(True)`
+(cuDNN's recurrent kernels then raise rather than drift); resume on another device than the
+one the state was saved on is refused (the device is part of the job's fingerprint). The
+teacher, by contrast, uses the accelerator whenever there is one (public/teacher.py).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ class KDTrainConfig:
     beta: float = 0.1  # weight of L_KD; 0 = plain next-token loss
     temperature: float = 1.0
     seed: int = 0
+    device: str = "cpu"  # the student's device (see the module docstring)
 
 
 class PlainCorpus:
@@ -60,8 +71,17 @@ class PlainCorpus:
         return KDBatch(inputs, targets, ids, torch.full(ids.shape, float("-inf")))
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def student_device(name: str) -> torch.device:
+    """The configured student device, checked: a missing accelerator is a user error."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise DpfleetError(f"unknown student device {name!r} (cpu, cuda, cuda:1, ...)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DpfleetError(f"student device {name!r} requested but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise DpfleetError(f"student device {name!r}: only cpu and cuda are supported")
+    return device
 
 
 def _losses(model: torch.nn.Module, batch: KDBatch, beta: float, temperature: float, device):
@@ -94,12 +114,12 @@ def kd_train(
         raise DpfleetError("public training got no sequences (raise the fraction q)")
     if cfg.beta < 0 or cfg.steps < 0:
         raise DpfleetError("public training needs beta >= 0 and steps >= 0")
+    device = student_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     set_flat(model, theta)
     if cfg.steps == 0:
         return get_flat(model), []
-    device = _device()
     model.to(device).train()
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rng = np.random.default_rng(cfg.seed)

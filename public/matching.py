@@ -41,6 +41,14 @@ from tqdm import tqdm
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.tokenizer import BOS, PAD, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.public.teacher_head import (
+    kept_hidden,
+    reduce_head,
+    resolve_batch_tokens,
+    right_padded,
+    target_logprob,
+    to_device,
+)
 from dpfleet.public.teacher_tokenizer import load_teacher_spm, processor
 from dpfleet.public.topk import TopKExtractor, _batches
 
@@ -112,7 +120,7 @@ def student_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
 
 @torch.no_grad()
 def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
-                     sequences: Sequence[Sequence[int]], batch_tokens: int = 1024,
+                     sequences: Sequence[Sequence[int]], batch_tokens: int = 0,
                      progress: bool = True) -> np.ndarray:
     """l_pub: the teacher's log-likelihood of each record's text (decoded from the on-device ids
     with `tokenizer`, re-encoded with the teacher's own SentencePiece model, read behind its bos),
@@ -121,26 +129,21 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
     own = [sp.encode(tokenizer.decode(s)) for s in sequences]
     if not all(own):
         raise DpfleetError("a record decodes to no text the teacher can read")
-    dev = extractor.teacher.device
+    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
     totals = np.zeros(len(own))
     bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
     first = 0
     for batch in _batches(own, batch_tokens):  # consecutive runs of records
-        width = max(map(len, batch))
-        inputs = torch.full((len(batch), width), extractor.teacher_bos, dtype=torch.long, device=dev)
-        targets = torch.zeros((len(batch), width), dtype=torch.long, device=dev)
-        mask = torch.zeros((len(batch), width), dtype=torch.long, device=dev)
-        for b, ids in enumerate(batch):
-            ids = torch.as_tensor(ids, dtype=torch.long, device=dev)
-            inputs[b, 1 : len(ids)] = ids[:-1]
-            targets[b, : len(ids)] = ids
-            mask[b, : len(ids)] = 1
-        logits = extractor.teacher.logits(inputs, mask)
-        keep = mask.bool()
-        rows = logits[keep]  # [tokens, vocab]: gather before the softmax's copy
-        logp = rows.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, -1)
-        per_seq = torch.zeros(len(batch), device=dev).index_add_(0, keep.nonzero()[:, 0], logp)
-        totals[first : first + len(batch)] = per_seq.cpu().numpy()
+        targets, mask = right_padded(batch, 0)
+        inputs = np.full(targets.shape, extractor.teacher_bos, dtype=np.int64)
+        inputs[:, 1:] = np.where(mask[:, 1:], targets[:, :-1], extractor.teacher_bos)
+        hidden = kept_hidden(extractor.teacher, inputs, mask)
+        kept = to_device(targets[mask], extractor.teacher.device)
+        (logp,) = reduce_head(extractor.teacher, hidden, target_logprob, extractor.chunk_tokens,
+                              kept)
+        rows = np.repeat(np.arange(len(batch)), mask.sum(1))
+        totals[first : first + len(batch)] = np.bincount(
+            rows, logp.double().cpu().numpy(), minlength=len(batch))
         first += len(batch)
         bar.update(int(mask.sum()))
     bar.close()

@@ -21,7 +21,8 @@ pool pay for the teacher once.
 Config layout (strict, like the simulate config):
 
     [public]      teacher, vocab_size, first_stage_rounds, selection, fraction, match_beta,
-                  kd_beta, temperature, steps, batch_size, lr, k, batch_tokens, vocab_records
+                  kd_beta, temperature, steps, batch_size, lr, k, batch_tokens, vocab_records,
+                  targets, student_device
     [pool]        sources, records, seq_len, seed
     [simulation]  a full `dpfleet simulate` config (rounds = T; private data, model, dp, ...)
 """
@@ -46,7 +47,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
 from dpfleet.jsonio import dumps
-from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
+from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (
     Pool,
     build_pool,
@@ -59,6 +60,7 @@ from dpfleet.public.matching import (
 )
 from dpfleet.public.overlap import check_public_sources, check_public_texts
 from dpfleet.public.teacher_tokenizer import TeacherVocab
+from dpfleet.public.topk import TARGETS
 
 SELECTIONS = ("none", "random", "match", "fred")
 
@@ -79,7 +81,9 @@ class PublicSection:
     batch_size: int = 32
     lr: float = 3e-3
     k: int = 10  # teacher logits kept per position
-    batch_tokens: int = 1024  # teacher batch size in tokens
+    batch_tokens: int = 0  # teacher batch size in tokens; 0: from free accelerator memory
+    targets: str = "teacher"  # top-k taken in the "teacher" or the "student" vocabulary
+    student_device: str = "cpu"  # public training's device (the teacher uses cuda when present)
 
 
 @dataclass
@@ -126,6 +130,8 @@ def parse_pipeline(values: dict) -> PipelineConfig:
         (p.kd_beta >= 0 and p.temperature > 0, "public.kd_beta >= 0 and temperature > 0"),
         (p.steps >= 0 and p.batch_size >= 1 and p.lr > 0, "public.steps/batch_size/lr out of range"),
         (1 <= p.k <= 64, "public.k must be in [1, 64]"),
+        (p.targets in TARGETS, f"public.targets must be one of {TARGETS}"),
+        (p.batch_tokens >= 0, "public.batch_tokens must be >= 0 (0: from free memory)"),
         (len(cfg.pool.sources) == len(cfg.pool.records) and cfg.pool.sources,
          "pool.sources and pool.records must be non-empty lists of the same length"),
         (all(isinstance(n, int) and n >= 1 for n in cfg.pool.records), "pool.records must be >= 1"),
@@ -134,6 +140,7 @@ def parse_pipeline(values: dict) -> PipelineConfig:
     for ok, message in checks:
         if not ok:
             raise DpfleetError(message)
+    student_device(p.student_device)
     check_public_sources(cfg.pool.sources, sim.data.dataset, "pool source")
     if not sim.tokenizer.path:
         check_public_sources(["wikitext2"], sim.data.dataset, "the teacher vocabulary's corpus")
@@ -196,7 +203,8 @@ class TeacherWork:
 
     def __init__(self, cfg: PipelineConfig, vocab: TeacherVocab, pool: Pool, progress: bool):
         p = cfg.public
-        key = _digest(p.teacher, vocab.meta, pool.fingerprint(), p.k)
+        key = _digest(p.teacher, vocab.meta, pool.fingerprint(), p.k,
+                      *(() if p.targets == "teacher" else (p.targets,)))
         self.folder = cache_dir() / "public" / f"pool-{key}"
         self.cfg, self.vocab, self.pool, self.progress = cfg, vocab, pool, progress
         self._extractor = None
@@ -207,7 +215,7 @@ class TeacherWork:
             from dpfleet.public.topk import TopKExtractor
 
             p = self.cfg.public
-            self._extractor = TopKExtractor(load_teacher(p.teacher), self.vocab, p.k)
+            self._extractor = TopKExtractor(load_teacher(p.teacher), self.vocab, p.k, p.targets)
         return self._extractor
 
     def corpus(self):
@@ -302,7 +310,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
             chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
         corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
         kd_cfg = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=p.kd_beta,
-                               temperature=p.temperature, seed=sim.seed)
+                               temperature=p.temperature, seed=sim.seed,
+                               device=p.student_device)
         stage = "pre-training" if r == 0 else f"mid-training at round {r}"
         new_theta, history = kd_train(model_cfg, theta, corpus, chosen, kd_cfg, progress=progress,
                                       desc=f"public {stage}")

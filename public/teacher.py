@@ -148,33 +148,64 @@ def resolve_teacher(spec: str) -> Path:
 
 @dataclass
 class Teacher:
-    """A loaded causal LM in eval mode on its device."""
+    """A loaded causal LM in eval mode on its device.
+
+    The forward is split in two so a job never holds the [tokens x vocab] logits: `body` runs the
+    transformer once (bfloat16 on CUDA: Gemma overflows in float16, never use it), `head` maps
+    a few thousand hidden rows at a time to float32 logits (public/teacher_head.py reduces each
+    chunk at once). `head_weight` is a float32 copy on CUDA, the model's own tensor on CPU.
+    """
 
     name: str
     path: Path
     model: torch.nn.Module
     device: torch.device
+    head_weight: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_weight is None:
+            self.head_weight = self.model.get_output_embeddings().weight
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return int(self.head_weight.shape[0])
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [batch, length, teacher vocab] (float32) for right-padded ids."""
-        out = self.model(
+    def body(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [batch, length, hidden] (after the last norm) for right-padded ids."""
+        out = self.model.get_decoder()(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             use_cache=False,
         )
-        return out.logits.float()
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 next-token logits for hidden rows [..., hidden] (TF32 matmul on CUDA)."""
+        logits = hidden.float() @ self.head_weight.T
+        bias = getattr(self.model.get_output_embeddings(), "bias", None)
+        if bias is not None:
+            logits += bias.float()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:  # Gemma 2/3 configs may cap the logits; match the model's own forward
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Full next-token logits [batch, length, teacher vocab] (float32): tests and small
+        inputs only; jobs go through public/teacher_head.py, which never builds them."""
+        return self.head(self.body(input_ids, attention_mask))
 
 
 def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher:
-    """Load a teacher by packaged name or folder; cuda when present, else CPU, in float32.
+    """Load a teacher by packaged name or folder; cuda when present, else CPU.
 
-    float32 even on a GPU: the teacher is small and the stored top-k logits should not carry
-    bfloat16's 3-significant-digit rounding.
+    On CPU everything is float32. On CUDA the body runs in bfloat16 (the memory-bound part; its
+    rounding only perturbs the hidden state) while the LM head keeps a float32 weight and runs
+    with TF32 matmuls, so the stored top-k logits and log-probs are not rounded to bfloat16's 3
+    significant digits. TF32 is enabled process-wide (`torch.set_float32_matmul_precision`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -184,8 +215,13 @@ def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise DpfleetError(f"cannot load teacher from {folder}: {exc}") from exc
+    head_weight = None
+    if device.type == "cuda":
+        head_weight = model.get_output_embeddings().weight.detach().clone().to(device)
+        model.to(torch.bfloat16)  # a tied embedding is cast too; the head uses its own copy
+        torch.set_float32_matmul_precision("high")
     model.to(device).eval()
-    return Teacher(name=spec, path=folder, model=model, device=device)
+    return Teacher(name=spec, path=folder, model=model, device=device, head_weight=head_weight)
 
 
 def _sha256(path: Path) -> str:

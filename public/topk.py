@@ -15,6 +15,8 @@ a trimmed piece becomes the first student piece of its fallback (the student's f
 towards that string) and entries landing on the same student id are merged by log-sum-exp,
 so their probability mass adds up; control/unused pieces and pad/bos/unk are dropped. A row
 may therefore hold fewer than k entries: empty slots have id 0 (pad) and logit -inf.
+With `targets = "student"` the merge happens before the top-k, over the whole teacher
+distribution (TopKExtractor). A row with no entry at all is stored as -inf, not NaN.
 
 Shard layout (`shard-NNNNN.npz`, uncompressed numpy arrays; N tokens in the shard):
 
@@ -47,9 +49,19 @@ from tqdm import tqdm
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import Teacher
+from dpfleet.public.teacher_head import (
+    DEFAULT_CHUNK_TOKENS,
+    kept_hidden,
+    reduce_head,
+    resolve_batch_tokens,
+    right_padded,
+    student_space_reduce,
+    topk_reduce,
+)
 from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
 
 _START = np.uint16(1 << 15)
+TARGETS = ("teacher", "student")  # where the top-k is taken (TopKExtractor)
 
 
 def student_sequences(texts: Iterable[str], tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
@@ -84,9 +96,18 @@ def merge_mapped(ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor,
 
 
 class TopKExtractor:
-    """Teacher forward passes -> student-vocabulary top-k rows for student sequences."""
+    """Teacher forward passes -> student-vocabulary top-k rows for student sequences.
 
-    def __init__(self, teacher: Teacher, vocab: TeacherVocab, k: int = 10):
+    `targets` picks how the teacher's distribution becomes k student-space entries:
+    "teacher" (paper 000's recipe) takes the top-k in the teacher vocabulary and merges the
+    entries that map to one student id; "student" first pushes the *whole* teacher distribution
+    through the id map (public/teacher_head.py: student_space_reduce) and then takes the top-k,
+    so mass of trimmed continuations outside the teacher's top-k is kept. The head runs over
+    `chunk_tokens` positions at a time and never holds the [tokens x vocab] logits.
+    """
+
+    def __init__(self, teacher: Teacher, vocab: TeacherVocab, k: int = 10,
+                 targets: str = "teacher", chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         if vocab.tokenizer.vocab_size > MAX_STUDENT_VOCAB:
             raise DpfleetError(f"student vocabulary exceeds {MAX_STUDENT_VOCAB} ids")
         if len(vocab.teacher_to_student) != teacher.vocab_size:
@@ -96,32 +117,36 @@ class TopKExtractor:
             )
         if not 1 <= k <= 64:
             raise DpfleetError("k must be in [1, 64]")
-        self.teacher, self.k = teacher, k
+        if targets not in TARGETS:
+            raise DpfleetError(f"top-k targets must be one of {', '.join(TARGETS)}, not {targets!r}")
+        if chunk_tokens < 1:
+            raise DpfleetError("chunk_tokens must be positive")
+        self.teacher, self.k, self.targets, self.chunk_tokens = teacher, k, targets, chunk_tokens
         device = teacher.device
-        self.s2t = torch.as_tensor(vocab.student_to_teacher, dtype=torch.long, device=device)
+        self.s2t_np = np.asarray(vocab.student_to_teacher, dtype=np.int64)
+        self.s2t = torch.as_tensor(self.s2t_np, device=device)
         t2s = vocab.teacher_to_student.astype(np.int64)
         t2s[np.isin(t2s, [PAD, BOS, UNK])] = -1  # never a prediction target
         self.t2s = torch.as_tensor(t2s, device=device)
+        self.student_vocab = vocab.tokenizer.vocab_size
         self.teacher_bos = int(vocab.student_to_teacher[BOS])
         if self.teacher_bos < 0:
             raise DpfleetError("the teacher vocabulary has no bos token")
 
     def rows(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (ids, logits), each [total tokens, k], for a batch of sequences in order."""
-        lengths = [len(s) for s in batch]
-        width = max(lengths)
-        dev = self.teacher.device
-        inputs = torch.full((len(batch), width), self.teacher_bos, dtype=torch.long, device=dev)
-        mask = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
-        for b, seq in enumerate(batch):
-            ids = self.s2t[torch.as_tensor(seq[:-1], dtype=torch.long, device=dev)]
-            if (ids < 0).any():
-                raise DpfleetError("a sequence holds a special token with no teacher id")
-            inputs[b, 1 : len(seq)] = ids
-            mask[b, : len(seq)] = 1
-        values, indices = self.teacher.logits(inputs, mask).topk(self.k, dim=-1)
-        keep = mask.bool()  # top-k before masking: never copy the [tokens, vocab] logits
-        return merge_mapped(self.t2s[indices[keep]], values[keep])
+        ids, mask = right_padded(batch, PAD)
+        mapped = self.s2t_np[ids[:, :-1]]  # the one gather through the id map
+        if (mapped[mask[:, 1:]] < 0).any():
+            raise DpfleetError("a sequence holds a special token with no teacher id")
+        inputs = np.full(ids.shape, self.teacher_bos, dtype=np.int64)
+        inputs[:, 1:] = np.where(mask[:, 1:], mapped, self.teacher_bos)
+        hidden = kept_hidden(self.teacher, inputs, mask)
+        if self.targets == "student":
+            reduce = student_space_reduce(self.t2s, self.student_vocab, self.k)
+            return reduce_head(self.teacher, hidden, reduce, self.chunk_tokens)
+        values, indices = reduce_head(self.teacher, hidden, topk_reduce(self.k), self.chunk_tokens)
+        return merge_mapped(self.t2s[indices], values)
 
 
 def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.Tensor) -> dict:
@@ -129,7 +154,9 @@ def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.T
     starts = np.cumsum([0, *(len(s) for s in sequences[:-1])])
     tokens[starts] |= _START
     ids_np = ids.cpu().numpy().astype(np.uint16)
-    rel = (logits[:, 1:] - logits[:, :1]).cpu().numpy().astype(np.float16)
+    # an empty row (nothing reachable) is stored as -inf throughout, never -inf - -inf = NaN
+    rel = torch.where(torch.isneginf(logits[:, 1:]), logits[:, 1:], logits[:, 1:] - logits[:, :1])
+    rel = rel.cpu().numpy().astype(np.float16)
     return {"tokens": tokens, "topk_ids": ids_np, "topk_logits": rel}
 
 
@@ -156,10 +183,13 @@ def build_corpus(
     sequences: Sequence[Sequence[int]],
     out: Path,
     shard_sequences: int = 4096,
-    batch_tokens: int = 1024,
+    batch_tokens: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest."""
+    """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
+
+    `batch_tokens` 0 sizes the teacher's batches from free accelerator memory (1,024 on CPU)."""
+    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:
         raise DpfleetError("no sequences to distill")
@@ -176,10 +206,13 @@ def build_corpus(
         "shard_sequences": shard_sequences,
         "fingerprint": _fingerprint(sequences),
     }
+    if extractor.targets != "teacher":  # corpora from before the option keep their settings
+        settings["targets"] = extractor.targets
     manifest_file = out / "manifest.json"
     if manifest_file.is_file():
         old = json.loads(manifest_file.read_text())
-        if {key: old.get(key) for key in settings} != settings:
+        if ({key: old.get(key) for key in settings} != settings
+                or old.get("targets", "teacher") != extractor.targets):
             raise DpfleetError(f"{out} holds a corpus built with other settings or sequences")
     manifest_file.write_text(json.dumps(settings, indent=2))
 

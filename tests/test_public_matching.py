@@ -299,6 +299,12 @@ def test_pipeline_config_errors(tiny_teacher_dir, tiny_teacher_vocab, tmp_path):
     values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, selection="best")
     with pytest.raises(DpfleetError, match="selection"):
         parse_pipeline(values)
+    values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, targets="both")
+    with pytest.raises(DpfleetError, match="public.targets"):
+        parse_pipeline(values)
+    values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, student_device="tpu")
+    with pytest.raises(DpfleetError, match="student device"):
+        parse_pipeline(values)
     with pytest.raises(SystemExit) as exit_info:  # a user error: one line, exit status 2
         main(["public", "pipeline", str(tmp_path / "none.toml"), "--out", str(tmp_path)])
     assert exit_info.value.code == 2

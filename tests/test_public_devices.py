@@ -1,0 +1,110 @@
+"""Devices chosen on purpose (issue 16 item 3): the student trains where its config says (CPU
+by default, whatever accelerator is present), the teacher takes the accelerator when present,
+and a device that cannot be had is a one-line user error. The CUDA-only check (bf16 body with a
+float32 head) runs only where a GPU is present."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpfleet.cli import main
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.export.params import get_flat
+from dpfleet.public import teacher as teacher_module
+from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
+from dpfleet.public.teacher import load_teacher
+from dpfleet.public.teacher_head import auto_batch_tokens
+from dpfleet.public.topk import TopKExtractor, student_sequences
+
+torch.set_num_threads(1)
+TINY = {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16}
+
+
+def _train(vocab, steps=6, **cfg):
+    seqs = student_sequences(["the king said unto them go forth ."] * 20, vocab.tokenizer, 8)
+    model_cfg = ModelConfig(vocab_size=vocab.tokenizer.vocab_size, **TINY)
+    torch.manual_seed(0)
+    theta0 = get_flat(build_model(model_cfg))
+    return kd_train(model_cfg, theta0, PlainCorpus(seqs), None,
+                    KDTrainConfig(steps=steps, batch_size=4, lr=1e-2, **cfg), progress=False)
+
+
+def test_student_stays_on_cpu_when_an_accelerator_is_present(tiny_teacher_vocab, monkeypatch):
+    """The old code moved the student to CUDA whenever `cuda.is_available()`; claim one is
+    present (none is here, so any move to CUDA would fail) and train: the default stays on CPU
+    and gives the same weights as with no accelerator at all."""
+    plain, _ = _train(tiny_teacher_vocab)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    claimed, _ = _train(tiny_teacher_vocab)
+    assert np.array_equal(plain, claimed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_student_without_cuda_is_a_user_error(tiny_teacher_vocab):
+    with pytest.raises(DpfleetError, match="no CUDA device"):
+        _train(tiny_teacher_vocab, device="cuda")
+
+
+@pytest.mark.parametrize("name", ["gpu0", "meta", "cuda:x"])
+def test_unknown_student_device_is_a_user_error(name):
+    with pytest.raises(DpfleetError, match="student device"):
+        student_device(name)
+
+
+def test_pretrain_cli_bad_device_is_one_line(tiny_teacher_vocab, tmp_path, capsys):
+    folder = tiny_teacher_vocab.tokenizer.model_file.parent
+    with pytest.raises(SystemExit) as exit_info:
+        main(["public", "pretrain", "--tokenizer", str(folder), "--out", str(tmp_path / "ck"),
+              "--dataset", "wikitext2", "--max-records", "20", "--steps", "2", "--device", "tpu9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "student device" in err[0]
+
+
+def test_teacher_takes_the_accelerator_when_present(tiny_teacher_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert teacher_module.default_device().type == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert teacher_module.default_device().type == "cpu"
+    teacher = load_teacher(str(tiny_teacher_dir), device="cpu")
+    # CPU: float32 throughout, and the head is the model's own weight (no second copy)
+    assert next(teacher.model.parameters()).dtype == torch.float32
+    assert teacher.head_weight is teacher.model.get_output_embeddings().weight
+    assert auto_batch_tokens(teacher) == 1024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_teacher_bf16_body_fp32_head(tiny_teacher_dir, tiny_teacher_vocab):
+    cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
+    gpu = load_teacher(str(tiny_teacher_dir), device="cuda")
+    assert next(gpu.model.get_decoder().parameters()).dtype == torch.bfloat16
+    assert gpu.head_weight.dtype == torch.float32
+    seqs = student_sequences(["the king said unto them go forth ."] * 4,
+                             tiny_teacher_vocab.tokenizer, 8)
+    ids_c, v_c = TopKExtractor(cpu, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    ids_g, v_g = TopKExtractor(gpu, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    assert v_g.dtype == torch.float32 and torch.allclose(v_g.cpu(), v_c, atol=0.1)
+    assert (ids_g.cpu()[:, 0] == ids_c[:, 0]).float().mean() > 0.9
+    assert 256 <= auto_batch_tokens(gpu) <= 1 << 16
+
+
+def test_batch_size_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
+    """0 = automatic: 1,024 tokens on CPU; on CUDA, more free memory gives larger batches
+    within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs)."""
+    from dpfleet.public.teacher import Teacher
+    from dpfleet.public.teacher_head import resolve_batch_tokens
+
+    cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
+    assert resolve_batch_tokens(cpu, 0, 512) == 1024 and resolve_batch_tokens(cpu, 77, 512) == 77
+    with pytest.raises(ValueError):
+        resolve_batch_tokens(cpu, -1, 512)
+    fake = Teacher(cpu.name, cpu.path, cpu.model, torch.device("cuda"), cpu.head_weight)
+    sizes = []
+    for free_gib in (0.001, 0.05, 0.2, 80):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, f=free_gib: (int(f * 2**30), 0))
+        sizes.append(auto_batch_tokens(fake, chunk_tokens=512))
+    assert sizes[0] == 256 and sizes[-1] == 1 << 16
+    assert sizes == sorted(sizes) and sizes[1] < sizes[2]
