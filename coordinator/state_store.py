@@ -2,6 +2,7 @@
 
 Layout of a state directory:
     state.sqlite (+ -wal, -shm)  the tables below
+    lock                         flock'ed by the one process that has the state open
     noise_key                    the run's 32-byte noise key, alone, mode 0600 (never in the DB:
                                  a copied or backed-up database must not let anyone remove noise)
     rounds/NNNNNN/               server_state.safetensors + .json after committed round NNNNNN:
@@ -41,6 +42,7 @@ the committed folder is exactly the state to continue from, so no round is ever 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -66,6 +68,7 @@ from dpfleet.jsonio import dumps
 SCHEMA_VERSION = 1
 DB_FILE = "state.sqlite"
 ROUNDS_DIR = "rounds"
+LOCK_FILE = "lock"  # flock: one coordinator process per state directory
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE devices (
@@ -143,6 +146,20 @@ class StateStore:
                                "state directory; choose an empty or new --state")
         fresh = not self.db_path.is_file()
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = (self.path / LOCK_FILE).open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise DpfleetError(f"{self.path} is in use by another coordinator process") from None
+        self.db = None
+        try:
+            self._open(resolved, fresh)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, resolved: dict, fresh: bool) -> None:
         (self.path / ROUNDS_DIR).mkdir(mode=0o700, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.db_path, isolation_level=None)  # explicit transactions
@@ -210,7 +227,9 @@ class StateStore:
         return self._meta()["finished"] == "1"
 
     def close(self) -> None:
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
+        self._lock.close()  # releases the flock
 
     # devices -----------------------------------------------------------------------------------
     def register_device(self, device: str, public_key: bytes | None = None) -> None:

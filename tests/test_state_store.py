@@ -224,7 +224,10 @@ def test_device_keys_cannot_be_taken_over(tmp_path):
 
 
 def test_another_schema_or_config_or_not_a_store_is_refused(tmp_path):
-    StateStore(tmp_path / "s", store_cfg().resolved()).close()
+    first = StateStore(tmp_path / "s", store_cfg().resolved())
+    with pytest.raises(DpfleetError, match="in use by another coordinator"):
+        StateStore(tmp_path / "s", store_cfg().resolved())
+    first.close()
     with pytest.raises(DpfleetError, match="differs in dp"):
         StateStore(tmp_path / "s", cfg_with(noise_seed=12).resolved())
     db = sqlite3.connect(tmp_path / "s" / DB_FILE)
