@@ -167,7 +167,8 @@ class StateStore:
             if self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
                 raise DpfleetError(f"{self.db_path}: SQLite refused WAL mode (a network file system?)")
             self.db.execute("PRAGMA synchronous = FULL")
-            if fresh:
+            # a crash while creating leaves a database without tables: still a fresh state
+            if fresh or not self.db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]:
                 self._create(resolved)
             else:
                 self._check(resolved)
