@@ -54,6 +54,14 @@ def release_hash(theta: np.ndarray, clip_estimate: float | None = None) -> str:
     return digest.hexdigest()
 
 
+def release_record(*, round: int, tree_id: int, t: int, key_id: str, participants: Sequence[str],
+                   restart: bool, clip_norm: float, released: str, data_sha256: str) -> dict:
+    """One round's release record (the fields of the module docstring), as every log stores it."""
+    return {"round": round, "tree_id": tree_id, "t": t, "nodes": prefix_nodes(t),
+            "key_id": key_id, "participants": list(participants), "restart": restart,
+            "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256}
+
+
 class ReleaseLog:
     """Append-only, fsynced log of released rounds (`releases.jsonl` of a run directory)."""
 
@@ -82,9 +90,9 @@ class ReleaseLog:
                        participants: Sequence[str], restart: bool, clip_norm: float, released: str,
                        data_sha256: str) -> dict:
         """Append one round and fsync: call it before anything of the round is released."""
-        record = {"round": round, "tree_id": tree_id, "t": t, "nodes": prefix_nodes(t),
-                  "key_id": key_id, "participants": list(participants), "restart": restart,
-                  "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256}
+        record = release_record(round=round, tree_id=tree_id, t=t, key_id=key_id,
+                                participants=participants, restart=restart, clip_norm=clip_norm,
+                                released=released, data_sha256=data_sha256)
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()

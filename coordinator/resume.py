@@ -199,16 +199,27 @@ def discard_resume(run_path: Path) -> None:
     (run_path / FINGERPRINT_KEY).unlink(missing_ok=True)
 
 
-def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None) -> int:
+@dataclass(frozen=True)
+class ResumeSource:
+    """Where a resume reads its state when it is not a run directory's resume/ folder and
+    metrics.jsonl (the SQLite state store, `state_store`): nothing is rewritten there."""
+
+    point: Path | None  # the saved server state (save_server_state with `rounds_done`)
+    key_folder: Path  # holds the noise key file
+    metrics: list[dict]  # the logged per-round metrics
+
+
+def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
+            source: ResumeSource | None = None) -> int:
     """Load the resume point into `server` / `estimator`; returns the number of rounds done."""
-    folder = resume_point(run_path)
+    folder = resume_point(run_path) if source is None else source.point
     if folder is None:
         return 0
     state, meta = load_server_state(folder)
     if state["theta"].shape != server.theta.shape:
         raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
                            f"builds {server.theta.size}: it belongs to another run")
-    server.noise_key = read_key(folder)
+    server.noise_key = read_key(folder if source is None else source.key_folder)
     server.load_state(state)
     if estimator is not None:
         if meta["clip_estimator"] is None:
@@ -252,30 +263,30 @@ class Resumed:
         return self.start if self.lost else None
 
 
-def _metrics_after_resume(path: Path, rounds_done: int, released: list[dict]) -> list[dict]:
-    """Metrics of every released round: logged ones kept, lost ones without a line get a stub."""
-    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if len(logged) < rounds_done:  # the saved rounds must all be there
-        raise DpfleetError(f"{path} has {len(logged)} rounds but the resume point has {rounds_done}")
+def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[dict]) -> list[dict]:
+    """Metrics of every released round: logged ones kept, the others get a stub (lost in the
+    crash, or, in the state store, a committed round whose metrics row the crash cut off)."""
     by_round = {m["round"]: m for m in logged}
     out = []
     for r in released:
         stub = {"round": r["round"], "clients": len(r["participants"]), "restart": r["restart"],
-                "lost_in_crash": True, "accuracy": None, "loss": None}
+                "lost_in_crash": r["round"] > rounds_done, "accuracy": None, "loss": None}
         out.append(by_round.get(r["round"], stub))
     return out
 
 
 def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
                releases: ReleaseLog, participation: Participation, accountant: RunAccountant,
-               users: Sequence[str], fingerprint: str) -> Resumed:
+               users: Sequence[str], fingerprint: str, source: ResumeSource | None = None
+               ) -> Resumed:
     """Restore the resume point, replay every released round, and start a fresh tree when
-    released rounds were lost (module docstring); rewrites metrics/participation logs to match."""
+    released rounds were lost (module docstring); rewrites metrics/participation logs to match
+    (with `source`, the state store's, nothing is rewritten: its logs commit with the release)."""
     released = releases.released_rounds()
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")
-    done = restore(run_path, server, estimator)
+    done = restore(run_path, server, estimator, source)
     if len(released) < done:
         raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
                            f"point has {done}: the release log was edited")
@@ -292,8 +303,16 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
             estimator.restart(tree_id)
     entries = [{"round": r["round"] - 1, "devices": r["participants"], "restart": r["restart"]}
                for r in released]
+    if source is not None:
+        resumed.metrics = _metrics_after_resume(source.metrics, done, released)
+        replay(participation, accountant, entries, users)
+        return resumed
     atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
-    resumed.metrics = _metrics_after_resume(run_path / "metrics.jsonl", done, released)
+    path = run_path / "metrics.jsonl"
+    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(logged) < done:  # the saved rounds must all be there
+        raise DpfleetError(f"{path} has {len(logged)} rounds but the resume point has {done}")
+    resumed.metrics = _metrics_after_resume(logged, done, released)
     atomic_write(run_path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in resumed.metrics))
     replay(participation, accountant, entries, users)
     return resumed

@@ -39,6 +39,7 @@ from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise
 from dpfleet.coordinator.participation import Participation, RoundUnfillable, Selection
 from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, release_hash
 from dpfleet.coordinator.resume import (
+    ResumeSource,
     discard_resume,
     resume_run,
     save_resume,
@@ -136,10 +137,13 @@ class RoundEngine:
 
     def __init__(self, cfg: SimulationConfig, run: RunDir, *, model, model_cfg, tokenizer,
                  users: Sequence[str], fingerprint: str, test_rows, sink: RunSink | None = None,
-                 vocabulary: dict | None = None, resume: bool = False):
+                 vocabulary: dict | None = None, resume: bool = False,
+                 releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
-        vocabulary's privacy summary, already spent. `resume=True` continues `run`."""
+        vocabulary's privacy summary, already spent. `resume=True` continues `run`.
+        `releases` / `resume_source` replace the run directory's releases.jsonl and resume
+        point (the SQLite state store, `state_store.open_engine`)."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
@@ -176,11 +180,12 @@ class RoundEngine:
             ),
             noise_key=noise_key, ring=self.ring,
         )
-        self.releases = ReleaseLog(self.run_path / RELEASES)
+        self.releases = releases if releases is not None else ReleaseLog(self.run_path / RELEASES)
         self.start, self.metrics, self.fresh_tree_at, self.lost = 0, [], None, []
         if resume:  # released rounds are never redone (`release_log`)
             resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
-                                 self.participation, self.accountant, self.users, fingerprint)
+                                 self.participation, self.accountant, self.users, fingerprint,
+                                 resume_source)
             self.start, self.metrics = resumed.start, resumed.metrics
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next

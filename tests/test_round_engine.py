@@ -56,6 +56,14 @@ def by_hand(cfg, out):
     """What a service does, in-process: the engine plus a trainer and an aggregator of its own."""
     run = RunDir(out)
     run.write_config(cfg.resolved())
+    parts, train_and_sum, fingerprint = engine_parts(cfg, out)
+    engine = RoundEngine(cfg, run, **parts, fingerprint=fingerprint(fingerprint_secret(out, create=True)))
+    return engine, train_and_sum
+
+
+def engine_parts(cfg, out):
+    """The engine's model, fleet and held-out rows; the devices' side (train, then sum); and the
+    training data's fingerprint under a given secret."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
     tokenizer, data = prepare_data(cfg, out / "vocabulary")
@@ -66,17 +74,16 @@ def by_hand(cfg, out):
                            batch_size=cfg.client.batch_size, device=cfg.client.device,
                            memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
     test_rows, _ = split_held_out(data.test, cfg.data.eval_examples or None)
-    engine = RoundEngine(cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
-                         users=[c.user for c in data.train], test_rows=test_rows,
-                         fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
-                                                      fingerprint_secret(out, create=True)))
     aggregator = make_aggregator(cfg)
 
     def train_and_sum(plan: RoundPlan):  # in a service: devices train, SecAgg messages sum
         updates = train_plan(cfg, trainer, data.train, plan)
         return aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", plan.round)), updates
 
-    return engine, train_and_sum
+    parts = {"model": model, "model_cfg": model_cfg, "tokenizer": tokenizer,
+             "users": [c.user for c in data.train], "test_rows": test_rows}
+    return parts, train_and_sum, lambda secret: data_fingerprint([c.examples for c in data.train],
+                                                                  tokenizer, secret)
 
 
 def test_engine_by_hand_gives_the_simulation_bit_for_bit(tmp_path):
