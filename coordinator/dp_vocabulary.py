@@ -23,22 +23,22 @@ every delta, and composed with DP-FTRL's rho_train the run is
 (eps(rho_train + rho_vocab, delta), delta + delta_vocab)-DP: Gaussian mechanisms compose by
 adding rho exactly (their PLDs compose into a Gaussian's), and the thresholding delta adds.
 
-The noise comes from a fresh 128-bit secret (`secrets`) that is never stored: rebuilding the
-vocabulary of a run is neither possible nor needed (the run directory keeps the result). Like
-the rest of the simulator it samples Gaussians in floating point.
+The noise is the AES-CTR Gaussian of `noise_stream` under a fresh 256-bit key that is never
+stored: rebuilding the vocabulary of a run is neither possible nor needed (the run directory
+keeps the result). Like the default DP-FTRL noise it samples Gaussians in floating point.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
 
+from dpfleet.coordinator.noise_stream import NodeStream, new_noise_key, standard_normals
 from dpfleet.edge.tokenizer import WordTokenizer, split_words
 from dpfleet.errors import DpfleetError
 
@@ -99,14 +99,17 @@ def dp_word_weights(users: Iterable[Iterable[str]], k: int) -> dict[str, float]:
 
 
 def select_words(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
-                 rng: np.random.Generator | None = None) -> tuple[list[str], dict]:
-    """The DP vocabulary's words (best noisy weight first) and a summary without any word."""
+                 key: bytes | None = None) -> tuple[list[str], dict]:
+    """The DP vocabulary's words (best noisy weight first) and a summary without any word.
+
+    The noise is the project's CSPRNG Gaussian (AES-256-CTR, `noise_stream`, domain b"vocab")
+    under `key`, a fresh 256-bit secret by default (tests pass their own)."""
     if vocab_size < 5:
         raise DpfleetError("tokenizer.vocab_size must leave room for words (>= 5)")
-    rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
     weights = dp_word_weights(users, params.words_per_user)
     words = sorted(weights)
-    noisy = np.array([weights[w] for w in words]) + rng.normal(0.0, params.noise, len(words))
+    stream = NodeStream(new_noise_key() if key is None else key, 0, 0, 0, domain=b"vocab")
+    noisy = np.array([weights[w] for w in words]) + params.noise * standard_normals(stream, len(words))
     passed = np.flatnonzero(noisy > params.threshold)
     order = passed[np.argsort(-noisy[passed], kind="stable")][: vocab_size - 4]
     kept = [words[i] for i in order]
@@ -115,9 +118,9 @@ def select_words(users: Iterable[Iterable[str]], vocab_size: int, params: Vocabu
 
 
 def build_dp_vocabulary(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
-                        rng: np.random.Generator | None = None) -> tuple[WordTokenizer, dict]:
+                        key: bytes | None = None) -> tuple[WordTokenizer, dict]:
     """A `WordTokenizer` over the DP-selected words, and the summary for the privacy report."""
-    kept, info = select_words(users, vocab_size, params, rng)
+    kept, info = select_words(users, vocab_size, params, key)
     if not kept:
         raise DpfleetError(
             f"the DP vocabulary kept no word: no word's noisy user count passed the threshold "
