@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import shutil
 import tempfile
@@ -46,7 +45,7 @@ from dpfleet.coordinator.noise_stream import KEY_BYTES, key_id
 from dpfleet.coordinator.participation import Participation
 from dpfleet.coordinator.release_log import ReleaseLog
 from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.run_dir import atomic_write, write_secret
 from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 
@@ -86,16 +85,6 @@ def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer, secret: by
             digest.update(f.relative_to(tmp).as_posix().encode())
             digest.update(f.read_bytes())
     return digest.hexdigest()
-
-
-def write_secret(path: Path, secret: bytes) -> None:
-    """`secret` alone in a new file created with mode 0600."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secret)
-    finally:
-        os.close(fd)
 
 
 def write_key(folder: Path, key: bytes) -> None:

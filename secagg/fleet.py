@@ -12,14 +12,13 @@ File format (JSON): {"version": 1, "keys": {"<client id>": "<32-byte private key
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.run_dir import write_secret
 from dpfleet.errors import DpfleetError
 
 VERSION = 1
@@ -34,8 +33,7 @@ def create_fleet_file(path: Path, clients: int) -> dict[int, Ed25519PrivateKey]:
     keys = {u: Ed25519PrivateKey.generate() for u in range(clients)}
     payload = {"version": VERSION,
                "keys": {str(u): k.private_bytes_raw().hex() for u, k in keys.items()}}
-    atomic_write(path, json.dumps(payload))
-    os.chmod(path, 0o600)
+    write_secret(path, json.dumps(payload).encode())
     return keys
 
 
