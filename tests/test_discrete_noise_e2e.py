@@ -73,3 +73,7 @@ def test_discrete_noise_resumes_on_its_key_and_never_reuses_a_node(tmp_path):
     assert len({r["key_id"] for r in releases}) == 1  # the resumed rounds used the saved key
     check_no_reuse(releases)  # every (key, tree, position) released once
     assert key not in b"".join(p.read_bytes() for p in (tmp_path / "d").rglob("*") if p.is_file())
+    # the published checkpoint holds the model and momentum, no integer noise node to subtract
+    published = load_file(str(tmp_path / "d" / "checkpoint" / "server_state.safetensors"))
+    assert set(published) == {"theta", "momentum"}
+    assert not (tmp_path / "d" / "resume").exists()
