@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dpfleet.edge.clipping import clip_l2 as clip_to_norm
 from dpfleet.edge.runtime import TrainingRuntime
 
 
@@ -29,25 +30,14 @@ def _norm64(vec: np.ndarray) -> float:
 
 
 def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
-    """Scale `vec` down to L2 norm <= clip_norm; returns (clipped vector, original norm).
+    """Scale `vec` down to L2 norm <= clip_norm exactly (`edge/clipping.py`); returns (clipped
+    vector, original norm).
 
-    The sensitivity is C exactly, not C up to rounding: scaling to C in float64 and rounding to
-    float32 can land up to ~6e-8 relative above C, so while the float64 norm of the result is
-    still > C every coordinate moves one ulp toward zero (each then lies below its exact
-    scaled value, so one step suffices in practice).
+    Norms accumulate in float64 in torch's thread pool: np.linalg.norm would first copy the vector
+    to float64 and then wake OpenBLAS's own threads, which keep spinning against torch's threads on
+    a small machine (issue 15's profile).
     """
-    if clip_norm <= 0:
-        raise ValueError("clip norm must be positive")
-    # norms accumulate in float64 in torch's thread pool: np.linalg.norm would first copy the
-    # vector to float64 and then wake OpenBLAS's own threads, which keep spinning against torch's
-    # threads on a small machine (issue 15's profile)
-    norm = _norm64(vec)
-    if norm <= clip_norm:
-        return vec, norm
-    out = (vec.astype(np.float64) * (clip_norm / norm)).astype(vec.dtype)
-    while _norm64(out) > clip_norm:  # float32 rounding may leave it a few ulps above C
-        out = np.nextafter(out, np.zeros((), out.dtype))
-    return out, norm
+    return clip_to_norm(vec, clip_norm, _norm64)
 
 
 def client_update(

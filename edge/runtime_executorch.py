@@ -10,12 +10,12 @@ in place; the batch is static, so the last partial minibatch is PAD-padded (exac
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dpfleet.edge.pte_module import PteModule, set_threads  # noqa: F401  (re-exported)
 from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
@@ -23,67 +23,7 @@ from dpfleet.export.params import ParamLayout
 from dpfleet.export.training import ProgramFile, ProgramSpec, training_program
 
 METHOD = "forward"
-PTE_MAGIC = b"ET"  # flatbuffer file identifier "ETnn" at byte offset 4
 _PREFIX = "model."  # LossModule holds the zoo model as `model`
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # loaded programs, which hold the threadpool
-
-
-def set_threads(threads: int | None) -> None:
-    """Size ExecuTorch's process-wide threadpool (used by the XNNPACK delegate).
-
-    Resetting it while a loaded program is alive makes that program's next run segfault
-    (measured), so a change of thread count is refused until those programs are dropped.
-    """
-    from executorch.extension.pybindings.portable_lib import (
-        _threadpool_get_thread_count,
-        _unsafe_reset_threadpool,
-    )
-
-    if not threads or _threadpool_get_thread_count() == threads:
-        return
-    if len(_LIVE):
-        raise DpfleetError(
-            f"cannot switch ExecuTorch to {threads} threads while {len(_LIVE)} loaded program(s) "
-            "use its process-wide threadpool; use one thread count per process"
-        )
-    _unsafe_reset_threadpool(int(threads))
-
-
-class PteModule:
-    """An ExecuTorch program loaded from bytes, holding the bytes as long as the module lives.
-
-    Only pass bytes whose sha256 was checked against the exporter's record: the flatbuffer
-    verifier does not cover delegate payloads, and a bit-flipped XNNPACK blob can crash the
-    process (measured). Truncated or structurally broken files fail here as a DpfleetError.
-    """
-
-    def __init__(self, data: bytes, origin: Path):
-        from executorch.extension.pybindings.portable_lib import (
-            Verification,
-            _load_for_executorch_from_buffer,
-        )
-
-        if len(data) < 8 or data[4:6] != PTE_MAGIC:
-            raise DpfleetError(f"{origin} is not an ExecuTorch program")
-        self.origin = origin
-        self.buffer = data  # the module reads from this memory: dropping it segfaults
-        try:
-            self.module = _load_for_executorch_from_buffer(
-                data, program_verification=Verification.InternalConsistency
-            )
-            self.methods = set(self.module.method_names())
-            self.metas = {name: self.module.method_meta(name) for name in self.methods}
-        except RuntimeError as exc:
-            raise DpfleetError(f"cannot load ExecuTorch program {origin}: {exc}") from exc
-        _LIVE.add(self)
-
-    def run(self, method: str, args: tuple) -> list:
-        try:
-            return self.module.run_method(method, args, clone_outputs=False)
-        except RuntimeError as exc:
-            raise DpfleetError(f"ExecuTorch program {self.origin} failed: {exc}") from exc
 
 
 class PteTrainingProgram:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.edge.ort_session import load_session
 from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
@@ -23,24 +24,6 @@ from dpfleet.export.training import (
     onnx_param_name,
     training_program,
 )
-
-
-def load_session(data: bytes, origin: Path, threads: int | None):
-    """An ORT CPU session over `data`; a malformed model is a DpfleetError, not a crash."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.inter_op_num_threads = 1
-    # Idle ORT threads would spin and steal the host's (and other simulated clients') cores.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads:
-        opts.intra_op_num_threads = int(threads)
-    try:
-        return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own exception types for every malformed model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DpfleetError(f"cannot load ONNX program {origin}: {first}") from exc
 
 
 class OnnxTrainingProgram:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -56,17 +56,26 @@ class SentencePieceTokenizer(_SpecialIds):
 
     kind = "sentencepiece"
 
-    def __init__(self, model_file: Path):
+    def __init__(self, model_file: Path | None = None, *, model_proto: bytes | None = None):
+        """From a `.model` file, or from its bytes (`model_proto`: bytes the caller has already
+        verified, so nothing is re-read from disk)."""
         import sentencepiece as spm
 
-        self.model_file = Path(model_file)
-        if not self.model_file.is_file():
-            raise DpfleetError(f"SentencePiece model not found: {self.model_file}")
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+        self.model_file = None if model_file is None else Path(model_file)
+        self._proto = model_proto
+        origin = self.model_file or "SentencePiece model"
+        if model_proto is None:
+            if self.model_file is None or not self.model_file.is_file():
+                raise DpfleetError(f"SentencePiece model not found: {self.model_file}")
+            model_proto = self.model_file.read_bytes()
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except (RuntimeError, OSError, TypeError) as exc:  # a damaged file fails to parse here
+            raise DpfleetError(f"{origin}: not a valid SentencePiece model ({exc})") from exc
         ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
         if ids != (PAD, BOS, EOS, UNK):
             raise DpfleetError(
-                f"{self.model_file}: expected pad/bos/eos/unk ids 0/1/2/3, got {ids}; "
+                f"{origin}: expected pad/bos/eos/unk ids 0/1/2/3, got {ids}; "
                 "train it with dpfleet's train_sentencepiece or remap it"
             )
         self.vocab_size = self._sp.get_piece_size()
@@ -84,8 +93,8 @@ class SentencePieceTokenizer(_SpecialIds):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / "spm.model"
-        if target.resolve() != self.model_file.resolve():
-            target.write_bytes(self.model_file.read_bytes())
+        if self.model_file is None or target.resolve() != self.model_file.resolve():
+            target.write_bytes(self._sp.serialized_model_proto())
         meta = {"kind": self.kind, "model_file": "spm.model", "vocab_size": self.vocab_size}
         (folder / "tokenizer.json").write_text(json.dumps(meta, indent=2))
         return folder
@@ -161,13 +170,39 @@ class WordTokenizer(_SpecialIds):
 
 
 def load_tokenizer(folder: Path) -> SentencePieceTokenizer | WordTokenizer:
-    """Load a tokenizer saved with `save`."""
-    meta_file = Path(folder) / "tokenizer.json"
+    """Load a tokenizer saved with `save`; a damaged or malformed folder is a DpfleetError."""
+    folder = Path(folder)
+    meta_file = folder / "tokenizer.json"
     if not meta_file.is_file():
         raise DpfleetError(f"no tokenizer.json in {folder}")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("kind") == "sentencepiece":
-        return SentencePieceTokenizer(Path(folder) / meta["model_file"])
-    if meta.get("kind") == "word":
-        return WordTokenizer(meta["words"])
-    raise DpfleetError(f"{meta_file}: unknown tokenizer kind {meta.get('kind')!r}")
+
+    def read(name: str) -> bytes:
+        path = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not path.is_file():
+            raise DpfleetError(f"{meta_file}: model file {name!r} not found in {folder}")
+        return path.read_bytes()
+
+    return tokenizer_from_bytes(meta_file.read_bytes(), read, str(meta_file))
+
+
+def tokenizer_from_bytes(
+    meta: bytes, read: Callable[[str], bytes], origin: str = "tokenizer.json"
+) -> SentencePieceTokenizer | WordTokenizer:
+    """A tokenizer from its `tokenizer.json` bytes; `read(name)` returns the bytes of the model
+    file it names. Malformed metadata is one DpfleetError naming `origin`, never a traceback."""
+    try:
+        info = json.loads(meta)
+        kind = info.get("kind")
+    except (ValueError, AttributeError) as exc:
+        raise DpfleetError(f"{origin}: malformed tokenizer metadata ({exc})") from exc
+    if kind == "sentencepiece":
+        name = info.get("model_file")
+        if not isinstance(name, str):
+            raise DpfleetError(f"{origin}: model_file must name the SentencePiece model")
+        return SentencePieceTokenizer(model_proto=read(name))
+    if kind == "word":
+        words = info.get("words")
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise DpfleetError(f"{origin}: words must be a list of strings")
+        return WordTokenizer(words)
+    raise DpfleetError(f"{origin}: unknown tokenizer kind {kind!r}")

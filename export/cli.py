@@ -1,4 +1,6 @@
-"""`dpfleet export CHECKPOINT --format pte|onnx [--quantize int8] --out DIR`."""
+"""`dpfleet export CHECKPOINT --format pte|onnx [--quantize int8] --out DIR` (an inference program)
+or `dpfleet export CHECKPOINT --bundle DIR [--runtime onnx --runtime executorch]` (a signed phone
+bundle for on-device training and suggestions)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from dpfleet.errors import DpfleetError
 from dpfleet.export.phone import PHONE_FORMATS, QUANTIZE
 from dpfleet.jsonio import dumps
 
@@ -16,8 +19,8 @@ from dpfleet.jsonio import dumps
     "--format",
     "fmt",
     type=click.Choice(PHONE_FORMATS),
-    required=True,
-    help="pte: ExecuTorch with the XNNPACK delegate; onnx: ONNX for ONNX Runtime.",
+    default=None,
+    help="pte: ExecuTorch with the XNNPACK delegate; onnx: ONNX for ONNX Runtime (with --out).",
 )
 @click.option(
     "--quantize",
@@ -26,14 +29,41 @@ from dpfleet.jsonio import dumps
     help="Dynamic int8 weights for the matmuls (smaller, faster; checked against eager).",
 )
 @click.option(
-    "--out", type=click.Path(path_type=Path), required=True, help="Output folder (must be new or empty)."
+    "--out", type=click.Path(path_type=Path), default=None, help="Output folder (must be new or empty)."
+)
+@click.option(
+    "--bundle",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a signed phone bundle here instead (new or empty folder): training program(s), "
+    "inference program, weights, tokenizer and a manifest a client can follow without dpfleet.",
+)
+@click.option(
+    "--runtime",
+    "runtimes",
+    type=click.Choice(("onnx", "executorch")),
+    multiple=True,
+    help="Training programs in the bundle (repeatable; default onnx; executorch exports take minutes).",
+)
+@click.option(
+    "--signing-key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Ed25519 private key (PEM) that signs the bundle's manifest. Default: "
+    "<bundle>.signing_key.pem next to the bundle, generated (mode 0600) on first use.",
+)
+@click.option(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="Bundle: minibatch size (default: the run's client.batch_size).",
 )
 @click.option(
     "--seq-len",
     type=int,
-    default=20,
-    show_default=True,
-    help="Token window the program takes (text is PAD-filled up to it).",
+    default=None,
+    help="Token window the program takes (text is PAD-filled up to it). Default 20, or for a bundle "
+    "the run's data.seq_len.",
 )
 @click.option(
     "--heldout",
@@ -47,21 +77,41 @@ from dpfleet.jsonio import dumps
 )
 def export(
     checkpoint: Path,
-    fmt: str,
+    fmt: str | None,
     quantize: str | None,
-    out: Path,
-    seq_len: int,
+    out: Path | None,
+    bundle: Path | None,
+    runtimes: tuple[str, ...],
+    signing_key: Path | None,
+    batch_size: int | None,
+    seq_len: int | None,
     heldout: Path | None,
     threads: int,
 ) -> None:
     """Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.
 
-    Writes the inference program, the tokenizer and manifest.json (architecture, vocabulary,
-    version, sha256 of every file) to --out, then prints a JSON summary: file sizes, single-step
-    latency, and the program's agreement with eager PyTorch (max |logit error|, top-1
-    agreement).
+    With --format and --out: writes the inference program, the tokenizer and manifest.json
+    (architecture, vocabulary, version, sha256 of every file), then prints a JSON summary: file
+    sizes, single-step latency, and the program's agreement with eager PyTorch (max |logit
+    error|, top-1 agreement).
+
+    With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
+    client) and prints its files, sizes and the public key to pin in the app.
     """
+    if bundle is not None:
+        if fmt or out or quantize or heldout:
+            raise DpfleetError("--bundle takes no --format/--out/--quantize/--heldout")
+        from dpfleet.export.bundle import BundleExport
+
+        summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
+                               batch_size, threads).run()
+        click.echo(dumps(summary, indent=2))
+        return
+    if fmt is None or out is None:
+        raise DpfleetError("pass --format and --out (an inference program) or --bundle DIR")
+    if runtimes or signing_key or batch_size:
+        raise DpfleetError("--runtime, --signing-key and --batch-size apply to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
-    summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len, threads, heldout).run()
+    summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len or 20, threads, heldout).run()
     click.echo(dumps(summary, indent=2))

@@ -137,12 +137,12 @@ class InferenceProgram:
         self.fmt = fmt
         data = Path(path).read_bytes()
         if fmt == "pte":
-            from dpfleet.edge.runtime_executorch import PteModule, set_threads
+            from dpfleet.edge.pte_module import PteModule, set_threads
 
             set_threads(threads)
             self._pte = PteModule(data, path)
         else:
-            from dpfleet.edge.runtime_onnx import load_session
+            from dpfleet.edge.ort_session import load_session
 
             self._session = load_session(data, path, threads)
 

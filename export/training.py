@@ -317,6 +317,13 @@ def read_program_file(path: Path) -> ProgramFile:
         raise DpfleetError(f"program {path} has no valid sidecar {meta_file.name}: {exc}") from exc
 
 
+def default_program_cache() -> Path:
+    """The user's shared program cache, `$XDG_CACHE_HOME/dpfleet/programs` (~/.cache by default):
+    programs are keyed by content, so every run and every export of the same shape shares one."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "dpfleet" / "programs"
+
+
 def training_program(spec: ProgramSpec, cache_dir: Path) -> ProgramFile:
     """The cached program of `spec`, exporting it on first use."""
     path = Path(cache_dir) / spec.file_name()

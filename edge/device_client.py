@@ -1,0 +1,246 @@
+"""The reference device client: trains and suggests from a signed bundle alone.
+
+It is what a phone app does, in Python: no torch, no dpfleet training code (a test imports it with
+torch blocked), only numpy, onnxruntime, SentencePiece and `cryptography`, following the rules
+the bundle's `manifest.json` states in words (`rules`). The fleet's emulated devices run it, so
+the simulation exercises exactly the bytes a phone would ship.
+
+    client = BundleClient("bundle/", public_key_hex)      # verifies signature + every sha256
+    rows = client.examples(user_texts, seed=0)            # the manifest's example rule
+    delta = client.train_epoch(round_weights, rows, seed=round_seed)
+    clipped, norm = client.clip(delta)                    # what the device uploads
+    client.suggest("see you to")                          # ["tomorrow", "today", ...]
+
+Every byte handed to ONNX Runtime or SentencePiece comes from `verify_bundle`'s checked copy,
+never from a second read of the file. The `.pte` path (`runtime="executorch"`) needs ExecuTorch's
+Python bindings, which exchange torch tensors: only that path imports torch (a phone's C++ /
+Java / Swift runtime takes plain buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.edge.bundle_format import BundleError, VerifiedBundle, verify_bundle
+from dpfleet.edge.clipping import clip_l2
+from dpfleet.edge.minibatch import check_examples, fixed_shape_batches
+from dpfleet.edge.ort_session import load_session
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, tokenizer_from_bytes
+
+SPECIAL = frozenset({PAD, BOS, EOS, UNK})
+WORD_START = "\u2581"
+
+
+class BundleClient:
+    """One phone's view of a bundle: verified once at construction, programs loaded lazily."""
+
+    def __init__(self, bundle_dir: Path | str, public_key, *, threads: int = 1):
+        self.bundle: VerifiedBundle = verify_bundle(Path(bundle_dir), public_key)
+        self.threads = threads
+        m = self.bundle.manifest
+        try:
+            self.names = [p["name"] for p in m["model"]["parameters"]]
+            self.shapes = [tuple(int(d) for d in p["shape"]) for p in m["model"]["parameters"]]
+            self.vocab_size = int(m["model"]["config"]["vocab_size"])
+            self.seq_len = int(m["examples"]["seq_len"])
+            self.max_examples = int(m["examples"]["max_examples"])
+            self.lr = float(m["client"]["lr"])
+            self.batch_size = int(m["client"]["batch_size"])
+            self.clip_norm = float(m["client"]["clip_norm"])
+            self.training = dict(m["training"])
+            self.window = dict(m["inference"]["window"])
+            weights_file, tok = m["weights"]["file"], m["tokenizer"]
+            meta_name, tok_folder = tok["meta"], tok["folder"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"{bundle_dir}: manifest lacks a field this client needs ({exc!r})") from exc
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self._weights_file = weights_file
+        self.tokenizer = tokenizer_from_bytes(
+            self.bundle.read(meta_name), lambda name: self.bundle.read(f"{tok_folder}/{name}"),
+            f"{bundle_dir}/{meta_name}",
+        )
+        self._sessions: dict[str, object] = {}
+        self._pte = None
+
+    # ---- weights and examples -------------------------------------------------------------
+    def weights(self) -> np.ndarray:
+        """The bundle's starting weights as one float32 vector (parameters' order)."""
+        flat = np.frombuffer(self.bundle.read(self._weights_file), dtype="<f4").astype(np.float32)
+        if flat.size != sum(self.sizes):
+            raise BundleError(f"{self._weights_file} holds {flat.size} values, the model {sum(self.sizes)}")
+        return flat
+
+    def examples(self, texts: Sequence[str], seed: int = 0) -> np.ndarray:
+        """The user's texts as int64 rows [n, seq_len + 1] (the manifest's `examples` rule)."""
+        rows = []
+        for text in texts:
+            ids = self.tokenizer.encode(text)
+            for start in range(0, len(ids), self.seq_len):
+                row = np.full(self.seq_len + 1, PAD, dtype=np.int64)
+                chunk = ids[start : start + self.seq_len]
+                row[0], row[1 : 1 + len(chunk)] = BOS, chunk
+                rows.append(row)
+        out = np.stack(rows) if rows else np.zeros((0, self.seq_len + 1), dtype=np.int64)
+        if len(out) > self.max_examples:
+            keep = np.random.default_rng(seed).choice(len(out), self.max_examples, replace=False)
+            out = out[np.sort(keep)]
+        return out
+
+    # ---- training ---------------------------------------------------------------------------
+    def _session(self, key: str, file: str):
+        if key not in self._sessions:
+            self._sessions[key] = load_session(self.bundle.read(file), f"{self.bundle.folder}/{file}",
+                                               self.threads)
+        return self._sessions[key]
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
+        if flat.shape != (sum(self.sizes),):
+            raise BundleError(f"weight vector has shape {flat.shape}, expected ({sum(self.sizes)},)")
+        parts = np.split(flat, np.cumsum(self.sizes)[:-1])
+        return [p.reshape(s) for p, s in zip(parts, self.shapes, strict=True)]
+
+    def train_epoch(
+        self,
+        weights: np.ndarray,
+        examples: np.ndarray,
+        lr: float | None = None,
+        batch_size: int | None = None,
+        seed: int = 0,
+        runtime: str = "onnx",
+    ) -> np.ndarray:
+        """One local epoch of SGD from `weights` over `examples`; returns the (unclipped) delta."""
+        lr = self.lr if lr is None else float(lr)
+        batch_size = batch_size or self.batch_size
+        rows = check_examples(np.asarray(examples), self.vocab_size, self.seq_len)
+        theta0 = np.array(weights, dtype=np.float32)
+        if runtime == "executorch":
+            return self._train_pte(theta0, rows, lr, batch_size, seed) - theta0
+        if runtime != "onnx" or "onnx" not in self.training:
+            raise BundleError(f"this bundle has no {runtime!r} training program")
+        session = self._session("train", self.training["onnx"]["file"])
+        theta = theta0.copy()
+        views = self._split(theta)  # SGD writes through these views into `theta`
+        feeds = [f"p.{n}" for n in self.names]
+        step = np.float32(lr)
+        for x, y in fixed_shape_batches(rows, batch_size, seed, self.seq_len, pad_rows=False):
+            _, *grads = session.run(None, {"inputs": x, "targets": y, **dict(zip(feeds, views, strict=True))})
+            for w, g in zip(views, grads, strict=True):
+                w -= step * g
+        return theta - theta0
+
+    def _train_pte(self, theta0: np.ndarray, rows: np.ndarray, lr: float, batch_size: int, seed: int):
+        """The same epoch inside the `.pte` (static batch; its weights live in the program)."""
+        import torch  # ExecuTorch's Python bindings take torch tensors
+
+        spec = self.training.get("pte")
+        if spec is None:
+            raise BundleError("this bundle has no ExecuTorch training program")
+        if batch_size != spec["batch"]:
+            raise BundleError(f"the .pte program trains batches of {spec['batch']}, not {batch_size}")
+        if self._pte is None:
+            from dpfleet.edge.pte_module import PteModule
+
+            self._pte = PteModule(self.bundle.read(spec["file"]), Path(spec["file"]))
+        method, n = spec["method"], len(self.names)
+        pad = np.zeros((batch_size, self.seq_len), dtype=np.int64)
+        outs = self._pte.run(method, (torch.from_numpy(pad), torch.from_numpy(pad)))
+        params = list(outs[n + 1 : 2 * n + 1])  # the program's own weight tensors (aliases)
+        with torch.no_grad():
+            for p, w in zip(params, self._split(theta0), strict=True):
+                p.copy_(torch.from_numpy(w))
+            for x, y in fixed_shape_batches(rows, batch_size, seed, self.seq_len, pad_rows=True):
+                outs = self._pte.run(method, (torch.from_numpy(x), torch.from_numpy(y)))
+                for p, g in zip(params, outs[1 : n + 1], strict=True):
+                    p.add_(g, alpha=-lr)
+        return torch.cat([p.reshape(-1) for p in params]).numpy().copy()
+
+    def clip(self, delta: np.ndarray, clip_norm: float | None = None) -> tuple[np.ndarray, float]:
+        """(clipped delta, its norm before clipping): the manifest's `clipping` rule."""
+        if not np.isfinite(delta).all():  # diverged local training contributes nothing
+            return np.zeros_like(delta), float("inf")
+        return clip_l2(delta, self.clip_norm if clip_norm is None else clip_norm)
+
+    # ---- suggestions ------------------------------------------------------------------------
+    def next_logits(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Next-token logits [len(prompts), V] of token-id prompts (the manifest's window rule)."""
+        keep = self.seq_len - 1
+        windows = np.full((len(prompts), self.seq_len), PAD, dtype=np.int64)
+        last = np.zeros(len(prompts), dtype=np.int64)
+        for i, ids in enumerate(prompts):
+            p = [BOS, *list(ids)[-keep:]] if keep > 0 else [BOS]
+            windows[i, : len(p)] = p
+            last[i] = len(p) - 1
+        logits = self._session("window", self.window["file"]).run(None, {"tokens": windows})[0]
+        return logits[np.arange(len(prompts)), last]
+
+    def _piece(self, i: int) -> tuple[bool, str]:
+        """(starts a word, its text) of a token id; (False, "") for ids never suggested."""
+        if i in SPECIAL or i >= self.tokenizer.vocab_size:  # the model may have spare rows
+            return False, ""
+        if self.tokenizer.kind == "word":
+            return True, self.tokenizer.words[i]
+        piece = self.tokenizer.piece(i)
+        if piece.startswith("<0x"):  # byte-fallback pieces
+            return False, ""
+        return piece.startswith(WORD_START), piece.lstrip(WORD_START)
+
+    def suggest(self, prefix: str, k: int = 3, max_pieces: int = 6) -> list[str]:
+        """Up to k words that complete the word being typed (or, after a space, the next word).
+
+        The top word-starting pieces consistent with the typed part are each extended greedily
+        with continuation pieces until a new word (or end) is likelier; all candidates run as one
+        batch per step.
+        """
+        partial = "" if not prefix or prefix[-1].isspace() else prefix.split()[-1]
+        context = prefix[: len(prefix) - len(partial)]
+        base = self.tokenizer.encode(context) if context.strip() else []
+        if self.tokenizer.kind == "word":
+            partial = partial.lower()
+
+        def fits(text: str) -> bool:
+            return text.startswith(partial) or partial.startswith(text)
+
+        first = self.next_logits([base])[0]
+        starts = []
+        for i in np.argsort(-first):
+            is_start, text = self._piece(int(i))
+            if is_start and text and fits(text):
+                starts.append(([int(i)], text))
+                if len(starts) == k:
+                    break
+        done: list[str] = []
+        live = starts if self.tokenizer.kind != "word" else []
+        done += [t for _, t in starts if self.tokenizer.kind == "word" and t.startswith(partial)]
+        for _ in range(max_pieces - 1):
+            if not live:
+                break
+            logits = self.next_logits([base + ids for ids, _ in live])
+            nxt = []
+            for (ids, text), row in zip(live, logits, strict=True):
+                cont = None
+                for i in np.argsort(-row)[:50]:
+                    is_start, piece = self._piece(int(i))
+                    if not is_start and piece and fits(text + piece):
+                        cont = int(i), piece
+                        break
+                ends_here = text.startswith(partial) and (
+                    cont is None or row[cont[0]] <= max(row[j] for j in self._ends(row))
+                )
+                if ends_here:
+                    done.append(text)
+                elif cont is not None:
+                    nxt.append(([*ids, cont[0]], text + cont[1]))
+            live = nxt
+        done += [t for _, t in live if t.startswith(partial)]
+        return list(dict.fromkeys(done))[:k]
+
+    def _ends(self, row: np.ndarray) -> list[int]:
+        """The ids that end a word: EOS and the best word-starting piece."""
+        for i in np.argsort(-row)[:50]:
+            is_start, text = self._piece(int(i))
+            if is_start and text:
+                return [EOS, int(i)]
+        return [EOS]

@@ -1,0 +1,348 @@
+"""`dpfleet export CHECKPOINT --bundle DIR`: one signed, self-describing phone bundle.
+
+The bundle holds everything a phone app needs to train and suggest with nothing but ONNX Runtime
+(or the ExecuTorch runtime), numpy and SentencePiece: the training program(s), the inference
+program, the starting weights, the tokenizer, and `manifest.json`, which spells out every rule
+the simulator's devices follow (example rows, minibatch order, SGD, clipping, window) so a client
+written without dpfleet can follow it alone; `edge/device_client.py` is the reference client.
+The manifest lists every file's sha256 and is signed with Ed25519 (`edge/bundle_format.py`).
+The bundle is assembled in a hidden sibling folder and renamed into place at the end: a failed
+export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tqdm import tqdm
+
+from dpfleet.coordinator.run_dir import atomic_write, write_secret
+from dpfleet.edge.bundle_format import (
+    BUNDLE_VERSION,
+    MANIFEST,
+    PUBLIC_KEY,
+    SIGNATURE,
+    public_key_hex,
+    public_key_pem,
+    sha256_hex,
+    sign_manifest,
+    verify_bundle,
+)
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
+from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import load_checkpoint
+from dpfleet.export.models import ModelConfig, count_parameters
+from dpfleet.export.params import ParamLayout, get_flat
+from dpfleet.export.training import ProgramSpec, default_program_cache, tool_versions, training_program
+
+BUNDLE_RUNTIMES = ("onnx", "executorch")
+WEIGHTS = "weights.bin"
+TRAIN_ONNX = "train.onnx"
+TRAIN_PTE = "train.pte"
+INFER_ONNX = "infer.onnx"
+TOKENIZER_DIR = "tokenizer"
+PTE_METHOD = "forward"
+
+# What the manifest says in words: a client implements these rules, the reference client does.
+RULES = {
+    "examples": (
+        "Tokenise each text of the user; cut its ids into chunks of seq_len; each chunk becomes a "
+        "row [bos_id, ids..., pad_id...] of row_length = seq_len + 1 int64 ids. With more than "
+        "max_examples rows keep max_examples of them: numpy.random.default_rng(seed).choice(n, "
+        "max_examples, replace=False), sorted. Inputs are row[:-1], targets row[1:]."
+    ),
+    "epoch": (
+        "One local epoch: order = numpy.random.default_rng(seed).permutation(n); minibatches are "
+        "consecutive slices of batch_size indices of that order (the last may be shorter). Each "
+        "minibatch is PAD-filled to seq_len columns (and, for a static-batch program, to its batch "
+        "with all-PAD rows: exact, the loss ignores PAD targets)."
+    ),
+    "loss": "Mean cross-entropy of the next token over positions whose target is not pad_id.",
+    "sgd": "After each minibatch: w <- w - lr * g for every parameter (float32, no momentum).",
+    "delta": "delta = w_after_epoch - w_start, one float32 vector in the parameters' order.",
+    "clipping": (
+        "norm = sqrt(sum(delta**2)) accumulated in float64. If norm > clip_norm: delta <- "
+        "float32(float64(delta) * clip_norm / norm), then while the float64 norm is still > "
+        "clip_norm move every coordinate one float32 ulp toward zero. A delta with any non-finite "
+        "value is replaced by zeros. Upload the clipped delta (through secure aggregation)."
+    ),
+    "window": (
+        "Prompt ids p = [bos_id, tokenizer(text)...], keeping at most seq_len - 1 text ids (the "
+        "last ones); pad with pad_id to seq_len; run the window program; the next-token logits are "
+        "logits[0, len(p) - 1]. Never score pad/bos/eos/unk as suggestions."
+    ),
+    "words": (
+        "sentencepiece: a piece starting with U+2581 begins a new word; a word is its first piece "
+        "plus the following pieces that do not start with U+2581. word: every id is one word."
+    ),
+}
+
+
+def describe_onnx(data: bytes) -> dict:
+    """I/O names, shapes and dtypes, opsets, IR version and the operator list of an ONNX model."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load_from_string(data)
+
+    def io(values) -> list[dict]:
+        out = []
+        for v in values:
+            t = v.type.tensor_type
+            shape = [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]
+            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type).name
+            out.append({"name": v.name, "shape": shape, "dtype": dtype})
+        return out
+
+    init = {i.name for i in model.graph.initializer}
+    return {
+        "ir_version": int(model.ir_version),
+        "opsets": {(o.domain or "ai.onnx"): int(o.version) for o in model.opset_import},
+        "ops": sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node}),
+        "inputs": io(v for v in model.graph.input if v.name not in init),
+        "outputs": io(model.graph.output),
+    }
+
+
+def describe_pte(data: bytes, layout: ParamLayout, batch: int, seq_len: int) -> dict:
+    """The `.pte` training program's methods and output layout (read from the loaded program)."""
+    from executorch.extension.pybindings.portable_lib import _get_registered_backend_names
+
+    from dpfleet.edge.pte_module import PteModule
+
+    module = PteModule(data, Path(TRAIN_PTE))
+    meta = module.metas[PTE_METHOD]
+    n = len(layout.names)
+    return {
+        "method": PTE_METHOD,
+        "methods": sorted(module.methods),
+        "batch": batch,
+        "inputs": [
+            {"name": name, "shape": list(meta.input_tensor_meta(i).sizes()), "dtype": "int64"}
+            for i, name in enumerate(("inputs", "targets"))
+        ],
+        "outputs": {
+            "count": int(meta.num_outputs()),
+            "loss": 0,
+            "gradients": [1, n],
+            "parameters": [n + 1, 2 * n],
+            "rule": (
+                "outputs 1..n are the gradients and n+1..2n the program's own weight tensors, both in "
+                "the parameters' order; write the round's weights into the latter (they persist across "
+                "runs), then run the method per minibatch and apply SGD to them in place"
+            ),
+        },
+        "backends": ["XnnpackBackend"],
+        "runtime_backends_registered": sorted(_get_registered_backend_names()),
+        "static_batch": True,
+        "seq_len": seq_len,
+    }
+
+
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except OSError as exc:
+        raise DpfleetError(f"cannot read signing key {path}: {exc.strerror}") from exc
+    except (ValueError, TypeError) as exc:
+        raise DpfleetError(f"{path}: not an unencrypted PEM private key ({exc})") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise DpfleetError(f"{path}: the signing key must be Ed25519")
+    return key
+
+
+def default_key_path(out: Path) -> Path:
+    """Next to the bundle (never inside it): `<parent>/<bundle name>.signing_key.pem`."""
+    return out.parent / f"{out.name}.signing_key.pem"
+
+
+def signing_key(path: Path | None, out: Path) -> tuple[Ed25519PrivateKey, Path, bool]:
+    """(key, its file, whether it was generated now). Without --signing-key, reuse the default
+    key file when present, otherwise generate one and write it 0600."""
+    if path is not None:
+        return load_signing_key(path), Path(path), False
+    default = default_key_path(out)
+    if default.exists():
+        return load_signing_key(default), default, False
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    write_secret(default, pem)
+    return key, default, True
+
+
+def _run_json(folder: Path, name: str) -> dict | None:
+    """A JSON file of the checkpoint's run (its parent folder), if the run wrote one."""
+    path = folder.parent / name
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DpfleetError(f"{path}: unreadable ({exc})") from exc
+    return value if isinstance(value, dict) else None
+
+
+@dataclass
+class BundleExport:
+    checkpoint: Path
+    out: Path
+    runtimes: tuple[str, ...] = ("onnx",)
+    signing_key: Path | None = None
+    seq_len: int | None = None  # default: the run's data.seq_len, else 20
+    batch_size: int | None = None  # default: the run's client.batch_size, else 16
+    threads: int = 1
+    cache_dir: Path | None = None
+
+    def run(self) -> dict:
+        """Write, sign and self-verify the bundle; returns the JSON summary."""
+        for rt in self.runtimes:
+            if rt not in BUNDLE_RUNTIMES:
+                raise DpfleetError(f"unknown bundle runtime {rt!r}; choose from {BUNDLE_RUNTIMES}")
+        out = Path(self.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise DpfleetError(f"bundle folder {out} is not empty")
+        cfg, model, tokenizer = load_checkpoint(self.checkpoint)
+        run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
+        client = {
+            "lr": float(run_cfg.get("client", {}).get("lr", 0.5)),
+            "batch_size": int(self.batch_size or run_cfg.get("client", {}).get("batch_size", 16)),
+            "clip_norm": float(run_cfg.get("dp", {}).get("clip_norm", 0.3)),
+            "epochs": 1,
+            "source": "the checkpoint's run config.json" if run_cfg else "dpfleet defaults (no run config)",
+        }
+        seq_len = int(self.seq_len or run_cfg.get("data", {}).get("seq_len", 20))
+        max_examples = int(run_cfg.get("data", {}).get("max_examples", 256))
+        if seq_len < 2 or (cfg.arch == "transformer" and seq_len > cfg.max_length):
+            raise DpfleetError(f"sequence length must lie in 2..{cfg.max_length} for this model")
+        if client["batch_size"] < 1:
+            raise DpfleetError("batch size must be positive")
+        key, key_path, generated = signing_key(self.signing_key, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+        try:
+            (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
+            manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
+            blob, signature = sign_manifest(manifest, key)
+            atomic_write(staging / MANIFEST, blob)
+            atomic_write(staging / SIGNATURE, signature)
+            verify_bundle(staging, key.public_key())  # the bundle as a phone will see it
+            if out.exists():
+                out.rmdir()
+            os.replace(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        files = {name: entry["bytes"] for name, entry in manifest["files"].items()}
+        return {
+            "bundle": str(out),
+            "runtimes": list(self.runtimes),
+            "files": files,
+            "total_bytes": sum(files.values()),
+            "public_key": public_key_hex(key.public_key()),
+            "signing_key": str(key_path),
+            "signing_key_generated": generated,
+            "measured": manifest["measured"],
+        }
+
+    def _write(self, folder: Path, cfg: ModelConfig, model, tokenizer, client: dict, seq_len: int,
+               max_examples: int) -> dict:
+        from dpfleet.export.phone import (
+            InferenceProgram,
+            agreement,
+            latency_ms,
+            onnx_program,
+            random_windows,
+        )
+
+        cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
+        layout = ParamLayout.of(model)
+        stages = 3 + ("executorch" in self.runtimes)
+        bar = tqdm(total=stages, desc="bundle", unit="stage", disable=None)
+        flat = get_flat(model).astype("<f4")
+        (folder / WEIGHTS).write_bytes(flat.tobytes())
+        tokenizer.save(folder / TOKENIZER_DIR)
+        training: dict = {}
+        bar.set_postfix_str("ONNX training program")
+        spec = ProgramSpec(cfg, seq_len, None, "onnx")
+        data = training_program(spec, cache).read_verified()
+        (folder / TRAIN_ONNX).write_bytes(data)
+        training["onnx"] = {"file": TRAIN_ONNX, "dynamic_batch": True, **describe_onnx(data),
+                            "rule": "feed inputs, targets and p.<name> = each weight; get loss and "
+                                    "g.<name> = each gradient; apply SGD on the host"}
+        bar.update()
+        if "executorch" in self.runtimes:
+            bar.set_postfix_str("ExecuTorch training program (minutes)")
+            batch = client["batch_size"]
+            data = training_program(ProgramSpec(cfg, seq_len, batch, "pte"), cache).read_verified()
+            (folder / TRAIN_PTE).write_bytes(data)
+            training["pte"] = {"file": TRAIN_PTE, **describe_pte(data, layout, batch, seq_len)}
+            bar.update()
+        bar.set_postfix_str("inference program")
+        onnx_program(model, seq_len, None, folder / INFER_ONNX)
+        window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
+                  "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
+        program = InferenceProgram(folder / INFER_ONNX, "onnx", self.threads)
+        rows, lengths = random_windows(cfg, seq_len)
+        measured = {
+            "window_vs_eager": {**agreement(model, program, rows, lengths), "text": "random token windows"},
+            "window_latency_ms": {**latency_ms(program, seq_len), "threads": self.threads},
+            "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
+                     "loadavg_1m": round(os.getloadavg()[0], 2)},
+        }
+        bar.update()
+        manifest = {
+            "bundle_version": BUNDLE_VERSION,
+            "created_by": {"dpfleet": tool_versions() | {"python": platform.python_version()}},
+            "model": {
+                "config": cfg.to_dict(),
+                "parameter_count": count_parameters(model),
+                "parameters": [{"name": n, "shape": list(s)} for n, s in zip(layout.names, layout.shapes,
+                                                                             strict=True)],
+            },
+            "weights": {"file": WEIGHTS, "dtype": "float32", "byte_order": "little",
+                        "count": int(flat.size),
+                        "layout": "the parameters concatenated in order, each flattened row-major"},
+            "tokenizer": {"folder": TOKENIZER_DIR, "meta": f"{TOKENIZER_DIR}/tokenizer.json",
+                          "kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
+                          "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK}},
+            "examples": {"seq_len": seq_len, "row_length": seq_len + 1, "max_examples": max_examples,
+                         "dtype": "int64"},
+            "client": client,
+            "training": training,
+            "inference": {"window": window},
+            "rules": RULES,
+            "runtimes": {"onnxruntime": _version("onnxruntime"),
+                         "executorch": _version("executorch") if "executorch" in self.runtimes else None,
+                         "sentencepiece": _version("sentencepiece"),
+                         "note": "versions the bundle was exported and verified with"},
+            "measured": measured,
+            "privacy": _run_json(Path(self.checkpoint), "privacy.json"),
+        }
+        manifest["files"] = {
+            p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,
+                                               "sha256": sha256_hex(p.read_bytes())}
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name not in (MANIFEST, SIGNATURE)
+        }
+        bar.update()
+        bar.close()
+        return manifest
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
