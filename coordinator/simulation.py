@@ -50,6 +50,7 @@ from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
 from dpfleet.export.models import build_model
+from dpfleet.export.training import default_program_cache
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
@@ -178,7 +179,7 @@ def run_simulation(
     tokenizer, data = prepare_data(cfg, vocabulary_folder)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     model = build_model(model_cfg)
-    runtime = make_runtime(cfg, model_cfg, run.path / "programs")
+    runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared by runs, keyed by content
     trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                            batch_size=cfg.client.batch_size, device=cfg.client.device,
                            memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)

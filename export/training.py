@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -156,16 +157,19 @@ def joint_graph(spec: ProgramSpec) -> torch.export.ExportedProgram:
     return ep
 
 
-def _pte_bytes(spec: ProgramSpec) -> bytes:
+def _pte_bytes(spec: ProgramSpec, step) -> bytes:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     if spec.batch is None:
         raise DpfleetError("ExecuTorch training programs need a fixed batch size")
     ep = joint_graph(spec)
+    step("lower to XNNPACK")
     # Trainable weights are not static, so XNNPACK takes no matmul unless told to.
     part = XnnpackPartitioner(force_non_static_weights_for_f32_linear=True)
-    return to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer
+    lowered = to_edge_transform_and_lower(ep, partitioner=[part])
+    step("serialize")
+    return lowered.to_executorch().buffer
 
 
 class ParamsAsInputs(nn.Module):
@@ -205,8 +209,9 @@ def onnx_grad_name(name: str) -> str:
     return "g." + name
 
 
-def _onnx_bytes(spec: ProgramSpec) -> bytes:
+def _onnx_bytes(spec: ProgramSpec, step) -> bytes:
     ep = joint_graph(spec)
+    step("export to ONNX")
     wrapper = ParamsAsInputs(ep)
     model = build_model(spec.cfg)
     layout = ParamLayout.of(model)
@@ -226,13 +231,25 @@ def _onnx_bytes(spec: ProgramSpec) -> bytes:
         optimize=True,
         verbose=False,
     )
+    step("serialize")
     return program.model_proto.SerializeToString()
 
 
 def export_training_program(spec: ProgramSpec) -> bytes:
-    """Export the training program of `spec` (slow: tens of seconds)."""
-    with quiet_export():
-        return _pte_bytes(spec) if spec.fmt == "pte" else _onnx_bytes(spec)
+    """Export the training program of `spec` (slow: seconds for ONNX, minutes for a Gboard-size
+    `.pte`), with a progress bar over its stages (joint graph, lowering, serialization)."""
+    desc = f"export {spec.fmt} training program ({spec.cfg.arch}, L={spec.seq_len})"
+    with tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False) as bar:
+        bar.set_postfix_str("joint forward-backward graph")
+
+        def step(stage: str) -> None:
+            bar.update()
+            bar.set_postfix_str(stage)
+
+        with quiet_export():
+            data = _pte_bytes(spec, step) if spec.fmt == "pte" else _onnx_bytes(spec, step)
+        bar.update()
+    return data
 
 
 @dataclass(frozen=True)
@@ -318,15 +335,39 @@ def read_program_file(path: Path) -> ProgramFile:
 
 
 def default_program_cache() -> Path:
-    """The user's shared program cache, `$XDG_CACHE_HOME/dpfleet/programs` (~/.cache by default):
-    programs are keyed by content, so every run and every export of the same shape shares one."""
+    """The user's shared program cache, `$XDG_CACHE_HOME/dpfleet/programs` (~/.cache by default).
+    Programs are keyed by content (`ProgramSpec.key`), so every run and every bundle of the same
+    shape shares one export."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "dpfleet" / "programs"
 
 
 def training_program(spec: ProgramSpec, cache_dir: Path) -> ProgramFile:
-    """The cached program of `spec`, exporting it on first use."""
+    """The cached program of `spec`, exporting it on first use.
+
+    An export holds an advisory lock on `<file>.lock`, so a second process asking for the same
+    program waits for it and then reads the cache instead of exporting it again.
+    """
     path = Path(cache_dir) / spec.file_name()
     if path.is_file() and _meta_path(path).is_file():
         return read_program_file(path)
-    return write_program(path, spec, export_training_program(spec))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _export_lock(path.with_name(path.name + ".lock")):
+        if path.is_file() and _meta_path(path).is_file():  # exported while we waited
+            return read_program_file(path)
+        return write_program(path, spec, export_training_program(spec))
+
+
+@contextlib.contextmanager
+def _export_lock(lock: Path):
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks (Windows): concurrent exports only waste time
+        yield
+        return
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
