@@ -51,7 +51,8 @@ class BundleClient:
             self.batch_size = int(m["client"]["batch_size"])
             self.clip_norm = float(m["client"]["clip_norm"])
             self.training = dict(m["training"])
-            self.window = dict(m["inference"]["window"])
+            self.inference = dict(m["inference"])
+            self.window = dict(self.inference["window"])
             weights_file, tok = m["weights"]["file"], m["tokenizer"]
             meta_name, tok_folder = tok["meta"], tok["folder"]
         except (KeyError, TypeError, ValueError) as exc:
@@ -64,6 +65,8 @@ class BundleClient:
         )
         self._sessions: dict[str, object] = {}
         self._pte = None
+        self._stream = None  # (fed ids, logits, state) of the message so far
+        self.use_streaming = True  # suggest() through step.onnx when the bundle has it
 
     # ---- weights and examples -------------------------------------------------------------
     def weights(self) -> np.ndarray:
@@ -187,12 +190,69 @@ class BundleClient:
             return False, ""
         return piece.startswith(WORD_START), piece.lstrip(WORD_START)
 
+    # ---- streaming (recurrent models) ---------------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        return "step" in self.inference
+
+    def initial_state(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The zero (state_h, state_c) a message starts from; feed bos_id first."""
+        if not self.streaming:
+            raise BundleError("this bundle has no streaming step program (transformer models)")
+        shapes = self.inference["step"]["state"]
+        return tuple(np.zeros([batch if d == "batch" else int(d) for d in shapes[name]], np.float32)
+                     for name in ("state_h", "state_c"))
+
+    def step(self, tokens: Sequence[int], state: tuple[np.ndarray, np.ndarray]):
+        """Feed one token per row of the batch: (next-token logits [b, V], new state)."""
+        if not self.streaming:
+            raise BundleError("this bundle has no streaming step program (transformer models)")
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
+            raise BundleError(f"step takes a 1-D batch of token ids in [0, {self.vocab_size})")
+        session = self._session("step", self.inference["step"]["file"])
+        logits, h, c = session.run(None, {"token": ids, "state_h": state[0], "state_c": state[1]})
+        return logits, (h, c)
+
+    def _context(self, ids: list[int]):
+        """(next-token logits [V], state) after [BOS, *ids], reusing the last message's state when
+        `ids` extends it: a keystroke that completes a word costs one step per new token."""
+        full = (BOS, *ids)
+        cached = self._stream
+        if cached is not None and full[: len(cached[0])] == cached[0]:
+            done, logits, state = cached
+        else:
+            done, logits, state = (), None, self.initial_state()
+        for t in full[len(done):]:
+            out, state = self.step([t], state)
+            logits = out[0]
+        self._stream = (full, logits, state)
+        return logits, state
+
+    # ---- suggestions ------------------------------------------------------------------------
+    def _start(self, ids: list[int]):
+        """Next-token logits after the context, and a handle to extend it (a state or ids)."""
+        if self.streaming and self.use_streaming:
+            return self._context(ids)
+        return self.next_logits([ids])[0], ids
+
+    def _extend(self, handles: list, tokens: list[int]) -> tuple[np.ndarray, list]:
+        """Feed one token to each candidate; (logits [k, V], their new handles)."""
+        if self.streaming and self.use_streaming:
+            h = np.concatenate([s[0] for s in handles], axis=1)
+            c = np.concatenate([s[1] for s in handles], axis=1)
+            logits, (h, c) = self.step(tokens, (h, c))
+            return logits, [(h[:, i : i + 1], c[:, i : i + 1]) for i in range(len(tokens))]
+        prompts = [[*ids, t] for ids, t in zip(handles, tokens, strict=True)]
+        return self.next_logits(prompts), prompts
+
     def suggest(self, prefix: str, k: int = 3, max_pieces: int = 6) -> list[str]:
         """Up to k words that complete the word being typed (or, after a space, the next word).
 
         The top word-starting pieces consistent with the typed part are each extended greedily
         with continuation pieces until a new word (or end) is likelier; all candidates run as one
-        batch per step.
+        batch per piece, through the step program when the bundle has one (the context's state
+        is kept between calls) and through the window program otherwise.
         """
         partial = "" if not prefix or prefix[-1].isspace() else prefix.split()[-1]
         context = prefix[: len(prefix) - len(partial)]
@@ -203,38 +263,41 @@ class BundleClient:
         def fits(text: str) -> bool:
             return text.startswith(partial) or partial.startswith(text)
 
-        first = self.next_logits([base])[0]
+        first, root = self._start(base)
         starts = []
         for i in np.argsort(-first):
             is_start, text = self._piece(int(i))
             if is_start and text and fits(text):
-                starts.append(([int(i)], text))
+                starts.append((int(i), text))
                 if len(starts) == k:
                     break
+        if self.tokenizer.kind == "word" or not starts:
+            return [t for _, t in starts if t.startswith(partial)]
         done: list[str] = []
-        live = starts if self.tokenizer.kind != "word" else []
-        done += [t for _, t in starts if self.tokenizer.kind == "word" and t.startswith(partial)]
+        live = [text for _, text in starts]
+        logits, handles = self._extend([root] * len(starts), [i for i, _ in starts])
         for _ in range(max_pieces - 1):
-            if not live:
-                break
-            logits = self.next_logits([base + ids for ids, _ in live])
-            nxt = []
-            for (ids, text), row in zip(live, logits, strict=True):
+            nxt, nxt_handles, feed = [], [], []
+            for text, row, handle in zip(live, logits, handles, strict=True):
                 cont = None
                 for i in np.argsort(-row)[:50]:
                     is_start, piece = self._piece(int(i))
                     if not is_start and piece and fits(text + piece):
                         cont = int(i), piece
                         break
-                ends_here = text.startswith(partial) and (
+                if text.startswith(partial) and (
                     cont is None or row[cont[0]] <= max(row[j] for j in self._ends(row))
-                )
-                if ends_here:
+                ):
                     done.append(text)
                 elif cont is not None:
-                    nxt.append(([*ids, cont[0]], text + cont[1]))
+                    nxt.append(text + cont[1])
+                    nxt_handles.append(handle)
+                    feed.append(cont[0])
             live = nxt
-        done += [t for _, t in live if t.startswith(partial)]
+            if not live:
+                break
+            logits, handles = self._extend(nxt_handles, feed)
+        done += [t for t in live if t.startswith(partial)]
         return list(dict.fromkeys(done))[:k]
 
     def _ends(self, row: np.ndarray) -> list[int]:

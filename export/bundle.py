@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
@@ -46,6 +47,7 @@ from dpfleet.export.training import ProgramSpec, default_program_cache, tool_ver
 BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"
 TRAIN_ONNX = "train.onnx"
+STEP_ONNX = "step.onnx"
 TRAIN_PTE = "train.pte"
 INFER_ONNX = "infer.onnx"
 TOKENIZER_DIR = "tokenizer"
@@ -78,6 +80,13 @@ RULES = {
         "Prompt ids p = [bos_id, tokenizer(text)...], keeping at most seq_len - 1 text ids (the "
         "last ones); pad with pad_id to seq_len; run the window program; the next-token logits are "
         "logits[0, len(p) - 1]. Never score pad/bos/eos/unk as suggestions."
+    ),
+    "step": (
+        "Recurrent models: state = (state_h, state_c) zeros of the listed shapes at each new message; "
+        "feed bos_id, then each token id of the message; the logits returned after feeding a token "
+        "predict the next one. Equal to the window program while the message has at most "
+        "seq_len - 1 tokens; past that the state remembers more than the window (trained on rows of "
+        "seq_len tokens). Keep the state per candidate to score completions: one step per piece."
     ),
     "words": (
         "sentencepiece: a piece starting with U+2581 begins a new word; a word is its first piece "
@@ -291,6 +300,7 @@ class BundleExport:
         onnx_program(model, seq_len, None, folder / INFER_ONNX)
         window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
                   "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
+        inference = {"window": window}
         program = InferenceProgram(folder / INFER_ONNX, "onnx", self.threads)
         rows, lengths = random_windows(cfg, seq_len)
         measured = {
@@ -299,6 +309,8 @@ class BundleExport:
             "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
                      "loadavg_1m": round(os.getloadavg()[0], 2)},
         }
+        if cfg.arch != "transformer":
+            inference["step"], measured["step"] = self._streaming(folder, model, program, seq_len)
         bar.update()
         manifest = {
             "bundle_version": BUNDLE_VERSION,
@@ -319,7 +331,7 @@ class BundleExport:
                          "dtype": "int64"},
             "client": client,
             "training": training,
-            "inference": {"window": window},
+            "inference": inference,
             "rules": RULES,
             "runtimes": {"onnxruntime": _version("onnxruntime"),
                          "executorch": _version("executorch") if "executorch" in self.runtimes else None,
@@ -337,6 +349,29 @@ class BundleExport:
         bar.update()
         bar.close()
         return manifest
+
+
+    def _streaming(self, folder: Path, model, window, seq_len: int) -> tuple[dict, dict]:
+        """Export step.onnx; measure it against the window program and time one step."""
+        from dpfleet.edge.ort_session import load_session
+        from dpfleet.export.streaming import step_latency_ms, step_program, streamed_logits
+
+        step_program(model, folder / STEP_ONNX)
+        session = load_session((folder / STEP_ONNX).read_bytes(), STEP_ONNX, self.threads)
+        rng = np.random.default_rng(0)
+        rows = rng.integers(4, model.cfg.vocab_size, (64, seq_len), dtype=np.int64)
+        rows[:, 0] = BOS
+        lengths = rng.integers(1, seq_len, 64)  # at most seq_len - 1 tokens: the agreeing regime
+        ref = window(rows)[np.arange(len(rows)), lengths - 1]
+        got = streamed_logits(session, model.cfg, rows, lengths)
+        spec = {"file": STEP_ONNX, **describe_onnx((folder / STEP_ONNX).read_bytes()),
+                "state": {"state_h": [model.cfg.num_layers, "batch", model.cfg.projection_dim],
+                          "state_c": [model.cfg.num_layers, "batch", model.cfg.hidden_dim],
+                          "initial": "zeros"}}
+        measured = {"vs_window_max_abs_err": float(np.abs(got - ref).max()),
+                    "vs_window_top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+                    "latency_ms": {**step_latency_ms(session, model.cfg), "threads": self.threads}}
+        return spec, measured
 
 
 def _version(package: str) -> str | None:

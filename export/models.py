@@ -92,21 +92,25 @@ class RecurrentCell(nn.Module):
             self.gates.bias.zero_()
             self.gates.bias[:hidden_dim].fill_(1.0)
 
+    def step(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One time step: input [b, d], state (h [b, projection], c [b, hidden]) -> new state."""
+        z = self.gates(torch.cat([x, h], dim=1))
+        if self.coupled:
+            f, g, o = z.chunk(3, dim=1)
+            f = torch.sigmoid(f)
+            c = f * c + (1.0 - f) * torch.tanh(g)
+        else:
+            f, i, g, o = z.chunk(4, dim=1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return self.proj(torch.sigmoid(o) * torch.tanh(c)), c
+
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         batch = xs.shape[0]
         h = xs.new_zeros(batch, self.projection_dim)
         c = xs.new_zeros(batch, self.hidden_dim)
         outs = []
         for x in xs.unbind(1):
-            z = self.gates(torch.cat([x, h], dim=1))
-            if self.coupled:
-                f, g, o = z.chunk(3, dim=1)
-                f = torch.sigmoid(f)
-                c = f * c + (1.0 - f) * torch.tanh(g)
-            else:
-                f, i, g, o = z.chunk(4, dim=1)
-                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = self.proj(torch.sigmoid(o) * torch.tanh(c))
+            h, c = self.step(x, h, c)
             outs.append(h)
         return torch.stack(outs, dim=1)
 
