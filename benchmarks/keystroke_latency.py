@@ -1,0 +1,141 @@
+"""Per-keystroke suggestion latency on CPU: the window program vs the streaming step program.
+
+A keyboard scores the next word after every keystroke. With the window program (`infer.onnx`) a
+keystroke recomputes a fixed seq_len window and returns seq_len x V logits; with the step program
+(`step.onnx`, recurrent models) it feeds the new token into the carried state and returns V logits.
+Completing a word runs k candidates for a few more pieces (the reference client's `suggest`):
+one window batch of k per piece, or one step batch of k per piece from the kept states.
+
+For Gboard's CIFG shape (vocab 10k, embedding 96, hidden 670, projection 96), untied and tied,
+with random weights (latency does not depend on them): median / p90 of
+* `call`: one program run, window [1, seq_len] vs step [1];
+* `keystroke`: one new context token + a k = 3 completion of 3 more pieces, as the client does it.
+Both programs are timed round-robin in one process so machine load hits each alike; the JSON
+records cpu_count, ORT threads and the load average.
+
+    python benchmarks/keystroke_latency.py [--repeats 200] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpfleet.edge.ort_session import load_session
+from dpfleet.edge.tokenizer import BOS, PAD
+from dpfleet.export.models import ModelConfig, build_model, count_parameters
+from dpfleet.export.phone import onnx_program
+from dpfleet.export.streaming import initial_state, step_program
+
+RESULTS = Path(__file__).parent / "results" / "keystroke_latency.json"
+
+
+def stats(times: list[float]) -> dict:
+    return {"median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90))}
+
+
+def run_window(session, ids: list[list[int]], seq_len: int) -> np.ndarray:
+    windows = np.full((len(ids), seq_len), PAD, dtype=np.int64)
+    last = []
+    for i, p in enumerate(ids):
+        p = [BOS, *p[-(seq_len - 1):]]
+        windows[i, : len(p)] = p
+        last.append(len(p) - 1)
+    return session.run(None, {"tokens": windows})[0][np.arange(len(ids)), last]
+
+
+def measure(cfg: ModelConfig, seq_len: int, repeats: int, threads: int, k: int, pieces: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_program(model, seq_len, None, Path(tmp) / "infer.onnx")
+        step_program(model, Path(tmp) / "step.onnx")
+        sizes = {name: (Path(tmp) / name).stat().st_size for name in ("infer.onnx", "step.onnx")}
+        window = load_session((Path(tmp) / "infer.onnx").read_bytes(), "infer.onnx", threads)
+        step = load_session((Path(tmp) / "step.onnx").read_bytes(), "step.onnx", threads)
+    rng = np.random.default_rng(0)
+    context = rng.integers(4, cfg.vocab_size, seq_len - 1 - pieces).tolist()
+    h, c = initial_state(cfg, 1)
+    for t in [BOS, *context[:-1]]:  # the state before the newest context token
+        _, h, c = step.run(None, {"token": np.array([t]), "state_h": h, "state_c": c})
+    cand = rng.integers(4, cfg.vocab_size, (k, pieces)).tolist()
+
+    def window_call():
+        run_window(window, [context], seq_len)
+
+    def step_call():
+        step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c})
+
+    def window_keystroke():
+        run_window(window, [context], seq_len)
+        for j in range(pieces):
+            run_window(window, [context + row[: j + 1] for row in cand], seq_len)
+
+    def step_keystroke():
+        _, hh, cc = step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c})
+        hh, cc = np.repeat(hh, k, axis=1), np.repeat(cc, k, axis=1)
+        for j in range(pieces):
+            _, hh, cc = step.run(None, {"token": np.array([row[j] for row in cand]), "state_h": hh,
+                                        "state_c": cc})
+
+    fns = {"window_call": window_call, "step_call": step_call,
+           "window_keystroke": window_keystroke, "step_keystroke": step_keystroke}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(5):
+        for fn in fns.values():
+            fn()
+    for _ in range(repeats):  # round-robin: load hits each alike
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    out = {name: stats(ts) for name, ts in times.items()}
+    ratio = {kind: out[f"window_{kind}"]["median_ms"] / out[f"step_{kind}"]["median_ms"]
+             for kind in ("call", "keystroke")}
+    return {"config": cfg.to_dict(), "parameters": count_parameters(model), "program_bytes": sizes,
+            **out, "window_over_step_median": ratio,
+            "program_runs_per_keystroke": {"window": 1 + pieces, "step": 1 + pieces}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    results = {
+        name: measure(ModelConfig(tie_embeddings=tied), args.seq_len, args.repeats, args.threads, k=3,
+                      pieces=3)
+        for name, tied in (("gboard_cifg", False), ("gboard_cifg_tied", True))
+    }
+    import onnxruntime
+
+    record = {
+        "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "ort_threads": args.threads,
+                 "torch_threads": torch.get_num_threads(), "loadavg_before": load_before,
+                 "loadavg_after": os.getloadavg(), "onnxruntime": onnxruntime.__version__},
+        "seq_len": args.seq_len, "repeats": args.repeats, "k": 3, "completion_pieces": 3,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2))
+    for name, r in results.items():
+        print(f"{name} ({r['parameters']:,} params): call window {r['window_call']['median_ms']:.3f} ms vs "
+              f"step {r['step_call']['median_ms']:.3f} ms ({r['window_over_step_median']['call']:.1f}x); "
+              f"keystroke window {r['window_keystroke']['median_ms']:.3f} ms vs step "
+              f"{r['step_keystroke']['median_ms']:.3f} ms ({r['window_over_step_median']['keystroke']:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
