@@ -144,12 +144,14 @@ def verify_bundle(folder: Path, public_key: Ed25519PublicKey | bytes | str | Pat
         raise BundleError(f"{folder}: manifest has no file list")
     files = {}
     for name, entry in sorted(listed.items()):
-        if not _safe_name(name) or not isinstance(entry, dict):
+        if not _safe_name(name):
             raise BundleError(f"{folder}: manifest lists an invalid file name {name!r}")
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if type(size) is not int or size < 0 or not isinstance(entry.get("sha256"), str):
+            raise BundleError(f"{folder}: manifest entry of {name} needs integer bytes and a sha256")
         path = folder / name
         if not path.is_file():
             raise BundleError(f"{folder}: {name} is listed in the manifest but missing")
-        size = entry.get("bytes")
         if path.stat().st_size != size:
             raise BundleError(f"{folder}: {name} has {path.stat().st_size} bytes, the manifest says {size}")
         data = _read(path, size)

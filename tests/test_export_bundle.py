@@ -61,7 +61,7 @@ def test_bundle_is_complete_and_verifies(spm_bundle):
     bundle, summary = spm_bundle
     verified = verify_bundle(bundle, summary["public_key"])
     m = verified.manifest
-    assert set(verified.files) == {"infer.onnx", "train.onnx", "weights.bin", PUBLIC_KEY,
+    assert set(verified.files) == {"infer.onnx", "step.onnx", "train.onnx", "weights.bin", PUBLIC_KEY,
                                    "tokenizer/tokenizer.json", "tokenizer/spm.model"}
     assert (bundle / MANIFEST).read_bytes() == canonical_json(m)
     for name, entry in m["files"].items():
@@ -154,8 +154,8 @@ def test_files_from_another_bundle_are_caught(spm_bundle, tmp_path_factory):
         verify_bundle(mixed, summary["public_key"])
 
 
-def test_signed_path_traversal_is_refused(spm_bundle, tmp_path):
-    """Even a validly signed manifest cannot point outside the bundle."""
+def test_signed_but_malformed_manifests_are_refused(spm_bundle, tmp_path):
+    """Even a validly signed manifest cannot point outside the bundle or crash the reader."""
     bundle, _ = spm_bundle
     out = copy(bundle, tmp_path)
     key = Ed25519PrivateKey.generate()
@@ -167,6 +167,13 @@ def test_signed_path_traversal_is_refused(spm_bundle, tmp_path):
     (out / MANIFEST).write_bytes(blob)
     (out / SIGNATURE).write_bytes(sig)
     with pytest.raises(BundleError, match="invalid file name"):
+        verify_bundle(out, key.public_key())
+    del m["files"]["../secret.txt"]
+    m["files"]["weights.bin"]["bytes"] = "many"  # a signed but malformed entry: an error, no crash
+    blob, sig = sign_manifest(m, key)
+    (out / MANIFEST).write_bytes(blob)
+    (out / SIGNATURE).write_bytes(sig)
+    with pytest.raises(BundleError, match="integer bytes"):
         verify_bundle(out, key.public_key())
 
 
@@ -181,7 +188,7 @@ def test_bad_public_keys_are_clear_errors(spm_bundle, tmp_path):
 
 
 FILES = ["manifest.json", "manifest.sig", "signing_key.pub", "weights.bin", "train.onnx", "infer.onnx",
-         "tokenizer/tokenizer.json", "tokenizer/spm.model"]
+         "step.onnx", "tokenizer/tokenizer.json", "tokenizer/spm.model"]
 
 
 @pytest.fixture

@@ -48,7 +48,8 @@ def test_concurrent_requests_export_once(monkeypatch, tmp_path):
 
 def test_second_simulation_reuses_the_first_runs_program(monkeypatch, tmp_path):
     """`simulate` with an exported runtime writes its program to the user cache, not the run
-    folder, so the next run (any run directory) loads it without exporting."""
+    folder, so the next run (any run directory) and a bundle of its checkpoint load it without
+    exporting; the bundle carries the run's privacy summary and client settings."""
     pytest.importorskip("onnxruntime")
     from dpfleet.coordinator.config import parse_config
     from dpfleet.coordinator.simulation import run_simulation
@@ -72,3 +73,17 @@ def test_second_simulation_reuses_the_first_runs_program(monkeypatch, tmp_path):
 
     monkeypatch.setattr(training, "export_training_program", refuse)
     run_simulation(cfg, tmp_path / "b", progress=False, log=lambda s: None)
+
+    # the run's checkpoint bundles with the same cached program, its privacy and client settings
+    import json
+
+    from dpfleet.edge.device_client import BundleClient
+    from dpfleet.export.bundle import BundleExport
+
+    summary = BundleExport(tmp_path / "a" / "checkpoint", tmp_path / "bundle").run()
+    client = BundleClient(tmp_path / "bundle", summary["public_key"])
+    manifest = client.bundle.manifest
+    assert manifest["privacy"] == json.loads((tmp_path / "a" / "privacy.json").read_text())
+    assert (client.seq_len, client.batch_size, client.lr, client.clip_norm) == (
+        4, 4, cfg.client.lr, cfg.dp.clip_norm)
+    assert client.max_examples == 8
