@@ -42,6 +42,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.params import ParamLayout, get_flat
+from dpfleet.export.phone import read_heldout_lines
 from dpfleet.export.training import ProgramSpec, default_program_cache, tool_versions, training_program
 
 BUNDLE_RUNTIMES = ("onnx", "executorch")
@@ -211,6 +212,7 @@ class BundleExport:
     batch_size: int | None = None  # default: the run's client.batch_size, else 16
     threads: int = 1
     cache_dir: Path | None = None
+    heldout: Path | None = None  # held-out text lines for the window's agreement (else random ids)
 
     def run(self) -> dict:
         """Write, sign and self-verify the bundle; returns the JSON summary."""
@@ -221,6 +223,7 @@ class BundleExport:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise DpfleetError(f"bundle folder {out} is not empty")
         cfg, model, tokenizer = load_checkpoint(self.checkpoint)
+        self._lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
         client = {
             "lr": float(run_cfg.get("client", {}).get("lr", 0.5)),
@@ -271,6 +274,7 @@ class BundleExport:
             latency_ms,
             onnx_program,
             random_windows,
+            text_windows,
         )
 
         cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
@@ -302,9 +306,14 @@ class BundleExport:
                   "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
         inference = {"window": window}
         program = InferenceProgram(folder / INFER_ONNX, "onnx", self.threads)
-        rows, lengths = random_windows(cfg, seq_len)
+        if self._lines is not None:
+            rows, lengths = text_windows(tokenizer, self._lines, seq_len)
+            source = f"held-out text ({len(rows)} lines)"
+        else:
+            rows, lengths = random_windows(cfg, seq_len)
+            source = "random token windows (pass --heldout for text)"
         measured = {
-            "window_vs_eager": {**agreement(model, program, rows, lengths), "text": "random token windows"},
+            "window_vs_eager": {**agreement(model, program, rows, lengths), "text": source},
             "window_latency_ms": {**latency_ms(program, seq_len), "threads": self.threads},
             "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
                      "loadavg_1m": round(os.getloadavg()[0], 2)},

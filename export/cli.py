@@ -99,12 +99,12 @@ def export(
     client) and prints its files, sizes and the public key to pin in the app.
     """
     if bundle is not None:
-        if fmt or out or quantize or heldout:
-            raise DpfleetError("--bundle takes no --format/--out/--quantize/--heldout")
+        if fmt or out or quantize:
+            raise DpfleetError("--bundle takes no --format/--out/--quantize")
         from dpfleet.export.bundle import BundleExport
 
         summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
-                               batch_size, threads).run()
+                               batch_size, threads, heldout=heldout).run()
         click.echo(dumps(summary, indent=2))
         return
     if fmt is None or out is None:

@@ -217,7 +217,7 @@ class PhoneExport:
         cfg, model, tokenizer = load_checkpoint(self.checkpoint)
         if self.seq_len < 1 or (cfg.arch == "transformer" and self.seq_len > cfg.max_length):
             raise DpfleetError(f"--seq-len must lie in 1..{cfg.max_length} for this model")
-        lines = None if self.heldout is None else _read_lines(self.heldout)
+        lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         if self.out.exists() and any(self.out.iterdir()):
             raise DpfleetError(f"output folder {self.out} is not empty")
         self.out.mkdir(parents=True, exist_ok=True)
@@ -293,7 +293,7 @@ class PhoneExport:
         }
 
 
-def _read_lines(path: Path) -> list[str]:
+def read_heldout_lines(path: Path) -> list[str]:
     try:
         return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:

@@ -15,7 +15,7 @@ import stat
 import numpy as np
 import pytest
 import torch
-from bundle_helpers import make_bundle, program_cache, spm_checkpoint, word_checkpoint
+from bundle_helpers import make_bundle, program_cache, sentences, spm_checkpoint, word_checkpoint
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -265,9 +265,13 @@ def test_cli_writes_a_bundle(spm_bundle, tmp_path, capsys, monkeypatch, tmp_path
     key = tmp_path / "key.pem"
     key.write_bytes(Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("\n".join(sentences(30, 5)))
     main(["export", str(bundle.parent / "ckpt"), "--bundle", str(tmp_path / "b"), "--signing-key", str(key),
-          "--seq-len", str(SEQ_LEN)])
+          "--seq-len", str(SEQ_LEN), "--heldout", str(heldout)])
     summary = json.loads(capsys.readouterr().out)
+    window = summary["measured"]["window_vs_eager"]
+    assert window["text"].startswith("held-out text (30 lines)") and window["max_abs_err"] < 1e-4
     assert summary["signing_key"] == str(key) and not summary["signing_key_generated"]
     verify_bundle(tmp_path / "b", summary["public_key"])
     assert not default_key_path(tmp_path / "b").exists()
