@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from dpfleet.errors import DpfleetError
-from dpfleet.export.phone import PHONE_FORMATS, QUANTIZE
+from dpfleet.export.phone import MIN_TOP1, PHONE_FORMATS, QUANTIZE, TARGETS
 from dpfleet.jsonio import dumps
 
 
@@ -73,6 +73,26 @@ from dpfleet.jsonio import dumps
     "(default: random token windows).",
 )
 @click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    default="x86",
+    show_default=True,
+    help="CPU the int8 ONNX program is tuned for: x86 uses 7-bit weights (reduce_range; AVX2 "
+    "saturates otherwise), arm the full 8 bits.",
+)
+@click.option(
+    "--min-top1",
+    type=float,
+    default=MIN_TOP1,
+    show_default=True,
+    help="int8: refuse the export when its top-1 agreement with eager on --heldout is below this.",
+)
+@click.option(
+    "--accept-int8-drop",
+    is_flag=True,
+    help="int8: write the program even below --min-top1 (the manifest records it).",
+)
+@click.option(
     "--threads", type=int, default=1, show_default=True, help="CPU threads for the latency measurement."
 )
 def export(
@@ -86,6 +106,9 @@ def export(
     batch_size: int | None,
     seq_len: int | None,
     heldout: Path | None,
+    target: str,
+    min_top1: float,
+    accept_int8_drop: bool,
     threads: int,
 ) -> None:
     """Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.
@@ -93,7 +116,8 @@ def export(
     With --format and --out: writes the inference program, the tokenizer and manifest.json
     (architecture, vocabulary, version, sha256 of every file), then prints a JSON summary: file
     sizes, single-step latency, and the program's agreement with eager PyTorch (max |logit
-    error|, top-1 agreement).
+    error|, top-1 and top-3 agreement). int8 needs --heldout text and is refused below
+    --min-top1 unless --accept-int8-drop.
 
     With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
     client) and prints its files, sizes and the public key to pin in the app.
@@ -113,5 +137,6 @@ def export(
         raise DpfleetError("--runtime, --signing-key and --batch-size apply to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
-    summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len or 20, threads, heldout).run()
+    summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len or 20, threads, heldout, target, min_top1,
+                          accept_int8_drop).run()
     click.echo(dumps(summary, indent=2))

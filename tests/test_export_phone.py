@@ -196,3 +196,36 @@ def test_checkpoint_with_wrong_shapes_is_refused(checkpoint, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(DpfleetError, match="output.bias has shape"):
         load_checkpoint(bad)
+
+
+def test_int8_agreement_is_in_the_manifest(exports, capsys):
+    out, summary = exports(capsys, "onnx", "int8")
+    manifest = verify_manifest(out)
+    agree = manifest["agreement_with_eager"]
+    assert agree == summary["agreement"] and agree["top3"] >= agree["top1"] > 0.9
+    check = manifest["quantization"]["int8_check"]
+    assert check == {"min_top1": 0.98, "passed": True, "accepted_below_threshold": False}
+    assert manifest["quantization"]["reduce_range"] and manifest["target"] == "x86"
+
+
+def test_int8_below_threshold_is_refused_unless_accepted(checkpoint, tmp_path, capsys):
+    refused = tmp_path / "refused"
+    with pytest.raises(SystemExit) as info:
+        run_export(capsys, checkpoint, refused, "--format", "onnx", "--quantize", "int8",
+                   "--min-top1", "1.01")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "below --min-top1 1.01" in err and err.count("\n") == 1
+    assert not refused.exists()  # nothing left behind
+    kept = tmp_path / "kept"
+    summary = run_export(capsys, checkpoint, kept, "--format", "onnx", "--quantize", "int8",
+                         "--min-top1", "1.01", "--accept-int8-drop", "--target", "arm")
+    check = verify_manifest(kept)["quantization"]
+    assert check["int8_check"]["accepted_below_threshold"] and not check["reduce_range"]
+    assert summary["int8_check"]["passed"] is False
+
+
+def test_int8_needs_heldout_text(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    with pytest.raises(SystemExit) as info:
+        main(["export", str(folder), "--format", "onnx", "--quantize", "int8", "--out", str(tmp_path / "x")])
+    assert info.value.code == 2 and "needs --heldout" in capsys.readouterr().err
