@@ -163,6 +163,9 @@ def test_pte_training_matches_eager(arch, bundles):
     pytest.importorskip("executorch")
     bundle, key, _, cfg = bundles(arch, ("onnx", "executorch"))
     client = BundleClient(bundle, key)
+    spec = client.bundle.manifest["training"]["pte"]
+    assert spec["method"] == "forward" and spec["batch"] == client.batch_size
+    assert "aten::embedding.out" in spec["portable_operators"]  # the selective-build list
     rows, theta0 = client.examples(user_texts(5)), client.weights()
     onnx = client.train_epoch(theta0, rows, seed=3)
     pte = client.train_epoch(theta0, rows, seed=3, runtime="executorch")

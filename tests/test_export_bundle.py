@@ -62,7 +62,8 @@ def test_bundle_is_complete_and_verifies(spm_bundle):
     verified = verify_bundle(bundle, summary["public_key"])
     m = verified.manifest
     assert set(verified.files) == {"infer.onnx", "step.onnx", "train.onnx", "weights.bin", PUBLIC_KEY,
-                                   "tokenizer/tokenizer.json", "tokenizer/spm.model"}
+                                   "tokenizer/tokenizer.json", "tokenizer/spm.model",
+                                   "ort_required_operators.config"}
     assert (bundle / MANIFEST).read_bytes() == canonical_json(m)
     for name, entry in m["files"].items():
         assert entry["sha256"] == sha256_hex((bundle / name).read_bytes())
@@ -80,6 +81,10 @@ def test_bundle_is_complete_and_verifies(spm_bundle):
     assert m["measured"]["window_vs_eager"]["top1"] == 1.0
     assert {"examples", "epoch", "loss", "sgd", "clipping", "window", "words"} <= set(m["rules"])
     assert m["runtimes"]["onnxruntime"]
+    config = verified.read("ort_required_operators.config").decode().splitlines()
+    listed = {op for line in config if not line.startswith("#") for op in line.split(";")[2].split(",")}
+    for program in (train, m["inference"]["window"], m["inference"]["step"]):
+        assert {op.split("::")[1] for op in program["ops"]} <= listed
 
 
 def test_generated_key_is_private_and_reused(spm_bundle, tmp_path_factory):
@@ -188,7 +193,7 @@ def test_bad_public_keys_are_clear_errors(spm_bundle, tmp_path):
 
 
 FILES = ["manifest.json", "manifest.sig", "signing_key.pub", "weights.bin", "train.onnx", "infer.onnx",
-         "step.onnx", "tokenizer/tokenizer.json", "tokenizer/spm.model"]
+         "step.onnx", "tokenizer/tokenizer.json", "tokenizer/spm.model", "ort_required_operators.config"]
 
 
 @pytest.fixture
