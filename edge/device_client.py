@@ -11,6 +11,10 @@ the simulation exercises exactly the bytes a phone would ship.
     clipped, norm = client.clip(delta)                    # what the device uploads
     client.suggest("see you to")                          # ["tomorrow", "today", ...]
 
+`weights()` is the bundle's starting vector (a round's weights come from the server);
+`initial_state()` / `step(tokens, state)` stream one token per call (recurrent models) and
+`next_logits(prompts)` runs the window program.
+
 Every byte handed to ONNX Runtime or SentencePiece comes from `verify_bundle`'s checked copy,
 never from a second read of the file. The `.pte` path (`runtime="executorch"`) needs ExecuTorch's
 Python bindings, which exchange torch tensors: only that path imports torch (a phone's C++ /
