@@ -7,9 +7,12 @@ Completing a word runs k candidates for a few more pieces (the reference client'
 one window batch of k per piece, or one step batch of k per piece from the kept states.
 
 For Gboard's CIFG shape (vocab 10k, embedding 96, hidden 670, projection 96), untied and tied,
-with random weights (latency does not depend on them): median / p90 of
+with random weights (latency does not depend on them), the programs as the bundle ships them
+(weights as `p.<name>` inputs): median / p90 of
 * `call`: one program run, window [1, seq_len] vs step [1];
-* `keystroke`: one new context token + a k = 3 completion of 3 more pieces, as the client does it.
+* `keystroke`: one new context token + a k = 3 completion of 3 more pieces, as the client does it;
+* `baked_*_call`: the same single runs with the weights baked into the programs (what weight
+  inputs cost).
 Both programs are timed round-robin in one process so machine load hits each alike; the JSON
 records cpu_count, ORT threads and the load average.
 
@@ -32,8 +35,9 @@ import torch
 from dpfleet.edge.ort_session import load_session
 from dpfleet.edge.tokenizer import BOS, PAD
 from dpfleet.export.models import ModelConfig, build_model, count_parameters
-from dpfleet.export.phone import onnx_program
+from dpfleet.export.phone import onnx_program, window_program_with_weight_inputs
 from dpfleet.export.streaming import initial_state, step_program
+from dpfleet.export.training import onnx_param_name
 
 RESULTS = Path(__file__).parent / "results" / "keystroke_latency.json"
 
@@ -42,52 +46,64 @@ def stats(times: list[float]) -> dict:
     return {"median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90))}
 
 
-def run_window(session, ids: list[list[int]], seq_len: int) -> np.ndarray:
+def run_window(session, ids: list[list[int]], seq_len: int, weights: dict) -> np.ndarray:
     windows = np.full((len(ids), seq_len), PAD, dtype=np.int64)
     last = []
     for i, p in enumerate(ids):
         p = [BOS, *p[-(seq_len - 1):]]
         windows[i, : len(p)] = p
         last.append(len(p) - 1)
-    return session.run(None, {"tokens": windows})[0][np.arange(len(ids)), last]
+    return session.run(None, {"tokens": windows, **weights})[0][np.arange(len(ids)), last]
 
 
 def measure(cfg: ModelConfig, seq_len: int, repeats: int, threads: int, k: int, pieces: int) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        onnx_program(model, seq_len, None, Path(tmp) / "infer.onnx")
+        window_program_with_weight_inputs(model, seq_len, Path(tmp) / "infer.onnx")
         step_program(model, Path(tmp) / "step.onnx")
-        sizes = {name: (Path(tmp) / name).stat().st_size for name in ("infer.onnx", "step.onnx")}
-        window = load_session((Path(tmp) / "infer.onnx").read_bytes(), "infer.onnx", threads)
-        step = load_session((Path(tmp) / "step.onnx").read_bytes(), "step.onnx", threads)
+        onnx_program(model, seq_len, None, Path(tmp) / "infer_baked.onnx")
+        step_program(model, Path(tmp) / "step_baked.onnx", weight_inputs=False)
+        names = ("infer.onnx", "step.onnx", "infer_baked.onnx", "step_baked.onnx")
+        sizes = {name: (Path(tmp) / name).stat().st_size for name in names}
+        window, step, window_baked, step_baked = (
+            load_session((Path(tmp) / name).read_bytes(), name, threads) for name in names)
+    weights = {onnx_param_name(n): p.detach().numpy() for n, p in model.named_parameters()}
     rng = np.random.default_rng(0)
     context = rng.integers(4, cfg.vocab_size, seq_len - 1 - pieces).tolist()
     h, c = initial_state(cfg, 1)
     for t in [BOS, *context[:-1]]:  # the state before the newest context token
-        _, h, c = step.run(None, {"token": np.array([t]), "state_h": h, "state_c": c})
+        _, h, c = step.run(None, {"token": np.array([t]), "state_h": h, "state_c": c, **weights})
     cand = rng.integers(4, cfg.vocab_size, (k, pieces)).tolist()
 
     def window_call():
-        run_window(window, [context], seq_len)
+        run_window(window, [context], seq_len, weights)
 
     def step_call():
-        step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c})
+        step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c, **weights})
+
+    def baked_window_call():
+        run_window(window_baked, [context], seq_len, {})
+
+    def baked_step_call():
+        step_baked.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c})
 
     def window_keystroke():
-        run_window(window, [context], seq_len)
+        run_window(window, [context], seq_len, weights)
         for j in range(pieces):
-            run_window(window, [context + row[: j + 1] for row in cand], seq_len)
+            run_window(window, [context + row[: j + 1] for row in cand], seq_len, weights)
 
     def step_keystroke():
-        _, hh, cc = step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c})
+        _, hh, cc = step.run(None, {"token": np.array([context[-1]]), "state_h": h, "state_c": c,
+                                    **weights})
         hh, cc = np.repeat(hh, k, axis=1), np.repeat(cc, k, axis=1)
         for j in range(pieces):
             _, hh, cc = step.run(None, {"token": np.array([row[j] for row in cand]), "state_h": hh,
-                                        "state_c": cc})
+                                        "state_c": cc, **weights})
 
     fns = {"window_call": window_call, "step_call": step_call,
-           "window_keystroke": window_keystroke, "step_keystroke": step_keystroke}
+           "window_keystroke": window_keystroke, "step_keystroke": step_keystroke,
+           "baked_window_call": baked_window_call, "baked_step_call": baked_step_call}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(5):
         for fn in fns.values():
@@ -134,7 +150,10 @@ def main() -> None:
         print(f"{name} ({r['parameters']:,} params): call window {r['window_call']['median_ms']:.3f} ms vs "
               f"step {r['step_call']['median_ms']:.3f} ms ({r['window_over_step_median']['call']:.1f}x); "
               f"keystroke window {r['window_keystroke']['median_ms']:.3f} ms vs step "
-              f"{r['step_keystroke']['median_ms']:.3f} ms ({r['window_over_step_median']['keystroke']:.1f}x)")
+              f"{r['step_keystroke']['median_ms']:.3f} ms "
+              f"({r['window_over_step_median']['keystroke']:.1f}x); "
+              f"baked window {r['baked_window_call']['median_ms']:.3f} ms, step "
+              f"{r['baked_step_call']['median_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

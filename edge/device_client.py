@@ -13,7 +13,8 @@ the simulation exercises exactly the bytes a phone would ship.
 
 `weights()` is the bundle's starting vector (a round's weights come from the server);
 `initial_state()` / `step(tokens, state)` stream one token per call (recurrent models) and
-`next_logits(prompts)` runs the window program.
+`next_logits(prompts)` runs the window program; both read the weights as inputs, so
+`set_inference_weights(flat)` makes suggestions follow a new model.
 
 Every byte handed to ONNX Runtime or SentencePiece comes from `verify_bundle`'s checked copy,
 never from a second read of the file. The `.pte` path (`runtime="executorch"`) needs ExecuTorch's
@@ -71,6 +72,18 @@ class BundleClient:
         self._pte = None
         self._stream = None  # (fed ids, logits, state) of the message so far
         self.use_streaming = True  # suggest() through step.onnx when the bundle has it
+        self._weight_feed: dict[str, np.ndarray] | None = None  # p.<name> inputs of infer / step
+
+    def set_inference_weights(self, flat: np.ndarray) -> None:
+        """Suggest with this weight vector from now on (default: the bundle's `weights.bin`)."""
+        views = self._split(np.array(flat, dtype=np.float32))
+        self._weight_feed = {f"p.{n}": w for n, w in zip(self.names, views, strict=True)}
+        self._stream = None  # the kept state belongs to the old weights
+
+    def _weights_feed(self) -> dict[str, np.ndarray]:
+        if self._weight_feed is None:
+            self.set_inference_weights(self.weights())
+        return self._weight_feed
 
     # ---- weights and examples -------------------------------------------------------------
     def weights(self) -> np.ndarray:
@@ -180,7 +193,8 @@ class BundleClient:
             p = [BOS, *list(ids)[-keep:]] if keep > 0 else [BOS]
             windows[i, : len(p)] = p
             last[i] = len(p) - 1
-        logits = self._session("window", self.window["file"]).run(None, {"tokens": windows})[0]
+        feed = {"tokens": windows, **self._weights_feed()}
+        logits = self._session("window", self.window["file"]).run(None, feed)[0]
         return logits[np.arange(len(prompts)), last]
 
     def _piece(self, i: int) -> tuple[bool, str]:
@@ -215,7 +229,8 @@ class BundleClient:
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
             raise BundleError(f"step takes a 1-D batch of token ids in [0, {self.vocab_size})")
         session = self._session("step", self.inference["step"]["file"])
-        logits, h, c = session.run(None, {"token": ids, "state_h": state[0], "state_c": state[1]})
+        feed = {"token": ids, "state_h": state[0], "state_c": state[1], **self._weights_feed()}
+        logits, h, c = session.run(None, feed)
         return logits, (h, c)
 
     def _context(self, ids: list[int]):

@@ -43,7 +43,13 @@ from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
-from dpfleet.export.training import ProgramSpec, default_program_cache, tool_versions, training_program
+from dpfleet.export.training import (
+    ProgramSpec,
+    default_program_cache,
+    onnx_param_name,
+    tool_versions,
+    training_program,
+)
 
 BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"
@@ -77,6 +83,10 @@ RULES = {
         "float32(float64(delta) * clip_norm / norm), then while the float64 norm is still > "
         "clip_norm move every coordinate one float32 ulp toward zero. A delta with any non-finite "
         "value is replaced by zeros. Upload the clipped delta (through secure aggregation)."
+    ),
+    "weights": (
+        "The window and step programs take the model's weights as inputs p.<name> (like the "
+        "training program): feed weights.bin, or the latest round's model, or the locally trained one."
     ),
     "window": (
         "Prompt ids p = [bos_id, tokenizer(text)...], keeping at most seq_len - 1 text ids (the "
@@ -270,6 +280,7 @@ class BundleExport:
         key, key_path, generated = signing_key(self.signing_key, out)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the bundle from the app's build user
         try:
             (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
             manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
@@ -297,13 +308,13 @@ class BundleExport:
 
     def _write(self, folder: Path, cfg: ModelConfig, model, tokenizer, client: dict, seq_len: int,
                max_examples: int) -> dict:
+        from dpfleet.edge.ort_session import load_session
         from dpfleet.export.phone import (
-            InferenceProgram,
             agreement,
             latency_ms,
-            onnx_program,
             random_windows,
             text_windows,
+            window_program_with_weight_inputs,
         )
 
         cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
@@ -330,11 +341,16 @@ class BundleExport:
             training["pte"] = {"file": TRAIN_PTE, **describe_pte(data, layout, batch, seq_len)}
             bar.update()
         bar.set_postfix_str("inference program")
-        onnx_program(model, seq_len, None, folder / INFER_ONNX)
+        window_program_with_weight_inputs(model, seq_len, folder / INFER_ONNX)
         window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
                   "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
         inference = {"window": window}
-        program = InferenceProgram(folder / INFER_ONNX, "onnx", self.threads)
+        weights = {onnx_param_name(n): p.detach().numpy() for n, p in model.named_parameters()}
+        session = load_session((folder / INFER_ONNX).read_bytes(), INFER_ONNX, self.threads)
+
+        def program(tokens):
+            return session.run(None, {"tokens": tokens, **weights})[0]
+
         if self._lines is not None:
             rows, lengths = text_windows(tokenizer, self._lines, seq_len)
             source = f"held-out text ({len(rows)} lines)"
@@ -348,7 +364,7 @@ class BundleExport:
                      "loadavg_1m": round(os.getloadavg()[0], 2)},
         }
         if cfg.arch != "transformer":
-            inference["step"], measured["step"] = self._streaming(folder, model, program, seq_len)
+            inference["step"], measured["step"] = self._streaming(folder, model, program, seq_len, weights)
         onnx_files = [TRAIN_ONNX, INFER_ONNX] + ([STEP_ONNX] if "step" in inference else [])
         (folder / ORT_OPS_CONFIG).write_text(
             ort_operator_config({name: (folder / name).read_bytes() for name in onnx_files}))
@@ -393,7 +409,7 @@ class BundleExport:
         return manifest
 
 
-    def _streaming(self, folder: Path, model, window, seq_len: int) -> tuple[dict, dict]:
+    def _streaming(self, folder: Path, model, window, seq_len: int, weights: dict) -> tuple[dict, dict]:
         """Export step.onnx; measure it against the window program and time one step."""
         from dpfleet.edge.ort_session import load_session
         from dpfleet.export.streaming import step_latency_ms, step_program, streamed_logits
@@ -405,14 +421,14 @@ class BundleExport:
         rows[:, 0] = BOS
         lengths = rng.integers(1, seq_len, 64)  # at most seq_len - 1 tokens: the agreeing regime
         ref = window(rows)[np.arange(len(rows)), lengths - 1]
-        got = streamed_logits(session, model.cfg, rows, lengths)
+        got = streamed_logits(session, model.cfg, rows, lengths, weights)
         spec = {"file": STEP_ONNX, **describe_onnx((folder / STEP_ONNX).read_bytes()),
                 "state": {"state_h": [model.cfg.num_layers, "batch", model.cfg.projection_dim],
                           "state_c": [model.cfg.num_layers, "batch", model.cfg.hidden_dim],
                           "initial": "zeros"}}
         measured = {"vs_window_max_abs_err": float(np.abs(got - ref).max()),
                     "vs_window_top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
-                    "latency_ms": {**step_latency_ms(session, model.cfg), "threads": self.threads}}
+                    "latency_ms": {**step_latency_ms(session, model.cfg, weights), "threads": self.threads}}
         return spec, measured
 
 

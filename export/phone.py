@@ -101,6 +101,16 @@ def onnx_program(
             quantize_dynamic(fp32, path, weight_type=QuantType.QInt8, reduce_range=reduce_range)
 
 
+def window_program_with_weight_inputs(model: nn.Module, seq_len: int, path: Path) -> None:
+    """The window program of a phone bundle: tokens [batch, seq_len] and `p.<name>` weights in,
+    logits out (`export/weight_inputs.py`: the bundle ships the weights once)."""
+    from dpfleet.export.weight_inputs import export_with_weight_inputs
+
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    export_with_weight_inputs(model, model, (_window(seq_len, batch=2),), ["tokens"], ["logits"],
+                              ({0: batch},), path)
+
+
 def gemm_to_matmul(model):
     """Rewrite `Gemm(A, W, b, transB=1)` over an initializer W as `MatMul(A, W^T) + b`.
 

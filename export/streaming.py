@@ -18,6 +18,7 @@ from torch import nn
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, RecurrentLM, output_logits
 from dpfleet.export.training import quiet_export
+from dpfleet.export.weight_inputs import export_with_weight_inputs
 
 STEP_INPUTS = ("token", "state_h", "state_c")
 STEP_OUTPUTS = ("logits", "next_h", "next_c")
@@ -49,44 +50,48 @@ def initial_state(cfg: ModelConfig, batch: int = 1) -> tuple[np.ndarray, np.ndar
             np.zeros((cfg.num_layers, batch, cfg.hidden_dim), np.float32))
 
 
-def step_program(model: RecurrentLM, path: Path) -> None:
-    """Export the step to ONNX with a dynamic batch (a keyboard scores k candidates at once)."""
+def step_program(model: RecurrentLM, path: Path, weight_inputs: bool = True) -> None:
+    """Export the step to ONNX with a dynamic batch (a keyboard scores k candidates at once); the
+    weights are `p.<name>` inputs (`export/weight_inputs.py`) unless `weight_inputs=False`."""
     cfg = model.cfg
     h, c = (torch.from_numpy(s) for s in initial_state(cfg, 2))
     args = (torch.tensor([1, 1]), h, c)
     batch = torch.export.Dim("batch", min=1, max=4096)
+    shapes = ({0: batch}, {1: batch}, {1: batch})
+    step = StreamingStep(model).eval()
+    if weight_inputs:
+        export_with_weight_inputs(step, model, args, list(STEP_INPUTS), list(STEP_OUTPUTS), shapes, path,
+                                  prefix="model.")
+        return
     with quiet_export():
-        program = torch.onnx.export(
-            StreamingStep(model).eval(),
-            args,
-            dynamo=True,
-            input_names=list(STEP_INPUTS),
-            output_names=list(STEP_OUTPUTS),
-            dynamic_shapes=({0: batch}, {1: batch}, {1: batch}),
-            optimize=True,
-            verbose=False,
-        )
+        program = torch.onnx.export(step, args, dynamo=True, input_names=list(STEP_INPUTS),
+                                    output_names=list(STEP_OUTPUTS), dynamic_shapes=shapes, optimize=True,
+                                    verbose=False)
     program.save(str(path))
 
 
-def streamed_logits(session, cfg: ModelConfig, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def streamed_logits(
+    session, cfg: ModelConfig, rows: np.ndarray, lengths: np.ndarray, weights: dict | None = None
+) -> np.ndarray:
     """Next-token logits [n, V] after feeding rows[i, :lengths[i]] token by token, all rows as one
-    batch per step (shorter rows keep the logits of their last real token)."""
+    batch per step (shorter rows keep the logits of their last real token); `weights`: the
+    `p.<name>` feed of a weight-input program."""
     h, c = initial_state(cfg, len(rows))
     out = np.zeros((len(rows), cfg.vocab_size), np.float32)
     for t in range(int(lengths.max())):
-        logits, h, c = session.run(None, {"token": rows[:, t].astype(np.int64), "state_h": h, "state_c": c})
+        feed = {"token": rows[:, t].astype(np.int64), "state_h": h, "state_c": c, **(weights or {})}
+        logits, h, c = session.run(None, feed)
         done = lengths == t + 1
         out[done] = logits[done]
     return out
 
 
-def step_latency_ms(session, cfg: ModelConfig, repeats: int = 200) -> dict:
+def step_latency_ms(session, cfg: ModelConfig, weights: dict | None = None, repeats: int = 200) -> dict:
     """One keystroke's step: one token in, next-token logits and state out (batch 1)."""
     import time
 
     h, c = initial_state(cfg, 1)
-    feed = {"token": np.array([1], np.int64), "state_h": h, "state_c": c}
+    feed = {"token": np.array([1], np.int64), "state_h": h, "state_c": c, **(weights or {})}
     for _ in range(5):
         session.run(None, feed)
     times = []
