@@ -162,8 +162,6 @@ def pte_operators(data: bytes) -> list[str]:
 
 def describe_pte(data: bytes, layout: ParamLayout, batch: int, seq_len: int) -> dict:
     """The `.pte` training program's methods and output layout (read from the loaded program)."""
-    from executorch.extension.pybindings.portable_lib import _get_registered_backend_names
-
     from dpfleet.edge.pte_module import PteModule
 
     module = PteModule(data, Path(TRAIN_PTE))
@@ -190,7 +188,6 @@ def describe_pte(data: bytes, layout: ParamLayout, batch: int, seq_len: int) -> 
         },
         "backends": ["XnnpackBackend"],
         "portable_operators": pte_operators(data),
-        "runtime_backends_registered": sorted(_get_registered_backend_names()),
         "static_batch": True,
         "seq_len": seq_len,
     }
@@ -264,15 +261,23 @@ class BundleExport:
         cfg, model, tokenizer = load_checkpoint(self.checkpoint)
         self._lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
+
+        def setting(section: str, key: str, default):
+            value = run_cfg.get(section, {})
+            value = value.get(key, default) if isinstance(value, dict) else default
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise DpfleetError(f"run config {section}.{key} is not a number: {value!r}")
+            return value
+
         client = {
-            "lr": float(run_cfg.get("client", {}).get("lr", 0.5)),
-            "batch_size": int(self.batch_size or run_cfg.get("client", {}).get("batch_size", 16)),
-            "clip_norm": float(run_cfg.get("dp", {}).get("clip_norm", 0.3)),
+            "lr": float(setting("client", "lr", 0.5)),
+            "batch_size": int(self.batch_size or setting("client", "batch_size", 16)),
+            "clip_norm": float(setting("dp", "clip_norm", 0.3)),
             "epochs": 1,
             "source": "the checkpoint's run config.json" if run_cfg else "dpfleet defaults (no run config)",
         }
-        seq_len = int(self.seq_len or run_cfg.get("data", {}).get("seq_len", 20))
-        max_examples = int(run_cfg.get("data", {}).get("max_examples", 256))
+        seq_len = int(self.seq_len or setting("data", "seq_len", 20))
+        max_examples = int(setting("data", "max_examples", 256))
         if seq_len < 2 or (cfg.arch == "transformer" and seq_len > cfg.max_length):
             raise DpfleetError(f"sequence length must lie in 2..{cfg.max_length} for this model")
         if client["batch_size"] < 1:

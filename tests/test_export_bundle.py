@@ -324,3 +324,15 @@ def test_damaged_tokenizer_is_one_error_line(spm_bundle, tmp_path, capsys, damag
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and not (tmp_path / "b").exists()
     assert not os.path.exists(default_key_path(tmp_path / "b"))  # nothing written before the check
+
+
+def test_bad_run_config_is_one_error_line(spm_bundle, tmp_path, capsys):
+    bundle, _ = spm_bundle
+    run = tmp_path / "run"
+    shutil.copytree(bundle.parent / "ckpt", run / "checkpoint")
+    (run / "config.json").write_text(json.dumps({"client": {"lr": "fast"}}))
+    code, err = run_cli(["export", str(run / "checkpoint"), "--bundle", str(tmp_path / "b")], capsys)
+    assert code == 2 and "client.lr is not a number" in err and err.count("\n") == 1
+    (run / "config.json").write_text("{not json")
+    code, err = run_cli(["export", str(run / "checkpoint"), "--bundle", str(tmp_path / "b")], capsys)
+    assert code == 2 and "config.json: unreadable" in err
