@@ -39,21 +39,6 @@ def tiny_cfg(**sections):
     return parse_config(values)
 
 
-def drop_at(phase: str, times: int = 1):
-    """A `before_phase` hook that makes the device vanish the first `times` times it reaches
-    `phase` (then it behaves)."""
-    from dpfleet.fleet.participant import DropOut
-
-    left = [times]
-
-    def hook(now: str) -> None:
-        if now == phase and left[0] > 0:
-            left[0] -= 1
-            raise DropOut(f"dropped before {phase}")
-
-    return hook
-
-
 def capture_sums(engine) -> list:
     """Spy (test only): records every aggregate the engine is asked to close a round with."""
     seen, close = [], engine.close_round

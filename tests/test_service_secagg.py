@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import capture_sums, drop_at, fleet_data, run_devices, tiny_cfg
+from service_fleet import capture_sums, fleet_data, run_devices, tiny_cfg
 
 from dpfleet.fleet.link import CoordinatorLink
 from dpfleet.fleet.participant import local_policy, take_part
