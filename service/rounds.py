@@ -172,6 +172,8 @@ class RoundDriver:
         cur, position = self._round_of(device_id, number, attempt)
         if cur.plain is None:
             raise ApiError(409, "wrong_aggregation", "this round aggregates with SecAgg")
+        if cur.plain.complete and position not in cur.plain.updates:  # an over-selected straggler
+            raise ApiError(409, "round_full", f"round {number} already has its report goal")
         try:
             cur.plain.accept(position, body, headers)
         except UploadError as exc:
