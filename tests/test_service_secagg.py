@@ -197,3 +197,38 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
     as_b, recipients, position_a = asyncio.run(main())
     assert getattr(as_b, "status", None) == 400 and "position" in as_b.message
     assert recipients and set(recipients) == {position_a}  # only A's own mail
+
+
+def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_path):
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 2.0})
+    users, _ = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        try:
+            for link in links.values():
+                await link.register()
+            replies = await asyncio.gather(*(links[u].checkin() for u in users))
+            u, job = next((u, r) for u, r in zip(users, replies, strict=True)
+                          if r["kind"] == "assignment")
+            again = await links[u].checkin()  # the first reply was "lost"
+            setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
+            client = SecAggClient(setup, job["position"], keys[u], policy=policy_for(cfg)(setup.n),
+                                  pinned={j: setup.identities[j] for j in range(setup.n)})
+            await links[u].secagg_send(job["round"], job["attempt"], client.start()[0].data)
+            after = await links[u].checkin()
+            return job, again, after
+        finally:
+            for link in links.values():
+                await link.close()
+            running.driver.stop()
+            await shutdown(running)
+
+    job, again, after = asyncio.run(main())
+    assert again == job
+    assert after["kind"] == "retry" and after["reason"] == "round full"
