@@ -203,7 +203,7 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
     from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.setup_wire import decode_setup
 
-    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 2.0})
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
