@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -66,7 +67,7 @@ def runtime_for(plan: dict, threads: int = 1, cache_dir: Path | None = None
         from dpfleet.edge.runtimes import make_runtime
 
         runtime = make_runtime(plan["runtime"], ModelConfig(**plan["model"]), plan["seq_len"],
-                               threads, cache_dir or Path(".dpfleet-programs"))
+                               threads, cache_dir or Path(tempfile.gettempdir()) / "dpfleet-programs")
         _RUNTIMES[key] = (runtime, threading.Lock())
     return _RUNTIMES[key]
 

@@ -21,7 +21,7 @@ from dpfleet.coordinator.config import SimulationConfig, round_size
 from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.round_engine import RoundEngine
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.run_dir import RunDir
 from dpfleet.coordinator.simulation import prepare_data, vocabulary_privacy
 from dpfleet.coordinator.state_store import StateStore, open_engine
 from dpfleet.errors import DpfleetError
@@ -67,7 +67,7 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         if store.finished:
             raise DpfleetError(f"{state} holds a finished run: nothing to continue (its results "
                                "are in that folder)")
-        (Path(state) / "config.toml").write_text(to_toml(cfg.resolved()))
+        RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(max(1, cfg.client.threads))
         fresh = store.last_committed() == 0

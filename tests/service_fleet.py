@@ -59,7 +59,7 @@ def fleet_data(cfg, folder: Path):
 
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
-                      replies: list | None = None, **take_part_kw) -> list:
+                      replies: list | None = None, runtime: str = "eager", **take_part_kw) -> list:
     """One phone: register, then check in and take part until the run is done (`replies`
     collects (device, next round, check-in reply))."""
     outcomes = [] if outcomes is None else outcomes
@@ -71,7 +71,7 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
                 if not registered:
                     await link.register()
                     registered = True
-                reply = await link.checkin()
+                reply = await link.checkin(runtime=runtime)
                 if replies is not None:
                     replies.append((device_id, reply))
             except LinkError as exc:

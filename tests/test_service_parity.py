@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.numpy import load_file
 from service_fleet import fleet_data, run_devices, tiny_cfg
@@ -22,7 +23,8 @@ def run_service(cfg, root, **start_kw):
 
     async def main():
         running = await start(cfg, root / "state", log=lambda s: None, **start_kw)
-        devices = asyncio.create_task(run_devices(running.url, keys, examples))
+        devices = asyncio.create_task(run_devices(running.url, keys, examples,
+                                                  runtime=cfg.client.runtime))
         await asyncio.wait_for(asyncio.shield(running.task), 120)
         outcomes = await asyncio.wait_for(devices, 30)
         status = running.driver.status()
@@ -36,8 +38,10 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path):
-    cfg = tiny_cfg()
+@pytest.mark.parametrize("runtime", ["eager", pytest.param("onnx", marks=pytest.mark.slow)])
+def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime):
+    # an exported runtime builds its training program on first use: a longer report deadline
+    cfg = tiny_cfg(client={"runtime": runtime}, service={"report_deadline_s": 120.0})
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)
     status, outcomes = run_service(cfg, tmp_path)
     state = tmp_path / "state"
@@ -58,6 +62,7 @@ def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path):
     for name in ours:  # bitwise (max |diff| = 0), the strongest tolerance there is
         np.testing.assert_array_equal(ours[name], theirs[name])
     assert json.loads((state / "privacy.json").read_text())["epsilon"] == sim.privacy["epsilon"]
-    for name in ("privacy_report.md", "accuracy.png", "summary.json", "service.log"):
+    for name in ("privacy_report.md", "accuracy.png", "summary.json", "service.log", "config.toml",
+                 "config.json"):
         assert (state / name).is_file()
     assert not (state / "admin.json").exists()  # the token goes with the process
