@@ -58,6 +58,7 @@ class OpenRound:
     secagg: SecAggRound | None = None
     disc: object | None = None
     state: str = "open"  # open | closing | committed | failed
+    secagg_seconds: float = 0.0  # time in the SecAgg server state machine (handle, close_phase)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -124,8 +125,10 @@ class RoundDriver:
             raise ApiError(400, "bad_checkin", "check-in needs eligibility {charging, idle, "
                                                f"unmetered}}, runtime in {RUNTIMES}, timer_expires_at")
         cur = self.current
-        if cur is not None and i in cur.positions and cur.state == "open" and not self._started(cur, i):
-            return cur.assignments[cur.positions[i]]  # its check-in reply was lost or raced
+        if cur is not None and i in cur.positions and cur.state == "open" and (
+                cur.plain is not None and cur.positions[i] not in cur.plain.updates
+                or cur.secagg is not None and cur.positions[i] not in cur.secagg.spoken):
+            return cur.assignments[cur.positions[i]]  # a repeated check-in, same job
         if self.run_state in ("paused", "stopping", "starting"):
             return {"kind": "retry", "after_s": retry, "reason": self.run_state}
         if not all(elig.get(k) is True for k in ("charging", "idle", "unmetered")):
@@ -155,14 +158,6 @@ class RoundDriver:
         if self.current is not None and i in self.current.positions and self.current.state == "open":
             return self.current.assignments[self.current.positions[i]]
         return {"kind": "retry", "after_s": retry, "reason": "no round open"}
-
-    @staticmethod
-    def _started(cur: OpenRound, i: int) -> bool:
-        """Whether the device at index i already sent something in the open round."""
-        position = cur.positions[i]
-        if cur.plain is not None:
-            return position in cur.plain.updates
-        return position in cur.secagg.spoke
 
     def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
         """The open round a device addresses, and its position; 409 for anything stale."""
@@ -195,10 +190,13 @@ class RoundDriver:
         cur, position = self._round_of(device_id, number, attempt)
         if cur.secagg is None:
             raise ApiError(409, "wrong_aggregation", "this round aggregates in plain")
+        began = time.perf_counter()
         try:
             await cur.secagg.handle(position, body)
         except SecAggError as exc:
             raise ApiError(400, "secagg_refused", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            cur.secagg_seconds += time.perf_counter() - began
         if cur.secagg.finished:
             cur.done.set()
 
@@ -406,7 +404,9 @@ class RoundDriver:
             if self.stop_requested:
                 return None
             if sa.phase == phase:  # the deadline passed: go on with whoever answered
+                closing = time.perf_counter()
                 await sa.close_phase()
+                cur.secagg_seconds += time.perf_counter() - closing
                 self.log.event("phase_closed", round=cur.number, phase=phase)
             self._time(f"secagg_{phase}", time.monotonic() - began)
             self.fault(f"secagg_{phase}")
@@ -442,7 +442,7 @@ class RoundDriver:
                              "accuracy": record["accuracy"], "loss": record["loss"],
                              "wall_s": time.monotonic() - cur.opened_at,
                              "commit_s": time.monotonic() - began,
-                             "secagg_server_s": cur.secagg.server_seconds if cur.secagg else None})
+                             "secagg_server_s": cur.secagg_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
         self.fault("after_commit")
