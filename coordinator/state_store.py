@@ -244,6 +244,21 @@ class StateStore:
             self.db.execute("INSERT INTO devices (id, public_key, registered_at) VALUES (?, ?, ?)",
                             (device, public_key, time.time()))
 
+    def bind_key(self, device: str, public_key: bytes) -> bool:
+        """A known device's identity key, bound once (the service's registration): True when
+        newly bound, False when it already holds this key; another key is refused."""
+        row = self.db.execute("SELECT public_key FROM devices WHERE id = ?", (device,)).fetchone()
+        if row is None:
+            raise DpfleetError(f"device {device!r} is not part of this run's fleet")
+        if row[0] is not None:
+            if row[0] != public_key:
+                raise DpfleetError(f"device {device!r} is registered with another identity key")
+            return False
+        with self._transaction():
+            self.db.execute("UPDATE devices SET public_key = ? WHERE id = ? AND public_key IS NULL",
+                            (public_key, device))
+        return True
+
     def register_devices(self, devices: Sequence[str]) -> None:
         """Keyless devices (a simulation's in-process fleet), in one transaction."""
         with self._transaction():
@@ -424,10 +439,12 @@ class SqliteSink:
                                "from the committed rows")
 
 
-def open_engine(store: StateStore, cfg, *, users: Sequence[str], **engine_kwargs):
+def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool = False,
+                **engine_kwargs):
     """A RoundEngine on the store: continues after its last committed round (never re-releasing
     one), or starts one with a new noise key file (0600, next to the DB). `engine_kwargs` are the
-    engine's (model, model_cfg, tokenizer, fingerprint, test_rows, vocabulary)."""
+    engine's (model, model_cfg, tokenizer, fingerprint, test_rows, vocabulary); `networked`:
+    rounds were selected among check-ins (`resume.ResumeSource.networked`)."""
     from dpfleet.coordinator.round_engine import RoundEngine
 
     if store.finished:
@@ -438,7 +455,7 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], **engine_kwargs
     source = None
     if done:
         source = ResumeSource(point=store.round_folder(done), key_folder=store.path,
-                              metrics=store.log("metrics"))
+                              metrics=store.log("metrics"), networked=networked)
     engine = RoundEngine(cfg, RunDir(store.path, resume=True), users=users, sink=SqliteSink(store),
                          releases=releases, resume=bool(done), resume_source=source, **engine_kwargs)
     if not done:  # no round released yet: this (possibly new) key is the run's
