@@ -18,6 +18,7 @@ import click
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 from dpfleet.service.admin_client import AdminClient, target_from_state, target_from_url
+from dpfleet.service.status_page import format_duration
 
 
 def _target_options(fn: Callable) -> Callable:
@@ -63,20 +64,12 @@ def _num(value: object, fmt: str, none: str = "-") -> str:
     return format(value, fmt)
 
 
-def _duration(seconds: object) -> str:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-        return "-"
-    s = int(seconds)
-    return f"{s // 3600}h {s % 3600 // 60:02d}m {s % 60:02d}s" if s >= 3600 else \
-        f"{s // 60}m {s % 60:02d}s"
-
-
 def format_status(status: dict, url: str) -> str:
     """The status as an aligned two-column table, then the mean time of each phase."""
     dev = status.get("devices") if isinstance(status.get("devices"), dict) else {}
     planned = status.get("rounds_planned")
     rows = [
-        ("coordinator", f"{url}  (up {_duration(status.get('uptime_s'))})"),
+        ("coordinator", f"{url}  (up {format_duration(status.get('uptime_s'))})"),
         ("run state", str(status.get("run_state", "-"))),
         ("round", f"{_num(status.get('round'), 'd')}  phase {status.get('phase', '-')}"),
         ("devices", f"{_num(dev.get('waiting'), 'd')} waiting, {_num(dev.get('training'), 'd')} "

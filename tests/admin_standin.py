@@ -31,12 +31,12 @@ DEVICE_IDS = ("THE_TRAGEDY_OF_KING_LEAR_KENT", "HAMLET_OPHELIA_x7", "uid-5f2c9e8
 
 def sample_status() -> dict:
     return {
-        "run_state": "running", "round": 8, "phase": "secagg_share_keys",
+        "run_state": "running", "round": 8, "phase": "share",
         "rounds_committed": 7, "rounds_failed": 1, "rounds_planned": 20,
         "epsilon": 2.718, "delta": 1e-6, "last_accuracy": 0.1044,
         "devices": {"registered": 1000, "waiting": 412, "training": 100, "refused_timer": 37},
-        "phase_seconds": {"selection": 0.12, "advertise_keys": 1.5, "share_keys": 0.8,
-                          "masked_input": 3.25, "unmasking": 0.4},
+        "phase_seconds": {"selection": 0.12, "advertise": 1.5, "share": 0.8, "mask": 3.25,
+                          "unmask": 0.4},
         "started_at": 1_700_000_000.0, "uptime_s": 3725.0,
     }
 
@@ -47,7 +47,7 @@ def sample_history() -> dict:
         failed = r == 5
         rounds.append({"round": r, "status": "failed" if failed else "committed",
                        "clients": 0 if failed else 100,
-                       "epsilon": round(0.4 * r - 0.0, 4) if r < 8 else 2.718,
+                       "epsilon": round(2.718 * r / 8, 4),
                        "accuracy": None if failed else round(0.03 + 0.0093 * r, 4),
                        "loss": None if failed else 5.0 - 0.1 * r, "wall_s": 4.2 + r / 10})
     return {"rounds": rounds,
