@@ -28,8 +28,10 @@ FAILED_COLOR = "#c0392b"
 DEVICE_COUNTS = ("registered", "waiting", "training", "refused_timer")
 DEVICE_STATES = DEVICE_COUNTS + ("offline", "idle", "ineligible", "refused", "selected",
                                  "reporting", "secagg", "dropped", "done")
-PHASES = ("idle", "paused", "selection", "checkin", "training", "report", "aggregate", "commit",
-          "evaluate", "advertise", "share", "mask", "consistency", "unmask")
+# the service's phases (service/rounds.py) and SecAgg's (secagg/server.py), shown without "secagg_"
+SECAGG_PHASES = ("commit", "keys", "shares", "masked", "consistency", "unmask", "done", "aborted")
+PHASES = ("selecting", "select", "training", "report", "committing", "commit", "finished",
+          "paused", "idle") + tuple(f"secagg_{p}" for p in SECAGG_PHASES)
 _STATES = {"starting", "running", "paused", "stopping", "finished"}
 
 
@@ -155,7 +157,7 @@ def _bar_chart(title: str, bars: list[tuple[str, float]], color: str, xlabel: st
                      f'<text x="{x + slot * 0.35:.1f}" y="{top + h - bh - 4:.1f}" class="xl">'
                      f'{_fmt(v, vfmt)}</text>'
                      f'<text x="{x + slot * 0.35:.1f}" y="{top + h + 15}" class="xl">'
-                     f'{escape(label)}</text>')
+                     f'{escape(label.removeprefix("secagg_"))}</text>')
     parts.append(f'<text x="{left + w / 2}" y="{height - 4}" class="xl">{escape(xlabel)}</text>')
     return "".join(parts) + "</svg>"
 
@@ -218,7 +220,8 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         _bar_chart("participation: devices by rounds taken part in",
                    _histogram(history.get("participation_histogram"), max_times), BAR_COLOR, "rounds"),
         _bar_chart("device states (counts)", states, BAR_COLOR, "state"),
-        _bar_chart("mean seconds per phase", phases, PHASE_COLOR, "phase", vfmt=".2f"),
+        _bar_chart("mean seconds per phase", phases, PHASE_COLOR, "phase (SecAgg: keys ... unmask)",
+                   vfmt=".2f"),
     ]
     refresh = max(1, int(refresh_s))
     return (

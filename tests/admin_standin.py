@@ -31,12 +31,12 @@ DEVICE_IDS = ("THE_TRAGEDY_OF_KING_LEAR_KENT", "HAMLET_OPHELIA_x7", "uid-5f2c9e8
 
 def sample_status() -> dict:
     return {
-        "run_state": "running", "round": 8, "phase": "share",
+        "run_state": "running", "round": 8, "phase": "secagg_shares",
         "rounds_committed": 7, "rounds_failed": 1, "rounds_planned": 20,
         "epsilon": 2.718, "delta": 1e-6, "last_accuracy": 0.1044,
         "devices": {"registered": 1000, "waiting": 412, "training": 100, "refused_timer": 37},
-        "phase_seconds": {"selection": 0.12, "advertise": 1.5, "share": 0.8, "mask": 3.25,
-                          "unmask": 0.4},
+        "phase_seconds": {"select": 0.12, "secagg_keys": 1.5, "secagg_shares": 0.8,
+                          "secagg_masked": 3.25, "secagg_unmask": 0.4},
         "started_at": 1_700_000_000.0, "uptime_s": 3725.0,
     }
 

@@ -75,7 +75,7 @@ def test_status_table_from_state(capsys, tmp_path, coord):
     assert code == 0, err
     rows = {ln[:18].strip(): ln[18:] for ln in out.splitlines()[:7]}
     assert rows["run state"] == "running"
-    assert rows["round"] == "8  phase share"
+    assert rows["round"] == "8  phase secagg_shares"
     assert rows["devices"] == "412 waiting, 100 training, 37 refused by timer (1000 registered)"
     assert rows["rounds"] == "7 committed, 1 failed, 20 planned"
     assert rows["eps spent so far"] == "2.7180 at delta 1e-06"
@@ -85,9 +85,9 @@ def test_status_table_from_state(capsys, tmp_path, coord):
     starts = {len(ln) - len(ln[18:].lstrip()) for ln in out.splitlines()[:7]}
     assert starts == {18}
     assert out.splitlines()[7] == "mean time per phase"
-    assert out.splitlines()[8:] == ["  selection      0.120 s", "  advertise      1.500 s",
-                                    "  share          0.800 s", "  mask           3.250 s",
-                                    "  unmask         0.400 s"]
+    assert out.splitlines()[8:] == ["  select             0.120 s", "  secagg_keys        1.500 s",
+                                    "  secagg_shares      0.800 s", "  secagg_masked      3.250 s",
+                                    "  secagg_unmask      0.400 s"]
 
 
 def test_status_json_by_url_and_token_file(capsys, coord, token_file):
@@ -106,7 +106,7 @@ def test_control_commands_change_the_run_state(capsys, tmp_path, coord, command,
     code, out, err = run(capsys, command, "--state", str(tmp_path))
     assert code == 0, err
     assert coord.status["run_state"] == state and ("POST", f"/v1/admin/{command}") in coord.calls
-    assert out.strip() == (f"{state}: round 8 (phase share), 7 committed, "
+    assert out.strip() == (f"{state}: round 8 (phase secagg_shares), 7 committed, "
                            "1 failed of 20 planned")
     code, out, _ = run(capsys, command, "--state", str(tmp_path), "--json")
     assert code == 0 and json.loads(out)["rounds_committed"] == 7
