@@ -162,6 +162,19 @@ class AdminClient:
         return asyncio.run(self._request(method, path, text))
 
     async def _request(self, method: str, path: str, text: bool):
+        """One call; a 503 with Retry-After (the coordinator is committing a round or starting)
+        is retried while the --timeout budget lasts."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.timeout
+        while True:
+            try:
+                return await self._request_once(method, path, text)
+            except _Busy as busy:
+                if loop.time() + busy.after_s >= give_up:
+                    raise DpfleetError(busy.message) from None
+                await asyncio.sleep(busy.after_s)
+
+    async def _request_once(self, method: str, path: str, text: bool):
         t = self.target
         url = t.url + path
         headers = {"Authorization": f"Bearer {t.token}"}
@@ -172,7 +185,7 @@ class AdminClient:
                     session.request(method, url, headers=headers,
                                     ssl=ssl_ctx if ssl_ctx is not None else True) as resp:
                 body = await resp.read()
-                status = resp.status
+                status, headers = resp.status, resp.headers
         except aiohttp.ClientConnectorCertificateError as exc:
             raise DpfleetError(
                 f"TLS: the certificate of {t.url} does not verify ({exc.certificate_error}); "
@@ -196,6 +209,9 @@ class AdminClient:
             where = f"the token in {t.admin_file}" if t.admin_file else "the --token-file"
             raise DpfleetError(f"the coordinator at {t.url} refused the admin token (401): "
                                f"{where} is not this coordinator's admin token")
+        if status == 503 and _retry_after(headers) is not None:
+            raise _Busy(_retry_after(headers), f"the coordinator at {t.url} is busy "
+                        f"({_error_text(body)}) and stayed so for --timeout {self.timeout:g} s")
         if status >= 400:
             raise DpfleetError(f"the coordinator at {t.url} answered {method} {path} with "
                                f"{status}: {_error_text(body)}")
@@ -205,6 +221,20 @@ class AdminClient:
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise DpfleetError(f"{t.url} answered {method} {path} with something that is not "
                                f"{'text' if text else 'JSON'}; is it a dpfleet coordinator?") from None
+
+
+class _Busy(Exception):
+    def __init__(self, after_s: float, message: str):
+        super().__init__(message)
+        self.after_s, self.message = after_s, message
+
+
+def _retry_after(headers) -> float | None:
+    try:
+        value = float(headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return min(value, 30.0) if value >= 0 else None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -87,6 +87,7 @@ class StandInCoordinator:
         self.report = "# Privacy report\n\neps = 2.718 at delta = 1e-06\n"
         self.calls: list[tuple[str, str]] = []
         self.delay_s = delay_s
+        self.busy = 0  # answer this many admin calls 503 + Retry-After (committing a round)
         self.tls = tls
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -108,6 +109,10 @@ class StandInCoordinator:
                 if not authorized(request):
                     return web.json_response({"error": "admin token required", "code": "unauthorized"},
                                              status=401)
+                if self.busy:
+                    self.busy -= 1
+                    return web.json_response({"error": "a round is being committed", "code": "committing"},
+                                             status=503, headers={"Retry-After": "0.2"})
                 return handler()
             return wrapped
 

@@ -207,6 +207,16 @@ def test_timeout(capsys, tmp_path):
     assert code == 2 and "did not answer GET /v1/admin/status within 0.3 s" in one_error_line(err)
 
 
+def test_busy_coordinator_is_asked_again(capsys, tmp_path, coord):
+    coord.write_admin_json(tmp_path)
+    coord.busy = 2
+    code, out, err = run(capsys, "report", "--state", str(tmp_path))
+    assert code == 0 and out == coord.report and coord.busy == 0, err
+    coord.busy = 10**6
+    code, _, err = run(capsys, "report", "--state", str(tmp_path), "--timeout", "1")
+    assert code == 2 and "is busy (a round is being committed)" in one_error_line(err)
+
+
 def test_not_a_coordinator(capsys, tmp_path, coord, token_file):
     del coord.status["rounds_committed"]
     code, _, err = run(capsys, "status", "--url", coord.url, "--token-file", str(token_file))
