@@ -58,8 +58,8 @@ def target_from_state(state: Path) -> AdminTarget:
     if not path.is_file():
         why = "does not exist" if not state.exists() else f"has no {ADMIN_FILE}"
         raise DpfleetError(
-            f"state directory {state} {why}: no coordinator was started there "
-            f"(`dpfleet coordinator serve CONFIG --state {state}` writes it), "
+            f"state directory {state} {why}: no coordinator is running there "
+            f"(`dpfleet coordinator serve CONFIG --state {state}` writes it while it runs); "
             "or give --url and --token-file")
     try:
         data = json.loads(path.read_text())
