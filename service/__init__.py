@@ -1,1 +1,1 @@
-"""The coordinator as a network service: its device and admin APIs, the operator CLI, the status page."""
+"""The coordinator as a network service: devices check in over HTTP (PROTOCOL.md)."""

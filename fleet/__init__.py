@@ -1,0 +1,1 @@
+"""The device side of the coordinator service: the signed HTTP link and one device's round."""
