@@ -109,11 +109,11 @@ def status(client: AdminClient, as_json: bool) -> None:
 
 
 def _control(action: str) -> click.Command:
-    verbs = {"pause": "Pause the run: no new round opens; the open one finishes or fails by its "
-                      "deadlines. Devices are told to come back later.",
+    verbs = {"pause": "Pause the run: no new round opens (the open one still finishes or fails by "
+                      "its deadlines) and devices that check in are told to come back later.",
              "resume": "Resume a paused run.",
-             "stop": "Stop the coordinator cleanly after the open round (committed rounds are "
-                     "durable; `serve` on the same --state continues the run)."}
+             "stop": "Stop the coordinator: an open round fails now (nothing of it is released); "
+                     "committed rounds are durable and `serve` on the same --state continues."}
 
     @_target_options
     def command(client: AdminClient, as_json: bool) -> None:

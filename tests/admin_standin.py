@@ -169,14 +169,23 @@ class StandInCoordinator:
         return path
 
 
-def _coordinator_group():
-    """Until the service's `coordinator` group is merged: the admin commands under a group of
-    the same name, registered in dpfleet's CLI the way `service/cli.py` will register it."""
-    import click
 
-    from dpfleet.service.cli_admin import add_admin_commands
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    """`dpfleet coordinator ARGS` in this process: (exit code, stdout, stderr)."""
+    from dpfleet import cli
 
-    return add_admin_commands(click.Group("coordinator"))
+    code = 0
+    try:
+        cli.main(["coordinator", *args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-coordinator = _coordinator_group()
+def one_error_line(stderr: str) -> str:
+    """The one `error: ...` line a user mistake gives (no traceback, nothing else)."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in stderr
+    return lines[0]

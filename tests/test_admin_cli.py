@@ -1,7 +1,8 @@
 """`dpfleet coordinator status | pause | resume | stop | report` against a live admin API.
 
 The server is `admin_standin.StandInCoordinator` (a real aiohttp server on loopback standing in
-for `dpfleet coordinator serve`); the CLI runs through dpfleet's own `main` (in-process, or as a
+for `dpfleet coordinator serve`, so that every answer can be controlled; the real service is in
+test_admin_cli_service.py); the CLI runs through dpfleet's own `main` (in-process, or as a
 subprocess where the test is about what a user sees: one line, exit 2, no traceback).
 """
 
@@ -12,48 +13,15 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from admin_standin import StandInCoordinator, make_cert
-
-from dpfleet import cli
-
-TESTS = Path(__file__).parent
-# the CLI with the `coordinator` group registered as service/cli.py registers it
-_SUBPROCESS_MAIN = ("import sys; from dpfleet import cli; "
-                    "cli.COMMANDS.setdefault('coordinator', 'admin_standin:coordinator'); "
-                    "cli.main(sys.argv[1:])")
-
-
-@pytest.fixture(autouse=True)
-def _coordinator_command(monkeypatch):
-    monkeypatch.setitem(cli.COMMANDS, "coordinator",
-                        cli.COMMANDS.get("coordinator", "admin_standin:coordinator"))
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    """dpfleet in this process: (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        cli.main(["coordinator", *args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from admin_standin import StandInCoordinator, make_cert, one_error_line, run
 
 
 def run_subprocess(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", _SUBPROCESS_MAIN, "coordinator", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
-
-
-def one_error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in stderr
-    return lines[0]
+    """`dpfleet coordinator ARGS` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "dpfleet", "coordinator", *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
