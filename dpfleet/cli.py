@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "secagg": "dpfleet.secagg.cli:secagg",
     "export": "dpfleet.export.cli:export",
     "public": "dpfleet.public.cli:public",
+    "coordinator": "dpfleet.service.cli:coordinator",
 }
 
 

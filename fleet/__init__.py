@@ -1,1 +1,1 @@
-"""The emulated device fleet that talks to the coordinator service over the network."""
+"""The device side of the coordinator service: the signed HTTP link and one device's round."""

@@ -1,0 +1,1 @@
+"""The coordinator as a network service: devices check in over HTTP (PROTOCOL.md)."""
