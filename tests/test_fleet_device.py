@@ -38,7 +38,7 @@ class ScriptedCoordinator:
     async def register(self) -> dict:
         return {"registered": True}
 
-    async def checkin(self, eligibility, runtime, timer_expires_at):
+    async def checkin(self, *, runtime, timer_expires_at, **eligibility):
         self.checkins.append((self.clock.now(), eligibility, timer_expires_at))
         self.clock.wall_t += 0.001  # the request takes a moment
         kind = self.script.pop(0) if self.script else "done"
