@@ -135,7 +135,21 @@ class FleetSection:
     dropout_train: float = 0.0
     dropout_report: float = 0.0
     dropout_secagg: float = 0.0  # per SecAgg phase
-    max_concurrent_training: int = 2  # trainings at once per worker process
+
+
+@dataclass
+class ServiceSection:
+    """The networked coordinator (`dpfleet coordinator serve`, service/PROTOCOL.md)."""
+
+    time_scale: float = 1.0  # simulated seconds per wall second, shared with the devices
+    overselect: float = 0.0  # assign ceil(report_goal * (1 + overselect)) devices per round
+    report_deadline_s: float = 120.0  # wall seconds from assignment to the last accepted report
+    secagg_phase_deadline_s: float = 30.0  # wall seconds per SecAgg phase before close_phase
+    checkin_retry_s: float = 1.0  # "come back after" when no round has room
+    checkin_window_s: float = 2.0  # wait this long for over-selection before opening with fewer
+    max_body_mb: float = 64.0  # request bodies above this are refused (413)
+    rate_per_s: float = 50.0  # per-device requests per second (token bucket; 429 beyond)
+    rate_burst: int = 100
 
 
 @dataclass
@@ -156,6 +170,7 @@ class SimulationConfig:
     aggregation: AggregationSection = field(default_factory=AggregationSection)
     backend: BackendSection = field(default_factory=BackendSection)
     fleet: FleetSection = field(default_factory=FleetSection)
+    service: ServiceSection = field(default_factory=ServiceSection)
 
     def resolved(self) -> dict:
         return dataclasses.asdict(self)
@@ -289,6 +304,13 @@ def validate(cfg: SimulationConfig) -> None:
          "participation.diurnal_amplitude must be in [0, 1]"),
         (cfg.participation.min_separation >= -1,
          "participation.min_separation must be >= 0 (or -1: the timer's)"),
+        (cfg.service.time_scale > 0, "service.time_scale must be > 0"),
+        (cfg.service.overselect >= 0, "service.overselect must be >= 0"),
+        (min(cfg.service.report_deadline_s, cfg.service.secagg_phase_deadline_s,
+             cfg.service.checkin_retry_s, cfg.service.max_body_mb, cfg.service.rate_per_s) > 0
+         and cfg.service.checkin_window_s >= 0 and cfg.service.rate_burst >= 1,
+         "service deadlines, checkin_retry_s, max_body_mb, rate_per_s must be > 0 "
+         "(checkin_window_s >= 0, rate_burst >= 1)"),
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
         *fleet_checks(cfg.fleet),
@@ -311,10 +333,17 @@ def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
         (f.speed_sigma >= 0 and f.link_sigma >= 0, "fleet.speed_sigma and link_sigma must be >= 0"),
         (f.bandwidth_mbps > 0, "fleet.bandwidth_mbps must be > 0"),
         (f.latency_ms >= 0, "fleet.latency_ms must be >= 0"),
-        (f.max_concurrent_training >= 1, "fleet.max_concurrent_training must be >= 1"),
         *((0 <= getattr(f, k) <= 1, f"fleet.{k} must be a probability in [0, 1]")
           for k in probabilities),
     ]
+
+
+def round_size(cfg: SimulationConfig) -> int:
+    """Devices assigned per round: the report goal plus `[service] overselect` (the most clients
+    one sum can hold, which secure aggregation's encoding is sized for)."""
+    import math
+
+    return cfg.dp.report_goal + math.ceil(cfg.dp.report_goal * cfg.service.overselect - 1e-9)
 
 
 def clip_count_stddev(cfg: SimulationConfig) -> float:

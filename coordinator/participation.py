@@ -106,9 +106,14 @@ class Participation:
     def hours(self, slot: int) -> float:
         return slot * self.section.round_minutes / 60.0
 
-    def propose(self, round_idx: int) -> Selection:
-        """The devices for round `round_idx` (state changes only in `commit`)."""
+    def propose(self, round_idx: int, available: np.ndarray | None = None, extra: int = 0
+                ) -> Selection:
+        """The devices for round `round_idx` (state changes only in `commit`). A networked
+        coordinator passes the devices that checked in (`available`, indices) and `extra`
+        over-selected ones; with everyone available and no extra the draw is the simulation's."""
         allowed = self.guard.allowed(round_idx)
+        if available is not None:
+            allowed &= np.isin(np.arange(self.size), available)
         m = self.report_goal
         if int(allowed.sum()) < m:
             raise RoundUnfillable(
@@ -122,7 +127,13 @@ class Participation:
             return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
         if mode == "uniform":
             rng = np.random.default_rng([self.seed, 0x5B, round_idx])
-            chosen = rng.choice(np.flatnonzero(allowed), m, replace=False)
+            pool = np.flatnonzero(allowed)
+            chosen = rng.choice(pool, min(m + extra, pool.size), replace=False)
+            return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
+        if available is not None:  # timer: the devices' own timers decided who checked in
+            rng = np.random.default_rng([self.seed, 0x5C, round_idx])
+            pool = np.flatnonzero(allowed)
+            chosen = rng.choice(pool, min(m + extra, pool.size), replace=False)
             return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
         return self._propose_timer(round_idx, allowed)
 

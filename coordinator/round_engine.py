@@ -32,7 +32,7 @@ from dpfleet.coordinator.adaptive_clipping import (
     model_noise_multiplier,
 )
 from dpfleet.coordinator.aggregation import AggregateResult
-from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev
+from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, round_size
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate
 from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
@@ -70,7 +70,7 @@ def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
         return 1.0
     from dpfleet.secagg.encoding import Discretizer
 
-    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal, seed=0)
+    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), seed=0)
     return disc.norm_inflation
 
 
@@ -191,12 +191,13 @@ class RoundEngine:
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
 
-    def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None
-                   ) -> RoundPlan | Stop:
+    def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                   *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
         """Select the next round's devices, check the budget, restart the tree where due.
 
         `before_round(r, theta)` may return a replacement theta (public training between private
-        rounds: post-processing); the plan carries the model after it.
+        rounds: post-processing); the plan carries the model after it. A networked coordinator
+        selects among the devices that checked in (`available`) plus `extra` over-selected ones.
         """
         if self._open is not None:
             raise RoundStateError(f"round {self._open.round + 1} is open: close it first")
@@ -205,7 +206,8 @@ class RoundEngine:
             return Stop("done", f"all {cfg.rounds} rounds are done")
         restart = r in self.restarts or r == self.fresh_tree_at
         try:
-            selection = self.participation.propose(r)
+            selection = self.participation.propose(
+                r, None if available is None else np.asarray(available, dtype=np.int64), extra)
         except RoundUnfillable as exc:
             return Stop("unfillable", f"stopped before round {r + 1}: {exc}")
         chosen = selection.devices
@@ -223,6 +225,15 @@ class RoundEngine:
         self._open = RoundPlan(r, list(chosen), [self.users[i] for i in chosen], theta,
                                release_hash(theta), server.clip_norm, restart, selection)
         return self._open
+
+    def abandon_round(self, plan: RoundPlan) -> None:
+        """The open round failed before its DP step (too few reports or survivors by the
+        deadline): nothing was released and no noise was drawn, so the same round number is
+        opened again by the next `open_round`."""
+        if self._open is None or plan is not self._open:
+            raise RoundStateError(f"round {plan.round + 1} is not the open round: only the open "
+                                  "round can be abandoned")
+        self._open = None
 
     def _check_close(self, plan: RoundPlan, aggregate: AggregateResult,
                      client_stats: Sequence[ClientStats]) -> None:

@@ -244,6 +244,21 @@ class StateStore:
             self.db.execute("INSERT INTO devices (id, public_key, registered_at) VALUES (?, ?, ?)",
                             (device, public_key, time.time()))
 
+    def bind_key(self, device: str, public_key: bytes) -> bool:
+        """A known device's identity key, bound once (the service's registration): True when
+        newly bound, False when it already holds this key; another key is refused."""
+        row = self.db.execute("SELECT public_key FROM devices WHERE id = ?", (device,)).fetchone()
+        if row is None:
+            raise DpfleetError(f"device {device!r} is not part of this run's fleet")
+        if row[0] is not None:
+            if row[0] != public_key:
+                raise DpfleetError(f"device {device!r} is registered with another identity key")
+            return False
+        with self._transaction():
+            self.db.execute("UPDATE devices SET public_key = ? WHERE id = ? AND public_key IS NULL",
+                            (public_key, device))
+        return True
+
     def register_devices(self, devices: Sequence[str]) -> None:
         """Keyless devices (a simulation's in-process fleet), in one transaction."""
         with self._transaction():

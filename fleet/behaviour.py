@@ -90,11 +90,16 @@ class Behaviour:
         """The first simulated time after `sim_t` at which eligibility can change.
 
         Outside its charging window a device sleeps until the window opens (one wake-up a day,
-        however fast the clock runs); inside it, until the next idle / unmetered slot edge."""
-        if not self.charging(hour_of_day):
-            since_start = (self.local_hour(hour_of_day) - self.profile.charge_start) % 24.0
+        however fast the clock runs); inside it, until the next idle / unmetered slot edge or
+        the window's close, whichever comes first."""
+        slot_edge = (math.floor(sim_t / self._slot_s) + 1) * self._slot_s
+        if self.section.charging_hours >= 24.0:
+            return slot_edge
+        since_start = (self.local_hour(hour_of_day) - self.profile.charge_start) % 24.0
+        if since_start >= self.section.charging_hours:  # not charging: until the window opens
             return sim_t + max(24.0 - since_start, 1e-6) * 3600.0
-        return (math.floor(sim_t / self._slot_s) + 1) * self._slot_s
+        closes = sim_t + max(self.section.charging_hours - since_start, 1e-6) * 3600.0
+        return min(slot_edge, closes)
 
     # -- link and speed -------------------------------------------------------------------------
     def transfer_seconds(self, nbytes: int) -> float:

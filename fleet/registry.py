@@ -1,10 +1,9 @@
-"""The fleet's public key registry: what the coordinator may know about the devices' identities.
+"""The fleet's public identity registry: device id -> Ed25519 public key, nothing secret.
 
-Why a separate file: the fleet key file holds the devices' PRIVATE identity keys (mode 0600, read
-only by the emulated devices). The coordinator must not read it, yet it must know which keys may
-register (`serve --fleet-public FILE`), so the fleet writes the public halves next to it, keyed
-by device id (the train client's user id). Format (contract):
-{"version": 1, "keys": {"<device_id>": "<32-byte Ed25519 public key, hex>"}}.
+Why a separate file from the fleet key file: the coordinator may be told which keys are the
+fleet's (`serve --fleet-public`, then only those may register) and the devices pin the same
+keys for SecAgg, but nobody except the devices ever needs the private keys.
+Format: {"version": 1, "keys": {"<device_id>": "<32-byte public key, hex>"}}.
 """
 
 from __future__ import annotations
@@ -17,57 +16,41 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
-from dpfleet.secagg.fleet import create_fleet_file, load_fleet_file
 
 VERSION = 1
 
 
-def fleet_keys(path: Path, devices: int) -> dict[int, Ed25519PrivateKey]:
-    """The identity keys of devices 0..devices-1: read from `path`, or created there if absent."""
-    path = Path(path)
-    keys = load_fleet_file(path) if path.exists() else create_fleet_file(path, devices)
-    if len(keys) < devices:
-        raise DpfleetError(f"fleet key file {path} holds {len(keys)} device keys but the fleet has "
-                           f"{devices} devices; use a new --fleet-keys file")
-    return {i: keys[i] for i in range(devices)}
+def public_registry(keys: Mapping[int, Ed25519PrivateKey], users: Sequence[str]) -> dict[str, bytes]:
+    """Device id (train client i's user id) -> public key of fleet key i."""
+    if len(keys) < len(users):
+        raise DpfleetError(f"the fleet key file holds {len(keys)} keys for {len(users)} devices")
+    return {u: keys[i].public_key().public_bytes_raw() for i, u in enumerate(users)}
 
 
-def public_registry(keys: Mapping[int, Ed25519PrivateKey], device_ids: Sequence[str]) -> dict:
-    """{"version", "keys": {device_id: public hex}} for devices 0..len(device_ids)-1."""
-    if len(set(device_ids)) != len(device_ids):
-        raise DpfleetError("device ids must be unique")
-    return {"version": VERSION, "keys": {
-        device_id: keys[i].public_key().public_bytes_raw().hex()
-        for i, device_id in enumerate(device_ids)}}
-
-
-def write_public_registry(path: Path, keys: Mapping[int, Ed25519PrivateKey],
-                          device_ids: Sequence[str]) -> Path:
-    path = Path(path)
-    atomic_write(path, json.dumps(public_registry(keys, device_ids), indent=1))
-    return path
+def write_public_registry(path: Path, registry: Mapping[str, bytes]) -> None:
+    atomic_write(Path(path), json.dumps(
+        {"version": VERSION, "keys": {d: k.hex() for d, k in registry.items()}}, indent=1))
 
 
 def load_public_registry(path: Path) -> dict[str, bytes]:
-    """device_id -> 32-byte Ed25519 public key; one clear DpfleetError for a bad file."""
+    """The registry, or one clear DpfleetError for a missing or malformed file."""
     path = Path(path)
     try:
         payload = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise DpfleetError(f"fleet public registry {path} not found") from exc
+    except FileNotFoundError:
+        raise DpfleetError(f"fleet registry {path} not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DpfleetError(f"fleet public registry {path} is not readable JSON: {exc}") from exc
-    if not (isinstance(payload, dict) and payload.get("version") == VERSION
-            and isinstance(payload.get("keys"), dict)):
-        raise DpfleetError(f"fleet public registry {path}: expected {{'version': {VERSION}, "
-                           "'keys': {device_id: public key hex}}")
+        raise DpfleetError(f"fleet registry {path} is not readable JSON: {exc}") from None
+    if not isinstance(payload, dict) or payload.get("version") != VERSION or not isinstance(
+            payload.get("keys"), dict):
+        raise DpfleetError(f"fleet registry {path}: expected {{'version': 1, 'keys': {{id: hex}}}}")
     out = {}
-    for device_id, value in payload["keys"].items():
+    for device, value in payload["keys"].items():
         try:
             key = bytes.fromhex(value)
-        except (ValueError, TypeError) as exc:
-            raise DpfleetError(f"fleet public registry {path}: bad key for {device_id!r}") from exc
+        except (ValueError, TypeError):
+            key = b""
         if len(key) != 32:
-            raise DpfleetError(f"fleet public registry {path}: key for {device_id!r} is not 32 bytes")
-        out[device_id] = key
+            raise DpfleetError(f"fleet registry {path}: bad public key for device {device!r}")
+        out[str(device)] = key
     return out

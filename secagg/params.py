@@ -110,17 +110,23 @@ def plan_round(
     corruption: float = 0.05,
     signed: bool = False,
     identity_keys: Mapping[int, Ed25519PrivateKey] | None = None,
+    public_keys: Mapping[int, bytes] | None = None,
 ) -> tuple[RoundSetup, dict[int, Ed25519PrivateKey] | None, GraphPlan]:
     """A round for n simulated clients: the setup (fresh session id), the clients' identity
     keys (signed mode; generated unless an emulated fleet's `identity_keys` are given) and the
-    graph plan behind k and t. An explicit `threshold` overrides the derived one (and must
-    still satisfy the setup's rules)."""
+    graph plan behind k and t; a networked coordinator, which never holds private keys, passes
+    the devices' registered `public_keys` instead (signed). An explicit `threshold` overrides
+    the derived one (and must still satisfy the setup's rules)."""
     plan = plan_graph(n, graph, dropout, corruption)
     keys = None
-    if signed:
+    if signed and public_keys is not None:
+        identities = dict(public_keys)
+    elif signed:
         keys = dict(identity_keys) if identity_keys is not None else {
             u: Ed25519PrivateKey.generate() for u in range(n)}
-    identities = {u: k.public_key().public_bytes_raw() for u, k in keys.items()} if keys else None
+        identities = {u: k.public_key().public_bytes_raw() for u, k in keys.items()}
+    else:
+        identities = None
     setup = RoundSetup(
         n=n,
         k=plan.k,

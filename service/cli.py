@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from pathlib import Path
+
 import click
 
 
@@ -9,3 +13,44 @@ import click
 def coordinator() -> None:
     """The coordinator service: devices register, check in, train and report over HTTP
     (service/PROTOCOL.md)."""
+
+
+@coordinator.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--state", type=click.Path(path_type=Path), required=True,
+              help="State directory (SQLite + files); an existing one is continued.")
+@click.option("--listen", default="127.0.0.1:0", show_default=True,
+              help="HOST:PORT to listen on; port 0 picks a free one (printed, and written to "
+                   "STATE/admin.json). Non-loopback addresses need TLS.")
+@click.option("--rounds", type=int, default=None,
+              help="Override the config's rounds (give the same value when continuing).")
+@click.option("--fleet-public", type=click.Path(path_type=Path), default=None,
+              help="Fleet registry JSON of device public keys: only these keys may register.")
+@click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate.")
+@click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key.")
+def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_public: Path | None,
+          tls_cert: Path | None, tls_key: Path | None) -> None:
+    """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
+
+    Devices register their Ed25519 identity key, check in, download the plan and model by
+    hash, and report (plain) or run signed SecAgg; each round commits durably before its model
+    is served. The run directory files of `simulate` (metrics, participation, privacy report,
+    checkpoint, plot) end up in STATE, next to service.log.
+    """
+    from dpfleet.coordinator.config import load_config, validate
+    from dpfleet.errors import DpfleetError
+    from dpfleet.fleet.registry import load_public_registry
+    from dpfleet.service.server import serve as run
+
+    cfg = load_config(config)
+    if rounds is not None:
+        if rounds < 1:
+            raise DpfleetError("--rounds must be >= 1")
+        cfg = dataclasses.replace(cfg, rounds=rounds)
+        validate(cfg)
+    registry = load_public_registry(fleet_public) if fleet_public else None
+    driver = asyncio.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
+                             tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
+    status = driver.status()
+    click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
+               f"rounds committed, {status['rounds_failed']} failed; state in {state}")

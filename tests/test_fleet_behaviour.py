@@ -97,9 +97,9 @@ def test_link_and_speed_spread_around_their_medians():
 def test_fleet_config_is_validated():
     cfg = parse_config({"fleet": {"charging_hours": 6, "dropout_train": 0.1}})
     assert cfg.fleet.charging_hours == 6.0 and cfg.fleet.dropout_train == 0.1
-    assert cfg.resolved()["fleet"]["max_concurrent_training"] == 2
+    assert cfg.resolved()["fleet"]["speed_sigma"] == 0.3
     for bad in ({"dropout_train": 1.5}, {"charging_hours": 0}, {"bandwidth_mbps": 0},
-                {"max_concurrent_training": 0}, {"idle": -0.1}):
+                {"latency_ms": -1}, {"idle": -0.1}):
         with pytest.raises(DpfleetError, match="fleet."):
             parse_config({"fleet": bad})
     with pytest.raises(DpfleetError, match="did you mean 'fleet.dropout_train'"):

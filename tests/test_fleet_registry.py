@@ -1,4 +1,4 @@
-"""The fleet key file and the public registry the coordinator is given (fleet/registry.py)."""
+"""The fleet key file (fleet/emulate.py) and the public registry the coordinator is given."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import stat
 import pytest
 
 from dpfleet.errors import DpfleetError
-from dpfleet.fleet.registry import fleet_keys, load_public_registry, write_public_registry
+from dpfleet.fleet.emulate import fleet_keys
+from dpfleet.fleet.registry import load_public_registry, public_registry, write_public_registry
 
 
 def test_keys_created_once_then_reused_and_public_halves_only(tmp_path):
@@ -21,7 +22,8 @@ def test_keys_created_once_then_reused_and_public_halves_only(tmp_path):
     with pytest.raises(DpfleetError, match="holds 5 device keys"):
         fleet_keys(path, 6)
     ids = ["alice", "bob", "carol", "dan", "eve"]
-    public = write_public_registry(tmp_path / "fleet_public.json", keys, ids)
+    public = tmp_path / "fleet_public.json"
+    write_public_registry(public, public_registry(keys, ids))
     text = public.read_text()
     for k in keys.values():  # no private key leaks into what the coordinator reads
         assert k.private_bytes_raw().hex() not in text
@@ -34,8 +36,8 @@ def test_bad_registry_files_are_clear_errors(tmp_path):
     with pytest.raises(DpfleetError, match="not found"):
         load_public_registry(path)
     for payload, match in (("{", "readable JSON"), (json.dumps({"version": 2, "keys": {}}), "expected"),
-                           (json.dumps({"version": 1, "keys": {"a": "zz"}}), "bad key"),
-                           (json.dumps({"version": 1, "keys": {"a": "00" * 31}}), "32 bytes")):
+                           (json.dumps({"version": 1, "keys": {"a": "zz"}}), "bad public key"),
+                           (json.dumps({"version": 1, "keys": {"a": "00" * 31}}), "bad public key")):
         path.write_text(payload)
         with pytest.raises(DpfleetError, match=match):
             load_public_registry(path)

@@ -1,0 +1,188 @@
+"""A device's link to the coordinator: signed HTTP requests with bounded, jittered retries.
+
+Why here and not in the participant: every emulated phone (and any real client) talks the same
+wire contract (service/PROTOCOL.md); the link is the one place that signs requests with the
+device's Ed25519 key, checks downloaded blobs against their hashes, and retries what a flaky
+network or a busy coordinator causes (transport errors, 429 with Retry-After, 503) with
+exponential backoff and full jitter, so a thousand devices that lost the coordinator at once do
+not come back in lock-step. Everything else (4xx) is the coordinator's answer and is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import ssl
+import struct
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from yarl import URL
+
+from dpfleet.service.auth import sign_request
+
+RETRY_STATUS = (429, 503)
+
+
+class LinkError(Exception):
+    """The coordinator refused a request (status, code slug, message)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class CoordinatorLink:
+    """One device's signed session with the coordinator at `url` (use as `async with`)."""
+
+    def __init__(self, url: str, device_id: str, key: Ed25519PrivateKey, *,
+                 ca_file: str | Path | None = None, retries: int = 6, backoff_s: float = 0.2,
+                 max_backoff_s: float = 5.0, timeout_s: float = 60.0,
+                 session: aiohttp.ClientSession | None = None, rng: random.Random | None = None):
+        self.url, self.device_id, self.key = url.rstrip("/"), device_id, key
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        self._session, self._own_session = session, session is None
+        self.rng = rng or random.Random()
+        self._blob_cache: dict[str, bytes] = {}
+        self.retried = 0  # requests sent again (transport error, 429, 503)
+
+    @property
+    def public_key(self) -> bytes:
+        return self.key.public_key().public_bytes_raw()
+
+    async def __aenter__(self) -> CoordinatorLink:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _backoff(self, attempt: int, retry_after: str | None) -> float:
+        cap = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        wait = self.rng.uniform(0, cap)  # full jitter
+        if retry_after:
+            with contextlib.suppress(ValueError):
+                wait = max(wait, float(retry_after))
+        return wait
+
+    async def request(self, method: str, path_qs: str, body: bytes = b"", *, signed: bool = True,
+                      headers: dict | None = None, timeout_s: float | None = None
+                      ) -> tuple[int, dict, bytes]:
+        """(status, headers, body) of a 2xx answer; `LinkError` for any other final answer."""
+        if self._session is None:
+            await self.__aenter__()
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            hdrs = dict(headers or {})
+            if signed:  # a fresh nonce per try: a resent request is not a replay
+                hdrs.update(sign_request(self.key, self.device_id, method, path_qs, body))
+            retry_after = None
+            try:
+                async with self._session.request(
+                        method, URL(self.url + path_qs, encoded=True), data=body or None,
+                        headers=hdrs, ssl=self._ssl if self._ssl is not None else True,
+                        timeout=aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None,
+                ) as resp:
+                    data = await resp.read()
+                    if 200 <= resp.status < 300:
+                        return resp.status, dict(resp.headers), data
+                    if resp.status not in RETRY_STATUS:
+                        raise _error(resp.status, data)
+                    last, retry_after = _error(resp.status, data), resp.headers.get("Retry-After")
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                last = exc
+            if attempt < self.retries:
+                self.retried += 1
+                await asyncio.sleep(self._backoff(attempt, retry_after))
+        if isinstance(last, LinkError):
+            raise last
+        raise LinkError(0, "unreachable", f"{method} {path_qs}: {last!r}")
+
+    async def _json(self, method: str, path_qs: str, payload: dict | None = None, **kw) -> dict:
+        body = json.dumps(payload).encode() if payload is not None else b""
+        _, _, data = await self.request(method, path_qs, body,
+                                        headers={"Content-Type": "application/json"}, **kw)
+        return json.loads(data)
+
+    # ----------------------------------------------------------------- the device API
+
+    async def register(self) -> dict:
+        return await self._json("POST", "/v1/register", {"device_id": self.device_id,
+                                                         "public_key": self.public_key.hex()})
+
+    async def checkin(self, *, charging: bool = True, idle: bool = True, unmetered: bool = True,
+                      runtime: str = "eager", timer_expires_at: float | None = None) -> dict:
+        return await self._json("POST", "/v1/checkin", {
+            "eligibility": {"charging": charging, "idle": idle, "unmetered": unmetered},
+            "runtime": runtime, "timer_expires_at": timer_expires_at})
+
+    async def blob(self, sha256: str) -> bytes:
+        """A content-addressed blob, checked against its hash (cached: blobs never change)."""
+        if sha256 in self._blob_cache:
+            return self._blob_cache[sha256]
+        _, _, data = await self.request("GET", f"/v1/blobs/{sha256}", signed=False)
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise LinkError(0, "bad_blob", f"blob {sha256[:12]}... does not match its hash")
+        self._blob_cache[sha256] = data
+        if len(self._blob_cache) > 8:  # models of old rounds: keep only a few
+            self._blob_cache.pop(next(iter(self._blob_cache)))
+        return data
+
+    async def report(self, round: int, attempt: int, delta: np.ndarray, *, norm: float,
+                     clipped: bool, loss: float) -> dict:
+        body = np.ascontiguousarray(delta, dtype="<f4").tobytes()
+        _, _, data = await self.request(
+            "POST", f"/v1/rounds/{round}/report?attempt={attempt}", body,
+            headers={"Content-Type": "application/octet-stream", "X-Dpfleet-Norm": repr(float(norm)),
+                     "X-Dpfleet-Clipped": "1" if clipped else "0", "X-Dpfleet-Loss": repr(float(loss))})
+        return json.loads(data)
+
+    async def secagg_send(self, round: int, attempt: int, message: bytes) -> dict:
+        _, _, data = await self.request("POST", f"/v1/rounds/{round}/secagg?attempt={attempt}",
+                                        message, headers={"Content-Type": "application/octet-stream"})
+        return json.loads(data)
+
+    async def secagg_poll(self, round: int, attempt: int, after: int
+                          ) -> tuple[list[bytes], int, str]:
+        """(messages for this device from cursor `after` on, the next cursor, server phase)."""
+        _, headers, data = await self.request(
+            "GET", f"/v1/rounds/{round}/secagg?attempt={attempt}&after={after}", timeout_s=90)
+        return split_frames(data), int(headers["X-Dpfleet-Next"]), headers.get("X-Dpfleet-Phase", "")
+
+    async def round_status(self, round: int, attempt: int) -> dict:
+        return await self._json("GET", f"/v1/rounds/{round}/status?attempt={attempt}")
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """`u32 LE length + bytes` frames -> messages; a truncated frame is an error, not skipped."""
+    out, at = [], 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise LinkError(0, "bad_frame", "truncated SecAgg frame header")
+        (n,) = struct.unpack_from("<I", data, at)
+        if at + 4 + n > len(data):
+            raise LinkError(0, "bad_frame", "truncated SecAgg frame")
+        out.append(data[at + 4:at + 4 + n])
+        at += 4 + n
+    return out
+
+
+def _error(status: int, data: bytes) -> LinkError:
+    try:
+        payload = json.loads(data)
+        return LinkError(status, str(payload.get("code", "error")), str(payload.get("error", "")))
+    except (ValueError, AttributeError):
+        return LinkError(status, "error", data[:200].decode(errors="replace"))

@@ -1,0 +1,200 @@
+"""ONE device's part in one assignment: download by hash, train its own examples, clip, then
+report (plain) or run SecAgg over the link.
+
+Why the device decides so much itself: the coordinator is not trusted with what it could bend.
+The plan and model are checked against their hashes (`link.blob`); training uses the plan's
+client seed with the same trainer code as `simulate` (`backends.SequentialTrainer`:
+`client_update`), so an honest network run equals the in-process one; in SecAgg the device's
+`ClientPolicy` is configured locally (never from the server) and the identity keys it checks
+the setup against are the fleet's, pinned out of band: a setup naming any other key is refused
+before the device sends a single byte of the round.
+
+Hooks for the emulated fleet: `before_phase(phase)` (sync or async; raise `DropOut` to vanish
+silently, or sleep to be slow) is called before each message the device would send, phases
+"train", "report" (plain) or "commit", "advertise", "share", "mask", "consistency", "unmask"
+(SecAgg); `speed` stretches the measured training time (2.0: a phone twice as slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.coordinator.backends import SequentialTrainer
+from dpfleet.edge.client_update import ClientUpdate
+from dpfleet.export.models import ModelConfig
+from dpfleet.fleet.link import CoordinatorLink, LinkError
+
+Hook = Callable[[str], Awaitable[None] | None]
+# the client message the SecAggClient sends next, by its phase
+_NEXT_MESSAGE = {"new": "commit", "committed": "advertise", "advertised": "share",
+                 "shared": "mask", "masked": "consistency", "checked": "unmask"}
+
+
+class DropOut(Exception):
+    """Raised by a `before_phase` hook: the device vanishes from the round (sends nothing more)."""
+
+
+@dataclass
+class Outcome:
+    """How the device's part ended: "reported", "secagg_done", "dropped", "refused_setup",
+    "aborted" (SecAgg abort), "stale" (the round closed without it) or "failed"."""
+
+    kind: str
+    detail: str = ""
+    update: ClientUpdate | None = None  # what it trained (tests compare sums against it)
+    train_seconds: float = 0.0
+
+
+_RUNTIMES: dict[str, tuple[object, threading.Lock]] = {}
+
+
+def runtime_for(plan: dict, threads: int = 1, cache_dir: Path | None = None
+                ) -> tuple[object, threading.Lock]:
+    """The plan's training runtime, built once per (runtime, model) in this process, and the
+    lock that lets one emulated device at a time hold its weights."""
+    key = json.dumps([plan["runtime"], plan["model"], plan["seq_len"]], sort_keys=True)
+    if key not in _RUNTIMES:
+        from dpfleet.edge.runtimes import make_runtime
+
+        runtime = make_runtime(plan["runtime"], ModelConfig(**plan["model"]), plan["seq_len"],
+                               threads, cache_dir or Path(".dpfleet-programs"))
+        _RUNTIMES[key] = (runtime, threading.Lock())
+    return _RUNTIMES[key]
+
+
+def local_policy(report_goal: int, graph: str, corruption: float, n: int, dropout: float = 0.1):
+    """The minimums a device configured with the fleet's own config demands of a round of n:
+    at least the report goal, and the masking degree / threshold / corruption that config plans
+    for n (`secagg.graph.plan_graph`), signed mode always."""
+    from dpfleet.secagg.graph import plan_graph
+    from dpfleet.secagg.policy import ClientPolicy
+
+    plan = plan_graph(n, graph, dropout, corruption)
+    return ClientPolicy(min_clients=report_goal, min_degree=plan.k, min_threshold=plan.threshold,
+                        min_corrupt=plan.corrupt, require_signed=True)
+
+
+async def _hook(hook: Hook | None, phase: str) -> None:
+    if hook is not None:
+        result = hook(phase)
+        if inspect.isawaitable(result):
+            await result
+
+
+async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,
+                threads: int = 1) -> tuple[dict, ClientUpdate, float]:
+    """(plan, clipped update, wall seconds) for this device's examples on the assigned model."""
+    plan = json.loads(await link.blob(assignment["plan_sha256"]))
+    theta = np.frombuffer(await link.blob(assignment["model_sha256"]), dtype="<f4").astype(np.float32)
+    await link.blob(plan["tokenizer_sha256"])  # what a phone would tokenize its text with
+    runtime, lock = runtime_for(plan, threads)
+    seconds = 0.0
+
+    def run() -> ClientUpdate:
+        nonlocal seconds
+        with lock:
+            began = time.perf_counter()
+            out = SequentialTrainer(runtime).train_round(
+                theta, [examples], [int(plan["client_seed"])], lr=plan["lr"],
+                batch_size=plan["batch_size"], clip_norm=plan["clip_norm"])[0]
+            seconds = time.perf_counter() - began
+            return out
+
+    update = await asyncio.to_thread(run)
+    if speed > 1.0:
+        await asyncio.sleep(seconds * (speed - 1.0))
+    return plan, update, seconds * max(speed, 1.0)
+
+
+async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *,
+                    policy=None, pinned: Mapping[str, bytes] | None = None,
+                    before_phase: Hook | None = None, speed: float = 1.0,
+                    threads: int = 1) -> Outcome:
+    """Run this device's part of `assignment` to the end. `policy`: a `ClientPolicy`, or a
+    callable n -> ClientPolicy (`local_policy`); `pinned`: device id -> identity public key,
+    the fleet registry the device got out of band (SecAgg)."""
+    try:
+        if assignment["aggregation"] == "secagg":
+            return await _secagg(link, assignment, examples, policy, pinned, before_phase, speed,
+                                 threads)
+        await _hook(before_phase, "train")
+        _, update, seconds = await train(link, assignment, examples, speed=speed, threads=threads)
+        await _hook(before_phase, "report")
+        await link.report(assignment["round"], assignment["attempt"], update.delta,
+                          norm=update.norm, clipped=update.clipped, loss=update.loss)
+        return Outcome("reported", update=update, train_seconds=seconds)
+    except DropOut as exc:
+        return Outcome("dropped", str(exc))
+    except LinkError as exc:
+        if exc.status in (409, 410):
+            return Outcome("stale", exc.message)
+        return Outcome("failed", str(exc))
+
+
+async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads
+                  ) -> Outcome:
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.encoding import Discretizer
+    from dpfleet.secagg.errors import SecAggError
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    number, attempt, position = assignment["round"], assignment["attempt"], assignment["position"]
+    devices = assignment["devices"]
+    try:
+        setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
+        disc = Discretizer(**assignment["secagg"]["discretizer"])
+        if disc.padded_length != setup.length:
+            raise SecAggError("the discretizer's length differs from the setup's vector length")
+        if callable(policy):
+            policy = policy(setup.n)
+        pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
+        client = SecAggClient(setup, position, link.key if setup.signed else None, policy,
+                              pins if pinned is not None else None)
+    except (SecAggError, ValueError, KeyError, TypeError) as exc:
+        return Outcome("refused_setup", f"{type(exc).__name__}: {exc}")
+    training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,
+                                           threads=threads))
+    update, seconds = None, 0.0
+    try:
+        await _hook(before_phase, "commit")
+        for out in client.start():
+            await link.secagg_send(number, attempt, out.data)
+        cursor = 0
+        while client.phase not in ("done", "aborted"):
+            messages, cursor, _ = await link.secagg_poll(number, attempt, cursor)
+            if not messages:
+                status = await link.round_status(number, attempt)
+                if status["state"] != "open":
+                    return Outcome("stale", f"round {number} is {status['state']}", update, seconds)
+                continue
+            for data in messages:
+                if client.phase == "shared" and update is None:  # masking needs the input
+                    _, update, seconds = await training
+                    rng = np.random.default_rng()  # the rounding is the device's own randomness
+                    client.provide_input(disc.encode(update.delta, rng).values)
+                phase = _NEXT_MESSAGE.get(client.phase)
+                if phase == "consistency" and not setup.signed:
+                    phase = "unmask"
+                replies = client.handle(data)
+                for out in replies:
+                    await _hook(before_phase, phase)
+                    await link.secagg_send(number, attempt, out.data)
+        if client.phase == "aborted":
+            return Outcome("aborted", "the server aborted the round", update, seconds)
+        return Outcome("secagg_done", update=update, train_seconds=seconds)
+    except DropOut as exc:
+        return Outcome("dropped", str(exc), update, seconds)
+    except SecAggError as exc:
+        return Outcome("aborted", f"{type(exc).__name__}: {exc}", update, seconds)
+    finally:
+        if not training.done():
+            training.cancel()

@@ -1,0 +1,47 @@
+"""A `RoundSetup` as bytes, for a coordinator that sends it to devices over a network.
+
+Why its own encoding: the setup is what every party's `setup_hash` is computed from, so the
+device must rebuild exactly the object the server holds (fields, session id, identity keys in
+client order) and nothing else; a strict fixed layout with no optional parts leaves no room
+for two readings. The device still trusts none of it: `ClientPolicy.check` judges the decoded
+setup against its local minimums and its pinned keys.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from dpfleet.secagg.crypto import KEY_BYTES
+from dpfleet.secagg.errors import ProtocolViolationError
+from dpfleet.secagg.params import SESSION_BYTES, RoundSetup
+
+MAGIC = b"DPSU"
+VERSION = 1
+_FIXED = struct.Struct(f"<4sBIIIIQIB{SESSION_BYTES}s")
+
+
+def encode_setup(setup: RoundSetup) -> bytes:
+    head = _FIXED.pack(MAGIC, VERSION, setup.n, setup.k, setup.threshold, setup.corrupt,
+                       setup.length, setup.bits, setup.signed, setup.session_id)
+    if not setup.signed:
+        return head
+    return head + b"".join(setup.identities[u] for u in range(setup.n))
+
+
+def decode_setup(data: bytes) -> RoundSetup:
+    """The setup, or `ProtocolViolationError` for anything but exactly one well-formed setup."""
+    if len(data) < _FIXED.size:
+        raise ProtocolViolationError("round setup too short")
+    magic, version, n, k, t, c, length, bits, signed, session = _FIXED.unpack_from(data)
+    if magic != MAGIC or version != VERSION or signed not in (0, 1):
+        raise ProtocolViolationError("not a version-1 round setup")
+    rest = data[_FIXED.size:]
+    if len(rest) != (n * KEY_BYTES if signed else 0):
+        raise ProtocolViolationError("round setup has the wrong length for its identity list")
+    identities = ({u: rest[u * KEY_BYTES:(u + 1) * KEY_BYTES] for u in range(n)}
+                  if signed else None)
+    try:
+        return RoundSetup(n=n, k=k, threshold=t, length=length, bits=bits, corrupt=c,
+                          identities=identities, session_id=session)
+    except ValueError as exc:
+        raise ProtocolViolationError(f"invalid round setup: {exc}") from None

@@ -1,0 +1,209 @@
+"""The HTTP routes (PROTOCOL.md) on aiohttp.web, mapped onto the round driver.
+
+aiohttp.web because the coordinator is one asyncio process: long-polls (check-ins, SecAgg
+mailboxes) are coroutines waiting on a condition, not threads, and no separate ASGI server is
+needed (aiohttp is both the server and the devices' client).
+
+Every device call is authenticated (`auth.verify_request`) on the exact raw path and body,
+rate-limited per device (`limits`), and bounded in size (`client_max_size`: 413). Admin calls
+need the bearer token and nothing else; public calls show only released aggregates and counts.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+from aiohttp import web
+
+from dpfleet.jsonio import dumps
+from dpfleet.service.auth import AuthError, NonceCache, check_admin, verify_request
+from dpfleet.service.limits import RateLimiter
+from dpfleet.service.rounds import ApiError, RoundDriver
+
+DRIVER = web.AppKey("driver", RoundDriver)
+CONTEXT = web.AppKey("context", dict)
+POLL_S = 25.0
+
+
+def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(text=dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _json({"error": str(exc), "code": exc.code}, exc.status, exc.headers)
+    except AuthError as exc:
+        return _json({"error": str(exc), "code": "unauthorized"}, 401)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _json({"error": f"request body too large ({exc.text})", "code": "too_large"}, 413)
+
+
+async def device(request: web.Request) -> tuple[str, bytes]:
+    """(device id, body) of an authenticated, rate-allowed device request."""
+    ctx = request.app[CONTEXT]
+    body = await request.read()
+    claimed = request.headers.get("X-Dpfleet-Device", "")
+    driver = request.app[DRIVER]
+    key = driver.keys.get(claimed)
+    if request.path == "/v1/register":  # proof of possession: signed by the key being registered
+        try:
+            key = bytes.fromhex(json.loads(body)["public_key"])
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(400, "bad_register", "register needs {device_id, public_key: hex}") from None
+    device_id = verify_request(request.headers, request.method, request.raw_path, body, key,
+                               ctx["nonces"])
+    wait = ctx["limiter"].take(device_id)
+    if wait:
+        raise ApiError(429, "rate_limited", "too many requests from this device",
+                       {"Retry-After": f"{max(1, round(wait))}"})
+    return device_id, body
+
+
+def _round_args(request: web.Request) -> tuple[int, int]:
+    try:
+        return int(request.match_info["round"]), int(request.query["attempt"])
+    except (KeyError, ValueError):
+        raise ApiError(400, "bad_round", "round and ?attempt= must be integers") from None
+
+
+async def register(request: web.Request) -> web.Response:
+    device_id, body = await device(request)
+    payload = json.loads(body)
+    if payload.get("device_id") != device_id:
+        raise ApiError(400, "bad_register", "device_id differs from the signing header")
+    request.app[DRIVER].register(device_id, bytes.fromhex(payload["public_key"]))
+    return _json({"device_id": device_id, "registered": True})
+
+
+async def checkin(request: web.Request) -> web.Response:
+    device_id, body = await device(request)
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise ApiError(400, "bad_checkin", "check-in body must be JSON") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "bad_checkin", "check-in body must be a JSON object")
+    return _json(await request.app[DRIVER].checkin(device_id, payload))
+
+
+async def blob(request: web.Request) -> web.Response:
+    data = request.app[DRIVER].b.blobs.get(request.match_info["sha"])
+    if data is None:
+        raise ApiError(404, "no_such_blob", "no blob with this hash (only current plans' blobs)")
+    return web.Response(body=data, content_type="application/octet-stream",
+                        headers={"Cache-Control": "public, max-age=31536000, immutable"})
+
+
+async def report(request: web.Request) -> web.Response:
+    device_id, body = await device(request)
+    number, attempt = _round_args(request)
+    request.app[DRIVER].report(device_id, number, attempt, body, request.headers)
+    return _json({"accepted": True})
+
+
+async def secagg_post(request: web.Request) -> web.Response:
+    device_id, body = await device(request)
+    number, attempt = _round_args(request)
+    await request.app[DRIVER].secagg_post(device_id, number, attempt, body)
+    return _json({"accepted": True})
+
+
+async def secagg_get(request: web.Request) -> web.Response:
+    device_id, _ = await device(request)
+    number, attempt = _round_args(request)
+    try:
+        after = int(request.query.get("after", "0"))
+    except ValueError:
+        raise ApiError(400, "bad_cursor", "after must be an integer") from None
+    msgs, nxt, phase = await request.app[DRIVER].secagg_poll(
+        device_id, number, attempt, after, request.app[CONTEXT]["poll_s"])
+    body = b"".join(struct.pack("<I", len(m)) + m for m in msgs)
+    return web.Response(body=body, content_type="application/octet-stream",
+                        headers={"X-Dpfleet-Next": str(nxt), "X-Dpfleet-Phase": phase})
+
+
+async def round_status(request: web.Request) -> web.Response:
+    await device(request)
+    number, attempt = _round_args(request)
+    return _json(request.app[DRIVER].round_status(number, attempt))
+
+
+def admin(request: web.Request) -> RoundDriver:
+    check_admin(request.headers.get("Authorization"), request.app[CONTEXT]["token"])
+    return request.app[DRIVER]
+
+
+async def admin_status(request: web.Request) -> web.Response:
+    return _json(admin(request).status())
+
+
+async def admin_history(request: web.Request) -> web.Response:
+    return _json(admin(request).history_json())
+
+
+async def admin_pause(request: web.Request) -> web.Response:
+    driver = admin(request)
+    driver.pause()
+    return _json(driver.status())
+
+
+async def admin_resume(request: web.Request) -> web.Response:
+    driver = admin(request)
+    driver.resume()
+    return _json(driver.status())
+
+
+async def admin_stop(request: web.Request) -> web.Response:
+    driver = admin(request)
+    driver.stop()
+    return _json(driver.status())
+
+
+async def admin_report(request: web.Request) -> web.Response:
+    from dpfleet.service.admin import privacy_report
+
+    return web.Response(text=privacy_report(admin(request)), content_type="text/markdown")
+
+
+async def public_status(request: web.Request) -> web.Response:
+    from dpfleet.service.admin import public_status as public
+
+    return _json(public(request.app[DRIVER]))
+
+
+async def index(request: web.Request) -> web.Response:
+    from dpfleet.service.admin import STATUS_PAGE
+
+    return web.Response(text=STATUS_PAGE, content_type="text/html")
+
+
+def make_app(driver: RoundDriver, token: str, max_body_mb: float | None = None,
+             poll_s: float = POLL_S) -> web.Application:
+    svc = driver.cfg.service
+    limit = int((max_body_mb or svc.max_body_mb) * 2**20)
+    app = web.Application(client_max_size=limit, middlewares=[errors])
+    app[DRIVER] = driver
+    app[CONTEXT] = {"token": token, "nonces": NonceCache(), "poll_s": poll_s,
+                    "limiter": RateLimiter(svc.rate_per_s, svc.rate_burst), "created": time.time()}
+    app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/checkin", checkin)
+    app.router.add_get("/v1/blobs/{sha}", blob)
+    app.router.add_post("/v1/rounds/{round}/report", report)
+    app.router.add_post("/v1/rounds/{round}/secagg", secagg_post)
+    app.router.add_get("/v1/rounds/{round}/secagg", secagg_get)
+    app.router.add_get("/v1/rounds/{round}/status", round_status)
+    app.router.add_get("/v1/admin/status", admin_status)
+    app.router.add_get("/v1/admin/history", admin_history)
+    app.router.add_post("/v1/admin/pause", admin_pause)
+    app.router.add_post("/v1/admin/resume", admin_resume)
+    app.router.add_post("/v1/admin/stop", admin_stop)
+    app.router.add_get("/v1/admin/report", admin_report)
+    app.router.add_get("/v1/public/status", public_status)
+    app.router.add_get("/", index)
+    return app

@@ -1,0 +1,521 @@
+"""The round driver: the shared `RoundEngine` driven by devices that check in over the network.
+
+Why one asyncio task drives everything: selection, deadlines, the DP step and the commit happen
+in one place and in order, while request handlers only record what devices sent and wake it.
+A round is opened with the engine (selection among the devices that checked in, the simulation's
+seeded draw, plus over-selection), recorded open in the store, handed out as assignments, and
+then either committed (the engine's DP-FTRL step, release log and accounting in one store
+transaction, `state_store.commit_round`) once the report goal's reports or SecAgg survivors are
+in before the deadline, or abandoned (nothing released, no noise drawn, `fail_round`) and
+opened again under the same number. The model of the next round is put up for download only
+after the commit returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpfleet.coordinator.aggregation import AggregateResult, RingSum
+from dpfleet.coordinator.config import round_size
+from dpfleet.coordinator.round_engine import RoundPlan, Stop
+from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.simulation import _seed
+from dpfleet.coordinator.state_store import finish_run
+from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
+from dpfleet.service.boot import Booted
+from dpfleet.service.faults import fault_from_env
+from dpfleet.service.secagg_round import SecAggRound
+from dpfleet.service.servelog import ServiceLog
+from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
+
+RUNTIMES = ("eager", "onnx", "executorch")
+NO_STATS = ReportStats(float("nan"), False, float("nan"))  # SecAgg devices report no statistics
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, slug and one line (PROTOCOL.md, errors)."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.headers = status, code, headers or {}
+
+
+@dataclass
+class OpenRound:
+    plan: RoundPlan
+    number: int  # 1-based (= release number)
+    attempt: int
+    positions: dict[int, int]  # device index -> position
+    assignments: dict[int, dict]  # position -> assignment
+    opened_at: float
+    plain: PlainCollector | None = None
+    secagg: SecAggRound | None = None
+    disc: object | None = None
+    state: str = "open"  # open | closing | committed | failed
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RoundDriver:
+    """The coordinator's rounds and the device API's logic (service/app.py maps HTTP onto it)."""
+
+    def __init__(self, booted: Booted, log: ServiceLog, registry: dict[str, bytes] | None = None):
+        self.b, self.cfg, self.log = booted, booted.cfg, log
+        self.engine, self.store = booted.engine, booted.store
+        self.svc = self.cfg.service
+        self.registry = registry
+        self.index = {u: i for i, u in enumerate(booted.users)}
+        self.keys: dict[str, bytes] = {}
+        for u in booted.users:
+            row = self.store.device(u)
+            if row and row["public_key"] is not None:
+                self.keys[u] = bytes(row["public_key"])
+        self.fault = fault_from_env()
+        self.store.fault = self.fault
+        self.run_state = "starting"
+        self.stop_requested = False
+        self.pool: dict[int, float] = {}  # device index -> monotonic expiry of its check-in
+        self.ready_since: float | None = None
+        self.current: OpenRound | None = None
+        self.outcomes: dict[tuple[int, int], str] = {}
+        self.history: list[dict] = [  # committed before a restart: from the store's metrics
+            {"round": m["round"], "status": "committed", "clients": m["clients"],
+             "epsilon": m["epsilon"], "accuracy": m["accuracy"], "loss": m["loss"], "wall_s": None}
+            for m in self.engine.metrics]
+        self.refused_timer: set[int] = set()
+        self.phase_seconds: dict[str, list[float]] = {}
+        self.wake = asyncio.Event()
+        self.opened = asyncio.Condition()
+        self.started_at = time.time()
+        self.finished = asyncio.Event()
+        self.stopped_early: str | None = None
+
+    # ------------------------------------------------------------------ device API
+
+    def register(self, device_id: str, public_key: bytes) -> bool:
+        if device_id not in self.index:
+            raise ApiError(403, "unknown_device", f"{device_id!r} is not a device of this run")
+        if self.registry is not None and self.registry.get(device_id) != public_key:
+            raise ApiError(403, "not_in_registry", "this key is not the fleet registry's key for "
+                                                   f"{device_id!r}")
+        try:
+            new = self.store.bind_key(device_id, public_key)
+        except DpfleetError as exc:
+            raise ApiError(409, "key_conflict", str(exc)) from None
+        self.keys[device_id] = public_key
+        if new:
+            self.log.event("register", device=device_id)
+        return new
+
+    async def checkin(self, device_id: str, body: dict) -> dict:
+        i, now, retry = self.index[device_id], time.time(), self.svc.checkin_retry_s
+        if self.run_state == "finished":
+            return {"kind": "done"}
+        elig = body.get("eligibility")
+        runtime = body.get("runtime")
+        timer = body.get("timer_expires_at")
+        if not isinstance(elig, dict) or runtime not in RUNTIMES or not (
+                timer is None or isinstance(timer, int | float)):
+            raise ApiError(400, "bad_checkin", "check-in needs eligibility {charging, idle, "
+                                               f"unmetered}}, runtime in {RUNTIMES}, timer_expires_at")
+        cur = self.current
+        if cur is not None and i in cur.positions and cur.state == "open" and cur.plain is not None \
+                and cur.positions[i] not in cur.plain.updates:  # a repeated check-in, same job
+            return cur.assignments[cur.positions[i]]
+        if self.run_state in ("paused", "stopping", "starting"):
+            return {"kind": "retry", "after_s": retry, "reason": self.run_state}
+        if not all(elig.get(k) is True for k in ("charging", "idle", "unmetered")):
+            return {"kind": "refused", "reason": "ineligible", "after_s": retry}
+        if runtime != self.cfg.client.runtime:
+            return {"kind": "refused", "reason": "runtime", "after_s": retry}
+        if self.current is not None:
+            return {"kind": "retry", "after_s": retry, "reason": "round full"}
+        guard = self.engine.participation.guard
+        r = self.engine.next_round
+        if not guard.allowed(r)[i] or (timer is not None and timer > now):
+            self.refused_timer.add(i)
+            capped = guard.max_participation and guard.count[i] >= guard.max_participation
+            return {"kind": "refused", "reason": "max_participation" if capped else "timer",
+                    "after_s": retry}
+        self.refused_timer.discard(i)
+        hold = min(20.0, self.svc.checkin_window_s + 1.0)
+        self.pool[i] = time.monotonic() + hold + retry + 2.0
+        self.wake.set()
+        async with self.opened:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.opened.wait_for(
+                    lambda: (self.current is not None and i in self.current.positions)
+                    or self.run_state == "finished"), hold)
+        if self.run_state == "finished":
+            return {"kind": "done"}
+        if self.current is not None and i in self.current.positions and self.current.state == "open":
+            return self.current.assignments[self.current.positions[i]]
+        return {"kind": "retry", "after_s": retry, "reason": "no round open"}
+
+    def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
+        """The open round a device addresses, and its position; 409 for anything stale."""
+        if self.run_state == "finished":
+            raise ApiError(410, "run_done", "the run has finished")
+        cur, i = self.current, self.index[device_id]
+        if cur is None or (cur.number, cur.attempt) != (number, attempt) or cur.state != "open":
+            raise ApiError(409, "stale_round", f"round {number} attempt {attempt} is not open")
+        if i not in cur.positions:
+            raise ApiError(409, "not_assigned", f"this device is not in round {number}")
+        return cur, cur.positions[i]
+
+    def report(self, device_id: str, number: int, attempt: int, body: bytes, headers) -> None:
+        cur, position = self._round_of(device_id, number, attempt)
+        if cur.plain is None:
+            raise ApiError(409, "wrong_aggregation", "this round aggregates with SecAgg")
+        try:
+            cur.plain.accept(position, body, headers)
+        except UploadError as exc:
+            self.log.event("report_refused", round=number, attempt=attempt, reason=str(exc))
+            raise ApiError(400, "bad_report", str(exc)) from None
+        if cur.plain.complete:
+            cur.done.set()
+
+    async def secagg_post(self, device_id: str, number: int, attempt: int, body: bytes) -> None:
+        from dpfleet.secagg.errors import SecAggError
+
+        cur, position = self._round_of(device_id, number, attempt)
+        if cur.secagg is None:
+            raise ApiError(409, "wrong_aggregation", "this round aggregates in plain")
+        try:
+            await cur.secagg.handle(position, body)
+        except SecAggError as exc:
+            raise ApiError(400, "secagg_refused", f"{type(exc).__name__}: {exc}") from None
+        if cur.secagg.finished:
+            cur.done.set()
+
+    async def secagg_poll(self, device_id: str, number: int, attempt: int, after: int,
+                          timeout: float = 25.0) -> tuple[list[bytes], int, str]:
+        cur, position = self._round_of(device_id, number, attempt)
+        if cur.secagg is None:
+            raise ApiError(409, "wrong_aggregation", "this round aggregates in plain")
+        if after < 0:
+            raise ApiError(400, "bad_cursor", "after must be >= 0")
+        msgs, nxt = await cur.secagg.poll(position, after, timeout)
+        return msgs, nxt, cur.secagg.phase
+
+    def round_status(self, number: int, attempt: int) -> dict:
+        cur = self.current
+        if cur is not None and (cur.number, cur.attempt) == (number, attempt):
+            state = "open" if cur.state in ("open", "closing") else cur.state
+        else:
+            state = self.outcomes.get((number, attempt))
+            if state is None:
+                raise ApiError(404, "no_such_round", f"no round {number} attempt {attempt}")
+        return {"round": number, "attempt": attempt, "state": state}
+
+    # ------------------------------------------------------------------ admin
+
+    def pause(self) -> None:
+        if self.run_state in ("running", "starting"):
+            self.run_state = "paused"
+            self.log.event("pause")
+
+    def resume(self) -> None:
+        if self.run_state == "paused":
+            self.run_state = "running"
+            self.log.event("resume")
+            self.wake.set()
+
+    def stop(self) -> None:
+        if self.run_state != "finished":
+            self.stop_requested, self.run_state = True, "stopping"
+            self.log.event("stop")
+            self.wake.set()
+            if self.current is not None:
+                self.current.done.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _time(self, phase: str, seconds: float) -> None:
+        self.phase_seconds.setdefault(phase, []).append(seconds)
+
+    async def run(self) -> None:
+        """Open, run and close rounds until the run ends or a stop is asked for."""
+        if self.run_state == "starting":
+            self.run_state = "running"
+        self.log.event("start", after_round=self.store.last_committed())
+        waiting_since = time.monotonic()
+        try:
+            while not self.stop_requested:
+                if self.run_state == "paused":
+                    await self._nap(1.0)
+                    continue
+                opened = await self._try_open()
+                if isinstance(opened, Stop):
+                    self.stopped_early = None if opened.reason == "done" else opened.message
+                    await self._finish()
+                    return
+                if opened is None:
+                    await self._nap(0.2)
+                    continue
+                self._time("select", time.monotonic() - waiting_since)
+                await self._execute(opened)
+                waiting_since = time.monotonic()
+        finally:
+            if self.current is not None and self.current.state in ("open", "closing"):
+                self._fail(self.current, "the coordinator stopped")
+
+    async def _nap(self, seconds: float) -> None:
+        self.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), seconds)
+
+    async def _try_open(self) -> OpenRound | Stop | None:
+        eng, m = self.engine, self.cfg.dp.report_goal
+        r = eng.next_round
+        allowed = eng.participation.guard.allowed(r) if r < self.cfg.rounds else None
+        if allowed is None or int(allowed.sum()) < m:
+            plan = eng.open_round()  # the engine says why no round can open (done / unfillable)
+            if not isinstance(plan, Stop):
+                raise RuntimeError("the engine opened a round the guard cannot fill")
+            return plan
+        now = time.monotonic()
+        self.pool = {i: t for i, t in self.pool.items() if t > now}
+        avail = sorted(i for i in self.pool if allowed[i])
+        total = int(allowed.sum())
+        if len(avail) < m:
+            self.ready_since = None
+            return None
+        self.ready_since = self.ready_since or now
+        if len(avail) < total and now - self.ready_since < self.svc.checkin_window_s:
+            return None  # gather more check-ins (everyone there opens at once)
+        extra = min(round_size(self.cfg) - m, len(avail) - m)
+        plan = eng.open_round(available=avail, extra=extra)
+        if isinstance(plan, Stop):
+            return plan
+        if not set(plan.devices) <= set(avail):  # disjoint blocks: wait for the block's devices
+            eng.abandon_round(plan)
+            return None
+        self.ready_since = None
+        return await self._publish(plan)
+
+    async def _publish(self, plan: RoundPlan) -> OpenRound:
+        cfg, b = self.cfg, self.b
+        number = plan.round + 1
+        model_sha = b.blobs.put(plan.theta.astype("<f4").tobytes())
+        common = {"round": number, "lr": cfg.client.lr, "batch_size": cfg.client.batch_size,
+                  "seq_len": cfg.data.seq_len, "clip_norm": plan.clip_norm,
+                  "model": b.model_config, "runtime": cfg.client.runtime,
+                  "tokenizer_sha256": b.tokenizer_sha256, "aggregation": cfg.aggregation.kind}
+        plan_sha = b.blobs.put(dumps(common).encode())
+        self.store.open_round(number, plan_sha)
+        attempt = int(self.store.round(number)["attempts"])
+        self.fault("opened")
+        n = len(plan.devices)
+        now = time.time()
+        cur = OpenRound(plan, number, attempt, {d: u for u, d in enumerate(plan.devices)}, {},
+                        time.monotonic())
+        secagg_json = None
+        if cfg.aggregation.kind == "secagg":
+            secagg_json = self._secagg_setup(cur)
+            phase_dl = self.svc.secagg_phase_deadline_s
+            t, deadlines = now, {}
+            for phase in ("commit", "keys", "shares", "masked", "consistency", "unmask"):
+                t += self.svc.report_deadline_s if phase == "masked" else phase_dl
+                deadlines[phase] = t
+        else:
+            cur.plain = PlainCollector(n, plan.theta.size, plan.clip_norm, cfg.dp.report_goal)
+            deadlines = {"report": now + self.svc.report_deadline_s}
+        keep = {model_sha, plan_sha}
+        for u, d in enumerate(plan.devices):
+            device_plan = {**common, "attempt": attempt, "device_id": b.users[d],
+                           "client_seed": _seed(cfg.seed, plan.round, d)}
+            sha = b.blobs.put(dumps(device_plan).encode())
+            keep.add(sha)
+            cur.assignments[u] = {
+                "kind": "assignment", "round": number, "attempt": attempt, "position": u,
+                "devices": plan.device_ids, "model_sha256": model_sha, "plan_sha256": sha,
+                "aggregation": cfg.aggregation.kind, "secagg": secagg_json,
+                "deadlines": deadlines, "time_scale": self.svc.time_scale,
+            }
+        b.blobs.retain(keep)
+        self.current = cur
+        for d in plan.devices:
+            self.pool.pop(d, None)
+        self.log.event("open", round=number, attempt=attempt, devices=n)
+        async with self.opened:
+            self.opened.notify_all()
+        return cur
+
+    def _secagg_setup(self, cur: OpenRound) -> dict:
+        from dpfleet.secagg.encoding import Discretizer
+        from dpfleet.secagg.params import plan_round
+        from dpfleet.secagg.setup_wire import encode_setup
+
+        cfg, eng, plan = self.cfg, self.engine, cur.plan
+        agg = cfg.aggregation
+        clients = eng.ring.ring_clients if eng.ring else round_size(cfg)
+        disc = Discretizer(plan.theta.size, cfg.dp.clip_norm, agg.bits, clients,
+                           _seed(cfg.seed, "agg", plan.round))
+        identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
+        setup, _, _ = plan_round(len(plan.devices), disc.padded_length, agg.bits, agg.graph,
+                                 dropout=0.1, corruption=agg.corruption, signed=agg.signed,
+                                 public_keys=identities if agg.signed else None)
+        cur.secagg, cur.disc = SecAggRound(setup), disc
+        return {"setup": encode_setup(setup).hex(),
+                "discretizer": {"length": disc.length, "clip_norm": disc.clip_norm,
+                                "bits": disc.bits, "clients": disc.clients, "seed": disc.seed}}
+
+    async def _execute(self, cur: OpenRound) -> None:
+        started = time.monotonic()
+        if cur.plain is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cur.done.wait(), self.svc.report_deadline_s)
+            self._time("report", time.monotonic() - started)
+            if self.stop_requested:
+                return
+            if not cur.plain.complete:
+                self._fail(cur, f"{len(cur.plain.updates)} of {self.cfg.dp.report_goal} reports "
+                                "by the deadline")
+                return
+            total, survivors = cur.plain.total()
+            agg = AggregateResult(total=total, survivors=survivors)
+            stats = [cur.plain.stats.get(u, NO_STATS) for u in range(len(cur.plan.devices))]
+        else:
+            agg = await self._run_secagg(cur)
+            if agg is None:
+                return
+            stats = [NO_STATS] * len(cur.plan.devices)
+        await self._commit(cur, agg, stats)
+
+    async def _run_secagg(self, cur: OpenRound) -> AggregateResult | None:
+        sa, svc = cur.secagg, self.svc
+        while not sa.finished and not self.stop_requested:
+            phase, began = sa.phase, time.monotonic()
+            limit = svc.report_deadline_s if phase == "masked" else svc.secagg_phase_deadline_s
+            await sa.wait_phase_change(phase, limit)
+            if self.stop_requested:
+                return None
+            if sa.phase == phase:  # the deadline passed: go on with whoever answered
+                await sa.close_phase()
+                self.log.event("phase_closed", round=cur.number, phase=phase)
+            self._time(f"secagg_{phase}", time.monotonic() - began)
+            self.fault(f"secagg_{phase}")
+        if sa.phase != "done":
+            self._fail(cur, f"secure aggregation aborted: {sa.server.error}")
+            return None
+        survivors = list(sa.server.survivors)
+        if len(survivors) < self.cfg.dp.report_goal:
+            self._fail(cur, f"{len(survivors)} SecAgg survivors, report goal "
+                            f"{self.cfg.dp.report_goal}")
+            return None
+        ring = sa.server.result()
+        disc = cur.disc
+        info = {"aggregation": "secagg", "k": sa.setup.k, "threshold": sa.setup.threshold,
+                "signed": sa.setup.signed, "bits": disc.bits, "norm_inflation": disc.norm_inflation,
+                "survivors": len(survivors), "rejected_messages": sa.rejected}
+        return AggregateResult(total=disc.decode(ring), survivors=survivors, info=info,
+                               ring=RingSum(ring, disc.bits, disc.decode))
+
+    async def _commit(self, cur: OpenRound, agg: AggregateResult, stats: list) -> None:
+        cur.state = "closing"
+        self.fault("before_commit")
+        began = time.monotonic()
+        # in the event loop's thread: the store's SQLite connection belongs to it, and nothing
+        # may be answered about this round while its commit is under way
+        record = self.engine.close_round(cur.plan, agg, stats)
+        self.fault("after_commit")
+        self._time("commit", time.monotonic() - began)
+        cur.state = "committed"
+        self.outcomes[(cur.number, cur.attempt)] = "committed"
+        self.current = None
+        self.history.append({"round": cur.number, "status": "committed",
+                             "clients": record["clients"], "epsilon": record["epsilon"],
+                             "accuracy": record["accuracy"], "loss": record["loss"],
+                             "wall_s": time.monotonic() - cur.opened_at})
+        self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
+                       epsilon=record["epsilon"], accuracy=record["accuracy"])
+
+    def _fail(self, cur: OpenRound, reason: str) -> None:
+        cur.state = "failed"
+        self.engine.abandon_round(cur.plan)
+        self.store.fail_round(cur.number, reason)
+        self.outcomes[(cur.number, cur.attempt)] = "failed"
+        self.current = None
+        self.history.append({"round": cur.number, "status": "failed", "clients": 0,
+                             "epsilon": None, "accuracy": None, "loss": None,
+                             "wall_s": time.monotonic() - cur.opened_at, "reason": reason})
+        self.log.event("fail", round=cur.number, attempt=cur.attempt, reason=reason)
+
+    async def _finish(self) -> None:
+        b = self.b
+        atomic_write(self.store.path / "metrics.jsonl",  # as `simulate` leaves it
+                     "".join(dumps(m) + "\n" for m in self.store.log("metrics")))
+        final, privacy = finish_run(
+            self.store, self.engine, stopped_early=self.stopped_early,
+            baseline=b.baseline, started=b.started,
+            extra={"driver": "service", "rounds_failed": self.rounds_failed})
+        self.run_state = "finished"
+        self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
+                       stopped_early=self.stopped_early)
+        self.finished.set()
+        async with self.opened:
+            self.opened.notify_all()
+
+    # ------------------------------------------------------------------ reads for admin
+
+    @property
+    def rounds_failed(self) -> int:
+        return sum(1 for h in self.history if h["status"] == "failed")
+
+    def epsilon(self) -> float:
+        metrics = self.engine.metrics
+        return float(metrics[-1]["epsilon"]) if metrics else 0.0
+
+    def last_accuracy(self) -> float | None:
+        for m in reversed(self.engine.metrics):
+            if m.get("accuracy") is not None:
+                return float(m["accuracy"])
+        return None
+
+    def phase(self) -> str:
+        cur = self.current
+        if self.run_state == "finished":
+            return "finished"
+        if cur is None:
+            return "selecting"
+        if cur.state == "closing":
+            return "committing"
+        return f"secagg_{cur.secagg.phase}" if cur.secagg is not None else "training"
+
+    def device_counts(self) -> dict:
+        now = time.monotonic()
+        training = 0
+        cur = self.current
+        if cur is not None:
+            done = set(cur.plain.updates) if cur.plain is not None else set()
+            training = len(cur.positions) - len(done)
+        return {"registered": len(self.keys), "waiting": sum(1 for t in self.pool.values() if t > now),
+                "training": training, "refused_timer": len(self.refused_timer)}
+
+    def mean_phase_seconds(self) -> dict:
+        return {p: float(np.mean(v)) for p, v in self.phase_seconds.items() if v}
+
+    def round_number(self) -> int:
+        return self.current.number if self.current is not None else self.engine.next_round + 1
+
+    def status(self) -> dict:
+        return {
+            "run_state": self.run_state, "round": self.round_number(), "phase": self.phase(),
+            "rounds_committed": self.store.last_committed(), "rounds_failed": self.rounds_failed,
+            "rounds_planned": self.cfg.rounds, "epsilon": self.epsilon(),
+            "delta": self.cfg.dp.delta, "last_accuracy": self.last_accuracy(),
+            "devices": self.device_counts(), "phase_seconds": self.mean_phase_seconds(),
+            "started_at": self.started_at, "uptime_s": time.time() - self.started_at,
+        }
+
+    def history_json(self) -> dict:
+        counts = np.bincount(self.engine.participation.guard.count) if self.b.users else []
+        histogram = {str(k): int(v) for k, v in enumerate(counts) if v}
+        return {"rounds": self.history, "participation_histogram": histogram,
+                "device_states": self.device_counts()}

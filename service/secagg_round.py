@@ -1,0 +1,77 @@
+"""One SecAgg(+) round behind HTTP: the sans-I/O `SecAggServer` plus per-device mailboxes.
+
+Why mailboxes and a cursor: the state machine answers a phase with one message per client;
+each device long-polls for the messages addressed to its own position (never anyone else's)
+and acknowledges by cursor, so a retried poll after a lost response delivers the same bytes
+again and nothing is skipped. Deadlines are the driver's: it calls `close_phase` when a phase's
+deadline passes, with whoever answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from dpfleet.secagg.errors import SecAggError
+from dpfleet.secagg.messages import decode
+from dpfleet.secagg.params import RoundSetup
+from dpfleet.secagg.server import SecAggServer
+
+
+class SecAggRound:
+    def __init__(self, setup: RoundSetup):
+        self.setup = setup
+        self.server = SecAggServer(setup)
+        self.mailboxes: list[list[bytes]] = [[] for _ in range(setup.n)]
+        self.changed = asyncio.Condition()  # new mail or a new phase
+        self.rejected = 0
+
+    @property
+    def phase(self) -> str:
+        return self.server.phase
+
+    @property
+    def finished(self) -> bool:
+        return self.server.phase in ("done", "aborted")
+
+    async def _deliver(self, outbound) -> None:
+        for out in outbound:
+            self.mailboxes[out.recipient].append(out.data)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def handle(self, position: int, data: bytes) -> None:
+        """One client message from the device at `position`; SecAggError when refused."""
+        try:
+            sender = decode(data).sender
+        except SecAggError:
+            self.rejected += 1
+            raise
+        if sender != position:  # a device speaks only for its own position
+            self.rejected += 1
+            raise SecAggError(f"message claims client {sender}, the device holds position {position}")
+        try:
+            outbound = self.server.handle(data)
+        except SecAggError:
+            self.rejected += 1
+            raise
+        await self._deliver(outbound)
+
+    async def close_phase(self) -> None:
+        await self._deliver(self.server.close_phase())
+
+    async def poll(self, position: int, after: int, timeout: float) -> tuple[list[bytes], int]:
+        """Messages for `position` from index `after` on, waiting up to `timeout` for one."""
+        box = self.mailboxes[position]
+        if after >= len(box) and not self.finished:
+            async with self.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.changed.wait_for(lambda: len(box) > after or self.finished), timeout)
+        return box[after:], len(box)
+
+    async def wait_phase_change(self, phase: str, timeout: float) -> None:
+        async with self.changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.server.phase != phase),
+                                       timeout)

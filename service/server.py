@@ -1,0 +1,133 @@
+"""Starting and stopping one coordinator process: state, engine, HTTP site, admin.json.
+
+`start` is what `dpfleet coordinator serve` and the in-process tests share: boot the engine on
+the state directory, bind the site (port 0 picks a free one), write STATE/admin.json (0600:
+URL, admin token, pid, TLS certificate) and start the round driver. `serve` runs until the run
+finishes (then answers "done" a little longer so devices learn it) or a stop is asked for
+(admin stop, SIGINT, SIGTERM): an open round fails cleanly and a restart continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.run_dir import write_secret
+from dpfleet.errors import DpfleetError
+from dpfleet.service.app import POLL_S, make_app
+from dpfleet.service.auth import new_admin_token
+from dpfleet.service.boot import boot
+from dpfleet.service.rounds import RoundDriver
+from dpfleet.service.servelog import ServiceLog
+
+ADMIN_FILE = "admin.json"
+SERVICE_LOG = "service.log"
+
+
+@dataclass
+class Running:
+    url: str
+    token: str
+    driver: RoundDriver
+    runner: web.AppRunner
+    task: asyncio.Task
+    log: ServiceLog
+    admin_file: Path
+
+
+def parse_listen(listen: str, tls: bool) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    try:
+        if not sep:
+            raise ValueError
+        port_n = int(port)
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise DpfleetError(f"--listen must be HOST:PORT with an IP address, got {listen!r}") from None
+    if not 0 <= port_n < 65536:
+        raise DpfleetError(f"--listen port must be 0..65535, got {port_n}")
+    if not addr.is_loopback and not tls:
+        raise DpfleetError(f"--listen {listen}: a non-loopback address needs --tls-cert/--tls-key")
+    return host.strip("[]"), port_n
+
+
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise DpfleetError("TLS needs both --tls-cert and --tls-key")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise DpfleetError(f"cannot load the TLS certificate/key: {exc}") from None
+    return ctx
+
+
+async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:0",
+                registry: dict[str, bytes] | None = None, tls_cert: Path | None = None,
+                tls_key: Path | None = None, poll_s: float = POLL_S, log=print) -> Running:
+    state = Path(state)
+    ctx = tls_context(tls_cert, tls_key)
+    host, port = parse_listen(listen, ctx is not None)
+    booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
+    service_log = ServiceLog(state / SERVICE_LOG)
+    driver = RoundDriver(booted, service_log, registry)
+    token = new_admin_token()
+    runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ctx)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        booted.store.close()
+        raise DpfleetError(f"cannot listen on {listen}: {exc}") from None
+    bound = runner.addresses[0][1]
+    url = f"{'https' if ctx else 'http'}://{'[' + host + ']' if ':' in host else host}:{bound}"
+    admin_file = state / ADMIN_FILE
+    admin_file.unlink(missing_ok=True)
+    write_secret(admin_file, json.dumps({"url": url, "token": token, "pid": os.getpid(),
+                                         "tls_cert": str(tls_cert) if tls_cert else None}).encode())
+    service_log.event("listen", url=url)
+    task = asyncio.create_task(driver.run())
+    return Running(url, token, driver, runner, task, service_log, admin_file)
+
+
+async def shutdown(running: Running) -> None:
+    running.driver.stop()
+    try:
+        await running.task
+    finally:
+        await running.runner.cleanup()
+        running.driver.store.close()
+        running.log.close()
+        running.admin_file.unlink(missing_ok=True)
+
+
+async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = None,
+                log=print, **kw) -> RoundDriver:
+    """Run a coordinator until its run finishes or it is stopped."""
+    running = await start(cfg, state, log=log, **kw)
+    log(f"coordinator listening on {running.url} (admin token in {running.admin_file})")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, running.driver.stop)
+    try:
+        await asyncio.wait([running.task])
+        if running.driver.run_state == "finished":  # let devices learn that the run is done
+            await asyncio.sleep(linger_s if linger_s is not None
+                                else 3 * cfg.service.checkin_retry_s + 1.0)
+    finally:
+        await shutdown(running)
+    running.task.result()  # re-raise what stopped the driver, if anything
+    return running.driver

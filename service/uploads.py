@@ -1,0 +1,87 @@
+"""Plain-aggregation reports: what a device's upload must be before it may touch the sum.
+
+Why so strict: in plain aggregation the coordinator adds the uploads itself, so one upload of
+the wrong length, a NaN, an Inf or a norm above the clip norm would change the sum by more than
+the sensitivity the DP noise is calibrated to (a NaN would erase everyone's contribution). Each
+refusal is decided on the bytes before anything is stored; refused uploads are never summed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+NORM_SLACK = 1e-4  # relative: the device's float32 clip may land a few ulps above C
+
+
+class UploadError(ValueError):
+    """A report that is refused (400); the message says why."""
+
+
+@dataclass(frozen=True)
+class ReportStats:
+    """What the engine reads of one report (`round_engine.ClientStats`); device-reported."""
+
+    norm: float
+    clipped: bool
+    loss: float
+
+
+def parse_update(body: bytes, length: int, clip_norm: float) -> np.ndarray:
+    """The upload as float32, or `UploadError`."""
+    if len(body) != 4 * length:
+        raise UploadError(f"update must be {length} little-endian float32 values "
+                          f"({4 * length} bytes), got {len(body)} bytes")
+    delta = np.frombuffer(body, dtype="<f4").astype(np.float32)
+    if not np.isfinite(delta).all():
+        raise UploadError("update holds NaN or Inf")
+    norm = float(np.linalg.norm(delta.astype(np.float64)))
+    if norm > clip_norm * (1 + NORM_SLACK):
+        raise UploadError(f"update norm {norm:.6g} exceeds the round's clip norm {clip_norm:.6g}")
+    return delta
+
+
+def parse_stats(headers) -> ReportStats:
+    """The report's training statistics (un-noised: only for adaptive clipping and debug logs)."""
+    try:
+        norm = float(headers.get("X-Dpfleet-Norm", "nan"))
+        loss = float(headers.get("X-Dpfleet-Loss", "nan"))
+        clipped = headers.get("X-Dpfleet-Clipped", "0") in ("1", "true", "True")
+    except ValueError:
+        raise UploadError("X-Dpfleet-Norm / X-Dpfleet-Loss must be numbers") from None
+    if not (math.isnan(norm) or norm >= 0):
+        raise UploadError("X-Dpfleet-Norm must be >= 0")
+    return ReportStats(norm, clipped, loss)
+
+
+class PlainCollector:
+    """The first `goal` valid reports of a round, summed in position order once complete (so the
+    sum is exactly the in-process simulation's, bit for bit)."""
+
+    def __init__(self, n: int, length: int, clip_norm: float, goal: int):
+        self.n, self.length, self.clip_norm, self.goal = n, length, clip_norm, goal
+        self.updates: dict[int, np.ndarray] = {}
+        self.stats: dict[int, ReportStats] = {}
+
+    @property
+    def complete(self) -> bool:
+        return len(self.updates) >= self.goal
+
+    def accept(self, position: int, body: bytes, headers) -> None:
+        if position in self.updates:
+            raise UploadError("this device already reported in this round")
+        if self.complete:
+            raise UploadError("the round already has its report goal")
+        delta = parse_update(body, self.length, self.clip_norm)
+        stats = parse_stats(headers)
+        self.updates[position], self.stats[position] = delta, stats
+
+    def total(self) -> tuple[np.ndarray, list[int]]:
+        """The float64 sum over the reports, added in position order, and those positions."""
+        survivors = sorted(self.updates)
+        total = np.zeros(self.length, dtype=np.float64)
+        for u in survivors:
+            total += self.updates[u]
+        return total, survivors

@@ -1,0 +1,76 @@
+"""Test helpers for the coordinator service: a tiny config, the devices' data, and devices that
+loop register -> check in -> take part until the run is done (what the fleet branch's emulated
+phones do with more behaviour). Real sockets on 127.0.0.1, real signatures, real training."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.simulation import prepare_data
+from dpfleet.fleet.link import CoordinatorLink
+from dpfleet.fleet.participant import take_part
+
+TINY = {
+    "rounds": 3, "eval_every": 3, "seed": 5, "checkpoint_every": 0,
+    "data": {"dataset": "shakespeare", "max_clients": 8, "eval_examples": 40, "max_examples": 8},
+    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
+    "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
+    "client": {"lr": 1.0, "batch_size": 8, "trainer": "sequential"},
+    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 3, "momentum": 0.5,
+           "noise_seed": 11},
+    "participation": {"mode": "uniform"},
+    "service": {"checkin_retry_s": 0.2, "checkin_window_s": 1.0, "report_deadline_s": 15.0,
+                "secagg_phase_deadline_s": 10.0},
+}
+
+
+def tiny_cfg(**sections):
+    values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            values[key] = {**values.get(key, {}), **value}
+        else:
+            values[key] = value
+    return parse_config(values)
+
+
+def fleet_data(cfg, folder: Path):
+    """(user ids, examples by user) exactly as `simulate` prepares them."""
+    _, data = prepare_data(cfg, folder / "vocabulary")
+    return [c.user for c in data.train], {c.user: c.examples for c in data.train}
+
+
+async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
+                      outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
+                      **take_part_kw) -> list:
+    """One phone: register, then check in and take part until the run is done."""
+    outcomes = [] if outcomes is None else outcomes
+    async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
+                               retries=8) as link:
+        await link.register()
+        while stop is None or not stop.is_set():
+            reply = await link.checkin()
+            if reply["kind"] == "done":
+                break
+            if reply["kind"] in ("retry", "refused"):
+                await asyncio.sleep(reply["after_s"])
+                continue
+            outcomes.append((reply["round"], reply["attempt"],
+                             await take_part(link, reply, examples, **take_part_kw)))
+    return outcomes
+
+
+async def run_devices(url: str, keys: dict[str, Ed25519PrivateKey], examples: dict, **kw):
+    tasks = [asyncio.create_task(device_loop(url, d, keys[d], examples[d], **kw)) for d in keys]
+    try:
+        return dict(zip(keys, await asyncio.gather(*tasks), strict=True))
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
