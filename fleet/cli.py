@@ -124,7 +124,8 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
         seed: int | None, grace: float) -> None:
     """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
     as subprocesses, show the rounds as they commit, and leave simulate's run directory in
-    STATE (plus service.log, and STATE/fleet/ with the fleet's keys and log).
+    STATE (plus service.log), and the fleet's keys, registry and both console logs in
+    STATE_fleet/ beside it.
 
     Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
     seconds); running the same command again continues the run.

@@ -40,6 +40,7 @@ class DeviceState:
     timer: DeviceTimer
     runtime: str = "eager"
     link: Any = None  # its own signed link to the coordinator (fleet/worker.py)
+    offline_until: float = 0.0  # simulated time before which it is gone (it dropped out)
     counts: dict[str, int] = field(default_factory=dict)
 
     def count(self, what: str) -> None:
@@ -48,6 +49,8 @@ class DeviceState:
 
 def wait_before_checkin(device: DeviceState, clock: FleetClock, sim_t: float) -> float:
     """Simulated seconds the device must wait before it may check in (0: now)."""
+    if sim_t < device.offline_until:
+        return device.offline_until - sim_t
     if not device.timer.expired(sim_t):
         return device.timer.remaining(sim_t)
     hour = clock.hour_of_day(sim_t)

@@ -179,4 +179,5 @@ class Fleet:
             "requests": len(latencies),
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "train_s_total": float(sum(train)), "trainings": len(train),
+            "outcomes": [list(o) for f in self.final.values() for o in f[5]],
         }

@@ -6,7 +6,7 @@ one is visible as an exit code, and Ctrl-C can stop them in the right order: the
 first through its admin API (it finishes or abandons the open round durably), then the fleet.
 Both run in their own sessions so a terminal's Ctrl-C reaches only this supervisor.
 Re-running the same command continues: `serve` continues an existing state, the fleet reuses
-its key file.
+its key file. The fleet's files live beside STATE, in STATE_fleet/ (STATE belongs to `serve`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from dpfleet.errors import DpfleetError
 
 STARTUP_TIMEOUT_S = 600.0  # the coordinator prepares the data and the model before it listens
 FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check-ins end the fleet
+
+
+def fleet_dir_of(state: Path) -> Path:
+    """Where `fleet run` keeps the fleet's keys, registry and both programs' console logs."""
+    return state.with_name(state.name + "_fleet")
 
 
 def admin_request(admin: dict, method: str, path: str, timeout: float = 5.0) -> dict:
@@ -97,13 +102,13 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
                            "vocabulary; run `coordinator serve` and `fleet emulate --vocabulary "
                            "STATE/vocabulary` by hand, or use a public tokenizer")
     state = Path(state)
-    fleet_dir = state / "fleet"
+    fleet_dir = fleet_dir_of(state)  # beside STATE: serve starts only in an empty or its own folder
     fleet_dir.mkdir(parents=True, exist_ok=True)
     keys_path, registry_path = fleet_dir / "fleet_keys.json", fleet_dir / "fleet_public.json"
     ids, _, _ = load_devices(cfg, devices)  # the registry first: serve admits only these keys
     write_public_registry(registry_path, public_registry(fleet_keys(keys_path, len(ids)), ids))
 
-    serve_log, fleet_log = state / "serve.console.log", fleet_dir / "emulate.log"
+    serve_log, fleet_log = fleet_dir / "serve.console.log", fleet_dir / "emulate.log"
     serve_cmd = _dpfleet("coordinator", "serve", config, "--state", state, "--listen",
                          "127.0.0.1:0", "--fleet-public", registry_path)
     if rounds is not None:

@@ -127,6 +127,7 @@ async def _run(spec: WorkerSpec, events) -> None:
     counts: dict[str, int] = spec.counts
     latencies: list[float] = []
     train_seconds: list[float] = []
+    outcomes: list[tuple[str, int, int, str]] = []  # (device id, round, attempt, outcome)
     examples = {d.index: d.examples for d in spec.devices}
 
     def on_event(device: DeviceState, event: str) -> None:
@@ -141,6 +142,10 @@ async def _run(spec: WorkerSpec, events) -> None:
             speed=device.behaviour.profile.speed, threads=1)
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
+        outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
+                         outcome.kind))
+        if outcome.kind == "dropped":  # gone for this round: back only after its last deadline
+            device.offline_until = clock.now() + offline_for(assignment) * clock.time_scale
         return outcome.kind
 
     async def report_counts() -> None:
@@ -192,11 +197,20 @@ async def _run(spec: WorkerSpec, events) -> None:
             counts["done"] = counts.get("done", 0) + 1
         elif isinstance(r, BaseException):
             counts[f"crashed_{type(r).__name__}"] = counts.get(f"crashed_{type(r).__name__}", 0) + 1
-    events.put(("final", spec.worker, dict(counts), latencies, train_seconds))
+    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes))
     # the queue's feeder thread must flush before the process exits
     if hasattr(events, "close"):
         events.close()
         events.join_thread()
+
+
+def offline_for(assignment: dict, now: float | None = None) -> float:
+    """Wall seconds a device that dropped out stays away: until the round's last deadline (a
+    device that came straight back would be handed the same assignment and drop again)."""
+    deadlines = [float(v) for v in (assignment.get("deadlines") or {}).values()]
+    if not deadlines:
+        return 0.0
+    return max(0.0, max(deadlines) - (time.time() if now is None else now))
 
 
 def drain(events, timeout: float) -> list[tuple]:
