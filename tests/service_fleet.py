@@ -39,6 +39,18 @@ def tiny_cfg(**sections):
     return parse_config(values)
 
 
+def capture_sums(engine) -> list:
+    """Spy (test only): records every aggregate the engine is asked to close a round with."""
+    seen, close = [], engine.close_round
+
+    def spy(plan, aggregate, stats):
+        seen.append((plan, aggregate))
+        return close(plan, aggregate, stats)
+
+    engine.close_round = spy
+    return seen
+
+
 def fleet_data(cfg, folder: Path):
     """(user ids, examples by user) exactly as `simulate` prepares them."""
     _, data = prepare_data(cfg, folder / "vocabulary")
@@ -65,8 +77,13 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
     return outcomes
 
 
-async def run_devices(url: str, keys: dict[str, Ed25519PrivateKey], examples: dict, **kw):
-    tasks = [asyncio.create_task(device_loop(url, d, keys[d], examples[d], **kw)) for d in keys]
+async def run_devices(url: str, keys: dict[str, Ed25519PrivateKey], examples: dict,
+                      per_device: dict[str, dict] | None = None, **kw):
+    """Every device's loop at once; `per_device[d]` adds or overrides keyword arguments of d's
+    `take_part` (hooks that drop, a speed factor)."""
+    per_device = per_device or {}
+    tasks = [asyncio.create_task(device_loop(url, d, keys[d], examples[d],
+                                             **{**kw, **per_device.get(d, {})})) for d in keys]
     try:
         return dict(zip(keys, await asyncio.gather(*tasks), strict=True))
     finally:

@@ -1,0 +1,153 @@
+"""Signed SecAgg(+) over HTTP through the coordinator service: a round commits with the sum of
+its survivors' updates (within the encoding's proven quantization bound); a device that drops
+after key sharing is left out and the round still commits from the survivors; fewer survivors
+than the report goal fail the round cleanly (nothing released, no noise drawn) and the same
+round number is opened again; devices refuse a setup that lists a key outside their pinned
+fleet registry and send nothing for it."""
+
+import asyncio
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from service_fleet import capture_sums, fleet_data, run_devices, tiny_cfg
+
+from dpfleet.fleet.link import CoordinatorLink
+from dpfleet.fleet.participant import local_policy, take_part
+from dpfleet.service.server import shutdown, start
+
+SECAGG = {"aggregation": {"kind": "secagg", "signed": True, "graph": "harary"},
+          "service": {"overselect": 0.6, "report_deadline_s": 6.0, "secagg_phase_deadline_s": 3.0}}
+
+
+def secagg_cfg(**over):
+    return tiny_cfg(**{**SECAGG, **over})
+
+
+def policy_for(cfg):
+    return lambda n: local_policy(cfg.dp.report_goal, cfg.aggregation.graph,
+                                  cfg.aggregation.corruption, n)
+
+
+def serve_with_devices(cfg, root, per_device_hooks=None):
+    users, examples = fleet_data(cfg, root / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    pinned = {u: k.public_key().public_bytes_raw() for u, k in keys.items()}
+    per_device = {d: {"before_phase": h} for d, h in (per_device_hooks or {}).items()}
+
+    async def main():
+        running = await start(cfg, root / "state", log=lambda s: None, poll_s=2.0)
+        sums = capture_sums(running.driver.engine)
+        devices = asyncio.create_task(run_devices(
+            running.url, keys, examples, per_device=per_device, pinned=pinned,
+            policy=policy_for(cfg)))
+        await asyncio.wait_for(asyncio.shield(running.task), 180)
+        outcomes = await asyncio.wait_for(devices, 30)
+        history, releases = running.driver.history, running.driver.store.releases()
+        await shutdown(running)
+        return users, sums, outcomes, history, releases
+
+    return asyncio.run(main())
+
+
+def plan_disc_bound(agg, m):
+    """The encoding's proven L2 distance between the decoded and the exact sum of m inputs."""
+    return agg.ring.decode.__self__.quantization_bound(m)
+
+
+def check_sums(sums, outcomes):
+    """Each committed sum is the sum of exactly its survivors' clipped updates."""
+    for plan, agg in sums:
+        done = {d: o for d, outs in outcomes.items() for r, a, o in outs
+                if r == plan.round + 1 and o.kind == "secagg_done"}
+        survivors = [plan.device_ids[u] for u in agg.survivors]
+        assert sorted(survivors) == sorted(done)
+        exact = np.sum([done[d].update.delta.astype(np.float64) for d in survivors], axis=0)
+        error = float(np.linalg.norm(agg.total - exact))
+        bound = plan_disc_bound(agg, len(survivors))
+        assert error <= bound, (error, bound)
+        assert float(np.linalg.norm(exact)) > 100 * error  # the sum is not trivially small
+
+
+def test_a_signed_secagg_round_over_http_commits_with_its_survivors_sum(tmp_path):
+    cfg = secagg_cfg(rounds=2)
+    users, sums, outcomes, history, releases = serve_with_devices(cfg, tmp_path)
+    assert [h["status"] for h in history] == ["committed", "committed"]
+    assert [r["round"] for r in releases] == [1, 2]
+    assert all(len(agg.survivors) == 5 for _, agg in sums)  # report goal 3 + 2 over-selected
+    check_sums(sums, outcomes)
+
+
+def test_dropout_after_key_sharing_commits_from_survivors_and_too_few_fail_cleanly(tmp_path):
+    from dpfleet.fleet.participant import DropOut
+
+    cfg = secagg_cfg(rounds=2)
+    users, _ = fleet_data(cfg, tmp_path / "probe")
+    # five devices per attempt (goal 3, 2 over-selected; k = 4, t = 3) reach "mask" (after key
+    # sharing), one attempt after the other: round 1 attempt 1: calls 1-5, three drop -> 2
+    # survivors < goal: the round fails; attempt 2: calls 6-10, one drops -> 4 survivors:
+    # commits (each survivor keeps t live neighbours). Round 2: nobody drops.
+    calls = {"n": 0}
+
+    def hook(phase):
+        if phase == "mask":
+            calls["n"] += 1
+            if calls["n"] in (1, 2, 3, 6):
+                raise DropOut("gone after sharing keys")
+
+    users, sums, outcomes, history, releases = serve_with_devices(
+        cfg, tmp_path, dict.fromkeys(users, hook))
+    assert [(h["round"], h["status"]) for h in history] == [
+        (1, "failed"), (1, "committed"), (2, "committed")]
+    assert [r["round"] for r in releases] == [1, 2]  # the failed attempt released nothing
+    assert [len(agg.survivors) for _, agg in sums] == [4, 5]
+    plan_1, agg_1 = sums[0]
+    dropped = {d for d, outs in outcomes.items() for r, a, o in outs
+               if (r, a) == (1, 2) and o.kind == "dropped"}
+    assert len(dropped) == 1
+    assert set(releases[0]["participants"]) == {plan_1.device_ids[u] for u in agg_1.survivors}
+    assert not dropped & set(releases[0]["participants"])  # the dropper is not accounted
+    check_sums(sums, outcomes)
+
+
+def test_a_device_refuses_a_setup_with_a_key_outside_its_pinned_registry(tmp_path):
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 2.0})
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    cfg = secagg_cfg(rounds=1, data={"max_clients": 8}, dp={"report_goal": len(users)},
+                     service={"overselect": 0.0, "secagg_phase_deadline_s": 2.0})
+    fleet = {u: Ed25519PrivateKey.generate() for u in users}
+    rogue = Ed25519PrivateKey.generate()  # the coordinator's own key, registered for users[0]
+    pinned = {u: k.public_key().public_bytes_raw() for u, k in fleet.items()}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        received = []
+        handle = running.driver.__class__.secagg_post
+
+        async def spy(self, device_id, number, attempt, body):
+            received.append(device_id)
+            return await handle(self, device_id, number, attempt, body)
+
+        running.driver.secagg_post = spy.__get__(running.driver)
+        links = {u: CoordinatorLink(running.url, u, rogue if u == users[0] else fleet[u])
+                 for u in users}
+        try:
+            for link in links.values():
+                await link.register()
+            replies = await asyncio.gather(*(links[u].checkin() for u in users))
+            assert all(r["kind"] == "assignment" for r in replies)
+            honest = users[1:]
+            outcomes = await asyncio.gather(*(
+                take_part(links[u], r, examples[u], pinned=pinned, policy=policy_for(cfg))
+                for u, r in zip(users, replies, strict=True) if u in honest))
+            return outcomes, received, running.driver.engine.next_round
+        finally:
+            for link in links.values():
+                await link.close()
+            running.driver.stop()
+            await shutdown(running)
+
+    outcomes, received, next_round = asyncio.run(main())
+    assert [o.kind for o in outcomes] == ["refused_setup"] * (len(users) - 1)
+    assert all("pinned" in o.detail for o in outcomes)
+    assert received == []  # not one SecAgg byte from an honest device
+    assert next_round == 0  # nothing was released
