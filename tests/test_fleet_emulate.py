@@ -107,3 +107,89 @@ def test_a_fleet_worker_with_dropouts_runs_a_service_run_to_the_end(tmp_path):
     assert kinds.count("reported") >= cfg.rounds * cfg.dp.report_goal
     assert counts.get("dropped", 0) == kinds.count("dropped")
     check_committed_log(tmp_path / "state", cfg, outcomes)
+
+
+class ServerThread:
+    """A real coordinator service on 127.0.0.1 in its own thread and event loop (the test's main
+    thread runs the fleet's parent loop, which blocks)."""
+
+    def __init__(self, cfg, state, registry):
+        import concurrent.futures
+        import threading
+
+        from dpfleet.service.server import shutdown, start
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._shutdown = shutdown
+        self.running = asyncio.run_coroutine_threadsafe(
+            start(cfg, state, log=lambda s: None, registry=registry), self.loop).result(120)
+        self.admin = {"url": self.running.url, "token": self.running.token}
+        self._futures = concurrent.futures
+
+    def finished(self, timeout: float) -> bool:
+        fut = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(asyncio.shield(self.running.task), timeout), self.loop)
+        try:
+            fut.result(timeout + 5)
+            return True
+        except (TimeoutError, self._futures.TimeoutError):
+            return False
+
+    def close(self) -> dict:
+        async def stop():
+            status = self.running.driver.status()
+            await self._shutdown(self.running)
+            return status
+
+        status = asyncio.run_coroutine_threadsafe(stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        return status
+
+
+@pytest.mark.slow  # ~40 s: spawned workers import torch, and the killed round waits its deadline
+def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_path):
+    import os
+    import signal
+
+    from dpfleet.fleet.emulate import Fleet
+    from dpfleet.fleet.supervisor import admin_request
+
+    # transfers of 1 s each keep the assigned devices busy long enough to be killed mid-round
+    cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
+                   service={"overselect": 1.0, "report_deadline_s": 5.0})
+    ids, examples, params = load_devices(cfg)
+    keys = fleet_keys(tmp_path / "keys.json", len(ids))
+    registry = public_registry(keys, ids)
+    server = ServerThread(cfg, tmp_path / "state", registry)
+    notes: list[str] = []
+    fleet = Fleet(cfg, server.admin["url"], ids, examples, keys, registry, processes=2, seed=4,
+                  model_bytes=4 * params, start_hour=0.0, log=notes.append)
+    fleet.start()
+    try:
+        killed_in = None
+        deadline = time.monotonic() + 120
+        while killed_in is None and time.monotonic() < deadline:
+            fleet.poll(0.2)
+            status = admin_request(server.admin, "GET", "/v1/admin/status")
+            if status["phase"] == "training" and status["devices"]["training"]:
+                victim = fleet.procs[0]
+                os.kill(victim.pid, signal.SIGKILL)
+                killed_in = status["round"]
+        assert killed_in is not None, "no round was seen in training"
+        while not fleet.done and time.monotonic() < deadline + 120:
+            fleet.poll(0.5)
+        assert fleet.done
+        assert server.finished(30)
+    finally:
+        fleet.stop()
+        status = server.close()
+    summary = fleet.summary(0.0)
+    assert summary["restarts"] == 1 and any("died with exit code -9" in n for n in notes)
+    assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds
+    check_committed_log(tmp_path / "state", cfg)
+    # the killed worker's devices came back (restarted with their timers) and saw the run's end
+    assert summary["counts"]["done"] == len(ids)
+    assert any(r > killed_in for _, r, _, _ in summary["outcomes"])  # rounds ran after the kill
