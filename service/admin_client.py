@@ -74,7 +74,10 @@ def target_from_state(state: Path) -> AdminTarget:
         raise DpfleetError(f"{path}: 'pid' must be an integer, got {pid!r}")
     if cert is not None and not isinstance(cert, str):
         raise DpfleetError(f"{path}: 'tls_cert' must be a path or null, got {cert!r}")
-    tls_cert = None if cert is None else _check_cert(state / cert, str(path))  # absolute stays
+    tls_cert = None
+    if cert is not None:  # absolute; or relative to STATE, else to where serve was started (cwd)
+        tls_cert = state / cert if (state / cert).is_file() or not Path(cert).is_file() else Path(cert)
+        _check_cert(tls_cert, str(path))
     return AdminTarget(_check_url(url, str(path)), token, tls_cert, pid, path)
 
 
