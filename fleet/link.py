@@ -131,7 +131,8 @@ class CoordinatorLink:
 
     async def blob(self, sha256: str) -> bytes:
         """A content-addressed blob, checked against its hash (cached: blobs never change)."""
-        if sha256 in self._blob_cache:
+        if sha256 in self._blob_cache:  # least recently used goes first
+            self._blob_cache[sha256] = self._blob_cache.pop(sha256)
             return self._blob_cache[sha256]
         _, _, data = await self.request("GET", f"/v1/blobs/{sha256}", signed=False)
         if hashlib.sha256(data).hexdigest() != sha256:

@@ -124,9 +124,8 @@ class RoundDriver:
             raise ApiError(400, "bad_checkin", "check-in needs eligibility {charging, idle, "
                                                f"unmetered}}, runtime in {RUNTIMES}, timer_expires_at")
         cur = self.current
-        if cur is not None and i in cur.positions and cur.state == "open" and cur.plain is not None \
-                and cur.positions[i] not in cur.plain.updates:  # a repeated check-in, same job
-            return cur.assignments[cur.positions[i]]
+        if cur is not None and i in cur.positions and cur.state == "open" and not self._started(cur, i):
+            return cur.assignments[cur.positions[i]]  # its check-in reply was lost or raced
         if self.run_state in ("paused", "stopping", "starting"):
             return {"kind": "retry", "after_s": retry, "reason": self.run_state}
         if not all(elig.get(k) is True for k in ("charging", "idle", "unmetered")):
@@ -157,6 +156,14 @@ class RoundDriver:
             return self.current.assignments[self.current.positions[i]]
         return {"kind": "retry", "after_s": retry, "reason": "no round open"}
 
+    @staticmethod
+    def _started(cur: OpenRound, i: int) -> bool:
+        """Whether the device at index i already sent something in the open round."""
+        position = cur.positions[i]
+        if cur.plain is not None:
+            return position in cur.plain.updates
+        return position in cur.secagg.spoke
+
     def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
         """The open round a device addresses, and its position; 409 for anything stale."""
         if self.run_state == "finished":
@@ -172,6 +179,8 @@ class RoundDriver:
         cur, position = self._round_of(device_id, number, attempt)
         if cur.plain is None:
             raise ApiError(409, "wrong_aggregation", "this round aggregates with SecAgg")
+        if cur.plain.complete and position not in cur.plain.updates:  # an over-selected straggler
+            raise ApiError(409, "round_full", f"round {number} already has its report goal")
         try:
             cur.plain.accept(position, body, headers)
         except UploadError as exc:
@@ -431,7 +440,9 @@ class RoundDriver:
         self.history.append({"round": cur.number, "status": "committed",
                              "clients": record["clients"], "epsilon": record["epsilon"],
                              "accuracy": record["accuracy"], "loss": record["loss"],
-                             "wall_s": time.monotonic() - cur.opened_at})
+                             "wall_s": time.monotonic() - cur.opened_at,
+                             "commit_s": time.monotonic() - began,
+                             "secagg_server_s": cur.secagg.server_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
         self.fault("after_commit")

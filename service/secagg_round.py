@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.messages import decode
@@ -25,6 +26,8 @@ class SecAggRound:
         self.mailboxes: list[list[bytes]] = [[] for _ in range(setup.n)]
         self.changed = asyncio.Condition()  # new mail or a new phase
         self.rejected = 0
+        self.server_seconds = 0.0  # time in the state machine (handle + close_phase)
+        self.spoke: set[int] = set()  # positions that sent anything (then no second assignment)
 
     @property
     def phase(self) -> str:
@@ -50,15 +53,22 @@ class SecAggRound:
         if sender != position:  # a device speaks only for its own position
             self.rejected += 1
             raise SecAggError(f"message claims client {sender}, the device holds position {position}")
+        self.spoke.add(position)
+        began = time.perf_counter()
         try:
             outbound = self.server.handle(data)
         except SecAggError:
             self.rejected += 1
             raise
+        finally:
+            self.server_seconds += time.perf_counter() - began
         await self._deliver(outbound)
 
     async def close_phase(self) -> None:
-        await self._deliver(self.server.close_phase())
+        began = time.perf_counter()
+        outbound = self.server.close_phase()
+        self.server_seconds += time.perf_counter() - began
+        await self._deliver(outbound)
 
     async def poll(self, position: int, after: int, timeout: float) -> tuple[list[bytes], int]:
         """Messages for `position` from index `after` on, waiting up to `timeout` for one."""

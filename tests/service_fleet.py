@@ -59,8 +59,9 @@ def fleet_data(cfg, folder: Path):
 
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
-                      **take_part_kw) -> list:
-    """One phone: register, then check in and take part until the run is done."""
+                      replies: list | None = None, **take_part_kw) -> list:
+    """One phone: register, then check in and take part until the run is done (`replies`
+    collects (device, next round, check-in reply))."""
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
                                max_backoff_s=0.5, retries=8) as link:
@@ -71,6 +72,8 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
                     await link.register()
                     registered = True
                 reply = await link.checkin()
+                if replies is not None:
+                    replies.append((device_id, reply))
             except LinkError as exc:
                 if exc.status not in (0, 401, 503):
                     raise

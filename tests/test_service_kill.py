@@ -38,8 +38,9 @@ async def serve_once(config, state, port, fault):
     return proc.returncode, err.decode()
 
 
-def kill_and_restart(tmp_path, faults, rounds):
-    cfg = tiny_cfg(rounds=rounds, service={"checkin_retry_s": 0.2, "report_deadline_s": 20.0})
+def kill_and_restart(tmp_path, faults, rounds, **sections):
+    cfg = tiny_cfg(rounds=rounds, **{"service": {"checkin_retry_s": 0.2, "report_deadline_s": 20.0},
+                                     **sections})
     config = tmp_path / "config.toml"
     config.write_text(to_toml(cfg.resolved()))
     users, examples = fleet_data(cfg, tmp_path / "fleet")
@@ -47,9 +48,17 @@ def kill_and_restart(tmp_path, faults, rounds):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
 
+    kw = {}
+    if cfg.aggregation.kind == "secagg":
+        from dpfleet.fleet.participant import local_policy
+
+        kw = {"pinned": {u: k.public_key().public_bytes_raw() for u, k in keys.items()},
+              "policy": lambda n: local_policy(cfg.dp.report_goal, cfg.aggregation.graph,
+                                               cfg.aggregation.corruption, n)}
+
     async def main():
         stop = asyncio.Event()
-        devices = asyncio.create_task(run_devices(url, keys, examples, stop=stop))
+        devices = asyncio.create_task(run_devices(url, keys, examples, stop=stop, **kw))
         codes = []
         try:
             for fault in [*faults, None]:
@@ -104,5 +113,15 @@ def test_kill_9_at_open_and_mid_commit_then_the_run_completes(tmp_path):
 def test_kill_9_at_four_points_then_the_run_completes(tmp_path):
     faults = ["opened:2", "files_fsynced:1", "device_counters:2", "after_commit:1"]
     cfg, codes = kill_and_restart(tmp_path, faults, rounds=5)
+    assert codes == [-9] * len(faults) + [0]
+    check_run(cfg, tmp_path / "state")
+
+
+@pytest.mark.slow
+def test_kill_9_in_secagg_phases_then_the_run_completes(tmp_path):
+    faults = ["secagg_keys:1", "secagg_masked:1", "before_commit:1"]
+    cfg, codes = kill_and_restart(
+        tmp_path, faults, rounds=2, aggregation={"kind": "secagg", "signed": True},
+        service={"checkin_retry_s": 0.2, "report_deadline_s": 20.0, "secagg_phase_deadline_s": 10.0})
     assert codes == [-9] * len(faults) + [0]
     check_run(cfg, tmp_path / "state")

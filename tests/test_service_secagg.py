@@ -151,3 +151,84 @@ def test_a_device_refuses_a_setup_with_a_key_outside_its_pinned_registry(tmp_pat
     assert all("pinned" in o.detail for o in outcomes)
     assert received == []  # not one SecAgg byte from an honest device
     assert next_round == 0  # nothing was released
+
+
+def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.messages import decode
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 3.0})
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        try:
+            for link in links.values():
+                await link.register()
+            replies = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
+                               strict=True))
+            jobs = {u: r for u, r in replies.items() if r["kind"] == "assignment"}
+            (a, job_a), (b, job_b), *rest = sorted(jobs.items(), key=lambda x: x[1]["position"])
+            setup = decode_setup(bytes.fromhex(job_a["secagg"]["setup"]))
+            own = {u: SecAggClient(setup, jobs[u]["position"], keys[u],
+                                   policy=policy_for(cfg)(setup.n),
+                                   pinned={j["position"]: keys[v].public_key().public_bytes_raw()
+                                           for v, j in jobs.items()}) for u in jobs}
+            commit_b = own[b].start()[0].data
+            try:  # A posts B's (validly signed by B) commitment under its own credentials
+                await links[a].secagg_send(job_a["round"], job_a["attempt"], commit_b)
+                as_b = None
+            except Exception as exc:  # noqa: BLE001
+                as_b = exc
+            for u in jobs:  # everyone commits honestly
+                await links[u].secagg_send(jobs[u]["round"], jobs[u]["attempt"],
+                                           own[u].start()[0].data if u != b else commit_b)
+            mail_a, _, _ = await links[a].secagg_poll(job_a["round"], job_a["attempt"], 0)
+            return as_b, [decode(m).recipient for m in mail_a], job_a["position"]
+        finally:
+            for link in links.values():
+                await link.close()
+            running.driver.stop()
+            await shutdown(running)
+
+    as_b, recipients, position_a = asyncio.run(main())
+    assert getattr(as_b, "status", None) == 400 and "position" in as_b.message
+    assert recipients and set(recipients) == {position_a}  # only A's own mail
+
+
+def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_path):
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
+    users, _ = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        try:
+            for link in links.values():
+                await link.register()
+            replies = await asyncio.gather(*(links[u].checkin() for u in users))
+            u, job = next((u, r) for u, r in zip(users, replies, strict=True)
+                          if r["kind"] == "assignment")
+            again = await links[u].checkin()  # the first reply was "lost"
+            setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
+            client = SecAggClient(setup, job["position"], keys[u], policy=policy_for(cfg)(setup.n),
+                                  pinned={j: setup.identities[j] for j in range(setup.n)})
+            await links[u].secagg_send(job["round"], job["attempt"], client.start()[0].data)
+            after = await links[u].checkin()
+            return job, again, after
+        finally:
+            for link in links.values():
+                await link.close()
+            running.driver.stop()
+            await shutdown(running)
+
+    job, again, after = asyncio.run(main())
+    assert again == job
+    assert after["kind"] == "retry" and after["reason"] == "round full"
