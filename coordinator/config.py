@@ -118,6 +118,26 @@ class BackendSection:
 
 
 @dataclass
+class FleetSection:
+    """The emulated devices' behaviour (`dpfleet fleet emulate`, fleet/behaviour.py); times simulated."""
+
+    charging_hours: float = 24.0  # length of each device's nightly charging window (24: always)
+    charging_start: float = 22.0  # mean local hour the window starts (each device: +- 1.5 h)
+    timezone_spread: float = 0.0  # devices' local clocks spread uniformly over this many hours
+    idle: float = 1.0  # chance the phone is idle, per condition slot, while charging
+    unmetered: float = 1.0  # chance of an unmetered network, per condition slot
+    condition_minutes: float = 15.0  # how long one draw of idle / unmetered lasts
+    speed_sigma: float = 0.3  # training time multiplier ~ LogNormal(0, sigma) (median 1)
+    bandwidth_mbps: float = 20.0  # median link bandwidth (LogNormal, sigma link_sigma)
+    latency_ms: float = 50.0  # median one-way latency added around each transfer
+    link_sigma: float = 0.5
+    dropout_download: float = 0.0  # chance a device vanishes in each phase of a round
+    dropout_train: float = 0.0
+    dropout_report: float = 0.0
+    dropout_secagg: float = 0.0  # per SecAgg phase
+
+
+@dataclass
 class ServiceSection:
     """The networked coordinator (`dpfleet coordinator serve`, service/PROTOCOL.md)."""
 
@@ -149,6 +169,7 @@ class SimulationConfig:
     participation: ParticipationSection = field(default_factory=ParticipationSection)
     aggregation: AggregationSection = field(default_factory=AggregationSection)
     backend: BackendSection = field(default_factory=BackendSection)
+    fleet: FleetSection = field(default_factory=FleetSection)
     service: ServiceSection = field(default_factory=ServiceSection)
 
     def resolved(self) -> dict:
@@ -292,12 +313,29 @@ def validate(cfg: SimulationConfig) -> None:
          "(checkin_window_s >= 0, rate_burst >= 1)"),
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
+        *fleet_checks(cfg.fleet),
     ]
     for ok, message in checks:
         if not ok:
             raise DpfleetError(message)
     if cfg.dp.adaptive_clipping:  # fails early when sigma_b leaves no room for z (App. A)
         model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+
+
+def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
+    probabilities = ("idle", "unmetered", "dropout_download", "dropout_train", "dropout_report",
+                     "dropout_secagg")
+    return [
+        (0 < f.charging_hours <= 24, "fleet.charging_hours must be in (0, 24]"),
+        (0 <= f.charging_start < 24, "fleet.charging_start must be an hour in [0, 24)"),
+        (0 <= f.timezone_spread <= 24, "fleet.timezone_spread must be in [0, 24] hours"),
+        (f.condition_minutes > 0, "fleet.condition_minutes must be > 0"),
+        (f.speed_sigma >= 0 and f.link_sigma >= 0, "fleet.speed_sigma and link_sigma must be >= 0"),
+        (f.bandwidth_mbps > 0, "fleet.bandwidth_mbps must be > 0"),
+        (f.latency_ms >= 0, "fleet.latency_ms must be >= 0"),
+        *((0 <= getattr(f, k) <= 1, f"fleet.{k} must be a probability in [0, 1]")
+          for k in probabilities),
+    ]
 
 
 def round_size(cfg: SimulationConfig) -> int:

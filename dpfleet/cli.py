@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "export": "dpfleet.export.cli:export",
     "public": "dpfleet.public.cli:public",
     "coordinator": "dpfleet.service.cli:coordinator",
+    "fleet": "dpfleet.fleet.cli:fleet",
 }
 
 

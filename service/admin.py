@@ -1,6 +1,6 @@
 """What the admin and the public see: the privacy report from the service's own committed log,
-the public status (released aggregates and counts only: never a device's id or data) and a
-minimal read-only status page (the ops branch renders the full one from the same JSON)."""
+the public status (released aggregates and counts only: never a device's id or data) that the
+status page (`status_page.py`) renders."""
 
 from __future__ import annotations
 
@@ -43,14 +43,7 @@ def public_status(driver: RoundDriver) -> dict:
         "rounds": [{k: h[k] for k in ("round", "status", "clients", "epsilon", "accuracy")}
                    for h in history["rounds"]],
         "participation_histogram": history["participation_histogram"],
+        "device_states": history["device_states"], "phase_seconds": status["phase_seconds"],
+        "uptime_s": status["uptime_s"],
     }
 
-
-STATUS_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>dpfleet coordinator</title></head>
-<body><h1>dpfleet coordinator</h1><pre id="s">loading...</pre>
-<script>
-fetch('/v1/public/status').then(r => r.json()).then(j => {
-  document.getElementById('s').textContent = JSON.stringify(j, null, 2); });
-</script></body></html>
-"""

@@ -21,6 +21,7 @@ from dpfleet.jsonio import dumps
 from dpfleet.service.auth import AuthError, NonceCache, check_admin, verify_request
 from dpfleet.service.limits import RateLimiter
 from dpfleet.service.rounds import ApiError, RoundDriver
+from dpfleet.service.status_page import add_status_routes
 
 DRIVER = web.AppKey("driver", RoundDriver)
 CONTEXT = web.AppKey("context", dict)
@@ -177,12 +178,6 @@ async def public_status(request: web.Request) -> web.Response:
     return _json(public(request.app[DRIVER]))
 
 
-async def index(request: web.Request) -> web.Response:
-    from dpfleet.service.admin import STATUS_PAGE
-
-    return web.Response(text=STATUS_PAGE, content_type="text/html")
-
-
 def make_app(driver: RoundDriver, token: str, max_body_mb: float | None = None,
              poll_s: float = POLL_S) -> web.Application:
     svc = driver.cfg.service
@@ -205,5 +200,7 @@ def make_app(driver: RoundDriver, token: str, max_body_mb: float | None = None,
     app.router.add_post("/v1/admin/stop", admin_stop)
     app.router.add_get("/v1/admin/report", admin_report)
     app.router.add_get("/v1/public/status", public_status)
-    app.router.add_get("/", index)
+    from dpfleet.service.admin import public_status as public
+
+    add_status_routes(app, lambda: public(driver), lambda: public(driver))  # GET /: status_page.py
     return app

@@ -86,7 +86,7 @@ class RoundDriver:
         self.outcomes: dict[tuple[int, int], str] = {}
         self.history: list[dict] = [  # committed before a restart: from the store's metrics
             {"round": m["round"], "status": "committed", "clients": m["clients"],
-             "epsilon": m["epsilon"], "accuracy": m["accuracy"], "loss": m["loss"], "wall_s": None}
+             "epsilon": m.get("epsilon"), "accuracy": m["accuracy"], "loss": m["loss"], "wall_s": None}
             for m in self.engine.metrics]
         self.refused_timer: set[int] = set()
         self.phase_seconds: dict[str, list[float]] = {}

@@ -1,0 +1,136 @@
+"""`dpfleet fleet ...`: an emulated fleet of phones against a coordinator service."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+DEVICES_HELP = "Emulate the first N train clients of the config (0: all of them)."
+PROCESSES_HELP = "Worker processes; each trains one device at a time (torch threads = 1)."
+
+
+@click.group(name="fleet")
+def fleet() -> None:
+    """Emulated phones that register, check in, train and report to a coordinator service.
+
+    Each device holds only its own user's examples and identity key, keeps its own
+    participation timer, and follows its charging window, speed, link and dropout ([fleet]
+    config section), on the shared simulated clock ([service] time_scale).
+    """
+
+
+def _start_hour(value: float | None) -> float:
+    if value is not None:
+        return value % 24.0
+    now = time.gmtime()
+    return now.tm_hour + now.tm_min / 60.0
+
+
+@fleet.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--coordinator", "url", required=True, help="The coordinator's URL (serve prints it).")
+@click.option("--devices", type=int, default=0, show_default=True, help=DEVICES_HELP)
+@click.option("--processes", type=int, default=2, show_default=True, help=PROCESSES_HELP)
+@click.option("--fleet-keys", type=click.Path(path_type=Path), default=Path("fleet_keys.json"),
+              show_default=True, help="The devices' private identity keys (0600); created if absent.")
+@click.option("--registry", type=click.Path(path_type=Path), default=None,
+              help="Where to write the PUBLIC key registry for `serve --fleet-public` "
+                   "(default: fleet_public.json next to --fleet-keys).")
+@click.option("--seed", type=int, default=None, help="Fleet seed for behaviour draws (default: config seed).")
+@click.option("--vocabulary", type=click.Path(path_type=Path), default=None,
+              help="The coordinator's STATE/vocabulary folder (needed for a DP word vocabulary).")
+@click.option("--ca-file", type=click.Path(path_type=Path), default=None,
+              help="Trust this PEM certificate for an https:// coordinator.")
+@click.option("--start-hour", type=float, default=None,
+              help="Simulated hour of day at the start (default: the current UTC hour).")
+@click.option("--summary", type=click.Path(path_type=Path), default=None,
+              help="Also write the summary (counts, request latency p50/p99) as JSON here.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Path,
+            registry: Path | None, seed: int | None, vocabulary: Path | None, ca_file: Path | None,
+            start_hour: float | None, summary: Path | None, progress: bool) -> None:
+    """Run an emulated fleet of CONFIG's train clients against the coordinator at --coordinator
+    until it says the run is done. A worker process that dies is restarted with its devices."""
+    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.run_dir import atomic_write
+    from dpfleet.fleet.emulate import Fleet, load_devices
+    from dpfleet.fleet.emulate import fleet_keys as read_keys
+    from dpfleet.fleet.registry import public_registry, write_public_registry
+
+    cfg = load_config(config)
+    log = lambda s: click.echo(s, err=True)  # noqa: E731
+    ids, examples, params = load_devices(cfg, devices, vocabulary)
+    keys = read_keys(fleet_keys, len(ids))
+    pins = public_registry(keys, ids)
+    registry = registry or fleet_keys.with_name("fleet_public.json")
+    write_public_registry(registry, pins)
+    log(f"fleet: {len(ids)} devices in {processes} processes; public keys in {registry}")
+    runner = Fleet(cfg, url, ids, examples, keys, pins, processes=processes,
+                   seed=cfg.seed if seed is None else seed, model_bytes=4 * params,
+                   start_hour=_start_hour(start_hour), ca_file=str(ca_file) if ca_file else None,
+                   log=log)
+    del examples
+    began = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), desc="devices done", unit="dev", dynamic_ncols=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
+    runner.start()
+    try:
+        while not runner.done:
+            runner.poll(0.5)
+            if bar is not None:
+                total = runner.total()
+                bar.n = total.get("done", 0)
+                bar.set_postfix(assigned=total.get("assigned", 0), reported=total.get(
+                    "reported", 0) + total.get("secagg_done", 0), dropped=total.get("dropped", 0),
+                    refused=sum(v for k, v in total.items() if k.startswith("refused")), refresh=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        runner.stop()
+    result = runner.summary(time.perf_counter() - began)
+    if summary:
+        atomic_write(summary, json.dumps(result, indent=1))
+    counts = result["counts"]
+    click.echo(f"fleet finished: {result['devices']} devices, {counts.get('assigned', 0)} assignments, "
+               f"{counts.get('reported', 0) + counts.get('secagg_done', 0)} updates sent, "
+               f"{counts.get('dropped', 0)} dropped, {result['restarts']} worker restarts; "
+               f"request latency p50 {_ms(result['latency_p50_s'])} p99 {_ms(result['latency_p99_s'])}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+@fleet.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--state", type=click.Path(path_type=Path), default=Path("runs/fleet"), show_default=True,
+              help="Coordinator state = run directory; an existing one is continued.")
+@click.option("--devices", type=int, default=0, show_default=True, help=DEVICES_HELP)
+@click.option("--processes", type=int, default=2, show_default=True, help=PROCESSES_HELP)
+@click.option("--rounds", type=int, default=None, help="Override the config's rounds.")
+@click.option("--seed", type=int, default=None, help="Fleet seed for behaviour draws (default: config seed).")
+@click.option("--grace", type=float, default=20.0, show_default=True,
+              help="Seconds to wait for a clean stop before terminating, then killing.")
+def run(config: Path, state: Path, devices: int, processes: int, rounds: int | None,
+        seed: int | None, grace: float) -> None:
+    """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
+    as subprocesses, show the rounds as they commit, and leave simulate's run directory in
+    STATE (plus service.log), and the fleet's keys, registry and both console logs in
+    STATE_fleet/ beside it.
+
+    Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
+    seconds); running the same command again continues the run.
+    """
+    from dpfleet.fleet.supervisor import run_fleet
+
+    run_fleet(config, state, devices=devices, processes=processes, rounds=rounds, seed=seed,
+              grace_s=grace)

@@ -1,0 +1,183 @@
+"""`dpfleet fleet emulate`: prepare the devices, start K worker processes, watch them, summarize.
+
+Why the parent prepares the data: the devices' examples must be exactly `simulate`'s
+(`simulation.prepare_data`, device i = train client i), and tokenizing once is cheaper than once
+per worker. The parent then hands each worker only its own devices' examples and keys (spawned
+processes get a pickled copy of their slice and nothing else) and drops the full data set.
+
+Why the parent watches: a worker that dies (a crash, or `kill -9` in the fault tests) is started
+again with the same devices and their timers (each assignment is reported at once), as phones
+come back after a reboot; the round it was in completes from the survivors or fails cleanly at
+the coordinator, which is the coordinator's business, not the fleet's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.errors import DpfleetError
+from dpfleet.fleet.clock import read_time_scale
+from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, worker_main
+
+MAX_RESTARTS = 5  # per worker: a worker that keeps dying is a bug to report, not to hide
+RESTART_DELAY_S = 1.0
+
+
+def fleet_keys(path: Path, devices: int):
+    """The identity keys of devices 0..devices-1: read from `path`, or created there if absent."""
+    from dpfleet.secagg.fleet import create_fleet_file, load_fleet_file
+
+    path = Path(path)
+    keys = load_fleet_file(path) if path.exists() else create_fleet_file(path, devices)
+    if len(keys) < devices:
+        raise DpfleetError(f"fleet key file {path} holds {len(keys)} device keys but the fleet has "
+                           f"{devices} devices; use a new --fleet-keys file")
+    return {i: keys[i] for i in range(devices)}
+
+
+def needs_coordinator_vocabulary(cfg: SimulationConfig) -> bool:
+    """A DP word vocabulary is drawn with fresh noise: the fleet must use the coordinator's."""
+    tok = cfg.tokenizer
+    return tok.kind == "word" and not tok.path and not tok.allow_nonprivate_vocabulary
+
+
+def load_devices(cfg: SimulationConfig, devices: int = 0, vocabulary: Path | None = None
+                 ) -> tuple[list[str], list[np.ndarray], int]:
+    """(device ids, each device's examples, model parameters) as `simulate` prepares them."""
+    import torch
+
+    from dpfleet.coordinator.simulation import DP_VOCABULARY, prepare_data
+    from dpfleet.export.models import build_model
+
+    if needs_coordinator_vocabulary(cfg) and (
+            vocabulary is None or not (Path(vocabulary) / DP_VOCABULARY).is_file()):
+        raise DpfleetError("this config's word vocabulary is chosen with DP by the coordinator; "
+                           "pass --vocabulary STATE/vocabulary (the coordinator's) so the "
+                           "devices tokenize with the same one")
+    tokenizer, data = prepare_data(cfg, Path(vocabulary) if vocabulary else None)
+    if devices < 0 or devices > len(data.train):
+        raise DpfleetError(f"--devices must be in 1..{len(data.train)} (the config's train "
+                           f"clients), got {devices}")
+    train = data.train[: devices or None]
+    model = build_model(dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+    params = sum(int(p.numel()) for p in model.parameters())
+    del model
+    torch.set_num_threads(1)
+    return [c.user for c in train], [c.examples for c in train], params
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+class Fleet:
+    """K worker processes owning the devices round-robin, restarted if they die."""
+
+    def __init__(self, cfg: SimulationConfig, url: str, ids: list[str], examples: list[np.ndarray],
+                 keys: dict, registry: dict[str, bytes], *, processes: int, seed: int,
+                 model_bytes: int, start_hour: float, ca_file: str | None = None,
+                 log: Callable[[str], None] = print):
+        if processes < 1:
+            raise DpfleetError("--processes must be >= 1")
+        self.cfg, self.log = cfg, log
+        self.ctx = mp.get_context("spawn")
+        self.events = self.ctx.Queue()
+        scale = read_time_scale(cfg)
+        period_h = cfg.participation.timer_period if cfg.participation.mode == "timer" else 0.0
+        origin = time.time()
+        self.specs = [
+            WorkerSpec(worker=w, cfg=cfg, url=url, devices=[
+                DeviceSpec(i, ids[i], examples[i], keys[i].private_bytes_raw())
+                for i in range(w, len(ids), processes)],
+                pinned=registry, seed=seed, origin=origin, start_hour=start_hour,
+                time_scale=scale, timer_period_s=period_h * 3600.0, model_bytes=model_bytes,
+                ca_file=ca_file)
+            for w in range(min(processes, len(ids)))]
+        self.procs: dict[int, mp.Process] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+        self.final: dict[int, tuple] = {}
+        self.timers: dict[int, float] = {}  # device index -> simulated time of its last assignment
+        self.restarts = 0
+        self.restarts_of: dict[int, int] = {}
+
+    def start(self) -> None:
+        for spec in self.specs:
+            self._spawn(spec)
+
+    def _spawn(self, spec: WorkerSpec) -> None:
+        for d in spec.devices:
+            d.timer_last = self.timers.get(d.index, d.timer_last)
+        spec.counts = dict(self.counts.get(spec.worker, {}))  # counts go on across a restart
+        proc = self.ctx.Process(target=worker_main, args=(spec, self.events), daemon=True,
+                                name=f"dpfleet-fleet-worker-{spec.worker}")
+        proc.start()
+        self.procs[spec.worker] = proc
+        self.log(f"worker {spec.worker}: pid {proc.pid}, {len(spec.devices)} devices")
+
+    @property
+    def done(self) -> bool:
+        return len(self.final) == len(self.specs)
+
+    def poll(self, timeout: float = 0.5) -> None:
+        """Take the workers' messages; restart a worker that died before it finished."""
+        for message in drain(self.events, timeout):
+            kind, worker = message[0], message[1]
+            if kind == "counts":
+                self.counts[worker] = message[2]
+            elif kind == "timer":
+                self.timers[message[2]] = message[3]
+            elif kind == "final":
+                self.counts[worker] = message[2]
+                self.final[worker] = message
+        for spec in self.specs:
+            proc = self.procs[spec.worker]
+            if spec.worker in self.final or proc.is_alive():
+                continue
+            proc.join()
+            n = self.restarts_of.get(spec.worker, 0)
+            if n >= MAX_RESTARTS:
+                raise DpfleetError(f"worker {spec.worker} died {n + 1} times (exit {proc.exitcode}); "
+                                   "giving up")
+            self.log(f"worker {spec.worker} (pid {proc.pid}) died with exit code {proc.exitcode}; "
+                     f"restarting its {len(spec.devices)} devices")
+            self.restarts_of[spec.worker] = n + 1
+            self.restarts += 1
+            time.sleep(RESTART_DELAY_S)
+            self._spawn(spec)
+
+    def total(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for counts in self.counts.values():
+            for k, v in counts.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def summary(self, wall_s: float) -> dict:
+        latencies = [x for f in self.final.values() for x in f[3]]
+        train = [x for f in self.final.values() for x in f[4]]
+        return {
+            "devices": sum(len(s.devices) for s in self.specs), "processes": len(self.specs),
+            "wall_s": wall_s, "restarts": self.restarts, "counts": self.total(),
+            "requests": len(latencies),
+            "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+            "train_s_total": float(sum(train)), "trainings": len(train),
+            "outcomes": [list(o) for f in self.final.values() for o in f[5]],
+        }

@@ -1,0 +1,198 @@
+"""`dpfleet fleet run`: one command for a local coordinator and an emulated fleet.
+
+Why subprocesses (not threads or one event loop): they are the same two programs a user runs
+by hand, `coordinator serve` and `fleet emulate`, so `fleet run` tests what ships, a crash of
+one is visible as an exit code, and Ctrl-C can stop them in the right order: the coordinator
+first through its admin API (it finishes or abandons the open round durably), then the fleet.
+Both run in their own sessions so a terminal's Ctrl-C reaches only this supervisor.
+Re-running the same command continues: `serve` continues an existing state, the fleet reuses
+its key file. The fleet's files live beside STATE, in STATE_fleet/ (STATE belongs to `serve`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dpfleet.errors import DpfleetError
+
+STARTUP_TIMEOUT_S = 600.0  # the coordinator prepares the data and the model before it listens
+FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check-ins end the fleet
+
+
+def fleet_dir_of(state: Path) -> Path:
+    """Where `fleet run` keeps the fleet's keys, registry and both programs' console logs."""
+    return state.with_name(state.name + "_fleet")
+
+
+def admin_request(admin: dict, method: str, path: str, timeout: float = 5.0) -> dict:
+    """One admin API call with the bearer token from STATE/admin.json."""
+    req = urllib.request.Request(admin["url"].rstrip("/") + path, method=method,
+                                 headers={"Authorization": f"Bearer {admin['token']}"},
+                                 data=b"" if method == "POST" else None)
+    ctx = None
+    if admin.get("tls_cert"):
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=admin["tls_cert"])
+    with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
+        return json.loads(resp.read())
+
+
+def wait_for_admin(state: Path, proc: subprocess.Popen, log_path: Path,
+                   timeout: float = STARTUP_TIMEOUT_S) -> dict:
+    """STATE/admin.json once the coordinator we started (its pid) has written it."""
+    path = state / "admin.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DpfleetError(f"the coordinator exited with code {proc.returncode}: "
+                               f"{last_line(log_path)} (log: {log_path})")
+        with contextlib.suppress(OSError, ValueError):
+            admin = json.loads(path.read_text())
+            if admin.get("pid") == proc.pid:
+                return admin
+        time.sleep(0.1)
+    raise DpfleetError(f"the coordinator did not start within {timeout:.0f} s (log: {log_path})")
+
+
+def last_line(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+        if lines:
+            return lines[-1].strip()
+    return "(no output)"
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to `grace_s` for `proc` to end, then SIGTERM, then SIGKILL."""
+    for sig, wait in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+
+
+def _dpfleet(*args: object) -> list[str]:
+    return [sys.executable, "-m", "dpfleet", *map(str, args)]
+
+
+def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2,
+              rounds: int | None = None, seed: int | None = None, grace_s: float = 20.0,
+              progress: bool = True, log=print) -> dict:
+    """Run (or continue) a local coordinator + fleet to the end; the last admin status."""
+    from dpfleet.coordinator.config import load_config
+    from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
+    from dpfleet.fleet.registry import public_registry, write_public_registry
+
+    cfg = load_config(config)  # a bad config fails here, before anything starts
+    if needs_coordinator_vocabulary(cfg):
+        raise DpfleetError("fleet run: the devices must tokenize with the coordinator's DP word "
+                           "vocabulary; run `coordinator serve` and `fleet emulate --vocabulary "
+                           "STATE/vocabulary` by hand, or use a public tokenizer")
+    state = Path(state)
+    fleet_dir = fleet_dir_of(state)  # beside STATE: serve starts only in an empty or its own folder
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    keys_path, registry_path = fleet_dir / "fleet_keys.json", fleet_dir / "fleet_public.json"
+    ids, _, _ = load_devices(cfg, devices)  # the registry first: serve admits only these keys
+    write_public_registry(registry_path, public_registry(fleet_keys(keys_path, len(ids)), ids))
+
+    serve_log, fleet_log = fleet_dir / "serve.console.log", fleet_dir / "emulate.log"
+    serve_cmd = _dpfleet("coordinator", "serve", config, "--state", state, "--listen",
+                         "127.0.0.1:0", "--fleet-public", registry_path)
+    if rounds is not None:
+        serve_cmd += ["--rounds", str(rounds)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    admin: dict | None = None
+    status: dict = {}
+    try:
+        with open(serve_log, "ab") as out:
+            serve = subprocess.Popen(serve_cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+        procs.append(serve)
+        admin = wait_for_admin(state, serve, serve_log)
+        log(f"coordinator: {admin['url']} (pid {serve.pid}, log {serve_log})")
+        emulate_cmd = _dpfleet("fleet", "emulate", config, "--coordinator", admin["url"],
+                               "--devices", len(ids), "--processes", processes, "--fleet-keys",
+                               keys_path, "--registry", registry_path, "--no-progress",
+                               "--summary", fleet_dir / "summary.json")
+        if seed is not None:
+            emulate_cmd += ["--seed", str(seed)]
+        if admin.get("tls_cert"):
+            emulate_cmd += ["--ca-file", admin["tls_cert"]]
+        with open(fleet_log, "ab") as out:
+            fleet = subprocess.Popen(emulate_cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+        procs.append(fleet)
+        log(f"fleet: {len(ids)} devices in {processes} processes (pid {fleet.pid}, log {fleet_log})")
+        status = _watch(admin, serve, fleet, fleet_log, progress)
+        stop_process(fleet, FLEET_LINGER_S)
+    except KeyboardInterrupt:
+        log("stopping: coordinator first (rerun the same command to continue)")
+        status = _stop(admin, procs, grace_s) or status
+        return status
+    except BaseException:
+        _stop(admin, procs, grace_s)
+        raise
+    if serve.returncode not in (0, None):
+        raise DpfleetError(f"the coordinator exited with code {serve.returncode}: "
+                           f"{last_line(serve_log)} (log: {serve_log})")
+    log(f"run directory: {state} (metrics.jsonl, participation.jsonl, privacy report, checkpoint/, "
+        f"service.log); fleet: {fleet_dir}")
+    return status
+
+
+def _watch(admin: dict, serve: subprocess.Popen, fleet: subprocess.Popen, fleet_log: Path,
+           progress: bool) -> dict:
+    """Show rounds committed / eps / accuracy until the coordinator exits; its last status."""
+    bar, status = None, {}
+    try:
+        while serve.poll() is None:
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+                status = admin_request(admin, "GET", "/v1/admin/status")
+            if fleet.poll() is not None and fleet.returncode != 0:
+                raise DpfleetError(f"the fleet exited with code {fleet.returncode}: "
+                                   f"{last_line(fleet_log)} (log: {fleet_log})")
+            if progress and status:
+                if bar is None:
+                    from tqdm import tqdm
+
+                    bar = tqdm(total=status.get("rounds_planned"), desc="rounds", unit="round",
+                               dynamic_ncols=True)
+                bar.n = status.get("rounds_committed", 0)
+                acc = status.get("last_accuracy")
+                bar.set_postfix(eps=f"{status.get('epsilon', 0.0):.2f}",
+                                acc="-" if acc is None else f"{acc:.4f}",
+                                failed=status.get("rounds_failed", 0), phase=status.get("phase"),
+                                refresh=True)
+            if status.get("run_state") == "finished":
+                serve.wait(60)
+                break
+            time.sleep(1.0)
+    finally:
+        if bar is not None:
+            bar.close()
+    return status
+
+
+def _stop(admin: dict | None, procs: list[subprocess.Popen], grace_s: float) -> dict:
+    """Admin stop, then terminate, then kill: coordinator first, fleet second."""
+    status: dict = {}
+    if admin is not None and procs and procs[0].poll() is None:
+        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+            status = admin_request(admin, "POST", "/v1/admin/stop")
+    for proc in procs:
+        stop_process(proc, grace_s if proc is procs[0] else 5.0)
+    return status

@@ -1,0 +1,225 @@
+"""One worker process of the emulated fleet: a slice of devices as coroutines on one event loop.
+
+Why processes with asyncio inside: a thousand phones are mostly asleep (timers, charging windows),
+so each is a coroutine; what costs CPU is local training, which runs in ONE thread per process
+(the loop's default executor, where the participant's `asyncio.to_thread` lands) with torch
+threads = 1, so K processes train at most K devices at once and a 2-core machine is never
+oversubscribed. The participant's runtime is cached per process and is not thread-safe, which
+is a second reason for exactly one training thread.
+
+A worker knows only its own devices: their examples, their private keys, their behaviour. It
+reports counts (never data) to the parent through a queue, and each assignment at once, so that
+a worker restarted after a crash gets its devices' timers back (a phone keeps its timer across a
+reboot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import queue as queue_mod
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.fleet.behaviour import Behaviour
+from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.fleet.device import DeviceState, device_loop
+
+REPORT_EVERY_S = 0.5
+WATCH_EVERY_S = 2.0
+POLL_PATH = "/secagg?"  # a GET here is a long-poll: its wait is not a request latency
+
+
+@dataclass
+class DeviceSpec:
+    index: int
+    device_id: str
+    examples: np.ndarray
+    key: bytes  # raw 32-byte Ed25519 private key
+    timer_last: float | None = None  # simulated time of its last assignment (restarts)
+
+
+@dataclass
+class WorkerSpec:
+    worker: int
+    cfg: SimulationConfig
+    url: str
+    devices: list[DeviceSpec]
+    pinned: dict[str, bytes]  # the fleet's public registry, got out of band (SecAgg pins)
+    seed: int
+    origin: float  # unix time at simulated time 0 (shared by all workers)
+    start_hour: float
+    time_scale: float
+    timer_period_s: float  # simulated seconds a device stays away after an assignment
+    model_bytes: int  # size of one model / update on the wire (link sleeps)
+    ca_file: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def worker_main(spec: WorkerSpec, events) -> None:
+    """Process entry (multiprocessing spawn): run the slice's devices until all are done."""
+    import torch
+
+    torch.set_num_threads(1)
+    asyncio.run(_run(spec, events))
+
+
+def _timed_link_class():
+    from dpfleet.fleet.link import CoordinatorLink
+
+    class TimedLink(CoordinatorLink):
+        """The service's link, timing each request (with its retries) for the benchmark."""
+
+        latencies: list[float]
+
+        async def request(self, method, path_qs, body=b"", **kw):
+            began = time.perf_counter()
+            try:
+                return await super().request(method, path_qs, body, **kw)
+            finally:
+                if not (method == "GET" and POLL_PATH in path_qs):
+                    self.latencies.append(time.perf_counter() - began)
+
+    return TimedLink
+
+
+class Hooks:
+    """The participant's `before_phase` hook for one device: link delays and per-phase dropout."""
+
+    def __init__(self, behaviour: Behaviour, clock: FleetClock, model_bytes: int, assignment: dict):
+        self.b, self.clock, self.model_bytes = behaviour, clock, model_bytes
+        self.round, self.attempt = int(assignment["round"]), int(assignment.get("attempt", 0))
+
+    def _drop(self, phase: str) -> None:
+        from dpfleet.fleet.participant import DropOut
+
+        if self.b.drops(phase, self.round, self.attempt):
+            raise DropOut(f"emulated dropout in phase {phase}")
+
+    async def __call__(self, phase: str) -> None:
+        if phase in ("train", "commit"):  # the participant downloads the plan and model next
+            self._drop("download")
+            await self.clock.sleep(self.b.transfer_seconds(self.model_bytes))
+        self._drop(phase)
+        big = phase in ("report", "mask")  # the update (or its masked form) goes up
+        await self.clock.sleep(self.b.transfer_seconds(self.model_bytes if big else 256))
+
+
+async def _run(spec: WorkerSpec, events) -> None:
+    import aiohttp
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dpfleet.fleet.link import LinkError
+    from dpfleet.fleet.participant import local_policy, take_part
+
+    cfg = spec.cfg
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1, "train"))
+    clock = FleetClock(spec.time_scale, spec.origin, spec.start_hour)
+    policy = functools.partial(local_policy, cfg.dp.report_goal, cfg.aggregation.graph,
+                               cfg.aggregation.corruption)
+    counts: dict[str, int] = spec.counts
+    latencies: list[float] = []
+    train_seconds: list[float] = []
+    outcomes: list[tuple[str, int, int, str]] = []  # (device id, round, attempt, outcome)
+    examples = {d.index: d.examples for d in spec.devices}
+
+    def on_event(device: DeviceState, event: str) -> None:
+        counts[event] = counts.get(event, 0) + 1
+        if event == "assigned":  # at once: a restarted worker must not forget a timer
+            events.put(("timer", spec.worker, device.index, device.timer.last))
+
+    async def participate(device: DeviceState, assignment: dict) -> str:
+        outcome = await take_part(
+            device.link, assignment, examples[device.index], policy=policy, pinned=spec.pinned,
+            before_phase=Hooks(device.behaviour, clock, spec.model_bytes, assignment),
+            speed=device.behaviour.profile.speed, threads=1)
+        if outcome.train_seconds:
+            train_seconds.append(outcome.train_seconds)
+        outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
+                         outcome.kind))
+        if outcome.kind == "dropped":  # gone for this round: back only after its last deadline
+            device.offline_until = clock.now() + offline_for(assignment) * clock.time_scale
+        return outcome.kind
+
+    async def report_counts() -> None:
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            events.put(("counts", spec.worker, dict(counts)))
+
+    async def watch_run(session, tasks: list[asyncio.Task]) -> None:
+        """End devices asleep on a long timer once the run is over (they would only learn it at
+        their next check-in), and end the worker if its parent is gone (orphaned by kill -9)."""
+        parent = os.getppid()
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            finished = os.getppid() != parent
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with session.get(spec.url.rstrip("/") + "/v1/public/status",
+                                       ssl=devices[0].link._ssl or True) as resp:
+                    if resp.status == 200:
+                        finished |= (await resp.json()).get("run_state") == "finished"
+            if finished:
+                for task in tasks:
+                    task.cancel()
+                return
+
+    link_cls = _timed_link_class()
+    link_cls.latencies = latencies
+    connector = aiohttp.TCPConnector(limit=0)  # every device may hold a long-poll at once
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        devices = []
+        for d in spec.devices:
+            state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index),
+                                DeviceTimer(spec.timer_period_s, d.timer_last),
+                                runtime=cfg.client.runtime)
+            state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),
+                                  ca_file=spec.ca_file, session=session,
+                                  rng=random.Random(f"{spec.seed}/{d.index}"))
+            devices.append(state)
+        reporter = asyncio.ensure_future(report_counts())
+        tasks = [asyncio.ensure_future(device_loop(
+            dev, dev.link, clock, participate, rng=random.Random(dev.index), on_event=on_event,
+            link_errors=(LinkError,))) for dev in devices]
+        watcher = asyncio.ensure_future(watch_run(session, tasks))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        reporter.cancel()
+        watcher.cancel()
+    for r in results:
+        if isinstance(r, asyncio.CancelledError):  # asleep when the run finished
+            counts["done"] = counts.get("done", 0) + 1
+        elif isinstance(r, BaseException):
+            counts[f"crashed_{type(r).__name__}"] = counts.get(f"crashed_{type(r).__name__}", 0) + 1
+    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes))
+    # the queue's feeder thread must flush before the process exits
+    if hasattr(events, "close"):
+        events.close()
+        events.join_thread()
+
+
+def offline_for(assignment: dict, now: float | None = None) -> float:
+    """Wall seconds a device that dropped out stays away: until the round's last deadline (a
+    device that came straight back would be handed the same assignment and drop again)."""
+    deadlines = [float(v) for v in (assignment.get("deadlines") or {}).values()]
+    if not deadlines:
+        return 0.0
+    return max(0.0, max(deadlines) - (time.time() if now is None else now))
+
+
+def drain(events, timeout: float) -> list[tuple]:
+    """Everything the workers sent within `timeout` seconds (at least one get)."""
+    out = []
+    try:
+        out.append(events.get(timeout=timeout))
+        while True:
+            out.append(events.get_nowait())
+    except queue_mod.Empty:
+        pass
+    return out

@@ -1,0 +1,165 @@
+"""`dpfleet coordinator status | pause | resume | stop | report`: operate a running coordinator.
+
+Standalone click commands; `add_admin_commands(group)` hangs them under the `coordinator` group
+(`service/cli.py`). Each reaches the coordinator through STATE/admin.json (`--state`, a
+coordinator on this machine) or `--url` + `--token-file` (anywhere), and prints a table for a
+person or, with `--json`, the coordinator's own JSON (which always has `rounds_committed`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
+from dpfleet.service.admin_client import AdminClient, target_from_state, target_from_url
+from dpfleet.service.status_page import format_duration
+
+
+def _target_options(fn: Callable) -> Callable:
+    """The options every admin command shares, turned into one `client` argument."""
+
+    @click.option("--state", "state", type=click.Path(path_type=Path), default=None,
+                  help="The coordinator's state directory on this machine: reads STATE/admin.json "
+                       "(url, admin token, pid, TLS certificate) that `serve` wrote.")
+    @click.option("--url", default=None,
+                  help="The coordinator's URL (http[s]://HOST:PORT), with --token-file.")
+    @click.option("--token-file", type=click.Path(path_type=Path), default=None,
+                  help="A file holding the admin token (with --url); a file, so the token never "
+                       "shows in the shell history or the process list.")
+    @click.option("--tls-cert", type=click.Path(path_type=Path), default=None,
+                  help="With an https --url: the coordinator's (self-signed) certificate to trust.")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="Print machine-readable JSON (always includes rounds_committed).")
+    @click.option("--timeout", type=float, default=10.0, show_default=True,
+                  help="Seconds to wait for the coordinator's answer.")
+    @functools.wraps(fn)
+    def wrapper(state, url, token_file, tls_cert, as_json, timeout, **kwargs):
+        if state is not None and (url or token_file or tls_cert):
+            raise DpfleetError("give either --state DIR or --url URL --token-file FILE, not both")
+        if state is not None:
+            target = target_from_state(state)
+        elif url and token_file:
+            target = target_from_url(url, token_file, tls_cert)
+        elif url or token_file:
+            raise DpfleetError("--url and --token-file go together (or use --state DIR)")
+        else:
+            raise DpfleetError("which coordinator? give --state DIR (one on this machine) "
+                               "or --url URL --token-file FILE")
+        return fn(AdminClient(target, timeout=timeout), as_json, **kwargs)
+
+    return wrapper
+
+
+def _num(value: object, fmt: str, none: str = "-") -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return none
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value == math.inf else none
+    return format(value, fmt)
+
+
+def format_status(status: dict, url: str) -> str:
+    """The status as an aligned two-column table, then the mean time of each phase."""
+    dev = status.get("devices") if isinstance(status.get("devices"), dict) else {}
+    planned = status.get("rounds_planned")
+    rows = [
+        ("coordinator", f"{url}  (up {format_duration(status.get('uptime_s'))})"),
+        ("run state", str(status.get("run_state", "-"))),
+        ("round", f"{_num(status.get('round'), 'd')}  phase {status.get('phase', '-')}"),
+        ("devices", f"{_num(dev.get('waiting'), 'd')} waiting, {_num(dev.get('training'), 'd')} "
+                    f"training, {_num(dev.get('refused_timer'), 'd')} refused by timer "
+                    f"({_num(dev.get('registered'), 'd')} registered)"),
+        ("rounds", f"{_num(status.get('rounds_committed'), 'd')} committed, "
+                   f"{_num(status.get('rounds_failed'), 'd')} failed, "
+                   f"{_num(planned, 'd')} planned"),
+        ("eps spent so far", f"{_num(status.get('epsilon'), '.4f', 'n/a')} at delta "
+                             f"{_num(status.get('delta'), 'g', 'n/a')}"),
+        ("last accuracy", _num(status.get("last_accuracy"), ".4f", "n/a (no evaluation yet)")),
+    ]
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"{k:<{width}}{v}" for k, v in rows]
+    phases = status.get("phase_seconds")
+    if isinstance(phases, dict) and phases:
+        lines.append("mean time per phase")
+        pw = max(len(str(p)) for p in phases) + 2
+        lines += [f"  {str(p):<{pw}}{_num(s, '9.3f')} s" for p, s in phases.items()]
+    return "\n".join(lines)
+
+
+def _one_line(status: dict) -> str:
+    return (f"{status['run_state']}: round {status['round']} (phase {status['phase']}), "
+            f"{status['rounds_committed']} committed, {status['rounds_failed']} failed of "
+            f"{status['rounds_planned']} planned")
+
+
+@click.command("status")
+@_target_options
+def status(client: AdminClient, as_json: bool) -> None:
+    """Show a running coordinator: run state, round and phase, devices waiting / training /
+    refused by their timer, rounds committed / failed / planned, eps spent so far, the last
+    held-out accuracy and the mean time of each phase."""
+    st = client.status()
+    click.echo(dumps(st) if as_json else format_status(st, client.target.url))
+
+
+def _control(action: str) -> click.Command:
+    verbs = {"pause": "Pause the run: no new round opens (the open one still finishes or fails by "
+                      "its deadlines) and devices that check in are told to come back later.",
+             "resume": "Resume a paused run.",
+             "stop": "Stop the coordinator: an open round fails now (nothing of it is released); "
+                     "committed rounds are durable and `serve` on the same --state continues."}
+
+    @_target_options
+    def command(client: AdminClient, as_json: bool) -> None:
+        st = getattr(client, action)()
+        click.echo(dumps(st) if as_json else _one_line(st))
+
+    command.__doc__ = verbs[action] + " Prints the new status."
+    return click.command(action)(command)
+
+
+pause = _control("pause")
+resume = _control("resume")
+stop = _control("stop")
+
+
+@click.command("report")
+@_target_options
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Write the report (markdown) to this file instead of printing it.")
+def report(client: AdminClient, as_json: bool, out: Path | None) -> None:
+    """The privacy report (markdown) that the coordinator writes from its own release log:
+    eps spent, MinS / MaxP observed, and what the guarantee does not cover."""
+    text = client.report()
+    if out is not None:
+        from dpfleet.coordinator.run_dir import atomic_write
+
+        try:
+            atomic_write(out, text)
+        except OSError as exc:
+            raise DpfleetError(f"cannot write the report to {out} ({exc.strerror})") from None
+    if as_json:
+        st = client.status()
+        click.echo(dumps({"rounds_committed": st["rounds_committed"], "epsilon": st["epsilon"],
+                          "delta": st["delta"], "report": text,
+                          "out": None if out is None else str(out)}))
+    elif out is not None:
+        click.echo(f"privacy report written to {out}")
+    else:
+        click.echo(text.rstrip("\n"))
+
+
+ADMIN_COMMANDS = (status, pause, resume, stop, report)
+
+
+def add_admin_commands(group: click.Group) -> click.Group:
+    """Hang the admin commands under `group` (the `coordinator` group)."""
+    for command in ADMIN_COMMANDS:
+        group.add_command(command)
+    return group

@@ -1,0 +1,121 @@
+"""One emulated device's check-in loop (fleet/device.py): its own timer and eligibility rule it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfleet.coordinator.config import FleetSection
+from dpfleet.fleet.behaviour import Behaviour
+from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.fleet.device import DeviceState, device_loop, wait_before_checkin
+
+T0 = 1_700_000_000.0
+
+
+class SteppedClock(FleetClock):
+    """Stands in for wall time: sleeping advances a virtual wall clock instantly."""
+
+    def __init__(self, time_scale: float, start_hour: float = 0.0):
+        self.wall_t = T0
+        super().__init__(time_scale, T0, start_hour, wall=lambda: self.wall_t)
+
+    async def sleep(self, sim_seconds: float) -> None:
+        self.wall_t += self.wall_seconds(sim_seconds)
+        await asyncio.sleep(0)
+
+
+class ScriptedCoordinator:
+    """Stands in for CoordinatorLink: replies from a script, records when each check-in came."""
+
+    def __init__(self, clock: SteppedClock, script: list[str], after_s: float):
+        self.clock, self.script, self.after_s = clock, list(script), after_s
+        self.checkins: list[tuple[float, dict, float | None]] = []
+
+    async def register(self) -> dict:
+        return {"registered": True}
+
+    async def checkin(self, *, runtime, timer_expires_at, **eligibility):
+        self.checkins.append((self.clock.now(), eligibility, timer_expires_at))
+        self.clock.wall_t += 0.001  # the request takes a moment
+        kind = self.script.pop(0) if self.script else "done"
+        if kind == "assignment":
+            return {"kind": "assignment", "round": len(self.checkins), "attempt": 0}
+        if kind == "refused":
+            return {"kind": "refused", "reason": "timer", "after_s": self.after_s}
+        return {"kind": kind, "after_s": self.after_s}
+
+
+def run(device: DeviceState, coordinator: ScriptedCoordinator, clock: SteppedClock,
+        train_wall_s: float = 0.0) -> list[float]:
+    assigned: list[float] = []
+
+    async def participate(dev, assignment):
+        assigned.append(clock.now())
+        clock.wall_t += train_wall_s
+        return "reported"
+
+    async def main():
+        loop_sleep = asyncio.sleep
+
+        async def fast_sleep(seconds):  # retries advance the virtual wall clock too
+            clock.wall_t += seconds
+            await loop_sleep(0)
+
+        asyncio.sleep = fast_sleep
+        try:
+            await device_loop(device, coordinator, clock, participate, rng=random.Random(0))
+        finally:
+            asyncio.sleep = loop_sleep
+
+    asyncio.run(main())
+    return assigned
+
+
+@settings(max_examples=40, deadline=None)
+@given(script=st.lists(st.sampled_from(["assignment", "retry", "refused"]), max_size=25),
+       period_h=st.floats(0.0, 48.0), scale=st.sampled_from([1.0, 600.0, 86_400.0]),
+       after_s=st.floats(0.0, 5.0), charging_hours=st.sampled_from([24.0, 8.0]),
+       train_wall_s=st.floats(0.0, 2.0))
+def test_device_never_checks_in_before_its_timer_expires(script, period_h, scale, after_s,
+                                                          charging_hours, train_wall_s):
+    clock = SteppedClock(scale, start_hour=12.0)
+    section = FleetSection(charging_hours=charging_hours, idle=0.9, unmetered=0.9)
+    device = DeviceState(0, "u0", Behaviour(section, 3, 0), DeviceTimer(period_h * 3600.0))
+    coordinator = ScriptedCoordinator(clock, script, after_s)
+    assigned = run(device, coordinator, clock, train_wall_s)
+    assert len(assigned) == script.count("assignment")
+    for t, eligibility, expires in coordinator.checkins:
+        earlier = [a for a in assigned if a <= t]
+        if earlier:  # a whole timer period since the last assignment, on the device's own clock
+            assert t - earlier[-1] >= period_h * 3600.0 - 1e-6
+            assert expires is not None and clock.to_unix(t / 1.0) >= expires - 1e-6
+        else:
+            assert expires is None
+        assert all(eligibility.values())  # it checks in only when charging, idle and unmetered
+    assert device.counts["done"] == 1
+
+
+def test_ineligible_device_sleeps_to_its_window_in_one_step():
+    section = FleetSection(charging_hours=6.0, charging_start=22.0)
+    clock = SteppedClock(86_400.0, start_hour=12.0)  # noon: outside every window
+    behaviour = Behaviour(section, 0, 4)
+    device = DeviceState(4, "u4", behaviour, DeviceTimer(0.0))
+    wait = wait_before_checkin(device, clock, 0.0)
+    opens = (behaviour.profile.charge_start - behaviour.profile.tz_offset - 12.0) % 24 * 3600
+    assert abs(wait - opens) < 1.0
+    assert wait_before_checkin(device, clock, wait + 1.0) == 0.0
+
+
+def test_timer_state_is_the_devices_own():
+    clock = SteppedClock(86_400.0)
+    devices = [DeviceState(i, f"u{i}", Behaviour(FleetSection(), 0, i), DeviceTimer(86_400.0))
+               for i in range(2)]
+    coordinator = ScriptedCoordinator(clock, ["assignment"], 0.5)
+    run(devices[0], coordinator, clock)
+    assert devices[0].timer.last is not None and devices[1].timer.last is None
+    assert wait_before_checkin(devices[1], clock, clock.now()) == 0.0
+    assert wait_before_checkin(devices[0], clock, devices[0].timer.last + 10.0) > 86_000.0
