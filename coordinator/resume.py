@@ -42,7 +42,7 @@ from safetensors.numpy import save_file as save_numpy
 from dpfleet.coordinator.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.noise_stream import KEY_BYTES, key_id
-from dpfleet.coordinator.participation import Participation
+from dpfleet.coordinator.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.release_log import ReleaseLog
 from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.coordinator.run_dir import atomic_write, write_secret
@@ -135,9 +135,25 @@ def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
     estimator.tree = TreeNoise.from_state(tree, estimator.nodes)
 
 
+# [service] settings an operator may change between restarts of a coordinator: deadlines, rate
+# limits, the time scale. Not `overselect`: it changes the round size, hence the sensitivity.
+OPERATIONAL = {"service": {"overselect"}}
+
+
+def _accounted(config: dict) -> dict:
+    """The config without its operational settings (those do not touch noise or accounting)."""
+    out = dict(config)
+    for section, kept in OPERATIONAL.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k in kept}
+    return out
+
+
 def differing_keys(saved: dict, resolved: dict, keys: Sequence[str] | None = None) -> list[str]:
-    """Top-level keys (all, or `keys`) where a config saved as JSON and a resolved one differ."""
-    current = json.loads(json.dumps(resolved))  # compare like with like: tuples become lists
+    """Top-level keys (all, or `keys`) where a config saved as JSON and a resolved one differ,
+    operational service settings aside."""
+    saved = _accounted(saved)
+    current = _accounted(json.loads(json.dumps(resolved)))  # like with like: tuples become lists
     keys = sorted(set(saved) | set(current)) if keys is None else list(keys)
     return [k for k in keys if saved.get(k) != current.get(k)]
 
@@ -233,9 +249,17 @@ def replay(participation: Participation, accountant: RunAccountant, logged: list
         except KeyError as exc:
             raise DpfleetError(f"round {r + 1} of the log names device {exc}, which this config's "
                                "data does not have: the run was started with other data") from None
-        selection = participation.propose(r, np.asarray(contributed, dtype=np.int64)
-                                          if networked else None)
-        if not set(contributed) <= set(selection.devices):
+        try:
+            if networked:  # who checked in is not logged: those in the sum, all of them (an
+                # over-selected round may have more contributors than the report goal)
+                extra = max(0, len(contributed) - participation.report_goal)
+                selection = participation.propose(r, np.asarray(contributed, dtype=np.int64),
+                                                  extra=extra)
+            else:
+                selection = participation.propose(r)
+        except RoundUnfillable:
+            selection = None
+        if selection is None or not set(contributed) <= set(selection.devices):
             raise DpfleetError(f"round {r + 1} of the log does not replay under this config "
                                "(other devices would be selected): the run was started differently")
         participation.commit(selection, contributed)
