@@ -96,8 +96,9 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     url = f"{'https' if ctx else 'http'}://{'[' + host + ']' if ':' in host else host}:{bound}"
     admin_file = state / ADMIN_FILE
     admin_file.unlink(missing_ok=True)
+    cert = str(Path(tls_cert).resolve()) if tls_cert else None  # not relative to our cwd
     write_secret(admin_file, json.dumps({"url": url, "token": token, "pid": os.getpid(),
-                                         "tls_cert": str(tls_cert) if tls_cert else None}).encode())
+                                         "tls_cert": cert}).encode())
     service_log.event("listen", url=url)
     task = asyncio.create_task(driver.run())
     return Running(url, token, driver, runner, task, service_log, admin_file)
