@@ -196,6 +196,9 @@ class ResumeSource:
     point: Path | None  # the saved server state (save_server_state with `rounds_done`)
     key_folder: Path  # holds the noise key file
     metrics: list[dict]  # the logged per-round metrics
+    # selection among the devices that checked in (the networked coordinator): check-ins are
+    # not logged, so the replay takes each round's logged devices as the ones available
+    networked: bool = False
 
 
 def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
@@ -219,17 +222,19 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
 
 
 def replay(participation: Participation, accountant: RunAccountant, logged: list[dict],
-           users: Sequence[str]) -> None:
-    """Bring participation and the accountant to where they were after the logged rounds."""
+           users: Sequence[str], networked: bool = False) -> None:
+    """Bring participation and the accountant to where they were after the logged rounds
+    (`networked`: `ResumeSource.networked`; the guard still refuses any MinS / MaxP break)."""
     index = {u: i for i, u in enumerate(users)}
     for entry in logged:
         r = entry["round"]
-        selection = participation.propose(r)
         try:
             contributed = sorted(index[u] for u in entry["devices"])
         except KeyError as exc:
             raise DpfleetError(f"round {r + 1} of the log names device {exc}, which this config's "
                                "data does not have: the run was started with other data") from None
+        selection = participation.propose(r, np.asarray(contributed, dtype=np.int64)
+                                          if networked else None)
         if not set(contributed) <= set(selection.devices):
             raise DpfleetError(f"round {r + 1} of the log does not replay under this config "
                                "(other devices would be selected): the run was started differently")
@@ -294,7 +299,7 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
                for r in released]
     if source is not None:
         resumed.metrics = _metrics_after_resume(source.metrics, done, released)
-        replay(participation, accountant, entries, users)
+        replay(participation, accountant, entries, users, source.networked)
         return resumed
     atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
     path = run_path / "metrics.jsonl"

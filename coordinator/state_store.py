@@ -439,10 +439,12 @@ class SqliteSink:
                                "from the committed rows")
 
 
-def open_engine(store: StateStore, cfg, *, users: Sequence[str], **engine_kwargs):
+def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool = False,
+                **engine_kwargs):
     """A RoundEngine on the store: continues after its last committed round (never re-releasing
     one), or starts one with a new noise key file (0600, next to the DB). `engine_kwargs` are the
-    engine's (model, model_cfg, tokenizer, fingerprint, test_rows, vocabulary)."""
+    engine's (model, model_cfg, tokenizer, fingerprint, test_rows, vocabulary); `networked`:
+    rounds were selected among check-ins (`resume.ResumeSource.networked`)."""
     from dpfleet.coordinator.round_engine import RoundEngine
 
     if store.finished:
@@ -453,7 +455,7 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], **engine_kwargs
     source = None
     if done:
         source = ResumeSource(point=store.round_folder(done), key_folder=store.path,
-                              metrics=store.log("metrics"))
+                              metrics=store.log("metrics"), networked=networked)
     engine = RoundEngine(cfg, RunDir(store.path, resume=True), users=users, sink=SqliteSink(store),
                          releases=releases, resume=bool(done), resume_source=source, **engine_kwargs)
     if not done:  # no round released yet: this (possibly new) key is the run's

@@ -48,10 +48,13 @@ def sign_request(key: Ed25519PrivateKey, device_id: str, method: str, path_qs: s
 
 
 class NonceCache:
-    """Nonces accepted within the clock window; older ones can no longer pass the time check."""
+    """Nonces accepted within the clock window; older ones can no longer pass the time check.
+    Nonces live in memory only, so requests signed before `not_before` (this process's start)
+    are refused: a request captured before a restart cannot be replayed after it."""
 
-    def __init__(self, window_s: float = CLOCK_WINDOW_S):
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, not_before: float | None = None):
         self.window_s = window_s
+        self.not_before = time.time() if not_before is None else not_before
         self._seen: OrderedDict[str, float] = OrderedDict()
 
     def claim(self, nonce: str, now: float) -> bool:
@@ -80,6 +83,8 @@ def verify_request(headers, method: str, path_qs: str, body: bytes, public_key: 
         raise AuthError("malformed time or signature") from None
     if not skew <= CLOCK_WINDOW_S:  # also refuses NaN
         raise AuthError(f"request time is {skew:.0f} s off the coordinator's clock")
+    if float(time_s) < nonces.not_before:
+        raise AuthError("request signed before this coordinator process started (sign it again)")
     if len(nonce) != 2 * NONCE_BYTES or not all(c in "0123456789abcdef" for c in nonce):
         raise AuthError("malformed nonce")
     if public_key is None:

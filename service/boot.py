@@ -78,7 +78,7 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         users = [c.user for c in data.train]
         fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
                                        fingerprint_secret(Path(state), create=fresh))
-        engine = open_engine(store, cfg, users=users, model=model, model_cfg=model_cfg,
+        engine = open_engine(store, cfg, users=users, networked=True, model=model, model_cfg=model_cfg,
                              tokenizer=tokenizer, fingerprint=fingerprint, test_rows=test_rows,
                              vocabulary=vocabulary_privacy(Path(state) / "vocabulary"))
         baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)

@@ -49,8 +49,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
         cfg = dataclasses.replace(cfg, rounds=rounds)
         validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
-    driver = asyncio.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
+    status = asyncio.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
                              tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
-    status = driver.status()
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")

@@ -424,7 +424,6 @@ class RoundDriver:
         # in the event loop's thread: the store's SQLite connection belongs to it, and nothing
         # may be answered about this round while its commit is under way
         record = self.engine.close_round(cur.plan, agg, stats)
-        self.fault("after_commit")
         self._time("commit", time.monotonic() - began)
         cur.state = "committed"
         self.outcomes[(cur.number, cur.attempt)] = "committed"
@@ -435,6 +434,7 @@ class RoundDriver:
                              "wall_s": time.monotonic() - cur.opened_at})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
+        self.fault("after_commit")
 
     def _fail(self, cur: OpenRound, reason: str) -> None:
         cur.state = "failed"

@@ -115,8 +115,8 @@ async def shutdown(running: Running) -> None:
 
 
 async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = None,
-                log=print, **kw) -> RoundDriver:
-    """Run a coordinator until its run finishes or it is stopped."""
+                log=print, **kw) -> dict:
+    """Run a coordinator until its run finishes or it is stopped; returns its last status."""
     running = await start(cfg, state, log=log, **kw)
     log(f"coordinator listening on {running.url} (admin token in {running.admin_file})")
     loop = asyncio.get_running_loop()
@@ -127,7 +127,8 @@ async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = 
         if running.driver.run_state == "finished":  # let devices learn that the run is done
             await asyncio.sleep(linger_s if linger_s is not None
                                 else 3 * cfg.service.checkin_retry_s + 1.0)
+        status = running.driver.status()
     finally:
         await shutdown(running)
     running.task.result()  # re-raise what stopped the driver, if anything
-    return running.driver
+    return status

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.simulation import prepare_data
-from dpfleet.fleet.link import CoordinatorLink
+from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import take_part
 
 TINY = {
@@ -63,10 +63,19 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
     """One phone: register, then check in and take part until the run is done."""
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
-                               retries=8) as link:
-        await link.register()
+                               max_backoff_s=0.5, retries=8) as link:
+        registered = False
         while stop is None or not stop.is_set():
-            reply = await link.checkin()
+            try:  # a coordinator that is down (killed, restarting) is waited for
+                if not registered:
+                    await link.register()
+                    registered = True
+                reply = await link.checkin()
+            except LinkError as exc:
+                if exc.status not in (0, 401, 503):
+                    raise
+                await asyncio.sleep(0.3)
+                continue
             if reply["kind"] == "done":
                 break
             if reply["kind"] in ("retry", "refused"):

@@ -1,0 +1,108 @@
+"""Issue 12 item 8 (the fast subset): `dpfleet coordinator serve` is killed with SIGKILL at
+several points of a round (round just opened, commit files fsynced, inside the commit
+transaction, right after the commit) and restarted on the same state while the devices keep
+going: the run completes, no round is committed twice, no two releases share a noise position
+on different sums, and the accounting equals a fresh account of the committed log. The kill
+points come from the service's fault hook (`service/faults.py`, DPFLEET_SERVICE_FAULT)."""
+
+import asyncio
+import json
+import os
+import socket
+import sys
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from service_fleet import fleet_data, run_devices, tiny_cfg
+
+from dpfleet.coordinator.release_log import check_no_reuse
+from dpfleet.coordinator.run_accounting import RunAccountant
+from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.state_store import StateStore
+from dpfleet.service.faults import ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def serve_once(config, state, port, fault):
+    env = {**os.environ, ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != ENV}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from dpfleet.cli import main; main()", "coordinator", "serve",
+        str(config), "--state", str(state), "--listen", f"127.0.0.1:{port}", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 240)
+    return proc.returncode, err.decode()
+
+
+def kill_and_restart(tmp_path, faults, rounds):
+    cfg = tiny_cfg(rounds=rounds, service={"checkin_retry_s": 0.2, "report_deadline_s": 20.0})
+    config = tmp_path / "config.toml"
+    config.write_text(to_toml(cfg.resolved()))
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def main():
+        stop = asyncio.Event()
+        devices = asyncio.create_task(run_devices(url, keys, examples, stop=stop))
+        codes = []
+        try:
+            for fault in [*faults, None]:
+                code, err = await serve_once(config, tmp_path / "state", port, fault)
+                codes.append(code)
+                assert code in (0, -9), err[-2000:]
+        finally:
+            stop.set()
+            await asyncio.wait_for(devices, 60)
+        return codes
+
+    return cfg, asyncio.run(main())
+
+
+def check_run(cfg, state):
+    store = StateStore(state, cfg.resolved())
+    try:
+        assert store.finished
+        releases = store.releases()
+        assert [r["round"] for r in releases] == list(range(1, cfg.rounds + 1))  # once each
+        check_no_reuse(releases)
+        committed = [r for (r,) in store.db.execute(
+            "SELECT round FROM rounds WHERE status = 'committed' ORDER BY round")]
+        assert committed == [r["round"] for r in releases]
+        fresh = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta)
+        for r in releases:
+            spent = fresh.record(r["participants"], r["restart"])
+        metrics = store.log("metrics")
+        assert [m["round"] for m in metrics] == [r["round"] for r in releases]
+        assert metrics[-1]["epsilon"] == pytest.approx(spent["epsilon"], rel=1e-12)
+        assert [set(m) for m in [store.participation()[r["round"]] for r in releases]] == \
+               [set(r["participants"]) for r in releases]
+    finally:
+        store.close()
+    privacy = json.loads((state / "privacy.json").read_text())
+    assert privacy["rounds"] == cfg.rounds
+    participation = [json.loads(x) for x in (state / "participation.jsonl").read_text().splitlines()]
+    assert [p["devices"] for p in participation] == [r["participants"] for r in releases]
+    log = [json.loads(x) for x in (state / "service.log").read_text().splitlines()]
+    logged = [e["round"] for e in log if e["event"] == "commit"]  # the log trails the database
+    assert len(logged) == len(set(logged)) and set(logged) <= {r["round"] for r in releases}
+
+
+def test_kill_9_at_open_and_mid_commit_then_the_run_completes(tmp_path):
+    faults = ["opened:1", "device_counters:1"]
+    cfg, codes = kill_and_restart(tmp_path, faults, rounds=2)
+    assert codes == [-9, -9, 0]
+    check_run(cfg, tmp_path / "state")
+
+
+@pytest.mark.slow
+def test_kill_9_at_four_points_then_the_run_completes(tmp_path):
+    faults = ["opened:2", "files_fsynced:1", "device_counters:2", "after_commit:1"]
+    cfg, codes = kill_and_restart(tmp_path, faults, rounds=5)
+    assert codes == [-9] * len(faults) + [0]
+    check_run(cfg, tmp_path / "state")
