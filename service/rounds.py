@@ -124,9 +124,10 @@ class RoundDriver:
             raise ApiError(400, "bad_checkin", "check-in needs eligibility {charging, idle, "
                                                f"unmetered}}, runtime in {RUNTIMES}, timer_expires_at")
         cur = self.current
-        if cur is not None and i in cur.positions and cur.state == "open" and cur.plain is not None \
-                and cur.positions[i] not in cur.plain.updates:  # a repeated check-in, same job
-            return cur.assignments[cur.positions[i]]
+        if cur is not None and i in cur.positions and cur.state == "open" and (
+                cur.plain is not None and cur.positions[i] not in cur.plain.updates
+                or cur.secagg is not None and cur.positions[i] not in cur.secagg.spoken):
+            return cur.assignments[cur.positions[i]]  # a repeated check-in, same job
         if self.run_state in ("paused", "stopping", "starting"):
             return {"kind": "retry", "after_s": retry, "reason": self.run_state}
         if not all(elig.get(k) is True for k in ("charging", "idle", "unmetered")):

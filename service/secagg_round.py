@@ -25,6 +25,7 @@ class SecAggRound:
         self.mailboxes: list[list[bytes]] = [[] for _ in range(setup.n)]
         self.changed = asyncio.Condition()  # new mail or a new phase
         self.rejected = 0
+        self.spoken: set[int] = set()  # positions that sent a message (their assignment arrived)
 
     @property
     def phase(self) -> str:
@@ -50,6 +51,7 @@ class SecAggRound:
         if sender != position:  # a device speaks only for its own position
             self.rejected += 1
             raise SecAggError(f"message claims client {sender}, the device holds position {position}")
+        self.spoken.add(position)
         try:
             outbound = self.server.handle(data)
         except SecAggError:
