@@ -180,4 +180,5 @@ class Fleet:
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "train_s_total": float(sum(train)), "trainings": len(train),
             "outcomes": [list(o) for f in self.final.values() for o in f[5]],
+            "busy": {str(w): f[6] for w, f in self.final.items()},  # training thread intervals
         }

@@ -90,6 +90,26 @@ def _timed_link_class():
     return TimedLink
 
 
+class TrainingExecutor(ThreadPoolExecutor):
+    """The one training thread of a worker; records when it was busy (unix start, end), so the
+    load benchmark can subtract device compute from round wall time without counting the time
+    a device waited for the thread."""
+
+    def __init__(self):
+        super().__init__(1, "train")
+        self.busy: list[tuple[float, float]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        def timed():
+            began = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy.append((began, time.time()))
+
+        return super().submit(timed)
+
+
 class Hooks:
     """The participant's `before_phase` hook for one device: link delays and per-phase dropout."""
 
@@ -120,14 +140,15 @@ async def _run(spec: WorkerSpec, events) -> None:
     from dpfleet.fleet.participant import local_policy, take_part
 
     cfg = spec.cfg
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1, "train"))
+    executor = TrainingExecutor()
+    asyncio.get_running_loop().set_default_executor(executor)
     clock = FleetClock(spec.time_scale, spec.origin, spec.start_hour)
     policy = functools.partial(local_policy, cfg.dp.report_goal, cfg.aggregation.graph,
                                cfg.aggregation.corruption)
     counts: dict[str, int] = spec.counts
     latencies: list[float] = []
     train_seconds: list[float] = []
-    outcomes: list[tuple[str, int, int, str]] = []  # (device id, round, attempt, outcome)
+    outcomes: list[tuple] = []  # (device id, round, attempt, outcome, training seconds)
     examples = {d.index: d.examples for d in spec.devices}
 
     def on_event(device: DeviceState, event: str) -> None:
@@ -143,7 +164,7 @@ async def _run(spec: WorkerSpec, events) -> None:
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
         outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
-                         outcome.kind))
+                         outcome.kind, round(outcome.train_seconds, 6)))
         if outcome.kind == "dropped":  # gone for this round: back only after its last deadline
             device.offline_until = clock.now() + offline_for(assignment) * clock.time_scale
         return outcome.kind
@@ -197,7 +218,8 @@ async def _run(spec: WorkerSpec, events) -> None:
             counts["done"] = counts.get("done", 0) + 1
         elif isinstance(r, BaseException):
             counts[f"crashed_{type(r).__name__}"] = counts.get(f"crashed_{type(r).__name__}", 0) + 1
-    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes))
+    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes,
+                executor.busy))
     # the queue's feeder thread must flush before the process exits
     if hasattr(events, "close"):
         events.close()

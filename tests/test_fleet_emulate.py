@@ -42,12 +42,12 @@ def check_committed_log(state, cfg, outcomes=None):
         return log
     for entry in log:
         number = entry["round"] + 1
-        reported = {(d, a) for d, r, a, kind in outcomes if r == number and kind == "reported"}
+        reported = {(d, a) for d, r, a, kind, *_ in outcomes if r == number and kind == "reported"}
         attempts = {a for d, a in reported if d in entry["devices"]}
         assert len(attempts) == 1  # one attempt committed
         (attempt,) = attempts
         sent = {d for d, a in reported if a == attempt}
-        dropped = {d for d, r, a, kind in outcomes if (r, a, kind) == (number, attempt, "dropped")}
+        dropped = {d for d, r, a, kind, *_ in outcomes if (r, a, kind) == (number, attempt, "dropped")}
         assert set(entry["devices"]) == sent  # updates lost: 0, and nobody added
         assert not dropped & set(entry["devices"])
     return log
@@ -108,7 +108,8 @@ def test_a_fleet_worker_with_dropouts_runs_a_service_run_to_the_end(tmp_path):
     status, counts, outcomes, ids = run_one_worker(cfg, tmp_path)
     assert status["rounds_committed"] == cfg.rounds and status["run_state"] == "finished"
     assert counts["registered"] == len(ids) and counts["done"] == len(ids)
-    assert counts["assigned"] == len(outcomes) >= cfg.rounds * cfg.dp.report_goal
+    # an assignment still running when the run finished has no outcome (its task was ended)
+    assert len(ids) + len(outcomes) >= counts["assigned"] >= len(outcomes) >= cfg.rounds * cfg.dp.report_goal
     kinds = [o[3] for o in outcomes]
     assert kinds.count("reported") >= cfg.rounds * cfg.dp.report_goal
     assert counts.get("dropped", 0) == kinds.count("dropped")
@@ -126,7 +127,7 @@ def test_signed_secagg_rounds_reach_every_selected_device(tmp_path):
                             "checkin_retry_s": 1.5, "checkin_window_s": 0.2})
     status, counts, outcomes, ids = run_one_worker(cfg, tmp_path)
     assert status["rounds_committed"] == cfg.rounds and status["rounds_failed"] == 0
-    assert counts["assigned"] == len(outcomes) and counts.get("secagg_done", 0) >= 3 * 3
+    assert counts["assigned"] >= len(outcomes) and counts.get("secagg_done", 0) >= 3 * 3
     assert not [o for o in outcomes if o[3] not in ("secagg_done", "stale")]
     check_committed_log(tmp_path / "state", cfg)
 
@@ -214,4 +215,4 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     check_committed_log(tmp_path / "state", cfg)
     # the killed worker's devices came back (restarted with their timers) and saw the run's end
     assert summary["counts"]["done"] == len(ids)
-    assert any(r > killed_in for _, r, _, _ in summary["outcomes"])  # rounds ran after the kill
+    assert any(r > killed_in for _, r, *_ in summary["outcomes"])  # rounds ran after the kill
