@@ -171,13 +171,20 @@ class Fleet:
                 proc.join()
 
     def summary(self, wall_s: float) -> dict:
-        latencies = [x for f in self.final.values() for x in f[3]]
+        by_endpoint: dict[str, list[float]] = {}
+        for f in self.final.values():
+            for name, xs in f[3].items():
+                by_endpoint.setdefault(name, []).extend(xs)
+        latencies = [x for xs in by_endpoint.values() for x in xs]
         train = [x for f in self.final.values() for x in f[4]]
         return {
             "devices": sum(len(s.devices) for s in self.specs), "processes": len(self.specs),
             "wall_s": wall_s, "restarts": self.restarts, "counts": self.total(),
             "requests": len(latencies),
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+            "latency_by_endpoint": {name: {"requests": len(xs), "p50_s": percentile(xs, 50),
+                                           "p99_s": percentile(xs, 99)}
+                                    for name, xs in sorted(by_endpoint.items())},
             "train_s_total": float(sum(train)), "trainings": len(train),
             "outcomes": [list(o) for f in self.final.values() for o in f[5]],
             "busy": {str(w): f[6] for w, f in self.final.items()},  # training thread intervals

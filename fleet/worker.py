@@ -77,7 +77,7 @@ def _timed_link_class():
     class TimedLink(CoordinatorLink):
         """The service's link, timing each request (with its retries) for the benchmark."""
 
-        latencies: list[float]
+        latencies: dict[str, list[float]]
 
         async def request(self, method, path_qs, body=b"", **kw):
             began = time.perf_counter()
@@ -85,7 +85,8 @@ def _timed_link_class():
                 return await super().request(method, path_qs, body, **kw)
             finally:
                 if not (method == "GET" and POLL_PATH in path_qs):
-                    self.latencies.append(time.perf_counter() - began)
+                    self.latencies.setdefault(endpoint(method, path_qs), []).append(
+                        time.perf_counter() - began)
 
     return TimedLink
 
@@ -146,7 +147,7 @@ async def _run(spec: WorkerSpec, events) -> None:
     policy = functools.partial(local_policy, cfg.dp.report_goal, cfg.aggregation.graph,
                                cfg.aggregation.corruption)
     counts: dict[str, int] = spec.counts
-    latencies: list[float] = []
+    latencies: dict[str, list[float]] = {}  # endpoint -> seconds per request
     train_seconds: list[float] = []
     outcomes: list[tuple] = []  # (device id, round, attempt, outcome, training seconds)
     examples = {d.index: d.examples for d in spec.devices}
@@ -224,6 +225,13 @@ async def _run(spec: WorkerSpec, events) -> None:
     if hasattr(events, "close"):
         events.close()
         events.join_thread()
+
+
+def endpoint(method: str, path_qs: str) -> str:
+    """A request's endpoint without ids: "POST checkin", "GET blobs", "POST rounds/secagg"."""
+    parts = path_qs.split("?")[0].strip("/").split("/")[1:]  # drop "v1"
+    name = "rounds/" + parts[2] if parts[:1] == ["rounds"] and len(parts) > 2 else parts[0]
+    return f"{method} {name}"
 
 
 def offline_for(assignment: dict, now: float | None = None) -> float:
