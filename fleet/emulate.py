@@ -3,7 +3,8 @@
 Why the parent prepares the data: the devices' examples must be exactly `simulate`'s
 (`simulation.prepare_data`, device i = train client i), and tokenizing once is cheaper than once
 per worker. The parent then hands each worker only its own devices' examples and keys (spawned
-processes get a pickled copy of their slice and nothing else) and drops the full data set.
+processes get a pickled copy of their slice and nothing else); it keeps the slices (not the
+held-out clients or the raw text) only to start a dead worker's devices again.
 
 Why the parent watches: a worker that dies (a crash, or `kill -9` in the fault tests) is started
 again with the same devices and their timers (each assignment is reported at once), as phones

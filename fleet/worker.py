@@ -21,6 +21,7 @@ import functools
 import os
 import queue as queue_mod
 import random
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -184,7 +185,7 @@ async def _run(spec: WorkerSpec, events) -> None:
             finished = os.getppid() != parent
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with session.get(spec.url.rstrip("/") + "/v1/public/status",
-                                       ssl=devices[0].link._ssl or True) as resp:
+                                       ssl=tls) as resp:
                     if resp.status == 200:
                         finished |= (await resp.json()).get("run_state") == "finished"
             if finished:
@@ -192,6 +193,7 @@ async def _run(spec: WorkerSpec, events) -> None:
                     task.cancel()
                 return
 
+    tls = ssl.create_default_context(cafile=spec.ca_file) if spec.ca_file else True
     link_cls = _timed_link_class()
     link_cls.latencies = latencies
     connector = aiohttp.TCPConnector(limit=0)  # every device may hold a long-poll at once
