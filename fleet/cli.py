@@ -132,5 +132,9 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     """
     from dpfleet.fleet.supervisor import run_fleet
 
-    run_fleet(config, state, devices=devices, processes=processes, rounds=rounds, seed=seed,
-              grace_s=grace)
+    status = run_fleet(config, state, devices=devices, processes=processes, rounds=rounds,
+                       seed=seed, grace_s=grace, log=lambda s: click.echo(s, err=True))
+    if status:
+        click.echo(f"{status.get('run_state')}: {status.get('rounds_committed')} of "
+                   f"{status.get('rounds_planned')} rounds committed, "
+                   f"{status.get('rounds_failed')} failed, eps {status.get('epsilon', 0.0):.3f}")

@@ -3,7 +3,8 @@
 Why the parent prepares the data: the devices' examples must be exactly `simulate`'s
 (`simulation.prepare_data`, device i = train client i), and tokenizing once is cheaper than once
 per worker. The parent then hands each worker only its own devices' examples and keys (spawned
-processes get a pickled copy of their slice and nothing else) and drops the full data set.
+processes get a pickled copy of their slice and nothing else); it keeps the slices (not the
+held-out clients or the raw text) only to start a dead worker's devices again.
 
 Why the parent watches: a worker that dies (a crash, or `kill -9` in the fault tests) is started
 again with the same devices and their timers (each assignment is reported at once), as phones
@@ -171,13 +172,21 @@ class Fleet:
                 proc.join()
 
     def summary(self, wall_s: float) -> dict:
-        latencies = [x for f in self.final.values() for x in f[3]]
+        by_endpoint: dict[str, list[float]] = {}
+        for f in self.final.values():
+            for name, xs in f[3].items():
+                by_endpoint.setdefault(name, []).extend(xs)
+        latencies = [x for xs in by_endpoint.values() for x in xs]
         train = [x for f in self.final.values() for x in f[4]]
         return {
             "devices": sum(len(s.devices) for s in self.specs), "processes": len(self.specs),
             "wall_s": wall_s, "restarts": self.restarts, "counts": self.total(),
             "requests": len(latencies),
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+            "latency_by_endpoint": {name: {"requests": len(xs), "p50_s": percentile(xs, 50),
+                                           "p99_s": percentile(xs, 99)}
+                                    for name, xs in sorted(by_endpoint.items())},
             "train_s_total": float(sum(train)), "trainings": len(train),
             "outcomes": [list(o) for f in self.final.values() for o in f[5]],
+            "busy": {str(w): f[6] for w, f in self.final.items()},  # training thread intervals
         }

@@ -21,6 +21,7 @@ import functools
 import os
 import queue as queue_mod
 import random
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ def _timed_link_class():
     class TimedLink(CoordinatorLink):
         """The service's link, timing each request (with its retries) for the benchmark."""
 
-        latencies: list[float]
+        latencies: dict[str, list[float]]
 
         async def request(self, method, path_qs, body=b"", **kw):
             began = time.perf_counter()
@@ -85,9 +86,30 @@ def _timed_link_class():
                 return await super().request(method, path_qs, body, **kw)
             finally:
                 if not (method == "GET" and POLL_PATH in path_qs):
-                    self.latencies.append(time.perf_counter() - began)
+                    self.latencies.setdefault(endpoint(method, path_qs), []).append(
+                        time.perf_counter() - began)
 
     return TimedLink
+
+
+class TrainingExecutor(ThreadPoolExecutor):
+    """The one training thread of a worker; records when it was busy (unix start, end), so the
+    load benchmark can subtract device compute from round wall time without counting the time
+    a device waited for the thread."""
+
+    def __init__(self):
+        super().__init__(1, "train")
+        self.busy: list[tuple[float, float]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        def timed():
+            began = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy.append((began, time.time()))
+
+        return super().submit(timed)
 
 
 class Hooks:
@@ -120,14 +142,15 @@ async def _run(spec: WorkerSpec, events) -> None:
     from dpfleet.fleet.participant import local_policy, take_part
 
     cfg = spec.cfg
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1, "train"))
+    executor = TrainingExecutor()
+    asyncio.get_running_loop().set_default_executor(executor)
     clock = FleetClock(spec.time_scale, spec.origin, spec.start_hour)
     policy = functools.partial(local_policy, cfg.dp.report_goal, cfg.aggregation.graph,
                                cfg.aggregation.corruption)
     counts: dict[str, int] = spec.counts
-    latencies: list[float] = []
+    latencies: dict[str, list[float]] = {}  # endpoint -> seconds per request
     train_seconds: list[float] = []
-    outcomes: list[tuple[str, int, int, str]] = []  # (device id, round, attempt, outcome)
+    outcomes: list[tuple] = []  # (device id, round, attempt, outcome, training seconds)
     examples = {d.index: d.examples for d in spec.devices}
 
     def on_event(device: DeviceState, event: str) -> None:
@@ -143,7 +166,7 @@ async def _run(spec: WorkerSpec, events) -> None:
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
         outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
-                         outcome.kind))
+                         outcome.kind, round(outcome.train_seconds, 6)))
         if outcome.kind == "dropped":  # gone for this round: back only after its last deadline
             device.offline_until = clock.now() + offline_for(assignment) * clock.time_scale
         return outcome.kind
@@ -162,7 +185,7 @@ async def _run(spec: WorkerSpec, events) -> None:
             finished = os.getppid() != parent
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with session.get(spec.url.rstrip("/") + "/v1/public/status",
-                                       ssl=devices[0].link._ssl or True) as resp:
+                                       ssl=tls) as resp:
                     if resp.status == 200:
                         finished |= (await resp.json()).get("run_state") == "finished"
             if finished:
@@ -170,6 +193,7 @@ async def _run(spec: WorkerSpec, events) -> None:
                     task.cancel()
                 return
 
+    tls = ssl.create_default_context(cafile=spec.ca_file) if spec.ca_file else True
     link_cls = _timed_link_class()
     link_cls.latencies = latencies
     connector = aiohttp.TCPConnector(limit=0)  # every device may hold a long-poll at once
@@ -197,11 +221,19 @@ async def _run(spec: WorkerSpec, events) -> None:
             counts["done"] = counts.get("done", 0) + 1
         elif isinstance(r, BaseException):
             counts[f"crashed_{type(r).__name__}"] = counts.get(f"crashed_{type(r).__name__}", 0) + 1
-    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes))
+    events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes,
+                executor.busy))
     # the queue's feeder thread must flush before the process exits
     if hasattr(events, "close"):
         events.close()
         events.join_thread()
+
+
+def endpoint(method: str, path_qs: str) -> str:
+    """A request's endpoint without ids: "POST checkin", "GET blobs", "POST rounds/secagg"."""
+    parts = path_qs.split("?")[0].strip("/").split("/")[1:]  # drop "v1"
+    name = "rounds/" + parts[2] if parts[:1] == ["rounds"] and len(parts) > 2 else parts[0]
+    return f"{method} {name}"
 
 
 def offline_for(assignment: dict, now: float | None = None) -> float:

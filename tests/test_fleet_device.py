@@ -119,3 +119,57 @@ def test_timer_state_is_the_devices_own():
     assert devices[0].timer.last is not None and devices[1].timer.last is None
     assert wait_before_checkin(devices[1], clock, clock.now()) == 0.0
     assert wait_before_checkin(devices[0], clock, devices[0].timer.last + 10.0) > 86_000.0
+
+
+class Flaky(Exception):
+    """Stands in for the link's LinkError after its own retries: a status and nothing else."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+def test_a_device_outlasts_a_coordinator_outage_and_stops_on_410():
+    clock = SteppedClock(1.0)
+    calls: list[str] = []
+
+    class Outage(ScriptedCoordinator):
+        """Registration fails twice (coordinator down), then one retry, then 410 (run over)."""
+
+        async def register(self):
+            calls.append("register")
+            if calls.count("register") <= 2:
+                raise Flaky(0)
+            return {"registered": True}
+
+        async def checkin(self, **kw):
+            calls.append("checkin")
+            if calls.count("checkin") == 1:
+                return await super().checkin(**kw)
+            raise Flaky(410)
+
+    device = DeviceState(0, "u0", Behaviour(FleetSection(), 0, 0), DeviceTimer(0.0))
+    run_with = Outage(clock, ["retry"], 0.5)
+
+    async def never(dev, assignment):
+        raise AssertionError("no assignment was scripted")
+
+    async def main():
+        loop_sleep = asyncio.sleep
+
+        async def fast_sleep(seconds):
+            clock.wall_t += seconds
+            await loop_sleep(0)
+
+        asyncio.sleep = fast_sleep
+        try:
+            await device_loop(device, run_with, clock, never, rng=random.Random(0),
+                              link_errors=(Flaky,))
+        finally:
+            asyncio.sleep = loop_sleep
+
+    asyncio.run(main())
+    assert calls == ["register", "register", "register", "checkin", "checkin"]
+    assert device.counts["link_error_0"] == 2 and device.counts["registered"] == 1
+    assert device.counts["done"] == 1
+    assert clock.wall_t - T0 >= 0.5 * 0.5 + 0.5 * 2 * 0.5  # jittered pauses, growing

@@ -1,0 +1,281 @@
+"""Load on the coordinator service from an emulated fleet over loopback (issue 12's benchmark).
+
+One run = `dpfleet coordinator serve` (subprocess, sampled for RSS and CPU) + `dpfleet fleet
+emulate` (subprocess, K worker processes) on a shared config: signed SecAgg+ (harary graph),
+uniform participation, a small CIFG model, devices always eligible, no link delay, speed 1, so
+the only device time is real training. Reported per run:
+
+* per-round wall time (the service log's commit-to-commit, and open-to-commit), the device
+  training time of the round (the union of the K training threads' busy intervals inside the
+  round, divided by K: the wall time K parallel trainers need at least), and their difference,
+  the coordinator's overhead per round (goal <= 1 s);
+* p50 / p99 latency of the devices' signed requests (long-polls excluded; retries included);
+* the coordinator's peak RSS (VmHWM) and CPU seconds;
+* updates lost: devices whose SecAgg part ended `secagg_done` in a committed attempt but are
+  missing from the committed participation (goal 0); failed attempts;
+* with `--baseline`, the same config through `simulate` in this process (sequential trainer,
+  in-process SecAgg): its seconds per round are the training-time baseline.
+Two fleet sizes (`--devices` and `--small`) give the RSS comparison (goal: flat).
+Saves results/fleet_load.json with cores, torch threads and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIG = """
+rounds = {rounds}
+eval_every = {rounds}
+seed = 0
+checkpoint_every = 0
+
+[data]
+dataset = "shakespeare"
+max_clients = {devices}
+eval_examples = 500
+max_examples = 16
+
+[tokenizer]
+kind = "sentencepiece"
+vocab_size = 1024
+
+[model]
+arch = "cifg"
+embedding_dim = 16
+hidden_dim = 32
+projection_dim = 16
+
+[client]
+lr = 1.0
+batch_size = 16
+trainer = "sequential"
+
+[dp]
+noise_multiplier = 1.0
+clip_norm = 0.5
+report_goal = {goal}
+momentum = 0.9
+
+[participation]
+mode = "uniform"
+
+[aggregation]
+kind = "secagg"
+graph = "harary"
+signed = true
+
+[service]
+checkin_retry_s = {retry}
+checkin_window_s = 2.0
+report_deadline_s = 120.0
+secagg_phase_deadline_s = 60.0
+rate_per_s = 50.0
+
+[fleet]
+latency_ms = 0.0
+bandwidth_mbps = 1000000.0
+speed_sigma = 0.0
+link_sigma = 0.0
+"""
+
+
+def dpfleet(*args) -> list[str]:
+    return [sys.executable, "-m", "dpfleet", *map(str, args)]
+
+
+class Sampler(threading.Thread):
+    """Peak RSS (VmHWM, the kernel's high-water mark) and CPU seconds of one process."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.hwm_kb, self.cpu_s, self.stop = pid, 0, 0.0, threading.Event()
+        self.samples: list[tuple[float, float]] = []  # (unix time, CPU seconds so far)
+
+    def run(self) -> None:
+        import psutil
+
+        proc = psutil.Process(self.pid)
+        while not self.stop.is_set():
+            try:
+                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.hwm_kb = max(self.hwm_kb, int(line.split()[1]))
+                times = proc.cpu_times()
+                self.cpu_s = times.user + times.system
+                self.samples.append((time.time(), self.cpu_s))
+            except (OSError, psutil.Error):
+                return
+            time.sleep(0.2)
+
+
+def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the intervals (one thread's intervals never overlap)."""
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+
+
+def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float,
+              work: Path) -> dict:
+    from dpfleet.coordinator.config import load_config
+    from dpfleet.fleet.emulate import fleet_keys, load_devices
+    from dpfleet.fleet.registry import public_registry, write_public_registry
+    from dpfleet.fleet.supervisor import admin_request, stop_process, wait_for_admin
+
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "fleet_load.toml"
+    config.write_text(CONFIG.format(devices=devices, goal=goal, rounds=rounds, retry=retry))
+    cfg = load_config(config)
+    ids, _, params = load_devices(cfg)
+    keys = fleet_keys(work / "fleet_keys.json", len(ids))
+    write_public_registry(work / "fleet_public.json", public_registry(keys, ids))
+    state = work / "state"
+    began = time.time()
+    with open(work / "serve.log", "wb") as out:
+        serve = subprocess.Popen(dpfleet("coordinator", "serve", config, "--state", state,
+                                         "--fleet-public", work / "fleet_public.json"),
+                                 stdout=out, stderr=subprocess.STDOUT)
+    sampler = Sampler(serve.pid)
+    sampler.start()
+    admin = wait_for_admin(state, serve, work / "serve.log")
+    with open(work / "emulate.log", "wb") as out:
+        fleet = subprocess.Popen(dpfleet("fleet", "emulate", config, "--coordinator", admin["url"],
+                                         "--processes", processes, "--fleet-keys",
+                                         work / "fleet_keys.json", "--registry",
+                                         work / "fleet_public.json", "--no-progress",
+                                         "--summary", work / "summary.json"),
+                                 stdout=out, stderr=subprocess.STDOUT)
+    status: dict = {}
+    try:
+        while serve.poll() is None:  # the service's own phase timings, until it exits
+            with contextlib.suppress(OSError, ValueError):
+                status = admin_request(admin, "GET", "/v1/admin/status")
+            time.sleep(2.0)
+        fleet.wait(300)
+    finally:
+        stop_process(fleet, 5.0)
+        stop_process(serve, 5.0)
+        sampler.stop.set()
+        sampler.join()
+    summary = json.loads((work / "summary.json").read_text())
+    events = [json.loads(x) for x in (state / "service.log").read_text().splitlines()]
+    log = [json.loads(x) for x in (state / "participation.jsonl").read_text().splitlines()]
+    result = analyse(events, log, summary, processes)
+    first, last = result["per_round"][0], result["per_round"][-1]
+    window = (first["t_commit"] - first["wall_s"], last["t_commit"])
+    inside = [c for t, c in sampler.samples if window[0] <= t <= window[1]]
+    cpu_rounds = inside[-1] - inside[0] if len(inside) > 1 else float("nan")
+    return result | {
+        "devices": len(ids), "report_goal": goal, "rounds": rounds, "processes": processes,
+        "parameters": params, "checkin_retry_s": retry,
+        "coordinator_phase_seconds": status.get("phase_seconds"),
+        "coordinator_peak_rss_mb": sampler.hwm_kb / 1024, "coordinator_cpu_s": sampler.cpu_s,
+        "coordinator_cpu_s_per_round": cpu_rounds / rounds,  # first round's start to last commit
+        "wall_s": time.time() - began, "worker_restarts": summary["restarts"],
+        "fleet_counts": summary["counts"], "requests": summary["requests"],
+        "latency_p50_ms": 1e3 * summary["latency_p50_s"],
+        "latency_p99_ms": 1e3 * summary["latency_p99_s"],
+        "latency_by_endpoint_ms": {name: {"requests": v["requests"], "p50": 1e3 * v["p50_s"],
+                                          "p99": 1e3 * v["p99_s"]}
+                                   for name, v in summary["latency_by_endpoint"].items()},
+    }
+
+
+def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) -> dict:
+    opens = {(e["round"], e["attempt"]): e["t"] for e in events if e["event"] == "open"}
+    commits = {e["round"]: (e["attempt"], e["t"]) for e in events if e["event"] == "commit"}
+    failed = [e for e in events if e["event"] == "fail"]
+    busy = [tuple(x) for intervals in summary["busy"].values() for x in intervals]
+    rounds, previous = [], None
+    first_open = min(opens.values()) if opens else None
+    for number in sorted(commits):
+        attempt, t_commit = commits[number]
+        t_open = opens[(number, attempt)]
+        start = previous if previous is not None else first_open
+        train = union_within(busy, start, t_commit) / processes
+        rounds.append({"round": number, "attempt": attempt, "t_commit": t_commit,
+                       "wall_s": t_commit - start,
+                       "open_to_commit_s": t_commit - t_open, "train_s": train,
+                       "overhead_s": t_commit - start - train})
+        previous = t_commit
+    committed = {e["round"] + 1: set(e["devices"]) for e in log}
+    sent = {}
+    for device, number, attempt, kind, *_ in summary["outcomes"]:
+        if kind in ("secagg_done", "reported") and commits.get(number, (None,))[0] == attempt:
+            sent.setdefault(number, set()).add(device)
+    lost = sum(len(s - committed.get(n, set())) for n, s in sent.items())
+
+    def stat(key: str) -> dict:
+        xs = np.array([r[key] for r in rounds])
+        return {"median": float(np.median(xs)), "mean": float(xs.mean()), "max": float(xs.max())}
+
+    return {"per_round": rounds, "round_wall_s": stat("wall_s"),
+            "round_open_to_commit_s": stat("open_to_commit_s"), "round_train_s": stat("train_s"),
+            "round_overhead_s": stat("overhead_s"), "failed_attempts": len(failed),
+            "updates_lost": lost, "updates_committed": sum(len(d) for d in committed.values())}
+
+
+def simulate_baseline(devices: int, goal: int, rounds: int, work: Path) -> dict:
+    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.simulation import run_simulation
+
+    config = work / "baseline.toml"
+    config.write_text(CONFIG.format(devices=devices, goal=goal, rounds=rounds, retry=1.0))
+    cfg = load_config(config)
+    began = time.perf_counter()
+    run_simulation(cfg, work / "simulate", progress=False, log=lambda s: None)
+    wall = time.perf_counter() - began
+    return {"devices": devices, "report_goal": goal, "rounds": rounds, "wall_s": wall,
+            "s_per_round": wall / rounds, "note": "includes data preparation and one evaluation"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--small", type=int, default=100, help="second fleet size (RSS)")
+    parser.add_argument("--goal", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--retry", type=float, default=5.0,
+                        help="[service] checkin_retry_s: how often idle devices ask again")
+    parser.add_argument("--baseline", action="store_true", help="also run `simulate`")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "fleet_load.json")
+    args = parser.parse_args()
+    import torch
+
+    result = {"benchmark": "fleet_load", "machine": platform.machine(),
+              "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+              "worker_torch_threads": 1, "loadavg_before": os.getloadavg(), "runs": []}
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        for n in dict.fromkeys([args.devices, args.small]):
+            if n and n >= args.goal:
+                print(f"fleet of {n} devices ...", flush=True)
+                run = fleet_run(n, args.goal, args.rounds, args.processes, args.retry,
+                                Path(tmp) / f"fleet{n}")
+                run["loadavg_after"] = os.getloadavg()
+                result["runs"].append(run)
+                print(json.dumps({k: v for k, v in run.items() if k != "per_round"}, indent=1),
+                      flush=True)
+        if args.baseline:
+            print("simulate baseline ...", flush=True)
+            result["simulate"] = simulate_baseline(args.devices, args.goal, args.rounds, Path(tmp))
+            print(json.dumps(result["simulate"], indent=1), flush=True)
+    result["loadavg_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""`dpfleet fleet emulate | run` as a user runs them: clean errors, and `fleet run` end to end on
+loopback with Ctrl-C in the middle and a rerun that continues (subprocesses, real sockets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_cli_errors import assert_clean_error, run_cli
+
+TINY_TOML = """
+rounds = {rounds}
+eval_every = 2
+seed = 5
+checkpoint_every = 0
+
+[data]
+dataset = "shakespeare"
+max_clients = 8
+eval_examples = 40
+max_examples = 8
+
+[tokenizer]
+kind = "sentencepiece"
+vocab_size = 1024
+
+[model]
+arch = "cifg"
+embedding_dim = 8
+hidden_dim = 8
+projection_dim = 8
+
+[client]
+lr = 1.0
+batch_size = 8
+trainer = "sequential"
+
+[dp]
+noise_multiplier = 1.0
+clip_norm = 0.5
+report_goal = 3
+momentum = 0.5
+
+[participation]
+mode = "uniform"
+
+[service]
+checkin_retry_s = 0.2
+checkin_window_s = 1.0
+report_deadline_s = 10.0
+
+[fleet]
+latency_ms = {latency_ms}
+link_sigma = 0.0
+"""
+
+
+def tiny_toml(tmp_path, rounds=3, latency_ms=2.0):
+    path = tmp_path / "fleet.toml"
+    path.write_text(TINY_TOML.format(rounds=rounds, latency_ms=latency_ms))
+    return path
+
+
+def test_bad_fleet_config_is_one_clean_line(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[fleet]\ndropout_trian = 0.1\n")
+    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
+                       "did you mean 'fleet.dropout_train'")
+    cfg.write_text("[fleet]\ndropout_train = 2.0\n")
+    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+                       "fleet.dropout_train must be a probability")
+    cfg.write_text('[tokenizer]\nkind = "word"\n')
+    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+                       "DP word vocabulary")
+
+
+def test_fleet_help_explains_the_commands():
+    proc = run_cli("fleet", "--help")
+    assert proc.returncode == 0 and "emulate" in proc.stdout and "run" in proc.stdout
+    proc = run_cli("fleet", "run", "--help")
+    assert "Ctrl-C" in proc.stdout and "continues" in proc.stdout
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def pids_in(text: str) -> list[int]:
+    """The coordinator's and the fleet's pids from `fleet run`'s own lines."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(("coordinator:", "fleet:")) and "(pid " in line:
+            out.append(int(line.split("(pid ")[1].split(",")[0].split(")")[0]))
+    return out
+
+
+def committed(state) -> int:
+    """Rounds committed so far, from the running coordinator's admin API (token in admin.json)."""
+    from dpfleet.fleet.supervisor import admin_request
+
+    try:
+        return admin_request(json.loads((state / "admin.json").read_text()), "GET",
+                             "/v1/admin/status")["rounds_committed"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow  # ~60-90 s: two runs, each starting a coordinator and two spawned workers
+def test_fleet_run_ctrl_c_stops_both_and_a_rerun_continues(tmp_path):
+    from test_fleet_emulate import check_committed_log
+
+    from dpfleet.coordinator.config import load_config
+
+    config = tiny_toml(tmp_path, rounds=5, latency_ms=300.0)
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "dpfleet", "fleet", "run", str(config), "--state", str(state),
+           "--processes", "2", "--grace", "20"]
+    out = tmp_path / "first.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 240
+        while committed(state) < 1 and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+        rc = proc.wait(90)
+    text = out.read_text()
+    assert rc == 0, text
+    assert "stopping" in text and "Traceback" not in text
+    pids = pids_in(text)
+    assert len(pids) == 2 and all(gone(p) for p in pids), text  # coordinator and fleet both ended
+    first = int(text.split(" of 5 rounds committed")[0].rsplit(" ", 1)[1])
+    assert 1 <= first < 5, text
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"run directory: {state}" in done.stdout + done.stderr
+    cfg = load_config(config)
+    check_committed_log(state, cfg)  # all 5 rounds, each once, eps = a fresh account
+    assert len(lines(state / "metrics.jsonl")) == 5
+    assert (state / "checkpoint" / "model.safetensors").is_file()
+    assert (state / "privacy_report.md").is_file() and (state / "service.log").is_file()
+    fleet_dir = tmp_path / "state_fleet"
+    assert (fleet_dir / "fleet_keys.json").stat().st_mode & 0o077 == 0
+    summary = json.loads((fleet_dir / "summary.json").read_text())
+    assert summary["counts"]["done"] == 8 and summary["restarts"] == 0
+    assert os.path.getsize(fleet_dir / "serve.console.log") > 0
