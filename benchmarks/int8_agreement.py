@@ -3,7 +3,7 @@
 Takes a `dpfleet simulate` run directory (its checkpoint/ and config.toml), rebuilds the run's
 split of whole users, samples `--lines` lines of the HELD-OUT users (never trained on), and exports
 the checkpoint's window program as ONNX int8 (x86 `reduce_range` and ARM full range) and `.pte`
-int8 (XNNPACK dynamic int8 matmuls; with `--pte-embedding`, also the 8-bit embedding table), each
+int8 (XNNPACK dynamic int8 matmuls, with the fp32 embedding table and with the int8 one), each
 with `--accept-int8-drop` so the number is recorded even where `export` would refuse it. Reports
 top-1 / top-3 agreement with eager over the real (non-PAD) positions, a 95% interval over lines
 (each line a cluster: mean of its positions' agreement, sample sd), file sizes, and the fp32
@@ -83,21 +83,23 @@ def main() -> None:
                    "unigram_accuracy": summary.get("unigram_baseline", {}).get("accuracy")},
            "heldout": {"users": n_users, "lines": len(lines), "line_seed": args.seed},
            "seq_len": args.seq_len, "results": {}}
-    variants = []
+    variants = []  # name, format, quantize, target, int8 embedding table (pte)
     for fmt in args.formats:
-        variants.append((f"{fmt}_fp32", fmt, None, "x86"))
+        variants.append((f"{fmt}_fp32", fmt, None, "x86", False))
         if fmt == "onnx":
-            variants += [("onnx_int8_x86", "onnx", "int8", "x86"), ("onnx_int8_arm", "onnx", "int8", "arm")]
+            variants += [("onnx_int8_x86", "onnx", "int8", "x86", False),
+                         ("onnx_int8_arm", "onnx", "int8", "arm", False)]
         else:
-            variants.append(("pte_int8", "pte", "int8", "x86"))
+            variants += [("pte_int8_fp32_table", "pte", "int8", "x86", False),
+                         ("pte_int8", "pte", "int8", "x86", True)]
     with tempfile.TemporaryDirectory() as tmp:
         heldout = Path(tmp) / "heldout.txt"
         heldout.write_text("\n".join(lines))
-        for name, fmt, quantize, target in variants:
+        for name, fmt, quantize, target, int8_table in variants:
             start = time.perf_counter()
             folder = Path(tmp) / name
             result = PhoneExport(args.run / "checkpoint", fmt, folder, quantize, args.seq_len, 1, heldout,
-                                 target, accept_int8_drop=True).run()
+                                 target, accept_int8_drop=True, pte_int8_embedding=int8_table).run()
             program = folder / ("model.pte" if fmt == "pte" else "model.onnx")
             out["results"][name] = {
                 **result["agreement"],
