@@ -6,8 +6,9 @@ the checkpoint's window program as ONNX int8 (x86 `reduce_range` and ARM full ra
 int8 (XNNPACK dynamic int8 matmuls, with the fp32 embedding table and with the int8 one), each
 with `--accept-int8-drop` so the number is recorded even where `export` would refuse it. Reports
 top-1 / top-3 agreement with eager over the real (non-PAD) positions, a 95% interval over lines
-(each line a cluster: mean of its positions' agreement, sample sd), file sizes, and the fp32
-references. Saves benchmarks/results/int8_agreement.json.
+(each line a cluster: mean of its positions' agreement, sample sd), paired per-line differences
+between variants (same lines) with their 95% intervals, file sizes, and the fp32 references.
+Saves benchmarks/results/int8_agreement.json.
 
     dpfleet simulate examples/shakespeare_cifg.toml --rounds 40 --out /tmp/run
     python benchmarks/int8_agreement.py /tmp/run [--lines 400] [--seed 0] [--formats onnx pte]
@@ -55,10 +56,17 @@ def per_line_interval(model, program_path: Path, fmt: str, tokenizer, lines: lis
     valid = np.arange(seq_len)[None, :] < lengths[:, None]
     same = (got.argmax(-1) == ref.argmax(-1)) & valid
     per_line = same.sum(1) / valid.sum(1)
-    half = 1.96 * per_line.std(ddof=1) / np.sqrt(len(per_line))
-    return {"line_mean_top1": float(per_line.mean()), "ci95": [float(per_line.mean() - half),
-                                                               float(per_line.mean() + half)],
-            "lines": len(per_line)}
+    return {**mean_ci(per_line, "line_mean_top1"), "lines": len(per_line), "per_line": per_line}
+
+
+def mean_ci(values: np.ndarray, key: str) -> dict:
+    """Mean and 95% normal interval (sample sd) over lines."""
+    half = 1.96 * values.std(ddof=1) / np.sqrt(len(values))
+    return {key: float(values.mean()), "ci95": [float(values.mean() - half), float(values.mean() + half)]}
+
+
+PAIRS = (("onnx_int8_arm", "onnx_int8_x86"), ("pte_int8", "pte_int8_fp32_table"),
+         ("pte_int8", "onnx_int8_x86"))
 
 
 def main() -> None:
@@ -109,6 +117,12 @@ def main() -> None:
             r = out["results"][name]
             print(f"{name:14s} top1 {r['top1']:.4f} top3 {r['top3']:.4f} max|err| {r['max_abs_err']:.3g} "
                   f"positions {r['positions']} bytes {r['program_bytes']:,}", flush=True)
+    per_line = {name: r.pop("per_line") for name, r in out["results"].items()}
+    out["paired_top1_differences"] = {  # same lines, so per-line differences pair up
+        f"{a} - {b}": mean_ci(per_line[a] - per_line[b], "mean") for a, b in PAIRS
+        if a in per_line and b in per_line}
+    for pair, d in out["paired_top1_differences"].items():
+        print(f"{pair}: {d['mean']:+.4f} (95% CI {d['ci95'][0]:+.4f} .. {d['ci95'][1]:+.4f})")
     out["host"]["loadavg_end"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))
