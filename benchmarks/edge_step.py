@@ -11,12 +11,12 @@ round's weights, export times and program sizes. Target: exported <= eager at eq
 
 Where the .pte falls short of eager, and why (ETDump op profiles, results/edge_step.json):
 * What remains outside XNNPACK runs in ExecuTorch's portable (scalar) kernels: the bias and
-  LayerNorm gradient reductions (`sum.dim_IntList`, ~6-8% of a step), the embedding gradient
+  LayerNorm gradient reductions (`sum.IntList_out`, 5-9% of a step in the last run), the embedding gradient
   (`index_put`/`scatter_add`), `where`, and the transformer's LayerNorm. The worst one, the
   [batch, length, vocab] `log_softmax` (22% of a Gboard step), is gone: the program's loss is
   logsumexp - target logit (export/training.py).
 * Trainable weights are not static, so each XNNPACK fully-connected call re-packs its weights
-  and the backward transposes them (`Transpose (ND)`, ~5%); eager's MKL/oneDNN GEMMs read them
+  and the backward transposes them (`Transpose (ND)`, 8-14%); eager's MKL/oneDNN GEMMs read them
   in place.
 * The recurrent loop is unrolled into ~30 small delegate partitions, each with call overhead.
 Timings on a 2-core machine shared with other jobs are noisy (+-20% between runs); the runtimes
