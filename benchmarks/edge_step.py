@@ -7,15 +7,16 @@ round's weights, export times and program sizes. Target: exported <= eager at eq
 
     python benchmarks/edge_step.py            # main-job sizes, all three architectures
     python benchmarks/edge_step.py --gboard   # plus Gboard's CIFG (vocab 10k, hidden 670)
+    python benchmarks/edge_step.py --gboard --profile-steps 10   # plus ETDump per-op profiles
 
 Where the .pte falls short of eager, and why (ETDump op profiles, results/edge_step.json):
 * What remains outside XNNPACK runs in ExecuTorch's portable (scalar) kernels: the bias and
-  LayerNorm gradient reductions (`sum.dim_IntList`, ~6-8% of a step), the embedding gradient
+  LayerNorm gradient reductions (`sum.IntList_out`, 5-9% of a step in the last run), the embedding gradient
   (`index_put`/`scatter_add`), `where`, and the transformer's LayerNorm. The worst one, the
   [batch, length, vocab] `log_softmax` (22% of a Gboard step), is gone: the program's loss is
   logsumexp - target logit (export/training.py).
 * Trainable weights are not static, so each XNNPACK fully-connected call re-packs its weights
-  and the backward transposes them (`Transpose (ND)`, ~5%); eager's MKL/oneDNN GEMMs read them
+  and the backward transposes them (`Transpose (ND)`, 8-14%); eager's MKL/oneDNN GEMMs read them
   in place.
 * The recurrent loop is unrolled into ~30 small delegate partitions, each with call overhead.
 Timings on a 2-core machine shared with other jobs are noisy (+-20% between runs); the runtimes
@@ -33,6 +34,7 @@ import os
 # steal the next runtime's cores, so every pool here sleeps when idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -78,7 +80,48 @@ def interleaved_ms(steps: dict[str, object], repeats: int) -> dict[str, float]:
     return {name: float(np.median(ts) * 1e3) for name, ts in times.items()}
 
 
-def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache: Path) -> dict:
+def pte_op_profile(program, layout: ParamLayout, flat: np.ndarray, x: np.ndarray, y: np.ndarray,
+                   steps: int, top: int = 12) -> dict:
+    """Per-op time inside the `.pte` training step from ExecuTorch's own profiler (ETDump, read
+    with `executorch.devtools.Inspector`): ms per step of each operator (portable kernels by name,
+    XNNPACK delegate calls as `DELEGATE_CALL` plus the delegate's own events), summed over events
+    of the same name, largest first. The program is loaded a second time with ETDump on."""
+    from executorch.devtools import Inspector
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    pte = PteTrainingProgram(program, layout)
+    pte._pte.module = _load_for_executorch_from_buffer(pte._pte.buffer, enable_etdump=True)
+    pte.set_flat(flat)
+    for _ in range(steps):
+        pte.step(x, y, 0.01)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "step.etdp"
+        pte._pte.module.write_etdump_result_to_file(str(path))
+        inspector = Inspector(etdump_path=str(path))
+    totals: dict[str, float] = {}
+    for block in inspector.event_blocks:
+        for event in block.events:
+            if event.perf_data is not None:
+                name = re.sub(r" #\d+$", "", event.name)  # XNNPACK numbers its operator instances
+                totals[name] = totals.get(name, 0.0) + float(np.sum(event.perf_data.raw))
+    runs = steps + 1  # the all-PAD run of set_flat is profiled too
+    step = totals.get("Method::execute", 0.0)
+    wrappers = {"Method::execute", "Program::load_method", "Method::init", "DELEGATE_CALL", "OPERATOR_CALL"}
+    ops = sorted(((n, t) for n, t in totals.items() if n not in wrappers), key=lambda kv: -kv[1])
+
+    def label(name: str) -> str:
+        portable = name.startswith("native_call_")
+        return f"portable:{name[len('native_call_'):]}" if portable else f"xnnpack:{name}"
+
+    return {"steps_profiled": runs, "execute_ms_per_step": round(step / runs, 2),
+            "xnnpack_calls_ms_per_step": round(totals.get("DELEGATE_CALL", 0.0) / runs, 2),
+            "portable_calls_ms_per_step": round(totals.get("OPERATOR_CALL", 0.0) / runs, 2),
+            "top_ops": [{"op": label(n), "ms_per_step": round(t / runs, 3),
+                         "share_of_step": round(t / step, 3)} for n, t in ops[:top]]}
+
+
+def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache: Path,
+                profile_steps: int = 0) -> dict:
     x, y = minibatch(cfg, batch, seq_len)
     model = build_model(cfg)
     layout = ParamLayout.of(model)
@@ -129,6 +172,11 @@ def bench_model(cfg: ModelConfig, batch: int, seq_len: int, repeats: int, cache:
         for fmt in ("pte", "onnx"):
             row[f"{fmt}_vs_eager_{threads}t"] = round(ms[fmt] / ms["eager"], 2)
     row["pte_set_weights_ms"] = round(interleaved_ms({"set": lambda: pte.set_flat(flat)}, 20)["set"], 3)
+    if profile_steps:
+        pte = None  # one loaded program at a time: the threadpool goes back to 1 thread
+        gc.collect()
+        set_threads(1)
+        row["pte_profile_1t"] = pte_op_profile(programs["pte"], layout, flat, x, y, profile_steps)
     torch.set_num_threads(1)
     return row
 
@@ -140,6 +188,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gboard", action="store_true", help="add Gboard's CIFG as a row")
     parser.add_argument("--archs", default="cifg,lstm,transformer")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="also profile this many .pte steps per model with ETDump (per-op ms)")
     parser.add_argument(
         "--cache",
         type=Path,
@@ -154,7 +204,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     cache = args.cache or Path(tmp.name)
     for cfg in configs:
-        row = bench_model(cfg, args.batch, args.seq_len, args.repeats, cache)
+        row = bench_model(cfg, args.batch, args.seq_len, args.repeats, cache, args.profile_steps)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
     result = {
@@ -162,6 +212,7 @@ def main() -> None:
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "load_avg_at_end": os.getloadavg(),
+            "torch_threads_timed": [1, 2],
         },
         "versions": {"torch": torch.__version__},
         "rows": rows,

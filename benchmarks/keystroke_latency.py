@@ -13,6 +13,8 @@ with random weights (latency does not depend on them), the programs as the bundl
 * `keystroke`: one new context token + a k = 3 completion of 3 more pieces, as the client does it;
 * `baked_*_call`: the same single runs with the weights baked into the programs (what weight
   inputs cost).
+For a transformer at Gboard's vocabulary (`transformer_10k`) the step is the KV-cache step of
+`export/kv_step.py` (a cache of seq_len slots), timed the same way.
 Both programs are timed round-robin in one process so machine load hits each alike; the JSON
 records cpu_count, ORT threads and the load average.
 
@@ -34,12 +36,15 @@ import torch
 
 from dpfleet.edge.ort_session import load_session
 from dpfleet.edge.tokenizer import BOS, PAD
+from dpfleet.export.kv_step import empty_cache, kv_step_program
 from dpfleet.export.models import ModelConfig, build_model, count_parameters
 from dpfleet.export.phone import onnx_program, window_program_with_weight_inputs
 from dpfleet.export.streaming import initial_state, step_program
 from dpfleet.export.training import onnx_param_name
 
 RESULTS = Path(__file__).parent / "results" / "keystroke_latency.json"
+# a small causal transformer at Gboard's vocabulary (2 layers, 96 wide, 4 heads)
+TRANSFORMER = ModelConfig(arch="transformer", embedding_dim=96, hidden_dim=384, num_layers=2, num_heads=4)
 
 
 def stats(times: list[float]) -> dict:
@@ -54,6 +59,68 @@ def run_window(session, ids: list[list[int]], seq_len: int, weights: dict) -> np
         windows[i, : len(p)] = p
         last.append(len(p) - 1)
     return session.run(None, {"tokens": windows, **weights})[0][np.arange(len(ids)), last]
+
+
+def round_robin(fns: dict, repeats: int) -> dict:
+    """Median / p90 ms of each function, timed in turn so machine load hits each alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(5):
+        for fn in fns.values():
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: stats(ts) for name, ts in times.items()}
+
+
+def measure_transformer(cfg: ModelConfig, seq_len: int, repeats: int, threads: int, k: int,
+                        pieces: int) -> dict:
+    """Transformer: the window program vs the KV-cache step (`export/kv_step.py`), both with
+    weight inputs; a keystroke is one step at the newest position, then k candidates x pieces
+    steps from copies of the cache."""
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        window_program_with_weight_inputs(model, seq_len, Path(tmp) / "infer.onnx")
+        kv_step_program(model, seq_len, Path(tmp) / "kv_step.onnx")
+        sizes = {name: (Path(tmp) / name).stat().st_size for name in ("infer.onnx", "kv_step.onnx")}
+        window, step = (load_session((Path(tmp) / name).read_bytes(), name, threads) for name in sizes)
+    weights = {onnx_param_name(n): p.detach().numpy() for n, p in model.named_parameters()}
+    rng = np.random.default_rng(0)
+    context = rng.integers(4, cfg.vocab_size, seq_len - 1 - pieces).tolist()
+    keys, values = empty_cache(cfg, seq_len)
+    for position, t in enumerate([BOS, *context[:-1]]):  # the cache before the newest token
+        _, keys, values = step.run(None, {"token": np.array([t]), "position": np.array(position),
+                                          "keys": keys, "values": values, **weights})
+    newest = len(context)
+    cand = rng.integers(4, cfg.vocab_size, (k, pieces)).tolist()
+
+    def run_step(tokens, position, kk, vv):
+        return step.run(None, {"token": np.array(tokens), "position": np.array(position), "keys": kk,
+                               "values": vv, **weights})
+
+    def window_keystroke():
+        run_window(window, [context], seq_len, weights)
+        for j in range(pieces):
+            run_window(window, [context + row[: j + 1] for row in cand], seq_len, weights)
+
+    def step_keystroke():
+        _, kk, vv = run_step([context[-1]], newest, keys, values)
+        kk, vv = np.repeat(kk, k, axis=1), np.repeat(vv, k, axis=1)
+        for j in range(pieces):
+            _, kk, vv = run_step([row[j] for row in cand], newest + 1 + j, kk, vv)
+
+    fns = {"window_call": lambda: run_window(window, [context], seq_len, weights),
+           "step_call": lambda: run_step([context[-1]], newest, keys, values),
+           "window_keystroke": window_keystroke, "step_keystroke": step_keystroke}
+    out = round_robin(fns, repeats)
+    ratio = {kind: out[f"window_{kind}"]["median_ms"] / out[f"step_{kind}"]["median_ms"]
+             for kind in ("call", "keystroke")}
+    return {"config": cfg.to_dict(), "parameters": count_parameters(model), "program_bytes": sizes,
+            "step": "KV cache of seq_len slots", **out, "window_over_step_median": ratio,
+            "program_runs_per_keystroke": {"window": 1 + pieces, "step": 1 + pieces}}
 
 
 def measure(cfg: ModelConfig, seq_len: int, repeats: int, threads: int, k: int, pieces: int) -> dict:
@@ -104,16 +171,7 @@ def measure(cfg: ModelConfig, seq_len: int, repeats: int, threads: int, k: int, 
     fns = {"window_call": window_call, "step_call": step_call,
            "window_keystroke": window_keystroke, "step_keystroke": step_keystroke,
            "baked_window_call": baked_window_call, "baked_step_call": baked_step_call}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(5):
-        for fn in fns.values():
-            fn()
-    for _ in range(repeats):  # round-robin: load hits each alike
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t) * 1e3)
-    out = {name: stats(ts) for name, ts in times.items()}
+    out = round_robin(fns, repeats)
     ratio = {kind: out[f"window_{kind}"]["median_ms"] / out[f"step_{kind}"]["median_ms"]
              for kind in ("call", "keystroke")}
     return {"config": cfg.to_dict(), "parameters": count_parameters(model), "program_bytes": sizes,
@@ -135,6 +193,8 @@ def main() -> None:
                       pieces=3)
         for name, tied in (("gboard_cifg", False), ("gboard_cifg_tied", True))
     }
+    results["transformer_10k"] = measure_transformer(TRANSFORMER, args.seq_len, args.repeats, args.threads,
+                                                     k=3, pieces=3)
     import onnxruntime
 
     record = {
@@ -151,9 +211,9 @@ def main() -> None:
               f"step {r['step_call']['median_ms']:.3f} ms ({r['window_over_step_median']['call']:.1f}x); "
               f"keystroke window {r['window_keystroke']['median_ms']:.3f} ms vs step "
               f"{r['step_keystroke']['median_ms']:.3f} ms "
-              f"({r['window_over_step_median']['keystroke']:.1f}x); "
-              f"baked window {r['baked_window_call']['median_ms']:.3f} ms, step "
-              f"{r['baked_step_call']['median_ms']:.3f} ms")
+              f"({r['window_over_step_median']['keystroke']:.1f}x)"
+              + (f"; baked window {r['baked_window_call']['median_ms']:.3f} ms, step "
+                 f"{r['baked_step_call']['median_ms']:.3f} ms" if "baked_step_call" in r else ""))
 
 
 if __name__ == "__main__":

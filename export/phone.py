@@ -6,7 +6,8 @@ The ExecuTorch program has batch 1 and runs through the XNNPACK delegate (weight
 here, so XNNPACK packs them once); the ONNX program has a dynamic batch.
 
 `--quantize int8` is dynamic int8 on the matmul weights: XNNPACK's dynamic per-channel scheme
-(pt2e) for ExecuTorch, and ORT's `quantize_dynamic` for ONNX, with `reduce_range=True` for
+(pt2e) for ExecuTorch, plus an int8 input embedding table there (`embedding_byte`; untied models),
+and ORT's `quantize_dynamic` for ONNX, with `reduce_range=True` for
 `--target x86` (without it, the u8 x s8 VPMADDUBSW path of x86 AVX2 saturates and logits drift)
 and full 8-bit range for `--target arm` (ARM's int8 dot products do not saturate).
 
@@ -47,27 +48,52 @@ def _window(seq_len: int, batch: int = 1) -> torch.Tensor:
     return torch.full((batch, seq_len), BOS, dtype=torch.int64)
 
 
-def pte_program(model: nn.Module, seq_len: int, quantize: str | None) -> bytes:
-    """ExecuTorch inference program (batch 1) lowered to XNNPACK, optionally dynamic int8."""
+def quantize_embedding_table(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose input table is int8 (symmetric, one scale per row: torchao's
+    weight-only int8). ExecuTorch's quant fusion turns its dequantize + embedding into the
+    `quantized_decomposed::embedding_byte` kernel, so the table ships as int8 and one row is
+    dequantized per token. Tied models keep the fp32 table: it is also the output matmul's weight,
+    which the XNNPACK pass quantizes on its own."""
+    import copy
+
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+              filter_fn=lambda module, _: isinstance(module, nn.Embedding))
+    return quantized
+
+
+def pte_program(
+    model: nn.Module, seq_len: int, quantize: str | None, quantize_embedding: bool = True
+) -> bytes:
+    """ExecuTorch inference program (batch 1) lowered to XNNPACK, optionally dynamic int8 matmuls
+    and (`quantize_embedding`, untied models) an int8 embedding table."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     args = (_window(seq_len),)
     with quiet_export():
         if quantize == "int8":
+            import executorch.kernels.quantized  # noqa: F401  (registers embedding_byte for export)
             from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
                 XNNPACKQuantizer,
                 get_symmetric_quantization_config,
             )
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+            if quantize_embedding and not model.cfg.tie_embeddings:
+                model = quantize_embedding_table(model)
             config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
             graph = torch.export.export(model, args).module()
             graph = prepare_pt2e(graph, XNNPACKQuantizer().set_global(config))
             graph(*args)  # dynamic quantization needs no calibration data; this just runs once
             model = convert_pt2e(graph)
         ep = torch.export.export(model, args)
-        return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+        lowered = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        fuse = ExecutorchBackendConfig(do_quant_fusion_and_const_prop=quantize == "int8")
+        return lowered.to_executorch(fuse).buffer
 
 
 def onnx_program(
@@ -158,6 +184,9 @@ class InferenceProgram:
         self.fmt = fmt
         data = Path(path).read_bytes()
         if fmt == "pte":
+            # the runtime kernel of an int8 table (embedding_byte) lives in the quantized library
+            import executorch.kernels.quantized  # noqa: F401
+
             from dpfleet.edge.pte_module import PteModule, set_threads
 
             set_threads(threads)
@@ -235,6 +264,7 @@ class PhoneExport:
     target: str = "x86"
     min_top1: float = MIN_TOP1
     accept_int8_drop: bool = False
+    pte_int8_embedding: bool = True  # False: the fp32 table of earlier exports (benchmarks compare)
 
     def run(self) -> dict:
         """Export, write tokenizer + manifest, measure; returns the JSON summary."""
@@ -263,12 +293,15 @@ class PhoneExport:
             shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
             raise
 
+    def _int8_table(self, cfg: ModelConfig) -> bool:
+        return self.fmt == "pte" and self.pte_int8_embedding and not cfg.tie_embeddings
+
     def _export(self, cfg: ModelConfig, model: nn.Module, tokenizer, lines: list[str] | None) -> dict:
         bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None)
         program_path = self.out / PROGRAM_FILE[self.fmt]
         start = time.perf_counter()
         if self.fmt == "pte":
-            program_path.write_bytes(pte_program(model, self.seq_len, self.quantize))
+            program_path.write_bytes(pte_program(model, self.seq_len, self.quantize, self.pte_int8_embedding))
         else:
             onnx_program(model, self.seq_len, self.quantize, program_path, self.target == "x86")
         export_s = time.perf_counter() - start
@@ -304,7 +337,8 @@ class PhoneExport:
                 "quantize": self.quantize,
                 "target": self.target,
                 "quantization": None if not self.quantize else {
-                    "scheme": "dynamic int8 matmul weights",
+                    "scheme": "dynamic int8 matmul weights" + (
+                        " + int8 embedding table (embedding_byte)" if self._int8_table(cfg) else ""),
                     "reduce_range": self.fmt == "onnx" and self.target == "x86",
                     "int8_check": check,
                 },
