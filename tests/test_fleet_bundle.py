@@ -174,3 +174,49 @@ def test_a_bundle_the_pinned_key_did_not_sign_is_refused_before_onnxruntime(
 async def _boot_only(cfg, state):
     running = await start(cfg, state, log=lambda s: None)
     await shutdown(running)
+
+
+def bundle_toml(tmp_path, runtime="onnx", rounds=2):
+    from test_fleet_cli import tiny_toml
+
+    path = tiny_toml(tmp_path, rounds=rounds)
+    text = path.read_text().replace('trainer = "sequential"',
+                                    f'trainer = "sequential"\nruntime = "{runtime}"')
+    path.write_text(text + 'client = "bundle"\n')
+    return path
+
+
+def test_bundle_config_and_missing_key_are_one_clean_line(tmp_path):
+    from test_cli_errors import assert_clean_error, run_cli
+
+    cfg = bundle_toml(tmp_path, runtime="eager")
+    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+                       "set client.runtime = 'onnx' or 'executorch'")
+    cfg = bundle_toml(tmp_path)
+    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
+                       "needs --bundle-key FILE")
+    bad = tmp_path / "bad.pub"
+    bad.write_text("not a key")
+    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9",
+                               "--bundle-key", str(bad)), "not an Ed25519 public key")
+
+
+@pytest.mark.slow  # ~1 min: a coordinator subprocess that exports the bundle, two spawned workers
+def test_fleet_run_with_bundle_devices(tmp_path):
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    proc = subprocess.run([sys.executable, "-m", "dpfleet", "fleet", "run", str(bundle_toml(tmp_path)),
+                           "--state", str(state), "--processes", "2"],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((state / "participation.jsonl").read_text().splitlines()) == 2
+    summary = json.loads((tmp_path / "state_fleet" / "summary.json").read_text())
+    assert summary["counts"].get("reported", 0) >= 2 * 3
+    assert not any(k.startswith("refused_bundle") for k in summary["counts"])
+    pin = pinned(state / PUBLIC_FILE)
+    from dpfleet.edge.bundle_format import verify_bundle
+
+    verify_bundle(state / BUNDLE_DIR, pin)  # the bundle the devices pinned is STATE's
+    assert oct((state / KEY_FILE).stat().st_mode & 0o777) == "0o600"
