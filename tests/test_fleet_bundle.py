@@ -220,3 +220,44 @@ def test_fleet_run_with_bundle_devices(tmp_path):
 
     verify_bundle(state / BUNDLE_DIR, pin)  # the bundle the devices pinned is STATE's
     assert oct((state / KEY_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+def test_signed_secagg_rounds_with_bundle_devices(tmp_path, monkeypatch):
+    """Through signed SecAgg+ too: each committed sum is its survivors' bundle-trained updates
+    (within the encoding's bound), and each of those updates is the eager one within tolerance."""
+    from test_service_secagg import SECAGG, check_sums, policy_for
+
+    cfg = tiny_cfg(**SECAGG, rounds=2, client={"runtime": "onnx", **BATCH},
+                   fleet={"client": "bundle"})
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    identities = {u: k.public_key().public_bytes_raw() for u, k in keys.items()}
+    monkeypatch.setattr(participant, "runtime_for", None)  # calling dpfleet's runtime would fail
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=2.0)
+        sums = capture_sums(running.driver.engine)
+        devices = asyncio.create_task(run_devices(
+            running.url, keys, examples, runtime="onnx", pinned=identities, policy=policy_for(cfg),
+            bundle_key=pinned(tmp_path / "state" / PUBLIC_FILE)))
+        await asyncio.wait_for(asyncio.shield(running.task), 180)
+        outcomes = await asyncio.wait_for(devices, 30)
+        model_cfg = ModelConfig(**running.driver.b.model_config)
+        await shutdown(running)
+        return sums, outcomes, model_cfg
+
+    sums, outcomes, model_cfg = asyncio.run(main())
+    assert len(sums) == cfg.rounds
+    check_sums(sums, outcomes)
+    eager = SequentialTrainer(EagerRuntime(model_cfg, 1))
+    checked = 0
+    for plan, agg in sums:
+        for u in agg.survivors:
+            d = plan.devices[u]
+            (o,) = [o for r, _, o in outcomes[users[d]] if r == plan.round + 1 and o.update]
+            (ref,) = eager.train_round(plan.theta, [examples[users[d]]], [_seed(cfg.seed, plan.round, d)],
+                                       lr=cfg.client.lr, batch_size=cfg.client.batch_size,
+                                       clip_norm=plan.clip_norm)
+            assert np.abs(o.update.delta - ref.delta).max() <= 1e-6 + 1e-4 * np.abs(ref.delta).max()
+            checked += 1
+    assert checked >= cfg.rounds * cfg.dp.report_goal
