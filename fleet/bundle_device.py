@@ -53,6 +53,9 @@ async def fetch_bundle(link, ref: dict, public_key) -> tuple[object, threading.L
     from dpfleet.edge.device_client import BundleClient
 
     key = load_public_key(public_key)
+    if ref is None:
+        raise BundleError("the assignment names no bundle (is the coordinator's [fleet] client "
+                          "'bundle'?): a device pinning a bundle key trains with nothing else")
     try:
         manifest_sha, signature_sha = str(ref["manifest_sha256"]), str(ref["signature_sha256"])
     except (KeyError, TypeError) as exc:
