@@ -261,3 +261,41 @@ def test_signed_secagg_rounds_with_bundle_devices(tmp_path, monkeypatch):
             assert np.abs(o.update.delta - ref.delta).max() <= 1e-6 + 1e-4 * np.abs(ref.delta).max()
             checked += 1
     assert checked >= cfg.rounds * cfg.dp.report_goal
+
+
+class BlobLink:
+    """Stands in for `CoordinatorLink.blob` only: serves bytes by sha256 and records each ask."""
+
+    def __init__(self, blobs: dict[str, bytes]):
+        self.blobs, self.asked = blobs, []
+
+    async def blob(self, sha: str) -> bytes:
+        self.asked.append(sha)
+        return self.blobs[sha]
+
+
+def _signed(manifest: dict, key: Ed25519PrivateKey) -> tuple[BlobLink, dict]:
+    from dpfleet.edge.bundle_format import sha256_hex
+
+    blob, sig = sign_manifest(manifest, key)
+    link = BlobLink({sha256_hex(blob): blob, sha256_hex(sig): sig})
+    return link, {"manifest_sha256": sha256_hex(blob), "signature_sha256": sha256_hex(sig)}
+
+
+def test_the_signature_is_checked_before_any_listed_file_is_fetched(tmp_path):
+    from dpfleet.edge.bundle_format import BundleError
+    from dpfleet.fleet.bundle_device import fetch_bundle
+
+    pinned_key, rogue = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    files = {"train.onnx": {"bytes": 3, "sha256": "ab" * 32}}
+    link, ref = _signed({"bundle_version": 1, "files": files}, rogue)
+    with pytest.raises(BundleError, match="not signed by the pinned bundle key"):
+        asyncio.run(fetch_bundle(link, ref, pinned_key.public_key()))
+    assert link.asked == [ref["manifest_sha256"], ref["signature_sha256"]]  # no program fetched
+    # a manifest the pinned key did sign may still not name a file outside the bundle
+    link, ref = _signed({"bundle_version": 1, "files": {"../../escape": files["train.onnx"]}},
+                        pinned_key)
+    with pytest.raises(BundleError, match="outside the bundle"):
+        asyncio.run(fetch_bundle(link, ref, pinned_key.public_key()))
+    with pytest.raises(BundleError, match="names no bundle"):
+        asyncio.run(fetch_bundle(link, None, pinned_key.public_key()))
