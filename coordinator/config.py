@@ -135,6 +135,9 @@ class FleetSection:
     dropout_train: float = 0.0
     dropout_report: float = 0.0
     dropout_secagg: float = 0.0  # per SecAgg phase
+    # "dpfleet": devices train with dpfleet's own runtime; "bundle": the coordinator publishes one
+    # signed phone bundle per run and devices train with its reference client (edge/device_client)
+    client: str = "dpfleet"
 
 
 @dataclass
@@ -186,6 +189,7 @@ _CHOICES = {
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("gaussian", "discrete"),
+    "fleet.client": ("dpfleet", "bundle"),
 }
 
 _MOVED = {"dp.sampling": "participation.mode"}
@@ -314,6 +318,9 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
         *fleet_checks(cfg.fleet),
+        (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
+         "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
+         "client.runtime = 'onnx' or 'executorch'"),
     ]
     for ok, message in checks:
         if not ok:

@@ -73,6 +73,7 @@ class BundleClient:
         self._stream = None  # (fed ids, logits, state) of the message so far
         self.use_streaming = True  # suggest() through step.onnx when the bundle has it
         self._weight_feed: dict[str, np.ndarray] | None = None  # p.<name> inputs of infer / step
+        self.last_loss = float("nan")  # mean minibatch loss of the last train_epoch
 
     def set_inference_weights(self, flat: np.ndarray) -> None:
         """Suggest with this weight vector from now on (default: the bundle's `weights.bin`)."""
@@ -145,10 +146,14 @@ class BundleClient:
         views = self._split(theta)  # SGD writes through these views into `theta`
         feeds = [f"p.{n}" for n in self.names]
         step = np.float32(lr)
+        losses = []
         for x, y in fixed_shape_batches(rows, batch_size, seed, self.seq_len, pad_rows=False):
-            _, *grads = session.run(None, {"inputs": x, "targets": y, **dict(zip(feeds, views, strict=True))})
+            feed = {"inputs": x, "targets": y, **dict(zip(feeds, views, strict=True))}
+            loss, *grads = session.run(None, feed)
+            losses.append(float(loss))
             for w, g in zip(views, grads, strict=True):
                 w -= step * g
+        self.last_loss = float(np.mean(losses)) if losses else float("nan")  # the runtimes' mean_loss
         return theta - theta0
 
     def _train_pte(self, theta0: np.ndarray, rows: np.ndarray, lr: float, batch_size: int, seed: int):
@@ -171,10 +176,13 @@ class BundleClient:
         with torch.no_grad():
             for p, w in zip(params, self._split(theta0), strict=True):
                 p.copy_(torch.from_numpy(w))
+            losses = []
             for x, y in fixed_shape_batches(rows, batch_size, seed, self.seq_len, pad_rows=True):
                 outs = self._pte.run(method, (torch.from_numpy(x), torch.from_numpy(y)))
+                losses.append(float(outs[0]))
                 for p, g in zip(params, outs[1 : n + 1], strict=True):
                     p.add_(g, alpha=-lr)
+        self.last_loss = float(np.mean(losses)) if losses else float("nan")
         return torch.cat([p.reshape(-1) for p in params]).numpy().copy()
 
     def clip(self, delta: np.ndarray, clip_norm: float | None = None) -> tuple[np.ndarray, float]:

@@ -50,20 +50,27 @@ def _start_hour(value: float | None) -> float:
               help="Simulated hour of day at the start (default: the current UTC hour).")
 @click.option("--summary", type=click.Path(path_type=Path), default=None,
               help="Also write the summary (counts, request latency p50/p99) as JSON here.")
+@click.option("--bundle-key", type=click.Path(path_type=Path), default=None,
+              help="The run's bundle public key (the coordinator's STATE/bundle_key.pub), pinned "
+                   "out of band; needed with [fleet] client = 'bundle': devices train only with "
+                   "the bundle this key signed.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Path,
             registry: Path | None, seed: int | None, vocabulary: Path | None, ca_file: Path | None,
-            start_hour: float | None, summary: Path | None, progress: bool) -> None:
+            start_hour: float | None, summary: Path | None, bundle_key: Path | None,
+            progress: bool) -> None:
     """Run an emulated fleet of CONFIG's train clients against the coordinator at --coordinator
     until it says the run is done. A worker process that dies is restarted with its devices."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.coordinator.run_dir import atomic_write
+    from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
     from dpfleet.fleet.registry import public_registry, write_public_registry
 
     cfg = load_config(config)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
+    pinned_bundle = pinned_bundle_key(cfg, bundle_key)
     ids, examples, params = load_devices(cfg, devices, vocabulary)
     keys = read_keys(fleet_keys, len(ids))
     pins = public_registry(keys, ids)
@@ -73,7 +80,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
     runner = Fleet(cfg, url, ids, examples, keys, pins, processes=processes,
                    seed=cfg.seed if seed is None else seed, model_bytes=4 * params,
                    start_hour=_start_hour(start_hour), ca_file=str(ca_file) if ca_file else None,
-                   log=log)
+                   log=log, bundle_key=pinned_bundle)
     del examples
     began = time.perf_counter()
     bar = None

@@ -84,7 +84,7 @@ class Fleet:
     def __init__(self, cfg: SimulationConfig, url: str, ids: list[str], examples: list[np.ndarray],
                  keys: dict, registry: dict[str, bytes], *, processes: int, seed: int,
                  model_bytes: int, start_hour: float, ca_file: str | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, bundle_key: bytes | None = None):
         if processes < 1:
             raise DpfleetError("--processes must be >= 1")
         self.cfg, self.log = cfg, log
@@ -99,7 +99,7 @@ class Fleet:
                 for i in range(w, len(ids), processes)],
                 pinned=registry, seed=seed, origin=origin, start_hour=start_hour,
                 time_scale=scale, timer_period_s=period_h * 3600.0, model_bytes=model_bytes,
-                ca_file=ca_file)
+                ca_file=ca_file, bundle_key=bundle_key)
             for w in range(min(processes, len(ids)))]
         self.procs: dict[int, mp.Process] = {}
         self.counts: dict[int, dict[str, int]] = {}

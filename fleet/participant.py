@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.backends import SequentialTrainer
+from dpfleet.edge.bundle_format import BundleError
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.export.models import ModelConfig
 from dpfleet.fleet.link import CoordinatorLink, LinkError
@@ -47,7 +48,8 @@ class DropOut(Exception):
 @dataclass
 class Outcome:
     """How the device's part ended: "reported", "secagg_done", "dropped", "refused_setup",
-    "aborted" (SecAgg abort), "stale" (the round closed without it) or "failed"."""
+    "refused_bundle" (not the pinned key's bundle, or a plan it does not train), "aborted"
+    (SecAgg abort), "stale" (the round closed without it) or "failed"."""
 
     kind: str
     detail: str = ""
@@ -92,21 +94,30 @@ async def _hook(hook: Hook | None, phase: str) -> None:
 
 
 async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,
-                threads: int = 1) -> tuple[dict, ClientUpdate, float]:
-    """(plan, clipped update, wall seconds) for this device's examples on the assigned model."""
+                threads: int = 1, bundle_key=None) -> tuple[dict, ClientUpdate, float]:
+    """(plan, clipped update, wall seconds) for this device's examples on the assigned model;
+    with `bundle_key` (the pinned bundle public key) through the run's signed bundle."""
     plan = json.loads(await link.blob(assignment["plan_sha256"]))
     theta = np.frombuffer(await link.blob(assignment["model_sha256"]), dtype="<f4").astype(np.float32)
     await link.blob(plan["tokenizer_sha256"])  # what a phone would tokenize its text with
-    runtime, lock = runtime_for(plan, threads)
+    if bundle_key is not None:
+        from dpfleet.fleet.bundle_device import check_plan, fetch_bundle, train_update
+
+        client, lock = await fetch_bundle(link, assignment.get("bundle"), bundle_key)
+        check_plan(client, plan, theta)
+        step = lambda: train_update(client, plan, theta, examples)  # noqa: E731
+    else:
+        runtime, lock = runtime_for(plan, threads)
+        step = lambda: SequentialTrainer(runtime).train_round(  # noqa: E731
+            theta, [examples], [int(plan["client_seed"])], lr=plan["lr"],
+            batch_size=plan["batch_size"], clip_norm=plan["clip_norm"])[0]
     seconds = 0.0
 
     def run() -> ClientUpdate:
         nonlocal seconds
         with lock:
             began = time.perf_counter()
-            out = SequentialTrainer(runtime).train_round(
-                theta, [examples], [int(plan["client_seed"])], lr=plan["lr"],
-                batch_size=plan["batch_size"], clip_norm=plan["clip_norm"])[0]
+            out = step()
             seconds = time.perf_counter() - began
             return out
 
@@ -119,30 +130,39 @@ async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *
 async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *,
                     policy=None, pinned: Mapping[str, bytes] | None = None,
                     before_phase: Hook | None = None, speed: float = 1.0,
-                    threads: int = 1) -> Outcome:
+                    threads: int = 1, bundle_key=None) -> Outcome:
     """Run this device's part of `assignment` to the end. `policy`: a `ClientPolicy`, or a
     callable n -> ClientPolicy (`local_policy`); `pinned`: device id -> identity public key,
-    the fleet registry the device got out of band (SecAgg)."""
+    the fleet registry the device got out of band (SecAgg); `bundle_key`: the run's bundle
+    public key, also pinned out of band: the device trains only with a bundle it signed, and
+    refuses the round ("refused_bundle", nothing sent) otherwise."""
     try:
+        if bundle_key is not None:  # before any byte of the round is sent (SecAgg commit too)
+            from dpfleet.fleet.bundle_device import fetch_bundle
+
+            await fetch_bundle(link, assignment.get("bundle"), bundle_key)
         if assignment["aggregation"] == "secagg":
             return await _secagg(link, assignment, examples, policy, pinned, before_phase, speed,
-                                 threads)
+                                 threads, bundle_key)
         await _hook(before_phase, "train")
-        _, update, seconds = await train(link, assignment, examples, speed=speed, threads=threads)
+        _, update, seconds = await train(link, assignment, examples, speed=speed, threads=threads,
+                                         bundle_key=bundle_key)
         await _hook(before_phase, "report")
         await link.report(assignment["round"], assignment["attempt"], update.delta,
                           norm=update.norm, clipped=update.clipped, loss=update.loss)
         return Outcome("reported", update=update, train_seconds=seconds)
     except DropOut as exc:
         return Outcome("dropped", str(exc))
+    except BundleError as exc:
+        return Outcome("refused_bundle", str(exc))
     except LinkError as exc:
         if exc.status in (409, 410):
             return Outcome("stale", exc.message)
         return Outcome("failed", str(exc))
 
 
-async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads
-                  ) -> Outcome:
+async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
+                  bundle_key=None) -> Outcome:
     from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.encoding import Discretizer
     from dpfleet.secagg.errors import SecAggError
@@ -163,7 +183,7 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
     except (SecAggError, ValueError, KeyError, TypeError) as exc:
         return Outcome("refused_setup", f"{type(exc).__name__}: {exc}")
     training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,
-                                           threads=threads))
+                                           threads=threads, bundle_key=bundle_key))
     update, seconds = None, 0.0
     try:
         await _hook(before_phase, "commit")

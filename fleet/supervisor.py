@@ -132,6 +132,10 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
             emulate_cmd += ["--seed", str(seed)]
         if admin.get("tls_cert"):
             emulate_cmd += ["--ca-file", admin["tls_cert"]]
+        if cfg.fleet.client == "bundle":  # serve wrote it at boot, before admin.json
+            from dpfleet.service.run_bundle import PUBLIC_FILE
+
+            emulate_cmd += ["--bundle-key", state / PUBLIC_FILE]
         with open(fleet_log, "ab") as out:
             fleet = subprocess.Popen(emulate_cmd, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)

@@ -62,6 +62,7 @@ class WorkerSpec:
     model_bytes: int  # size of one model / update on the wire (link sleeps)
     ca_file: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    bundle_key: bytes | None = None  # the run's bundle public key, pinned out of band ([fleet] client)
 
 
 def worker_main(spec: WorkerSpec, events) -> None:
@@ -162,7 +163,7 @@ async def _run(spec: WorkerSpec, events) -> None:
         outcome = await take_part(
             device.link, assignment, examples[device.index], policy=policy, pinned=spec.pinned,
             before_phase=Hooks(device.behaviour, clock, spec.model_bytes, assignment),
-            speed=device.behaviour.profile.speed, threads=1)
+            speed=device.behaviour.profile.speed, threads=1, bundle_key=spec.bundle_key)
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
         outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),

@@ -27,6 +27,7 @@ from dpfleet.coordinator.state_store import StateStore, open_engine
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.service.blobs import BlobStore, folder_tar
+from dpfleet.service.run_bundle import RunBundle, run_bundle
 
 
 def check_service_config(cfg: SimulationConfig) -> None:
@@ -55,6 +56,7 @@ class Booted:
     tokenizer_sha256: str
     model_config: dict
     started: float
+    bundle: RunBundle | None = None  # [fleet] client = "bundle": the run's signed phone bundle
 
 
 def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
@@ -87,11 +89,14 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer.save(Path(tmp))
             tokenizer_sha = blobs.put(folder_tar(Path(tmp)), pinned=True)
+        bundle = None
+        if cfg.fleet.client == "bundle":
+            bundle = run_bundle(cfg, Path(state), model, model_cfg, tokenizer, blobs, log)
         log(f"data: {len(users)} train clients; model {model_cfg.arch} with "
             f"{engine.server.theta.size:,} parameters; continuing after round "
             f"{store.last_committed()} of {cfg.rounds}")
         return Booted(cfg, store, engine, users, baseline, blobs, tokenizer_sha,
-                      json.loads(json.dumps(dataclasses.asdict(model_cfg))), started)
+                      json.loads(json.dumps(dataclasses.asdict(model_cfg))), started, bundle)
     except BaseException:
         store.close()
         raise

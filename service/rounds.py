@@ -345,6 +345,8 @@ class RoundDriver:
                 "aggregation": cfg.aggregation.kind, "secagg": secagg_json,
                 "deadlines": deadlines, "time_scale": self.svc.time_scale,
             }
+            if b.bundle is not None:  # the signed program the device trains with (PROTOCOL.md)
+                cur.assignments[u]["bundle"] = b.bundle.assignment_field()
         b.blobs.retain(keep)
         self.current = cur
         for d in plan.devices:
