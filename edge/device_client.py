@@ -12,7 +12,8 @@ the simulation exercises exactly the bytes a phone would ship.
     client.suggest("see you to")                          # ["tomorrow", "today", ...]
 
 `weights()` is the bundle's starting vector (a round's weights come from the server);
-`initial_state()` / `step(tokens, state)` stream one token per call (recurrent models) and
+`initial_state()` / `step(tokens, state)` stream one token per call (recurrent state, or the
+transformer's KV cache of seq_len slots) and
 `next_logits(prompts)` runs the window program; both read the weights as inputs, so
 `set_inference_weights(flat)` makes suggestions follow a new model.
 
@@ -216,27 +217,50 @@ class BundleClient:
             return False, ""
         return piece.startswith(WORD_START), piece.lstrip(WORD_START)
 
-    # ---- streaming (recurrent models) ---------------------------------------------------------
+    # ---- streaming (recurrent state or the transformer's KV cache) -------------------------
     @property
     def streaming(self) -> bool:
-        return "step" in self.inference
+        return "step" in self.inference or "kv_step" in self.inference
 
-    def initial_state(self, batch: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """The zero (state_h, state_c) a message starts from; feed bos_id first."""
-        if not self.streaming:
-            raise BundleError("this bundle has no streaming step program (transformer models)")
-        shapes = self.inference["step"]["state"]
-        return tuple(np.zeros([batch if d == "batch" else int(d) for d in shapes[name]], np.float32)
-                     for name in ("state_h", "state_c"))
+    @property
+    def _kv(self) -> dict | None:
+        """The KV-cache step's manifest entry (transformer bundles), else None."""
+        return self.inference.get("kv_step")
 
-    def step(self, tokens: Sequence[int], state: tuple[np.ndarray, np.ndarray]):
-        """Feed one token per row of the batch: (next-token logits [b, V], new state)."""
+    def _step_spec(self) -> dict:
         if not self.streaming:
-            raise BundleError("this bundle has no streaming step program (transformer models)")
+            raise BundleError("this bundle has no streaming step program")
+        return self._kv or self.inference["step"]
+
+    def initial_state(self, batch: int = 1) -> tuple:
+        """The state a message starts from; feed bos_id first. Recurrent: zero (state_h, state_c);
+        transformer: zero (keys, values) caches and the next position, 0."""
+        spec = self._step_spec()
+        try:
+            shapes = [spec["cache"]["keys"], spec["cache"]["values"]] if self._kv else \
+                [spec["state"]["state_h"], spec["state"]["state_c"]]
+            zeros = tuple(np.zeros([batch if d == "batch" else int(d) for d in shape], np.float32)
+                          for shape in shapes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"manifest's step entry lacks its state shapes ({exc!r})") from exc
+        return (*zeros, 0) if self._kv else zeros
+
+    def step(self, tokens: Sequence[int], state: tuple):
+        """Feed one token per row of the batch: (next-token logits [b, V], new state). A KV cache
+        is full after `slots` tokens (BOS included): a further step is refused (use the window)."""
+        spec = self._step_spec()
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
             raise BundleError(f"step takes a 1-D batch of token ids in [0, {self.vocab_size})")
-        session = self._session("step", self.inference["step"]["file"])
+        session = self._session("step", spec["file"])
+        if self._kv:
+            keys, values, position = state
+            if not 0 <= position < int(spec["slots"]):
+                raise BundleError(f"the KV cache holds {spec['slots']} tokens (BOS included); "
+                                  "past that use the window program (manifest rules.kv_step)")
+            feed = {"token": ids, "position": np.array(position, np.int64), "keys": keys, "values": values}
+            logits, keys, values = session.run(None, {**feed, **self._weights_feed()})
+            return logits, (keys, values, position + 1)
         feed = {"token": ids, "state_h": state[0], "state_c": state[1], **self._weights_feed()}
         logits, h, c = session.run(None, feed)
         return logits, (h, c)
@@ -257,19 +281,26 @@ class BundleClient:
         return logits, state
 
     # ---- suggestions ------------------------------------------------------------------------
-    def _start(self, ids: list[int]):
-        """Next-token logits after the context, and a handle to extend it (a state or ids)."""
-        if self.streaming and self.use_streaming:
+    def _start(self, ids: list[int], more: int):
+        """Next-token logits after the context, and a handle to extend it by up to `more` tokens:
+        a state (tuple) through the step program, else the ids (list) for the window program. A KV
+        cache streams only while BOS + context + `more` fit its slots; past that the window
+        program answers (the manifest's kv_step rule), so both paths suggest the same words."""
+        fits = self._kv is None or 1 + len(ids) + more <= int(self._kv["slots"])
+        if self.streaming and self.use_streaming and fits:
             return self._context(ids)
-        return self.next_logits([ids])[0], ids
+        return self.next_logits([ids])[0], list(ids)
 
     def _extend(self, handles: list, tokens: list[int]) -> tuple[np.ndarray, list]:
         """Feed one token to each candidate; (logits [k, V], their new handles)."""
-        if self.streaming and self.use_streaming:
-            h = np.concatenate([s[0] for s in handles], axis=1)
-            c = np.concatenate([s[1] for s in handles], axis=1)
-            logits, (h, c) = self.step(tokens, (h, c))
-            return logits, [(h[:, i : i + 1], c[:, i : i + 1]) for i in range(len(tokens))]
+        if isinstance(handles[0], tuple):  # states: batch axis 1 of every array; KV positions agree
+            parts = list(zip(*handles, strict=True))
+            if self._kv and len(set(parts[-1])) != 1:
+                raise BundleError("KV-cache candidates must share one position")
+            state = tuple(np.concatenate(x, axis=1) if isinstance(x[0], np.ndarray) else x[0] for x in parts)
+            logits, state = self.step(tokens, state)
+            return logits, [tuple(x[:, i : i + 1] if isinstance(x, np.ndarray) else x for x in state)
+                            for i in range(len(tokens))]
         prompts = [[*ids, t] for ids, t in zip(handles, tokens, strict=True)]
         return self.next_logits(prompts), prompts
 
@@ -290,7 +321,7 @@ class BundleClient:
         def fits(text: str) -> bool:
             return text.startswith(partial) or partial.startswith(text)
 
-        first, root = self._start(base)
+        first, root = self._start(base, 0 if self.tokenizer.kind == "word" else max_pieces)
         starts = []
         for i in np.argsort(-first):
             is_start, text = self._piece(int(i))

@@ -55,6 +55,7 @@ BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"
 TRAIN_ONNX = "train.onnx"
 STEP_ONNX = "step.onnx"
+KV_STEP_ONNX = "kv_step.onnx"
 TRAIN_PTE = "train.pte"
 INFER_ONNX = "infer.onnx"
 TOKENIZER_DIR = "tokenizer"
@@ -99,6 +100,18 @@ RULES = {
         "predict the next one. Equal to the window program while the message has at most "
         "seq_len - 1 tokens; past that the state remembers more than the window (trained on rows of "
         "seq_len tokens). Keep the state per candidate to score completions: one step per piece."
+    ),
+    "kv_step": (
+        "Transformer: keys = values = zeros of the listed cache shape at each new message; feed "
+        "bos_id at position 0, then each token id at position = the number of tokens fed before "
+        "(one cache slot per token, slots = seq_len; the position is shared by the batch); pass "
+        "back next_keys / next_values. The logits returned predict the next token and equal the "
+        "window program's while the message (BOS included) has at most seq_len tokens. When a "
+        "message would need position >= seq_len, use the window program instead (BOS plus the last "
+        "seq_len - 1 tokens): positions are absolute learned embeddings trained on 0..seq_len-1, so "
+        "the cache cannot slide (dropping the oldest token moves every other token's position and "
+        "invalidates every cached key and value), and re-computing it is what one window run does. "
+        "Never feed position >= seq_len: the token is then stored nowhere and the logits are wrong."
     ),
     "words": (
         "sentencepiece: a piece starting with U+2581 begins a new word; a word is its first piece "
@@ -368,9 +381,9 @@ class BundleExport:
             "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
                      "loadavg_1m": round(os.getloadavg()[0], 2)},
         }
-        if cfg.arch != "transformer":
-            inference["step"], measured["step"] = self._streaming(folder, model, program, seq_len, weights)
-        onnx_files = [TRAIN_ONNX, INFER_ONNX] + ([STEP_ONNX] if "step" in inference else [])
+        key = "kv_step" if cfg.arch == "transformer" else "step"
+        inference[key], measured[key] = self._streaming(folder, model, program, seq_len, weights)
+        onnx_files = [TRAIN_ONNX, INFER_ONNX, inference[key]["file"]]
         (folder / ORT_OPS_CONFIG).write_text(
             ort_operator_config({name: (folder / name).read_bytes() for name in onnx_files}))
         bar.update()
@@ -415,25 +428,46 @@ class BundleExport:
 
 
     def _streaming(self, folder: Path, model, window, seq_len: int, weights: dict) -> tuple[dict, dict]:
-        """Export step.onnx; measure it against the window program and time one step."""
+        """Export the step program (recurrent: step.onnx; transformer: the KV-cache step over
+        seq_len slots, kv_step.onnx); measure it against the window program and time one step."""
         from dpfleet.edge.ort_session import load_session
+        from dpfleet.export.kv_step import cache_shape, empty_cache, kv_step_program, kv_streamed_rows
         from dpfleet.export.streaming import step_latency_ms, step_program, streamed_logits
 
-        step_program(model, folder / STEP_ONNX)
-        session = load_session((folder / STEP_ONNX).read_bytes(), STEP_ONNX, self.threads)
+        cfg = model.cfg
+        kv = cfg.arch == "transformer"
+        name = KV_STEP_ONNX if kv else STEP_ONNX
+        if kv:
+            kv_step_program(model, seq_len, folder / name)
+        else:
+            step_program(model, folder / name)
+        session = load_session((folder / name).read_bytes(), name, self.threads)
         rng = np.random.default_rng(0)
-        rows = rng.integers(4, model.cfg.vocab_size, (64, seq_len), dtype=np.int64)
+        rows = rng.integers(4, cfg.vocab_size, (64, seq_len), dtype=np.int64)
         rows[:, 0] = BOS
-        lengths = rng.integers(1, seq_len, 64)  # at most seq_len - 1 tokens: the agreeing regime
+        lengths = rng.integers(1, seq_len + 1, 64)  # BOS + at most seq_len - 1 tokens: the agreeing regime
         ref = window(rows)[np.arange(len(rows)), lengths - 1]
-        got = streamed_logits(session, model.cfg, rows, lengths, weights)
-        spec = {"file": STEP_ONNX, **describe_onnx((folder / STEP_ONNX).read_bytes()),
-                "state": {"state_h": [model.cfg.num_layers, "batch", model.cfg.projection_dim],
-                          "state_c": [model.cfg.num_layers, "batch", model.cfg.hidden_dim],
-                          "initial": "zeros"}}
+        spec = {"file": name, **describe_onnx((folder / name).read_bytes())}
+        if kv:
+            got = kv_streamed_rows(session, cfg, seq_len, rows, lengths, weights)
+            shape: list = list(cache_shape(cfg, seq_len))
+            shape[1] = "batch"
+            keys, values = empty_cache(cfg, seq_len)
+            feed = {"token": np.array([1], np.int64), "position": np.array(0, np.int64), "keys": keys,
+                    "values": values}
+            spec |= {"slots": seq_len, "cache": {"keys": shape, "values": shape, "dtype": "float32",
+                                                 "initial": "zeros"},
+                     "position": "int64 scalar: the number of tokens fed before this one (0..slots-1)",
+                     "past_slots": "window program (rules.kv_step)"}
+        else:
+            got = streamed_logits(session, cfg, rows, lengths, weights)
+            feed = None
+            spec["state"] = {"state_h": [cfg.num_layers, "batch", cfg.projection_dim],
+                             "state_c": [cfg.num_layers, "batch", cfg.hidden_dim], "initial": "zeros"}
         measured = {"vs_window_max_abs_err": float(np.abs(got - ref).max()),
                     "vs_window_top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
-                    "latency_ms": {**step_latency_ms(session, model.cfg, weights), "threads": self.threads}}
+                    "latency_ms": {**step_latency_ms(session, cfg, weights, feed=feed),
+                                   "threads": self.threads}}
         return spec, measured
 
 

@@ -85,13 +85,23 @@ def kv_step_program(model: TransformerLM, slots: int, path: Path) -> None:
                               list(KV_OUTPUTS), shapes, path, prefix="model.")
 
 
-def kv_streamed_logits(session, cfg: ModelConfig, slots: int, ids: list[int], weights: dict) -> np.ndarray:
-    """Next-token logits [V] after feeding `ids` (BOS first, at most `slots` tokens) one by one."""
-    if not 1 <= len(ids) <= slots:
+def kv_streamed_rows(session, cfg: ModelConfig, slots: int, rows: np.ndarray, lengths: np.ndarray,
+                     weights: dict) -> np.ndarray:
+    """Next-token logits [n, V] after feeding rows[i, :lengths[i]] (BOS first, at most `slots`
+    tokens) token by token, all rows as one batch per position (the position is shared)."""
+    if lengths.min() < 1 or lengths.max() > slots:
         raise DpfleetError(f"a KV-cache message holds 1..{slots} tokens; re-feed the last {slots - 1}")
-    keys, values = empty_cache(cfg, slots)
-    for position, t in enumerate(ids):
-        logits, keys, values = session.run(None, {"token": np.array([t], np.int64),
+    keys, values = empty_cache(cfg, slots, len(rows))
+    out = np.zeros((len(rows), cfg.vocab_size), np.float32)
+    for position in range(int(lengths.max())):
+        logits, keys, values = session.run(None, {"token": rows[:, position].astype(np.int64),
                                                   "position": np.array(position, np.int64),
                                                   "keys": keys, "values": values, **weights})
-    return logits[0]
+        done = lengths == position + 1
+        out[done] = logits[done]
+    return out
+
+
+def kv_streamed_logits(session, cfg: ModelConfig, slots: int, ids: list[int], weights: dict) -> np.ndarray:
+    """Next-token logits [V] after feeding `ids` (BOS first, at most `slots` tokens) one by one."""
+    return kv_streamed_rows(session, cfg, slots, np.array([ids], np.int64), np.array([len(ids)]), weights)[0]

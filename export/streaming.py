@@ -86,12 +86,16 @@ def streamed_logits(
     return out
 
 
-def step_latency_ms(session, cfg: ModelConfig, weights: dict | None = None, repeats: int = 200) -> dict:
-    """One keystroke's step: one token in, next-token logits and state out (batch 1)."""
+def step_latency_ms(session, cfg: ModelConfig, weights: dict | None = None, repeats: int = 200,
+                    feed: dict | None = None) -> dict:
+    """One keystroke's step: one token in, next-token logits and state out (batch 1); `feed`: the
+    step's own inputs when they are not the recurrent state (the transformer's KV step)."""
     import time
 
-    h, c = initial_state(cfg, 1)
-    feed = {"token": np.array([1], np.int64), "state_h": h, "state_c": c, **(weights or {})}
+    if feed is None:
+        h, c = initial_state(cfg, 1)
+        feed = {"token": np.array([1], np.int64), "state_h": h, "state_c": c}
+    feed = {**feed, **(weights or {})}
     for _ in range(5):
         session.run(None, feed)
     times = []

@@ -138,14 +138,16 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def test_client_runs_without_torch(bundles):
-    bundle, key, _, _ = bundles("cifg")
+@pytest.mark.parametrize("arch", ["cifg", "transformer"])  # the recurrent and the KV-cache step
+def test_client_runs_without_torch(bundles, arch):
+    bundle, key, _, _ = bundles(arch)
     script = BLOCKER + textwrap.dedent(f"""
         from dpfleet.edge.device_client import BundleClient
         c = BundleClient({str(bundle)!r}, {key!r})
         rows = c.examples(["alice eats apples every day .", "bob buys bread every day ."] * 3)
         delta, norm = c.clip(c.train_epoch(c.weights(), rows, seed=0))
         words = c.suggest("alice ")
+        assert c.streaming and c._stream is not None  # suggest() went through the step program
         loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "dpfleet.")))
         print(norm > 0, len(words), loaded)
     """)

@@ -248,6 +248,65 @@ def test_fuzz_sweeps_first_and_last_byte_of_every_file(spm_bundle, no_native_loa
             path.write_bytes(original)
 
 
+@pytest.fixture(scope="module")
+def kv_bundle(tmp_path_factory):
+    """A transformer bundle: its streaming program is the KV-cache step, kv_step.onnx."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kv-bundle")
+    folder, _ = word_checkpoint(root / "ckpt", "transformer")
+    summary = make_bundle(folder, root / "bundle", program_cache(tmp_path_factory))
+    return root / "bundle", summary
+
+
+def flip_is_refused(bundle, key, name: str, data: bytes) -> None:
+    path = bundle / name
+    original = path.read_bytes()
+    try:
+        path.write_bytes(data)
+        with pytest.raises(BundleError) as info:
+            BundleClient(bundle, key)
+        assert name in str(info.value) or "signature" in str(info.value)
+    finally:
+        path.write_bytes(original)
+
+
+def test_transformer_bundle_sweep_covers_every_listed_file(kv_bundle, no_native_loads):
+    """The files come from the signed manifest, not a fixed list, so a new file is never skipped:
+    first / middle / last byte flipped and a truncation of each are refused, naming it."""
+    bundle, summary = kv_bundle
+    names = [*verify_bundle(bundle, summary["public_key"]).files, MANIFEST, SIGNATURE]
+    assert "kv_step.onnx" in names and "step.onnx" not in names
+    for name in names:
+        original = (bundle / name).read_bytes()
+        for pos in (0, len(original) // 2, len(original) - 1):
+            data = bytearray(original)
+            data[pos] ^= 0x01
+            flip_is_refused(bundle, summary["public_key"], name, bytes(data))
+        flip_is_refused(bundle, summary["public_key"], name, original[:-1])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.floats(0, 1, exclude_max=True), st.integers(0, 7))
+def test_kv_step_byte_flips_are_refused_before_loading(kv_bundle, no_native_loads, where, bit):
+    bundle, summary = kv_bundle
+    data = bytearray((bundle / "kv_step.onnx").read_bytes())
+    data[int(where * len(data))] ^= 1 << bit
+    flip_is_refused(bundle, summary["public_key"], "kv_step.onnx", bytes(data))
+
+
+def test_kv_step_from_another_bundle_is_caught(kv_bundle, tmp_path_factory):
+    """A KV step of another cache size (another bundle's) swapped in: caught by its signed sha256."""
+    bundle, summary = kv_bundle
+    root = tmp_path_factory.mktemp("kv-other")
+    folder, _ = word_checkpoint(root / "ckpt", "transformer")
+    make_bundle(folder, root / "bundle", program_cache(tmp_path_factory), seq_len=SEQ_LEN - 1)
+    mixed = root / "mixed"
+    shutil.copytree(bundle, mixed)
+    shutil.copy(root / "bundle" / "kv_step.onnx", mixed / "kv_step.onnx")
+    with pytest.raises(BundleError, match="kv_step.onnx"):
+        verify_bundle(mixed, summary["public_key"])
+
+
 def test_intact_bundle_still_loads_after_the_fuzz(spm_bundle):
     bundle, summary = spm_bundle
     client = BundleClient(bundle, summary["public_key"])

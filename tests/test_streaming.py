@@ -1,7 +1,9 @@
 """Streaming keyboard inference: step(token, state) gives the window program's last logits.
 
 Equal (to float rounding) while the message has at most seq_len - 1 tokens, which the window
-program can see whole; past that the step's state remembers more, and the two differ.
+program can see whole; past that the recurrent step's state remembers more, and the two differ,
+and the transformer's KV cache (seq_len slots) is full: its step is refused and suggestions come
+from the window program.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def stream(client, ids):
     return logits[0]
 
 
-@pytest.mark.parametrize("arch", ["cifg", pytest.param("lstm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["cifg", pytest.param("lstm", marks=pytest.mark.slow), "transformer"])
 def test_step_logits_equal_window_logits(arch, trained):
     client, model = trained(arch)
     rng = np.random.default_rng(0)
@@ -59,7 +61,7 @@ def test_step_logits_equal_window_logits(arch, trained):
         with torch.no_grad():
             eager = model(torch.tensor([[BOS, *ids]]))[0, -1].numpy()
         np.testing.assert_allclose(got, eager, atol=1e-5, rtol=0)
-    measured = client.bundle.manifest["measured"]["step"]
+    measured = client.bundle.manifest["measured"]["kv_step" if arch == "transformer" else "step"]
     assert measured["vs_window_max_abs_err"] < 1e-5 and measured["vs_window_top1"] == 1.0
 
 
@@ -136,12 +138,86 @@ def test_suggestions_follow_new_weights(trained):
     np.testing.assert_allclose(client.next_logits([ids])[0], before, atol=1e-6)
 
 
-def test_transformer_bundles_have_no_step(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stream-transformer")
-    folder, _ = word_checkpoint(root / "ckpt", "transformer")
-    summary = make_bundle(folder, root / "bundle", program_cache(tmp_path_factory))
-    client = BundleClient(root / "bundle", summary["public_key"])
-    assert "step" not in client.bundle.manifest["inference"] and not client.streaming
-    with pytest.raises(BundleError, match="no streaming step"):
-        client.initial_state()
-    assert len(client.suggest("alice ")) == 3  # the window program still serves suggestions
+def count_step_runs(client, runs: list):
+    """Wrap the client's step session so each run appends its batch size to `runs`."""
+    session = client._session("step", client._step_spec()["file"])
+
+    class Counting:
+        def run(self, names, feed):
+            runs.append(len(feed["token"]))
+            return session.run(names, feed)
+
+    client._sessions["step"] = Counting()
+    return session
+
+
+def test_transformer_bundle_ships_the_kv_step(trained):
+    client, model = trained("transformer")
+    m = client.bundle.manifest
+    spec = m["inference"]["kv_step"]
+    assert "step" not in m["inference"] and spec["file"] == "kv_step.onnx" and spec["slots"] == SEQ_LEN
+    cfg = model.cfg
+    assert spec["cache"]["keys"] == [cfg.num_layers, "batch", cfg.num_heads, SEQ_LEN,
+                                     cfg.embedding_dim // cfg.num_heads]
+    io = {v["name"]: (v["shape"], v["dtype"]) for v in spec["inputs"]}
+    assert io["position"] == ([], "int64") and io["token"][1] == "int64"
+    assert io["keys"][0][3] == SEQ_LEN and io["keys"][1] == "float32"
+    assert [o["name"] for o in spec["outputs"]] == ["logits", "next_keys", "next_values"]
+    assert "window program" in m["rules"]["kv_step"] and "kv_step.onnx" in m["files"]
+    config = client.bundle.read("ort_required_operators.config").decode()
+    listed = {op for line in config.splitlines() if not line.startswith("#")
+              for op in line.split(";")[2].split(",")}
+    assert {op.split("::")[1] for op in spec["ops"]} <= listed
+
+
+def test_full_kv_cache_is_refused_and_would_be_wrong(trained):
+    """Past seq_len tokens the step is refused: fed anyway (position = slots) the token lands in
+    no slot and the logits are far from the window program's."""
+    client, _ = trained("transformer")
+    ids = np.random.default_rng(2).integers(4, client.vocab_size, SEQ_LEN).tolist()
+    state = client.initial_state()
+    for t in [BOS, *ids[:-1]]:
+        _, state = client.step([t], state)
+    assert state[2] == SEQ_LEN
+    with pytest.raises(BundleError, match="window program"):
+        client.step([ids[-1]], state)
+    keys, values, _ = state
+    session = client._session("step", client._step_spec()["file"])
+    forced = session.run(None, {"token": np.array([ids[-1]]), "position": np.array(SEQ_LEN), "keys": keys,
+                                "values": values, **client._weights_feed()})[0][0]
+    assert np.abs(forced - client.next_logits([ids])[0]).max() > 0.5
+
+
+def test_kv_candidates_extend_like_the_window(trained):
+    """Completion candidates share one cache batch: each row equals its own window run."""
+    client, _ = trained("transformer")
+    root_logits, root = client._start([5], more=2)
+    np.testing.assert_allclose(root_logits, client.next_logits([[5]])[0], atol=1e-5, rtol=0)
+    handles, prompts = [root] * 3, [[5]] * 3
+    for tokens in ([6, 7, 8], [9, 10, 11]):
+        got, handles = client._extend(handles, tokens)
+        want, prompts = client._extend(prompts, tokens)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert np.abs(got[0] - got[1]).max() > 1e-3  # the rows really differ
+    assert [h[2] for h in handles] == [4] * 3
+
+
+def test_transformer_streaming_suggestions_equal_window_suggestions(trained):
+    client, _ = trained("transformer")
+    short = ["alice ", "bob ", "carol likes ", "dave cooks eggs "]  # BOS + context fit the cache
+    long = ["alice eats apples every day . bob ", "carol likes bread every day . dave "]
+    runs: list = []
+    session = count_step_runs(client, runs)
+    try:
+        streamed = [client.suggest(p) for p in short]
+        assert len(runs) >= 4  # the KV step served the short contexts
+        runs.clear()
+        streamed_long = [client.suggest(p) for p in long]
+        assert runs == []  # too long for the cache: the window program answered
+    finally:
+        client._sessions["step"] = session
+    client.use_streaming = False
+    windowed = [client.suggest(p) for p in short + long]
+    client.use_streaming = True
+    assert streamed + streamed_long == windowed
+    assert streamed[0][0] == "eats" and streamed[2][0] in {"apples", "bread", "cheese", "dates", "eggs"}
