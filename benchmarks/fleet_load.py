@@ -98,9 +98,11 @@ def dpfleet(*args) -> list[str]:
 class Sampler(threading.Thread):
     """Peak RSS (VmHWM, the kernel's high-water mark) and CPU seconds of one process."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, tree: bool = False):
         super().__init__(daemon=True)
         self.pid, self.hwm_kb, self.cpu_s, self.stop = pid, 0, 0.0, threading.Event()
+        self.tree = tree  # also its children's CPU (the fleet's worker processes)
+        self.children: dict[int, float] = {}
         self.samples: list[tuple[float, float]] = []  # (unix time, CPU seconds so far)
 
     def run(self) -> None:
@@ -114,6 +116,12 @@ class Sampler(threading.Thread):
                         self.hwm_kb = max(self.hwm_kb, int(line.split()[1]))
                 times = proc.cpu_times()
                 self.cpu_s = times.user + times.system
+                if self.tree:
+                    for child in proc.children(recursive=True):
+                        with contextlib.suppress(psutil.Error):
+                            t = child.cpu_times()
+                            self.children[child.pid] = t.user + t.system
+                    self.cpu_s += sum(self.children.values())
                 self.samples.append((time.time(), self.cpu_s))
             except (OSError, psutil.Error):
                 return
@@ -155,18 +163,23 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
                                          work / "fleet_public.json", "--no-progress",
                                          "--summary", work / "summary.json"),
                                  stdout=out, stderr=subprocess.STDOUT)
+    fleet_sampler = Sampler(fleet.pid, tree=True)
+    fleet_sampler.start()
     status: dict = {}
+    history: dict = {}
     try:
         while serve.poll() is None:  # the service's own phase timings, until it exits
             with contextlib.suppress(OSError, ValueError):
                 status = admin_request(admin, "GET", "/v1/admin/status")
+                history = admin_request(admin, "GET", "/v1/admin/history")
             time.sleep(2.0)
         fleet.wait(300)
     finally:
         stop_process(fleet, 5.0)
         stop_process(serve, 5.0)
-        sampler.stop.set()
-        sampler.join()
+        for s in (sampler, fleet_sampler):
+            s.stop.set()
+            s.join()
     summary = json.loads((work / "summary.json").read_text())
     events = [json.loads(x) for x in (state / "service.log").read_text().splitlines()]
     log = [json.loads(x) for x in (state / "participation.jsonl").read_text().splitlines()]
@@ -175,12 +188,23 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     window = (first["t_commit"] - first["wall_s"], last["t_commit"])
     inside = [c for t, c in sampler.samples if window[0] <= t <= window[1]]
     cpu_rounds = inside[-1] - inside[0] if len(inside) > 1 else float("nan")
+    fleet_inside = [c for t, c in fleet_sampler.samples if window[0] <= t <= window[1]]
+    fleet_cpu = fleet_inside[-1] - fleet_inside[0] if len(fleet_inside) > 1 else float("nan")
+    committed = [h for h in history.get("rounds", []) if h["status"] == "committed"]
+
+    def per_round(key: str) -> float | None:  # the coordinator's own clock, mean per round
+        xs = [h[key] for h in committed if h.get(key) is not None]
+        return float(np.mean(xs)) if xs else None
     return result | {
         "devices": len(ids), "report_goal": goal, "rounds": rounds, "processes": processes,
         "parameters": params, "checkin_retry_s": retry,
         "coordinator_phase_seconds": status.get("phase_seconds"),
         "coordinator_peak_rss_mb": sampler.hwm_kb / 1024, "coordinator_cpu_s": sampler.cpu_s,
         "coordinator_cpu_s_per_round": cpu_rounds / rounds,  # first round's start to last commit
+        # the emulated fleet (emulate + its workers): training, SecAgg client crypto, HTTP client
+        "fleet_cpu_s_per_round": fleet_cpu / rounds,
+        # the commit (DP step, release log, accounting, SQLite), the coordinator's own clock
+        "coordinator_commit_s_per_round": per_round("commit_s"),
         "wall_s": time.time() - began, "worker_restarts": summary["restarts"],
         "fleet_counts": summary["counts"], "requests": summary["requests"],
         "latency_p50_ms": 1e3 * summary["latency_p50_s"],

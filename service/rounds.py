@@ -36,6 +36,7 @@ from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
 
 RUNTIMES = ("eager", "onnx", "executorch")
 NO_STATS = ReportStats(float("nan"), False, float("nan"))  # SecAgg devices report no statistics
+CHECKIN_HOLD_S = 20.0  # the longest a waiting device's check-in is held (its long-poll)
 
 
 class ApiError(Exception):
@@ -81,7 +82,9 @@ class RoundDriver:
         self.run_state = "starting"
         self.stop_requested = False
         self.pool: dict[int, float] = {}  # device index -> monotonic expiry of its check-in
-        self.ready_since: float | None = None
+        self.waiting_since: dict[int, float] = {}  # device index -> when it entered the pool
+        self.ended_at = time.monotonic()  # the last round's commit or failure
+        self._wakers: set[asyncio.Task] = set()
         self.current: OpenRound | None = None
         self.outcomes: dict[tuple[int, int], str] = {}
         self.history: list[dict] = [  # committed before a restart: from the store's metrics
@@ -135,8 +138,10 @@ class RoundDriver:
             return {"kind": "refused", "reason": "ineligible", "after_s": retry}
         if runtime != self.cfg.client.runtime:
             return {"kind": "refused", "reason": "runtime", "after_s": retry}
-        if self.current is not None:
-            return {"kind": "retry", "after_s": retry, "reason": "round full"}
+        if cur is not None and i in cur.positions:  # it answered in the open round already
+            await self._hold(lambda: self.current is not cur, CHECKIN_HOLD_S)
+            ended = self.current is not cur  # come back at once: the next round may take it
+            return {"kind": "retry", "after_s": 0.0 if ended else retry, "reason": "round full"}
         guard = self.engine.participation.guard
         r = self.engine.next_round
         if not guard.allowed(r)[i] or (timer is not None and timer > now):
@@ -145,19 +150,40 @@ class RoundDriver:
             return {"kind": "refused", "reason": "max_participation" if capped else "timer",
                     "after_s": retry}
         self.refused_timer.discard(i)
-        hold = min(20.0, self.svc.checkin_window_s + 1.0)
+        # held while a round runs, too (until the next one, which opens as this one ends): a
+        # waiting device is reachable the moment a round opens with it, not at its next poll
+        hold = CHECKIN_HOLD_S if cur is not None else min(CHECKIN_HOLD_S,
+                                                          self.svc.checkin_window_s + 1.0)
         self.pool[i] = time.monotonic() + hold + retry + 2.0
+        self.waiting_since.setdefault(i, time.monotonic())
         self.wake.set()
-        async with self.opened:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.opened.wait_for(
-                    lambda: (self.current is not None and i in self.current.positions)
-                    or self.run_state == "finished"), hold)
+        await self._hold(lambda: self.current is not None and self.current is not cur
+                         and i in self.current.positions, hold)
         if self.run_state == "finished":
             return {"kind": "done"}
         if self.current is not None and i in self.current.positions and self.current.state == "open":
             return self.current.assignments[self.current.positions[i]]
-        return {"kind": "retry", "after_s": retry, "reason": "no round open"}
+        if self.run_state != "running":
+            return {"kind": "retry", "after_s": retry, "reason": self.run_state}
+        return {"kind": "retry", "after_s": 0.0, "reason": "no round open"}  # poll again at once
+
+    async def _hold(self, ready, timeout: float) -> None:
+        """Wait until `ready()`, the run leaves "running", or `timeout` seconds passed."""
+        async with self.opened:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.opened.wait_for(
+                    lambda: ready() or self.run_state != "running"), timeout)
+
+    async def _announce(self) -> None:
+        """Wake the held check-ins: a round opened or ended, or the run state changed."""
+        async with self.opened:
+            self.opened.notify_all()
+
+    def _announce_soon(self) -> None:
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing can be held
+            task = asyncio.get_running_loop().create_task(self._announce())
+            self._wakers.add(task)
+            task.add_done_callback(self._wakers.discard)
 
     def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
         """The open round a device addresses, and its position; 409 for anything stale."""
@@ -226,6 +252,7 @@ class RoundDriver:
         if self.run_state in ("running", "starting"):
             self.run_state = "paused"
             self.log.event("pause")
+            self._announce_soon()
 
     def resume(self) -> None:
         if self.run_state == "paused":
@@ -238,6 +265,7 @@ class RoundDriver:
             self.stop_requested, self.run_state = True, "stopping"
             self.log.event("stop")
             self.wake.set()
+            self._announce_soon()
             if self.current is not None:
                 self.current.done.set()
 
@@ -288,13 +316,14 @@ class RoundDriver:
             return plan
         now = time.monotonic()
         self.pool = {i: t for i, t in self.pool.items() if t > now}
+        self.waiting_since = {i: self.waiting_since[i] for i in self.pool}
         avail = sorted(i for i in self.pool if allowed[i])
         total = int(allowed.sum())
         if len(avail) < m:
-            self.ready_since = None
             return None
-        self.ready_since = self.ready_since or now
-        if len(avail) < total and now - self.ready_since < self.svc.checkin_window_s:
+        # the window runs from when m were waiting and no round was open (its devices come back)
+        ready_since = max(sorted(self.waiting_since[i] for i in avail)[m - 1], self.ended_at)
+        if len(avail) < total and now - ready_since < self.svc.checkin_window_s:
             return None  # gather more check-ins (everyone there opens at once)
         extra = min(round_size(self.cfg) - m, len(avail) - m)
         plan = eng.open_round(available=avail, extra=extra)
@@ -303,7 +332,6 @@ class RoundDriver:
         if not set(plan.devices) <= set(avail):  # disjoint blocks: wait for the block's devices
             eng.abandon_round(plan)
             return None
-        self.ready_since = None
         return await self._publish(plan)
 
     async def _publish(self, plan: RoundPlan) -> OpenRound:
@@ -351,9 +379,9 @@ class RoundDriver:
         self.current = cur
         for d in plan.devices:
             self.pool.pop(d, None)
+            self.waiting_since.pop(d, None)
         self.log.event("open", round=number, attempt=attempt, devices=n)
-        async with self.opened:
-            self.opened.notify_all()
+        await self._announce()
         return cur
 
     def _secagg_setup(self, cur: OpenRound) -> dict:
@@ -438,7 +466,7 @@ class RoundDriver:
         self._time("commit", time.monotonic() - began)
         cur.state = "committed"
         self.outcomes[(cur.number, cur.attempt)] = "committed"
-        self.current = None
+        self.current, self.ended_at = None, time.monotonic()
         self.history.append({"round": cur.number, "status": "committed",
                              "clients": record["clients"], "epsilon": record["epsilon"],
                              "accuracy": record["accuracy"], "loss": record["loss"],
@@ -447,6 +475,7 @@ class RoundDriver:
                              "secagg_server_s": cur.secagg_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
+        await self._announce()  # its participants wait to join the pool for the next round
         self.fault("after_commit")
 
     def _fail(self, cur: OpenRound, reason: str) -> None:
@@ -454,11 +483,12 @@ class RoundDriver:
         self.engine.abandon_round(cur.plan)
         self.store.fail_round(cur.number, reason)
         self.outcomes[(cur.number, cur.attempt)] = "failed"
-        self.current = None
+        self.current, self.ended_at = None, time.monotonic()
         self.history.append({"round": cur.number, "status": "failed", "clients": 0,
                              "epsilon": None, "accuracy": None, "loss": None,
                              "wall_s": time.monotonic() - cur.opened_at, "reason": reason})
         self.log.event("fail", round=cur.number, attempt=cur.attempt, reason=reason)
+        self._announce_soon()
 
     async def _finish(self) -> None:
         b = self.b
@@ -472,8 +502,7 @@ class RoundDriver:
         self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
                        stopped_early=self.stopped_early)
         self.finished.set()
-        async with self.opened:
-            self.opened.notify_all()
+        await self._announce()
 
     # ------------------------------------------------------------------ reads for admin
 

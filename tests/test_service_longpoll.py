@@ -1,0 +1,76 @@
+"""Check-ins are long-polls that span a running round: a device that checks in while a round
+runs is held and handed the NEXT round's assignment the moment that round opens (not told
+"round full, come back in checkin_retry_s"); a participant that already reported is held until
+its round ends and then told to come back at once; a stop releases every held check-in."""
+
+import asyncio
+import time
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from service_fleet import fleet_data, tiny_cfg
+
+from dpfleet.fleet.link import CoordinatorLink
+from dpfleet.fleet.participant import take_part
+from dpfleet.service.server import shutdown, start
+
+RETRY_S = 30.0  # long: a device sent away for this long would miss the next round by far
+
+
+def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
+    cfg = tiny_cfg(rounds=2, service={"checkin_retry_s": RETRY_S, "checkin_window_s": 0.5,
+                                      "overselect": 0.0})
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        try:
+            for link in links.values():
+                await link.register()
+            first = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
+                             strict=True))
+            jobs = {u: r for u, r in first.items() if r["kind"] == "assignment"}
+            idle = [u for u in users if u not in jobs]
+            # round 1 runs: everyone else checks in again and is held through it
+            waiting = {u: asyncio.create_task(links[u].checkin()) for u in idle}
+            a, *others = sorted(jobs)
+            await take_part(links[a], jobs[a], examples[a])
+            full = asyncio.create_task(links[a].checkin())  # reported; its round still runs
+            await asyncio.sleep(0.5)
+            held_while_open = not full.done() and not any(t.done() for t in waiting.values())
+            await asyncio.gather(*(take_part(links[u], jobs[u], examples[u]) for u in others))
+            ended = time.monotonic()  # the last report closes round 1
+            after_full = await asyncio.wait_for(full, 10)
+            got: dict = {}
+            pending = set(waiting.values())
+            while len(got) < cfg.dp.report_goal and pending:
+                done, pending = await asyncio.wait(pending, timeout=10,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                assert done, "no held check-in was answered within 10 s of round 1's end"
+                for task in done:
+                    got[next(u for u, t in waiting.items() if t is task)] = (
+                        task.result(), time.monotonic() - ended)
+            stopped = time.monotonic()
+            running.driver.stop()
+            released = await asyncio.wait_for(asyncio.gather(*pending), 5)
+            return (jobs, idle, held_while_open, after_full, got, released,
+                    time.monotonic() - stopped)
+        finally:
+            for link in links.values():
+                await link.close()
+            running.driver.stop()
+            await shutdown(running)
+
+    jobs, idle, held_while_open, after_full, got, released, release_s = asyncio.run(main())
+    assert {r["round"] for r in jobs.values()} == {1} and len(jobs) == cfg.dp.report_goal
+    assert held_while_open
+    assert after_full["kind"] == "retry" and after_full["reason"] == "round full"
+    assert after_full["after_s"] == 0.0  # its round ended: it may be taken by the next one
+    assert set(got) <= set(idle) and len(got) == cfg.dp.report_goal
+    for reply, seconds in got.values():
+        assert reply["kind"] == "assignment" and reply["round"] == 2, reply
+        # the window (0.5 s) and the round's opening, nowhere near a 30 s poll interval
+        assert seconds < 5.0, seconds
+    assert all(r["kind"] == "retry" and r["reason"] == "stopping" for r in released), released
+    assert release_s < 3.0, release_s
