@@ -94,17 +94,17 @@ def test_stop_fails_the_open_round_and_a_restart_continues(tmp_path):
         status, body, _ = await raw(running.url, "POST", "/v1/admin/stop",
                                     headers={"Authorization": f"Bearer {running.token}"})
         first = json.loads(body)["run_state"]
-        await asyncio.wait_for(asyncio.shield(running.task), 30)
+        await asyncio.wait_for(asyncio.shield(running.task), 90)
         history = list(driver.history)
         await shutdown(running)
         stop.set()
-        await asyncio.wait_for(devices, 30)
+        await asyncio.wait_for(devices, 90)
         again = await start(cfg, tmp_path / "state", log=lambda s: None)
         devices = asyncio.create_task(run_devices(again.url, keys, examples))
         await asyncio.wait_for(asyncio.shield(again.task), 120)
         releases = again.driver.store.releases()
         final = again.driver.status()
-        await asyncio.wait_for(devices, 30)
+        await asyncio.wait_for(devices, 90)
         await shutdown(again)
         return first, history, releases, final
 
