@@ -21,11 +21,11 @@ STATUS_KEYS = {"run_state", "round", "phase", "rounds_committed", "rounds_failed
                "uptime_s"}
 
 
-async def wait_for(predicate, timeout=60.0):
-    for _ in range(int(timeout / 0.05)):
+async def wait_for(predicate, timeout=60.0, poll=0.05):
+    for _ in range(int(timeout / poll)):
         if predicate():
             return
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll)
     raise TimeoutError
 
 
@@ -81,7 +81,7 @@ def test_pause_resume_report_and_status(tmp_path):
 
 
 def test_stop_fails_the_open_round_and_a_restart_continues(tmp_path):
-    cfg = tiny_cfg(rounds=3)
+    cfg = tiny_cfg(rounds=6)  # rounds follow each other fast: leave time to catch one open
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
@@ -90,7 +90,8 @@ def test_stop_fails_the_open_round_and_a_restart_continues(tmp_path):
         driver = running.driver
         stop = asyncio.Event()
         devices = asyncio.create_task(run_devices(running.url, keys, examples, stop=stop))
-        await wait_for(lambda: driver.store.last_committed() >= 1 and driver.current is not None)
+        await wait_for(lambda: driver.store.last_committed() >= 1 and driver.current is not None,
+                       poll=0.002)
         status, body, _ = await raw(running.url, "POST", "/v1/admin/stop",
                                     headers={"Authorization": f"Bearer {running.token}"})
         first = json.loads(body)["run_state"]
@@ -111,7 +112,7 @@ def test_stop_fails_the_open_round_and_a_restart_continues(tmp_path):
     first, history, releases, final = asyncio.run(main())
     assert first == "stopping"
     assert history[-1]["status"] == "failed" and history[-1]["reason"] == "the coordinator stopped"
-    assert [r["round"] for r in releases] == [1, 2, 3]
+    assert [r["round"] for r in releases] == [1, 2, 3, 4, 5, 6]
     assert final["run_state"] == "finished"
 
 
