@@ -29,6 +29,26 @@ TINY = {
 }
 
 
+async def register_all(url: str, keys: dict[str, Ed25519PrivateKey], link_class=CoordinatorLink,
+                       **link_kwargs) -> dict:
+    """One signed link per device (id -> key), each registered; close them with `close_all`."""
+    links = {u: link_class(url, u, key, **link_kwargs) for u, key in keys.items()}
+    for link in links.values():
+        await link.register()
+    return links
+
+
+async def close_all(links: dict) -> None:
+    for link in links.values():
+        await link.close()
+
+
+async def checkin_all(links: dict) -> dict:
+    """Every device checks in at once; replies by device id, in the links' order."""
+    replies = await asyncio.gather(*(link.checkin() for link in links.values()))
+    return dict(zip(links, replies, strict=True))
+
+
 def tiny_cfg(**sections):
     values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
     for key, value in sections.items():

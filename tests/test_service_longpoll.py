@@ -7,9 +7,8 @@ import asyncio
 import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import fleet_data, tiny_cfg
+from service_fleet import checkin_all, close_all, fleet_data, register_all, tiny_cfg
 
-from dpfleet.fleet.link import CoordinatorLink
 from dpfleet.fleet.participant import take_part
 from dpfleet.service.server import shutdown, start
 
@@ -24,12 +23,9 @@ def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
 
     async def main():
         running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        links = await register_all(running.url, keys, retries=0)
         try:
-            for link in links.values():
-                await link.register()
-            first = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
-                             strict=True))
+            first = await checkin_all(links)
             jobs = {u: r for u, r in first.items() if r["kind"] == "assignment"}
             idle = [u for u in users if u not in jobs]
             # round 1 runs: everyone else checks in again and is held through it
@@ -57,8 +53,7 @@ def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
             return (jobs, idle, held_while_open, after_full, got, released,
                     time.monotonic() - stopped)
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             running.driver.stop()
             await shutdown(running)
 

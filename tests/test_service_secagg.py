@@ -9,9 +9,16 @@ import asyncio
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import capture_sums, fleet_data, run_devices, tiny_cfg
+from service_fleet import (
+    capture_sums,
+    checkin_all,
+    close_all,
+    fleet_data,
+    register_all,
+    run_devices,
+    tiny_cfg,
+)
 
-from dpfleet.fleet.link import CoordinatorLink
 from dpfleet.fleet.participant import local_policy, take_part
 from dpfleet.service.server import shutdown, start
 
@@ -128,21 +135,18 @@ def test_a_device_refuses_a_setup_with_a_key_outside_its_pinned_registry(tmp_pat
             return await handle(self, device_id, number, attempt, body)
 
         running.driver.secagg_post = spy.__get__(running.driver)
-        links = {u: CoordinatorLink(running.url, u, rogue if u == users[0] else fleet[u])
-                 for u in users}
+        links = await register_all(running.url, {u: rogue if u == users[0] else fleet[u]
+                                                 for u in users})
         try:
-            for link in links.values():
-                await link.register()
-            replies = await asyncio.gather(*(links[u].checkin() for u in users))
-            assert all(r["kind"] == "assignment" for r in replies)
+            replies = await checkin_all(links)
+            assert all(r["kind"] == "assignment" for r in replies.values())
             honest = users[1:]
             outcomes = await asyncio.gather(*(
                 take_part(links[u], r, examples[u], pinned=pinned, policy=policy_for(cfg))
-                for u, r in zip(users, replies, strict=True) if u in honest))
+                for u, r in replies.items() if u in honest))
             return outcomes, received, running.driver.engine.next_round
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             running.driver.stop()
             await shutdown(running)
 
@@ -164,12 +168,9 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
 
     async def main():
         running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        links = await register_all(running.url, keys, retries=0)
         try:
-            for link in links.values():
-                await link.register()
-            replies = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
-                               strict=True))
+            replies = await checkin_all(links)
             jobs = {u: r for u, r in replies.items() if r["kind"] == "assignment"}
             (a, job_a), (b, job_b), *rest = sorted(jobs.items(), key=lambda x: x[1]["position"])
             setup = decode_setup(bytes.fromhex(job_a["secagg"]["setup"]))
@@ -189,8 +190,7 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
             mail_a, _, _ = await links[a].secagg_poll(job_a["round"], job_a["attempt"], 0)
             return as_b, [decode(m).recipient for m in mail_a], job_a["position"]
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             running.driver.stop()
             await shutdown(running)
 
@@ -209,13 +209,10 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
 
     async def main():
         running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = {u: CoordinatorLink(running.url, u, keys[u], retries=0) for u in users}
+        links = await register_all(running.url, keys, retries=0)
         try:
-            for link in links.values():
-                await link.register()
-            replies = await asyncio.gather(*(links[u].checkin() for u in users))
-            u, job = next((u, r) for u, r in zip(users, replies, strict=True)
-                          if r["kind"] == "assignment")
+            replies = await checkin_all(links)
+            u, job = next((u, r) for u, r in replies.items() if r["kind"] == "assignment")
             again = await links[u].checkin()  # the first reply was "lost"
             setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
             client = SecAggClient(setup, job["position"], keys[u], policy=policy_for(cfg)(setup.n),
@@ -224,8 +221,7 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
             after = await links[u].checkin()
             return job, again, after
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             running.driver.stop()
             await shutdown(running)
 

@@ -17,7 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import capture_sums, fleet_data, tiny_cfg
+from service_fleet import capture_sums, checkin_all, close_all, fleet_data, register_all, tiny_cfg
 from yarl import URL
 
 from dpfleet.fleet.link import CoordinatorLink, LinkError
@@ -65,12 +65,9 @@ def test_attacks_on_an_open_plain_round_never_change_the_sum(world):
     async def main():
         running = await start(cfg, root / "state", log=lambda s: None)
         sums = capture_sums(running.driver.engine)
-        links = {u: RecordingLink(running.url, u, keys[u], retries=0) for u in users}
+        links = await register_all(running.url, keys, RecordingLink, retries=0)
         try:
-            for link in links.values():
-                await link.register()
-            replies = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
-                               strict=True))
+            replies = await checkin_all(links)
             assigned = sorted((r["position"], u) for u, r in replies.items()
                               if r["kind"] == "assignment")
             assert len(assigned) == 4  # goal 3 + 1 over-selected
@@ -117,8 +114,7 @@ def test_attacks_on_an_open_plain_round_never_change_the_sum(world):
             await asyncio.wait_for(asyncio.shield(running.task), 60)
             return sums, updates, honest, replay, good
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             await shutdown(running)
 
     sums, updates, honest, replay, evil_update = asyncio.run(main())
@@ -141,10 +137,8 @@ def test_credentials_do_not_cross_and_no_device_reads_another_devices_data(world
     async def main():
         running = await start(cfg2, root / "state-cred", log=lambda s: None)
         url, token = running.url, running.token
-        links = {u: CoordinatorLink(url, u, keys[u], retries=0) for u in users}
+        links = await register_all(url, keys, retries=0)
         try:
-            for link in links.values():
-                await link.register()
             admin = {"Authorization": f"Bearer {token}"}
             ok = (await raw(url, "GET", "/v1/admin/status", headers=admin))[0]
             signed = sign_request(keys[users[0]], users[0], "GET", "/v1/admin/status", b"")
@@ -158,14 +152,12 @@ def test_credentials_do_not_cross_and_no_device_reads_another_devices_data(world
             thief = Ed25519PrivateKey.generate()
             with pytest.raises(LinkError) as exc:
                 await CoordinatorLink(url, users[1], thief, retries=0).register()
-            replies = dict(zip(users, await asyncio.gather(*(links[u].checkin() for u in users)),
-                               strict=True))
+            replies = await checkin_all(links)
             job = next(r for r in replies.values() if r["kind"] == "assignment")
             public = json.loads((await raw(url, "GET", "/v1/public/status"))[1])
             return ok, as_device, with_token, wrong, exc.value.status, replies, job, public
         finally:
-            for link in links.values():
-                await link.close()
+            await close_all(links)
             running.driver.stop()
             await shutdown(running)
 
