@@ -136,9 +136,11 @@ def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
 def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float,
               work: Path) -> dict:
     from dpfleet.coordinator.config import load_config
+    from dpfleet.errors import DpfleetError
     from dpfleet.fleet.emulate import fleet_keys, load_devices
     from dpfleet.fleet.registry import public_registry, write_public_registry
-    from dpfleet.fleet.supervisor import admin_request, stop_process, wait_for_admin
+    from dpfleet.fleet.supervisor import stop_process, wait_for_admin
+    from dpfleet.service.admin_client import AdminClient, target_from_state
 
     work.mkdir(parents=True, exist_ok=True)
     config = work / "fleet_load.toml"
@@ -156,6 +158,7 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     sampler = Sampler(serve.pid)
     sampler.start()
     admin = wait_for_admin(state, serve, work / "serve.log")
+    client = AdminClient(target_from_state(state), timeout=5.0)
     with open(work / "emulate.log", "wb") as out:
         fleet = subprocess.Popen(dpfleet("fleet", "emulate", config, "--coordinator", admin["url"],
                                          "--processes", processes, "--fleet-keys",
@@ -169,9 +172,9 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     history: dict = {}
     try:
         while serve.poll() is None:  # the service's own phase timings, until it exits
-            with contextlib.suppress(OSError, ValueError):
-                status = admin_request(admin, "GET", "/v1/admin/status")
-                history = admin_request(admin, "GET", "/v1/admin/history")
+            with contextlib.suppress(DpfleetError):
+                status = client.status()
+                history = client.history()
             time.sleep(2.0)
         fleet.wait(300)
     finally:

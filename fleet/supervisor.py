@@ -18,11 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
+from dpfleet.service.admin_client import AdminClient, target_from_state
 
 STARTUP_TIMEOUT_S = 600.0  # the coordinator prepares the data and the model before it listens
 FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check-ins end the fleet
@@ -31,20 +30,6 @@ FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check
 def fleet_dir_of(state: Path) -> Path:
     """Where `fleet run` keeps the fleet's keys, registry and both programs' console logs."""
     return state.with_name(state.name + "_fleet")
-
-
-def admin_request(admin: dict, method: str, path: str, timeout: float = 5.0) -> dict:
-    """One admin API call with the bearer token from STATE/admin.json."""
-    req = urllib.request.Request(admin["url"].rstrip("/") + path, method=method,
-                                 headers={"Authorization": f"Bearer {admin['token']}"},
-                                 data=b"" if method == "POST" else None)
-    ctx = None
-    if admin.get("tls_cert"):
-        import ssl
-
-        ctx = ssl.create_default_context(cafile=admin["tls_cert"])
-    with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
-        return json.loads(resp.read())
 
 
 def wait_for_admin(state: Path, proc: subprocess.Popen, log_path: Path,
@@ -116,6 +101,7 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
     admin: dict | None = None
+    client: AdminClient | None = None
     status: dict = {}
     try:
         with open(serve_log, "ab") as out:
@@ -123,6 +109,7 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
                                      start_new_session=True, env=env)
         procs.append(serve)
         admin = wait_for_admin(state, serve, serve_log)
+        client = AdminClient(target_from_state(state), timeout=5.0)
         log(f"coordinator: {admin['url']} (pid {serve.pid}, log {serve_log})")
         emulate_cmd = _dpfleet("fleet", "emulate", config, "--coordinator", admin["url"],
                                "--devices", len(ids), "--processes", processes, "--fleet-keys",
@@ -141,14 +128,14 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
                                      start_new_session=True, env=env)
         procs.append(fleet)
         log(f"fleet: {len(ids)} devices in {processes} processes (pid {fleet.pid}, log {fleet_log})")
-        status = _watch(admin, serve, fleet, fleet_log, progress)
+        status = _watch(client, serve, fleet, fleet_log, progress)
         stop_process(fleet, FLEET_LINGER_S)
     except KeyboardInterrupt:
         log("stopping: coordinator first (rerun the same command to continue)")
-        status = _stop(admin, procs, grace_s) or status
+        status = _stop(client, procs, grace_s) or status
         return status
     except BaseException:
-        _stop(admin, procs, grace_s)
+        _stop(client, procs, grace_s)
         raise
     if serve.returncode not in (0, None):
         raise DpfleetError(f"the coordinator exited with code {serve.returncode}: "
@@ -158,14 +145,14 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     return status
 
 
-def _watch(admin: dict, serve: subprocess.Popen, fleet: subprocess.Popen, fleet_log: Path,
+def _watch(client: AdminClient, serve: subprocess.Popen, fleet: subprocess.Popen, fleet_log: Path,
            progress: bool) -> dict:
     """Show rounds committed / eps / accuracy until the coordinator exits; its last status."""
     bar, status = None, {}
     try:
         while serve.poll() is None:
-            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-                status = admin_request(admin, "GET", "/v1/admin/status")
+            with contextlib.suppress(DpfleetError):
+                status = client.status()
             if fleet.poll() is not None and fleet.returncode != 0:
                 raise DpfleetError(f"the fleet exited with code {fleet.returncode}: "
                                    f"{last_line(fleet_log)} (log: {fleet_log})")
@@ -191,12 +178,12 @@ def _watch(admin: dict, serve: subprocess.Popen, fleet: subprocess.Popen, fleet_
     return status
 
 
-def _stop(admin: dict | None, procs: list[subprocess.Popen], grace_s: float) -> dict:
+def _stop(client: AdminClient | None, procs: list[subprocess.Popen], grace_s: float) -> dict:
     """Admin stop, then terminate, then kill: coordinator first, fleet second."""
     status: dict = {}
-    if admin is not None and procs and procs[0].poll() is None:
-        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-            status = admin_request(admin, "POST", "/v1/admin/stop")
+    if client is not None and procs and procs[0].poll() is None:
+        with contextlib.suppress(DpfleetError):
+            status = client.stop()
     for proc in procs:
         stop_process(proc, grace_s if proc is procs[0] else 5.0)
     return status

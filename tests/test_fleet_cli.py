@@ -101,12 +101,12 @@ def pids_in(text: str) -> list[int]:
 
 def committed(state) -> int:
     """Rounds committed so far, from the running coordinator's admin API (token in admin.json)."""
-    from dpfleet.fleet.supervisor import admin_request
+    from dpfleet.errors import DpfleetError
+    from dpfleet.service.admin_client import AdminClient, target_from_state
 
     try:
-        return admin_request(json.loads((state / "admin.json").read_text()), "GET",
-                             "/v1/admin/status")["rounds_committed"]
-    except (OSError, ValueError, KeyError):
+        return AdminClient(target_from_state(state), timeout=5.0).status()["rounds_committed"]
+    except DpfleetError:
         return 0
 
 

@@ -178,7 +178,7 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     import signal
 
     from dpfleet.fleet.emulate import Fleet
-    from dpfleet.fleet.supervisor import admin_request
+    from dpfleet.service.admin_client import AdminClient, AdminTarget
 
     # transfers of 1 s each keep the assigned devices busy long enough to be killed mid-round
     cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
@@ -190,13 +190,14 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     notes: list[str] = []
     fleet = Fleet(cfg, server.admin["url"], ids, examples, keys, registry, processes=2, seed=4,
                   model_bytes=4 * params, start_hour=0.0, log=notes.append)
+    admin = AdminClient(AdminTarget(server.admin["url"], server.admin["token"]))
     fleet.start()
     try:
         killed_in = None
         deadline = time.monotonic() + 120
         while killed_in is None and time.monotonic() < deadline:
             fleet.poll(0.2)
-            status = admin_request(server.admin, "GET", "/v1/admin/status")
+            status = admin.status()
             if status["phase"] == "training" and status["devices"]["training"]:
                 victim = fleet.procs[0]
                 os.kill(victim.pid, signal.SIGKILL)
