@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from bundle_helpers import sentences
 
 from dpfleet.cli import main
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, WordTokenizer
@@ -24,17 +25,6 @@ pytest.importorskip("executorch")
 pytest.importorskip("onnxruntime")
 
 SEQ_LEN = 8
-SUBJECTS = {"alice": "eats", "bob": "buys", "carol": "likes", "dave": "cooks"}
-OBJECTS = ["apples", "bread", "cheese", "dates", "eggs"]
-
-
-def sentences(n: int, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        s = list(SUBJECTS)[rng.integers(len(SUBJECTS))]
-        out.append(f"{s} {SUBJECTS[s]} {OBJECTS[rng.integers(len(OBJECTS))]} every day .")
-    return out
 
 
 @pytest.fixture(scope="module")
