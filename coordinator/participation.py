@@ -36,7 +36,11 @@ class RoundUnfillable(Exception):
 
 
 class ParticipationGuard:
-    """The coordinator's own record of participation: refuses devices that would break MinS/MaxP."""
+    """The coordinator's own record of participation: refuses devices that would break MinS/MaxP.
+
+    Besides the per-device arrays it keeps the devices of the last MinS rounds and the ones at
+    their MaxP cap, so the refused set of a round (`blocked`) costs O(recent participants), not
+    O(population): a million-device round is selected without a million-entry mask."""
 
     def __init__(self, size: int, min_separation: int, max_participation: int = 0):
         if min_separation < 0 or max_participation < 0:
@@ -44,6 +48,9 @@ class ParticipationGuard:
         self.min_separation, self.max_participation = min_separation, max_participation
         self.last = np.full(size, NEVER, dtype=np.int64)
         self.count = np.zeros(size, dtype=np.int64)
+        self._by_round: dict[int, np.ndarray] = {}  # round -> devices recorded in it (MinS window)
+        self._kept_from = 0  # rounds before this were dropped from _by_round
+        self._exhausted: set[int] = set()  # devices at their MaxP cap
 
     def allowed(self, round_idx: int) -> np.ndarray:
         """Boolean mask of the devices that may take part in round `round_idx`."""
@@ -52,12 +59,36 @@ class ParticipationGuard:
             ok &= self.count < self.max_participation
         return ok
 
+    def allows(self, devices: np.ndarray, round_idx: int) -> np.ndarray:
+        """`allowed(round_idx)[devices]`, computed for those devices only."""
+        ok = round_idx - self.last[devices] - 1 >= self.min_separation
+        if self.max_participation:
+            ok &= self.count[devices] < self.max_participation
+        return ok
+
+    def blocked(self, round_idx: int) -> np.ndarray:
+        """Sorted devices refused in round `round_idx` (the complement of `allowed`)."""
+        if round_idx - self.min_separation < self._kept_from:  # window pruned: scan everyone
+            return np.flatnonzero(~self.allowed(round_idx))
+        recent = [d for q, d in self._by_round.items() if q >= round_idx - self.min_separation]
+        candidates = np.unique(np.concatenate(
+            [*recent, np.fromiter(self._exhausted, np.int64, len(self._exhausted)),
+             np.zeros(0, np.int64)]))
+        return candidates[~self.allows(candidates, round_idx)]
+
     def record(self, devices: list[int], round_idx: int) -> None:
         idx = np.asarray(devices, dtype=np.int64)
-        if idx.size and not self.allowed(round_idx)[idx].all():
+        if idx.size and not self.allows(idx, round_idx).all():
             raise RuntimeError(f"round {round_idx}: a refused device was about to be recorded")
         self.last[idx] = round_idx
         self.count[idx] += 1
+        self._by_round[round_idx] = np.concatenate([self._by_round.get(round_idx, idx[:0]), idx])
+        keep = max(self._by_round) + 1 - self.min_separation  # the next round's window starts here
+        if keep > self._kept_from:
+            self._by_round = {q: d for q, d in self._by_round.items() if q >= keep}
+            self._kept_from = keep
+        if self.max_participation:
+            self._exhausted.update(idx[self.count[idx] >= self.max_participation].tolist())
 
 
 @dataclass(frozen=True)
@@ -96,7 +127,8 @@ class Participation:
             mins = self.fleet.timer_slots - 1 if section.mode == "timer" else 0
         self.guard = ParticipationGuard(size, max(mins, 0), section.max_participation)
         self.slot = 0
-        self._order = np.random.default_rng([seed, 0x5A]).permutation(size)
+        self._order = (np.random.default_rng([seed, 0x5A]).permutation(size)
+                       if section.mode == "disjoint" else None)
 
     @property
     def min_separation(self) -> int:
@@ -111,13 +143,16 @@ class Participation:
         """The devices for round `round_idx` (state changes only in `commit`). A networked
         coordinator passes the devices that checked in (`available`, indices) and `extra`
         over-selected ones; with everyone available and no extra the draw is the simulation's."""
-        allowed = self.guard.allowed(round_idx)
+        blocked = self.guard.blocked(round_idx)  # O(recent participants), not O(population)
+        pool = None  # None: every device not blocked (never materialised)
         if available is not None:
-            allowed &= np.isin(np.arange(self.size), available)
+            available = np.unique(available[(available >= 0) & (available < self.size)])
+            pool = available[~np.isin(available, blocked, assume_unique=True)]
+        n_allowed = self.size - blocked.size if pool is None else pool.size
         m = self.report_goal
-        if int(allowed.sum()) < m:
+        if n_allowed < m:
             raise RoundUnfillable(
-                f"only {int(allowed.sum())} devices may take part in round {round_idx} under "
+                f"only {n_allowed} devices may take part in round {round_idx} under "
                 f"MinS {self.guard.min_separation} / MaxP {self.guard.max_participation or 'any'}; "
                 f"the report goal is {m}"
             )
@@ -125,17 +160,15 @@ class Participation:
         if mode == "disjoint":
             chosen = self._order[round_idx * m : (round_idx + 1) * m]
             return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
-        if mode == "uniform":
-            rng = np.random.default_rng([self.seed, 0x5B, round_idx])
-            pool = np.flatnonzero(allowed)
-            chosen = rng.choice(pool, min(m + extra, pool.size), replace=False)
+        if mode == "uniform" or available is not None:  # timer + available: the devices' timers
+            # decided who checked in. Drawing positions in the allowed pool by count gives the
+            # same devices as rng.choice over the pool array did (numpy draws positions either way)
+            tag = 0x5B if mode == "uniform" else 0x5C
+            rng = np.random.default_rng([self.seed, tag, round_idx])
+            picks = rng.choice(n_allowed, min(m + extra, n_allowed), replace=False)
+            chosen = pool[picks] if pool is not None else nth_unblocked(blocked, picks)
             return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
-        if available is not None:  # timer: the devices' own timers decided who checked in
-            rng = np.random.default_rng([self.seed, 0x5C, round_idx])
-            pool = np.flatnonzero(allowed)
-            chosen = rng.choice(pool, min(m + extra, pool.size), replace=False)
-            return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
-        return self._propose_timer(round_idx, allowed)
+        return self._propose_timer(round_idx, self.guard.allowed(round_idx))  # the fleet scans all
 
     def _propose_timer(self, round_idx: int, allowed: np.ndarray) -> Selection:
         max_wait = int(MAX_WAIT_DAYS * 24 * 60 / self.section.round_minutes)
@@ -163,3 +196,10 @@ class Participation:
         if self.fleet is not None:
             self.fleet.took_part(selection.devices, selection.slot)
         self.slot = selection.slot + 1
+
+
+def nth_unblocked(blocked: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The devices at `positions` in the ascending list of devices not in sorted `blocked`
+    (what `np.flatnonzero(~mask)[positions]` gives, in O(len(positions) log len(blocked)))."""
+    shift = blocked - np.arange(blocked.size)  # unblocked devices before each blocked one
+    return positions + np.searchsorted(shift, positions, side="right")
