@@ -82,6 +82,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         t = p["total_with_vocabulary"]
         click.echo(f"with DP vocabulary    eps = {t['epsilon']:.2f} at delta = {t['delta']:.3g} "
                    "(vocabulary + training; see privacy_report.md)")
+    if p.get("generated_population"):
+        click.echo(f"WARNING               {p['generated_population']['statement']}")
     if p.get("debug_nonprivate_file"):
         click.echo("debug_nonprivate.jsonl holds un-noised client telemetry, outside the guarantee")
     if result.stopped_early:

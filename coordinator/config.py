@@ -29,6 +29,9 @@ class DataSection:
     test_fraction: float = 0.1
     max_clients: int = 0  # 0 = every training client
     eval_examples: int = 3000  # held-out rows scored at each evaluation (0 = all)
+    # > 0: a GENERATED population of this many clients cycled from the real ones, for speed and
+    # memory tests only (users repeat: the run's epsilon is no guarantee for real people)
+    generated_population: int = 0
 
 
 @dataclass
@@ -271,6 +274,7 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
         (cfg.client.cohort_memory_mb >= 1, "client.cohort_memory_mb must be >= 1"),
         (cfg.backend.workers >= 1, "backend.workers must be >= 1"),
+        (cfg.data.generated_population >= 0, "data.generated_population must be >= 0 (0: off)"),
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
         (cfg.tokenizer.dp_noise >= 0, "tokenizer.dp_noise must be >= 0"),
         (cfg.tokenizer.kind != "word" or cfg.tokenizer.path or cfg.tokenizer.dp_noise > 0

@@ -33,6 +33,11 @@ def not_covered(cfg: SimulationConfig, *, public_data: Sequence[str] = (),
     """Markdown bullet texts, most important first."""
     data, tok = cfg.data, cfg.tokenizer
     items = []
+    if data.generated_population:
+        items.append(f"**Everyone, in fact: a generated population** (data.generated_population = "
+                     f"{data.generated_population:,}). Real users are cycled to that size, so each "
+                     "one's data is in several clients, each accounted as a different person: the "
+                     "epsilon of this run protects no real person.")
     if tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary:
         items.append("**The word vocabulary** (`checkpoint/tokenizer/tokenizer.json`): the top "
                      f"{tok.vocab_size - 4} words of every training client's text, chosen without "

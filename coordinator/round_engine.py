@@ -147,7 +147,9 @@ class RoundEngine:
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
-        self.users, self.fingerprint, self.test_rows = list(users), fingerprint, test_rows
+        # a list is copied; a lazy sequence (a memory-mapped store's ids) is kept as it is
+        self.users = list(users) if isinstance(users, list) or not isinstance(users, Sequence) else users
+        self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary = vocabulary
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed)

@@ -156,6 +156,20 @@ def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
         atomic_write(path, f"**{noise_statement(cfg)}**\n\n" + path.read_text())
 
 
+def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
+    """A generated population's report opens with what its epsilon is not (population.py)."""
+    if cfg.data.generated_population:
+        path = run_dir / "privacy_report.md"
+        atomic_write(path, f"**{generated_population_statement(cfg)}**\n\n" + path.read_text())
+
+
+def generated_population_statement(cfg: SimulationConfig) -> str:
+    return (f"GENERATED POPULATION (data.generated_population = {cfg.data.generated_population:,}): "
+            "the clients are real users cycled to that size, so users repeat and each copy is "
+            "accounted as a different person. The epsilon below is NOT a guarantee for any real "
+            "person in this run; the run measures speed and memory only.")
+
+
 def _trivial_report(run_dir: Path, statement: str) -> None:
     atomic_write(run_dir / "privacy_report.md", f"# Privacy report\n\n**Formal statement.** {statement}\n")
 
@@ -202,6 +216,10 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
         "debug_nonprivate_file": debug_file,
     }
+    if cfg.data.generated_population:
+        privacy["generated_population"] = {"clients": cfg.data.generated_population,
+                                           "users_repeat": True, "epsilon_is_a_guarantee": False,
+                                           "statement": generated_population_statement(cfg)}
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
         privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)
@@ -210,6 +228,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                         "None: the noise multiplier is 0, so the run is not differentially "
                         "private (eps = inf).")
         _mark_research_mode(run_dir, cfg)
+        _mark_generated_population(run_dir, cfg)
         return privacy
     summary = summarize_privacy(run_dir, setting)
     obs, timer = summary["observed"], summary["timer"]
@@ -225,4 +244,5 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
     )
     write_privacy_report(run_dir, setting)
     _mark_research_mode(run_dir, cfg)
+    _mark_generated_population(run_dir, cfg)
     return privacy

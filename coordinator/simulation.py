@@ -31,6 +31,7 @@ from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
 from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
+from dpfleet.coordinator.population import generated_population_notice, open_population
 from dpfleet.coordinator.resume import (
     check_resumable,
     data_fingerprint,
@@ -46,6 +47,7 @@ from dpfleet.coordinator.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGG
 )
 from dpfleet.coordinator.run_dir import RunDir, atomic_write
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
+from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
@@ -177,6 +179,11 @@ def run_simulation(
         if cfg.debug_nonprivate:
             (run.path / DEBUG_NONPRIVATE).write_text("")
     tokenizer, data = prepare_data(cfg, vocabulary_folder)
+    population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
+    data.train = []  # from here on the clients are read through the store, a cohort at a time
+    generated_notice = generated_population_notice(population)
+    if generated_notice:
+        log(generated_notice["warning"])
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     model = build_model(model_cfg)
     runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared by runs, keyed by content
@@ -186,8 +193,9 @@ def run_simulation(
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
         cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
-        users=[c.user for c in data.train],
-        fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
+        users=population.user_ids(),
+        fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
+                                     tokenizer,
                                      fingerprint_secret(run.path, create=not resume)),
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
     )
@@ -195,7 +203,7 @@ def run_simulation(
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
-        f"data: {len(data.train)} train clients, {len(data.test)} held-out clients "
+        f"data: {len(population)} train clients, {len(data.test)} held-out clients "
         f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
         f"{len(baseline_clients)} fit the unigram baseline); model {model_cfg.arch} with "
         f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
@@ -220,7 +228,7 @@ def run_simulation(
         if isinstance(plan, Stop):
             stopped_early = plan.message
             break
-        updates = train_plan(cfg, trainer, data.train, plan)
+        updates = train_plan(cfg, trainer, population, plan)
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
         record = engine.close_round(plan, agg, updates)
         if progress and record["accuracy"] is not None:
@@ -232,14 +240,18 @@ def run_simulation(
         log(stopped_early)
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
-                                   extra={"client_trainer": trainer.name})  # cohort / sequential
+                                   extra={"client_trainer": trainer.name,  # cohort / sequential
+                                          **({"generated_population": generated_notice}
+                                             if generated_notice else {})})
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early)
 
 
 def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list:
-    """The plan's devices trained in-process on the plan's model (seeds keyed by round, client)."""
+    """The plan's devices trained in-process on the plan's model (seeds keyed by round, client).
+    `clients`: the run's `ClientStore`, or a list of `ClientData` (the same rows)."""
+    rows = clients.examples if isinstance(clients, ClientStore) else lambda i: clients[i].examples
     return trainer.train_round(
-        plan.theta, [clients[i].examples for i in plan.devices],
+        plan.theta, [rows(i) for i in plan.devices],
         [_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
         batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm,
     )

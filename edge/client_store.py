@@ -14,8 +14,11 @@ privacy claims (its "users" repeat).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +66,29 @@ class ClientStore:
         j = self._stored(i)
         return self.users[j] + (f"#{i // self.cycle}" if self.cycle else "")  # copies are labelled
 
+    def user_ids(self) -> UserIds:
+        """Every client's user id as a lazy sequence (no million-string list)."""
+        return UserIds(self)
+
+    def real_clients(self) -> range:
+        """The stored (real) clients' indices: all of them, or the ones a generated population cycles."""
+        return range(len(self.offsets) - 1)
+
+
+class UserIds(Sequence[str]):
+    """`store.user(i)` for i in range(len(store)), computed when read."""
+
+    def __init__(self, store: ClientStore):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.store.user(j) for j in range(*i.indices(len(self)))]
+        return self.store.user(i + len(self) if i < 0 else i)
+
 
 def build_store(clients: Sequence[ClientData], vocab_size: int, cache: Path, source: str) -> ClientStore:
     """Write `clients` once as rows.npy + offsets.npy + meta.json under `cache` (content-hashed)."""
@@ -77,19 +103,25 @@ def build_store(clients: Sequence[ClientData], vocab_size: int, cache: Path, sou
     for c in clients:
         digest.update(c.user.encode() + b"\0" + np.ascontiguousarray(c.examples).tobytes())
     folder = Path(cache) / f"population-{digest.hexdigest()[:16]}"
-    if not (folder / "meta.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        rows = np.lib.format.open_memmap(folder / "rows.npy", mode="w+", dtype=_dtype(vocab_size),
-                                         shape=(int(offsets[-1]), width))
-        for c, start in zip(clients, offsets[:-1], strict=False):
-            rows[start : start + len(c.examples)] = c.examples
-        rows.flush()
-        del rows
-        np.save(folder / "offsets.npy", offsets)
-        (folder / "users.json").write_text(json.dumps([c.user for c in clients]))
-        meta = {"clients": len(clients), "rows": int(offsets[-1]), "width": width, "source": source,
-                "vocab_size": vocab_size, "generated": False}
-        atomic_write(folder / "meta.json", json.dumps(meta, indent=2))  # written last: complete
+    if not (folder / "meta.json").is_file():  # built beside it, then renamed in: two runs
+        folder.parent.mkdir(parents=True, exist_ok=True)  # building at once never mix files
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        try:
+            rows = np.lib.format.open_memmap(tmp / "rows.npy", mode="w+", dtype=_dtype(vocab_size),
+                                             shape=(int(offsets[-1]), width))
+            for c, start in zip(clients, offsets[:-1], strict=False):
+                rows[start : start + len(c.examples)] = c.examples
+            rows.flush()
+            del rows
+            np.save(tmp / "offsets.npy", offsets)
+            (tmp / "users.json").write_text(json.dumps([c.user for c in clients]))
+            meta = {"clients": len(clients), "rows": int(offsets[-1]), "width": width,
+                    "source": source, "vocab_size": vocab_size, "generated": False}
+            atomic_write(tmp / "meta.json", json.dumps(meta, indent=2))  # written last: complete
+            with contextlib.suppress(OSError):  # another run renamed its identical copy first
+                tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return open_store(folder)
 
 

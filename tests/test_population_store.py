@@ -1,0 +1,138 @@
+"""`simulate` reads its clients through the memory-mapped store: the same run, byte for byte, as
+the engine driven with the Python lists; the store is built once and reused; a generated
+population runs at 10^5 clients and every output says its epsilon protects nobody real."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dpfleet.cli import main
+from dpfleet.coordinator.backends import make_trainer
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.evaluation import split_held_out
+from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
+from dpfleet.coordinator.round_engine import RoundEngine, Stop
+from dpfleet.coordinator.run_dir import RunDir
+from dpfleet.coordinator.simulation import (
+    _seed,
+    make_aggregator,
+    make_runtime,
+    prepare_data,
+    run_simulation,
+    train_plan,
+)
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import build_model
+
+CFG = {
+    "rounds": 5, "eval_every": 5, "seed": 4, "checkpoint_every": 0,
+    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 40, "max_examples": 8},
+    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
+    "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
+    "client": {"lr": 1.0, "batch_size": 8},
+    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 6, "noise_seed": 5},
+    "participation": {"mode": "uniform", "min_separation": 2, "max_participation": 2},
+}
+QUIET = {"progress": False, "log": lambda s: None}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def lists_run(cfg, out):
+    """The engine driven with the Python lists (FederatedData.train), as simulate did before it
+    read through the store."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(max(1, cfg.client.threads))
+    run = RunDir(out)
+    run.write_config(cfg.resolved())
+    tokenizer, data = prepare_data(cfg, out / "vocabulary")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    model = build_model(model_cfg)
+    trainer = make_trainer(cfg.client.trainer, make_runtime(cfg, model_cfg, out / "programs"),
+                           model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
+                           device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb,
+                           backend=cfg.backend)
+    engine = RoundEngine(
+        cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
+        users=[c.user for c in data.train], test_rows=split_held_out(data.test, 40)[0],
+        fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
+                                     fingerprint_secret(out, create=True)))
+    aggregator = make_aggregator(cfg)
+    while not isinstance(plan := engine.open_round(), Stop):
+        updates = train_plan(cfg, trainer, data.train, plan)
+        engine.close_round(plan, aggregator.aggregate([u.delta for u in updates],
+                                                      _seed(cfg.seed, "agg", plan.round)), updates)
+    return engine
+
+
+def test_store_run_is_the_lists_run_byte_for_byte(tmp_path):
+    cfg = parse_config(CFG)
+    sim = run_simulation(cfg, tmp_path / "store", **QUIET)
+    lists_run(cfg, tmp_path / "lists")
+    for name in ("metrics.jsonl", "participation.jsonl"):
+        assert (tmp_path / "store" / name).read_bytes() == (tmp_path / "lists" / name).read_bytes()
+    log = (tmp_path / "store" / "participation.jsonl").read_text().splitlines()
+    rounds = [json.loads(x) for x in log]
+    assert len(rounds) == 5 and len({tuple(r["devices"]) for r in rounds}) == 5
+    assert "generated_population" not in json.loads((sim.run_dir / "summary.json").read_text())
+    assert "generated_population" not in sim.privacy
+    assert "GENERATED" not in (sim.run_dir / "privacy_report.md").read_text()
+
+
+def test_the_store_is_built_once_and_reused(tmp_path, own_cache):
+    cfg = parse_config(dict(CFG, rounds=1, eval_every=1))
+    run_simulation(cfg, tmp_path / "a", **QUIET)
+    folders = list((own_cache / "populations").iterdir())
+    assert len(folders) == 1 and (folders[0] / "meta.json").is_file()
+    stamp = (folders[0] / "rows.npy").stat().st_mtime_ns
+    run_simulation(cfg, tmp_path / "b", **QUIET)
+    assert list((own_cache / "populations").iterdir()) == folders
+    assert (folders[0] / "rows.npy").stat().st_mtime_ns == stamp  # read, not rewritten
+    other = parse_config({**CFG, "rounds": 1, "eval_every": 1,
+                          "data": {**CFG["data"], "max_examples": 4}})
+    run_simulation(other, tmp_path / "c", **QUIET)  # other rows: another store, not the stale one
+    assert len(list((own_cache / "populations").iterdir())) == 2
+
+
+def test_generated_population_of_1e5_runs_and_says_it_is_no_guarantee(tmp_path, capsys):
+    config = tmp_path / "gen.toml"
+    config.write_text(
+        "rounds = 3\neval_every = 3\nseed = 1\ncheckpoint_every = 0\n"
+        "[data]\ndataset = \"shakespeare\"\nmax_clients = 30\nmax_examples = 4\neval_examples = 20\n"
+        "generated_population = 100000\n"
+        "[tokenizer]\nkind = \"sentencepiece\"\nvocab_size = 1024\n"
+        "[model]\narch = \"cifg\"\nembedding_dim = 8\nhidden_dim = 8\nprojection_dim = 8\n"
+        "[dp]\nnoise_multiplier = 1.0\nclip_norm = 0.5\nreport_goal = 20\n"
+        "[participation]\nmode = \"uniform\"\nmin_separation = 1\n")
+    out = tmp_path / "run"
+    assert main(["simulate", str(config), "--out", str(out), "--quiet"]) in (0, None)
+    printed = capsys.readouterr().out
+    assert "WARNING" in printed and "NOT a guarantee for any real person" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    notice = summary["generated_population"]
+    assert notice["clients"] == 100_000 and notice["cycled_from_real_users"] == 30
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["generated_population"]["epsilon_is_a_guarantee"] is False
+    assert privacy["population"] == 100_000
+    report = (out / "privacy_report.md").read_text()
+    assert report.startswith("**GENERATED POPULATION") and "Everyone, in fact" in report
+    devices = [d for line in (out / "participation.jsonl").read_text().splitlines()
+               for d in json.loads(line)["devices"]]
+    assert len(devices) == 60 and all("#" in d for d in devices)
+    copies = [int(d.rsplit("#", 1)[1]) for d in devices]
+    assert max(copies) > 100  # drawn from the whole cycled population, not the first copy
+    assert len(summary) and summary["rounds_completed"] == 3
+
+
+def test_generated_population_below_the_real_clients_is_refused(tmp_path):
+    cfg = parse_config({**CFG, "data": {**CFG["data"], "generated_population": 10}})
+    with pytest.raises(DpfleetError, match="below the 40 real training clients"):
+        run_simulation(cfg, tmp_path / "run", **QUIET)
+    with pytest.raises(DpfleetError, match="generated_population must be >= 0"):
+        parse_config({**CFG, "data": {**CFG["data"], "generated_population": -1}})
