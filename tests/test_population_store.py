@@ -5,13 +5,16 @@ population runs at 10^5 clients and every output says its epsilon protects nobod
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
+from test_edge_client_store import make_clients
 
 from dpfleet.cli import main
 from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.evaluation import split_held_out
+from dpfleet.coordinator.population import open_population
 from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.round_engine import RoundEngine, Stop
 from dpfleet.coordinator.run_dir import RunDir
@@ -71,9 +74,11 @@ def lists_run(cfg, out):
     return engine
 
 
-def test_store_run_is_the_lists_run_byte_for_byte(tmp_path):
+def test_store_run_is_the_lists_run_byte_for_byte(tmp_path, own_cache):
     cfg = parse_config(CFG)
     sim = run_simulation(cfg, tmp_path / "store", **QUIET)
+    (store,) = (own_cache / "populations").iterdir()  # simulate built its store in the cache
+    assert json.loads((store / "meta.json").read_text())["clients"] == 40
     lists_run(cfg, tmp_path / "lists")
     for name in ("metrics.jsonl", "participation.jsonl"):
         assert (tmp_path / "store" / name).read_bytes() == (tmp_path / "lists" / name).read_bytes()
@@ -85,19 +90,21 @@ def test_store_run_is_the_lists_run_byte_for_byte(tmp_path):
     assert "GENERATED" not in (sim.run_dir / "privacy_report.md").read_text()
 
 
-def test_the_store_is_built_once_and_reused(tmp_path, own_cache):
-    cfg = parse_config(dict(CFG, rounds=1, eval_every=1))
-    run_simulation(cfg, tmp_path / "a", **QUIET)
-    folders = list((own_cache / "populations").iterdir())
-    assert len(folders) == 1 and (folders[0] / "meta.json").is_file()
-    stamp = (folders[0] / "rows.npy").stat().st_mtime_ns
-    run_simulation(cfg, tmp_path / "b", **QUIET)
-    assert list((own_cache / "populations").iterdir()) == folders
-    assert (folders[0] / "rows.npy").stat().st_mtime_ns == stamp  # read, not rewritten
-    other = parse_config({**CFG, "rounds": 1, "eval_every": 1,
-                          "data": {**CFG["data"], "max_examples": 4}})
-    run_simulation(other, tmp_path / "c", **QUIET)  # other rows: another store, not the stale one
-    assert len(list((own_cache / "populations").iterdir())) == 2
+def test_the_store_is_built_once_and_reused(tmp_path):
+    cfg = parse_config(CFG)
+    clients = make_clients([3, 1, 4, 2])
+    first = open_population(cfg, clients, 300, tmp_path)
+    (folder,) = tmp_path.iterdir()
+    stamp = (folder / "rows.npy").stat().st_mtime_ns
+    again = open_population(cfg, clients, 300, tmp_path)
+    assert list(tmp_path.iterdir()) == [folder]
+    assert (folder / "rows.npy").stat().st_mtime_ns == stamp  # read, not rewritten
+    assert [again.user(i) for i in range(4)] == [first.user(i) for i in range(4)]
+    edited = make_clients([3, 1, 4, 2])
+    edited[2].examples[0, 1] += 1  # one token of one client: another store, not the stale one
+    np.testing.assert_array_equal(open_population(cfg, edited, 300, tmp_path).examples(2),
+                                  edited[2].examples)
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_generated_population_of_1e5_runs_and_says_it_is_no_guarantee(tmp_path, capsys):
@@ -131,8 +138,8 @@ def test_generated_population_of_1e5_runs_and_says_it_is_no_guarantee(tmp_path, 
 
 
 def test_generated_population_below_the_real_clients_is_refused(tmp_path):
-    cfg = parse_config({**CFG, "data": {**CFG["data"], "generated_population": 10}})
-    with pytest.raises(DpfleetError, match="below the 40 real training clients"):
-        run_simulation(cfg, tmp_path / "run", **QUIET)
+    cfg = parse_config({**CFG, "data": {**CFG["data"], "generated_population": 3}})
+    with pytest.raises(DpfleetError, match="below the 4 real training clients"):
+        open_population(cfg, make_clients([3, 1, 4, 2]), 300, tmp_path)
     with pytest.raises(DpfleetError, match="generated_population must be >= 0"):
         parse_config({**CFG, "data": {**CFG["data"], "generated_population": -1}})
