@@ -54,25 +54,33 @@ def shards(steps: Sequence[int], workers: int) -> list[list[int]]:
     return [sorted(s) for s in out]
 
 
+def connect_ray(address: str, num_cpus: int, what: str):
+    """The `ray` module, connected: to the cluster at `address` ("HOST:6379" or "auto"), or to a
+    private local instance with `num_cpus` CPUs when `address` is empty. Reuses a connection this
+    process already has. `what` names the feature in the error when Ray is missing."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise DpfleetError(f"{what} needs Ray: pip install 'dpfleet[ray]'") from exc
+    if not ray.is_initialized():
+        try:
+            if address:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise DpfleetError(f"could not start or reach Ray at {address or 'local'}: {exc}") from exc
+    return ray
+
+
 class RayTrainer:
     name = "ray"
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, workers: int = 2,
                  address: str = "", memory_mb: int = 160, device: str = "cpu"):
-        try:
-            import ray
-        except ImportError as exc:
-            raise DpfleetError("backend.kind = 'ray' needs Ray: pip install 'dpfleet[ray]'") from exc
         if workers < 1:
             raise DpfleetError("backend.workers must be >= 1")
-        if not ray.is_initialized():
-            try:
-                if address:
-                    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-                else:
-                    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise DpfleetError(f"could not start or reach Ray at {address or 'local'}: {exc}") from exc
+        ray = connect_ray(address, workers, "backend.kind = 'ray'")
         self._ray = ray
         actor = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(_Worker)
         self.workers = [actor.remote(cfg, seq_len, batch_size, memory_mb, device) for _ in range(workers)]

@@ -12,6 +12,10 @@ import click
 
 DEVICES_HELP = "Emulate the first N train clients of the config (0: all of them)."
 PROCESSES_HELP = "Worker processes; each trains one device at a time (torch threads = 1)."
+BACKEND_HELP = ("Where the workers run: 'local' processes, or 'ray' actors (one CPU each) on a "
+                "local Ray, or on the cluster at --address (`ray start --head`; every node needs "
+                "dpfleet installed and must reach the coordinator's URL).")
+ADDRESS_HELP = "With --backend ray: an existing Ray cluster (HOST:6379, or 'auto'); default: a local Ray."
 
 
 @click.group(name="fleet")
@@ -54,20 +58,27 @@ def _start_hour(value: float | None) -> float:
               help="The run's bundle public key (the coordinator's STATE/bundle_key.pub), pinned "
                    "out of band; needed with [fleet] client = 'bundle': devices train only with "
                    "the bundle this key signed.")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help=BACKEND_HELP)
+@click.option("--address", default="", help=ADDRESS_HELP)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Path,
             registry: Path | None, seed: int | None, vocabulary: Path | None, ca_file: Path | None,
             start_hour: float | None, summary: Path | None, bundle_key: Path | None,
-            progress: bool) -> None:
+            backend: str, address: str, progress: bool) -> None:
     """Run an emulated fleet of CONFIG's train clients against the coordinator at --coordinator
-    until it says the run is done. A worker process that dies is restarted with its devices."""
+    until it says the run is done. A worker process (or Ray actor) that dies is restarted with
+    its devices."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.coordinator.run_dir import atomic_write
+    from dpfleet.errors import DpfleetError
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
     from dpfleet.fleet.registry import public_registry, write_public_registry
 
+    if address and backend != "ray":
+        raise DpfleetError("--address is a Ray cluster's address: give it with --backend ray")
     cfg = load_config(config)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     pinned_bundle = pinned_bundle_key(cfg, bundle_key)
@@ -76,11 +87,18 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
     pins = public_registry(keys, ids)
     registry = registry or fleet_keys.with_name("fleet_public.json")
     write_public_registry(registry, pins)
-    log(f"fleet: {len(ids)} devices in {processes} processes; public keys in {registry}")
-    runner = Fleet(cfg, url, ids, examples, keys, pins, processes=processes,
-                   seed=cfg.seed if seed is None else seed, model_bytes=4 * params,
-                   start_hour=_start_hour(start_hour), ca_file=str(ca_file) if ca_file else None,
-                   log=log, bundle_key=pinned_bundle)
+    log(f"fleet: {len(ids)} devices in {processes} {'Ray actors' if backend == 'ray' else 'processes'}"
+        f"; public keys in {registry}")
+    fleet_cls, placement = Fleet, {}
+    if backend == "ray":
+        from dpfleet.fleet.ray_workers import RayFleet
+
+        fleet_cls, placement = RayFleet, {"address": address}
+    runner = fleet_cls(cfg, url, ids, examples, keys, pins, processes=processes,
+                       seed=cfg.seed if seed is None else seed, model_bytes=4 * params,
+                       start_hour=_start_hour(start_hour),
+                       ca_file=str(ca_file) if ca_file else None, log=log,
+                       bundle_key=pinned_bundle, **placement)
     del examples
     began = time.perf_counter()
     bar = None
@@ -127,8 +145,11 @@ def _ms(seconds: float | None) -> str:
 @click.option("--seed", type=int, default=None, help="Fleet seed for behaviour draws (default: config seed).")
 @click.option("--grace", type=float, default=20.0, show_default=True,
               help="Seconds to wait for a clean stop before terminating, then killing.")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help=BACKEND_HELP)
+@click.option("--address", default="", help=ADDRESS_HELP)
 def run(config: Path, state: Path, devices: int, processes: int, rounds: int | None,
-        seed: int | None, grace: float) -> None:
+        seed: int | None, grace: float, backend: str, address: str) -> None:
     """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
     as subprocesses, show the rounds as they commit, and leave simulate's run directory in
     STATE (plus service.log), and the fleet's keys, registry and both console logs in
@@ -140,7 +161,8 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     from dpfleet.fleet.supervisor import run_fleet
 
     status = run_fleet(config, state, devices=devices, processes=processes, rounds=rounds,
-                       seed=seed, grace_s=grace, log=lambda s: click.echo(s, err=True))
+                       seed=seed, grace_s=grace, log=lambda s: click.echo(s, err=True),
+                       backend=backend, address=address)
     if status:
         click.echo(f"{status.get('run_state')}: {status.get('rounds_committed')} of "
                    f"{status.get('rounds_planned')} rounds committed, "

@@ -57,6 +57,9 @@ def load_devices(cfg: SimulationConfig, devices: int = 0, vocabulary: Path | Non
     from dpfleet.coordinator.simulation import DP_VOCABULARY, prepare_data
     from dpfleet.export.models import build_model
 
+    if cfg.data.generated_population:
+        raise DpfleetError("data.generated_population is for simulate's scale tests; the fleet "
+                           "emulates the real clients only: remove it from this config")
     if needs_coordinator_vocabulary(cfg) and (
             vocabulary is None or not (Path(vocabulary) / DP_VOCABULARY).is_file()):
         raise DpfleetError("this config's word vocabulary is chosen with DP by the coordinator; "
@@ -116,11 +119,18 @@ class Fleet:
         for d in spec.devices:
             d.timer_last = self.timers.get(d.index, d.timer_last)
         spec.counts = dict(self.counts.get(spec.worker, {}))  # counts go on across a restart
+        proc = self._start_worker(spec)
+        self.procs[spec.worker] = proc
+        self.log(f"worker {spec.worker}: pid {proc.pid}, {len(spec.devices)} devices")
+
+    def _start_worker(self, spec: WorkerSpec):
+        """A started worker running `worker_main(spec, self.events)`: a local process here;
+        `ray_workers.RayFleet` places it on a Ray actor (same handle: pid, is_alive, join,
+        exitcode, terminate, kill)."""
         proc = self.ctx.Process(target=worker_main, args=(spec, self.events), daemon=True,
                                 name=f"dpfleet-fleet-worker-{spec.worker}")
         proc.start()
-        self.procs[spec.worker] = proc
-        self.log(f"worker {spec.worker}: pid {proc.pid}, {len(spec.devices)} devices")
+        return proc
 
     @property
     def done(self) -> bool:

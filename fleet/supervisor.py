@@ -75,8 +75,9 @@ def _dpfleet(*args: object) -> list[str]:
 
 def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2,
               rounds: int | None = None, seed: int | None = None, grace_s: float = 20.0,
-              progress: bool = True, log=print) -> dict:
-    """Run (or continue) a local coordinator + fleet to the end; the last admin status."""
+              progress: bool = True, log=print, backend: str = "local", address: str = "") -> dict:
+    """Run (or continue) a local coordinator + fleet to the end; the last admin status.
+    `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py)."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
     from dpfleet.fleet.registry import public_registry, write_public_registry
@@ -117,6 +118,8 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
                                "--summary", fleet_dir / "summary.json")
         if seed is not None:
             emulate_cmd += ["--seed", str(seed)]
+        if backend != "local":
+            emulate_cmd += ["--backend", backend] + (["--address", address] if address else [])
         if admin.get("tls_cert"):
             emulate_cmd += ["--ca-file", admin["tls_cert"]]
         if cfg.fleet.client == "bundle":  # serve wrote it at boot, before admin.json
