@@ -49,7 +49,7 @@ class ParticipationGuard:
         self.last = np.full(size, NEVER, dtype=np.int64)
         self.count = np.zeros(size, dtype=np.int64)
         self._by_round: dict[int, np.ndarray] = {}  # round -> devices recorded in it (MinS window)
-        self._kept_from = 0  # rounds before this were dropped from _by_round
+        self._kept_from = NEVER  # rounds before this were dropped from _by_round
         self._exhausted: set[int] = set()  # devices at their MaxP cap
 
     def allowed(self, round_idx: int) -> np.ndarray:
