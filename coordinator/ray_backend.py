@@ -16,6 +16,7 @@ Local: `address = ""` starts a private Ray instance with `workers` CPUs. A real 
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,7 +70,9 @@ def connect_ray(address: str, num_cpus: int, what: str):
             else:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise DpfleetError(f"could not start or reach Ray at {address or 'local'}: {exc}") from exc
+            hint = ("; a cluster started with token auth (`ray start`'s default) needs "
+                    "RAY_AUTH_MODE=token here" if address and "RAY_AUTH_MODE" not in os.environ else "")
+            raise DpfleetError(f"could not start or reach Ray at {address or 'local'}: {exc}{hint}") from exc
     return ray
 
 
