@@ -93,6 +93,7 @@ def test_selection_at_a_million_devices_is_uniform_over_the_allowed():
     picked = []
     for r in range(20):
         sel = part.propose(r)
+        assert sel.devices == mask_draw(part, r)  # numpy's large-population (Floyd) path too
         assert not set(sel.devices) & set(part.guard.blocked(r).tolist())
         part.commit(sel, sel.devices)
         picked += sel.devices
