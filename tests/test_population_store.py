@@ -26,6 +26,7 @@ from dpfleet.coordinator.simulation import (
     run_simulation,
     train_plan,
 )
+from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 
@@ -43,8 +44,16 @@ QUIET = {"progress": False, "log": lambda s: None}
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    """A private populations/ folder; every other cache entry (trained tokenizers, wheels) is the
+    user's own, linked in, so a test does not retrain a SentencePiece model for a minute."""
+    shared, own = cache_dir(), tmp_path / "cache"
+    own.mkdir()
+    (shared / "tokenizers").mkdir(parents=True, exist_ok=True)
+    for entry in shared.iterdir():
+        if entry.name != "populations":
+            (own / entry.name).symlink_to(entry)
+    monkeypatch.setenv("DPFLEET_CACHE", str(own))
+    return own
 
 
 def lists_run(cfg, out):
@@ -91,6 +100,7 @@ def test_store_run_is_the_lists_run_byte_for_byte(tmp_path, own_cache):
 
 
 def test_the_store_is_built_once_and_reused(tmp_path):
+    tmp_path = tmp_path / "stores"
     cfg = parse_config(CFG)
     clients = make_clients([3, 1, 4, 2])
     first = open_population(cfg, clients, 300, tmp_path)
