@@ -16,7 +16,7 @@ from dpfleet.export.params import get_flat
 from dpfleet.public import teacher as teacher_module
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.teacher import load_teacher
-from dpfleet.public.teacher_head import auto_batch_tokens
+from dpfleet.public.teacher_head import auto_body_tokens
 from dpfleet.public.topk import TopKExtractor, student_sequences
 
 torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def test_teacher_takes_the_accelerator_when_present(tiny_teacher_dir, monkeypatc
     # CPU: float32 throughout, and the head is the model's own weight (no second copy)
     assert next(teacher.model.parameters()).dtype == torch.float32
     assert teacher.head_weight is teacher.model.get_output_embeddings().weight
-    assert auto_batch_tokens(teacher) == 1024
+    assert auto_body_tokens(teacher) == 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -88,23 +88,28 @@ def test_cuda_teacher_bf16_body_fp32_head(tiny_teacher_dir, tiny_teacher_vocab):
     ids_g, v_g = TopKExtractor(gpu, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
     assert v_g.dtype == torch.float32 and torch.allclose(v_g.cpu(), v_c, atol=0.1)
     assert (ids_g.cpu()[:, 0] == ids_c[:, 0]).float().mean() > 0.9
-    assert 256 <= auto_batch_tokens(gpu) <= 1 << 16
+    assert 256 <= auto_body_tokens(gpu) <= 1 << 16
 
 
-def test_batch_size_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
-    """0 = automatic: 1,024 tokens on CPU; on CUDA, more free memory gives larger batches
-    within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs)."""
+def test_body_pass_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
+    """0 = automatic: 1,024 tokens per body pass on CPU; on CUDA, more free memory gives larger
+    passes within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs). The
+    loader batch is max(16384, one body pass), whatever the device."""
     from dpfleet.public.teacher import Teacher
-    from dpfleet.public.teacher_head import resolve_batch_tokens
+    from dpfleet.public.teacher_head import resolve_batch_tokens, resolve_body_tokens
 
     cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
-    assert resolve_batch_tokens(cpu, 0, 512) == 1024 and resolve_batch_tokens(cpu, 77, 512) == 77
+    assert resolve_body_tokens(cpu, 0, 512) == 1024 and resolve_body_tokens(cpu, 77, 512) == 77
+    assert resolve_batch_tokens(0, 1024) == 16384 and resolve_batch_tokens(0, 40_000) == 40_000
+    assert resolve_batch_tokens(77, 40_000) == 77
     with pytest.raises(ValueError):
-        resolve_batch_tokens(cpu, -1, 512)
+        resolve_body_tokens(cpu, -1, 512)
+    with pytest.raises(ValueError):
+        resolve_batch_tokens(-1, 512)
     fake = Teacher(cpu.name, cpu.path, cpu.model, torch.device("cuda"), cpu.head_weight)
     sizes = []
     for free_gib in (0.001, 0.05, 0.2, 80):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, f=free_gib: (int(f * 2**30), 0))
-        sizes.append(auto_batch_tokens(fake, chunk_tokens=512))
+        sizes.append(auto_body_tokens(fake, chunk_tokens=512))
     assert sizes[0] == 256 and sizes[-1] == 1 << 16
     assert sizes == sorted(sizes) and sizes[1] < sizes[2]
