@@ -236,3 +236,8 @@ from dpfleet.public.cli_fred import fred_rank, fred_stats  # noqa: E402
 
 public.add_command(fred_stats)
 public.add_command(fred_rank)
+
+from dpfleet.public.cli_offline import offline_check, offline_stage  # noqa: E402
+
+public.add_command(offline_stage)
+public.add_command(offline_check)
