@@ -103,9 +103,9 @@ def test_staged_data_packages_load_offline(tmp_path, monkeypatch):
     assert len(load_records("wikitext2", "train")) == expected > 1000
 
 
-def _online() -> bool:
+def _online(folder: Path) -> bool:
     probe = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                            os.devnull + ".d", "--dry-run", "click"], capture_output=True)
+                            str(folder), "click"], capture_output=True)
     return probe.returncode == 0
 
 
@@ -114,7 +114,7 @@ def test_wheelhouse_installs_into_a_fresh_venv_without_an_index(tmp_path):
     """The bundle script builds the project's wheel and a tiny dependency set (click) on the
     connected side; a fresh venv installs both with --no-index and imports them from outside
     the source tree, and a package left out of the wheelhouse (tqdm) cannot be installed."""
-    if not _online():
+    if not _online(tmp_path / "probe"):
         pytest.skip("no package index reachable to build the wheelhouse from")
     env = {**os.environ, "PYTHON": sys.executable, "REQUIREMENTS": "click", "TEACHERS": "",
            "DATASETS": ""}
