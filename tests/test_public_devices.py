@@ -161,3 +161,21 @@ def test_body_pass_arithmetic_for_gemma_on_an_h100():
     # a float32 body (element size 4) gets fewer tokens from the same memory
     assert body_tokens_for_memory(gemma, 4, 262_144, 9 * 2**30, 2048) < \
         body_tokens_for_memory(gemma, 2, 262_144, 9 * 2**30, 2048)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tests_run_deterministic_and_rows_repeat_bit_for_bit(tiny_teacher_dir,
+                                                                  tiny_teacher_vocab):
+    """On a GPU the suite runs with the documented flags (tests/conftest.py), so the resume
+    tests' bit-exact comparisons are valid there too; the student-space scatter (index_add_)
+    then gives the same bits on a second run."""
+    import os
+
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+    gpu = load_teacher(str(tiny_teacher_dir), device="cuda")
+    seqs = student_sequences(["the king said unto them go forth ."] * 6,
+                             tiny_teacher_vocab.tokenizer, 8)
+    ext = TopKExtractor(gpu, tiny_teacher_vocab, 5, "student", chunk_tokens=7, body_tokens=16)
+    (ids_a, v_a), (ids_b, v_b) = ext.rows(seqs), ext.rows(seqs)
+    assert torch.equal(ids_a, ids_b) and torch.equal(v_a, v_b)
