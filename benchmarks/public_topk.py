@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per measured point; default 16384 CPU, 262144 CUDA")
     parser.add_argument("--teacher-vocab", type=int, default=16_384)
+    parser.add_argument("--modes", default="topk,topk-student,lpub",
+                        help="what the sweep measures; a subset is saved under its own name")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = parser.parse_args()
@@ -260,7 +262,7 @@ def _scaling(args) -> None:
                             student_vocab, Path(tmp) / "tok", teacher)
         points = []
         huge = max(sizes) * 4
-        for mode in ("topk", "topk-student", "lpub"):
+        for mode in args.modes.split(","):
             for batch in sizes:
                 variants = [(args.body_tokens, args.chunk_tokens)]
                 if batch <= args.one_shot_max:
@@ -281,6 +283,10 @@ def _scaling(args) -> None:
                     point["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
                     print(json.dumps(point), flush=True)
                     points.append(point)
+                    _save(args, cuda, synthetic, student_vocab, points)  # a killed sweep keeps its points
+
+
+def _save(args, cuda: bool, synthetic: bool, student_vocab: int, points: list) -> None:
     result = {
         "teacher": "random-weight Llama (hidden 256, 4 layers, 4 heads, MLP 1024), real "
                    f"{args.teacher_vocab}-piece SentencePiece vocabulary" if synthetic else args.teacher,
@@ -291,9 +297,10 @@ def _scaling(args) -> None:
         "points": points,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "public_topk_scaling_cuda.json" if cuda else "public_topk_scaling.json"
-    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.out / name}")
+    name = "public_topk_scaling" + ("_cuda" if cuda else "")
+    if args.modes != "topk,topk-student,lpub":
+        name += "_" + args.modes.replace(",", "_")
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
