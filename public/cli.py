@@ -68,8 +68,11 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
 @click.option("--shard-sequences", type=click.IntRange(1), default=4096, show_default=True,
               help="sequences per shard file (the unit of resumption)")
 @click.option("--batch-tokens", type=click.IntRange(0), default=0, show_default=True,
-              help="teacher batch size in tokens (the body's activations scale with it); "
-                   "0: from the accelerator's free memory, 1024 on CPU")
+              help="tokens per teacher batch (one host-to-device copy; memory does not grow "
+                   "with it); 0: max(16384, --body-tokens)")
+@click.option("--body-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="padded tokens per pass of the teacher's transformer body (its activations "
+                   "scale with this); 0: from the accelerator's free memory, 1024 on CPU")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
 @click.option("--targets", type=click.Choice(["teacher", "student"]), default="teacher",
               show_default=True,
@@ -80,7 +83,8 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
               help="token positions per LM-head chunk: bounds memory to about this x the "
                    "teacher vocabulary in floats, whatever --batch-tokens is")
 def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_records, k, seq_len,
-                   shard_sequences, batch_tokens, device, targets, chunk_tokens) -> None:
+                   shard_sequences, batch_tokens, body_tokens, device, targets,
+                   chunk_tokens) -> None:
     """Store the teacher's top-K next-token logits on public text (resumable shards).
 
     The teacher reads the on-device tokenization; its top-K ids are mapped into the on-device
@@ -94,7 +98,8 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     vocab = TeacherVocab.load(tokenizer_dir)
     texts = _public_texts(dataset, split, path, max_records)
     sequences = student_sequences(texts, vocab.tokenizer, seq_len)
-    extractor = TopKExtractor(load_teacher(teacher, device), vocab, k, targets, chunk_tokens)
+    extractor = TopKExtractor(load_teacher(teacher, device), vocab, k, targets, chunk_tokens,
+                              body_tokens)
     manifest = build_corpus(extractor, sequences, out, shard_sequences, batch_tokens)
     summary = {key: manifest[key] for key in
                ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}
@@ -231,3 +236,8 @@ from dpfleet.public.cli_fred import fred_rank, fred_stats  # noqa: E402
 
 public.add_command(fred_stats)
 public.add_command(fred_rank)
+
+from dpfleet.public.cli_offline import offline_check, offline_stage  # noqa: E402
+
+public.add_command(offline_stage)
+public.add_command(offline_check)

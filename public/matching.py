@@ -42,12 +42,10 @@ from dpfleet.edge.datasets import load_records
 from dpfleet.edge.tokenizer import BOS, PAD, Tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher_head import (
-    kept_hidden,
-    reduce_head,
+    reduce_batch,
     resolve_batch_tokens,
     right_padded,
     target_logprob,
-    to_device,
 )
 from dpfleet.public.teacher_tokenizer import load_teacher_spm, processor
 from dpfleet.public.topk import TopKExtractor, _batches
@@ -129,7 +127,7 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
     own = [sp.encode(tokenizer.decode(s)) for s in sequences]
     if not all(own):
         raise DpfleetError("a record decodes to no text the teacher can read")
-    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
+    batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
     totals = np.zeros(len(own))
     bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
     first = 0
@@ -137,10 +135,8 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
         targets, mask = right_padded(batch, 0)
         inputs = np.full(targets.shape, extractor.teacher_bos, dtype=np.int64)
         inputs[:, 1:] = np.where(mask[:, 1:], targets[:, :-1], extractor.teacher_bos)
-        hidden = kept_hidden(extractor.teacher, inputs, mask)
-        kept = to_device(targets[mask], extractor.teacher.device)
-        (logp,) = reduce_head(extractor.teacher, hidden, target_logprob, extractor.chunk_tokens,
-                              kept)
+        (logp,) = reduce_batch(extractor.teacher, inputs, mask, target_logprob,
+                               extractor.body_tokens, extractor.chunk_tokens, targets)
         rows = np.repeat(np.arange(len(batch)), mask.sum(1))
         totals[first : first + len(batch)] = np.bincount(
             rows, logp.double().cpu().numpy(), minlength=len(batch))

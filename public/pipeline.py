@@ -81,7 +81,7 @@ class PublicSection:
     batch_size: int = 32
     lr: float = 3e-3
     k: int = 10  # teacher logits kept per position
-    batch_tokens: int = 0  # teacher batch size in tokens; 0: from free accelerator memory
+    batch_tokens: int = 0  # teacher batch size in tokens (one host copy); 0: automatic
     targets: str = "teacher"  # top-k taken in the "teacher" or the "student" vocabulary
     student_device: str = "cpu"  # public training's device (the teacher uses cuda when present)
 
@@ -131,7 +131,7 @@ def parse_pipeline(values: dict) -> PipelineConfig:
         (p.steps >= 0 and p.batch_size >= 1 and p.lr > 0, "public.steps/batch_size/lr out of range"),
         (1 <= p.k <= 64, "public.k must be in [1, 64]"),
         (p.targets in TARGETS, f"public.targets must be one of {TARGETS}"),
-        (p.batch_tokens >= 0, "public.batch_tokens must be >= 0 (0: from free memory)"),
+        (p.batch_tokens >= 0, "public.batch_tokens must be >= 0 (0: automatic)"),
         (len(cfg.pool.sources) == len(cfg.pool.records) and cfg.pool.sources,
          "pool.sources and pool.records must be non-empty lists of the same length"),
         (all(isinstance(n, int) and n >= 1 for n in cfg.pool.records), "pool.records must be >= 1"),

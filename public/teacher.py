@@ -215,13 +215,28 @@ def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise DpfleetError(f"cannot load teacher from {folder}: {exc}") from exc
-    head_weight = None
-    if device.type == "cuda":
-        head_weight = model.get_output_embeddings().weight.detach().clone().to(device)
-        model.to(torch.bfloat16)  # a tied embedding is cast too; the head uses its own copy
+    head_weight = cast_for_device(model, device.type)
+    if head_weight is not None:
+        head_weight = head_weight.to(device)
         torch.set_float32_matmul_precision("high")
     model.to(device).eval()
     return Teacher(name=spec, path=folder, model=model, device=device, head_weight=head_weight)
+
+
+def cast_for_device(model: torch.nn.Module, device_type: str) -> torch.Tensor | None:
+    """Cast a float32 model in place for `device_type` and return the separate float32 head
+    weight it then needs (None: the head is the model's own weight).
+
+    CUDA: the body in bfloat16 (never float16: Gemma's activations overflow it), the head a
+    float32 copy taken before the cast (a tied embedding is cast with the body). Elsewhere the
+    model stays float32. Kept apart from the move to the device so CPU tests can run the
+    mixed-precision path.
+    """
+    if device_type != "cuda":
+        return None
+    head_weight = model.get_output_embeddings().weight.detach().clone().float()
+    model.to(torch.bfloat16)
+    return head_weight
 
 
 def _sha256(path: Path) -> str:

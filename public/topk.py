@@ -51,12 +51,11 @@ from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
-    kept_hidden,
-    reduce_head,
+    reduce_batch,
     resolve_batch_tokens,
+    resolve_body_tokens,
     right_padded,
     student_space_reduce,
-    topk_reduce,
 )
 from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
 
@@ -102,12 +101,15 @@ class TopKExtractor:
     "teacher" (paper 000's recipe) takes the top-k in the teacher vocabulary and merges the
     entries that map to one student id; "student" first pushes the *whole* teacher distribution
     through the id map (public/teacher_head.py: student_space_reduce) and then takes the top-k,
-    so mass of trimmed continuations outside the teacher's top-k is kept. The head runs over
-    `chunk_tokens` positions at a time and never holds the [tokens x vocab] logits.
+    so mass of trimmed continuations outside the teacher's top-k is kept. The body runs over
+    at most `body_tokens` padded positions at a time (0: from free accelerator memory, 1,024 on
+    CPU) and the head over `chunk_tokens`; each chunk is mapped and merged at once, so memory
+    does not grow with the batch a caller hands to `rows`.
     """
 
     def __init__(self, teacher: Teacher, vocab: TeacherVocab, k: int = 10,
-                 targets: str = "teacher", chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                 targets: str = "teacher", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 body_tokens: int = 0):
         if vocab.tokenizer.vocab_size > MAX_STUDENT_VOCAB:
             raise DpfleetError(f"student vocabulary exceeds {MAX_STUDENT_VOCAB} ids")
         if len(vocab.teacher_to_student) != teacher.vocab_size:
@@ -121,7 +123,10 @@ class TopKExtractor:
             raise DpfleetError(f"top-k targets must be one of {', '.join(TARGETS)}, not {targets!r}")
         if chunk_tokens < 1:
             raise DpfleetError("chunk_tokens must be positive")
+        if body_tokens < 0:
+            raise DpfleetError("body_tokens must be >= 0 (0: from free accelerator memory)")
         self.teacher, self.k, self.targets, self.chunk_tokens = teacher, k, targets, chunk_tokens
+        self.body_tokens = resolve_body_tokens(teacher, body_tokens, chunk_tokens)
         device = teacher.device
         self.s2t_np = np.asarray(vocab.student_to_teacher, dtype=np.int64)
         self.s2t = torch.as_tensor(self.s2t_np, device=device)
@@ -132,6 +137,15 @@ class TopKExtractor:
         self.teacher_bos = int(vocab.student_to_teacher[BOS])
         if self.teacher_bos < 0:
             raise DpfleetError("the teacher vocabulary has no bos token")
+        if targets == "student":
+            self._reduce = student_space_reduce(self.t2s, self.student_vocab, k)
+        else:
+            self._reduce = self._teacher_space
+
+    def _teacher_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head chunk: teacher-space top-k, mapped and merged in student ids."""
+        values, indices = logits.topk(self.k, dim=-1)
+        return merge_mapped(self.t2s[indices], values)
 
     def rows(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (ids, logits), each [total tokens, k], for a batch of sequences in order."""
@@ -141,12 +155,8 @@ class TopKExtractor:
             raise DpfleetError("a sequence holds a special token with no teacher id")
         inputs = np.full(ids.shape, self.teacher_bos, dtype=np.int64)
         inputs[:, 1:] = np.where(mask[:, 1:], mapped, self.teacher_bos)
-        hidden = kept_hidden(self.teacher, inputs, mask)
-        if self.targets == "student":
-            reduce = student_space_reduce(self.t2s, self.student_vocab, self.k)
-            return reduce_head(self.teacher, hidden, reduce, self.chunk_tokens)
-        values, indices = reduce_head(self.teacher, hidden, topk_reduce(self.k), self.chunk_tokens)
-        return merge_mapped(self.t2s[indices], values)
+        return reduce_batch(self.teacher, inputs, mask, self._reduce, self.body_tokens,
+                            self.chunk_tokens)
 
 
 def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.Tensor) -> dict:
@@ -161,12 +171,15 @@ def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.T
 
 
 def _batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iterable[list]:
+    """Consecutive runs of sequences whose padded size (count x longest) fits `batch_tokens`."""
     batch: list = []
+    longest = 0
     for seq in sequences:
-        if batch and (len(batch) + 1) * max(len(seq), *(len(s) for s in batch)) > batch_tokens:
+        if batch and (len(batch) + 1) * max(longest, len(seq)) > batch_tokens:
             yield batch
-            batch = []
+            batch, longest = [], 0
         batch.append(seq)
+        longest = max(longest, len(seq))
     if batch:
         yield batch
 
@@ -188,8 +201,9 @@ def build_corpus(
 ) -> dict:
     """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
 
-    `batch_tokens` 0 sizes the teacher's batches from free accelerator memory (1,024 on CPU)."""
-    batch_tokens = resolve_batch_tokens(extractor.teacher, batch_tokens, extractor.chunk_tokens)
+    `batch_tokens` (0: automatic) is what one host copy carries; memory is bounded by the
+    extractor's `body_tokens` and `chunk_tokens`, not by it."""
+    batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:
         raise DpfleetError("no sequences to distill")

@@ -1,9 +1,14 @@
 """Shared fixtures. Tests run on 1 torch thread so results are deterministic and cores are shared."""
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+if torch.cuda.is_available():  # bit-exact resume checks hold on CUDA only with deterministic kernels
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first CUDA call
+    torch.use_deterministic_algorithms(True)  # docs/offline_gpu_server.md, "Devices and determinism"
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from dpfleet.export.params import get_flat
 from dpfleet.public import teacher as teacher_module
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.teacher import load_teacher
-from dpfleet.public.teacher_head import auto_batch_tokens
+from dpfleet.public.teacher_head import auto_body_tokens
 from dpfleet.public.topk import TopKExtractor, student_sequences
 
 torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def test_teacher_takes_the_accelerator_when_present(tiny_teacher_dir, monkeypatc
     # CPU: float32 throughout, and the head is the model's own weight (no second copy)
     assert next(teacher.model.parameters()).dtype == torch.float32
     assert teacher.head_weight is teacher.model.get_output_embeddings().weight
-    assert auto_batch_tokens(teacher) == 1024
+    assert auto_body_tokens(teacher) == 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -88,23 +88,94 @@ def test_cuda_teacher_bf16_body_fp32_head(tiny_teacher_dir, tiny_teacher_vocab):
     ids_g, v_g = TopKExtractor(gpu, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
     assert v_g.dtype == torch.float32 and torch.allclose(v_g.cpu(), v_c, atol=0.1)
     assert (ids_g.cpu()[:, 0] == ids_c[:, 0]).float().mean() > 0.9
-    assert 256 <= auto_batch_tokens(gpu) <= 1 << 16
+    assert 256 <= auto_body_tokens(gpu) <= 1 << 16
 
 
-def test_batch_size_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
-    """0 = automatic: 1,024 tokens on CPU; on CUDA, more free memory gives larger batches
-    within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs)."""
+def test_body_pass_follows_free_accelerator_memory(tiny_teacher_dir, monkeypatch):
+    """0 = automatic: 1,024 tokens per body pass on CPU; on CUDA, more free memory gives larger
+    passes within [256, 65536] (mem_get_info stands in for a GPU here; no kernel runs). The
+    loader batch is max(16384, one body pass), whatever the device."""
     from dpfleet.public.teacher import Teacher
-    from dpfleet.public.teacher_head import resolve_batch_tokens
+    from dpfleet.public.teacher_head import resolve_batch_tokens, resolve_body_tokens
 
     cpu = load_teacher(str(tiny_teacher_dir), device="cpu")
-    assert resolve_batch_tokens(cpu, 0, 512) == 1024 and resolve_batch_tokens(cpu, 77, 512) == 77
+    assert resolve_body_tokens(cpu, 0, 512) == 1024 and resolve_body_tokens(cpu, 77, 512) == 77
+    assert resolve_batch_tokens(0, 1024) == 16384 and resolve_batch_tokens(0, 40_000) == 40_000
+    assert resolve_batch_tokens(77, 40_000) == 77
     with pytest.raises(ValueError):
-        resolve_batch_tokens(cpu, -1, 512)
+        resolve_body_tokens(cpu, -1, 512)
+    with pytest.raises(ValueError):
+        resolve_batch_tokens(-1, 512)
     fake = Teacher(cpu.name, cpu.path, cpu.model, torch.device("cuda"), cpu.head_weight)
     sizes = []
     for free_gib in (0.001, 0.05, 0.2, 80):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, f=free_gib: (int(f * 2**30), 0))
-        sizes.append(auto_batch_tokens(fake, chunk_tokens=512))
+        sizes.append(auto_body_tokens(fake, chunk_tokens=512))
     assert sizes[0] == 256 and sizes[-1] == 1 << 16
     assert sizes == sorted(sizes) and sizes[1] < sizes[2]
+
+
+def test_cuda_precision_plan_runs_on_cpu(tiny_teacher_dir, tiny_teacher_vocab):
+    """The CUDA cast (bf16 body, float32 head copy taken before the cast) applied to a CPU model:
+    the mixed-precision forward path the GPU runs, here on CPU kernels. The head copy holds the
+    original float32 weights exactly, the stored values stay float32, and the rows stay close to
+    the float32 teacher's (bf16 rounds the hidden state to ~3 digits)."""
+    from dpfleet.public.teacher import Teacher, cast_for_device
+
+    ref = load_teacher(str(tiny_teacher_dir), device="cpu")
+    assert cast_for_device(ref.model, "cpu") is None
+    mixed = load_teacher(str(tiny_teacher_dir), device="cpu")
+    original = mixed.model.get_output_embeddings().weight.detach().clone()
+    head = cast_for_device(mixed.model, "cuda")
+    assert next(mixed.model.get_decoder().parameters()).dtype == torch.bfloat16
+    assert head.dtype == torch.float32 and torch.equal(head, original)
+    assert head.data_ptr() != mixed.model.get_output_embeddings().weight.data_ptr()
+    mixed = Teacher(mixed.name, mixed.path, mixed.model, torch.device("cpu"), head)
+    seqs = student_sequences(["the king said unto them go forth ."] * 4,
+                             tiny_teacher_vocab.tokenizer, 8)
+    ids_r, v_r = TopKExtractor(ref, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    ids_m, v_m = TopKExtractor(mixed, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    assert v_m.dtype == torch.float32 and not torch.equal(v_m, v_r)  # the bf16 body did run
+    assert torch.allclose(v_m, v_r, atol=0.1)
+    assert (ids_m[:, 0] == ids_r[:, 0]).float().mean() > 0.9
+
+
+def test_body_pass_arithmetic_for_gemma_on_an_h100():
+    """body_tokens_for_memory with Gemma-3-270M's shape (hidden 640, MLP 2048, 4 heads, vocab
+    262,144, bf16 body): the chosen pass plus the head chunk fits the budget, one more token's
+    worth would not, a free 80 GiB card hits the 65,536 cap, and 8 GiB (whose half the 4 GiB head
+    chunk fills) gets the 256 floor. (A namespace stands in for the model config; no GPU.)"""
+    from types import SimpleNamespace
+
+    from dpfleet.public.teacher_head import body_tokens_for_memory
+
+    gemma = SimpleNamespace(hidden_size=640, intermediate_size=2048, num_attention_heads=4)
+    per_token = (6 * 640 + 3 * 2048 + 4 * 128) * 2 + 4 * 640  # body activations + fp32 hidden row
+    head = 2 * 2048 * 262_144 * 4
+    for free in (int(8.5 * 2**30), 9 * 2**30):  # the 4 GiB head chunk leaves 0.25, 0.5 GiB
+        n = body_tokens_for_memory(gemma, 2, 262_144, free, chunk_tokens=2048)
+        assert 256 < n < 1 << 16
+        assert n * per_token + head <= 0.5 * free < (n + 1) * per_token + head
+    assert body_tokens_for_memory(gemma, 2, 262_144, 80 * 2**30, 2048) == 1 << 16
+    assert body_tokens_for_memory(gemma, 2, 262_144, 8 * 2**30, 2048) == 256  # the head chunk alone
+    # a float32 body (element size 4) gets fewer tokens from the same memory
+    assert body_tokens_for_memory(gemma, 4, 262_144, 9 * 2**30, 2048) < \
+        body_tokens_for_memory(gemma, 2, 262_144, 9 * 2**30, 2048)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tests_run_deterministic_and_rows_repeat_bit_for_bit(tiny_teacher_dir,
+                                                                  tiny_teacher_vocab):
+    """On a GPU the suite runs with the documented flags (tests/conftest.py), so the resume
+    tests' bit-exact comparisons are valid there too; the student-space scatter (index_add_)
+    then gives the same bits on a second run."""
+    import os
+
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+    gpu = load_teacher(str(tiny_teacher_dir), device="cuda")
+    seqs = student_sequences(["the king said unto them go forth ."] * 6,
+                             tiny_teacher_vocab.tokenizer, 8)
+    ext = TopKExtractor(gpu, tiny_teacher_vocab, 5, "student", chunk_tokens=7, body_tokens=16)
+    (ids_a, v_a), (ids_b, v_b) = ext.rows(seqs), ext.rows(seqs)
+    assert torch.equal(ids_a, ids_b) and torch.equal(v_a, v_b)

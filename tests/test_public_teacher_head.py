@@ -231,3 +231,80 @@ def test_reduce_head_splits_extra_rows_with_the_hidden_rows(teacher):
     assert torch.allclose(whole[0], split[0], atol=TOL)
     assert torch.allclose(whole[0][:, 0], teacher.head(hidden)[torch.arange(11), targets],
                           atol=TOL)
+
+
+# --- micro-batches of sequences through the body (memory flat in the batch size) ------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), budget=st.integers(1, 400))
+def test_micro_batches_cover_the_rows_in_order_within_the_budget(lengths, budget):
+    from dpfleet.public.teacher_head import micro_batches
+
+    spans = micro_batches(np.asarray(lengths), budget)
+    assert [i for s in spans for i in range(s.start, s.stop)] == list(range(len(lengths)))
+    for s in spans:
+        rows = lengths[s]
+        assert len(rows) * max(rows) <= budget or len(rows) == 1
+    # greedy: the next row would not have fitted into the span before it
+    for before, after in zip(spans, spans[1:], strict=False):
+        rows = lengths[before.start : after.start + 1]
+        assert len(rows) * max(rows) > budget
+
+
+@pytest.fixture(scope="module")
+def ragged(tiny_teacher_vocab, sequences):
+    """Sequences of many lengths (1 to 23 tokens), so micro-batches trim different widths."""
+    cut = student_sequences([" ".join(["the king said unto them ."] * 4)] * 3,
+                            tiny_teacher_vocab.tokenizer, seq_len=23)
+    return [s[: 1 + (7 * i) % len(s)] for i, s in enumerate(sequences + cut)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(body=st.integers(1, 300), chunk=st.integers(1, 120), student=st.booleans())
+def test_micro_batched_rows_equal_the_one_shot_rows(teacher, tiny_teacher_vocab, ragged, body,
+                                                    chunk, student):
+    """The body over micro-batches of sequences and the head over chunks give the rows of one
+    pass over the whole batch with one head chunk: ids exact, values within 1e-5."""
+    targets = "student" if student else "teacher"
+    one = TopKExtractor(teacher, tiny_teacher_vocab, 6, targets, chunk_tokens=10**6,
+                        body_tokens=10**6)
+    small = TopKExtractor(teacher, tiny_teacher_vocab, 6, targets, chunk_tokens=chunk,
+                          body_tokens=body)
+    (ref_ids, ref_v), (ids, v) = one.rows(ragged), small.rows(ragged)
+    assert ids.shape == (sum(map(len, ragged)), 6)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(v, ref_v, atol=TOL, equal_nan=False)
+
+
+@settings(max_examples=10, deadline=None)
+@given(body=st.integers(1, 200), chunk=st.integers(1, 50))
+def test_micro_batched_logprobs_equal_the_one_shot_logprobs(teacher, tiny_teacher_vocab, ragged,
+                                                            body, chunk):
+    tok = tiny_teacher_vocab.tokenizer
+    one = TopKExtractor(teacher, tiny_teacher_vocab, 5, chunk_tokens=10**6, body_tokens=10**6)
+    small = TopKExtractor(teacher, tiny_teacher_vocab, 5, chunk_tokens=chunk, body_tokens=body)
+    ref = teacher_logprobs(one, tok, ragged, batch_tokens=10**6, progress=False)
+    got = teacher_logprobs(small, tok, ragged, batch_tokens=10**6, progress=False)
+    assert np.allclose(got, ref, atol=TOL, rtol=0)
+
+
+def test_the_body_never_sees_more_than_its_budget(teacher, tiny_teacher_vocab, ragged,
+                                                  monkeypatch):
+    """A 10^6-token loader batch; the body gets at most 40 padded positions per pass (ragged's
+    sequences are all shorter), the head at most 9 rows, for top-k and for l_pub."""
+    passes, chunks = [], []
+    body, head = teacher.body, teacher.head
+    monkeypatch.setattr(teacher, "body", lambda i, m: passes.append(i.numel()) or body(i, m))
+    monkeypatch.setattr(teacher, "head", lambda h: chunks.append(h.shape[0]) or head(h))
+    ext = TopKExtractor(teacher, tiny_teacher_vocab, 5, chunk_tokens=9, body_tokens=40)
+    ext.rows(ragged)
+    teacher_logprobs(ext, tiny_teacher_vocab.tokenizer, ragged, batch_tokens=10**6,
+                     progress=False)
+    assert max(passes) <= 40 and max(chunks) <= 9
+    assert len(passes) >= 2 * sum(map(len, ragged)) / 40  # the batch really was split
+
+
+def test_bad_body_tokens_is_a_user_error(teacher, tiny_teacher_vocab):
+    with pytest.raises(DpfleetError, match="body_tokens"):
+        TopKExtractor(teacher, tiny_teacher_vocab, 5, body_tokens=-1)
