@@ -56,17 +56,21 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     c = x.new_zeros(k, rows, hidden)
     acts, cells, tanh_cells, gated, outs = [], [], [], [], []
     for t in range(steps):
-        z = torch.baddbmm(zx[:, t], h, wh_t)
+        z = torch.baddbmm(zx[:, t], h, wh_t)  # activated in place: z becomes the saved gates
         if coupled:
             f, g, o = z.split(hidden, dim=-1)
-            f, g, o = torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+            f.sigmoid_()
+            g.tanh_()
+            o.sigmoid_()
             c = f * c + (1.0 - f) * g
-            acts.append(torch.cat([f, g, o], dim=-1))
         else:
             f, i, g, o = z.split(hidden, dim=-1)
-            f, i, g, o = torch.sigmoid(f), torch.sigmoid(i), torch.tanh(g), torch.sigmoid(o)
+            f.sigmoid_()
+            i.sigmoid_()
+            g.tanh_()
+            o.sigmoid_()
             c = f * c + i * g
-            acts.append(torch.cat([f, i, g, o], dim=-1))
+        acts.append(z)
         tc = torch.tanh(c)
         m = o * tc
         h = torch.bmm(m, wp_t)
@@ -88,33 +92,35 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, w: torch.Tensor, wp: torc
     wx, wh = w[:, :, :d], w[:, :, d:]
     dh = torch.zeros_like(d_out[:, 0])
     dc = torch.zeros_like(cells[:, 0])
-    dz_all, dh_all = [], []
+    dz_all = torch.empty_like(acts)  # [k, T, B, gates], written slice by slice (no concatenation)
+    dh_all = torch.empty_like(d_out)
     for t in reversed(range(steps)):
-        dht = d_out[:, t] + dh
-        dh_all.append(dht)
+        dht = torch.add(d_out[:, t], dh, out=dh_all[:, t])
         dm = torch.bmm(dht, wp)
         tc = tanh_cells[:, t]
         a = acts[:, t]
         c_prev = cells[:, t - 1] if t else torch.zeros_like(dc)
+        dz = dz_all[:, t]
         if coupled:
             f, g, o = a.split(hidden, dim=-1)
+            dz_f, dz_g, dz_o = dz.split(hidden, dim=-1)
         else:
             f, i, g, o = a.split(hidden, dim=-1)
+            dz_f, dz_i, dz_g, dz_o = dz.split(hidden, dim=-1)
         dc = dc + dm * o * (1.0 - tc * tc)
-        do = dm * tc * o * (1.0 - o)
+        torch.mul(dm * tc, o * (1.0 - o), out=dz_o)
         dg = dc * (1.0 - g * g)
         if coupled:  # c = f c' + (1 - f) g
-            df = dc * (c_prev - g) * f * (1.0 - f)
-            dz = torch.cat([df, dg * (1.0 - f), do], dim=-1)
+            torch.mul(dc * (c_prev - g), f * (1.0 - f), out=dz_f)
+            torch.mul(dg, 1.0 - f, out=dz_g)
         else:  # c = f c' + i g
-            df = dc * c_prev * f * (1.0 - f)
-            di = dc * g * i * (1.0 - i)
-            dz = torch.cat([df, di, dg * i, do], dim=-1)
+            torch.mul(dc * c_prev, f * (1.0 - f), out=dz_f)
+            torch.mul(dc * g, i * (1.0 - i), out=dz_i)
+            torch.mul(dg, i, out=dz_g)
         dc = dc * f
-        dz_all.append(dz)
         dh = torch.bmm(dz, wh)
-    dz = torch.stack(dz_all[::-1], 1).reshape(k, steps * rows, -1)
-    dh_tot = torch.stack(dh_all[::-1], 1).reshape(k, steps * rows, -1)
+    dz = dz_all.view(k, steps * rows, -1)
+    dh_tot = dh_all.reshape(k, steps * rows, -1)
     h_prev = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
     inputs = torch.cat([x, h_prev], dim=-1).reshape(k, steps * rows, -1)
     # the weight gradients of all time steps, one GEMM each
