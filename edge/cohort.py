@@ -43,7 +43,9 @@ from dpfleet.export.params import ParamLayout
 
 # CPU budget for one chunk's weights, gradients and activations. Small on purpose: on CPU the
 # stacked weight gradients of a big chunk fall out of cache (issue 15 workload, 1 thread: chunks of
-# 4 / 8 / 16 / 28 clients ran 1.44 / 1.06 / 0.88 / 0.77x the sequential speed).
+# 4 / 8 / 16 / 28 clients ran 1.44 / 1.06 / 0.88 / 0.77x the sequential speed). The fused
+# recurrent path gets 9 clients from it; one round, 1 thread, load ~4: chunks of 5 / 10 / 25 / 50
+# ran 1.77 / 1.96 / 0.99 / 0.88x sequential (the recurrent weights of big chunks leave the cache).
 DEFAULT_MEMORY_MB = 160
 
 
