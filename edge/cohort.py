@@ -34,6 +34,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from dpfleet.edge.client_update import ClientUpdate, finish_update
+from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
 from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -42,25 +43,31 @@ from dpfleet.export.params import ParamLayout
 
 # CPU budget for one chunk's weights, gradients and activations. Small on purpose: on CPU the
 # stacked weight gradients of a big chunk fall out of cache (issue 15 workload, 1 thread: chunks of
-# 4 / 8 / 16 / 28 clients ran 1.44 / 1.06 / 0.88 / 0.77x the sequential speed).
+# 4 / 8 / 16 / 28 clients ran 1.44 / 1.06 / 0.88 / 0.77x the sequential speed). The fused
+# recurrent path gets 9 clients from it; one round, 1 thread, load ~4: chunks of 5 / 10 / 25 / 50
+# ran 1.77 / 1.96 / 0.99 / 0.88x sequential (the recurrent weights of big chunks leave the cache).
 DEFAULT_MEMORY_MB = 160
 
 
-def bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
+def bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, fused: bool = False) -> int:
     """Working memory of one client in a chunk (float32), the rule the chunk size is chosen by.
 
+    `fused`: the hand-written recurrent path (`cohort_lstm.fused_bytes_per_client`); otherwise
+    the torch.func path:
     Weights + gradient + update temporary (3 x params), plus activations saved for backward per
     minibatch: the vocabulary-sized logits, log-softmax and their gradients (4 x V per token), and
     per recurrent step / block about 12 x hidden + 8 x embedding floats per token and layer.
     """
     params = ParamLayout.of(build_model(cfg)).total
+    if fused:
+        return fused_bytes_per_client(cfg, batch_size, seq_len, params)
     tokens = batch_size * seq_len
     per_token = 4 * cfg.vocab_size + cfg.num_layers * (12 * cfg.hidden_dim + 8 * cfg.embedding_dim)
     return 4 * (3 * params + tokens * per_token)
 
 
 def chunk_size(cfg: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
-               memory_mb: int = DEFAULT_MEMORY_MB) -> int:
+               memory_mb: int = DEFAULT_MEMORY_MB, fused: bool = False) -> int:
     """Clients per chunk: floor(budget / bytes_per_client), at least 1.
 
     On CPU the budget is `memory_mb` (a config value, not the machine's free memory, so the chunks
@@ -71,7 +78,7 @@ def chunk_size(cfg: ModelConfig, batch_size: int, seq_len: int, device: torch.de
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free // 2
-    return max(1, budget // bytes_per_client(cfg, batch_size, seq_len))
+    return max(1, budget // bytes_per_client(cfg, batch_size, seq_len, fused))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,12 +106,15 @@ class CohortTrainer:
     name = "cohort"
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
-                 memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None):
+                 memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True):
         self.cfg = cfg
         self.device = resolve_device(device)
         self.model = build_model(cfg).to(self.device)
         self.layout = ParamLayout.of(self.model)
-        self.chunk = chunk or chunk_size(cfg, batch_size, seq_len, self.device, memory_mb)
+        # recurrent models take the hand-written path (cohort_lstm.py); `fused=False` keeps them
+        # on torch.func, the path the transformer always takes
+        self.fused = fused and cfg.arch in RECURRENT
+        self.chunk = chunk or chunk_size(cfg, batch_size, seq_len, self.device, memory_mb, self.fused)
 
         def loss(params: dict, rows: torch.Tensor) -> torch.Tensor:
             logits = functional_call(self.model, params, (rows[:, :-1],))
@@ -154,9 +164,15 @@ class CohortTrainer:
                 idx = plans[j][s]
                 x = examples[j]
                 block[j, : len(idx), : x.shape[1]] = x[idx]
-            rows = torch.from_numpy(block).to(self.device)
+            # trailing columns with no real target cannot change a causal model's earlier outputs
+            real_cols = (block[:, :, 1:] != PAD).any(axis=(0, 1)).nonzero()[0]
+            cols = int(real_cols[-1]) + 2 if len(real_cols) else 2
+            rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(self.device)
             active = {name: p[:k] for name, p in params.items()}
-            grads, loss = self._step(active, rows)
+            if self.fused:
+                grads, loss = recurrent_grads(self.cfg, active, rows)
+            else:
+                grads, loss = self._step(active, rows)
             with torch.no_grad():
                 for name, p in active.items():
                     p.sub_(grads[name], alpha=lr)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dpfleet.coordinator.backends import SequentialTrainer, make_trainer
 from dpfleet.edge.cohort import CohortTrainer, bytes_per_client, chunk_size
+from dpfleet.edge.cohort_lstm import RECURRENT
 from dpfleet.edge.runtime import EagerRuntime
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ARCHITECTURES, ModelConfig, build_model
@@ -22,9 +23,9 @@ L = 9
 BATCH = 8
 
 
-def model_cfg(arch: str) -> ModelConfig:
-    return ModelConfig(arch=arch, vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16,
-                       num_heads=2, max_length=16)
+def model_cfg(arch: str, **over) -> ModelConfig:
+    return ModelConfig(**{**dict(arch=arch, vocab_size=64, embedding_dim=16, hidden_dim=24,
+                                 projection_dim=16, num_heads=2, max_length=16), **over})
 
 
 def client_rows(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -36,14 +37,15 @@ def client_rows(rng: np.random.Generator, n: int) -> np.ndarray:
     return rows
 
 
-def both(arch, examples, seeds, *, lr=0.5, clip=0.5, chunk=3):
+def both(arch, examples, seeds, *, lr=0.5, clip=0.5, chunk=3, fused=True, **model):
     torch.manual_seed(0)
-    cfg = model_cfg(arch)
+    cfg = model_cfg(arch, **model)
     theta = get_flat(build_model(cfg))
     seq = SequentialTrainer(EagerRuntime(cfg)).train_round(
         theta, examples, seeds, lr=lr, batch_size=BATCH, clip_norm=clip)
-    cohort = CohortTrainer(cfg, seq_len=L, batch_size=BATCH, device="cpu", chunk=chunk).train_round(
-        theta, examples, seeds, lr=lr, batch_size=BATCH, clip_norm=clip)
+    trainer = CohortTrainer(cfg, seq_len=L, batch_size=BATCH, device="cpu", chunk=chunk, fused=fused)
+    assert trainer.fused == (fused and arch in RECURRENT)
+    cohort = trainer.train_round(theta, examples, seeds, lr=lr, batch_size=BATCH, clip_norm=clip)
     return seq, cohort
 
 
@@ -56,16 +58,18 @@ def assert_same(seq, cohort):
         assert b.clipped == a.clipped and b.num_examples == a.num_examples
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_cohort_equals_sequential_for_every_zoo_model(arch):
+@pytest.mark.parametrize(("arch", "fused"), [(a, True) for a in ARCHITECTURES]
+                         + [(a, False) for a in RECURRENT])
+def test_cohort_equals_sequential_for_every_zoo_model(arch, fused):
+    """Recurrent models run the hand-written path (fused) and, with fused=False, torch.func."""
     rng = np.random.default_rng(1)
     # ragged: 1 row, a short last batch, exactly one batch, one row over, several batches
     examples = [client_rows(rng, n) for n in (1, 5, 8, 9, 33, 40, 2)]
     seeds = list(range(100, 107))
-    unclipped, _ = both(arch, examples, seeds, clip=1e9)
+    unclipped, _ = both(arch, examples, seeds, clip=1e9, fused=fused)
     norms = sorted(u.norm for u in unclipped)
     clip = (norms[3] + norms[4]) / 2  # between two clients' norms: both clip branches run
-    seq, cohort = both(arch, examples, seeds, clip=clip)
+    seq, cohort = both(arch, examples, seeds, clip=clip, fused=fused)
     assert_same(seq, cohort)
     assert any(u.clipped for u in seq) and not all(u.clipped for u in seq)
 
