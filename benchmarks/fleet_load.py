@@ -9,6 +9,9 @@ the only device time is real training. Reported per run:
   training time of the round (the union of the K training threads' busy intervals inside the
   round, divided by K: the wall time K parallel trainers need at least), and their difference,
   the coordinator's overhead per round (goal <= 1 s);
+* that overhead next to its parts in CPU seconds per round (rounds 2..): the coordinator's CPU,
+  the devices' own SecAgg CPU by step (thread CPU time, from each device's outcome), the rest
+  of the fleet's CPU (HTTP client, request auth, idle check-ins) and what is left (waiting);
 * p50 / p99 latency of the devices' signed requests (long-polls excluded; retries included);
 * the coordinator's peak RSS (VmHWM) and CPU seconds;
 * updates lost: devices whose SecAgg part ended `secagg_done` in a committed attempt but are
