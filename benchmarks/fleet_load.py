@@ -9,6 +9,9 @@ the only device time is real training. Reported per run:
   training time of the round (the union of the K training threads' busy intervals inside the
   round, divided by K: the wall time K parallel trainers need at least), and their difference,
   the coordinator's overhead per round (goal <= 1 s);
+* that overhead next to its parts in CPU seconds per round (rounds 2..): the coordinator's CPU,
+  the devices' own SecAgg CPU by step (thread CPU time, from each device's outcome), the rest
+  of the fleet's CPU (HTTP client, request auth, idle check-ins) and what is left (waiting);
 * p50 / p99 latency of the devices' signed requests (long-polls excluded; retries included);
 * the coordinator's peak RSS (VmHWM) and CPU seconds;
 * updates lost: devices whose SecAgg part ended `secagg_done` in a committed attempt but are
@@ -128,6 +131,12 @@ class Sampler(threading.Thread):
             time.sleep(0.2)
 
 
+def cpu_between(samples: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """CPU seconds a sampled process spent between two unix times (nearest samples inside)."""
+    inside = [c for t, c in samples if lo <= t <= hi]
+    return inside[-1] - inside[0] if len(inside) > 1 else float("nan")
+
+
 def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Seconds of [lo, hi] covered by the intervals (one thread's intervals never overlap)."""
     return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
@@ -194,6 +203,11 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     fleet_inside = [c for t, c in fleet_sampler.samples if window[0] <= t <= window[1]]
     fleet_cpu = fleet_inside[-1] - fleet_inside[0] if len(fleet_inside) > 1 else float("nan")
     committed = [h for h in history.get("rounds", []) if h["status"] == "committed"]
+    # steady state: first commit to last commit (round 1 also waits for 1,000 registrations)
+    steady = (first["t_commit"], last["t_commit"])
+    cpu_steady = [cpu_between(s.samples, *steady) / max(1, rounds - 1)
+                  for s in (sampler, fleet_sampler)]
+    split = overhead_split(result, *cpu_steady, os.cpu_count() or 1)
 
     def per_round(key: str) -> float | None:  # the coordinator's own clock, mean per round
         xs = [h[key] for h in committed if h.get(key) is not None]
@@ -208,6 +222,9 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
         "fleet_cpu_s_per_round": fleet_cpu / rounds,
         # the commit (DP step, release log, accounting, SQLite), the coordinator's own clock
         "coordinator_commit_s_per_round": per_round("commit_s"),
+        "coordinator_cpu_s_per_round_steady": cpu_steady[0],
+        "fleet_cpu_s_per_round_steady": cpu_steady[1],
+        "overhead_split": split,  # rounds 2.. (steady state)
         "wall_s": time.time() - began, "worker_restarts": summary["restarts"],
         "fleet_counts": summary["counts"], "requests": summary["requests"],
         "latency_p50_ms": 1e3 * summary["latency_p50_s"],
@@ -216,6 +233,37 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
                                           "p99": 1e3 * v["p99_s"]}
                                    for name, v in summary["latency_by_endpoint"].items()},
     }
+
+
+def device_cpu(outcomes: list, rounds: set[int]) -> dict:
+    """Mean CPU seconds per given round (rounds 2.., like the steady CPU) of the devices' own
+    work, by step (every attempt of a round counts: a failed attempt's work is part of that
+    round's wall time)."""
+    per: dict[str, float] = {}
+    for _, number, _, _, _, *rest in outcomes:
+        if number in rounds and rest:
+            for step, seconds in rest[0].items():
+                per[step] = per.get(step, 0.0) + seconds
+    return {step: v / max(1, len(rounds)) for step, v in sorted(per.items())}
+
+
+def overhead_split(result: dict, coordinator_cpu: float, fleet_cpu: float, cores: int) -> dict:
+    """Wall-minus-training per round (median) next to what it is made of, in CPU seconds per
+    round: the coordinator's CPU, the devices' SecAgg CPU (setup, encoding, the client state
+    machine: key agreement, signatures, share encryption, mask expansion) and the rest of the
+    fleet's CPU (HTTP client, JSON, request auth, idle devices' check-ins). On `cores` cores the
+    three need at least their sum / cores of wall time; `waiting_s` is what that leaves of the
+    overhead (timers, phases waiting for the slowest device, other load on the machine)."""
+    steps = result["device_cpu_s_per_round"]
+    train = steps.get("train", 0.0)
+    secagg = sum(v for k, v in steps.items() if k != "train")
+    other = fleet_cpu - train - secagg
+    busy = (coordinator_cpu + secagg + other) / cores
+    overhead = result["round_overhead_s"]["median"]
+    return {"overhead_s": overhead, "coordinator_cpu_s": coordinator_cpu,
+            "device_secagg_cpu_s": secagg, "fleet_other_cpu_s": other,
+            "device_train_cpu_s": train, "cores": cores, "cpu_bound_wall_s": busy,
+            "waiting_s": overhead - busy}
 
 
 def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) -> dict:
@@ -249,7 +297,8 @@ def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) 
     return {"per_round": rounds, "round_wall_s": stat("wall_s"),
             "round_open_to_commit_s": stat("open_to_commit_s"), "round_train_s": stat("train_s"),
             "round_overhead_s": stat("overhead_s"), "failed_attempts": len(failed),
-            "updates_lost": lost, "updates_committed": sum(len(d) for d in committed.values())}
+            "updates_lost": lost, "updates_committed": sum(len(d) for d in committed.values()),
+            "device_cpu_s_per_round": device_cpu(summary["outcomes"], set(sorted(commits)[1:]))}
 
 
 def simulate_baseline(devices: int, goal: int, rounds: int, work: Path) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.clock import read_time_scale
-from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, worker_main
+from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, one_blas_thread, worker_main
 
 MAX_RESTARTS = 5  # per worker: a worker that keeps dying is a bug to report, not to hide
 RESTART_DELAY_S = 1.0
@@ -129,7 +129,8 @@ class Fleet:
         exitcode, terminate, kill)."""
         proc = self.ctx.Process(target=worker_main, args=(spec, self.events), daemon=True,
                                 name=f"dpfleet-fleet-worker-{spec.worker}")
-        proc.start()
+        with one_blas_thread():
+            proc.start()
         return proc
 
     @property

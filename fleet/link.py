@@ -2,7 +2,9 @@
 
 Why here and not in the participant: every emulated phone (and any real client) talks the same
 wire contract (service/PROTOCOL.md); the link is the one place that signs requests with the
-device's Ed25519 key, checks downloaded blobs against their hashes, and retries what a flaky
+device's Ed25519 key (or, once it opened a session with a signed handshake, MACs them with the
+session key: one signature per coordinator process instead of one per request; a coordinator
+without sessions gets signatures), checks downloaded blobs against their hashes, and retries what a flaky
 network or a busy coordinator causes (transport errors, 429 with Retry-After, 503) with
 exponential backoff and full jitter, so a thousand devices that lost the coordinator at once do
 not come back in lock-step. Everything else (4xx) is the coordinator's answer and is raised.
@@ -24,9 +26,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from yarl import URL
 
-from dpfleet.service.auth import sign_request
+from dpfleet.service.auth import AuthError, DeviceHandshake, mac_request, sign_request
 
 RETRY_STATUS = (429, 503)
+SIGNED_ONLY = ("/v1/register", "/v1/session")  # proof of possession: always the identity key
 
 
 class LinkError(Exception):
@@ -43,7 +46,8 @@ class CoordinatorLink:
     def __init__(self, url: str, device_id: str, key: Ed25519PrivateKey, *,
                  ca_file: str | Path | None = None, retries: int = 6, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, timeout_s: float = 60.0,
-                 session: aiohttp.ClientSession | None = None, rng: random.Random | None = None):
+                 session: aiohttp.ClientSession | None = None, rng: random.Random | None = None,
+                 sessions: bool = True):
         self.url, self.device_id, self.key = url.rstrip("/"), device_id, key
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -52,6 +56,10 @@ class CoordinatorLink:
         self.rng = rng or random.Random()
         self._blob_cache: dict[str, bytes] = {}
         self.retried = 0  # requests sent again (transport error, 429, 503)
+        self.sessions = sessions  # MAC requests under a session key (False: sign every request)
+        self._auth: tuple[str, bytes] | None = None  # (session id, session key)
+        self._auth_lock = asyncio.Lock()
+        self.sessions_opened = 0
 
     @property
     def public_key(self) -> bytes:
@@ -78,17 +86,57 @@ class CoordinatorLink:
                 wait = max(wait, float(retry_after))
         return wait
 
+    async def _open_session(self) -> None:
+        """One Ed25519-signed handshake (auth.py); a coordinator without sessions (404) is
+        from then on sent signed requests."""
+        async with self._auth_lock:
+            if self._auth is not None or not self.sessions:
+                return
+            handshake = DeviceHandshake(self.device_id)
+            try:
+                reply = await self._json("POST", "/v1/session", handshake.body())
+                self._auth = handshake.finish(reply)
+            except LinkError as exc:
+                if exc.status not in (404, 405):
+                    raise
+                self.sessions = False
+            except AuthError as exc:
+                raise LinkError(0, "bad_session", str(exc)) from None
+            else:
+                self.sessions_opened += 1
+
+    def _auth_headers(self, method: str, path_qs: str, body: bytes) -> dict[str, str]:
+        """A fresh nonce per try: a resent request is not a replay."""
+        if self._auth is not None and path_qs.split("?")[0] not in SIGNED_ONLY:
+            return mac_request(self._auth[1], self._auth[0], self.device_id, method, path_qs, body)
+        return sign_request(self.key, self.device_id, method, path_qs, body)
+
     async def request(self, method: str, path_qs: str, body: bytes = b"", *, signed: bool = True,
                       headers: dict | None = None, timeout_s: float | None = None
                       ) -> tuple[int, dict, bytes]:
-        """(status, headers, body) of a 2xx answer; `LinkError` for any other final answer."""
+        """(status, headers, body) of a 2xx answer; `LinkError` for any other final answer.
+        A session the coordinator no longer knows (it restarted) is opened again, once."""
+        if signed and self.sessions and path_qs.split("?")[0] not in SIGNED_ONLY:
+            if self._auth is None:
+                await self._open_session()
+            try:
+                return await self._send(method, path_qs, body, signed, headers, timeout_s)
+            except LinkError as exc:
+                if exc.code != "unknown_session":
+                    raise
+                self._auth = None
+                await self._open_session()
+        return await self._send(method, path_qs, body, signed, headers, timeout_s)
+
+    async def _send(self, method: str, path_qs: str, body: bytes, signed: bool,
+                    headers: dict | None, timeout_s: float | None) -> tuple[int, dict, bytes]:
         if self._session is None:
             await self.__aenter__()
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             hdrs = dict(headers or {})
-            if signed:  # a fresh nonce per try: a resent request is not a replay
-                hdrs.update(sign_request(self.key, self.device_id, method, path_qs, body))
+            if signed:
+                hdrs.update(self._auth_headers(method, path_qs, body))
             retry_after = None
             try:
                 async with self._session.request(

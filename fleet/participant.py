@@ -18,13 +18,15 @@ silently, or sleep to be slow) is called before each message the device would se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,10 @@ class Outcome:
     detail: str = ""
     update: ClientUpdate | None = None  # what it trained (tests compare sums against it)
     train_seconds: float = 0.0
+    # CPU seconds of this device's own work by step ("train", "setup", "encode" and the SecAgg
+    # client's message handling by the message it answered): what the load benchmark splits a
+    # round's non-training time with. Thread CPU time, so waiting and other devices never count.
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 _RUNTIMES: dict[str, tuple[object, threading.Lock]] = {}
@@ -78,12 +84,35 @@ def local_policy(report_goal: int, graph: str, corruption: float, n: int, dropou
     """The minimums a device configured with the fleet's own config demands of a round of n:
     at least the report goal, and the masking degree / threshold / corruption that config plans
     for n (`secagg.graph.plan_graph`), signed mode always."""
-    from dpfleet.secagg.graph import plan_graph
     from dpfleet.secagg.policy import ClientPolicy
 
-    plan = plan_graph(n, graph, dropout, corruption)
+    plan = _graph_plan(n, graph, dropout, corruption)
     return ClientPolicy(min_clients=report_goal, min_degree=plan.k, min_threshold=plan.threshold,
                         min_corrupt=plan.corrupt, require_signed=True)
+
+
+@lru_cache(maxsize=64)
+def _graph_plan(n: int, graph: str, dropout: float, corruption: float):
+    """`plan_graph` is a pure function of its arguments and costs ~10-25 ms (tail sums): every
+    device of every round would recompute the same plan."""
+    from dpfleet.secagg.graph import plan_graph
+
+    return plan_graph(n, graph, dropout, corruption)
+
+
+class CpuClock:
+    """Adds up the calling thread's CPU seconds per step (`with clock("keys"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str):
+        began = time.thread_time()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.thread_time() - began
 
 
 async def _hook(hook: Hook | None, phase: str) -> None:
@@ -94,9 +123,11 @@ async def _hook(hook: Hook | None, phase: str) -> None:
 
 
 async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,
-                threads: int = 1, bundle_key=None) -> tuple[dict, ClientUpdate, float]:
+                threads: int = 1, bundle_key=None, cpu: CpuClock | None = None
+                ) -> tuple[dict, ClientUpdate, float]:
     """(plan, clipped update, wall seconds) for this device's examples on the assigned model;
     with `bundle_key` (the pinned bundle public key) through the run's signed bundle."""
+    cpu = cpu or CpuClock()
     plan = json.loads(await link.blob(assignment["plan_sha256"]))
     theta = np.frombuffer(await link.blob(assignment["model_sha256"]), dtype="<f4").astype(np.float32)
     await link.blob(plan["tokenizer_sha256"])  # what a phone would tokenize its text with
@@ -117,7 +148,8 @@ async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *
         nonlocal seconds
         with lock:
             began = time.perf_counter()
-            out = step()
+            with cpu("train"):
+                out = step()
             seconds = time.perf_counter() - began
             return out
 
@@ -145,12 +177,13 @@ async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarra
             return await _secagg(link, assignment, examples, policy, pinned, before_phase, speed,
                                  threads, bundle_key)
         await _hook(before_phase, "train")
+        cpu = CpuClock()
         _, update, seconds = await train(link, assignment, examples, speed=speed, threads=threads,
-                                         bundle_key=bundle_key)
+                                         bundle_key=bundle_key, cpu=cpu)
         await _hook(before_phase, "report")
         await link.report(assignment["round"], assignment["attempt"], update.delta,
                           norm=update.norm, clipped=update.clipped, loss=update.loss)
-        return Outcome("reported", update=update, train_seconds=seconds)
+        return Outcome("reported", update=update, train_seconds=seconds, cpu=cpu.seconds)
     except DropOut as exc:
         return Outcome("dropped", str(exc))
     except BundleError as exc:
@@ -170,24 +203,32 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
 
     number, attempt, position = assignment["round"], assignment["attempt"], assignment["position"]
     devices = assignment["devices"]
+    cpu = CpuClock()
     try:
-        setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
-        disc = Discretizer(**assignment["secagg"]["discretizer"])
-        if disc.padded_length != setup.length:
-            raise SecAggError("the discretizer's length differs from the setup's vector length")
-        if callable(policy):
-            policy = policy(setup.n)
-        pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
-        client = SecAggClient(setup, position, link.key if setup.signed else None, policy,
-                              pins if pinned is not None else None)
+        with cpu("setup"):
+            setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
+            disc = Discretizer(**assignment["secagg"]["discretizer"])
+            if disc.padded_length != setup.length:
+                raise SecAggError("the discretizer's length differs from the setup's vector length")
+            if callable(policy):
+                policy = policy(setup.n)
+            pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
+            client = SecAggClient(setup, position, link.key if setup.signed else None, policy,
+                                  pins if pinned is not None else None)
     except (SecAggError, ValueError, KeyError, TypeError) as exc:
-        return Outcome("refused_setup", f"{type(exc).__name__}: {exc}")
+        return Outcome("refused_setup", f"{type(exc).__name__}: {exc}", cpu=cpu.seconds)
     training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,
-                                           threads=threads, bundle_key=bundle_key))
+                                           threads=threads, bundle_key=bundle_key, cpu=cpu))
     update, seconds = None, 0.0
+
+    def outcome(kind: str, detail: str = "") -> Outcome:
+        return Outcome(kind, detail, update, seconds, cpu.seconds)
+
     try:
         await _hook(before_phase, "commit")
-        for out in client.start():
+        with cpu("commit"):
+            first = client.start()
+        for out in first:
             await link.secagg_send(number, attempt, out.data)
         cursor = 0
         while client.phase not in ("done", "aborted"):
@@ -195,27 +236,29 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
             if not messages:
                 status = await link.round_status(number, attempt)
                 if status["state"] != "open":
-                    return Outcome("stale", f"round {number} is {status['state']}", update, seconds)
+                    return outcome("stale", f"round {number} is {status['state']}")
                 continue
             for data in messages:
                 if client.phase == "shared" and update is None:  # masking needs the input
                     _, update, seconds = await training
                     rng = np.random.default_rng()  # the rounding is the device's own randomness
-                    client.provide_input(disc.encode(update.delta, rng).values)
+                    with cpu("encode"):
+                        client.provide_input(disc.encode(update.delta, rng).values)
                 phase = _NEXT_MESSAGE.get(client.phase)
                 if phase == "consistency" and not setup.signed:
                     phase = "unmask"
-                replies = client.handle(data)
+                with cpu(phase or "other"):
+                    replies = client.handle(data)
                 for out in replies:
                     await _hook(before_phase, phase)
                     await link.secagg_send(number, attempt, out.data)
         if client.phase == "aborted":
-            return Outcome("aborted", "the server aborted the round", update, seconds)
-        return Outcome("secagg_done", update=update, train_seconds=seconds)
+            return outcome("aborted", "the server aborted the round")
+        return outcome("secagg_done")
     except DropOut as exc:
-        return Outcome("dropped", str(exc), update, seconds)
+        return outcome("dropped", str(exc))
     except SecAggError as exc:
-        return Outcome("aborted", f"{type(exc).__name__}: {exc}", update, seconds)
+        return outcome("aborted", f"{type(exc).__name__}: {exc}")
     finally:
         if not training.done():
             training.cancel()

@@ -24,7 +24,7 @@ import socket
 from dpfleet.coordinator.ray_backend import connect_ray
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.emulate import Fleet
-from dpfleet.fleet.worker import WorkerSpec, worker_main
+from dpfleet.fleet.worker import ONE_THREAD_ENV, WorkerSpec, worker_main
 
 PLACE_TIMEOUT_S = 120.0  # an actor not running by then: the cluster has no free CPU for it
 
@@ -88,7 +88,9 @@ class RayFleet(Fleet):
 
         self.address, self.place_timeout = address, place_timeout
         self.events = Queue(actor_options={"num_cpus": 0})  # takes no worker's CPU
-        self.actor_cls = self.ray.remote(num_cpus=1, max_concurrency=2)(_FleetActor)
+        # Same environment as a local worker process: one BLAS thread (worker.one_blas_thread).
+        self.actor_cls = self.ray.remote(num_cpus=1, max_concurrency=2,
+                                         runtime_env={"env_vars": dict(ONE_THREAD_ENV)})(_FleetActor)
 
     def _start_worker(self, spec: WorkerSpec) -> ActorWorker:
         worker = ActorWorker(self.ray, self.actor_cls, spec, self.events, self.place_timeout)

@@ -65,6 +65,27 @@ class WorkerSpec:
     bundle_key: bytes | None = None  # the run's bundle public key, pinned out of band ([fleet] client)
 
 
+# numpy's BLAS (OpenBLAS) starts one spinning thread per core by default: in a worker that
+# already has its one training thread, a 37k-entry dot product then cost ~18 ms instead of
+# ~10 us on a loaded 2-core machine. Read when numpy loads, so set before the spawn.
+ONE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """The environment a worker process is spawned with (its BLAS on one thread)."""
+    saved = {k: os.environ.get(k) for k in ONE_THREAD_ENV}
+    os.environ.update(ONE_THREAD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def worker_main(spec: WorkerSpec, events) -> None:
     """Process entry (multiprocessing spawn): run the slice's devices until all are done."""
     import torch
@@ -151,7 +172,7 @@ async def _run(spec: WorkerSpec, events) -> None:
     counts: dict[str, int] = spec.counts
     latencies: dict[str, list[float]] = {}  # endpoint -> seconds per request
     train_seconds: list[float] = []
-    outcomes: list[tuple] = []  # (device id, round, attempt, outcome, training seconds)
+    outcomes: list[tuple] = []  # (device id, round, attempt, outcome, training s, {step: CPU s})
     examples = {d.index: d.examples for d in spec.devices}
 
     def on_event(device: DeviceState, event: str) -> None:
@@ -167,7 +188,8 @@ async def _run(spec: WorkerSpec, events) -> None:
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
         outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
-                         outcome.kind, round(outcome.train_seconds, 6)))
+                         outcome.kind, round(outcome.train_seconds, 6),
+                         {k: round(v, 6) for k, v in outcome.cpu.items()}))
         if outcome.kind == "dropped":  # gone for this round: back only after its last deadline
             device.offline_until = clock.now() + offline_for(assignment) * clock.time_scale
         return outcome.kind

@@ -4,7 +4,8 @@ aiohttp.web because the coordinator is one asyncio process: long-polls (check-in
 mailboxes) are coroutines waiting on a condition, not threads, and no separate ASGI server is
 needed (aiohttp is both the server and the devices' client).
 
-Every device call is authenticated (`auth.verify_request`) on the exact raw path and body,
+Every device call is authenticated (`auth.verify_request`: an Ed25519 signature, or the HMAC
+of a session opened with one at POST /v1/session) on the exact raw path and body,
 rate-limited per device (`limits`), and bounded in size (`client_max_size`: 413). Admin calls
 need the bearer token and nothing else; public calls show only released aggregates and counts.
 """
@@ -18,7 +19,7 @@ import time
 from aiohttp import web
 
 from dpfleet.jsonio import dumps
-from dpfleet.service.auth import AuthError, NonceCache, check_admin, verify_request
+from dpfleet.service.auth import H_SIG, AuthError, NonceCache, Sessions, check_admin, verify_request
 from dpfleet.service.limits import RateLimiter
 from dpfleet.service.rounds import ApiError, RoundDriver
 from dpfleet.service.status_page import add_status_routes
@@ -40,7 +41,7 @@ async def errors(request: web.Request, handler):
     except ApiError as exc:
         return _json({"error": str(exc), "code": exc.code}, exc.status, exc.headers)
     except AuthError as exc:
-        return _json({"error": str(exc), "code": "unauthorized"}, 401)
+        return _json({"error": str(exc), "code": exc.code}, 401)
     except web.HTTPRequestEntityTooLarge as exc:
         return _json({"error": f"request body too large ({exc.text})", "code": "too_large"}, 413)
 
@@ -58,7 +59,7 @@ async def device(request: web.Request) -> tuple[str, bytes]:
         except (ValueError, KeyError, TypeError):
             raise ApiError(400, "bad_register", "register needs {device_id, public_key: hex}") from None
     device_id = verify_request(request.headers, request.method, request.raw_path, body, key,
-                               ctx["nonces"])
+                               ctx["nonces"], sessions=ctx["sessions"])
     wait = ctx["limiter"].take(device_id)
     if wait:
         raise ApiError(429, "rate_limited", "too many requests from this device",
@@ -80,6 +81,20 @@ async def register(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_register", "device_id differs from the signing header")
     request.app[DRIVER].register(device_id, bytes.fromhex(payload["public_key"]))
     return _json({"device_id": device_id, "registered": True})
+
+
+async def session(request: web.Request) -> web.Response:
+    """Open a session (auth.py): only with the device's Ed25519 signature, never with a MAC."""
+    if H_SIG not in request.headers:
+        raise AuthError("a session is opened with the device's Ed25519 signature only")
+    device_id, body = await device(request)
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise ApiError(400, "bad_session", "session body must be JSON") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "bad_session", "session body must be a JSON object")
+    return _json(request.app[CONTEXT]["sessions"].open(device_id, payload))
 
 
 async def checkin(request: web.Request) -> web.Response:
@@ -184,9 +199,10 @@ def make_app(driver: RoundDriver, token: str, max_body_mb: float | None = None,
     limit = int((max_body_mb or svc.max_body_mb) * 2**20)
     app = web.Application(client_max_size=limit, middlewares=[errors])
     app[DRIVER] = driver
-    app[CONTEXT] = {"token": token, "nonces": NonceCache(), "poll_s": poll_s,
+    app[CONTEXT] = {"token": token, "nonces": NonceCache(), "poll_s": poll_s, "sessions": Sessions(),
                     "limiter": RateLimiter(svc.rate_per_s, svc.rate_burst), "created": time.time()}
     app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/session", session)
     app.router.add_post("/v1/checkin", checkin)
     app.router.add_get("/v1/blobs/{sha}", blob)
     app.router.add_post("/v1/rounds/{round}/report", report)

@@ -37,6 +37,10 @@ from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
 RUNTIMES = ("eager", "onnx", "executorch")
 NO_STATS = ReportStats(float("nan"), False, float("nan"))  # SecAgg devices report no statistics
 CHECKIN_HOLD_S = 20.0  # the longest a waiting device's check-in is held (its long-poll)
+# ... while a round it is not in runs: every expiry is one more request per idle device (on a
+# 1,000-device fleet most of a round's requests), while the next round that takes it answers
+# it at once anyway; kept below the devices' 60 s request timeout
+IDLE_HOLD_S = 50.0
 
 
 class ApiError(Exception):
@@ -152,8 +156,8 @@ class RoundDriver:
         self.refused_timer.discard(i)
         # held while a round runs, too (until the next one, which opens as this one ends): a
         # waiting device is reachable the moment a round opens with it, not at its next poll
-        hold = CHECKIN_HOLD_S if cur is not None else min(CHECKIN_HOLD_S,
-                                                          self.svc.checkin_window_s + 1.0)
+        hold = IDLE_HOLD_S if cur is not None else min(CHECKIN_HOLD_S,
+                                                       self.svc.checkin_window_s + 1.0)
         self.pool[i] = time.monotonic() + hold + retry + 2.0
         self.waiting_since.setdefault(i, time.monotonic())
         self.wake.set()
