@@ -211,18 +211,19 @@ def plot(payload: dict, png: Path) -> None:
             for a in sorted((a for a in arm_list if a["selection"] == selection and a["q"] == q),
                             key=lambda a: a["steps"]):
                 common = [s for s in seeds if (a["name"], s) in by and ("none", s) in by]
-                if len(common) > 1:
+                if common:
                     d = paired_difference([by[a["name"], s] for s in common],
                                           [by["none", s] for s in common])
                     pts.append((a["steps"], d["mean"], d["ci95"]))
             if pts:
                 x, m, ci = zip(*pts, strict=True)
-                err = np.array([[mm - c[0] for mm, c in zip(m, ci, strict=True)],
-                                [c[1] - mm for mm, c in zip(m, ci, strict=True)]])
+                err = np.nan_to_num(np.array([[mm - c[0] for mm, c in zip(m, ci, strict=True)],
+                                              [c[1] - mm for mm, c in zip(m, ci, strict=True)]]))
                 ax.errorbar(x, m, yerr=err, marker=marker, capsize=3,
                             ls="-" if selection == "match" else ":",
                             label=f"{selection} q = {q * 100:g}%")
     ax.axhline(0, color="grey", lw=0.8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set(xscale="log", xlabel="public training steps (batch 32)",
            ylabel="accuracy - none (points), paired, 95% CI",
            title=f"Public pool of {sum(payload['settings']['pool']):,} records, n = {len(seeds)} seeds")
