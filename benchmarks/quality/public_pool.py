@@ -61,11 +61,17 @@ def arms(args) -> list[dict]:
                         "selected": selection_size(n, q),
                         "epochs": steps * args.batch_size / selection_size(n, q)})
 
-    for q in reversed(qs):  # most informative first: a cut run still has whole comparisons
-        for selection in ("match", "random"):
-            add(selection, q, steps_for(selection_size(n, q), args.epochs, args.batch_size))
+    def two_epochs(q: float) -> int:
+        return steps_for(selection_size(n, q), args.epochs, args.batch_size)
+
+    # most informative first, so that a run cut short still holds whole comparisons: the
+    # largest q (match, random), then each smaller q at its epochs and at the largest q's steps
+    add("match", qs[-1], budget)
+    add("random", qs[-1], budget)
     for q in reversed(qs[:-1]):
+        add("match", q, two_epochs(q))
         add("match", q, budget)
+        add("random", q, two_epochs(q))
     for epochs in args.fewer_epochs:
         add("match", qs[-1], steps_for(selection_size(n, qs[-1]), epochs, args.batch_size))
     return out
@@ -90,11 +96,14 @@ def run_grid(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     # arm-major: a run cut short holds every seed of its first arms (whole paired comparisons)
     grid = [(seed, arm) for arm in arms(args) for seed in args.seeds]
+    index, count = args.shard
     results = []
-    for seed, arm in tqdm(grid, desc="pipeline runs", unit="run"):
+    for i, (seed, arm) in enumerate(tqdm(grid, desc="pipeline runs", unit="run")):
         out = args.work / f"{arm['name']}-s{seed}"
         if (out / "summary.json").is_file() and not args.rerun:  # finished earlier
             s = json.loads((out / "summary.json").read_text())
+        elif args.collect or i % count != index:  # another shard's run, or not run at all
+            continue
         else:
             s = run_pipeline(parse_pipeline(config(args, arm, seed)), out, overwrite=True,
                              progress=False, log=lambda _: None)
@@ -232,11 +241,16 @@ def plot(payload: dict, png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
+READING = "## How we read it"  # hand-written from here on; a rewrite of the tables keeps it
+
+
 def write_report(payload: dict, out: Path) -> None:
     text = markdown(payload)
     plot(payload, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text("# A public pool that matters (issue 16 item 4), CPU run\n\n"
-                                      + text)
+    md = out.with_suffix(".md")
+    kept = md.read_text().partition(READING) if md.is_file() else ("", "", "")
+    md.write_text("# A public pool that matters (issue 16 item 4), CPU run\n\n## What was run "
+                  "and what the numbers show\n\n" + text + ("\n" + kept[1] + kept[2] if kept[1] else ""))
     print(text)
 
 
@@ -257,6 +271,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-public-pool"))
     ap.add_argument("--out", type=Path, default=HERE / "public_pool.json")
     ap.add_argument("--rerun", action="store_true", help="rerun pipelines finished in --work")
+    ap.add_argument("--shard", type=int, nargs=2, default=[0, 1], metavar=("I", "N"),
+                    help="run only grid items i with i %% N == I (parallel workers on one --work)")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: report the runs already finished in --work")
     ap.add_argument("--quick", action="store_true",
                     help="smoke grid: pool 1,000 records, T = 10, 1 seed, q 2%% and 10%%")
     ap.add_argument("--summarize", action="store_true", help="only rewrite .md/.png from the .json")
@@ -271,9 +289,10 @@ def main() -> None:
         return write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
     start = time.perf_counter()
     results = run_grid(args)
-    save(args, results)
+    save(args, results, partial=len(results) < len(arms(args)) * len(args.seeds))
     payload = json.loads(args.out.with_suffix(".json").read_text())
-    payload["wall_seconds"] = time.perf_counter() - start
+    if not args.collect and args.shard == [0, 1]:  # one worker ran the whole grid
+        payload["wall_seconds"] = time.perf_counter() - start
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=float))
     write_report(payload, args.out)
 
