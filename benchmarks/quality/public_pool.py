@@ -65,12 +65,15 @@ def arms(args) -> list[dict]:
         return steps_for(selection_size(n, q), args.epochs, args.batch_size)
 
     # most informative first, so that a run cut short still holds whole comparisons: the
-    # largest q (match, random), then each smaller q at its epochs and at the largest q's steps
+    # largest q (match, random), each smaller q at its epochs, then at the largest q's steps,
+    # then the random controls of the smaller q
     add("match", qs[-1], budget)
     add("random", qs[-1], budget)
     for q in reversed(qs[:-1]):
         add("match", q, two_epochs(q))
+    for q in reversed(qs[:-1]):
         add("match", q, budget)
+    for q in reversed(qs[:-1]):
         add("random", q, two_epochs(q))
     for epochs in args.fewer_epochs:
         add("match", qs[-1], steps_for(selection_size(n, qs[-1]), epochs, args.batch_size))
@@ -96,13 +99,12 @@ def run_grid(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     # arm-major: a run cut short holds every seed of its first arms (whole paired comparisons)
     grid = [(seed, arm) for arm in arms(args) for seed in args.seeds]
-    index, count = args.shard
     results = []
-    for i, (seed, arm) in enumerate(tqdm(grid, desc="pipeline runs", unit="run")):
+    for seed, arm in tqdm(grid, desc="pipeline runs", unit="run"):
         out = args.work / f"{arm['name']}-s{seed}"
         if (out / "summary.json").is_file() and not args.rerun:  # finished earlier
             s = json.loads((out / "summary.json").read_text())
-        elif args.collect or i % count != index:  # another shard's run, or not run at all
+        elif args.collect or not claim(out):  # report only, or another worker's run
             continue
         else:
             s = run_pipeline(parse_pipeline(config(args, arm, seed)), out, overwrite=True,
@@ -115,6 +117,26 @@ def run_grid(args) -> list[dict]:
         tqdm.write(json.dumps(results[-1], default=float))
         save(args, results, partial=True)  # partial results survive an interruption
     return results
+
+
+def claim(out: Path) -> bool:
+    """Take run folder `out` for this process unless a live worker holds it, so that several
+    workers can share one --work folder (a killed worker's claim is stale and is taken over)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "worker.pid"
+    if path.is_file():
+        try:
+            os.kill(int(path.read_text()), 0)
+            return int(path.read_text()) == os.getpid()
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another worker was faster
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
 
 
 def save(args, results: list[dict], partial: bool = False) -> None:
@@ -271,8 +293,6 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-public-pool"))
     ap.add_argument("--out", type=Path, default=HERE / "public_pool.json")
     ap.add_argument("--rerun", action="store_true", help="rerun pipelines finished in --work")
-    ap.add_argument("--shard", type=int, nargs=2, default=[0, 1], metavar=("I", "N"),
-                    help="run only grid items i with i %% N == I (parallel workers on one --work)")
     ap.add_argument("--collect", action="store_true",
                     help="run nothing: report the runs already finished in --work")
     ap.add_argument("--quick", action="store_true",
@@ -291,7 +311,7 @@ def main() -> None:
     results = run_grid(args)
     save(args, results, partial=len(results) < len(arms(args)) * len(args.seeds))
     payload = json.loads(args.out.with_suffix(".json").read_text())
-    if not args.collect and args.shard == [0, 1]:  # one worker ran the whole grid
+    if not args.collect:
         payload["wall_seconds"] = time.perf_counter() - start
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=float))
     write_report(payload, args.out)
