@@ -80,3 +80,19 @@ def test_a_private_pool_source_is_refused():
     cfg["pool"]["sources"] = ["wikitext2", "kjv", "shakespeare"]  # contains the private data
     with pytest.raises(DpfleetError, match="not public"):
         parse_pipeline(cfg)
+
+
+def test_a_run_folder_is_claimed_by_one_live_worker(tmp_path):
+    import os
+    import subprocess
+
+    run = tmp_path / "match-q10%-144st-s0"
+    (run).mkdir()
+    (run / "worker.pid").write_text(str(os.getppid()))  # a live process holds it
+    assert not public_pool.claim(run)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / "worker.pid").write_text(str(dead.pid))  # a killed worker's stale claim
+    assert public_pool.claim(run)
+    assert (run / "worker.pid").read_text() == str(os.getpid())
+    assert public_pool.claim(run)  # our own claim stays ours
