@@ -190,8 +190,8 @@ def markdown(payload: dict) -> str:
         f"momentum {st['momentum'][0]}, dp.noise_seed = seed. Seeds {seeds} (n = {len(seeds)}). "
         "Accuracy (%) and perplexity on held-out private clients "
         f"({st['eval_examples']} examples), mean ± sample sd over seeds.", "",
-        "| arm | selected | steps | epochs | accuracy | perplexity | acc. at T' | selected from "
-        "wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|"]
+        "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
+        "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
     for a in arm_list:
         rows = [by[a["name"], s] for s in seeds if (a["name"], s) in by]
         if not rows:
@@ -204,7 +204,7 @@ def markdown(payload: dict) -> str:
                   if r["accuracy_before_public_training"] is not None]
         lines.append(
             f"| {a['name']} | {a.get('selected', 0)} | {a['steps']} | "
-            f"{a.get('epochs', 0):.2f} | {_cell([r['accuracy'] * 100 for r in rows])} | "
+            f"{a.get('epochs', 0):.2f} | {len(rows)} | {_cell([r['accuracy'] * 100 for r in rows])} | "
             f"{_cell([r['perplexity'] for r in rows])} | {_cell(before) if before else ''} | {picked} |")
     lines += ["", "Paired differences over seeds (row - base): accuracy in points and perplexity, "
               "mean [95% t-interval, sample sd], seeds up / down.", "",
