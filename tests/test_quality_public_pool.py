@@ -9,9 +9,12 @@ import pytest
 
 QUALITY = Path(__file__).parents[1] / "benchmarks" / "quality"
 sys.path.insert(0, str(QUALITY))  # the script imports its siblings grid / paired
-_spec = importlib.util.spec_from_file_location("public_pool", QUALITY / "public_pool.py")
-public_pool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(public_pool)
+try:
+    _spec = importlib.util.spec_from_file_location("public_pool", QUALITY / "public_pool.py")
+    public_pool = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(public_pool)
+finally:
+    sys.path.remove(str(QUALITY))  # no benchmark module shadows another test's imports
 
 
 def _args(**over) -> argparse.Namespace:
