@@ -1,0 +1,321 @@
+"""Issue 16 item 4: a public pool of ~23k records, q in {0.5%, 2%, 10%}, ~2 epochs per row.
+
+Same pipeline as `public_training.py` (`dpfleet public pipeline`, private `shakespeare-solo`,
+T' = T / 2), with a pool 58x larger: WikiText-2 sentences, KJV verses and the co-written plays
+(`shakespeare-collab`, in-style and disjoint from the private data, see public/overlap.py).
+
+Rows (per seed; every arm of a seed shares its clients and, through `dp.noise_seed = seed`,
+its tree-noise draws, so arms are compared as paired differences):
+  none                      no public training
+  match-q<q>-<s>st          l_priv matching (paper 000 Table 3: rank by the DP checkpoint's
+                            log-prob at T'), top q of the pool, s Adam steps of 32
+  random-q<q>-<s>st         the same-size random selection (control)
+The grid holds three families: every q at ~`--epochs` epochs (match and random); the smaller
+q at the step budget of the largest q's epochs (same steps, more passes: sample efficiency);
+the largest q at fewer steps (same selection, fewer steps).
+
+CPU cut (2 shared cores, no accelerator): the teacher Gemma-3-270M scores ~50 tokens/s there, so
+l_pub of 23k x 16 tokens (~6,000 teacher-seconds) and KD labels are left out; matching is on
+l_priv only (match_beta = 1) and public training is L_LM only (kd_beta = 0).
+
+    python benchmarks/quality/public_pool.py --seeds 0 1 2          # the run (writes .json/.md/.png)
+    python benchmarks/quality/public_pool.py --quick                # a small smoke grid in minutes
+    python benchmarks/quality/public_pool.py --summarize            # .md/.png from the .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from grid import add_grid_args, private_simulation
+from paired import format_difference, paired_difference
+from tqdm import tqdm
+
+HERE = Path(__file__).parent
+SOURCES = ["wikitext2", "kjv", "shakespeare-collab"]
+
+
+def steps_for(n_selected: int, epochs: float, batch: int) -> int:
+    return max(1, math.ceil(epochs * n_selected / batch))
+
+
+def arms(args) -> list[dict]:
+    """The grid's arms (name, selection, q, steps), in table order."""
+    from dpfleet.public.matching import selection_size
+
+    n = sum(args.pool)
+    qs = sorted(args.q)
+    budget = steps_for(selection_size(n, qs[-1]), args.epochs, args.batch_size)
+    out = [{"name": "none", "selection": "none", "q": 0.0, "steps": 0}]
+
+    def add(selection: str, q: float, steps: int) -> None:
+        name = f"{selection}-q{q * 100:g}%-{steps}st"
+        if all(a["name"] != name for a in out):
+            out.append({"name": name, "selection": selection, "q": q, "steps": steps,
+                        "selected": selection_size(n, q),
+                        "epochs": steps * args.batch_size / selection_size(n, q)})
+
+    def two_epochs(q: float) -> int:
+        return steps_for(selection_size(n, q), args.epochs, args.batch_size)
+
+    # most informative first, so that a run cut short still holds whole comparisons: the
+    # largest q (match, random), each smaller q at its epochs, then at the largest q's steps,
+    # then the random controls of the smaller q
+    add("match", qs[-1], budget)
+    add("random", qs[-1], budget)
+    for q in reversed(qs[:-1]):
+        add("match", q, two_epochs(q))
+    for q in reversed(qs[:-1]):
+        add("match", q, budget)
+    for q in reversed(qs[:-1]):
+        add("random", q, two_epochs(q))
+    for epochs in args.fewer_epochs:
+        add("match", qs[-1], steps_for(selection_size(n, qs[-1]), epochs, args.batch_size))
+    return out
+
+
+def config(args, arm: dict, seed: int) -> dict:
+    public = {"teacher": args.teacher, "vocab_size": 4096, "selection": arm["selection"],
+              "fraction": arm["q"] or 0.1, "steps": arm["steps"], "batch_size": args.batch_size,
+              "lr": 3e-3, "match_beta": 1.0, "kd_beta": 0.0}
+    sim = private_simulation(args, args.noise[0], seed, eval_every=args.rounds // 2,
+                             eval_examples=args.eval_examples)
+    sim["dp"]["noise_seed"] = seed  # research mode: arms of one seed share their noise draws
+    return {"public": public, "simulation": sim,
+            "pool": {"sources": SOURCES, "records": list(args.pool), "seq_len": 16, "seed": 0}}
+
+
+def run_grid(args) -> list[dict]:
+    import torch
+
+    from dpfleet.public.pipeline import parse_pipeline, run_pipeline
+
+    torch.set_num_threads(args.threads)
+    # arm-major: a run cut short holds every seed of its first arms (whole paired comparisons)
+    grid = [(seed, arm) for arm in arms(args) for seed in args.seeds]
+    results = []
+    for seed, arm in tqdm(grid, desc="pipeline runs", unit="run"):
+        out = args.work / f"{arm['name']}-s{seed}"
+        if (out / "summary.json").is_file() and not args.rerun:  # finished earlier
+            s = json.loads((out / "summary.json").read_text())
+        elif args.collect or not claim(out):  # report only, or another worker's run
+            continue
+        else:
+            s = run_pipeline(parse_pipeline(config(args, arm, seed)), out, overwrite=True,
+                             progress=False, log=lambda _: None)
+        results.append({"arm": arm["name"], "seed": seed, "accuracy": s["final"]["accuracy"],
+                        "perplexity": s["final"]["perplexity"], "epsilon": s["epsilon"],
+                        "accuracy_before_public_training": s["accuracy_before_public_training"],
+                        "sources": s.get("sources"), "public_seconds": s.get("public_seconds"),
+                        "seconds": s["wall_seconds"]})
+        tqdm.write(json.dumps(results[-1], default=float))
+        save(args, results, partial=True)  # partial results survive an interruption
+    return results
+
+
+def claim(out: Path) -> bool:
+    """Take run folder `out` for this process unless a live worker holds it, so that several
+    workers can share one --work folder (a killed worker's claim is stale and is taken over)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "worker.pid"
+    if path.is_file():
+        try:
+            os.kill(int(path.read_text()), 0)
+            return int(path.read_text()) == os.getpid()
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another worker was faster
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def save(args, results: list[dict], partial: bool = False) -> None:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    payload = {"settings": settings, "arms": arms(args), "results": results, "partial": partial,
+               "machine": {"cpu_count": os.cpu_count(), "torch_threads": args.threads,
+                           "loadavg": list(os.getloadavg())}}
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=float))
+
+
+def _cell(values: list[float]) -> str:
+    v = np.asarray(values)
+    return f"{v.mean():.2f}" + (f" ± {v.std(ddof=1):.2f}" if len(v) > 1 else "")
+
+
+# comparisons the notes discuss: (row, base) as arm-name patterns resolved against the grid
+def comparisons(arm_list: list[dict]) -> list[tuple[str, str, str]]:
+    """(family, row, base) pairs: vs none, match vs random, fixed steps, fixed selection."""
+    by = {(a["selection"], a["q"], a["steps"]): a["name"] for a in arm_list}
+    out = []
+    for a in arm_list[1:]:
+        out.append(("vs no public data", a["name"], "none"))
+    for (sel, q, steps), name in by.items():
+        if sel == "match" and ("random", q, steps) in by:
+            out.append(("matching vs random (same size, same steps)", name, by["random", q, steps]))
+    qs = sorted({a["q"] for a in arm_list if a["selection"] == "match"})
+    match = [a for a in arm_list if a["selection"] == "match"]
+    budget = max(a["steps"] for a in match if a["q"] == qs[-1])
+    fixed = [a for a in match if a["steps"] == budget]
+    for a in fixed:
+        if a["q"] != qs[-1]:
+            out.append((f"same steps ({budget}), smaller selection", a["name"],
+                        by["match", qs[-1], budget]))
+    for q in qs:
+        same_q = sorted((a for a in match if a["q"] == q), key=lambda a: a["steps"])
+        for a in same_q[:-1]:
+            out.append((f"same selection (q = {q * 100:g}%), fewer steps", a["name"],
+                        same_q[-1]["name"]))
+    return out
+
+
+def markdown(payload: dict) -> str:
+    results, arm_list, st = payload["results"], payload["arms"], payload["settings"]
+    seeds = sorted({r["seed"] for r in results})
+    by = {(r["arm"], r["seed"]): r for r in results}
+    parts = ", ".join(f"{n:,} {s}" for n, s in zip(st["pool"], SOURCES, strict=True))
+    lines = [
+        f"Pool {sum(st['pool']):,} records ({parts}), "
+        f"16 on-device tokens each. Private: shakespeare-solo, T = {st['rounds']} rounds of "
+        f"{st['report_goal']} clients, T' = {st['rounds'] // 2}, z = {st['noise'][0]}, "
+        f"momentum {st['momentum'][0]}, dp.noise_seed = seed. Seeds {seeds} (n = {len(seeds)}). "
+        "Accuracy (%) and perplexity on held-out private clients "
+        f"({st['eval_examples']} examples), mean ± sample sd over seeds.", "",
+        "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
+        "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    for a in arm_list:
+        rows = [by[a["name"], s] for s in seeds if (a["name"], s) in by]
+        if not rows:
+            continue
+        picked = "-"
+        if rows[0].get("sources"):
+            picked = " / ".join(f"{np.mean([r['sources'][s]['selected'] for r in rows]):.0f}"
+                                for s in SOURCES)
+        before = [r["accuracy_before_public_training"] * 100 for r in rows
+                  if r["accuracy_before_public_training"] is not None]
+        lines.append(
+            f"| {a['name']} | {a.get('selected', 0)} | {a['steps']} | "
+            f"{a.get('epochs', 0):.2f} | {len(rows)} | {_cell([r['accuracy'] * 100 for r in rows])} | "
+            f"{_cell([r['perplexity'] for r in rows])} | {_cell(before) if before else ''} | {picked} |")
+    lines += ["", "Paired differences over seeds (row - base): accuracy in points and perplexity, "
+              "mean [95% t-interval, sample sd], seeds up / down.", "",
+              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
+    for family, row, base in comparisons(arm_list):
+        common = [s for s in seeds if (row, s) in by and (base, s) in by]
+        if not common:
+            continue
+        acc = paired_difference([by[row, s]["accuracy"] * 100 for s in common],
+                                [by[base, s]["accuracy"] * 100 for s in common])
+        ppl = paired_difference([by[row, s]["perplexity"] for s in common],
+                                [by[base, s]["perplexity"] for s in common])
+        lines.append(f"| {family} | {row} - {base} | {format_difference(acc)} | "
+                     f"{format_difference(ppl, 1)} |")
+    secs = [r["seconds"] for r in results]
+    lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
+              f"{np.median(secs):.0f} s per run); machine: {payload['machine']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, png: Path) -> None:
+    """Accuracy gain over `none` (paired, mean and 95% interval) against public steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, arm_list = payload["results"], payload["arms"]
+    seeds = sorted({r["seed"] for r in results})
+    by = {(r["arm"], r["seed"]): r["accuracy"] * 100 for r in results}
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for selection, marker in (("match", "o"), ("random", "s")):
+        for q in sorted({a["q"] for a in arm_list if a["selection"] == selection}):
+            pts = []
+            for a in sorted((a for a in arm_list if a["selection"] == selection and a["q"] == q),
+                            key=lambda a: a["steps"]):
+                common = [s for s in seeds if (a["name"], s) in by and ("none", s) in by]
+                if common:
+                    d = paired_difference([by[a["name"], s] for s in common],
+                                          [by["none", s] for s in common])
+                    pts.append((a["steps"], d["mean"], d["ci95"]))
+            if pts:
+                x, m, ci = zip(*pts, strict=True)
+                err = np.nan_to_num(np.array([[mm - c[0] for mm, c in zip(m, ci, strict=True)],
+                                              [c[1] - mm for mm, c in zip(m, ci, strict=True)]]))
+                ax.errorbar(x, m, yerr=err, marker=marker, capsize=3,
+                            ls="-" if selection == "match" else ":",
+                            label=f"{selection} q = {q * 100:g}%")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xscale="log", xlabel="public training steps (batch 32)",
+           ylabel="accuracy - none (points), paired, 95% CI",
+           title=f"Public pool of {sum(payload['settings']['pool']):,} records, n = {len(seeds)} seeds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+READING = "## How we read it"  # hand-written from here on; a rewrite of the tables keeps it
+
+
+def write_report(payload: dict, out: Path) -> None:
+    text = markdown(payload)
+    plot(payload, out.with_suffix(".png"))
+    md = out.with_suffix(".md")
+    kept = md.read_text().partition(READING) if md.is_file() else ("", "", "")
+    md.write_text("# A public pool that matters (issue 16 item 4), CPU run\n\n## What was run "
+                  "and what the numbers show\n\n" + text + ("\n" + kept[1] + kept[2] if kept[1] else ""))
+    print(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_grid_args(ap)
+    ap.set_defaults(noise=[0.7], momentum=[0.5])
+    ap.add_argument("--pool", type=int, nargs=3, default=[10_000, 10_000, 3_000],
+                    help="records of wikitext2, kjv, shakespeare-collab")
+    ap.add_argument("--q", type=float, nargs="+", default=[0.005, 0.02, 0.1])
+    ap.add_argument("--epochs", type=float, default=2.0, help="public epochs of the main rows")
+    ap.add_argument("--fewer-epochs", type=float, nargs="*", default=[],
+                    help="extra rows: the largest q at these epochs (same selection, fewer steps)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--eval-examples", type=int, default=1500)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--teacher", default="gemma3-270m", help="only its trimmed vocabulary is used")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dpfleet-public-pool"))
+    ap.add_argument("--out", type=Path, default=HERE / "public_pool.json")
+    ap.add_argument("--rerun", action="store_true", help="rerun pipelines finished in --work")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: report the runs already finished in --work")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke grid: pool 1,000 records, T = 10, 1 seed, q 2%% and 10%%")
+    ap.add_argument("--summarize", action="store_true", help="only rewrite .md/.png from the .json")
+    args = ap.parse_args()
+    if args.quick:
+        args.pool, args.rounds, args.seeds, args.q = [500, 400, 100], 10, args.seeds[:1], [0.02, 0.1]
+        args.work, args.eval_examples = args.work.with_name(args.work.name + "-quick"), 300
+        if args.out == HERE / "public_pool.json":
+            args.out = args.work / "public_pool.json"
+            args.work.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        return write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+    start = time.perf_counter()
+    results = run_grid(args)
+    save(args, results, partial=len(results) < len(arms(args)) * len(args.seeds))
+    payload = json.loads(args.out.with_suffix(".json").read_text())
+    if not args.collect:
+        payload["wall_seconds"] = time.perf_counter() - start
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=float))
+    write_report(payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
