@@ -62,6 +62,7 @@ def export(capsys, ckpt, out, *extra) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # a real 300-step training; test_export_phone covers the refusal by default
 def test_refusal_triggers_on_the_measured_agreement(real_checkpoint, tmp_path, capsys):
     measured = export(capsys, real_checkpoint, tmp_path / "probe", "--accept-int8-drop", "--min-top1", "0")
     agree = measured["agreement"]

@@ -71,7 +71,7 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("runtime", ["onnx", pytest.param("executorch", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("arch", ["cifg", "transformer"])
+@pytest.mark.parametrize("arch", ["cifg", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_tied_training_matches_eager(arch, runtime, cache_dir):
     pytest.importorskip("onnxruntime")
     if runtime == "executorch":
