@@ -268,7 +268,7 @@ def main() -> None:
         "zoo_vs_nn_lstm_1_thread": zoo_vs_nn_lstm(model_cfg, rows, reps=10),
         "clip_norm_cost_1M_params": clip_norm_cost(int(theta.size)),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "cpu_count": os.cpu_count(), "shared_machine": "2 cores shared with ~5 other jobs",
+        "cpu_count": os.cpu_count(),
         "ray_workers": args.ray_workers if "ray" in built else None,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     }
