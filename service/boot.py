@@ -32,15 +32,15 @@ from dpfleet.service.run_bundle import RunBundle, run_bundle
 
 def check_service_config(cfg: SimulationConfig) -> None:
     """What the service refuses up front (clear errors, never a silent weaker guarantee)."""
-    if cfg.aggregation.kind == "secagg" and cfg.dp.adaptive_clipping:
-        raise DpfleetError("aggregation.kind = 'secagg' with dp.adaptive_clipping is refused by "
-                           "the service: the clipped bit each device would report leaks per device")
     if cfg.dp.noise == "discrete" and round_size(cfg) > cfg.dp.report_goal:
         raise DpfleetError("dp.noise = 'discrete' with service.overselect > 0 is not supported: "
                            "the ring headroom is planned for report_goal clients")
     if cfg.aggregation.kind == "secagg" and cfg.aggregation.dropout:
         raise DpfleetError("aggregation.dropout simulates dropouts in-process; over the network "
                            "devices drop by themselves: set it to 0 for the service")
+    if cfg.data.generated_population:
+        raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
+                           "protects nobody, so the service refuses it: use `dpfleet simulate`")
     if cfg.backend.kind != "local":
         raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
 
