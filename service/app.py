@@ -83,28 +83,29 @@ async def register(request: web.Request) -> web.Response:
     return _json({"device_id": device_id, "registered": True})
 
 
+def _json_object(body: bytes, code: str, what: str) -> dict:
+    """A request body that must be one JSON object; anything else is a 400 with `code`."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise ApiError(400, code, f"{what} body must be JSON") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, code, f"{what} body must be a JSON object")
+    return payload
+
+
 async def session(request: web.Request) -> web.Response:
     """Open a session (auth.py): only with the device's Ed25519 signature, never with a MAC."""
     if H_SIG not in request.headers:
         raise AuthError("a session is opened with the device's Ed25519 signature only")
     device_id, body = await device(request)
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        raise ApiError(400, "bad_session", "session body must be JSON") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "bad_session", "session body must be a JSON object")
+    payload = _json_object(body, "bad_session", "session")
     return _json(request.app[CONTEXT]["sessions"].open(device_id, payload))
 
 
 async def checkin(request: web.Request) -> web.Response:
     device_id, body = await device(request)
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        raise ApiError(400, "bad_checkin", "check-in body must be JSON") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "bad_checkin", "check-in body must be a JSON object")
+    payload = _json_object(body, "bad_checkin", "check-in")
     return _json(await request.app[DRIVER].checkin(device_id, payload))
 
 
