@@ -54,13 +54,10 @@ class ParticipationGuard:
 
     def allowed(self, round_idx: int) -> np.ndarray:
         """Boolean mask of the devices that may take part in round `round_idx`."""
-        ok = round_idx - self.last - 1 >= self.min_separation
-        if self.max_participation:
-            ok &= self.count < self.max_participation
-        return ok
+        return self.allows(slice(None), round_idx)
 
-    def allows(self, devices: np.ndarray, round_idx: int) -> np.ndarray:
-        """`allowed(round_idx)[devices]`, computed for those devices only."""
+    def allows(self, devices: np.ndarray | slice, round_idx: int) -> np.ndarray:
+        """`allowed(round_idx)[devices]`, computed for those devices only (the one MinS/MaxP rule)."""
         ok = round_idx - self.last[devices] - 1 >= self.min_separation
         if self.max_participation:
             ok &= self.count[devices] < self.max_participation

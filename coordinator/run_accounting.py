@@ -149,18 +149,22 @@ def noise_statement(cfg: SimulationConfig) -> str:
             "OS CSPRNG (never derived from the seed, never stored with the released model).")
 
 
+def _open_report_with(run_dir: Path, statement: str) -> None:
+    """Put `statement`, in bold, first in the run's privacy_report.md."""
+    path = run_dir / "privacy_report.md"
+    atomic_write(path, f"**{statement}**\n\n" + path.read_text())
+
+
 def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
     """The report's first line says when the guarantee does not hold against the seed's holders."""
     if cfg.dp.noise_seed >= 0:
-        path = run_dir / "privacy_report.md"
-        atomic_write(path, f"**{noise_statement(cfg)}**\n\n" + path.read_text())
+        _open_report_with(run_dir, noise_statement(cfg))
 
 
 def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
     """A generated population's report opens with what its epsilon is not (population.py)."""
     if cfg.data.generated_population:
-        path = run_dir / "privacy_report.md"
-        atomic_write(path, f"**{generated_population_statement(cfg)}**\n\n" + path.read_text())
+        _open_report_with(run_dir, generated_population_statement(cfg))
 
 
 def generated_population_statement(cfg: SimulationConfig) -> str:

@@ -75,3 +75,12 @@ def tiny_teacher_vocab(tiny_teacher_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-vocab")
     return build_teacher_vocab(load_teacher_spm(tiny_teacher_dir), _mixed_public_lines(1500), 700,
                                out, str(tiny_teacher_dir))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private 2-CPU Ray instance for one test module (skipped where Ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

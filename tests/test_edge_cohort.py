@@ -90,6 +90,25 @@ def test_no_client_update_depends_on_another_clients_data(arch):
     assert np.abs(after[1].delta - before[1].delta).max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["cifg", "transformer"])
+def test_another_clients_long_rows_do_not_move_a_short_clients_update(arch):
+    """Attack on the block trimming (cut to the chunk's longest real row): the other clients'
+    rows are short, client 1's grow from short to full length, so the shared block widens; the
+    short clients' deltas stay the same while client 1's moves by far more than the tolerance."""
+    rng = np.random.default_rng(3)
+    examples = [client_rows(rng, n) for n in (12, 30, 7, 19)]
+    for rows in examples:
+        rows[:, 4:] = 0  # every row at most 3 real targets: the blocks are cut to 4 columns
+    seeds = [5, 6, 7, 8]
+    _, before = both(arch, examples, seeds, clip=100.0, chunk=4)
+    examples[1] = np.random.default_rng(99).integers(4, 64, (30, L + 1)).astype(np.int32)
+    examples[1][:, 0] = 1  # full-length rows: the chunk's block is L + 1 wide now
+    _, after = both(arch, examples, seeds, clip=100.0, chunk=4)
+    for j in (0, 2, 3):
+        np.testing.assert_allclose(after[j].delta, before[j].delta, rtol=0, atol=1e-6)
+    assert np.abs(after[1].delta - before[1].delta).max() > 1e-3
+
+
 def test_chunking_does_not_change_results():
     rng = np.random.default_rng(3)
     examples = [client_rows(rng, n) for n in (3, 17, 25, 1, 9)]

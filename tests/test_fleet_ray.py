@@ -28,14 +28,6 @@ def test_address_without_ray_backend_is_one_clean_line(tmp_path):
     assert_clean_error(proc, "--address is a Ray cluster's address")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def fleet_parts(cfg, tmp_path):
     ids, examples, params = load_devices(cfg)
     keys = fleet_keys(tmp_path / "keys.json", len(ids))

@@ -14,13 +14,13 @@ import os
 import numpy as np
 import pytest
 from crashes import Crash
+from noise_spy import spied_noise
 from safetensors.numpy import load_file
 
 import dpfleet.coordinator.round_engine as round_engine
 import dpfleet.coordinator.simulation as simulation
 from dpfleet.coordinator import resume
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.noise_stream import GaussianNodes, seeded_noise_key
 from dpfleet.coordinator.resume import resume_point
 from dpfleet.coordinator.tree_noise import prefix_nodes
@@ -41,24 +41,8 @@ QUIET = {"progress": False, "log": lambda s: None}
 
 def spied_run(tmp_path, monkeypatch, name, values=CFG):
     """A finished run, the true sums it noised, its initial model and its (captured) noise key."""
-    sums, start, keys = [], [], []
-    real_step, real_key = DPFTRLServer.step, round_engine.new_noise_key
-
-    def step(self, delta_sum):
-        if not start:
-            start.append(self.theta.copy())
-        sums.append(np.asarray(delta_sum, dtype=np.float64).copy())
-        return real_step(self, delta_sum)
-
-    def key():
-        keys.append(real_key())
-        return keys[-1]
-
-    monkeypatch.setattr(DPFTRLServer, "step", step)
-    monkeypatch.setattr(round_engine, "new_noise_key", key)
-    result = simulation.run_simulation(parse_config(values), tmp_path / name, **QUIET)
-    monkeypatch.setattr(DPFTRLServer, "step", real_step)
-    monkeypatch.setattr(round_engine, "new_noise_key", real_key)
+    with spied_noise(monkeypatch) as (sums, start, keys):
+        result = simulation.run_simulation(parse_config(values), tmp_path / name, **QUIET)
     return result, np.sum(sums, axis=0), start[0], keys
 
 

@@ -98,3 +98,26 @@ def test_selection_at_a_million_devices_is_uniform_over_the_allowed():
         part.commit(sel, sel.devices)
         picked += sel.devices
     assert abs(np.mean(picked) / 10**6 - 0.5) < 0.05  # sd of the mean ~ 0.0065
+
+
+def test_checked_in_list_with_repeats_and_unknown_ids_cannot_pass_a_refused_device():
+    """Attack by a lying check-in list: every recently-seen device sent many times, plus ids past
+    the population. The draw equals the mask draw and holds no refused or unknown device."""
+    section = ParticipationSection(mode="timer", min_separation=3, max_participation=2)
+    part = Participation(section, 120, 8, 40, seed=11)
+    rng = np.random.default_rng(4)
+    for r in range(40):
+        recent = part.guard.blocked(r)
+        available = np.concatenate([np.repeat(recent, 5), rng.choice(120, 40, replace=False),
+                                    np.arange(120, 140)])
+        try:
+            want = mask_draw(part, r, available, extra=2)
+        except RoundUnfillable:
+            with pytest.raises(RoundUnfillable):
+                part.propose(r, available, extra=2)
+            continue
+        got = part.propose(r, available, extra=2)
+        assert got.devices == want
+        assert not set(got.devices) & set(recent.tolist()) and max(got.devices) < 120
+        part.commit(got, got.devices)
+    assert part.guard.count.max() == 2  # MaxP held while the caps were reached

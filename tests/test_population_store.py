@@ -153,3 +153,15 @@ def test_generated_population_below_the_real_clients_is_refused(tmp_path):
         open_population(cfg, make_clients([3, 1, 4, 2]), 300, tmp_path)
     with pytest.raises(DpfleetError, match="generated_population must be >= 0"):
         parse_config({**CFG, "data": {**CFG["data"], "generated_population": -1}})
+
+
+def test_a_published_run_directory_does_not_name_its_population_store(tmp_path, own_cache):
+    """Attack: the store's folder name is an unkeyed hash of every user id and row, so whoever
+    guesses the training data could confirm it from that name. No file of the run holds it."""
+    sim = run_simulation(parse_config({**CFG, "rounds": 1, "eval_every": 1}), tmp_path / "run",
+                         **QUIET)
+    (store,) = (own_cache / "populations").iterdir()
+    digest = store.name.removeprefix("population-").encode()
+    assert len(digest) == 16
+    files = [p for p in sim.run_dir.rglob("*") if p.is_file()]
+    assert files and not [p for p in files if digest in p.read_bytes()]

@@ -23,14 +23,6 @@ def test_shards_cover_every_client_once_and_balance():
     assert shards([1, 1], 4)[2:] == [[], []]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_ray_trainer_equals_local_cohort(ray_local):
     from dpfleet.coordinator.ray_backend import RayTrainer

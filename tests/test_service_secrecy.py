@@ -14,11 +14,10 @@ import json
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from noise_spy import spied_noise
 from safetensors.numpy import load_file
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-import dpfleet.coordinator.round_engine as round_engine
-from dpfleet.coordinator.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.noise_stream import GaussianNodes
 from dpfleet.coordinator.tree_noise import prefix_nodes
 from dpfleet.service.server import shutdown, start
@@ -31,21 +30,6 @@ def test_a_published_service_state_neither_holds_nor_rebuilds_the_noise(tmp_path
     cfg = tiny_cfg(rounds=ROUNDS, dp={"noise_seed": -1, "momentum": 0.0, "server_lr": 1.0})
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     device_keys = {u: Ed25519PrivateKey.generate() for u in users}
-    sums, start_theta, keys = [], [], []
-    real_step, real_key = DPFTRLServer.step, round_engine.new_noise_key
-
-    def step(self, delta_sum):
-        if not start_theta:
-            start_theta.append(self.theta.copy())
-        sums.append(np.asarray(delta_sum, dtype=np.float64).copy())
-        return real_step(self, delta_sum)
-
-    def key():
-        keys.append(real_key())
-        return keys[-1]
-
-    monkeypatch.setattr(DPFTRLServer, "step", step)
-    monkeypatch.setattr(round_engine, "new_noise_key", key)
     state = tmp_path / "state"
 
     async def main():
@@ -55,7 +39,8 @@ def test_a_published_service_state_neither_holds_nor_rebuilds_the_noise(tmp_path
         await asyncio.wait_for(devices, 60)
         await shutdown(running)
 
-    asyncio.run(main())
+    with spied_noise(monkeypatch) as (sums, start_theta, keys):
+        asyncio.run(main())
     (key,) = keys
     assert len(sums) == ROUNDS
     theta0, true_sum = start_theta[0], np.sum(sums, axis=0)
