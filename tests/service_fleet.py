@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import parse_config
@@ -69,6 +70,15 @@ def capture_sums(engine) -> list:
 
     engine.close_round = spy
     return seen
+
+
+def honest_sum(like, updates: dict, honest: list):
+    """The sum the service must have formed from the honest (position, user) reports only, in
+    position order as it sums them, in `like`'s dtype: what an attack test compares with."""
+    total = np.zeros_like(like)
+    for _, u in honest:
+        total += updates[u].delta
+    return total
 
 
 def fleet_data(cfg, folder: Path):

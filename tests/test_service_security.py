@@ -17,7 +17,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import capture_sums, checkin_all, close_all, fleet_data, register_all, tiny_cfg
+from service_fleet import (
+    capture_sums,
+    checkin_all,
+    close_all,
+    fleet_data,
+    honest_sum,
+    register_all,
+    tiny_cfg,
+)
 from yarl import URL
 
 from dpfleet.fleet.link import CoordinatorLink, LinkError
@@ -120,9 +128,7 @@ def test_attacks_on_an_open_plain_round_never_change_the_sum(world):
     sums, updates, honest, replay, evil_update = asyncio.run(main())
     assert replay[0] == 401 and b"replayed" in replay[1]
     [(plan, agg)] = sums
-    expected = np.zeros_like(agg.total)
-    for _, u in honest:  # position order, as the service sums
-        expected += updates[u].delta
+    expected = honest_sum(agg.total, updates, honest)
     np.testing.assert_array_equal(agg.total, expected)  # bit for bit: nothing else got in
     assert len(agg.survivors) == 3
     # and the refused device's update would have moved the sum by a lot
@@ -239,3 +245,4 @@ def test_tls_limits_and_rate_limits(world, tmp_path):
     assert too_big == 413
     assert 429 in statuses
     assert retried >= 1
+

@@ -15,7 +15,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_fleet import capture_sums, checkin_all, close_all, fleet_data, register_all, tiny_cfg
+from service_fleet import (
+    capture_sums,
+    checkin_all,
+    close_all,
+    fleet_data,
+    honest_sum,
+    register_all,
+    tiny_cfg,
+)
 from test_service_security import raw
 
 from dpfleet.fleet.link import CoordinatorLink
@@ -211,9 +219,7 @@ def test_session_attacks_are_refused_and_never_change_the_sum(world):
     assert first[0] == 200  # the captured request itself was the honest report
     assert status["replay"] == (401, "unauthorized") and b"replayed" in answers["replay"][1]
     [(plan, agg)] = sums
-    expected = np.zeros_like(agg.total)
-    for _, u in honest:  # position order, as the service sums
-        expected += updates[u].delta
+    expected = honest_sum(agg.total, updates, honest)
     np.testing.assert_array_equal(agg.total, expected)  # bit for bit: nothing else got in
     assert len(agg.survivors) == 3
     assert np.linalg.norm(evil_update.delta) > 0.1 * np.linalg.norm(expected)
