@@ -28,3 +28,15 @@ def test_serve_refuses_a_config_whose_guarantee_it_cannot_keep(tmp_path, data, d
     with pytest.raises(DpfleetError, match=message):
         boot(load_config(config), state, log=lambda s: None)
     assert not state.exists()  # nothing written
+
+
+def test_serve_refuses_discrete_noise_with_more_devices_than_the_ring_is_sized_for(tmp_path):
+    """Discrete noise's modular ring is planned for report_goal summands: overselected devices
+    could wrap the SecAgg sum, so serve refuses before it writes any state."""
+    config = tmp_path / "run.toml"
+    config.write_text(BASE.format(data="", dp="noise = \"discrete\"\n", agg="secagg")
+                      + "[service]\noverselect = 0.4\n")
+    state = tmp_path / "state"
+    with pytest.raises(DpfleetError, match="ring headroom is planned for report_goal"):
+        boot(load_config(config), state, log=lambda s: None)
+    assert not state.exists()  # nothing written
