@@ -15,6 +15,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.simulation import prepare_data
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import take_part
+from dpfleet.service.server import shutdown, start
 
 TINY = {
     "rounds": 3, "eval_every": 3, "seed": 5, "checkpoint_every": 0,
@@ -42,6 +43,20 @@ async def register_all(url: str, keys: dict[str, Ed25519PrivateKey], link_class=
 async def close_all(links: dict) -> None:
     for link in links.values():
         await link.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg, state: Path, keys: dict[str, Ed25519PrivateKey], poll_s: float = 1.0):
+    """A running coordinator with every device registered: (running, links); on leaving, the
+    links close, the driver stops (releasing held check-ins) and the service shuts down."""
+    running = await start(cfg, state, log=lambda s: None, poll_s=poll_s)
+    links = await register_all(running.url, keys, retries=0)
+    try:
+        yield running, links
+    finally:
+        await close_all(links)
+        running.driver.stop()
+        await shutdown(running)
 
 
 async def checkin_all(links: dict) -> dict:
