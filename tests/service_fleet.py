@@ -8,12 +8,14 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.simulation import prepare_data
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import take_part
+from dpfleet.service.server import shutdown, start
 
 TINY = {
     "rounds": 3, "eval_every": 3, "seed": 5, "checkpoint_every": 0,
@@ -43,6 +45,20 @@ async def close_all(links: dict) -> None:
         await link.close()
 
 
+@contextlib.asynccontextmanager
+async def serving(cfg, state: Path, keys: dict[str, Ed25519PrivateKey], poll_s: float = 1.0):
+    """A running coordinator with every device registered: (running, links); on leaving, the
+    links close, the driver stops (releasing held check-ins) and the service shuts down."""
+    running = await start(cfg, state, log=lambda s: None, poll_s=poll_s)
+    links = await register_all(running.url, keys, retries=0)
+    try:
+        yield running, links
+    finally:
+        await close_all(links)
+        running.driver.stop()
+        await shutdown(running)
+
+
 async def checkin_all(links: dict) -> dict:
     """Every device checks in at once; replies by device id, in the links' order."""
     replies = await asyncio.gather(*(link.checkin() for link in links.values()))
@@ -69,6 +85,15 @@ def capture_sums(engine) -> list:
 
     engine.close_round = spy
     return seen
+
+
+def honest_sum(like, updates: dict, honest: list):
+    """The sum the service must have formed from the honest (position, user) reports only, in
+    position order as it sums them, in `like`'s dtype: what an attack test compares with."""
+    total = np.zeros_like(like)
+    for _, u in honest:
+        total += updates[u].delta
+    return total
 
 
 def fleet_data(cfg, folder: Path):

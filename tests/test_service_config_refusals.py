@@ -28,3 +28,25 @@ def test_serve_refuses_a_config_whose_guarantee_it_cannot_keep(tmp_path, data, d
     with pytest.raises(DpfleetError, match=message):
         boot(load_config(config), state, log=lambda s: None)
     assert not state.exists()  # nothing written
+
+
+
+@pytest.mark.parametrize("text, message", [
+    # discrete noise's modular ring is planned for report_goal summands: overselected devices
+    # could wrap the SecAgg sum
+    (BASE.format(data="", dp="noise = \"discrete\"\n", agg="secagg") + "[service]\noverselect = 0.4\n",
+     "ring headroom is planned for report_goal"),
+    # simulator-only knobs mean nothing to devices that train and drop by themselves
+    (BASE.format(data="", dp="", agg="secagg") + "dropout = 0.2\n",
+     "aggregation.dropout simulates dropouts in-process"),
+    (BASE.format(data="", dp="", agg="secagg") + "[backend]\nkind = \"ray\"\n",
+     "backend.kind must be 'local'"),
+])
+def test_serve_refuses_what_only_the_service_checks(tmp_path, text, message):
+    """boot's own refusals (the config parser accepts these), each before any state is written."""
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    state = tmp_path / "state"
+    with pytest.raises(DpfleetError, match=message):
+        boot(load_config(config), state, log=lambda s: None)
+    assert not state.exists()  # nothing written

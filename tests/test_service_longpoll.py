@@ -7,10 +7,9 @@ import asyncio
 import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import checkin_all, close_all, fleet_data, register_all, tiny_cfg
+from service_fleet import checkin_all, fleet_data, serving, tiny_cfg
 
 from dpfleet.fleet.participant import take_part
-from dpfleet.service.server import shutdown, start
 
 RETRY_S = 30.0  # long: a device sent away for this long would miss the next round by far
 
@@ -22,9 +21,7 @@ def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
     async def main():
-        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = await register_all(running.url, keys, retries=0)
-        try:
+        async with serving(cfg, tmp_path / "state", keys) as (running, links):
             first = await checkin_all(links)
             jobs = {u: r for u, r in first.items() if r["kind"] == "assignment"}
             idle = [u for u in users if u not in jobs]
@@ -52,10 +49,6 @@ def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
             released = await asyncio.wait_for(asyncio.gather(*pending), 5)
             return (jobs, idle, held_while_open, after_full, got, released,
                     time.monotonic() - stopped)
-        finally:
-            await close_all(links)
-            running.driver.stop()
-            await shutdown(running)
 
     jobs, idle, held_while_open, after_full, got, released, release_s = asyncio.run(main())
     assert {r["round"] for r in jobs.values()} == {1} and len(jobs) == cfg.dp.report_goal

@@ -16,6 +16,7 @@ from service_fleet import (
     fleet_data,
     register_all,
     run_devices,
+    serving,
     tiny_cfg,
 )
 
@@ -167,9 +168,7 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
     async def main():
-        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = await register_all(running.url, keys, retries=0)
-        try:
+        async with serving(cfg, tmp_path / "state", keys) as (running, links):
             replies = await checkin_all(links)
             jobs = {u: r for u, r in replies.items() if r["kind"] == "assignment"}
             (a, job_a), (b, job_b), *rest = sorted(jobs.items(), key=lambda x: x[1]["position"])
@@ -189,10 +188,6 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
                                            own[u].start()[0].data if u != b else commit_b)
             mail_a, _, _ = await links[a].secagg_poll(job_a["round"], job_a["attempt"], 0)
             return as_b, [decode(m).recipient for m in mail_a], job_a["position"]
-        finally:
-            await close_all(links)
-            running.driver.stop()
-            await shutdown(running)
 
     as_b, recipients, position_a = asyncio.run(main())
     assert getattr(as_b, "status", None) == 400 and "position" in as_b.message
@@ -208,9 +203,7 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
     async def main():
-        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
-        links = await register_all(running.url, keys, retries=0)
-        try:
+        async with serving(cfg, tmp_path / "state", keys) as (running, links):
             replies = await checkin_all(links)
             u, job = next((u, r) for u, r in replies.items() if r["kind"] == "assignment")
             again = await links[u].checkin()  # the first reply was "lost"
@@ -220,10 +213,6 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
             await links[u].secagg_send(job["round"], job["attempt"], client.start()[0].data)
             after = await links[u].checkin()
             return job, again, after
-        finally:
-            await close_all(links)
-            running.driver.stop()
-            await shutdown(running)
 
     job, again, after = asyncio.run(main())
     assert again == job

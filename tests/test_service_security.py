@@ -17,7 +17,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import capture_sums, checkin_all, close_all, fleet_data, register_all, tiny_cfg
+from service_fleet import (
+    capture_sums,
+    checkin_all,
+    close_all,
+    fleet_data,
+    honest_sum,
+    register_all,
+    tiny_cfg,
+)
 from yarl import URL
 
 from dpfleet.fleet.link import CoordinatorLink, LinkError
@@ -120,9 +128,7 @@ def test_attacks_on_an_open_plain_round_never_change_the_sum(world):
     sums, updates, honest, replay, evil_update = asyncio.run(main())
     assert replay[0] == 401 and b"replayed" in replay[1]
     [(plan, agg)] = sums
-    expected = np.zeros_like(agg.total)
-    for _, u in honest:  # position order, as the service sums
-        expected += updates[u].delta
+    expected = honest_sum(agg.total, updates, honest)
     np.testing.assert_array_equal(agg.total, expected)  # bit for bit: nothing else got in
     assert len(agg.survivors) == 3
     # and the refused device's update would have moved the sum by a lot
@@ -239,3 +245,34 @@ def test_tls_limits_and_rate_limits(world, tmp_path):
     assert too_big == 413
     assert 429 in statuses
     assert retried >= 1
+
+
+def test_a_signed_request_captured_before_a_restart_is_refused_after_it(world):
+    """A restarted coordinator has an empty nonce cache: a signed check-in an eavesdropper
+    captured just before the restart (still inside the clock window) must not pass as new."""
+    cfg, root, users, _ = world
+    cfg = tiny_cfg(rounds=2)
+    u = users[0]
+    keys = {u: Ed25519PrivateKey.generate()}
+    state = root / "replay_restart_state"
+    body = json.dumps({"eligibility": {"charging": True, "idle": True, "unmetered": True},
+                       "runtime": "eager", "timer_expires_at": None}).encode()
+
+    async def main():
+        running = await start(cfg, state, log=lambda s: None)
+        links = await register_all(running.url, keys, retries=0)
+        try:
+            captured = sign_request(keys[u], u, "POST", "/v1/checkin", body)
+            honest = await raw(running.url, "POST", "/v1/checkin", body, captured)
+            await shutdown(running)
+            running = await start(cfg, state, log=lambda s: None)
+            replay = await raw(running.url, "POST", "/v1/checkin", body, captured)
+            return honest, replay, running.driver.device_counts()["waiting"]
+        finally:
+            await close_all(links)
+            await shutdown(running)
+
+    honest, replay, waiting = asyncio.run(main())
+    assert honest[0] == 200  # the captured request was a valid one
+    assert replay[0] == 401 and b"before this coordinator process started" in replay[1]
+    assert waiting == 0  # the replayed check-in put nobody in the restarted pool

@@ -15,7 +15,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_fleet import capture_sums, checkin_all, close_all, fleet_data, register_all, tiny_cfg
+from service_fleet import (
+    capture_sums,
+    checkin_all,
+    close_all,
+    fleet_data,
+    honest_sum,
+    register_all,
+    tiny_cfg,
+)
 from test_service_security import raw
 
 from dpfleet.fleet.link import CoordinatorLink
@@ -29,6 +37,7 @@ from dpfleet.service.auth import (
     Sessions,
     mac_request,
     session_key,
+    sign_request,
     verify_request,
 )
 from dpfleet.service.server import shutdown, start
@@ -211,9 +220,7 @@ def test_session_attacks_are_refused_and_never_change_the_sum(world):
     assert first[0] == 200  # the captured request itself was the honest report
     assert status["replay"] == (401, "unauthorized") and b"replayed" in answers["replay"][1]
     [(plan, agg)] = sums
-    expected = np.zeros_like(agg.total)
-    for _, u in honest:  # position order, as the service sums
-        expected += updates[u].delta
+    expected = honest_sum(agg.total, updates, honest)
     np.testing.assert_array_equal(agg.total, expected)  # bit for bit: nothing else got in
     assert len(agg.survivors) == 3
     assert np.linalg.norm(evil_update.delta) > 0.1 * np.linalg.norm(expected)
@@ -252,3 +259,36 @@ def test_a_session_from_before_a_restart_is_refused_and_the_link_opens_a_new_one
     assert stale[0] == 401 and json.loads(stale[1])["code"] == "unknown_session"
     assert waiting == 0  # the refused check-in put nobody in the pool
     assert reply["kind"] == "retry" and opened == 2 and new_sid
+
+
+def test_a_stolen_session_key_cannot_rebind_the_device_to_the_thiefs_key(world):
+    """Whoever holds only a session key (not the identity key) MACs a register of its own
+    public key for the device: the key bound to the device must stay the device's, and a request
+    signed with the thief's key must stay refused."""
+    cfg, root, users, _ = world
+    u = users[0]
+    keys = {u: Ed25519PrivateKey.generate()}
+    thief = Ed25519PrivateKey.generate()
+    thief_pub = thief.public_key().public_bytes_raw()
+
+    async def main():
+        running = await start(cfg, root / "rebind_state", log=lambda s: None)
+        links = await register_all(running.url, keys, retries=0)
+        try:
+            await links[u]._open_session()
+            sid, skey = links[u]._auth
+            body = json.dumps({"device_id": u, "public_key": thief_pub.hex()}).encode()
+            rebind = await raw(running.url, "POST", "/v1/register", body,
+                               mac_request(skey, sid, u, "POST", "/v1/register", body))
+            checkin = b"{}"
+            as_thief = await raw(running.url, "POST", "/v1/checkin", checkin,
+                                 sign_request(thief, u, "POST", "/v1/checkin", checkin))
+            return rebind, as_thief, running.driver.keys[u]
+        finally:
+            await close_all(links)
+            await shutdown(running)
+
+    rebind, as_thief, bound = asyncio.run(main())
+    assert rebind[0] == 409 and json.loads(rebind[1])["code"] == "key_conflict"
+    assert bound == keys[u].public_key().public_bytes_raw() != thief_pub
+    assert as_thief[0] == 401 and b"bad request signature" in as_thief[1]
