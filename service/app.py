@@ -54,6 +54,8 @@ async def device(request: web.Request) -> tuple[str, bytes]:
     driver = request.app[DRIVER]
     key = driver.keys.get(claimed)
     if request.path == "/v1/register":  # proof of possession: signed by the key being registered
+        if H_SIG not in request.headers:  # a session MAC proves nothing about the key in the body
+            raise AuthError("register is proven with the Ed25519 signature of the key it registers")
         try:
             key = bytes.fromhex(json.loads(body)["public_key"])
         except (ValueError, KeyError, TypeError):
