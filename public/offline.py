@@ -10,12 +10,12 @@ datasets are read from, laid out as a dpfleet cache (`$DPFLEET_CACHE`). On the s
 `stage_bundle` also writes `staged.json`, the SHA-256 of every staged file, and `offline_check`
 refuses a cache whose files differ from it (a truncated copy, a swapped weight file); the check
 prints the digest of `staged.json` itself, to compare with the one `offline-stage` printed.
+Every later load of a staged teacher checks its own files again (public/staged.py).
 See docs/offline_gpu_server.md.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -28,9 +28,8 @@ from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
+from dpfleet.public.staged import STAGED_MANIFEST, file_sha256, read_staged
 from dpfleet.public.teacher import PACKAGED, _sha256, resolve_teacher
-
-STAGED_MANIFEST = "staged.json"
 
 
 def staged_name(spec: str) -> str:
@@ -74,14 +73,9 @@ def verify_staged(cache: Path) -> str:
     """Check every file `staged.json` in `cache` lists against its SHA-256; return the digest
     of `staged.json` (compare it with the one `offline-stage` printed). Raises DpfleetError."""
     manifest = Path(cache) / STAGED_MANIFEST
-    try:
-        files = json.loads(manifest.read_text())["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DpfleetError(f"{manifest}: no readable list of staged files ({exc}); stage the "
-                           "cache with `dpfleet public offline-stage`") from exc
-    for name, digest in files.items():
+    for name, digest in read_staged(manifest).items():
         path = Path(cache) / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file() or file_sha256(path) != digest:
             raise DpfleetError(f"{path}: missing or not the file that was staged (SHA-256 "
                                f"differs from {manifest}); copy the bundle again")
     return _sha256(manifest)

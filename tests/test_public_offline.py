@@ -95,7 +95,9 @@ def test_a_tampered_or_swapped_staged_file_is_caught(tiny_teacher_dir, tmp_path,
     for i in range(len(blob) - 1, len(blob) * 3 // 4, -4):  # float32 sign bits, last quarter
         blob[i] ^= 0x80
     weights.write_bytes(bytes(blob))
-    tampered = _logits("gemma3-270m")  # finite, so the forward's own check passes it
+    loose = tmp_path / "unstaged-copy" / "teacher"  # no staged.json here: loads as it is
+    shutil.copytree(weights.parent, loose)
+    tampered = _logits(str(loose))  # finite, so the forward's own check passes it
     assert torch.isfinite(tampered).all() and (tampered - clean).abs().max() > 0.5
     with pytest.raises(DpfleetError, match=weights.name):
         offline_check("gemma3-270m", [], "cpu")

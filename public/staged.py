@@ -1,0 +1,100 @@
+"""A staged teacher is checked against `staged.json` every time a job loads it.
+
+Why: `offline-stage` writes the SHA-256 of every file it staged, but a check run once
+(`offline-check`) leaves the jobs that run later (distill-corpus, top-k, matching, KD) loading
+whatever lies in the folder then: flipping float32 sign bits in the staged safetensors moves the
+teacher's logits by > 0.5 while they stay finite, so every label would be poisoned silently.
+So `verify_staged_teacher` runs inside `resolve_teacher`: a folder under `<cache>/teachers/`
+whose cache has a `staged.json` must match it exactly (every file listed, every digest equal,
+nothing listed missing); a teacher converted locally (no `staged.json`) loads as before.
+
+Hashing 1.1 GB of Gemma costs seconds, so digests are cached per process, keyed by the file's
+identity and change stamps (device, inode, size, mtime_ns, ctime_ns): a rewrite changes ctime,
+which user space cannot set back, so a file rewritten since it was hashed is hashed again. A
+writer racing the load between hash and read is not covered (that needs loading from the hashed
+bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from dpfleet.errors import DpfleetError
+
+STAGED_MANIFEST = "staged.json"
+_DIGESTS: dict[tuple, str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, hashed once per process while its stamps stay the same."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+           st.st_ctime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def forget_digests() -> None:
+    """Drop the per-process digest cache (tests, and benchmarks of the cold cost)."""
+    _DIGESTS.clear()
+
+
+def read_staged(manifest: Path) -> dict[str, str]:
+    """`staged.json`'s {path relative to the cache: sha256}; DpfleetError if unreadable."""
+    try:
+        files = json.loads(Path(manifest).read_text())["sha256"]
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise TypeError("the sha256 entry is not a {file: digest} table")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DpfleetError(f"{manifest}: no readable list of staged files ({exc}); stage the "
+                           "cache with `dpfleet public offline-stage`") from exc
+    return files
+
+
+def staged_manifest(folder: Path) -> Path | None:
+    """The `staged.json` of the cache a teacher folder (`<cache>/teachers/<name>`) lies in, or
+    None when that cache was not staged. `folder` is taken as spelled (made absolute)."""
+    folder = Path(folder)
+    manifest = folder.parent.parent / STAGED_MANIFEST
+    if folder.parent.name != "teachers" or not (manifest.exists() or manifest.is_symlink()):
+        return None
+    return manifest
+
+
+def verify_staged_teacher(folder: Path) -> None:
+    """Refuse a staged teacher folder whose files differ from its cache's `staged.json`: a file
+    not listed, a listed one missing, or a digest that differs. No manifest: nothing to check.
+
+    The folder is checked both as spelled (lexically normalised: `x/../name`) and with symlinks
+    resolved, so neither a detour in the path nor a symlinked folder skips the check."""
+    spelled = Path(os.path.normpath(Path(folder).absolute()))
+    for candidate in dict.fromkeys((spelled, Path(folder).resolve())):
+        _verify_in_cache(candidate)
+
+
+def _verify_in_cache(folder: Path) -> None:
+    manifest = staged_manifest(folder)
+    if manifest is None:
+        return
+    files = read_staged(manifest)
+    cache = manifest.parent
+    prefix = folder.relative_to(cache).as_posix() + "/"
+    listed = {name for name in files if name.startswith(prefix)}
+    on_disk = {f.relative_to(cache).as_posix() for f in folder.rglob("*") if not f.is_dir()}
+    for name in sorted(on_disk | listed):
+        path = cache / name
+        if name not in files:
+            raise DpfleetError(f"{path}: not listed in {manifest}, so not a staged file; the "
+                               "teacher is refused (copy the bundle again)")
+        if not path.is_file() or file_sha256(path) != files[name]:
+            raise DpfleetError(f"{path}: missing or not the file that was staged (SHA-256 "
+                               f"differs from {manifest}); the teacher is refused (copy the "
+                               "bundle again)")
