@@ -28,7 +28,7 @@ from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
-from dpfleet.public.staged import STAGED_MANIFEST, file_sha256, read_staged
+from dpfleet.public.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
 from dpfleet.public.teacher import PACKAGED, _sha256, resolve_teacher
 
 
@@ -73,6 +73,7 @@ def verify_staged(cache: Path) -> str:
     """Check every file `staged.json` in `cache` lists against its SHA-256; return the digest
     of `staged.json` (compare it with the one `offline-stage` printed). Raises DpfleetError."""
     manifest = Path(cache) / STAGED_MANIFEST
+    check_pin(manifest if manifest.exists() else None, cache)
     for name, digest in read_staged(manifest).items():
         path = Path(cache) / name
         if not path.is_file() or file_sha256(path) != digest:

@@ -8,6 +8,10 @@ So `verify_staged_teacher` runs inside `resolve_teacher`: a folder under `<cache
 whose cache has a `staged.json` must match it exactly (every file listed, every digest equal,
 nothing listed missing); a teacher converted locally (no `staged.json`) loads as before.
 
+`staged.json` lies beside the files it lists, so whoever can rewrite the weights can rewrite or
+delete the list too; `$DPFLEET_STAGED_SHA256` (the digest `offline-stage` printed on the
+connected machine) pins the list itself, and then only a staged teacher loads at all.
+
 Hashing 1.1 GB of Gemma costs seconds, so digests are cached per process, keyed by the file's
 identity and change stamps (device, inode, size, mtime_ns, ctime_ns): a rewrite changes ctime,
 which user space cannot set back, so a file rewritten since it was hashed is hashed again. A
@@ -25,6 +29,7 @@ from pathlib import Path
 from dpfleet.errors import DpfleetError
 
 STAGED_MANIFEST = "staged.json"
+PIN_ENV = "DPFLEET_STAGED_SHA256"
 _DIGESTS: dict[tuple, str] = {}
 
 
@@ -80,8 +85,25 @@ def verify_staged_teacher(folder: Path) -> None:
         _verify_in_cache(candidate)
 
 
+def check_pin(manifest: Path | None, what: object) -> None:
+    """With `$DPFLEET_STAGED_SHA256` set (the digest `offline-stage` printed), `staged.json`
+    itself must hash to it: someone able to edit the weights can also rewrite or delete the
+    list, and only a digest brought from the connected machine tells."""
+    pin = os.environ.get(PIN_ENV, "").strip().lower()
+    if not pin:
+        return
+    if manifest is None:
+        raise DpfleetError(f"{what}: {PIN_ENV} is set, but this teacher lies in no staged "
+                           f"cache (no {STAGED_MANIFEST} beside its teachers/ folder)")
+    if file_sha256(manifest) != pin:
+        raise DpfleetError(f"{manifest}: its SHA-256 is not {PIN_ENV} (the digest offline-stage "
+                           "printed): the list of staged files was changed; copy the bundle "
+                           "again")
+
+
 def _verify_in_cache(folder: Path) -> None:
     manifest = staged_manifest(folder)
+    check_pin(manifest, folder)
     if manifest is None:
         return
     files = read_staged(manifest)

@@ -132,3 +132,41 @@ def test_a_job_on_a_tampered_teacher_is_one_error_line(server, tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "model.safetensors" in err[0]
     assert not (tmp_path / "vocab").exists()
+
+
+def _restage(server) -> None:
+    """The stronger attacker: after editing the weights, rewrite staged.json to match them."""
+    import json
+
+    from dpfleet.public.staged import file_sha256
+
+    manifest = server / "staged.json"
+    files = json.loads(manifest.read_text())["sha256"]
+    manifest.write_text(json.dumps({"sha256": {n: file_sha256(server / n) for n in files}}))
+
+
+def test_the_pinned_list_digest_stops_an_attacker_who_rewrites_the_list(server, tiny_teacher_dir,
+                                                                        monkeypatch):
+    """staged.json alone cannot stop someone who also rewrites it; the digest offline-stage
+    printed (DPFLEET_STAGED_SHA256) can."""
+    from dpfleet.public.offline import offline_check
+    from dpfleet.public.staged import PIN_ENV, file_sha256
+
+    clean = _logits("gemma3-270m")
+    pin = file_sha256(server / "staged.json")  # what offline-stage printed
+    monkeypatch.setenv(PIN_ENV, pin)
+    assert torch.equal(_logits("gemma3-270m"), clean)  # the intact bundle loads under the pin
+    _flip_signs(server / "teachers" / "gemma3-270m" / "model.safetensors")
+    _restage(server)
+    monkeypatch.delenv(PIN_ENV)
+    unpinned = _attempt("gemma3-270m")  # the list matches the edit: only the pin can tell
+    assert isinstance(unpinned, torch.Tensor) and (unpinned - clean).abs().max() > 0.5
+    monkeypatch.setenv(PIN_ENV, pin)
+    for spec in ("gemma3-270m", str(tiny_teacher_dir)):  # a loose folder is refused too
+        got = _attempt(spec)
+        assert isinstance(got, DpfleetError) and PIN_ENV in str(got)
+    with pytest.raises(DpfleetError, match=PIN_ENV):
+        offline_check("gemma3-270m", [], "cpu")
+    (server / "staged.json").unlink()  # deleting the list does not switch the check off
+    got = _attempt("gemma3-270m")
+    assert isinstance(got, DpfleetError) and PIN_ENV in str(got)
