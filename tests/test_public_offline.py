@@ -139,11 +139,30 @@ def _online(folder: Path) -> bool:
     return probe.returncode == 0
 
 
+def _swapped_wheel(wheel: Path) -> None:
+    """The attack on the wheelhouse: the same file name, a valid wheel, one extra module."""
+    import zipfile
+
+    tmp = wheel.with_suffix(".swapped")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w") as dst:
+        for item in src.infolist():
+            dst.writestr(item, src.read(item))
+        package = next(n.split("/")[0] for n in src.namelist() if n.endswith("/__init__.py"))
+        dst.writestr(f"{package}/_swapped.py", "MARK = 'swapped after bundling'\n")
+    tmp.replace(wheel)
+
+
 @pytest.mark.slow
 def test_wheelhouse_installs_into_a_fresh_venv_without_an_index(tmp_path):
     """The bundle script builds the project's wheel and a tiny dependency set (click) on the
-    connected side; a fresh venv installs both with --no-index and imports them from outside
-    the source tree, and a package left out of the wheelhouse (tqdm) cannot be installed."""
+    connected side, and requirements.txt pins each by its SHA-256; a fresh venv installs both
+    with --no-index --require-hashes (--no-deps: REQUIREMENTS replaced dpfleet's dependency set)
+    and imports them from outside the source tree; a package left out of the wheelhouse (tqdm)
+    cannot be installed. The attack: click's wheel swapped after bundling for a valid wheel with
+    one more module. The plain --find-links install takes it (the module imports); the
+    --require-hashes install refuses it and leaves the installed click as it was."""
+    import hashlib
+
     if not _online(tmp_path / "probe"):
         pytest.skip("no package index reachable to build the wheelhouse from")
     env = {**os.environ, "PYTHON": sys.executable, "REQUIREMENTS": "click", "TEACHERS": "",
@@ -152,17 +171,45 @@ def test_wheelhouse_installs_into_a_fresh_venv_without_an_index(tmp_path):
                          env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     wheels = tmp_path / "b" / "wheels"
+    requirements = tmp_path / "b" / "requirements.txt"
     assert any(wheels.glob("dpfleet-0.1.0-*.whl")) and any(wheels.glob("click-*.whl"))
-    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
-    py = tmp_path / "venv" / "bin" / "python"
+    pinned = [line for line in requirements.read_text().splitlines() if not line.startswith("#")]
+    assert len(pinned) == len(list(wheels.glob("*.whl"))) == 2
+    for wheel in wheels.glob("*.whl"):
+        name, version = wheel.name.split("-")[:2]
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        assert f"{name}=={version} --hash=sha256:{digest}" in pinned
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
-    pip = [str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
-    subprocess.run([*pip, "--no-deps", "dpfleet"], check=True, env=clean)
-    subprocess.run([*pip, "click"], check=True, env=clean)
-    out = subprocess.run([str(py), "-c", "import dpfleet, dpfleet.errors, click; "
-                          "print(dpfleet.__version__, dpfleet.__file__)"],
-                         cwd=tmp_path, capture_output=True, text=True, check=True, env=clean)
+
+    def venv(name: str) -> tuple[Path, list[str]]:
+        subprocess.run([sys.executable, "-m", "venv", str(tmp_path / name)], check=True)
+        py = tmp_path / name / "bin" / "python"
+        return py, [str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links",
+                    str(wheels)]
+
+    def imports(py: Path, code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(py), "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, env=clean)
+
+    py, pip = venv("venv")
+    hashed = [*pip, "--require-hashes", "--no-deps", "-r", str(requirements)]
+    subprocess.run(hashed, check=True, env=clean)
+    out = imports(py, "import dpfleet, dpfleet.errors, click; print(dpfleet.__version__, "
+                      "dpfleet.__file__)")
     version, where = out.stdout.split()
     assert version == "0.1.0" and str(tmp_path / "venv") in where  # the wheel, not this tree
     missing = subprocess.run([*pip, "tqdm"], capture_output=True, text=True, env=clean)
     assert missing.returncode != 0 and "tqdm" in missing.stderr
+
+    _swapped_wheel(next(wheels.glob("click-*.whl")))
+    plain_py, plain_pip = venv("plain")  # the old documented install: no hashes
+    subprocess.run([*plain_pip, "click"], check=True, env=clean)
+    taken = imports(plain_py, "import click._swapped as m; print(m.MARK)")
+    assert taken.stdout.strip() == "swapped after bundling"  # what the attack gets without hashes
+    refused = subprocess.run([*hashed, "--force-reinstall"], capture_output=True, text=True,
+                             env=clean)
+    assert refused.returncode != 0 and "hash" in refused.stderr.lower()
+    assert "click" in refused.stderr
+    kept = imports(py, "import click, importlib.util as u; "
+                       "print(u.find_spec('click._swapped') is None, click.__file__)")
+    assert kept.stdout.split()[0] == "True" and str(tmp_path / "venv") in kept.stdout
