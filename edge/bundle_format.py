@@ -6,7 +6,8 @@ every other file listed in the manifest with its size and sha256 (the signer's p
 `signing_key.pub` included, as a convenience copy: trust comes from the key the app pins, never
 from the bundle). `verify_bundle` checks the signature, then every file, and returns the files'
 bytes: callers hand those verified bytes (never a second read from disk) to ONNX Runtime,
-ExecuTorch or SentencePiece, so a flipped byte cannot reach native code.
+ExecuTorch or SentencePiece, so a flipped byte cannot reach native code. The manifest's signed
+`bundle_serial` lets a device refuse a bundle older than one it already accepted (`check_serial`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ def load_public_key(key: Ed25519PublicKey | bytes | str | Path) -> Ed25519Public
     if not isinstance(loaded, Ed25519PublicKey):
         raise BundleError("the public key is not an Ed25519 key")
     return loaded
+
+
+def bundle_serial(manifest: dict, where: object) -> int | None:
+    """The signed manifest's `bundle_serial` (export/bundle_serial.py); None for a bundle
+    exported before serials existed. Read it only from a manifest whose signature verified."""
+    if "bundle_serial" not in manifest:
+        return None
+    serial = manifest["bundle_serial"]
+    if type(serial) is not int or serial < 0:
+        raise BundleError(f"{where}: the signed bundle_serial is not a non-negative integer: "
+                          f"{serial!r}")
+    return serial
+
+
+def check_serial(serial: int | None, min_serial: int | None, where: object) -> None:
+    """Refuse a bundle older than the newest one the device accepted from the same key (a
+    rollback to a bundle the signer has replaced). No minimum: any bundle, serial or not."""
+    if min_serial is not None and (serial is None or serial < min_serial):
+        raise BundleError(f"{where}: bundle serial {serial} is below {min_serial}, the newest "
+                          "this device accepted from this key: an older bundle (rollback) is "
+                          "refused")
 
 
 @dataclass(frozen=True)

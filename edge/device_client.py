@@ -6,6 +6,7 @@ the bundle's `manifest.json` states in words (`rules`). The fleet's emulated dev
 the simulation exercises exactly the bytes a phone would ship.
 
     client = BundleClient("bundle/", public_key_hex)      # verifies signature + every sha256
+    client = BundleClient("bundle/", key, min_serial=n)   # ... and refuses a bundle older than n
     rows = client.examples(user_texts, seed=0)            # the manifest's example rule
     delta = client.train_epoch(round_weights, rows, seed=round_seed)
     clipped, norm = client.clip(delta)                    # what the device uploads
@@ -30,7 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.edge.bundle_format import BundleError, VerifiedBundle, verify_bundle
+from dpfleet.edge.bundle_format import (
+    BundleError,
+    VerifiedBundle,
+    bundle_serial,
+    check_serial,
+    verify_bundle,
+)
 from dpfleet.edge.clipping import clip_l2
 from dpfleet.edge.minibatch import check_examples, fixed_shape_batches
 from dpfleet.edge.ort_session import load_session
@@ -43,10 +50,15 @@ WORD_START = "\u2581"
 class BundleClient:
     """One phone's view of a bundle: verified once at construction, programs loaded lazily."""
 
-    def __init__(self, bundle_dir: Path | str, public_key, *, threads: int = 1):
+    def __init__(self, bundle_dir: Path | str, public_key, *, threads: int = 1,
+                 min_serial: int | None = None):
+        """`min_serial`: the highest `bundle_serial` this device accepted from the key; an
+        older bundle (or one without a serial) is refused. None: any bundle of the key."""
         self.bundle: VerifiedBundle = verify_bundle(Path(bundle_dir), public_key)
         self.threads = threads
         m = self.bundle.manifest
+        self.serial = bundle_serial(m, bundle_dir)
+        check_serial(self.serial, min_serial, bundle_dir)
         try:
             self.names = [p["name"] for p in m["model"]["parameters"]]
             self.shapes = [tuple(int(d) for d in p["shape"]) for p in m["model"]["parameters"]]

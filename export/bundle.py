@@ -5,7 +5,8 @@ The bundle holds everything a phone app needs to train and suggest with nothing 
 program, the starting weights, the tokenizer, and `manifest.json`, which spells out every rule
 the simulator's devices follow (example rows, minibatch order, SGD, clipping, window) so a client
 written without dpfleet can follow it alone; `edge/device_client.py` is the reference client.
-The manifest lists every file's sha256 and is signed with Ed25519 (`edge/bundle_format.py`).
+The manifest lists every file's sha256 and is signed with Ed25519 (`edge/bundle_format.py`), with
+a `bundle_serial` that rises with every export under a key (devices refuse older bundles).
 The bundle is assembled in a hidden sibling folder and renamed into place at the end: a failed
 export leaves nothing behind.
 """
@@ -39,6 +40,7 @@ from dpfleet.edge.bundle_format import (
 )
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
+from dpfleet.export.bundle_serial import next_serial
 from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.params import ParamLayout, get_flat
@@ -262,6 +264,7 @@ class BundleExport:
     threads: int = 1
     cache_dir: Path | None = None
     heldout: Path | None = None  # held-out text lines for the window's agreement (else random ids)
+    serial: int | None = None  # bundle_serial; default: next of the key's counter (export/bundle_serial.py)
 
     def run(self) -> dict:
         """Write, sign and self-verify the bundle; returns the JSON summary."""
@@ -302,6 +305,7 @@ class BundleExport:
         try:
             (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
             manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
+            manifest["bundle_serial"] = next_serial(key_path, self.serial)
             blob, signature = sign_manifest(manifest, key)
             atomic_write(staging / MANIFEST, blob)
             atomic_write(staging / SIGNATURE, signature)
@@ -319,6 +323,7 @@ class BundleExport:
             "files": files,
             "total_bytes": sum(files.values()),
             "public_key": public_key_hex(key.public_key()),
+            "bundle_serial": manifest["bundle_serial"],
             "signing_key": str(key_path),
             "signing_key_generated": generated,
             "measured": manifest["measured"],

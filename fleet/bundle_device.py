@@ -7,7 +7,9 @@ key out of band (`fleet emulate --bundle-key`); the coordinator only names the m
 signature by hash. The signature is checked on the manifest's bytes before any listed file is
 fetched, and `BundleClient` runs `verify_bundle` (signature, every size and sha256, no unlisted
 file) before a byte reaches a runtime. A verified bundle is cached per process by (manifest
-hash, pinned key): every emulated device of a worker shares one copy and one session.
+hash, pinned key): every emulated device of a worker shares one copy and one session. Each
+device keeps its own record of the highest signed `bundle_serial` it accepted per key
+(`DeviceState.bundle_serials`) and refuses an older bundle of that key (a rollback).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dpfleet.edge.bundle_format import (
     MANIFEST,
     SIGNATURE,
     BundleError,
+    bundle_serial,
+    check_serial,
     load_public_key,
     public_key_hex,
 )
@@ -47,12 +51,16 @@ def _inside(folder: Path, name: object) -> Path:
     return target
 
 
-async def fetch_bundle(link, ref: dict, public_key) -> tuple[object, threading.Lock]:
+async def fetch_bundle(link, ref: dict, public_key,
+                       serials: dict[str, int] | None = None) -> tuple[object, threading.Lock]:
     """(BundleClient, its lock) of the bundle `ref` names, downloaded by hash and verified with
-    the pinned `public_key`; BundleError if it is not that key's bundle."""
+    the pinned `public_key`; BundleError if it is not that key's bundle. `serials`: the device's
+    own record {key hex: highest bundle_serial accepted}; a bundle below it is refused (before
+    any listed file is fetched) and an accepted one raises it."""
     from dpfleet.edge.device_client import BundleClient
 
     key = load_public_key(public_key)
+    floor = None if serials is None else serials.get(public_key_hex(key))
     if ref is None:
         raise BundleError("the assignment names no bundle (is the coordinator's [fleet] client "
                           "'bundle'?): a device pinning a bundle key trains with nothing else")
@@ -62,7 +70,8 @@ async def fetch_bundle(link, ref: dict, public_key) -> tuple[object, threading.L
         raise BundleError(f"the assignment's bundle field is malformed ({exc!r})") from exc
     cached = _CACHE.get((manifest_sha, public_key_hex(key)))
     if cached is not None:
-        return cached
+        check_serial(cached[0].serial, floor, "the coordinator's bundle")
+        return _accepted(cached, key, serials)
     blob, signature = await link.blob(manifest_sha), await link.blob(signature_sha)
     try:  # first the signature: an unsigned manifest never makes the device fetch its files
         key.verify(signature, blob)
@@ -70,10 +79,12 @@ async def fetch_bundle(link, ref: dict, public_key) -> tuple[object, threading.L
         raise BundleError("the coordinator's bundle is not signed by the pinned bundle key: "
                           "refused before any program was fetched or loaded") from None
     try:
-        files = json.loads(blob)["files"]
-        entries = [(name, str(entry["sha256"])) for name, entry in files.items()]
+        manifest = json.loads(blob)
+        entries = [(name, str(entry["sha256"])) for name, entry in manifest["files"].items()]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BundleError(f"the signed manifest has no usable file list ({exc!r})") from exc
+    check_serial(bundle_serial(manifest, "the coordinator's bundle"), floor,
+                 "the coordinator's bundle")  # a rollback fetches nothing more
     folder = Path(tempfile.mkdtemp(prefix="bundle-", dir=_root()))
     (folder / MANIFEST).write_bytes(blob)
     (folder / SIGNATURE).write_bytes(signature)
@@ -83,6 +94,15 @@ async def fetch_bundle(link, ref: dict, public_key) -> tuple[object, threading.L
         target.write_bytes(await link.blob(sha))
     client = BundleClient(folder, key)  # verify_bundle: signature + every file, before any runtime
     _CACHE[manifest_sha, public_key_hex(key)] = entry = (client, threading.Lock())
+    return _accepted(entry, key, serials)
+
+
+def _accepted(entry: tuple, key, serials: dict[str, int] | None) -> tuple:
+    """Record the accepted bundle's serial as the device's new minimum for this key."""
+    serial = entry[0].serial
+    if serials is not None and serial is not None:
+        hexkey = public_key_hex(key)
+        serials[hexkey] = max(serial, serials.get(hexkey, serial))
     return entry
 
 

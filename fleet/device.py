@@ -42,6 +42,7 @@ class DeviceState:
     link: Any = None  # its own signed link to the coordinator (fleet/worker.py)
     offline_until: float = 0.0  # simulated time before which it is gone (it dropped out)
     counts: dict[str, int] = field(default_factory=dict)
+    bundle_serials: dict[str, int] = field(default_factory=dict)  # key hex -> newest serial taken
 
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1

@@ -108,6 +108,7 @@ class Fleet:
         self.counts: dict[int, dict[str, int]] = {}
         self.final: dict[int, tuple] = {}
         self.timers: dict[int, float] = {}  # device index -> simulated time of its last assignment
+        self.bundle_serials: dict[int, dict[str, int]] = {}  # device index -> newest serial per key
         self.restarts = 0
         self.restarts_of: dict[int, int] = {}
 
@@ -118,6 +119,7 @@ class Fleet:
     def _spawn(self, spec: WorkerSpec) -> None:
         for d in spec.devices:
             d.timer_last = self.timers.get(d.index, d.timer_last)
+            d.bundle_serials = dict(self.bundle_serials.get(d.index, d.bundle_serials))
         spec.counts = dict(self.counts.get(spec.worker, {}))  # counts go on across a restart
         proc = self._start_worker(spec)
         self.procs[spec.worker] = proc
@@ -145,6 +147,8 @@ class Fleet:
                 self.counts[worker] = message[2]
             elif kind == "timer":
                 self.timers[message[2]] = message[3]
+            elif kind == "bundle_serials":
+                self.bundle_serials[message[2]] = message[3]
             elif kind == "final":
                 self.counts[worker] = message[2]
                 self.final[worker] = message

@@ -162,17 +162,19 @@ async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *
 async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *,
                     policy=None, pinned: Mapping[str, bytes] | None = None,
                     before_phase: Hook | None = None, speed: float = 1.0,
-                    threads: int = 1, bundle_key=None) -> Outcome:
+                    threads: int = 1, bundle_key=None,
+                    bundle_serials: dict[str, int] | None = None) -> Outcome:
     """Run this device's part of `assignment` to the end. `policy`: a `ClientPolicy`, or a
     callable n -> ClientPolicy (`local_policy`); `pinned`: device id -> identity public key,
     the fleet registry the device got out of band (SecAgg); `bundle_key`: the run's bundle
     public key, also pinned out of band: the device trains only with a bundle it signed, and
-    refuses the round ("refused_bundle", nothing sent) otherwise."""
+    refuses the round ("refused_bundle", nothing sent) otherwise; `bundle_serials`: the
+    device's {key hex: highest bundle serial accepted}, below which it refuses (a rollback)."""
     try:
         if bundle_key is not None:  # before any byte of the round is sent (SecAgg commit too)
             from dpfleet.fleet.bundle_device import fetch_bundle
 
-            await fetch_bundle(link, assignment.get("bundle"), bundle_key)
+            await fetch_bundle(link, assignment.get("bundle"), bundle_key, bundle_serials)
         if assignment["aggregation"] == "secagg":
             return await _secagg(link, assignment, examples, policy, pinned, before_phase, speed,
                                  threads, bundle_key)

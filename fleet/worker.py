@@ -45,6 +45,7 @@ class DeviceSpec:
     examples: np.ndarray
     key: bytes  # raw 32-byte Ed25519 private key
     timer_last: float | None = None  # simulated time of its last assignment (restarts)
+    bundle_serials: dict[str, int] = field(default_factory=dict)  # newest bundle serial per key (restarts)
 
 
 @dataclass
@@ -181,10 +182,14 @@ async def _run(spec: WorkerSpec, events) -> None:
             events.put(("timer", spec.worker, device.index, device.timer.last))
 
     async def participate(device: DeviceState, assignment: dict) -> str:
+        serials = dict(device.bundle_serials)
         outcome = await take_part(
             device.link, assignment, examples[device.index], policy=policy, pinned=spec.pinned,
             before_phase=Hooks(device.behaviour, clock, spec.model_bytes, assignment),
-            speed=device.behaviour.profile.speed, threads=1, bundle_key=spec.bundle_key)
+            speed=device.behaviour.profile.speed, threads=1, bundle_key=spec.bundle_key,
+            bundle_serials=device.bundle_serials)
+        if device.bundle_serials != serials:  # at once, like the timer: a restart keeps it
+            events.put(("bundle_serials", spec.worker, device.index, dict(device.bundle_serials)))
         if outcome.train_seconds:
             train_seconds.append(outcome.train_seconds)
         outcomes.append((device.device_id, int(assignment["round"]), int(assignment["attempt"]),
@@ -226,7 +231,7 @@ async def _run(spec: WorkerSpec, events) -> None:
         for d in spec.devices:
             state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index),
                                 DeviceTimer(spec.timer_period_s, d.timer_last),
-                                runtime=cfg.client.runtime)
+                                runtime=cfg.client.runtime, bundle_serials=dict(d.bundle_serials))
             state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),
                                   ca_file=spec.ca_file, session=session,
                                   rng=random.Random(f"{spec.seed}/{d.index}"))
