@@ -4,7 +4,8 @@ Stages the converted Gemma 3 270M (`$DPFLEET_CACHE/teachers/gemma3-270m`, ~1.1 G
 scratch cache by hard links (same bytes, no copy; a copy where links are impossible), writes its
 `staged.json`, then times `verify_staged_teacher` cold (the per-process digest cache emptied:
 the cost of the first load in a job) and warm (what every further load in that process pays),
-and one `load_teacher` on CPU for scale. Saves results/staged_verify.json.
+and one `load_teacher` on CPU for scale. (Linking changes the files' ctime, so it waits out the
+2 s during which a fresh file is never cached.) Saves results/staged_verify.json.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch
 
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
-from dpfleet.public.staged import STAGED_MANIFEST, file_sha256, forget_digests, verify_staged_teacher
+from dpfleet.public.staged import (
+    RACY_NS,
+    STAGED_MANIFEST,
+    file_sha256,
+    forget_digests,
+    verify_staged_teacher,
+)
 from dpfleet.public.teacher import load_teacher
 
 RESULTS = Path(__file__).resolve().parent / "results" / "staged_verify.json"
@@ -56,6 +63,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in folder.iterdir())
         files = {f.relative_to(tmp).as_posix(): file_sha256(f) for f in sorted(folder.iterdir())}
         atomic_write(Path(tmp) / STAGED_MANIFEST, json.dumps({"sha256": files}))
+        time.sleep(RACY_NS / 1e9 + 0.5)  # a staged file is old by the time a job loads it
 
         def cold() -> None:
             forget_digests()

@@ -14,9 +14,11 @@ connected machine) pins the list itself, and then only a staged teacher loads at
 
 Hashing 1.1 GB of Gemma costs seconds, so digests are cached per process, keyed by the file's
 identity and change stamps (device, inode, size, mtime_ns, ctime_ns): a rewrite changes ctime,
-which user space cannot set back, so a file rewritten since it was hashed is hashed again. A
-writer racing the load between hash and read is not covered (that needs loading from the hashed
-bytes).
+which user space cannot set back, so a file rewritten since it was hashed is hashed again.
+Timestamps tick coarsely (milliseconds on many file systems), so a rewrite in the same tick as
+the write before it would keep the stamps: a digest is cached only for a file whose ctime lies
+more than 2 s before the hash began ("racy git"'s rule). A writer racing the load between hash
+and read is not covered (that needs loading from the hashed bytes).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
 
 STAGED_MANIFEST = "staged.json"
+RACY_NS = 2_000_000_000  # a file changed this recently is hashed again at every load
 PIN_ENV = "DPFLEET_STAGED_SHA256"
 _DIGESTS: dict[tuple, str] = {}
 
@@ -38,13 +42,16 @@ def file_sha256(path: Path) -> str:
     st = Path(path).stat()
     key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
            st.st_ctime_ns)
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    began = time.time_ns()
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    if began - st.st_ctime_ns > RACY_NS:  # see the module docstring
         _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
+    return digest.hexdigest()
 
 
 def forget_digests() -> None:

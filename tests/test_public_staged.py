@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dpfleet.cli import main
 from dpfleet.errors import DpfleetError
@@ -82,12 +84,16 @@ def test_sign_flipped_staged_weights_never_reach_a_job(server, tiny_teacher_dir,
     assert torch.equal(_logits("gemma3-270m"), clean)
 
 
-def test_a_rewrite_that_restores_size_and_mtime_is_hashed_again(server):
+def test_a_rewrite_that_restores_size_and_mtime_is_hashed_again(server, monkeypatch):
     """The in-process digest cache keys on (inode, size, mtime, ctime): setting mtime back does
     not make a rewritten file look checked (ctime cannot be set from user space)."""
+    monkeypatch.setattr(staged_module, "RACY_NS", -1)  # cache even these fresh files
     clean = _logits("gemma3-270m")
     weights = server / "teachers" / "gemma3-270m" / "model.safetensors"
     stamp = weights.stat()
+    cached = [k for k in staged_module._DIGESTS if k[0] == str(weights.resolve())]
+    assert len(cached) == 1 and cached[0][-1] == stamp.st_ctime_ns  # the load used the cache
+    assert staged_module.file_sha256(weights) == staged_module._DIGESTS[cached[0]]
     _flip_signs(weights)
     os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     assert weights.stat().st_size == stamp.st_size
@@ -170,3 +176,35 @@ def test_the_pinned_list_digest_stops_an_attacker_who_rewrites_the_list(server, 
     (server / "staged.json").unlink()  # deleting the list does not switch the check off
     got = _attempt("gemma3-270m")
     assert isinstance(got, DpfleetError) and PIN_ENV in str(got)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pick=st.floats(0, 1, exclude_max=True), where=st.floats(0, 1, exclude_max=True),
+       bit=st.integers(0, 7))
+def test_any_single_bit_flip_in_any_staged_teacher_file_is_refused(server, pick, where, bit):
+    from dpfleet.public.staged import verify_staged_teacher
+
+    folder = server / "teachers" / "gemma3-270m"
+    files = sorted(f for f in folder.rglob("*") if f.is_file())
+    target = files[int(pick * len(files))]
+    original = target.read_bytes()
+    blob = bytearray(original)
+    blob[int(where * len(blob))] ^= 1 << bit
+    target.write_bytes(bytes(blob))
+    try:
+        with pytest.raises(DpfleetError, match=target.name):
+            verify_staged_teacher(folder)
+    finally:
+        target.write_bytes(original)
+    verify_staged_teacher(folder)  # restored: accepted again (re-hashed: its ctime moved)
+
+
+def test_a_file_changed_in_the_last_seconds_is_never_cached(tmp_path):
+    """Coarse timestamps: a rewrite within the same tick keeps every stamp, so a fresh file is
+    hashed again each time rather than trusted from the cache."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"a" * 64)
+    first = staged_module.file_sha256(path)
+    assert not [k for k in staged_module._DIGESTS if k[0] == str(path.resolve())]
+    path.write_bytes(b"b" * 64)  # possibly within the same timestamp tick
+    assert staged_module.file_sha256(path) != first
