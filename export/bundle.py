@@ -299,13 +299,14 @@ class BundleExport:
         if client["batch_size"] < 1:
             raise DpfleetError("batch size must be positive")
         key, key_path, generated = signing_key(self.signing_key, out)
+        serial = next_serial(key_path, self.serial)  # before the work: a bad --serial fails fast
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
         os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the bundle from the app's build user
         try:
             (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
             manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
-            manifest["bundle_serial"] = next_serial(key_path, self.serial)
+            manifest["bundle_serial"] = serial
             blob, signature = sign_manifest(manifest, key)
             atomic_write(staging / MANIFEST, blob)
             atomic_write(staging / SIGNATURE, signature)

@@ -95,6 +95,13 @@ from dpfleet.jsonio import dumps
 @click.option(
     "--threads", type=int, default=1, show_default=True, help="CPU threads for the latency measurement."
 )
+@click.option(
+    "--serial",
+    type=click.IntRange(0),
+    help="Bundle serial signed into the manifest (devices refuse a bundle below the highest they "
+    "accepted from the key). Default: one above the last this key signed (<key>.serial), and never "
+    "below the unix time; a given serial must be above that last one.",
+)
 def export(
     checkpoint: Path,
     fmt: str | None,
@@ -110,6 +117,7 @@ def export(
     min_top1: float,
     accept_int8_drop: bool,
     threads: int,
+    serial: int | None,
 ) -> None:
     """Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.
 
@@ -128,13 +136,13 @@ def export(
         from dpfleet.export.bundle import BundleExport
 
         summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
-                               batch_size, threads, heldout=heldout).run()
+                               batch_size, threads, heldout=heldout, serial=serial).run()
         click.echo(dumps(summary, indent=2))
         return
     if fmt is None or out is None:
         raise DpfleetError("pass --format and --out (an inference program) or --bundle DIR")
-    if runtimes or signing_key or batch_size:
-        raise DpfleetError("--runtime, --signing-key and --batch-size apply to --bundle only")
+    if runtimes or signing_key or batch_size or serial is not None:
+        raise DpfleetError("--runtime, --signing-key, --batch-size and --serial apply to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
     summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len or 20, threads, heldout, target, min_top1,

@@ -24,6 +24,8 @@ import torch
 from bundle_helpers import make_bundle, program_cache, sentences, word_checkpoint
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dpfleet.edge.bundle_format import (
     MANIFEST,
@@ -242,3 +244,40 @@ def test_a_restarted_fleet_worker_keeps_its_devices_minimum(monkeypatch):
     assert len(started) == 2  # the dead worker was started again
     devices = {d.index: d.bundle_serials for d in started[-1].devices}
     assert devices == {0: {}, 1: {"ab" * 32: 7}}
+
+
+@given(serial=st.one_of(st.none(), st.integers(0, 2**63)),
+       floor=st.one_of(st.none(), st.integers(0, 2**63)))
+def test_check_serial_accepts_exactly_the_bundles_at_or_above_the_minimum(serial, floor):
+    from dpfleet.edge.bundle_format import check_serial
+
+    accepted = floor is None or (serial is not None and serial >= floor)
+    try:
+        check_serial(serial, floor, "bundle")
+    except BundleError as exc:
+        assert not accepted and "rollback" in str(exc)
+    else:
+        assert accepted
+
+
+@given(value=st.one_of(st.booleans(), st.floats(), st.text(max_size=5), st.integers(max_value=-1),
+                       st.lists(st.integers(), max_size=2)))
+def test_a_signed_serial_that_is_not_a_count_is_refused(value):
+    from dpfleet.edge.bundle_format import bundle_serial
+
+    with pytest.raises(BundleError, match="bundle_serial"):
+        bundle_serial({"bundle_serial": value}, "bundle")
+
+
+def test_cli_serial_below_the_last_is_one_error_line(two_bundles, tmp_path, capsys):
+    from dpfleet.cli import main
+
+    old, _, key, _ = two_bundles
+    checkpoint = old.parent / "ckpt"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(checkpoint), "--bundle", str(tmp_path / "b"), "--signing-key",
+              str(key), "--serial", str(last_serial(key))])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "not above" in err[0]
+    assert not (tmp_path / "b").exists()
