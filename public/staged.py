@@ -12,9 +12,9 @@ nothing listed missing); a teacher converted locally (no `staged.json`) loads as
 delete the list too; `$DPFLEET_STAGED_SHA256` (the digest `offline-stage` printed on the
 connected machine) pins the list itself, and then only a staged teacher loads at all.
 
-Hashing 1.1 GB of Gemma costs seconds, so digests are cached per process, keyed by the file's
-identity and change stamps (device, inode, size, mtime_ns, ctime_ns): a rewrite changes ctime,
-which user space cannot set back, so a file rewritten since it was hashed is hashed again.
+Hashing the 1.1 GB Gemma takes about a second, so digests are cached per process, keyed by the
+file's identity and change stamps (device, inode, size, mtime_ns, ctime_ns): a rewrite changes
+ctime, which user space cannot set back, so a file rewritten since it was hashed is hashed again.
 Timestamps tick coarsely (milliseconds on many file systems), so a rewrite in the same tick as
 the write before it would keep the stamps: a digest is cached only for a file whose ctime lies
 more than 2 s before the hash began ("racy git"'s rule). A writer racing the load between hash
