@@ -66,6 +66,12 @@ def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> floa
     return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
 
 
+def clipped_bit(norm: float, threshold: float) -> int:
+    """A device's b = [||delta|| <= C^t] on its unclipped norm, in float64 as `update` compares
+    (what a device masks into its SecAgg input, `secagg.count_bit`)."""
+    return int(np.float64(norm) <= np.float64(threshold))
+
+
 class QuantileClipEstimator:
     """Private estimate of the gamma-quantile of update norms, with tree-noised clipped counts."""
 
@@ -97,7 +103,14 @@ class QuantileClipEstimator:
     def update(self, norms: Sequence[float]) -> float:
         """Add one round's bits (from the contributing devices' unclipped norms); new estimate."""
         bits = np.asarray(norms, dtype=np.float64) <= self.estimate
-        self.noised_prefix += float(bits.sum() - 0.5 * bits.size) + float(self.tree.next_residual()[0])
+        return self.update_count(int(bits.sum()), int(bits.size))
+
+    def update_count(self, below: int, reported: int) -> float:
+        """Add one round's count of bits set (`below` of the `reported` devices in the sum had
+        ||delta|| <= the estimate): the form in which secure aggregation delivers them."""
+        if not 0 <= below <= reported:
+            raise ValueError(f"clipped count {below} is not in [0, {reported}]")
+        self.noised_prefix += float(below - 0.5 * reported) + float(self.tree.next_residual()[0])
         n = self.tree.t
         below = self.noised_prefix / self.report_goal + 0.5 * n  # b~: prefix sum of fractions
         self.estimate = self.base * math.exp(-self.eta * (below - n * self.gamma))
