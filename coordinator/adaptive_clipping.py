@@ -14,6 +14,10 @@ rounds; n counts the rounds actually summed, which is the unrolled update.) The 
 tracked every round but becomes the clip norm only when a tree restarts (the tree's sensitivity
 assumes one clip norm); both trees restart together and C_0 becomes the estimate at the restart.
 
+Under secure aggregation the bit never leaves a device in the clear: it is masked with the
+update as one more exact ring coordinate, and the coordinator gets only the survivors' count
+(`update_count`, `secagg/count_bit.py`); the count noise is added here in either case.
+
 Privacy (App. A, Thm. 1): the bits are summed centred, b - 1/2, so one device moves the count by
 at most 1/2 and count noise sigma_b is a noise multiplier of 2 sigma_b. Model noise z_delta with
 1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2 makes the pair one Gaussian mechanism of noise

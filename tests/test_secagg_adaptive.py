@@ -352,3 +352,30 @@ def test_the_service_and_fleet_count_the_bits_inside_signed_secagg_like_simulate
         assert a["clip"] == pytest.approx(b["clip"], rel=1e-9)
         assert a["clip_estimate"] == pytest.approx(b["clip_estimate"], rel=1e-9)
         assert a["epsilon"] == b["epsilon"]
+
+
+def test_discrete_noise_with_adaptive_clipping_gives_the_model_z_delta_and_counts_in_secagg(
+        tmp_path, monkeypatch):
+    """dp.noise = "discrete": the ring's integer noise is the model's share z_delta (the
+    clipped counts get the coordinator's Gaussian sigma_b, as with plain aggregation), and the
+    decoded noise follows the clip norm a restart adopts."""
+    from dpfleet.coordinator.adaptive_clipping import model_noise_multiplier
+    from dpfleet.coordinator.ring_noise import discrete_plan
+
+    discrete = {**ADAPTIVE_DP, "noise": "discrete"}
+    cfg = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp=discrete, aggregation={"kind": "secagg"})
+    fixed = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp={"noise": "discrete"},
+                     aggregation={"kind": "secagg"})
+    z, z_delta = cfg.dp.noise_multiplier, model_noise_multiplier(1.0, 1.0)
+    adaptive_plan, fixed_plan = discrete_plan(cfg, 5000), discrete_plan(fixed, 5000)
+    # sigma = z * Delta_s in each plan's own integer units (the ring layout differs with sigma)
+    assert adaptive_plan.sigma / adaptive_plan.delta_s == pytest.approx(z_delta, rel=1e-3)
+    assert fixed_plan.sigma / fixed_plan.delta_s == pytest.approx(z, rel=1e-3)
+    assert z_delta > 1.1 * z  # the model's noise really is larger: the test can fail
+
+    counts = _counting(monkeypatch)
+    result = run_simulation(cfg, tmp_path / "discrete", progress=False, log=lambda s: None)
+    assert [reported for _, reported in counts] == [m["clients"] for m in result.metrics]
+    first, last = result.metrics[0], result.metrics[-1]
+    assert last["clip"] != first["clip"]
+    assert last["noise_std"] / first["noise_std"] == pytest.approx(last["clip"] / first["clip"])
