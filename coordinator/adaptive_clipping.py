@@ -14,6 +14,10 @@ rounds; n counts the rounds actually summed, which is the unrolled update.) The 
 tracked every round but becomes the clip norm only when a tree restarts (the tree's sensitivity
 assumes one clip norm); both trees restart together and C_0 becomes the estimate at the restart.
 
+Under secure aggregation the bit never leaves a device in the clear: it is masked with the
+update as one more exact ring coordinate, and the coordinator gets only the survivors' count
+(`update_count`, `secagg/count_bit.py`); the count noise is added here in either case.
+
 Privacy (App. A, Thm. 1): the bits are summed centred, b - 1/2, so one device moves the count by
 at most 1/2 and count noise sigma_b is a noise multiplier of 2 sigma_b. Model noise z_delta with
 1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2 makes the pair one Gaussian mechanism of noise
@@ -66,6 +70,12 @@ def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> floa
     return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
 
 
+def clipped_bit(norm: float, threshold: float) -> int:
+    """A device's b = [||delta|| <= C^t] on its unclipped norm, in float64 as `update` compares
+    (what a device masks into its SecAgg input, `secagg.count_bit`)."""
+    return int(np.float64(norm) <= np.float64(threshold))
+
+
 class QuantileClipEstimator:
     """Private estimate of the gamma-quantile of update norms, with tree-noised clipped counts."""
 
@@ -97,7 +107,14 @@ class QuantileClipEstimator:
     def update(self, norms: Sequence[float]) -> float:
         """Add one round's bits (from the contributing devices' unclipped norms); new estimate."""
         bits = np.asarray(norms, dtype=np.float64) <= self.estimate
-        self.noised_prefix += float(bits.sum() - 0.5 * bits.size) + float(self.tree.next_residual()[0])
+        return self.update_count(int(bits.sum()), int(bits.size))
+
+    def update_count(self, below: int, reported: int) -> float:
+        """Add one round's count of bits set (`below` of the `reported` devices in the sum had
+        ||delta|| <= the estimate): the form in which secure aggregation delivers them."""
+        if not 0 <= below <= reported:
+            raise ValueError(f"clipped count {below} is not in [0, {reported}]")
+        self.noised_prefix += float(below - 0.5 * reported) + float(self.tree.next_residual()[0])
         n = self.tree.t
         below = self.noised_prefix / self.report_goal + 0.5 * n  # b~: prefix sum of fractions
         self.estimate = self.base * math.exp(-self.eta * (below - n * self.gamma))

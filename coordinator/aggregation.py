@@ -35,21 +35,30 @@ class AggregateResult:
     survivors: list[int]  # positions (into the input list) whose deltas are in the sum
     info: dict = field(default_factory=dict)  # e.g. bytes sent, timings, norm inflation
     ring: RingSum | None = None  # the integer sum before decoding (secure aggregation only)
+    # adaptive clipping: how many of the survivors had ||delta|| <= C^t, summed with the deltas
+    clipped_count: int | None = None
 
 
 class Aggregator(Protocol):
-    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
-        """Sum flattened float deltas (each already clipped to the clip norm)."""
+    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None
+                  ) -> AggregateResult:
+        """Sum flattened float deltas (each already clipped to the round's `clip_norm`, None:
+        the configured one) and, with adaptive clipping, the devices' clipped bits
+        (`clipped_count`, over the same survivors)."""
         ...
 
 
 class PlainAggregator:
     """Adds the deltas in the clear: the fast path for research simulations."""
 
-    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
+    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None
+                  ) -> AggregateResult:
         if not deltas:
             raise ValueError("no deltas to aggregate")
         total = np.zeros(deltas[0].shape, dtype=np.float64)
         for d in deltas:
             total += d
-        return AggregateResult(total=total, survivors=list(range(len(deltas))))
+        return AggregateResult(total=total, survivors=list(range(len(deltas))),
+                               clipped_count=None if bits is None else int(sum(bits)))

@@ -296,8 +296,6 @@ def validate(cfg: SimulationConfig) -> None:
         (0 <= cfg.aggregation.corruption < 0.5, "aggregation.corruption must be in [0, 0.5)"),
         (not cfg.aggregation.fleet_keys or cfg.aggregation.signed,
          "aggregation.fleet_keys needs aggregation.signed = true"),
-        (not (cfg.dp.adaptive_clipping and cfg.aggregation.kind == "secagg"),
-         "dp.adaptive_clipping with secure aggregation is not supported yet"),
         (cfg.dp.noise != "discrete" or cfg.aggregation.kind == "secagg",
          "dp.noise = 'discrete' requires aggregation.kind = 'secagg' (the integer noise is added "
          "to secure aggregation's ring sum)"),

@@ -60,8 +60,8 @@ class DPFTRLServer:
     @property
     def noise_std(self) -> float:
         """Per-node noise std on the *sum* of clipped deltas (in decoded units for a ring)."""
-        if self.ring is not None:
-            return self.ring.noise_std
+        if self.ring is not None:  # decoded units scale with the round's clip norm (s C fixed)
+            return self.ring.noise_std * self.clip_norm / self.cfg.clip_norm
         return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
 
     def _nodes(self) -> Callable[[int, int, int], np.ndarray]:

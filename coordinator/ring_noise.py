@@ -96,9 +96,16 @@ def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multipl
 
 
 def discrete_plan(cfg: SimulationConfig, dim: int) -> RingPlan:
-    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`)."""
-    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal,
-                     cfg.dp.noise_multiplier, cfg.rounds)
+    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). With adaptive
+    clipping the model's share of the noise is z_delta (the clipped counts take the rest, as
+    Gaussian noise added by the coordinator: `adaptive_clipping`, Thm. 1)."""
+    z = cfg.dp.noise_multiplier
+    if cfg.dp.adaptive_clipping:
+        from dpfleet.coordinator.adaptive_clipping import model_noise_multiplier
+        from dpfleet.coordinator.config import clip_count_stddev
+
+        z = model_noise_multiplier(z, clip_count_stddev(cfg))
+    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal, z, cfg.rounds)
 
 
 def ring_nodes(plan: RingPlan, key: bytes) -> DiscreteGaussianNodes:

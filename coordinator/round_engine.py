@@ -53,7 +53,7 @@ from dpfleet.export.params import get_flat, set_flat
 
 DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
-DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down")
+DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 
 
 def restart_rounds(cfg: SimulationConfig) -> list[int]:
@@ -98,6 +98,8 @@ class RoundPlan:
     clip_norm: float
     restart: bool  # the round starts a new noise tree
     selection: Selection
+    # adaptive clipping: C^t, each device's bit is [||delta|| <= it] (None: fixed clipping)
+    count_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,8 @@ class RoundEngine:
             server.theta = np.asarray(public_update, dtype=np.float32).copy()
         theta = server.theta.copy()
         self._open = RoundPlan(r, list(chosen), [self.users[i] for i in chosen], theta,
-                               release_hash(theta), server.clip_norm, restart, selection)
+                               release_hash(theta), server.clip_norm, restart, selection,
+                               estimator.estimate if estimator is not None else None)
         return self._open
 
     def abandon_round(self, plan: RoundPlan) -> None:
@@ -249,6 +252,10 @@ class RoundEngine:
         if not set(aggregate.survivors) <= set(range(len(plan.devices))):
             raise RoundStateError(f"round {plan.round + 1}: survivors {aggregate.survivors} are not "
                                   "positions in the plan's device list")
+        count = aggregate.clipped_count
+        if count is not None and not 0 <= count <= len(aggregate.survivors):
+            raise RoundStateError(f"round {plan.round + 1}: clipped count {count} is not in "
+                                  f"[0, {len(aggregate.survivors)}] (the survivors)")
         if np.shape(aggregate.total) != self.server.theta.shape:
             raise RoundStateError(f"round {plan.round + 1}: the sum has shape "
                                   f"{np.shape(aggregate.total)}, the model {self.server.theta.shape}")
@@ -269,7 +276,9 @@ class RoundEngine:
         self.participation.commit(plan.selection, in_sum)
         spent = self.accountant.record([self.users[i] for i in in_sum], restart)
         clip = server.clip_norm
-        if estimator is not None:
+        if estimator is not None and aggregate.clipped_count is not None:  # summed in SecAgg
+            estimator.update_count(aggregate.clipped_count, len(aggregate.survivors))
+        elif estimator is not None:
             estimator.update([client_stats[i].norm for i in aggregate.survivors])
         self.releases.record_release(  # durable before anything of round r + 1 leaves the engine
             round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfleet.coordinator.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import SimulationConfig
@@ -229,7 +230,10 @@ def run_simulation(
             stopped_early = plan.message
             break
         updates = train_plan(cfg, trainer, population, plan)
-        agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r))
+        bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
+                [clipped_bit(u.norm, plan.count_threshold) for u in updates])
+        agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
+                                   bits=bits, clip_norm=plan.clip_norm)
         record = engine.close_round(plan, agg, updates)
         if progress and record["accuracy"] is not None:
             rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")

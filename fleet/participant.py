@@ -198,7 +198,9 @@ async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarra
 
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
                   bundle_key=None) -> Outcome:
+    from dpfleet.coordinator.adaptive_clipping import clipped_bit
     from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.count_bit import append_bit, check_layout
     from dpfleet.secagg.encoding import Discretizer
     from dpfleet.secagg.errors import SecAggError
     from dpfleet.secagg.setup_wire import decode_setup
@@ -210,8 +212,9 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
         with cpu("setup"):
             setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
             disc = Discretizer(**assignment["secagg"]["discretizer"])
-            if disc.padded_length != setup.length:
-                raise SecAggError("the discretizer's length differs from the setup's vector length")
+            threshold = assignment["secagg"].get("count_threshold")  # adaptive clipping's C^t
+            threshold = None if threshold is None else float(threshold)
+            check_layout(setup, disc, threshold)  # the length, bit slot and terms it signs
             if callable(policy):
                 policy = policy(setup.n)
             pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
@@ -245,7 +248,10 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
                     _, update, seconds = await training
                     rng = np.random.default_rng()  # the rounding is the device's own randomness
                     with cpu("encode"):
-                        client.provide_input(disc.encode(update.delta, rng).values)
+                        values = disc.encode(update.delta, rng).values
+                        if threshold is not None:  # the clipped bit, masked with the update
+                            values = append_bit(values, clipped_bit(update.norm, threshold))
+                        client.provide_input(values)
                 phase = _NEXT_MESSAGE.get(client.phase)
                 if phase == "consistency" and not setup.signed:
                     phase = "unmask"

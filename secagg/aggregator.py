@@ -9,6 +9,9 @@ The differences it must account for are in `info`:
 - `quantization_bound`: proven L2 distance between `total` and the exact sum of the surviving
   clients' clipped deltas (holds whenever `clipped_coordinates` is 0, which the scale makes a
   1e-6-per-client event);
+- `clipped_count` (adaptive clipping, when `bits` are given): each device's clipped bit rides
+  in the same masked vector as one exact extra coordinate, so the count covers exactly the
+  survivors (`count_bit`);
 - `survivors`: simulated dropouts after key sharing leave clients out of the sum, as on a real
   fleet; DP accounting must count only them;
 - costs: bytes sent/received per client, per-phase client and server seconds.
@@ -25,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.aggregation import AggregateResult, RingSum
 from dpfleet.errors import DpfleetError
+from dpfleet.secagg.count_bit import append_bit, split_count
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
@@ -74,14 +78,23 @@ class SecAggAggregator:
         self._fleet_file = fleet_keys if signed else None
         self.ring_clients = ring_clients
 
-    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int) -> AggregateResult:
+    def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None
+                  ) -> AggregateResult:
+        """`bits`: each device's clipped bit (adaptive clipping), masked as one more exact
+        coordinate after its model part (`count_bit`); the result's `clipped_count`.
+        `clip_norm`: the round's clip (adaptive clipping moves it at tree restarts); the
+        discretizer is scaled to it (None: the constructor's)."""
         if not deltas:
             raise ValueError("no deltas to aggregate")
+        if bits is not None and len(bits) != len(deltas):
+            raise ValueError(f"{len(bits)} clipped bits for {len(deltas)} deltas")
         started = time.perf_counter()
         n, length = len(deltas), int(np.asarray(deltas[0]).size)
         if self.ring_clients is not None and n > self.ring_clients:
             raise ValueError(f"{n} clients exceed the ring's {self.ring_clients}")
-        disc = Discretizer(length, self.clip_norm, self.bits, self.ring_clients or n, round_seed,
+        disc = Discretizer(length, clip_norm or self.clip_norm, self.bits,
+                           self.ring_clients or n, round_seed,
                            block_size=self.block_size)
         if self.signed and self._fleet_file and len(self._fleet) < n:
             raise DpfleetError(f"fleet key file {self._fleet_file} holds {len(self._fleet)} "
@@ -90,7 +103,7 @@ class SecAggAggregator:
             for u in range(len(self._fleet), n):
                 self._fleet[u] = Ed25519PrivateKey.generate()
         setup, identities, plan = plan_round(
-            n, disc.padded_length, self.bits, self.graph, self.threshold,
+            n, disc.padded_length + (bits is not None), self.bits, self.graph, self.threshold,
             self.assumed_dropout, self.corruption, self.signed,
             identity_keys={u: self._fleet[u] for u in range(n)} if self.signed else None)
         rng = np.random.default_rng([round_seed, 0xA66])
@@ -103,11 +116,16 @@ class SecAggAggregator:
             begun = time.perf_counter()
             encodings[u] = disc.encode(deltas[u], np.random.default_rng([round_seed, 0xE1C, u]))
             encode_seconds += time.perf_counter() - begun
-            return encodings[u].values
+            values = encodings[u].values
+            return values if bits is None else append_bit(values, int(bits[u]))
 
         report = run_round(setup, encode, identities, dropouts={"mask": dropped},
                            policy=ClientPolicy.for_setup(setup))
-        total = disc.decode(report.total)
+        ring, count, out_of_range = report.total, None, False
+        if bits is not None:
+            ring, count, out_of_range = split_count(ring, disc.padded_length,
+                                                    len(report.survivors))
+        total = disc.decode(ring)
         phase_client = {p: sum(report.client_seconds[p].values()) for p in PHASES}
         info = {
             "aggregation": "secagg",
@@ -134,5 +152,7 @@ class SecAggAggregator:
             "rejected_messages": len(report.rejections),
             "seconds": time.perf_counter() - started,
         }
+        if bits is not None:
+            info["count_out_of_range"] = out_of_range
         return AggregateResult(total=total, survivors=list(report.survivors), info=info,
-                               ring=RingSum(report.total, self.bits, disc.decode))
+                               ring=RingSum(ring, self.bits, disc.decode), clipped_count=count)

@@ -4,9 +4,11 @@ The coordinator fixes these in the round's plan: a fresh random session id (per 
 nothing from an earlier attempt at the same round is accepted), the number of clients n, the
 masking degree k, the Shamir threshold t, the corruption c the threshold is sized against, the
 vector length, the ring Z_(2^bits), and -- in signed mode -- the clients' long-term Ed25519
-identity keys. `setup_hash` is SHA-256 over all of it; it is every message header's context,
-the HKDF info of every derived key, the AAD of every sealed share and the signed prefix of every
-signature, so two clients holding different setups cannot talk to each other at all.
+identity keys, and optionally `terms`, a digest of what the inputs mean (the discretizer and
+adaptive clipping's threshold, `count_bit`). `setup_hash` is SHA-256 over all of it; it is
+every message header's context, the HKDF info of every derived key, the AAD of every sealed
+share and the signed prefix of every signature, so two clients holding different setups
+cannot talk to each other at all.
 
 The masking graph's seed is not a setup parameter: the server could grind it. It is derived in
 the round from commit-and-reveal among the clients (`graph_seed`).
@@ -28,6 +30,7 @@ from dpfleet.secagg.crypto import KEY_BYTES, ring_dtype
 from dpfleet.secagg.graph import Graph, GraphPlan, plan_graph
 
 SESSION_BYTES = 32
+TERMS_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class RoundSetup:
     corrupt: int = 0
     identities: Mapping[int, bytes] | None = None
     session_id: bytes = field(default_factory=lambda: secrets.token_bytes(SESSION_BYTES))
+    # SHA-256 of what the inputs mean (`count_bit.terms_digest`), b"" when the caller binds none
+    terms: bytes = b""
 
     def __post_init__(self) -> None:
         Graph(self.n, self.k)  # validates n and k
@@ -57,6 +62,8 @@ class RoundSetup:
         ring_dtype(self.bits)
         if len(self.session_id) != SESSION_BYTES:
             raise ValueError(f"session id must be {SESSION_BYTES} bytes")
+        if len(self.terms) not in (0, TERMS_BYTES):
+            raise ValueError(f"terms must be empty or a {TERMS_BYTES}-byte digest")
         if self.identities is not None:
             if set(self.identities) != set(range(self.n)):
                 raise ValueError("identities must hold one Ed25519 public key per client")
@@ -85,6 +92,8 @@ class RoundSetup:
                                   self.length, self.bits, self.signed))
         if self.identities is not None:
             digest.update(b"".join(self.identities[u] for u in range(self.n)))
+        if self.terms:  # appended only when bound, so setups without terms hash as before
+            digest.update(b"terms" + self.terms)
         return digest.digest()
 
     def graph(self, seed: int) -> Graph:
@@ -111,12 +120,14 @@ def plan_round(
     signed: bool = False,
     identity_keys: Mapping[int, Ed25519PrivateKey] | None = None,
     public_keys: Mapping[int, bytes] | None = None,
+    terms: bytes = b"",
 ) -> tuple[RoundSetup, dict[int, Ed25519PrivateKey] | None, GraphPlan]:
     """A round for n simulated clients: the setup (fresh session id), the clients' identity
     keys (signed mode; generated unless an emulated fleet's `identity_keys` are given) and the
     graph plan behind k and t; a networked coordinator, which never holds private keys, passes
     the devices' registered `public_keys` instead (signed). An explicit `threshold` overrides
-    the derived one (and must still satisfy the setup's rules)."""
+    the derived one (and must still satisfy the setup's rules); `terms` binds what the inputs
+    mean (`count_bit.terms_digest`)."""
     plan = plan_graph(n, graph, dropout, corruption)
     keys = None
     if signed and public_keys is not None:
@@ -135,5 +146,6 @@ def plan_round(
         bits=bits,
         corrupt=plan.corrupt,
         identities=identities,
+        terms=terms,
     )
     return setup, keys, plan

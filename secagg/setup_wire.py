@@ -13,16 +13,18 @@ import struct
 
 from dpfleet.secagg.crypto import KEY_BYTES
 from dpfleet.secagg.errors import ProtocolViolationError
-from dpfleet.secagg.params import SESSION_BYTES, RoundSetup
+from dpfleet.secagg.params import SESSION_BYTES, TERMS_BYTES, RoundSetup
 
 MAGIC = b"DPSU"
-VERSION = 1
+VERSION = 1  # version 2: the same, then the 32-byte `terms` digest before the identity list
+VERSION_TERMS = 2
 _FIXED = struct.Struct(f"<4sBIIIIQIB{SESSION_BYTES}s")
 
 
 def encode_setup(setup: RoundSetup) -> bytes:
-    head = _FIXED.pack(MAGIC, VERSION, setup.n, setup.k, setup.threshold, setup.corrupt,
-                       setup.length, setup.bits, setup.signed, setup.session_id)
+    version = VERSION_TERMS if setup.terms else VERSION
+    head = _FIXED.pack(MAGIC, version, setup.n, setup.k, setup.threshold, setup.corrupt,
+                       setup.length, setup.bits, setup.signed, setup.session_id) + setup.terms
     if not setup.signed:
         return head
     return head + b"".join(setup.identities[u] for u in range(setup.n))
@@ -33,15 +35,20 @@ def decode_setup(data: bytes) -> RoundSetup:
     if len(data) < _FIXED.size:
         raise ProtocolViolationError("round setup too short")
     magic, version, n, k, t, c, length, bits, signed, session = _FIXED.unpack_from(data)
-    if magic != MAGIC or version != VERSION or signed not in (0, 1):
-        raise ProtocolViolationError("not a version-1 round setup")
+    if magic != MAGIC or version not in (VERSION, VERSION_TERMS) or signed not in (0, 1):
+        raise ProtocolViolationError("not a version-1 or version-2 round setup")
     rest = data[_FIXED.size:]
+    terms = b""
+    if version == VERSION_TERMS:
+        terms, rest = rest[:TERMS_BYTES], rest[TERMS_BYTES:]
+        if len(terms) != TERMS_BYTES:
+            raise ProtocolViolationError("version-2 round setup without its terms digest")
     if len(rest) != (n * KEY_BYTES if signed else 0):
         raise ProtocolViolationError("round setup has the wrong length for its identity list")
     identities = ({u: rest[u * KEY_BYTES:(u + 1) * KEY_BYTES] for u in range(n)}
                   if signed else None)
     try:
         return RoundSetup(n=n, k=k, threshold=t, length=length, bits=bits, corrupt=c,
-                          identities=identities, session_id=session)
+                          identities=identities, session_id=session, terms=terms)
     except ValueError as exc:
         raise ProtocolViolationError(f"invalid round setup: {exc}") from None

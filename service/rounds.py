@@ -389,6 +389,7 @@ class RoundDriver:
         return cur
 
     def _secagg_setup(self, cur: OpenRound) -> dict:
+        from dpfleet.secagg.count_bit import input_length, terms_digest
         from dpfleet.secagg.encoding import Discretizer
         from dpfleet.secagg.params import plan_round
         from dpfleet.secagg.setup_wire import encode_setup
@@ -396,16 +397,19 @@ class RoundDriver:
         cfg, eng, plan = self.cfg, self.engine, cur.plan
         agg = cfg.aggregation
         clients = eng.ring.ring_clients if eng.ring else round_size(cfg)
-        disc = Discretizer(plan.theta.size, cfg.dp.clip_norm, agg.bits, clients,
+        disc = Discretizer(plan.theta.size, plan.clip_norm, agg.bits, clients,
                            _seed(cfg.seed, "agg", plan.round))
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
-        setup, _, _ = plan_round(len(plan.devices), disc.padded_length, agg.bits, agg.graph,
-                                 dropout=0.1, corruption=agg.corruption, signed=agg.signed,
-                                 public_keys=identities if agg.signed else None)
+        threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too
+        setup, _, _ = plan_round(len(plan.devices), input_length(disc, threshold), agg.bits,
+                                 agg.graph, dropout=0.1, corruption=agg.corruption,
+                                 signed=agg.signed, public_keys=identities if agg.signed else None,
+                                 terms=terms_digest(disc, threshold))
         cur.secagg, cur.disc = SecAggRound(setup), disc
         return {"setup": encode_setup(setup).hex(),
                 "discretizer": {"length": disc.length, "clip_norm": disc.clip_norm,
-                                "bits": disc.bits, "clients": disc.clients, "seed": disc.seed}}
+                                "bits": disc.bits, "clients": disc.clients, "seed": disc.seed},
+                "count_threshold": threshold}
 
     async def _execute(self, cur: OpenRound) -> None:
         started = time.monotonic()
@@ -457,8 +461,14 @@ class RoundDriver:
         info = {"aggregation": "secagg", "k": sa.setup.k, "threshold": sa.setup.threshold,
                 "signed": sa.setup.signed, "bits": disc.bits, "norm_inflation": disc.norm_inflation,
                 "survivors": len(survivors), "rejected_messages": sa.rejected}
+        count = None
+        if cur.plan.count_threshold is not None:  # the survivors' clipped bits, summed with them
+            from dpfleet.secagg.count_bit import split_count
+
+            ring, count, info["count_out_of_range"] = split_count(ring, disc.padded_length,
+                                                                  len(survivors))
         return AggregateResult(total=disc.decode(ring), survivors=survivors, info=info,
-                               ring=RingSum(ring, disc.bits, disc.decode))
+                               ring=RingSum(ring, disc.bits, disc.decode), clipped_count=count)
 
     async def _commit(self, cur: OpenRound, agg: AggregateResult, stats: list) -> None:
         cur.state = "closing"

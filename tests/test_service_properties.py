@@ -79,11 +79,14 @@ def test_only_finite_in_norm_exact_length_uploads_are_accepted(vec, clip, length
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(3, 12), length=st.integers(1, 5000), bits=st.sampled_from([16, 24, 32]),
-       signed=st.booleans(), cut=st.integers(1, 40))
-def test_a_setup_survives_its_encoding_and_nothing_else_decodes(n, length, bits, signed, cut):
-    setup, _, _ = plan_round(n, length, bits, signed=signed)
+       signed=st.booleans(), cut=st.integers(1, 40),
+       terms=st.sampled_from([b""]) | st.binary(min_size=32, max_size=32))
+def test_a_setup_survives_its_encoding_and_nothing_else_decodes(n, length, bits, signed, cut,
+                                                                terms):
+    setup, _, _ = plan_round(n, length, bits, signed=signed, terms=terms)
     data = encode_setup(setup)
     assert decode_setup(data).setup_hash == setup.setup_hash
+    assert decode_setup(data).terms == terms  # the inputs' meaning (count_bit) is kept
     for broken in (data[:-min(cut, len(data))], data + b"\0" * cut):
         with pytest.raises(ProtocolViolationError):
             decode_setup(broken)

@@ -1,0 +1,81 @@
+"""Adaptive clipping's clipped bit as one more coordinate of the vector SecAgg sums.
+
+Why here and not reported on the side: adaptive clipping (`coordinator.adaptive_clipping`) needs
+how many of a round's devices had ||delta|| <= C^t, and under secure aggregation the server must
+not see any one device's norm or bit. So each device appends b = [||delta|| <= C^t] as one exact
+integer after its discretized model part (never rotated, scaled or clipped with it); the masks
+cover it like any coordinate, and the unmasked modular sum holds the exact count of the devices
+whose update is in the sum (a device is in both or in neither: it is one masked vector). The
+coordinator then adds its tree-noised count noise (sigma_b) exactly as for plain aggregation.
+
+What the devices' inputs mean is bound into the setup (`RoundSetup.terms`, in the setup hash
+every message carries): the discretizer and the threshold C^t. A server that announced different
+thresholds to different devices (say infinity to all but one, to read that one's bit from the
+count) gives them different setup hashes, and they cannot take part in the same sum at all. The
+vector length, with or without the bit's slot, is in the setup hash already; a device checks it
+against the slot it expects (`check_layout`) before it sends anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.errors import ProtocolViolationError
+from dpfleet.secagg.params import RoundSetup
+
+TERMS_LABEL = b"dpfleet/secagg/terms/v1"
+
+
+def input_length(disc: Discretizer, count_threshold: float | None) -> int:
+    """The masked vector's length: the model's ring part, plus the bit's slot with a threshold."""
+    return disc.padded_length + (count_threshold is not None)
+
+
+def terms_digest(disc: Discretizer, count_threshold: float | None) -> bytes:
+    """SHA-256 of what every input of the round means: the discretizer's parameters and the
+    clipped-count threshold (None: no bit). Floats go in as `repr`, which round-trips exactly."""
+    terms = {"length": disc.length, "clip_norm": repr(float(disc.clip_norm)), "bits": disc.bits,
+             "clients": disc.clients, "seed": disc.seed, "block_size": disc.block_size,
+             "count_threshold": None if count_threshold is None else repr(float(count_threshold))}
+    return hashlib.sha256(TERMS_LABEL + json.dumps(terms, sort_keys=True).encode()).digest()
+
+
+def check_layout(setup: RoundSetup, disc: Discretizer, count_threshold: float | None) -> None:
+    """What a device checks before its first message: the announced length is the model part
+    plus exactly the slot it will fill, and the setup binds these very terms; else
+    `ProtocolViolationError` (the device refuses the round)."""
+    want = input_length(disc, count_threshold)
+    if setup.length != want:
+        raise ProtocolViolationError(
+            f"setup announces {setup.length} ring elements, the discretizer and clipped-count "
+            f"slot make {want}")
+    if setup.terms != terms_digest(disc, count_threshold):
+        raise ProtocolViolationError("setup does not bind this round's discretizer and "
+                                     "clipped-count threshold")
+
+
+def append_bit(values: np.ndarray, bit: int) -> np.ndarray:
+    """The ring vector with the bit (0 or 1) as its last element."""
+    if bit not in (0, 1):
+        raise ValueError(f"the clipped bit is 0 or 1, got {bit}")
+    out = np.empty(values.size + 1, dtype=values.dtype)
+    out[:-1] = values
+    out[-1] = bit
+    return out
+
+
+def split_count(total: np.ndarray, model_length: int, summed: int) -> tuple[np.ndarray, int, bool]:
+    """(the model's ring sum, the clipped count, whether the count was out of range).
+
+    Honest devices' bits sum to a count in [0, summed]; anything else (a device that put another
+    value in its slot) is clamped into that range, so no device can push the estimate by more
+    than a full round of bits, and flagged."""
+    if total.size != model_length + 1:
+        raise ValueError(f"sum has {total.size} elements, expected {model_length} + 1")
+    raw = int(total[-1])
+    count = min(max(raw, 0), summed)
+    return total[:model_length], count, count != raw
