@@ -366,13 +366,48 @@ def run_lpub_kd(args) -> None:
     results += run_grid(args, arm_list[2:], factory)
     stats = {"candidates": len(candidates), "candidates_per_seed": n_cand,
              "labelled": len(labelled), "selection": selection_stats(
-                 l_priv, l_pub, chosen, picked, n_cand, args),
-             "teacher_workers": [json.loads(p.read_text())
-                                 for p in sorted(args.work.glob("teacher-*.json"))]}
+                 l_priv, l_pub, chosen, picked, n_cand, args)}
+    if args.check_sample:
+        stats["outside_check"] = outside_check(args, cfg, vocab, pool, candidates, l_priv,
+                                               l_pub, picked)
+    stats["teacher_workers"] = [json.loads(p.read_text())
+                                for p in sorted(args.work.glob("teacher-*.json"))]
     results = run_grid(argparse.Namespace(**{**vars(args), "collect": True}), arm_list)
+    folders = [args.work / f"{a['name']}-s{s}" for a in arm_list for s in args.seeds]
+    first = min((f / "pipeline.json").stat().st_mtime for f in folders
+                if (f / "pipeline.json").is_file())
+    last = max((f / "summary.json").stat().st_mtime for f in folders
+               if (f / "summary.json").is_file())
     save(args, results, partial=len(results) < len(arm_list) * len(args.seeds),
-         arm_list=arm_list, lpub_kd=stats, wall_seconds=time.perf_counter() - start)
+         arm_list=arm_list, lpub_kd=stats, wall_seconds=last - first,
+         this_invocation_seconds=time.perf_counter() - start)
     write_lpub_report(json.loads(args.out.read_text()), args.out)
+
+
+def outside_check(args, cfg, vocab, pool, candidates: list[int], l_priv: dict,
+                  l_pub: np.ndarray, picked: dict) -> dict:
+    """Score a random sample of non-candidates too, and count per seed how many of them would
+    have entered the combined top q: an estimate of what the candidate cut leaves out."""
+    from lpub_kd import PartialTeacher
+
+    from dpfleet.public.matching import match_scores
+
+    outside = np.setdiff1d(np.arange(len(pool.sequences)), candidates)
+    sample = np.sort(np.random.default_rng(0).choice(outside, args.check_sample, replace=False))
+    work = PartialTeacher(cfg, vocab, pool, True, sample)
+    work.score_candidates(claim)
+    (args.work / f"teacher-check-{os.getpid()}.json").write_text(json.dumps(
+        {"pid": os.getpid(), **work.teacher_stats}))
+    l_sample = work.logprobs()[sample]
+    out = {"sample": int(len(sample)), "outside": int(len(outside))}
+    for s in l_priv:
+        h = match_scores(l_pub, l_priv[s], args.match_beta)
+        h_star = float(np.sort(h[picked[s]])[0])
+        h_sample = match_scores(l_sample, l_priv[s][sample], args.match_beta)
+        above = int((h_sample >= h_star).sum())
+        out[str(s)] = {"sample_above_threshold": above,
+                       "estimated_outside_entrants": above / len(sample) * len(outside)}
+    return out
 
 
 def selection_stats(l_priv: dict, l_pub: np.ndarray, chosen: dict, picked: dict, n_cand: int,
@@ -447,7 +482,16 @@ def lpub_markdown(payload: dict) -> str:
                          f"{v['worst_l_priv_rank_selected']} | {v['l_pub_needed_outside']:.2f} | "
                          f"{v['candidates_with_l_pub_above_needed']} | "
                          f"{v['l_pub_candidates_median']:.2f} / {v['l_pub_candidates_max']:.2f} |")
-        workers = stats["teacher_workers"]
+        check = stats.get("outside_check")
+        if check:
+            est = ", ".join(f"seed {s}: {check[s]['sample_above_threshold']} "
+                            f"(~{check[s]['estimated_outside_entrants']:.0f} records)"
+                            for s in check if s not in ("sample", "outside"))
+            lines += ["", f"Check of the candidate cut: l_pub of {check['sample']} random "
+                      f"non-candidates (of {check['outside']:,}); sampled records whose h would "
+                      f"reach the q-th best h of the l_pub selection: {est}."]
+        workers = [w for w in stats["teacher_workers"] if w.get("lpub_tokens") or
+                   w.get("topk_tokens")]
         for job, what in (("lpub", "l_pub (teacher-tokenizer tokens)"),
                           ("topk", "top-k labels (on-device tokens)")):
             tokens = sum(w[f"{job}_tokens"] for w in workers)
@@ -455,10 +499,11 @@ def lpub_markdown(payload: dict) -> str:
             if secs:
                 lines.append(f"\nTeacher {what}: {tokens:,} tokens scored in this run (cache "
                              f"misses) in {secs / 60:.1f} teacher-minutes over {len(workers)} "
-                             f"worker(s), {tokens / secs:.1f} tokens/s per 1-thread process.")
+                             f"process run(s), {tokens / secs:.1f} tokens/s per 1-thread process.")
     secs = [r["seconds"] for r in results]
     lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
-              f"{np.median(secs):.0f} s per run); wall {payload.get('wall_seconds', 0) / 60:.1f} "
+              f"{np.median(secs):.0f} s per run); first run start to last run end "
+              f"{payload.get('wall_seconds', 0) / 60:.1f} "
               f"min; machine: {payload['machine']}."]
     return "\n".join(lines) + "\n"
 
@@ -539,6 +584,9 @@ def main() -> None:
                     help="l_pub is scored on the union over seeds of this top fraction by l_priv")
     lp.add_argument("--match-beta", type=float, default=0.5, help="weight of l_priv in h")
     lp.add_argument("--kd-beta", type=float, default=0.1)
+    lp.add_argument("--check-sample", type=int, default=0,
+                    help="also score this many random non-candidates (after the arms) to estimate "
+                         "how many records the candidate cut keeps out of the l_pub selection")
     args = ap.parse_args()
     if args.lpub_kd:
         if args.out == HERE / "public_pool.json":
