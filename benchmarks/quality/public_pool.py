@@ -326,12 +326,12 @@ def _finished(args, arm: dict, seed: int) -> Path:
 
 
 def run_lpub_kd(args) -> None:
-    """none and l_priv matching first; then l_pub of the candidates and KD labels of the
-    selected records (teacher work shared by workers chunk by chunk); then the teacher arms."""
+    """none and l_priv matching first; then l_pub of each seed's candidates and KD labels of
+    the selected records (teacher work shared by workers chunk by chunk); then the teacher arms."""
     import torch
     from lpub_kd import PartialTeacher
 
-    from dpfleet.public.matching import build_pool, match_scores, top_fraction
+    from dpfleet.public.matching import build_pool, top_fraction
     from dpfleet.public.pipeline import parse_pipeline, teacher_vocab
 
     torch.set_num_threads(args.threads)
@@ -346,14 +346,16 @@ def run_lpub_kd(args) -> None:
     vocab = teacher_vocab(cfg, print)
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
                       cfg.pool.seed)
-    n_cand = math.ceil(args.candidates * len(pool.sequences))
-    candidates = sorted({int(i) for s in args.seeds for i in top_fraction(l_priv[s], args.candidates)})
-    work = PartialTeacher(cfg, vocab, pool, True, candidates)
+    # each seed's candidates are its own top records by l_priv (no coupling between seeds)
+    candidates = {s: sorted(int(i) for i in top_fraction(l_priv[s], args.candidates))
+                  for s in args.seeds}
+    union = sorted({i for c in candidates.values() for i in c})
+    work = PartialTeacher(cfg, vocab, pool, True, union)
     t0 = time.perf_counter()
     work.score_candidates(claim)
-    l_pub = work.logprobs()
-    picked = {s: top_fraction(match_scores(l_pub, l_priv[s], args.match_beta), args.lpub_q)
-              for s in args.seeds}
+    l_pub_all = work.logprobs()
+    l_pub = {s: _restricted(l_pub_all, candidates[s]) for s in args.seeds}
+    picked = lpub_selections(l_pub, l_priv, args)
     labelled = sorted({int(i) for s in args.seeds for i in [*chosen[s], *picked[s]]})
     work.labelled = labelled
     work.label(claim)
@@ -361,15 +363,16 @@ def run_lpub_kd(args) -> None:
     (args.work / f"teacher-{os.getpid()}.json").write_text(json.dumps(teacher))
 
     def factory(cfg, vocab, pool, progress):
-        return PartialTeacher(cfg, vocab, pool, progress, candidates, labelled)
+        return PartialTeacher(cfg, vocab, pool, progress, candidates[cfg.simulation.seed],
+                              labelled)
 
     results += run_grid(args, arm_list[2:], factory)
-    stats = {"candidates": len(candidates), "candidates_per_seed": n_cand,
+    stats = {"candidates": len(union), "candidates_per_seed": len(candidates[args.seeds[0]]),
              "labelled": len(labelled), "selection": selection_stats(
-                 l_priv, l_pub, chosen, picked, n_cand, args)}
+                 l_priv, l_pub, chosen, picked, len(candidates[args.seeds[0]]), args)}
     if args.check_sample:
-        stats["outside_check"] = outside_check(args, cfg, vocab, pool, candidates, l_priv,
-                                               l_pub, picked)
+        stats["outside_check"] = outside_check(args, cfg, vocab, pool, union, l_priv, l_pub_all,
+                                               candidates, picked)
     stats["teacher_workers"] = [json.loads(p.read_text())
                                 for p in sorted(args.work.glob("teacher-*.json"))]
     results = run_grid(argparse.Namespace(**{**vars(args), "collect": True}), arm_list)
@@ -384,15 +387,30 @@ def run_lpub_kd(args) -> None:
     write_lpub_report(json.loads(args.out.read_text()), args.out)
 
 
-def outside_check(args, cfg, vocab, pool, candidates: list[int], l_priv: dict,
-                  l_pub: np.ndarray, picked: dict) -> dict:
-    """Score a random sample of non-candidates too, and count per seed how many of them would
-    have entered the combined top q: an estimate of what the candidate cut leaves out."""
+def _restricted(l_pub: np.ndarray, keep: list[int]) -> np.ndarray:
+    out = np.full(len(l_pub), -np.inf)
+    out[keep] = l_pub[keep]
+    return out
+
+
+def lpub_selections(l_pub: dict, l_priv: dict, args) -> dict:
+    """Per seed, the top q by h_beta, as the pipeline's lpub arm selects it."""
+    from dpfleet.public.matching import match_scores, top_fraction
+
+    return {s: top_fraction(match_scores(l_pub[s], l_priv[s], args.match_beta), args.lpub_q)
+            for s in l_priv}
+
+
+def outside_check(args, cfg, vocab, pool, union: list[int], l_priv: dict, l_pub_all: np.ndarray,
+                  candidates: dict, picked: dict) -> dict:
+    """How many records each seed's candidate cut keeps out of its l_pub selection: records
+    whose h would reach the q-th best selected h. Counted exactly among the other seeds'
+    candidates (scored), estimated from a random sample of the rest (scored here)."""
     from lpub_kd import PartialTeacher
 
     from dpfleet.public.matching import match_scores
 
-    outside = np.setdiff1d(np.arange(len(pool.sequences)), candidates)
+    outside = np.setdiff1d(np.arange(len(pool.sequences)), union)
     sample = np.sort(np.random.default_rng(0).choice(outside, args.check_sample, replace=False))
     work = PartialTeacher(cfg, vocab, pool, True, sample)
     work.score_candidates(claim)
@@ -401,16 +419,19 @@ def outside_check(args, cfg, vocab, pool, candidates: list[int], l_priv: dict,
     l_sample = work.logprobs()[sample]
     out = {"sample": int(len(sample)), "outside": int(len(outside))}
     for s in l_priv:
-        h = match_scores(l_pub, l_priv[s], args.match_beta)
-        h_star = float(np.sort(h[picked[s]])[0])
-        h_sample = match_scores(l_sample, l_priv[s][sample], args.match_beta)
-        above = int((h_sample >= h_star).sum())
-        out[str(s)] = {"sample_above_threshold": above,
-                       "estimated_outside_entrants": above / len(sample) * len(outside)}
+        h_star = float(np.min(match_scores(l_pub_all[picked[s]], l_priv[s][picked[s]],
+                                           args.match_beta)))
+        others = np.setdiff1d(union, candidates[s])
+        exact = int((match_scores(l_pub_all[others], l_priv[s][others], args.match_beta)
+                     >= h_star).sum())
+        above = int((match_scores(l_sample, l_priv[s][sample], args.match_beta) >= h_star).sum())
+        out[str(s)] = {"other_candidates_above_threshold": exact,
+                       "sample_above_threshold": above,
+                       "estimated_outside_entrants": exact + above / len(sample) * len(outside)}
     return out
 
 
-def selection_stats(l_priv: dict, l_pub: np.ndarray, chosen: dict, picked: dict, n_cand: int,
+def selection_stats(l_priv: dict, l_pub: dict, chosen: dict, picked: dict, n_cand: int,
                     args) -> dict:
     """Per seed: overlap of the two selections, and how tight the candidate cut is: a record
     outside seed s's candidates has l_priv <= its cut c_s, so it could enter the combined top q
@@ -422,10 +443,9 @@ def selection_stats(l_priv: dict, l_pub: np.ndarray, chosen: dict, picked: dict,
     for s in l_priv:
         order = np.argsort(-l_priv[s], kind="stable")
         cut = float(l_priv[s][order[n_cand - 1]])
-        h = match_scores(l_pub, l_priv[s], beta)
-        h_star = float(np.sort(h[picked[s]])[0])
+        h_star = float(np.min(match_scores(l_pub[s], l_priv[s], beta)[picked[s]]))
         need = (h_star - beta * cut) / (1 - beta) if beta < 1 else math.inf
-        finite = l_pub[np.isfinite(l_pub)]
+        finite = l_pub[s][np.isfinite(l_pub[s])]
         rank = np.empty(len(order), dtype=np.int64)
         rank[order] = np.arange(len(order))
         out[str(s)] = {
@@ -470,10 +490,10 @@ def lpub_markdown(payload: dict) -> str:
               "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
     lines += difference_rows(lpub_comparisons(arm_list), by, seeds)
     if stats:
-        lines += ["", f"Teacher work: l_pub on {stats['candidates']:,} candidates (union over "
-                  f"seeds of the top {st['candidates'] * 100:g}% = {stats['candidates_per_seed']:,} "
-                  f"records by l_priv), top-k labels for the {stats['labelled']:,} records some "
-                  "arm selects.", "",
+        lines += ["", f"Teacher work: each seed's candidates are its top "
+                  f"{st['candidates'] * 100:g}% = {stats['candidates_per_seed']:,} records by its "
+                  f"own l_priv; l_pub of their union ({stats['candidates']:,} records), top-k "
+                  f"labels for the {stats['labelled']:,} records some arm selects.", "",
                   "| seed | lpub selection shared with match | worst l_priv rank in lpub selection "
                   "| l_pub a non-candidate would need | candidates above it | candidate l_pub "
                   "median / max |", "|---|---|---|---|---|---|"]
@@ -484,12 +504,14 @@ def lpub_markdown(payload: dict) -> str:
                          f"{v['l_pub_candidates_median']:.2f} / {v['l_pub_candidates_max']:.2f} |")
         check = stats.get("outside_check")
         if check:
-            est = ", ".join(f"seed {s}: {check[s]['sample_above_threshold']} "
-                            f"(~{check[s]['estimated_outside_entrants']:.0f} records)"
+            est = "; ".join(f"seed {s}: {check[s]['other_candidates_above_threshold']} of the "
+                            f"other seeds' candidates, {check[s]['sample_above_threshold']} of "
+                            f"the sample, ~{check[s]['estimated_outside_entrants']:.0f} in all"
                             for s in check if s not in ("sample", "outside"))
-            lines += ["", f"Check of the candidate cut: l_pub of {check['sample']} random "
-                      f"non-candidates (of {check['outside']:,}); sampled records whose h would "
-                      f"reach the q-th best h of the l_pub selection: {est}."]
+            lines += ["", f"Check of the candidate cut: l_pub also of {check['sample']} random "
+                      f"records outside every seed's candidates (of {check['outside']:,}). "
+                      "Records outside a seed's candidates whose h would reach the q-th best h "
+                      f"of its l_pub selection (so the cut kept them out): {est}."]
         workers = [w for w in stats["teacher_workers"] if w.get("lpub_tokens") or
                    w.get("topk_tokens")]
         for job, what in (("lpub", "l_pub (teacher-tokenizer tokens)"),
