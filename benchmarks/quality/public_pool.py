@@ -21,6 +21,12 @@ l_priv only (match_beta = 1) and public training is L_LM only (kd_beta = 0).
     python benchmarks/quality/public_pool.py --seeds 0 1 2          # the run (writes .json/.md/.png)
     python benchmarks/quality/public_pool.py --quick                # a small smoke grid in minutes
     python benchmarks/quality/public_pool.py --summarize            # .md/.png from the .json
+
+`--lpub-kd` adds the teacher rows at one q (none, l_priv matching, l_pub matching at
+match_beta = 0.5, KD at kd_beta = 0.1, both) with the teacher run only on part of the pool
+(lpub_kd.py: l_pub on each seed's top `--candidates` by l_priv, KD labels for the selected):
+
+    python benchmarks/quality/public_pool.py --lpub-kd --seeds 0 1 2 3 4 --check-sample 500
 """
 
 from __future__ import annotations
