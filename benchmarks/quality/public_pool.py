@@ -433,8 +433,31 @@ def outside_check(args, cfg, vocab, pool, union: list[int], l_priv: dict, l_pub_
         above = int((match_scores(l_sample, l_priv[s][sample], args.match_beta) >= h_star).sum())
         out[str(s)] = {"other_candidates_above_threshold": exact,
                        "sample_above_threshold": above,
-                       "estimated_outside_entrants": exact + above / len(sample) * len(outside)}
+                       "estimated_outside_entrants": exact + above / len(sample) * len(outside),
+                       **exact_selection_estimate(args, pool, union, sample, l_priv[s], l_pub_all,
+                                                  l_sample, candidates[s], len(outside))}
     return out
+
+
+def exact_selection_estimate(args, pool, union, sample, l_priv: np.ndarray, l_pub_all: np.ndarray,
+                             l_sample: np.ndarray, candidates: list[int], n_outside: int) -> dict:
+    """What Algorithm 1 with l_pub over the whole pool would select, extrapolated: the scored
+    records (the union, weight 1; the sample, weight n_outside / len(sample)) ranked by h and
+    cut at the selection size; its share of this seed's candidates and of each source."""
+    from dpfleet.public.matching import match_scores, selection_size
+
+    idx = np.concatenate([union, sample])
+    h = match_scores(np.concatenate([l_pub_all[union], l_sample]), l_priv[idx], args.match_beta)
+    weight = np.concatenate([np.ones(len(union)), np.full(len(sample), n_outside / len(sample))])
+    order = np.argsort(-h, kind="stable")
+    size = selection_size(len(pool.sequences), args.lpub_q)
+    keep = order[: int(np.searchsorted(np.cumsum(weight[order]), size)) + 1]
+    total = weight[keep].sum()
+    own = np.isin(idx[keep], candidates)
+    return {"estimated_exact_share_from_candidates": float(weight[keep][own].sum() / total),
+            "estimated_exact_sources": {src: float(weight[keep][[pool.sources[i] == src for i in
+                                                                  idx[keep]]].sum() / total)
+                                        for src in SOURCES}}
 
 
 def selection_stats(l_priv: dict, l_pub: dict, chosen: dict, picked: dict, n_cand: int,
@@ -518,6 +541,17 @@ def lpub_markdown(payload: dict) -> str:
                       f"records outside every seed's candidates (of {check['outside']:,}). "
                       "Records outside a seed's candidates whose h would reach the q-th best h "
                       f"of its l_pub selection (so the cut kept them out): {est}."]
+            seeds_c = [s for s in check if s not in ("sample", "outside")]
+            if "estimated_exact_sources" in check[seeds_c[0]]:
+                share = [check[s]["estimated_exact_share_from_candidates"] * 100 for s in seeds_c]
+                mix = {src: np.mean([check[s]["estimated_exact_sources"][src] * 100
+                                     for s in seeds_c]) for src in SOURCES}
+                lines += ["", "Extrapolated exact selection (candidates and other seeds' "
+                          "candidates with weight 1, the sample with weight outside / sample, "
+                          "ranked by h): "
+                          f"{min(share):.0f}-{max(share):.0f}% of it from the seed's candidates; "
+                          "sources (mean over seeds) " + " / ".join(
+                              f"{src} {v:.0f}%" for src, v in mix.items()) + "."]
         workers = [w for w in stats["teacher_workers"] if w.get("lpub_tokens") or
                    w.get("topk_tokens")]
         for job, what in (("lpub", "l_pub (teacher-tokenizer tokens)"),
