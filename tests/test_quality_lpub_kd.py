@@ -179,3 +179,29 @@ def test_labels_are_found_by_content_not_by_position(tmp_path):
     np.testing.assert_array_equal(  # found in the second shard, where its own tokens are
         corpus.batch([3]).topk_ids[0, : len(pool.sequences[3])].numpy(),
         TopKCorpus(work.topk_folder / "01").topk_ids[: len(pool.sequences[3])])
+
+
+def test_exact_selection_estimate_weighs_the_sample_for_the_unscored_rest():
+    """30 scored candidates; 10 sampled records stand for 100 unscored ones each. When the
+    sample's h is the highest, the extrapolated top 2% (21 of 1,030) comes from outside."""
+    n_cand, n_sample, n_out = 30, 10, 1000
+    sources = ["kjv"] * n_cand + ["wikitext2"] * n_out
+    pool = Pool([[5, 6, 7, 8]] * (n_cand + n_out), sources, [""] * (n_cand + n_out))
+    union = np.arange(n_cand)
+    sample = np.arange(n_cand, n_cand + n_sample)
+    l_priv = np.zeros(n_cand + n_out)
+    l_pub = np.full(n_cand + n_out, -5.0)
+    args = SimpleNamespace(match_beta=0.5, lpub_q=0.02)
+    high = public_pool.exact_selection_estimate(args, pool, union, sample, l_priv, l_pub,
+                                                np.full(n_sample, -1.0), list(union), n_out)
+    assert high["estimated_exact_share_from_candidates"] == 0.0
+    assert high["estimated_exact_sources"] == {"wikitext2": 1.0, "kjv": 0.0,
+                                               "shakespeare-collab": 0.0}
+    low = public_pool.exact_selection_estimate(args, pool, union, sample, l_priv, l_pub,
+                                               np.full(n_sample, -9.0), list(union), n_out)
+    assert low["estimated_exact_share_from_candidates"] == 1.0
+    assert low["estimated_exact_sources"]["kjv"] == 1.0
+    l_pub[:25] = -9.0  # only 5 candidates stay above the sample: 16 of the 21 come from outside
+    mixed = public_pool.exact_selection_estimate(args, pool, union, sample, l_priv, l_pub,
+                                                 np.full(n_sample, -6.0), list(union), n_out)
+    assert mixed["estimated_exact_share_from_candidates"] == pytest.approx(5 / 21)

@@ -452,11 +452,12 @@ def exact_selection_estimate(args, pool, union, sample, l_priv: np.ndarray, l_pu
     order = np.argsort(-h, kind="stable")
     size = selection_size(len(pool.sequences), args.lpub_q)
     keep = order[: int(np.searchsorted(np.cumsum(weight[order]), size)) + 1]
-    total = weight[keep].sum()
+    w = weight[keep].copy()
+    w[-1] -= w.sum() - size  # the record crossing the cut counts only for the rest of it
     own = np.isin(idx[keep], candidates)
-    return {"estimated_exact_share_from_candidates": float(weight[keep][own].sum() / total),
-            "estimated_exact_sources": {src: float(weight[keep][[pool.sources[i] == src for i in
-                                                                  idx[keep]]].sum() / total)
+    return {"estimated_exact_share_from_candidates": float(w[own].sum() / size),
+            "estimated_exact_sources": {src: float(w[[pool.sources[i] == src for i in
+                                                       idx[keep]]].sum() / size)
                                         for src in SOURCES}}
 
 
