@@ -254,11 +254,14 @@ def _check_resumable(cfg: PipelineConfig, out: Path) -> None:
 
 
 def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, resume: bool = False,
-                 progress: bool = True, log: Callable[[str], None] = print) -> dict:
+                 progress: bool = True, log: Callable[[str], None] = print,
+                 teacher_work: Callable[..., TeacherWork] = TeacherWork) -> dict:
     """Run Algorithm 1 (or the Table 2 variant `cfg.public` describes) into run folder `out`.
 
     With `resume`, `out` is an interrupted pipeline of this config: its DP-FTRL run continues
-    from its last resume point, and a public stage already done is not redone.
+    from its last resume point, and a public stage already done is not redone. `teacher_work`
+    builds the teacher's labels from (cfg, vocab, pool, progress); a benchmark can restrict it
+    to part of the pool (benchmarks/quality/lpub_kd.py).
     """
     from dpfleet.coordinator.simulation import run_simulation
 
@@ -280,7 +283,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                       cfg.pool.seed)
     check_pool_is_public(cfg, pool)
     pool.save(out / "pool.npz")
-    teacher = TeacherWork(cfg, vocab, pool, progress)
+    teacher = teacher_work(cfg, vocab, pool, progress)
     model_cfg = dataclasses.replace(sim.model, vocab_size=vocab.tokenizer.vocab_size)
     switch = cfg.switch_round
     report: dict = {"switch_round": switch, "selection": p.selection, "pool_size": len(pool.sequences)}

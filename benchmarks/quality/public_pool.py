@@ -21,6 +21,12 @@ l_priv only (match_beta = 1) and public training is L_LM only (kd_beta = 0).
     python benchmarks/quality/public_pool.py --seeds 0 1 2          # the run (writes .json/.md/.png)
     python benchmarks/quality/public_pool.py --quick                # a small smoke grid in minutes
     python benchmarks/quality/public_pool.py --summarize            # .md/.png from the .json
+
+`--lpub-kd` adds the teacher rows at one q (none, l_priv matching, l_pub matching at
+match_beta = 0.5, KD at kd_beta = 0.1, both) with the teacher run only on part of the pool
+(lpub_kd.py: l_pub on each seed's top `--candidates` by l_priv, KD labels for the selected):
+
+    python benchmarks/quality/public_pool.py --lpub-kd --seeds 0 1 2 3 4 --check-sample 500
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ def arms(args) -> list[dict]:
 def config(args, arm: dict, seed: int) -> dict:
     public = {"teacher": args.teacher, "vocab_size": 4096, "selection": arm["selection"],
               "fraction": arm["q"] or 0.1, "steps": arm["steps"], "batch_size": args.batch_size,
-              "lr": 3e-3, "match_beta": 1.0, "kd_beta": 0.0}
+              "lr": 3e-3, "match_beta": arm.get("match_beta", 1.0), "kd_beta": arm.get("kd_beta", 0.0)}
     sim = private_simulation(args, args.noise[0], seed, eval_every=args.rounds // 2,
                              eval_examples=args.eval_examples)
     sim["dp"]["noise_seed"] = seed  # research mode: arms of one seed share their noise draws
@@ -91,14 +97,15 @@ def config(args, arm: dict, seed: int) -> dict:
             "pool": {"sources": SOURCES, "records": list(args.pool), "seq_len": 16, "seed": 0}}
 
 
-def run_grid(args) -> list[dict]:
+def run_grid(args, arm_list: list[dict] | None = None, teacher_work=None) -> list[dict]:
+    """Run (or collect) every seed of `arm_list` (default: the main grid's arms)."""
     import torch
 
-    from dpfleet.public.pipeline import parse_pipeline, run_pipeline
+    from dpfleet.public.pipeline import TeacherWork, parse_pipeline, run_pipeline
 
     torch.set_num_threads(args.threads)
     # arm-major: a run cut short holds every seed of its first arms (whole paired comparisons)
-    grid = [(seed, arm) for arm in arms(args) for seed in args.seeds]
+    grid = [(seed, arm) for arm in (arm_list or arms(args)) for seed in args.seeds]
     results = []
     for seed, arm in tqdm(grid, desc="pipeline runs", unit="run"):
         out = args.work / f"{arm['name']}-s{seed}"
@@ -108,14 +115,15 @@ def run_grid(args) -> list[dict]:
             continue
         else:
             s = run_pipeline(parse_pipeline(config(args, arm, seed)), out, overwrite=True,
-                             progress=False, log=lambda _: None)
+                             progress=False, log=lambda _: None,
+                             teacher_work=teacher_work or TeacherWork)
         results.append({"arm": arm["name"], "seed": seed, "accuracy": s["final"]["accuracy"],
                         "perplexity": s["final"]["perplexity"], "epsilon": s["epsilon"],
                         "accuracy_before_public_training": s["accuracy_before_public_training"],
                         "sources": s.get("sources"), "public_seconds": s.get("public_seconds"),
                         "seconds": s["wall_seconds"]})
         tqdm.write(json.dumps(results[-1], default=float))
-        save(args, results, partial=True)  # partial results survive an interruption
+        save(args, results, partial=True, arm_list=arm_list)  # partial results survive an interruption
     return results
 
 
@@ -139,9 +147,11 @@ def claim(out: Path) -> bool:
     return True
 
 
-def save(args, results: list[dict], partial: bool = False) -> None:
+def save(args, results: list[dict], partial: bool = False, arm_list: list[dict] | None = None,
+         **extra) -> None:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = {"settings": settings, "arms": arms(args), "results": results, "partial": partial,
+    payload = {"settings": settings, "arms": arm_list or arms(args), "results": results,
+               "partial": partial, **extra,
                "machine": {"cpu_count": os.cpu_count(), "torch_threads": args.threads,
                            "loadavg": list(os.getloadavg())}}
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=float))
@@ -192,6 +202,20 @@ def markdown(payload: dict) -> str:
         f"({st['eval_examples']} examples), mean ± sample sd over seeds.", "",
         "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
         "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += arm_rows(arm_list, by, seeds)
+    lines += ["", "Paired differences over seeds (row - base): accuracy in points and perplexity, "
+              "mean [95% t-interval, sample sd], seeds up / down.", "",
+              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
+    lines += difference_rows(comparisons(arm_list), by, seeds)
+    secs = [r["seconds"] for r in results]
+    lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
+              f"{np.median(secs):.0f} s per run); machine: {payload['machine']}."]
+    return "\n".join(lines) + "\n"
+
+
+def arm_rows(arm_list: list[dict], by: dict, seeds: list[int]) -> list[str]:
+    """One table line per arm with results: size, steps, accuracy, perplexity, sources."""
+    lines = []
     for a in arm_list:
         rows = [by[a["name"], s] for s in seeds if (a["name"], s) in by]
         if not rows:
@@ -206,10 +230,13 @@ def markdown(payload: dict) -> str:
             f"| {a['name']} | {a.get('selected', 0)} | {a['steps']} | "
             f"{a.get('epochs', 0):.2f} | {len(rows)} | {_cell([r['accuracy'] * 100 for r in rows])} | "
             f"{_cell([r['perplexity'] for r in rows])} | {_cell(before) if before else ''} | {picked} |")
-    lines += ["", "Paired differences over seeds (row - base): accuracy in points and perplexity, "
-              "mean [95% t-interval, sample sd], seeds up / down.", "",
-              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
-    for family, row, base in comparisons(arm_list):
+    return lines
+
+
+def difference_rows(pairs: list[tuple[str, str, str]], by: dict, seeds: list[int]) -> list[str]:
+    """One table line per (family, row, base) with both in `by`: paired differences over seeds."""
+    lines = []
+    for family, row, base in pairs:
         common = [s for s in seeds if (row, s) in by and (base, s) in by]
         if not common:
             continue
@@ -219,10 +246,7 @@ def markdown(payload: dict) -> str:
                                 [by[base, s]["perplexity"] for s in common])
         lines.append(f"| {family} | {row} - {base} | {format_difference(acc)} | "
                      f"{format_difference(ppl, 1)} |")
-    secs = [r["seconds"] for r in results]
-    lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
-              f"{np.median(secs):.0f} s per run); machine: {payload['machine']}."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(payload: dict, png: Path) -> None:
@@ -276,6 +300,320 @@ def write_report(payload: dict, out: Path) -> None:
     print(text)
 
 
+# -- l_pub and KD on a candidate set (--lpub-kd) ----------------------------------------------
+# paper 000's h is (l_pub + l_priv) / 2 (Algorithm 1; App. D.3's beta = 0.5) and the pipeline's
+# default kd_beta = 0.1; both are kept rather than tuned on these 3 seeds
+LPUB_SECTION = "## l_pub matching and KD on the large pool (CPU, candidate set)"
+LPUB_READING = "### How we read the l_pub / KD rows"
+
+
+def lpub_arms(args) -> list[dict]:
+    """none, the l_priv base and the teacher arms, all at one q and step count."""
+    from dpfleet.public.matching import selection_size
+
+    n, q, steps = sum(args.pool), args.lpub_q, args.lpub_steps
+    size = selection_size(n, q)
+    tag = f"q{q * 100:g}%-{steps}st"
+    out = [{"name": "none", "selection": "none", "q": 0.0, "steps": 0}]
+    for name, beta, kd in (("match", 1.0, 0.0), ("lpub", args.match_beta, 0.0),
+                           ("kd", 1.0, args.kd_beta), ("lpubkd", args.match_beta, args.kd_beta)):
+        out.append({"name": f"{name}-{tag}", "selection": "match", "q": q, "steps": steps,
+                    "selected": size, "epochs": steps * args.batch_size / size,
+                    "match_beta": beta, "kd_beta": kd})
+    return out
+
+
+def _finished(args, arm: dict, seed: int) -> Path:
+    """The run folder of (arm, seed) once a worker has finished it (waits for other workers)."""
+    out = args.work / f"{arm['name']}-s{seed}"
+    while not (out / "summary.json").is_file():
+        time.sleep(10)
+    return out
+
+
+def run_lpub_kd(args) -> None:
+    """none and l_priv matching first; then l_pub of each seed's candidates and KD labels of
+    the selected records (teacher work shared by workers chunk by chunk); then the teacher arms."""
+    import torch
+    from lpub_kd import PartialTeacher
+
+    from dpfleet.public.matching import build_pool, top_fraction
+    from dpfleet.public.pipeline import parse_pipeline, teacher_vocab
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    arm_list = lpub_arms(args)
+    results = run_grid(args, arm_list[:2])  # none, match (no teacher)
+    base = arm_list[1]
+    l_priv = {s: np.load(_finished(args, base, s) / "scores.npz")["l_priv"] for s in args.seeds}
+    chosen = {s: json.loads((_finished(args, base, s) / "summary.json").read_text())
+              ["selected_indices"] for s in args.seeds}
+    cfg = parse_pipeline(config(args, arm_list[2], args.seeds[0]))
+    vocab = teacher_vocab(cfg, print)
+    pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
+                      cfg.pool.seed)
+    # each seed's candidates are its own top records by l_priv (no coupling between seeds)
+    candidates = {s: sorted(int(i) for i in top_fraction(l_priv[s], args.candidates))
+                  for s in args.seeds}
+    union = sorted({i for c in candidates.values() for i in c})
+    work = PartialTeacher(cfg, vocab, pool, True, union)
+    t0 = time.perf_counter()
+    work.score_candidates(claim)
+    l_pub_all = work.logprobs()
+    l_pub = {s: _restricted(l_pub_all, candidates[s]) for s in args.seeds}
+    picked = lpub_selections(l_pub, l_priv, args)
+    labelled = sorted({int(i) for s in args.seeds for i in [*chosen[s], *picked[s]]})
+    work.labelled = labelled
+    work.label(claim)
+    teacher = {"pid": os.getpid(), **work.teacher_stats, "wall_seconds": time.perf_counter() - t0}
+    (args.work / f"teacher-{os.getpid()}.json").write_text(json.dumps(teacher))
+
+    def factory(cfg, vocab, pool, progress):
+        return PartialTeacher(cfg, vocab, pool, progress, candidates[cfg.simulation.seed],
+                              labelled)
+
+    results += run_grid(args, arm_list[2:], factory)
+    stats = {"candidates": len(union), "candidates_per_seed": len(candidates[args.seeds[0]]),
+             "labelled": len(labelled), "selection": selection_stats(
+                 l_priv, l_pub, chosen, picked, len(candidates[args.seeds[0]]), args)}
+    if args.check_sample:
+        stats["outside_check"] = outside_check(args, cfg, vocab, pool, union, l_priv, l_pub_all,
+                                               candidates, picked)
+    stats["teacher_workers"] = [json.loads(p.read_text())
+                                for p in sorted(args.work.glob("teacher-*.json"))]
+    results = run_grid(argparse.Namespace(**{**vars(args), "collect": True}), arm_list)
+    folders = [args.work / f"{a['name']}-s{s}" for a in arm_list for s in args.seeds]
+    first = min((f / "pipeline.json").stat().st_mtime for f in folders
+                if (f / "pipeline.json").is_file())
+    last = max((f / "summary.json").stat().st_mtime for f in folders
+               if (f / "summary.json").is_file())
+    save(args, results, partial=len(results) < len(arm_list) * len(args.seeds),
+         arm_list=arm_list, lpub_kd=stats, wall_seconds=last - first,
+         this_invocation_seconds=time.perf_counter() - start)
+    write_lpub_report(json.loads(args.out.read_text()), args.out)
+
+
+def _restricted(l_pub: np.ndarray, keep: list[int]) -> np.ndarray:
+    out = np.full(len(l_pub), -np.inf)
+    out[keep] = l_pub[keep]
+    return out
+
+
+def lpub_selections(l_pub: dict, l_priv: dict, args) -> dict:
+    """Per seed, the top q by h_beta, as the pipeline's lpub arm selects it."""
+    from dpfleet.public.matching import match_scores, top_fraction
+
+    return {s: top_fraction(match_scores(l_pub[s], l_priv[s], args.match_beta), args.lpub_q)
+            for s in l_priv}
+
+
+def outside_check(args, cfg, vocab, pool, union: list[int], l_priv: dict, l_pub_all: np.ndarray,
+                  candidates: dict, picked: dict) -> dict:
+    """How many records each seed's candidate cut keeps out of its l_pub selection: records
+    whose h would reach the q-th best selected h. Counted exactly among the other seeds'
+    candidates (scored), estimated from a random sample of the rest (scored here)."""
+    from lpub_kd import PartialTeacher
+
+    from dpfleet.public.matching import match_scores
+
+    outside = np.setdiff1d(np.arange(len(pool.sequences)), union)
+    sample = np.sort(np.random.default_rng(0).choice(outside, args.check_sample, replace=False))
+    work = PartialTeacher(cfg, vocab, pool, True, sample)
+    work.score_candidates(claim)
+    (args.work / f"teacher-check-{os.getpid()}.json").write_text(json.dumps(
+        {"pid": os.getpid(), **work.teacher_stats}))
+    l_sample = work.logprobs()[sample]
+    out = {"sample": int(len(sample)), "outside": int(len(outside))}
+    for s in l_priv:
+        h_star = float(np.min(match_scores(l_pub_all[picked[s]], l_priv[s][picked[s]],
+                                           args.match_beta)))
+        others = np.setdiff1d(union, candidates[s])
+        exact = int((match_scores(l_pub_all[others], l_priv[s][others], args.match_beta)
+                     >= h_star).sum())
+        above = int((match_scores(l_sample, l_priv[s][sample], args.match_beta) >= h_star).sum())
+        out[str(s)] = {"other_candidates_above_threshold": exact,
+                       "sample_above_threshold": above,
+                       "estimated_outside_entrants": exact + above / len(sample) * len(outside),
+                       **exact_selection_estimate(args, pool, union, sample, l_priv[s], l_pub_all,
+                                                  l_sample, candidates[s], len(outside))}
+    return out
+
+
+def exact_selection_estimate(args, pool, union, sample, l_priv: np.ndarray, l_pub_all: np.ndarray,
+                             l_sample: np.ndarray, candidates: list[int], n_outside: int) -> dict:
+    """What Algorithm 1 with l_pub over the whole pool would select, extrapolated: the scored
+    records (the union, weight 1; the sample, weight n_outside / len(sample)) ranked by h and
+    cut at the selection size; its share of this seed's candidates and of each source."""
+    from dpfleet.public.matching import match_scores, selection_size
+
+    idx = np.concatenate([union, sample])
+    h = match_scores(np.concatenate([l_pub_all[union], l_sample]), l_priv[idx], args.match_beta)
+    weight = np.concatenate([np.ones(len(union)), np.full(len(sample), n_outside / len(sample))])
+    order = np.argsort(-h, kind="stable")
+    size = selection_size(len(pool.sequences), args.lpub_q)
+    keep = order[: int(np.searchsorted(np.cumsum(weight[order]), size)) + 1]
+    w = weight[keep].copy()
+    w[-1] -= w.sum() - size  # the record crossing the cut counts only for the rest of it
+    own = np.isin(idx[keep], candidates)
+    return {"estimated_exact_share_from_candidates": float(w[own].sum() / size),
+            "estimated_exact_sources": {src: float(w[[pool.sources[i] == src for i in
+                                                       idx[keep]]].sum() / size)
+                                        for src in SOURCES}}
+
+
+def selection_stats(l_priv: dict, l_pub: dict, chosen: dict, picked: dict, n_cand: int,
+                    args) -> dict:
+    """Per seed: overlap of the two selections, and how tight the candidate cut is: a record
+    outside seed s's candidates has l_priv <= its cut c_s, so it could enter the combined top q
+    only with l_pub >= (h* - beta c_s) / (1 - beta), h* the q-th best combined score."""
+    from dpfleet.public.matching import match_scores
+
+    beta = args.match_beta
+    out = {}
+    for s in l_priv:
+        order = np.argsort(-l_priv[s], kind="stable")
+        cut = float(l_priv[s][order[n_cand - 1]])
+        h_star = float(np.min(match_scores(l_pub[s], l_priv[s], beta)[picked[s]]))
+        need = (h_star - beta * cut) / (1 - beta) if beta < 1 else math.inf
+        finite = l_pub[s][np.isfinite(l_pub[s])]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        out[str(s)] = {
+            "overlap_with_l_priv_selection": len(set(map(int, chosen[s])) & set(map(int, picked[s]))),
+            "worst_l_priv_rank_selected": int(rank[picked[s]].max()) + 1,
+            "l_priv_cut": cut, "l_pub_needed_outside": need,
+            "candidates_with_l_pub_above_needed": int((finite >= need).sum()),
+            "l_pub_candidates_max": float(finite.max()), "l_pub_candidates_median":
+                float(np.median(finite)),
+        }
+    return out
+
+
+def lpub_comparisons(arm_list: list[dict]) -> list[tuple[str, str, str]]:
+    none, match, lpub, kd, both = (a["name"] for a in arm_list)
+    return [("vs no public data", match, none), ("vs no public data", lpub, none),
+            ("vs no public data", kd, none), ("vs no public data", both, none),
+            ("l_pub in the ranking (beta = 0.5 vs 1)", lpub, match),
+            ("KD added (kd_beta > 0)", kd, match),
+            ("l_pub and KD vs l_priv only", both, match),
+            ("KD on top of l_pub matching", both, lpub),
+            ("l_pub on top of KD", both, kd)]
+
+
+def lpub_markdown(payload: dict) -> str:
+    results, arm_list, st = payload["results"], payload["arms"], payload["settings"]
+    seeds = sorted({r["seed"] for r in results})
+    by = {(r["arm"], r["seed"]): r for r in results}
+    stats = payload.get("lpub_kd", {})
+    lines = [
+        f"Same pool and private setting as above (z = {st['noise'][0]}, T = {st['rounds']}, "
+        f"T' = {st['rounds'] // 2}), q = {st['lpub_q'] * 100:g}% at {st['lpub_steps']} steps, "
+        f"all arms rerun in one work folder with today's code (paired by seed, dp.noise_seed = "
+        f"seed). match: l_priv only (beta = 1); lpub: h = {1 - st['match_beta']:g} l_pub + "
+        f"{st['match_beta']:g} l_priv; kd: kd_beta = {st['kd_beta']:g}, k = 10 teacher top-k "
+        f"(teacher-space top-k, the pipeline default). Seeds {seeds} (n = {len(seeds)}).", "",
+        "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
+        "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += arm_rows(arm_list, by, seeds)
+    lines += ["", "Paired differences over seeds (row - base), mean [95% t-interval, sample sd], "
+              "seeds up / down.", "",
+              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
+    lines += difference_rows(lpub_comparisons(arm_list), by, seeds)
+    if stats:
+        lines += ["", f"Teacher work: each seed's candidates are its top "
+                  f"{st['candidates'] * 100:g}% = {stats['candidates_per_seed']:,} records by its "
+                  f"own l_priv; l_pub of their union ({stats['candidates']:,} records), top-k "
+                  f"labels for the {stats['labelled']:,} records some arm selects.", "",
+                  "| seed | lpub selection shared with match | worst l_priv rank in lpub selection "
+                  "| l_pub a non-candidate would need | candidates above it | candidate l_pub "
+                  "median / max |", "|---|---|---|---|---|---|"]
+        for s, v in stats["selection"].items():
+            lines.append(f"| {s} | {v['overlap_with_l_priv_selection']} | "
+                         f"{v['worst_l_priv_rank_selected']} | {v['l_pub_needed_outside']:.2f} | "
+                         f"{v['candidates_with_l_pub_above_needed']} | "
+                         f"{v['l_pub_candidates_median']:.2f} / {v['l_pub_candidates_max']:.2f} |")
+        check = stats.get("outside_check")
+        if check:
+            est = "; ".join(f"seed {s}: {check[s]['other_candidates_above_threshold']} of the "
+                            f"other seeds' candidates, {check[s]['sample_above_threshold']} of "
+                            f"the sample, ~{check[s]['estimated_outside_entrants']:.0f} in all"
+                            for s in check if s not in ("sample", "outside"))
+            lines += ["", f"Check of the candidate cut: l_pub also of {check['sample']} random "
+                      f"records outside every seed's candidates (of {check['outside']:,}). "
+                      "Records outside a seed's candidates whose h would reach the q-th best h "
+                      f"of its l_pub selection (so the cut kept them out): {est}."]
+            seeds_c = [s for s in check if s not in ("sample", "outside")]
+            if "estimated_exact_sources" in check[seeds_c[0]]:
+                share = [check[s]["estimated_exact_share_from_candidates"] * 100 for s in seeds_c]
+                mix = {src: np.mean([check[s]["estimated_exact_sources"][src] * 100
+                                     for s in seeds_c]) for src in SOURCES}
+                lines += ["", "Extrapolated exact selection (candidates and other seeds' "
+                          "candidates with weight 1, the sample with weight outside / sample, "
+                          "ranked by h): "
+                          f"{min(share):.0f}-{max(share):.0f}% of it from the seed's candidates; "
+                          "sources (mean over seeds) " + " / ".join(
+                              f"{src} {v:.0f}%" for src, v in mix.items()) + "."]
+        workers = [w for w in stats["teacher_workers"] if w.get("lpub_tokens") or
+                   w.get("topk_tokens")]
+        for job, what in (("lpub", "l_pub (teacher-tokenizer tokens)"),
+                          ("topk", "top-k labels (on-device tokens)")):
+            tokens = sum(w[f"{job}_tokens"] for w in workers)
+            secs = sum(w[f"{job}_seconds"] for w in workers)
+            if secs:
+                lines.append(f"\nTeacher {what}: {tokens:,} tokens scored in this run (cache "
+                             f"misses) in {secs / 60:.1f} teacher-minutes over {len(workers)} "
+                             f"process run(s), {tokens / secs:.1f} tokens/s per 1-thread process.")
+    secs = [r["seconds"] for r in results]
+    lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
+              f"{np.median(secs):.0f} s per run); first run start to last run end "
+              f"{payload.get('wall_seconds', 0) / 60:.1f} "
+              f"min; machine: {payload['machine']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_differences(payload: dict, png: Path, pairs: list[tuple[str, str, str]]) -> None:
+    """Paired accuracy and perplexity differences (mean, 95% interval) of each comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({r["seed"] for r in payload["results"]})
+    by = {(r["arm"], r["seed"]): r for r in payload["results"]}
+    rows = [(f"{row} - {base}", [s for s in seeds if (row, s) in by and (base, s) in by], row, base)
+            for _, row, base in pairs]
+    rows = [r for r in rows if r[1]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.5), sharey=True)
+    for ax, (key, scale, label) in zip(axes, (("accuracy", 100, "accuracy (points)"),
+                                              ("perplexity", 1, "perplexity")), strict=True):
+        for y, (_, common, row, base) in enumerate(rows):
+            d = paired_difference([by[row, s][key] * scale for s in common],
+                                  [by[base, s][key] * scale for s in common])
+            lo, hi = np.nan_to_num(d["ci95"], nan=d["mean"])
+            ax.errorbar(d["mean"], y, xerr=[[d["mean"] - lo], [hi - d["mean"]]], fmt="o",
+                        capsize=3)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set(xlabel=f"{label}, paired, 95% CI")
+    axes[0].set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"l_pub / KD rows, n = {len(seeds)} seeds")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def write_lpub_report(payload: dict, out: Path) -> None:
+    """The l_pub / KD section of public_pool.md (the hand-written reading after LPUB_READING
+    is kept), and its plot."""
+    text = lpub_markdown(payload)
+    plot_differences(payload, out.with_suffix(".png"), lpub_comparisons(payload["arms"]))
+    md = HERE / "public_pool.md" if out.parent.resolve() == HERE.resolve() else out.with_suffix(".md")
+    head, _, rest = (md.read_text() if md.is_file() else "").partition(LPUB_SECTION)
+    kept = rest.partition(LPUB_READING)
+    md.write_text(head.rstrip("\n") + "\n\n" + LPUB_SECTION + "\n\n" + text
+                  + ("\n" + kept[1] + kept[2] if kept[1] else ""))
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid_args(ap)
@@ -298,13 +636,43 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke grid: pool 1,000 records, T = 10, 1 seed, q 2%% and 10%%")
     ap.add_argument("--summarize", action="store_true", help="only rewrite .md/.png from the .json")
+    lp = ap.add_argument_group("teacher rows (--lpub-kd): l_pub matching and KD at one q")
+    lp.add_argument("--lpub-kd", action="store_true",
+                    help="run none, l_priv matching, l_pub matching, KD and both at --lpub-q, with "
+                         "l_pub scored on a candidate set and KD labels for selected records only; "
+                         "writes public_pool_lpub_kd.{json,png} and a section of public_pool.md")
+    lp.add_argument("--lpub-q", type=float, default=0.02)
+    lp.add_argument("--lpub-steps", type=int, default=144)
+    lp.add_argument("--candidates", type=float, default=0.04,
+                    help="l_pub is scored on the union over seeds of this top fraction by l_priv")
+    lp.add_argument("--match-beta", type=float, default=0.5, help="weight of l_priv in h")
+    lp.add_argument("--kd-beta", type=float, default=0.1)
+    lp.add_argument("--check-sample", type=int, default=0,
+                    help="also score this many random non-candidates (after the arms) to estimate "
+                         "how many records the candidate cut keeps out of the l_pub selection")
     args = ap.parse_args()
+    if args.lpub_kd:
+        if args.out == HERE / "public_pool.json":
+            args.out = HERE / "public_pool_lpub_kd.json"
+        if args.work == Path("/tmp/dpfleet-public-pool"):
+            args.work = Path("/tmp/dpfleet-public-pool-lpub-kd")
+        if args.quick:  # smoke run: its own folder, report beside its json
+            args.lpub_steps, args.candidates = 8, 0.1
+            args.work = args.work.with_name(args.work.name + "-quick")
+            args.out = args.work / "public_pool_lpub_kd.json"
+            args.work.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.pool, args.rounds, args.seeds, args.q = [500, 400, 100], 10, args.seeds[:1], [0.02, 0.1]
-        args.work, args.eval_examples = args.work.with_name(args.work.name + "-quick"), 300
+        if not args.lpub_kd:
+            args.work = args.work.with_name(args.work.name + "-quick")
+        args.eval_examples = 300
         if args.out == HERE / "public_pool.json":
             args.out = args.work / "public_pool.json"
             args.work.mkdir(parents=True, exist_ok=True)
+    if args.lpub_kd:
+        if args.summarize:
+            return write_lpub_report(json.loads(args.out.read_text()), args.out)
+        return run_lpub_kd(args)
     if args.summarize:
         return write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
     start = time.perf_counter()
