@@ -12,6 +12,12 @@ the only device time is real training. Reported per run:
 * that overhead next to its parts in CPU seconds per round (rounds 2..): the coordinator's CPU,
   the devices' own SecAgg CPU by step (thread CPU time, from each device's outcome), the rest
   of the fleet's CPU (HTTP client, request auth, idle check-ins) and what is left (waiting);
+* the coordinator's critical path per round (rounds 2..): the seconds devices spent waiting on
+  the coordinator itself, from its `critical` events (service/PROTOCOL.md): opening the round
+  once it could open, closing each SecAgg phase from the arrival of the message that completed
+  it to the next phase's messages being in the mailboxes, and the commit (decode, DP step,
+  release log, accounting, fsync). Unlike wall-minus-training this leaves out device work the
+  emulation puts on the same cores, so it is the coordinator's overhead as phones would see it;
 * p50 / p99 latency of the devices' signed requests (long-polls excluded; retries included);
 * the coordinator's peak RSS (VmHWM) and CPU seconds;
 * updates lost: devices whose SecAgg part ended `secagg_done` in a committed attempt but are
@@ -19,7 +25,9 @@ the only device time is real training. Reported per run:
 * with `--baseline`, the same config through `simulate` in this process (sequential trainer,
   in-process SecAgg): its seconds per round are the training-time baseline.
 Two fleet sizes (`--devices` and `--small`) give the RSS comparison (goal: flat).
-Saves results/fleet_load.json with cores, torch threads and load average.
+Saves results/fleet_load.json with cores, torch threads, the event loop and the load averages
+before and after each run (2 cores: a quiet machine reads below 1; with other work on it CPU
+seconds inflate and wall times stretch, so compare CPU and critical-path seconds, not wall).
 """
 
 from __future__ import annotations
@@ -266,6 +274,28 @@ def overhead_split(result: dict, coordinator_cpu: float, fleet_cpu: float, cores
             "waiting_s": overhead - busy}
 
 
+def critical_path(events: list[dict], rounds: set[int]) -> dict:
+    """The coordinator's critical path per round (the service's `critical` events, committed
+    attempts of `rounds`): seconds devices wait on the coordinator itself, by phase: "open"
+    (from the moment the round could open to its assignments handed out), each SecAgg phase
+    (from the arrival of the message that completed it to its successor's messages being in
+    the devices' mailboxes: the server's work on the phase's close, e.g. unmasking), and
+    "commit" (from the last input to the commit's return: decode, DP step, release log,
+    accounting, fsync). Median and max per phase and of the per-round total."""
+    commits = {e["round"]: e["attempt"] for e in events if e["event"] == "commit"}
+    per = [e for e in events if e["event"] == "critical" and e["round"] in rounds
+           and commits.get(e["round"]) == e["attempt"]]
+    if not per:
+        return {}
+    phases = sorted({p for e in per for p in e["seconds"]})
+
+    def stat(xs: list[float]) -> dict:
+        return {"median": float(np.median(xs)), "mean": float(np.mean(xs)),
+                "max": float(np.max(xs))}
+    return {"rounds": len(per), "total_s": stat([sum(e["seconds"].values()) for e in per]),
+            "by_phase_s": {p: stat([e["seconds"].get(p, 0.0) for e in per]) for p in phases}}
+
+
 def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) -> dict:
     opens = {(e["round"], e["attempt"]): e["t"] for e in events if e["event"] == "open"}
     commits = {e["round"]: (e["attempt"], e["t"]) for e in events if e["event"] == "commit"}
@@ -298,6 +328,8 @@ def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) 
             "round_open_to_commit_s": stat("open_to_commit_s"), "round_train_s": stat("train_s"),
             "round_overhead_s": stat("overhead_s"), "failed_attempts": len(failed),
             "updates_lost": lost, "updates_committed": sum(len(d) for d in committed.values()),
+            # rounds 2.. like the CPU split (round 1 waits for the fleet's registrations)
+            "coordinator_critical_path": critical_path(events, set(sorted(commits)[1:])),
             "device_cpu_s_per_round": device_cpu(summary["outcomes"], set(sorted(commits)[1:]))}
 
 
@@ -330,16 +362,19 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    result = {"benchmark": "fleet_load", "machine": platform.machine(),
+    from dpfleet.service.eventloop import loop_name
+
+    result = {"benchmark": "fleet_load", "machine": platform.machine(), "event_loop": loop_name(),
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
               "worker_torch_threads": 1, "loadavg_before": os.getloadavg(), "runs": []}
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         for n in dict.fromkeys([args.devices, args.small]):
             if n and n >= args.goal:
                 print(f"fleet of {n} devices ...", flush=True)
+                before = os.getloadavg()  # a quiet machine reads < 1 (2 cores)
                 run = fleet_run(n, args.goal, args.rounds, args.processes, args.retry,
                                 Path(tmp) / f"fleet{n}")
-                run["loadavg_after"] = os.getloadavg()
+                run["loadavg_before"], run["loadavg_after"] = before, os.getloadavg()
                 result["runs"].append(run)
                 print(json.dumps({k: v for k, v in run.items() if k != "per_round"}, indent=1),
                       flush=True)

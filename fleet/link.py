@@ -47,7 +47,7 @@ class CoordinatorLink:
                  ca_file: str | Path | None = None, retries: int = 6, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, timeout_s: float = 60.0,
                  session: aiohttp.ClientSession | None = None, rng: random.Random | None = None,
-                 sessions: bool = True):
+                 sessions: bool = True, merge_posts: bool = True):
         self.url, self.device_id, self.key = url.rstrip("/"), device_id, key
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -60,6 +60,9 @@ class CoordinatorLink:
         self._auth: tuple[str, bytes] | None = None  # (session id, session key)
         self._auth_lock = asyncio.Lock()
         self.sessions_opened = 0
+        # SecAgg posts that also carry the poll for the next mail (PROTOCOL.md, merged posts);
+        # off by itself against a coordinator that answers them as plain posts
+        self.merge_posts = merge_posts
 
     @property
     def public_key(self) -> bytes:
@@ -203,6 +206,19 @@ class CoordinatorLink:
         _, _, data = await self.request("POST", f"/v1/rounds/{round}/secagg?attempt={attempt}",
                                         message, headers={"Content-Type": "application/octet-stream"})
         return json.loads(data)
+
+    async def secagg_send_poll(self, round: int, attempt: int, message: bytes, after: int
+                               ) -> tuple[list[bytes], int, str] | None:
+        """Send one client message and get the mail from cursor `after` on in the same request
+        (PROTOCOL.md, merged posts): `secagg_poll`'s answer, or None from a coordinator that
+        only accepted the message (it predates merged posts: poll as before)."""
+        _, headers, data = await self.request(
+            "POST", f"/v1/rounds/{round}/secagg?attempt={attempt}&after={after}", message,
+            headers={"Content-Type": "application/octet-stream"}, timeout_s=90)
+        if "X-Dpfleet-Next" not in headers:
+            self.merge_posts = False
+            return None
+        return split_frames(data), int(headers["X-Dpfleet-Next"]), headers.get("X-Dpfleet-Phase", "")
 
     async def secagg_poll(self, round: int, attempt: int, after: int
                           ) -> tuple[list[bytes], int, str]:

@@ -196,6 +196,15 @@ async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarra
         return Outcome("failed", str(exc))
 
 
+async def _send(link, number: int, attempt: int, data: bytes, cursor: int, wait: bool):
+    """Post one SecAgg message; with `wait` and a link that merges posts with polls
+    (`CoordinatorLink.merge_posts`), the reply is the mail from `cursor` on (else None)."""
+    if wait and getattr(link, "merge_posts", False):
+        return await link.secagg_send_poll(number, attempt, data, cursor)
+    await link.secagg_send(number, attempt, data)
+    return None
+
+
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
                   bundle_key=None) -> Outcome:
     from dpfleet.coordinator.adaptive_clipping import clipped_bit
@@ -233,17 +242,19 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
         await _hook(before_phase, "commit")
         with cpu("commit"):
             first = client.start()
-        for out in first:
-            await link.secagg_send(number, attempt, out.data)
-        cursor = 0
+        cursor, mail = 0, None
+        for j, out in enumerate(first, 1):
+            mail = await _send(link, number, attempt, out.data, cursor, j == len(first))
         while client.phase not in ("done", "aborted"):
-            messages, cursor, _ = await link.secagg_poll(number, attempt, cursor)
+            if mail is None:
+                mail = await link.secagg_poll(number, attempt, cursor)
+            (messages, cursor, _), mail = mail, None
             if not messages:
                 status = await link.round_status(number, attempt)
                 if status["state"] != "open":
                     return outcome("stale", f"round {number} is {status['state']}")
                 continue
-            for data in messages:
+            for k, data in enumerate(messages, 1):
                 if client.phase == "shared" and update is None:  # masking needs the input
                     _, update, seconds = await training
                     rng = np.random.default_rng()  # the rounding is the device's own randomness
@@ -257,9 +268,13 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
                     phase = "unmask"
                 with cpu(phase or "other"):
                     replies = client.handle(data)
-                for out in replies:
+                for j, out in enumerate(replies, 1):
                     await _hook(before_phase, phase)
-                    await link.secagg_send(number, attempt, out.data)
+                    # only the device's last send before it would poll waits for mail (an
+                    # earlier one would hold its own next message); its part's end waits for none
+                    wait = (k, j) == (len(messages), len(replies)) and client.phase not in (
+                        "done", "aborted")
+                    mail = await _send(link, number, attempt, out.data, cursor, wait)
         if client.phase == "aborted":
             return outcome("aborted", "the server aborted the round")
         return outcome("secagg_done")

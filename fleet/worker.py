@@ -91,8 +91,10 @@ def worker_main(spec: WorkerSpec, events) -> None:
     """Process entry (multiprocessing spawn): run the slice's devices until all are done."""
     import torch
 
+    from dpfleet.service import eventloop
+
     torch.set_num_threads(1)
-    asyncio.run(_run(spec, events))
+    eventloop.run(_run(spec, events))
 
 
 def _timed_link_class():
@@ -108,7 +110,8 @@ def _timed_link_class():
             try:
                 return await super().request(method, path_qs, body, **kw)
             finally:
-                if not (method == "GET" and POLL_PATH in path_qs):
+                # a merged SecAgg post (`&after=`) waits for the next phase like a GET poll
+                if not (POLL_PATH in path_qs and (method == "GET" or "&after=" in path_qs)):
                     self.latencies.setdefault(endpoint(method, path_qs), []).append(
                         time.perf_counter() - began)
 

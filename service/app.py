@@ -120,31 +120,45 @@ async def blob(request: web.Request) -> web.Response:
 
 
 async def report(request: web.Request) -> web.Response:
+    arrived = time.monotonic()  # the critical path's clock (rounds.OpenRound.critical)
     device_id, body = await device(request)
     number, attempt = _round_args(request)
-    request.app[DRIVER].report(device_id, number, attempt, body, request.headers)
+    request.app[DRIVER].report(device_id, number, attempt, body, request.headers,
+                               arrived)
     return _json({"accepted": True})
 
 
 async def secagg_post(request: web.Request) -> web.Response:
+    """One client message; with `&after=C` (PROTOCOL.md, merged posts) the reply is the
+    device's mail from cursor C on, long-polled as GET would, instead of {"accepted": true}."""
+    arrived = time.monotonic()  # the critical path's clock (rounds.OpenRound.critical)
     device_id, body = await device(request)
     number, attempt = _round_args(request)
-    await request.app[DRIVER].secagg_post(device_id, number, attempt, body)
-    return _json({"accepted": True})
+    after = _cursor(request) if "after" in request.query else None
+    mail = await request.app[DRIVER].secagg_post(device_id, number, attempt, body, arrived,
+                                                 after, request.app[CONTEXT]["poll_s"])
+    return _json({"accepted": True}) if mail is None else _frames(*mail)
+
+
+def _cursor(request: web.Request) -> int:
+    try:
+        return int(request.query.get("after", "0"))
+    except ValueError:
+        raise ApiError(400, "bad_cursor", "after must be an integer") from None
+
+
+def _frames(msgs: list[bytes], nxt: int, phase: str) -> web.Response:
+    body = b"".join(struct.pack("<I", len(m)) + m for m in msgs)
+    return web.Response(body=body, content_type="application/octet-stream",
+                        headers={"X-Dpfleet-Next": str(nxt), "X-Dpfleet-Phase": phase})
 
 
 async def secagg_get(request: web.Request) -> web.Response:
     device_id, _ = await device(request)
     number, attempt = _round_args(request)
-    try:
-        after = int(request.query.get("after", "0"))
-    except ValueError:
-        raise ApiError(400, "bad_cursor", "after must be an integer") from None
-    msgs, nxt, phase = await request.app[DRIVER].secagg_poll(
-        device_id, number, attempt, after, request.app[CONTEXT]["poll_s"])
-    body = b"".join(struct.pack("<I", len(m)) + m for m in msgs)
-    return web.Response(body=body, content_type="application/octet-stream",
-                        headers={"X-Dpfleet-Next": str(nxt), "X-Dpfleet-Phase": phase})
+    after = _cursor(request)
+    return _frames(*await request.app[DRIVER].secagg_poll(
+        device_id, number, attempt, after, request.app[CONTEXT]["poll_s"]))
 
 
 async def round_status(request: web.Request) -> web.Response:

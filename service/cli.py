@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -45,6 +44,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.registry import load_public_registry
+    from dpfleet.service import eventloop
     from dpfleet.service.server import serve as run
 
     cfg = load_config(config)
@@ -54,7 +54,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
         cfg = dataclasses.replace(cfg, rounds=rounds)
         validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
-    status = asyncio.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
+    status = eventloop.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
                              tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")

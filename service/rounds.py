@@ -33,6 +33,7 @@ from dpfleet.service.faults import fault_from_env
 from dpfleet.service.secagg_round import SecAggRound
 from dpfleet.service.servelog import ServiceLog
 from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
+from dpfleet.service.wakeups import Wakeups
 
 RUNTIMES = ("eager", "onnx", "executorch")
 NO_STATS = ReportStats(float("nan"), False, float("nan"))  # SecAgg devices report no statistics
@@ -64,6 +65,11 @@ class OpenRound:
     disc: object | None = None
     state: str = "open"  # open | closing | committed | failed
     secagg_seconds: float = 0.0  # time in the SecAgg server state machine (handle, close_phase)
+    # the coordinator's critical path (seconds devices wait on it, benchmarks/fleet_load.py):
+    # "open" from when the round could open to its assignments being handed out, each SecAgg
+    # phase's (SecAggRound.critical), "commit" from the last input to the commit's return
+    critical: dict[str, float] = field(default_factory=dict)
+    collected_at: float | None = None  # plain: arrival of the report that reached the goal
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -88,7 +94,6 @@ class RoundDriver:
         self.pool: dict[int, float] = {}  # device index -> monotonic expiry of its check-in
         self.waiting_since: dict[int, float] = {}  # device index -> when it entered the pool
         self.ended_at = time.monotonic()  # the last round's commit or failure
-        self._wakers: set[asyncio.Task] = set()
         self.current: OpenRound | None = None
         self.outcomes: dict[tuple[int, int], str] = {}
         self.history: list[dict] = [  # committed before a restart: from the store's metrics
@@ -98,10 +103,11 @@ class RoundDriver:
         self.refused_timer: set[int] = set()
         self.phase_seconds: dict[str, list[float]] = {}
         self.wake = asyncio.Event()
-        self.opened = asyncio.Condition()
+        self.held = Wakeups()  # held check-ins, woken by device (wakeups.py)
         self.started_at = time.time()
         self.finished = asyncio.Event()
         self.stopped_early: str | None = None
+        self.open_due: float | None = None  # monotonic: when the round being gathered could open
 
     # ------------------------------------------------------------------ device API
 
@@ -142,10 +148,16 @@ class RoundDriver:
             return {"kind": "refused", "reason": "ineligible", "after_s": retry}
         if runtime != self.cfg.client.runtime:
             return {"kind": "refused", "reason": "runtime", "after_s": retry}
+        spent = 0.0  # seconds this request was held already
         if cur is not None and i in cur.positions:  # it answered in the open round already
-            await self._hold(lambda: self.current is not cur, CHECKIN_HOLD_S)
-            ended = self.current is not cur  # come back at once: the next round may take it
-            return {"kind": "retry", "after_s": 0.0 if ended else retry, "reason": "round full"}
+            await self.held.hold(i, lambda: self.current is not cur or self.run_state != "running",
+                                 CHECKIN_HOLD_S)
+            ended = self.current is not cur
+            if not ended or self.run_state != "running":
+                return {"kind": "retry", "after_s": 0.0 if ended else retry, "reason": "round full"}
+            # the round ended: this same request checks in for the next one (the guard and the
+            # device's timer are asked now), sparing the device a second check-in
+            spent, now, cur = time.time() - now, time.time(), self.current
         guard = self.engine.participation.guard
         r = self.engine.next_round
         if not guard.allowed(r)[i] or (timer is not None and timer > now):
@@ -158,11 +170,12 @@ class RoundDriver:
         # waiting device is reachable the moment a round opens with it, not at its next poll
         hold = IDLE_HOLD_S if cur is not None else min(CHECKIN_HOLD_S,
                                                        self.svc.checkin_window_s + 1.0)
+        hold = max(0.0, min(hold, IDLE_HOLD_S - spent))  # held at most IDLE_HOLD_S in all
         self.pool[i] = time.monotonic() + hold + retry + 2.0
         self.waiting_since.setdefault(i, time.monotonic())
         self.wake.set()
-        await self._hold(lambda: self.current is not None and self.current is not cur
-                         and i in self.current.positions, hold)
+        await self.held.hold(i, lambda: self.current is not None and self.current is not cur
+                             and i in self.current.positions or self.run_state != "running", hold)
         if self.run_state == "finished":
             return {"kind": "done"}
         if self.current is not None and i in self.current.positions and self.current.state == "open":
@@ -171,23 +184,6 @@ class RoundDriver:
             return {"kind": "retry", "after_s": retry, "reason": self.run_state}
         return {"kind": "retry", "after_s": 0.0, "reason": "no round open"}  # poll again at once
 
-    async def _hold(self, ready, timeout: float) -> None:
-        """Wait until `ready()`, the run leaves "running", or `timeout` seconds passed."""
-        async with self.opened:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.opened.wait_for(
-                    lambda: ready() or self.run_state != "running"), timeout)
-
-    async def _announce(self) -> None:
-        """Wake the held check-ins: a round opened or ended, or the run state changed."""
-        async with self.opened:
-            self.opened.notify_all()
-
-    def _announce_soon(self) -> None:
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing can be held
-            task = asyncio.get_running_loop().create_task(self._announce())
-            self._wakers.add(task)
-            task.add_done_callback(self._wakers.discard)
 
     def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
         """The open round a device addresses, and its position; 409 for anything stale."""
@@ -200,7 +196,8 @@ class RoundDriver:
             raise ApiError(409, "not_assigned", f"this device is not in round {number}")
         return cur, cur.positions[i]
 
-    def report(self, device_id: str, number: int, attempt: int, body: bytes, headers) -> None:
+    def report(self, device_id: str, number: int, attempt: int, body: bytes, headers,
+               arrived: float | None = None) -> None:
         cur, position = self._round_of(device_id, number, attempt)
         if cur.plain is None:
             raise ApiError(409, "wrong_aggregation", "this round aggregates with SecAgg")
@@ -212,23 +209,34 @@ class RoundDriver:
             self.log.event("report_refused", round=number, attempt=attempt, reason=str(exc))
             raise ApiError(400, "bad_report", str(exc)) from None
         if cur.plain.complete:
+            cur.collected_at = cur.collected_at or arrived
             cur.done.set()
 
-    async def secagg_post(self, device_id: str, number: int, attempt: int, body: bytes) -> None:
+    async def secagg_post(self, device_id: str, number: int, attempt: int, body: bytes,
+                          arrived: float | None = None, after: int | None = None,
+                          timeout: float = 25.0) -> tuple[list[bytes], int, str] | None:
+        """Take one client message; with a cursor `after`, then long-poll the device's mail
+        like `secagg_poll` (a merged post: one request instead of a post and a poll)."""
         from dpfleet.secagg.errors import SecAggError
 
         cur, position = self._round_of(device_id, number, attempt)
         if cur.secagg is None:
             raise ApiError(409, "wrong_aggregation", "this round aggregates in plain")
+        if after is not None and after < 0:  # refused before the message is taken
+            raise ApiError(400, "bad_cursor", "after must be >= 0")
         began = time.perf_counter()
         try:
-            await cur.secagg.handle(position, body)
+            await cur.secagg.handle(position, body, arrived)
         except SecAggError as exc:
             raise ApiError(400, "secagg_refused", f"{type(exc).__name__}: {exc}") from None
         finally:
             cur.secagg_seconds += time.perf_counter() - began
         if cur.secagg.finished:
             cur.done.set()
+        if after is None:
+            return None
+        msgs, nxt = await cur.secagg.poll(position, after, timeout)
+        return msgs, nxt, cur.secagg.phase
 
     async def secagg_poll(self, device_id: str, number: int, attempt: int, after: int,
                           timeout: float = 25.0) -> tuple[list[bytes], int, str]:
@@ -256,7 +264,7 @@ class RoundDriver:
         if self.run_state in ("running", "starting"):
             self.run_state = "paused"
             self.log.event("pause")
-            self._announce_soon()
+            self.held.wake_all()
 
     def resume(self) -> None:
         if self.run_state == "paused":
@@ -269,7 +277,7 @@ class RoundDriver:
             self.stop_requested, self.run_state = True, "stopping"
             self.log.event("stop")
             self.wake.set()
-            self._announce_soon()
+            self.held.wake_all()
             if self.current is not None:
                 self.current.done.set()
 
@@ -289,13 +297,15 @@ class RoundDriver:
                 if self.run_state == "paused":
                     await self._nap(1.0)
                     continue
+                self.open_due = None
                 opened = await self._try_open()
                 if isinstance(opened, Stop):
                     self.stopped_early = None if opened.reason == "done" else opened.message
                     await self._finish()
                     return
-                if opened is None:
-                    await self._nap(0.2)
+                if opened is None:  # wake when the check-in window closes, not up to 0.2 s late
+                    left = (self.open_due or 0.0) - time.monotonic()
+                    await self._nap(left if 0.0 < left < 0.2 else 0.2)
                     continue
                 self._time("select", time.monotonic() - waiting_since)
                 await self._execute(opened)
@@ -327,6 +337,9 @@ class RoundDriver:
             return None
         # the window runs from when m were waiting and no round was open (its devices come back)
         ready_since = max(sorted(self.waiting_since[i] for i in avail)[m - 1], self.ended_at)
+        # when the round could open: the window's end, or the last allowed device's check-in
+        self.open_due = (ready_since + self.svc.checkin_window_s if len(avail) < total
+                         else max(self.waiting_since[i] for i in avail))
         if len(avail) < total and now - ready_since < self.svc.checkin_window_s:
             return None  # gather more check-ins (everyone there opens at once)
         extra = min(round_size(self.cfg) - m, len(avail) - m)
@@ -385,7 +398,9 @@ class RoundDriver:
             self.pool.pop(d, None)
             self.waiting_since.pop(d, None)
         self.log.event("open", round=number, attempt=attempt, devices=n)
-        await self._announce()
+        self.held.wake(plan.devices)  # only the selected devices' held check-ins can change
+        if self.open_due is not None:
+            cur.critical["open"] = time.monotonic() - self.open_due
         return cur
 
     def _secagg_setup(self, cur: OpenRound) -> dict:
@@ -443,7 +458,7 @@ class RoundDriver:
                 return None
             if sa.phase == phase:  # the deadline passed: go on with whoever answered
                 closing = time.perf_counter()
-                await sa.close_phase()
+                await sa.close_phase(began + limit)
                 cur.secagg_seconds += time.perf_counter() - closing
                 self.log.event("phase_closed", round=cur.number, phase=phase)
             self._time(f"secagg_{phase}", time.monotonic() - began)
@@ -478,6 +493,9 @@ class RoundDriver:
         # may be answered about this round while its commit is under way
         record = self.engine.close_round(cur.plan, agg, stats)
         self._time("commit", time.monotonic() - began)
+        inputs_in = cur.secagg.changed_at if cur.secagg is not None else cur.collected_at
+        if cur.secagg is not None:
+            cur.critical.update({f"secagg_{p}": t for p, t in cur.secagg.critical.items()})
         cur.state = "committed"
         self.outcomes[(cur.number, cur.attempt)] = "committed"
         self.current, self.ended_at = None, time.monotonic()
@@ -489,7 +507,10 @@ class RoundDriver:
                              "secagg_server_s": cur.secagg_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
-        await self._announce()  # its participants wait to join the pool for the next round
+        self.held.wake(cur.positions)  # its participants wait to join the pool for the next round
+        if inputs_in is not None:
+            cur.critical["commit"] = time.monotonic() - inputs_in
+        self.log.event("critical", round=cur.number, attempt=cur.attempt, seconds=cur.critical)
         self.fault("after_commit")
 
     def _fail(self, cur: OpenRound, reason: str) -> None:
@@ -502,7 +523,7 @@ class RoundDriver:
                              "epsilon": None, "accuracy": None, "loss": None,
                              "wall_s": time.monotonic() - cur.opened_at, "reason": reason})
         self.log.event("fail", round=cur.number, attempt=cur.attempt, reason=reason)
-        self._announce_soon()
+        self.held.wake(cur.positions)
 
     async def _finish(self) -> None:
         b = self.b
@@ -516,7 +537,7 @@ class RoundDriver:
         self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
                        stopped_early=self.stopped_early)
         self.finished.set()
-        await self._announce()
+        self.held.wake_all()
 
     # ------------------------------------------------------------------ reads for admin
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.messages import decode
@@ -26,6 +27,11 @@ class SecAggRound:
         self.changed = asyncio.Condition()  # new mail or a new phase
         self.rejected = 0
         self.spoken: set[int] = set()  # positions that sent a message (their assignment arrived)
+        # the coordinator's critical path (benchmarks/fleet_load.py): per phase, seconds from the
+        # arrival of the message that completed it to its successor's messages being in the
+        # mailboxes; `changed_at` is when the phase last changed (monotonic)
+        self.critical: dict[str, float] = {}
+        self.changed_at = time.monotonic()
 
     @property
     def phase(self) -> str:
@@ -35,14 +41,19 @@ class SecAggRound:
     def finished(self) -> bool:
         return self.server.phase in ("done", "aborted")
 
-    async def _deliver(self, outbound) -> None:
+    async def _deliver(self, outbound, phase: str) -> None:
+        """Post the server's messages; wake the pollers only when there is mail or a new phase
+        (most client messages produce neither: waking every poller on each would cost
+        n * n coroutine wake-ups per phase for nothing)."""
         for out in outbound:
             self.mailboxes[out.recipient].append(out.data)
-        async with self.changed:
-            self.changed.notify_all()
+        if outbound or self.phase != phase:
+            async with self.changed:
+                self.changed.notify_all()
 
-    async def handle(self, position: int, data: bytes) -> None:
-        """One client message from the device at `position`; SecAggError when refused."""
+    async def handle(self, position: int, data: bytes, arrived: float | None = None) -> None:
+        """One client message from the device at `position`; SecAggError when refused.
+        `arrived`: when its request reached the coordinator (monotonic), for `critical`."""
         try:
             sender = decode(data).sender
         except SecAggError:
@@ -52,15 +63,26 @@ class SecAggRound:
             self.rejected += 1
             raise SecAggError(f"message claims client {sender}, the device holds position {position}")
         self.spoken.add(position)
+        before = self.phase
         try:
             outbound = self.server.handle(data)
         except SecAggError:
             self.rejected += 1
             raise
-        await self._deliver(outbound)
+        await self._deliver(outbound, before)
+        if self.phase != before:
+            self._phase_changed(before, arrived)
 
-    async def close_phase(self) -> None:
-        await self._deliver(self.server.close_phase())
+    async def close_phase(self, since: float | None = None) -> None:
+        """Go on with whoever answered (the phase's deadline passed at `since`, monotonic)."""
+        before = self.phase
+        await self._deliver(self.server.close_phase(), before)
+        self._phase_changed(before, since)
+
+    def _phase_changed(self, phase: str, since: float | None) -> None:
+        self.changed_at = time.monotonic()
+        if since is not None:
+            self.critical[phase] = self.changed_at - since
 
     async def poll(self, position: int, after: int, timeout: float) -> tuple[list[bytes], int]:
         """Messages for `position` from index `after` on, waiting up to `timeout` for one."""

@@ -104,12 +104,13 @@ def fleet_data(cfg, folder: Path):
 
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
-                      replies: list | None = None, runtime: str = "eager", **take_part_kw) -> list:
+                      replies: list | None = None, runtime: str = "eager",
+                      link_kw: dict | None = None, **take_part_kw) -> list:
     """One phone: register, then check in and take part until the run is done (`replies`
-    collects (device, next round, check-in reply))."""
+    collects (device, next round, check-in reply); `link_kw`: more `CoordinatorLink` options)."""
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
-                               max_backoff_s=0.5, retries=8) as link:
+                               max_backoff_s=0.5, retries=8, **(link_kw or {})) as link:
         registered = False
         while stop is None or not stop.is_set():
             try:  # a coordinator that is down (killed, restarting) is waited for

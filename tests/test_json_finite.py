@@ -63,3 +63,32 @@ def test_run_directory_json_is_strict(tmp_path):
     line = (tmp_path / "run" / "metrics.jsonl").read_text().strip()
     assert strict_loads(line) == {"round": 1, "epsilon": None, "loss": None}
     assert strict_loads((tmp_path / "run" / "privacy.json").read_text()) == {"epsilon": None}
+
+
+def _values():
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.text(max_size=8),
+                     st.floats(allow_nan=True, allow_infinity=True),
+                     st.floats(width=32).map(np.float32), st.floats().map(np.float64),
+                     st.integers(-100, 100).map(np.int64))
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=4), inner, max_size=4)), max_leaves=20)
+
+
+def test_the_fast_path_writes_exactly_what_the_finite_walk_writes():
+    """`dumps` skips the `finite` walk for plain data: on any mix of plain and numpy values,
+    finite and non-finite floats, it writes the same text as walking first, and never NaN."""
+    from hypothesis import given, settings
+
+    from dpfleet.jsonio import dumps, finite
+
+    @settings(max_examples=300, deadline=None)
+    @given(_values())
+    def check(value):
+        text = dumps(value)
+        assert text == json.dumps(finite(value), allow_nan=False)
+        strict_loads(text)  # valid JSON: no NaN / Infinity token
+
+    check()

@@ -24,10 +24,12 @@ def test_check_ins_that_would_break_min_separation_or_max_participation_are_refu
         checkin = driver.checkin
 
         async def spy(device_id, body):  # the round a refusal was about
-            before = driver.engine.next_round
             reply = await checkin(device_id, body)
+            # a refusal is answered right after the guard's check (no await between), so the
+            # round it was about is the next one now: a held participant's check-in is checked
+            # only once its own round has ended
             if reply["kind"] == "refused":
-                rounds_at.append((before + 1, device_id, reply["reason"]))
+                rounds_at.append((driver.engine.next_round + 1, device_id, reply["reason"]))
             return reply
 
         driver.checkin = spy

@@ -6,8 +6,10 @@ round number is opened again; devices refuse a setup that lists a key outside th
 fleet registry and send nothing for it."""
 
 import asyncio
+import json
 
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import (
     capture_sums,
@@ -36,7 +38,7 @@ def policy_for(cfg):
                                   cfg.aggregation.corruption, n)
 
 
-def serve_with_devices(cfg, root, per_device_hooks=None):
+def serve_with_devices(cfg, root, per_device_hooks=None, link_kw=None):
     users, examples = fleet_data(cfg, root / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
     pinned = {u: k.public_key().public_bytes_raw() for u, k in keys.items()}
@@ -47,7 +49,7 @@ def serve_with_devices(cfg, root, per_device_hooks=None):
         sums = capture_sums(running.driver.engine)
         devices = asyncio.create_task(run_devices(
             running.url, keys, examples, per_device=per_device, pinned=pinned,
-            policy=policy_for(cfg)))
+            policy=policy_for(cfg), link_kw=link_kw))
         await asyncio.wait_for(asyncio.shield(running.task), 180)
         outcomes = await asyncio.wait_for(devices, 30)
         history, releases = running.driver.history, running.driver.store.releases()
@@ -76,13 +78,45 @@ def check_sums(sums, outcomes):
         assert float(np.linalg.norm(exact)) > 100 * error  # the sum is not trivially small
 
 
-def test_a_signed_secagg_round_over_http_commits_with_its_survivors_sum(tmp_path):
-    cfg = secagg_cfg(rounds=2)
-    users, sums, outcomes, history, releases = serve_with_devices(cfg, tmp_path)
+@pytest.mark.parametrize("merge_posts", [True, False], ids=["merged-posts", "post-then-poll"])
+def test_a_signed_secagg_round_over_http_commits_with_its_survivors_sum(tmp_path, monkeypatch,
+                                                                        merge_posts):
+    """Both ways of carrying SecAgg over HTTP: posts that return the next mail (PROTOCOL.md,
+    merged posts) and the v1 post + GET long-poll, which older devices still use."""
+    from dpfleet.fleet.link import CoordinatorLink
+
+    calls = {"send": 0, "send_poll": 0, "poll": 0}
+    for name, key in (("secagg_send", "send"), ("secagg_send_poll", "send_poll"),
+                      ("secagg_poll", "poll")):
+        real = getattr(CoordinatorLink, name)
+
+        async def counted(self, *a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return await _real(self, *a, **kw)
+        monkeypatch.setattr(CoordinatorLink, name, counted)
+    # no device drops here: a long masking deadline only keeps a loaded machine's first
+    # (slow) training from failing the first attempt
+    cfg = secagg_cfg(rounds=2, service={**SECAGG["service"], "report_deadline_s": 30.0})
+    users, sums, outcomes, history, releases = serve_with_devices(
+        cfg, tmp_path, link_kw={"merge_posts": merge_posts})
     assert [h["status"] for h in history] == ["committed", "committed"]
     assert [r["round"] for r in releases] == [1, 2]
     assert all(len(agg.survivors) == 5 for _, agg in sums)  # report goal 3 + 2 over-selected
     check_sums(sums, outcomes)
+    # the coordinator's critical path of each committed round, by phase (fleet_load reads it)
+    events = [json.loads(x) for x in (tmp_path / "state" / "service.log").read_text().splitlines()]
+    critical = [e["seconds"] for e in events if e["event"] == "critical"]
+    phases = {"open", "commit"} | {f"secagg_{p}" for p in ("commit", "keys", "shares", "masked",
+                                                            "consistency", "unmask")}
+    assert len(critical) == 2 and all(set(c) == phases for c in critical), critical
+    assert all(0.0 <= t < 10.0 for c in critical for t in c.values()), critical
+    parts = sum(len(agg.survivors) for _, agg in sums)  # 6 messages each, 5 of them wait
+    if merge_posts:  # a GET only where a merged post's wait ran out empty
+        assert calls["send_poll"] >= 5 * parts and calls["send"] == parts, calls
+        assert calls["poll"] <= parts, calls
+    else:
+        assert calls["send_poll"] == 0 and calls["send"] == 6 * parts, calls
+        assert calls["poll"] >= 5 * parts, calls
 
 
 def test_dropout_after_key_sharing_commits_from_survivors_and_too_few_fail_cleanly(tmp_path):
@@ -216,4 +250,49 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
 
     job, again, after = asyncio.run(main())
     assert again == job
-    assert after["kind"] == "retry" and after["reason"] == "round full"
+    # once it has spoken, never this job again: held through the round, then a check-in for
+    # the next attempt (its assignment, or a retry)
+    assert after != job and after.get("attempt") != job["attempt"], after
+    assert after["kind"] == "assignment" or after["reason"] != "round full", after
+
+
+def test_a_merged_post_returns_only_the_senders_mail_and_a_bad_cursor_takes_nothing(tmp_path):
+    """A post with `&after=` answers with the sender's own next mail once the phase closes; a
+    negative cursor is refused before the message is taken (sending it again is no duplicate)."""
+    from dpfleet.fleet.link import LinkError
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.messages import decode
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
+    users, _ = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        async with serving(cfg, tmp_path / "state", keys, poll_s=5.0) as (running, links):
+            jobs = {u: r for u, r in (await checkin_all(links)).items() if r["kind"] == "assignment"}
+            commits = {}
+            for u, job in jobs.items():
+                setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
+                client = SecAggClient(setup, job["position"], keys[u],
+                                      policy=policy_for(cfg)(setup.n),
+                                      pinned={j: setup.identities[j] for j in range(setup.n)})
+                commits[u] = client.start()[0].data
+            a = sorted(jobs)[0]
+            number, attempt = jobs[a]["round"], jobs[a]["attempt"]
+            try:
+                await links[a].request("POST", f"/v1/rounds/{number}/secagg?attempt={attempt}"
+                                       "&after=-1", commits[a])
+                bad = None
+            except LinkError as exc:
+                bad = exc
+            mail = await asyncio.gather(*(links[u].secagg_send_poll(number, attempt, commits[u], 0)
+                                          for u in jobs))
+            return bad, {jobs[u]["position"]: m for u, m in zip(jobs, mail, strict=True)}
+
+    bad, mail = asyncio.run(main())
+    assert bad is not None and bad.status == 400 and bad.code == "bad_cursor"
+    assert len(mail) == cfg.dp.report_goal
+    for position, (messages, cursor, phase) in mail.items():
+        assert messages and cursor == len(messages) and phase == "keys"
+        assert {decode(m).recipient for m in messages} == {position}  # its own mail only
