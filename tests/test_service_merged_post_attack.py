@@ -12,7 +12,7 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import checkin_all, fleet_data, serving
-from test_service_secagg import policy_for, secagg_cfg
+from test_service_secagg import first_messages, secagg_cfg
 
 from dpfleet.fleet.link import LinkError
 
@@ -20,9 +20,7 @@ POLL_S = 3.0
 
 
 def test_a_cursor_neither_holds_a_replay_nor_reads_beyond_the_own_mailbox(tmp_path):
-    from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.messages import decode
-    from dpfleet.secagg.setup_wire import decode_setup
 
     cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
@@ -31,13 +29,7 @@ def test_a_cursor_neither_holds_a_replay_nor_reads_beyond_the_own_mailbox(tmp_pa
     async def main():
         async with serving(cfg, tmp_path / "state", keys, poll_s=POLL_S) as (running, links):
             jobs = {u: r for u, r in (await checkin_all(links)).items() if r["kind"] == "assignment"}
-            commits = {}
-            for u, job in jobs.items():
-                setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
-                client = SecAggClient(setup, job["position"], keys[u],
-                                      policy=policy_for(cfg)(setup.n),
-                                      pinned={j: setup.identities[j] for j in range(setup.n)})
-                commits[u] = client.start()[0].data
+            commits = first_messages(cfg, jobs, keys)
             number, attempt = next(iter(jobs.values()))["round"], next(iter(jobs.values()))["attempt"]
             first = dict(zip(jobs, await asyncio.gather(
                 *(links[u].secagg_send_poll(number, attempt, commits[u], 0) for u in jobs)),

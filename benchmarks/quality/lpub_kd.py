@@ -133,13 +133,19 @@ class PartialTeacher(TeacherWork):
 
     def logprobs(self) -> np.ndarray:
         """l_pub of the candidates from the cache, -inf for every other record."""
-        cache = self._lpub_cache()
         out = np.full(len(self.pool.sequences), -np.inf)
-        for i in self.candidates:
+        for i, value in self._cached(self.candidates, self._lpub_cache(), "cached l_pub",
+                                     "score the candidates first").items():
+            out[i] = value
+        return out
+
+    def _cached(self, records: Sequence[int], cache: dict, what: str, hint: str) -> dict:
+        """{record: its cache entry}; DpfleetError naming the first record not cached."""
+        out = {}
+        for i in records:
             key = record_key(self.pool.sequences[i])
             if key not in cache:
-                raise DpfleetError(f"no cached l_pub for pool record {i}: score the candidates "
-                                   "first")
+                raise DpfleetError(f"no {what} for pool record {i}: {hint}")
             out[i] = cache[key]
         return out
 
@@ -175,14 +181,8 @@ class PartialTeacher(TeacherWork):
                      label_chunk, "top-k records", self.progress)
 
     def corpus(self) -> SubsetCorpus:
-        cache = self._topk_cache()
-        where = {}
-        for i in self.labelled:
-            key = record_key(self.pool.sequences[i])
-            if key not in cache:
-                raise DpfleetError(f"no teacher labels for pool record {i}: label the "
-                                   "selection first")
-            where[i] = cache[key]
+        where = self._cached(self.labelled, self._topk_cache(), "teacher labels",
+                             "label the selection first")
         return SubsetCorpus(len(self.pool.sequences), where)
 
 
