@@ -124,7 +124,7 @@ class SecAggAggregator:
         ring, count, out_of_range = report.total, None, False
         if bits is not None:
             ring, count, out_of_range = split_count(ring, disc.padded_length,
-                                                    len(report.survivors))
+                                                    len(report.survivors), self.bits)
         total = disc.decode(ring)
         phase_client = {p: sum(report.client_seconds[p].values()) for p in PHASES}
         info = {

@@ -68,14 +68,22 @@ def append_bit(values: np.ndarray, bit: int) -> np.ndarray:
     return out
 
 
-def split_count(total: np.ndarray, model_length: int, summed: int) -> tuple[np.ndarray, int, bool]:
+def split_count(total: np.ndarray, model_length: int, summed: int,
+                bits: int) -> tuple[np.ndarray, int, bool]:
     """(the model's ring sum, the clipped count, whether the count was out of range).
 
     Honest devices' bits sum to a count in [0, summed]; anything else (a device that put another
-    value in its slot) is clamped into that range, so no device can push the estimate by more
-    than a full round of bits, and flagged."""
+    value in its slot) is mapped into that range, and flagged. The map is the ring distance from
+    0, min(raw, 2^bits - raw), capped at `summed`: it moves by at most 1 when the ring value
+    moves by 1, also across the wrap. Why not a plain clamp of the unsigned value: a device that
+    knows the other bits can put v = -1 - (their sum) in its slot, so the sum is 2^bits - 1
+    (clamped to `summed`) with the target's bit 0 and 0 with it 1; one honest bit would then move
+    the count by a whole round, not the 1 the count noise is calibrated for (test:
+    tests/test_count_slot_attack.py). A malicious device still steers the count anywhere in
+    [0, summed] (robustness, not privacy: THREAT_MODEL.md)."""
     if total.size != model_length + 1:
         raise ValueError(f"sum has {total.size} elements, expected {model_length} + 1")
-    raw = int(total[-1])
-    count = min(max(raw, 0), summed)
+    modulus = 1 << int(bits)
+    raw = int(total[-1]) % modulus
+    count = min(raw, modulus - raw, summed)
     return total[:model_length], count, count != raw

@@ -481,7 +481,7 @@ class RoundDriver:
             from dpfleet.secagg.count_bit import split_count
 
             ring, count, info["count_out_of_range"] = split_count(ring, disc.padded_length,
-                                                                  len(survivors))
+                                                                  len(survivors), disc.bits)
         return AggregateResult(total=disc.decode(ring), survivors=survivors, info=info,
                                ring=RingSum(ring, disc.bits, disc.decode), clipped_count=count)
 

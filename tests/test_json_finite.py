@@ -92,3 +92,31 @@ def test_the_fast_path_writes_exactly_what_the_finite_walk_writes():
         strict_loads(text)  # valid JSON: no NaN / Infinity token
 
     check()
+
+
+def test_numpy_arrays_and_numpy_scalars_never_leak_nan_through_the_fast_path():
+    """Attack on the fast path: non-finite values hidden in numpy arrays (any float width,
+    0-d too) and float64 scalars (a `float` subclass json writes natively), nested in
+    dicts / lists / tuples, come out as null and the text is strict JSON."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from dpfleet.jsonio import dumps
+
+    special = st.sampled_from([np.nan, np.inf, -np.inf, 0.5, -2.0])
+    arrays = st.tuples(st.sampled_from([np.float16, np.float32, np.float64]),
+                       st.lists(special, min_size=0, max_size=5), st.booleans()).map(
+        lambda t: np.array(t[1][0] if t[2] and t[1] else t[1], dtype=t[0]))
+    leaf = st.one_of(arrays, special.map(np.float64), special)
+    tree = st.recursive(leaf, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=3), inner, max_size=3)), max_leaves=12)
+
+    @settings(max_examples=300, deadline=None)
+    @given(tree)
+    def check(value):
+        text = dumps(value)
+        assert "NaN" not in text and "Infinity" not in text
+        strict_loads(text)
+
+    check()

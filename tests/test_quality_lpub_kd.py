@@ -205,3 +205,40 @@ def test_exact_selection_estimate_weighs_the_sample_for_the_unscored_rest():
     mixed = public_pool.exact_selection_estimate(args, pool, union, sample, l_priv, l_pub,
                                                  np.full(n_sample, -6.0), list(union), n_out)
     assert mixed["estimated_exact_share_from_candidates"] == pytest.approx(5 / 21)
+
+
+def test_score_candidates_caches_exactly_the_teacher_scores_of_the_candidates(monkeypatch):
+    """The claimed-chunk loop (`work_through`) with a stand-in teacher (scores = record length
+    plus its first token): every candidate's cached l_pub is its own score, nothing else is."""
+    import dpfleet.public.matching as matching
+
+    pool = _pool(150)
+    candidates = list(range(0, 150, 2))
+    work = _teacher(pool, candidates)
+    monkeypatch.setattr(work, "extractor", lambda: None)
+    work.vocab.tokenizer = None
+    monkeypatch.setattr(lpub_kd, "_teacher_tokens", lambda w, seqs: sum(len(s) for s in seqs))
+    monkeypatch.setattr(matching, "teacher_logprobs",
+                        lambda ex, tok, seqs, batch, progress: np.array(
+                            [len(s) + s[0] for s in seqs], dtype=float))
+    work.score_candidates(lambda path: True)
+    l_pub = work.logprobs()
+    want = np.array([len(s) + s[0] for s in pool.sequences], dtype=float)
+    np.testing.assert_array_equal(l_pub[candidates], want[candidates])
+    assert np.isneginf(np.delete(l_pub, candidates)).all()
+    assert work.teacher_stats["lpub_tokens"] == sum(len(pool.sequences[i]) for i in candidates)
+
+
+def test_work_through_waits_for_chunks_another_worker_claimed():
+    left = list(range(300))
+    calls = []
+
+    def do_chunk(chunk):  # the first pass finds every chunk claimed; the "other worker" ends them
+        calls.append(len(chunk))
+        if len(calls) <= len(lpub_kd._chunks(range(300))):
+            return False
+        del left[: len(chunk)]
+        return True
+
+    lpub_kd.work_through(300, lambda: list(left), do_chunk, "test", False, pause_s=0.0)
+    assert left == [] and sum(calls) == 600

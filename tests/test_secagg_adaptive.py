@@ -83,7 +83,7 @@ def test_the_count_is_exactly_the_bits_of_the_devices_in_the_sum(data):
                                          dropouts={"mask": before, "unmask": after})
     survivors = list(report.survivors)
     assert survivors == sorted(set(range(n)) - set(before))  # a device after masking stays in
-    ring, count, out_of_range = split_count(report.total, disc.padded_length, len(survivors))
+    ring, count, out_of_range = split_count(report.total, disc.padded_length, len(survivors), 32)
     assert count == sum(bits[u] for u in survivors) and not out_of_range
     exact = np.sum([deltas[u] for u in survivors], axis=0)
     error = float(np.linalg.norm(disc.decode(ring) - exact))
@@ -250,7 +250,7 @@ def test_a_server_cannot_isolate_one_bit_by_handing_out_different_thresholds():
         # control: the same per-device thresholds with nothing bound
         setup, _, _ = plan_round(n, input_length(disc, threshold), 32, "complete")
         report = run_round(setup, lambda u, inputs=inputs: inputs[u])
-        _, count, _ = split_count(report.total, disc.padded_length, n)
+        _, count, _ = split_count(report.total, disc.padded_length, n, 32)
         recovered_unbound.append(count - (n - 1))
     assert recovered_unbound == target_bits
     assert 0 < sum(target_bits) < trials  # both bit values were attacked

@@ -256,13 +256,25 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
     assert after["kind"] == "assignment" or after["reason"] != "round full", after
 
 
+def first_messages(cfg, jobs: dict, keys: dict) -> dict:
+    """Each assigned device's first SecAgg message (its signed commitment), by device id."""
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    out = {}
+    for u, job in jobs.items():
+        setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
+        client = SecAggClient(setup, job["position"], keys[u], policy=policy_for(cfg)(setup.n),
+                              pinned={j: setup.identities[j] for j in range(setup.n)})
+        out[u] = client.start()[0].data
+    return out
+
+
 def test_a_merged_post_returns_only_the_senders_mail_and_a_bad_cursor_takes_nothing(tmp_path):
     """A post with `&after=` answers with the sender's own next mail once the phase closes; a
     negative cursor is refused before the message is taken (sending it again is no duplicate)."""
     from dpfleet.fleet.link import LinkError
-    from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.messages import decode
-    from dpfleet.secagg.setup_wire import decode_setup
 
     cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
@@ -271,13 +283,7 @@ def test_a_merged_post_returns_only_the_senders_mail_and_a_bad_cursor_takes_noth
     async def main():
         async with serving(cfg, tmp_path / "state", keys, poll_s=5.0) as (running, links):
             jobs = {u: r for u, r in (await checkin_all(links)).items() if r["kind"] == "assignment"}
-            commits = {}
-            for u, job in jobs.items():
-                setup = decode_setup(bytes.fromhex(job["secagg"]["setup"]))
-                client = SecAggClient(setup, job["position"], keys[u],
-                                      policy=policy_for(cfg)(setup.n),
-                                      pinned={j: setup.identities[j] for j in range(setup.n)})
-                commits[u] = client.start()[0].data
+            commits = first_messages(cfg, jobs, keys)
             a = sorted(jobs)[0]
             number, attempt = jobs[a]["round"], jobs[a]["attempt"]
             try:

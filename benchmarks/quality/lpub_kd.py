@@ -56,6 +56,25 @@ def _chunk_name(keys: Sequence[str]) -> str:
     return hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
 
 
+def work_through(total: int, missing: Callable[[], list[int]], do_chunk: Callable[[list[int]], bool],
+                 desc: str, progress: bool, pause_s: float = 5.0) -> None:
+    """Run `do_chunk` on chunks of the `missing()` records until none is missing; `do_chunk`
+    returns False for a chunk it skipped (done or claimed by another worker), and a pass that
+    did nothing waits `pause_s` for the other workers (l_pub scoring and KD labelling alike)."""
+    bar = tqdm(total=total, desc=desc, unit="rec", disable=not progress)
+    while left := missing():
+        bar.n = total - len(left)
+        bar.refresh()
+        worked = False
+        for chunk in _chunks(left):
+            if do_chunk(chunk):
+                bar.update(len(chunk))
+                worked = True
+        if not worked:
+            time.sleep(pause_s)  # the rest is another worker's
+    bar.close()
+
+
 class PartialTeacher(TeacherWork):
     """`TeacherWork` restricted to `candidates` (l_pub) and `labelled` (KD) records of the pool."""
 
@@ -91,40 +110,42 @@ class PartialTeacher(TeacherWork):
 
         self.lpub_folder.mkdir(parents=True, exist_ok=True)
         keys = {i: record_key(self.pool.sequences[i]) for i in self.candidates}
-        bar = tqdm(total=len(keys), desc="l_pub records", unit="rec", disable=not self.progress)
-        while missing := [i for i in self.candidates if keys[i] not in self._lpub_cache()]:
-            bar.n = len(keys) - len(missing)
-            bar.refresh()
-            worked = False
-            for chunk in _chunks(missing):
-                seqs = [self.pool.sequences[i] for i in chunk]
-                path = self.lpub_folder / f"{_chunk_name([keys[i] for i in chunk])}.npz"
-                if path.is_file() or not claim(path.with_suffix("")):
-                    continue
-                t0 = time.perf_counter()
-                scores = teacher_logprobs(self.extractor(), self.vocab.tokenizer, seqs,
-                                          self.cfg.public.batch_tokens, progress=False)
-                self.teacher_stats["lpub_seconds"] += time.perf_counter() - t0
-                self.teacher_stats["lpub_tokens"] += _teacher_tokens(self, seqs)
-                tmp = path.with_name(f".{path.name}")
-                with tmp.open("wb") as f:
-                    np.savez(f, keys=np.array([keys[i] for i in chunk]), l_pub=scores)
-                tmp.replace(path)
-                bar.update(len(chunk))
-                worked = True
-            if not worked:
-                time.sleep(5)  # the rest is another worker's
-        bar.close()
+
+        def score(chunk: list[int]) -> bool:
+            seqs = [self.pool.sequences[i] for i in chunk]
+            path = self.lpub_folder / f"{_chunk_name([keys[i] for i in chunk])}.npz"
+            if path.is_file() or not claim(path.with_suffix("")):
+                return False
+            t0 = time.perf_counter()
+            scores = teacher_logprobs(self.extractor(), self.vocab.tokenizer, seqs,
+                                      self.cfg.public.batch_tokens, progress=False)
+            self.teacher_stats["lpub_seconds"] += time.perf_counter() - t0
+            self.teacher_stats["lpub_tokens"] += _teacher_tokens(self, seqs)
+            tmp = path.with_name(f".{path.name}")
+            with tmp.open("wb") as f:
+                np.savez(f, keys=np.array([keys[i] for i in chunk]), l_pub=scores)
+            tmp.replace(path)
+            return True
+
+        work_through(len(keys), lambda: [i for i in self.candidates
+                                         if keys[i] not in self._lpub_cache()],
+                     score, "l_pub records", self.progress)
 
     def logprobs(self) -> np.ndarray:
         """l_pub of the candidates from the cache, -inf for every other record."""
-        cache = self._lpub_cache()
         out = np.full(len(self.pool.sequences), -np.inf)
-        for i in self.candidates:
+        for i, value in self._cached(self.candidates, self._lpub_cache(), "cached l_pub",
+                                     "score the candidates first").items():
+            out[i] = value
+        return out
+
+    def _cached(self, records: Sequence[int], cache: dict, what: str, hint: str) -> dict:
+        """{record: its cache entry}; DpfleetError naming the first record not cached."""
+        out = {}
+        for i in records:
             key = record_key(self.pool.sequences[i])
             if key not in cache:
-                raise DpfleetError(f"no cached l_pub for pool record {i}: score the candidates "
-                                   "first")
+                raise DpfleetError(f"no {what} for pool record {i}: {hint}")
             out[i] = cache[key]
         return out
 
@@ -143,35 +164,25 @@ class PartialTeacher(TeacherWork):
         missing records), until every one is cached."""
         self.topk_folder.mkdir(parents=True, exist_ok=True)
         keys = {i: record_key(self.pool.sequences[i]) for i in self.labelled}
-        bar = tqdm(total=len(keys), desc="top-k records", unit="rec", disable=not self.progress)
-        while missing := [i for i in self.labelled if keys[i] not in self._topk_cache()]:
-            bar.n = len(keys) - len(missing)
-            bar.refresh()
-            worked = False
-            for chunk in _chunks(missing):
-                folder = self.topk_folder / _chunk_name([keys[i] for i in chunk])
-                if _complete(folder) or not claim(folder.with_name(folder.name + "-claim")):
-                    continue
-                t0 = time.perf_counter()
-                build_corpus(self.extractor(), [self.pool.sequences[i] for i in chunk], folder,
-                             batch_tokens=self.cfg.public.batch_tokens, progress=False)
-                self.teacher_stats["topk_seconds"] += time.perf_counter() - t0
-                self.teacher_stats["topk_tokens"] += sum(len(self.pool.sequences[i]) for i in chunk)
-                bar.update(len(chunk))
-                worked = True
-            if not worked:
-                time.sleep(5)
-        bar.close()
+
+        def label_chunk(chunk: list[int]) -> bool:
+            folder = self.topk_folder / _chunk_name([keys[i] for i in chunk])
+            if _complete(folder) or not claim(folder.with_name(folder.name + "-claim")):
+                return False
+            t0 = time.perf_counter()
+            build_corpus(self.extractor(), [self.pool.sequences[i] for i in chunk], folder,
+                         batch_tokens=self.cfg.public.batch_tokens, progress=False)
+            self.teacher_stats["topk_seconds"] += time.perf_counter() - t0
+            self.teacher_stats["topk_tokens"] += sum(len(self.pool.sequences[i]) for i in chunk)
+            return True
+
+        work_through(len(keys), lambda: [i for i in self.labelled
+                                         if keys[i] not in self._topk_cache()],
+                     label_chunk, "top-k records", self.progress)
 
     def corpus(self) -> SubsetCorpus:
-        cache = self._topk_cache()
-        where = {}
-        for i in self.labelled:
-            key = record_key(self.pool.sequences[i])
-            if key not in cache:
-                raise DpfleetError(f"no teacher labels for pool record {i}: label the "
-                                   "selection first")
-            where[i] = cache[key]
+        where = self._cached(self.labelled, self._topk_cache(), "teacher labels",
+                             "label the selection first")
         return SubsetCorpus(len(self.pool.sequences), where)
 
 

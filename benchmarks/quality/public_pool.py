@@ -199,18 +199,24 @@ def markdown(payload: dict) -> str:
         f"{st['report_goal']} clients, T' = {st['rounds'] // 2}, z = {st['noise'][0]}, "
         f"momentum {st['momentum'][0]}, dp.noise_seed = seed. Seeds {seeds} (n = {len(seeds)}). "
         "Accuracy (%) and perplexity on held-out private clients "
-        f"({st['eval_examples']} examples), mean ± sample sd over seeds.", "",
-        "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
-        "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += arm_rows(arm_list, by, seeds)
-    lines += ["", "Paired differences over seeds (row - base): accuracy in points and perplexity, "
-              "mean [95% t-interval, sample sd], seeds up / down.", "",
-              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
-    lines += difference_rows(comparisons(arm_list), by, seeds)
+        f"({st['eval_examples']} examples), mean ± sample sd over seeds.", ""]
+    lines += arm_tables(arm_list, by, seeds, comparisons(arm_list),
+                        "Paired differences over seeds (row - base): accuracy in points and "
+                        "perplexity, mean [95% t-interval, sample sd], seeds up / down.")
     secs = [r["seconds"] for r in results]
     lines += ["", f"{len(results)} pipeline runs, {sum(secs) / 60:.1f} min in all (median "
               f"{np.median(secs):.0f} s per run); machine: {payload['machine']}."]
     return "\n".join(lines) + "\n"
+
+
+def arm_tables(arm_list: list[dict], by: dict, seeds: list[int],
+               pairs: list[tuple[str, str, str]], note: str) -> list[str]:
+    """The per-arm table, then `note` and the paired-difference table of `pairs`."""
+    return ["| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | "
+            "selected from wikitext2 / kjv / collab (mean) |",
+            "|---|---|---|---|---|---|---|---|---|", *arm_rows(arm_list, by, seeds), "", note, "",
+            "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|",
+            *difference_rows(pairs, by, seeds)]
 
 
 def arm_rows(arm_list: list[dict], by: dict, seeds: list[int]) -> list[str]:
@@ -511,14 +517,10 @@ def lpub_markdown(payload: dict) -> str:
         f"all arms rerun in one work folder with today's code (paired by seed, dp.noise_seed = "
         f"seed). match: l_priv only (beta = 1); lpub: h = {1 - st['match_beta']:g} l_pub + "
         f"{st['match_beta']:g} l_priv; kd: kd_beta = {st['kd_beta']:g}, k = 10 teacher top-k "
-        f"(teacher-space top-k, the pipeline default). Seeds {seeds} (n = {len(seeds)}).", "",
-        "| arm | selected | steps | epochs | seeds | accuracy | perplexity | acc. at T' | selected "
-        "from wikitext2 / kjv / collab (mean) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += arm_rows(arm_list, by, seeds)
-    lines += ["", "Paired differences over seeds (row - base), mean [95% t-interval, sample sd], "
-              "seeds up / down.", "",
-              "| family | row - base | accuracy (points) | perplexity |", "|---|---|---|---|"]
-    lines += difference_rows(lpub_comparisons(arm_list), by, seeds)
+        f"(teacher-space top-k, the pipeline default). Seeds {seeds} (n = {len(seeds)}).", ""]
+    lines += arm_tables(arm_list, by, seeds, lpub_comparisons(arm_list),
+                        "Paired differences over seeds (row - base), mean [95% t-interval, sample "
+                        "sd], seeds up / down.")
     if stats:
         lines += ["", f"Teacher work: each seed's candidates are its top "
                   f"{st['candidates'] * 100:g}% = {stats['candidates_per_seed']:,} records by its "
