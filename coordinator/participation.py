@@ -63,6 +63,10 @@ class ParticipationGuard:
             ok &= self.count[devices] < self.max_participation
         return ok
 
+    def admits(self, device: int, round_idx: int) -> bool:
+        """`allowed(round_idx)[device]` in O(1): what a networked check-in asks."""
+        return bool(self.allows(slice(device, device + 1), round_idx)[0])
+
     def blocked(self, round_idx: int) -> np.ndarray:
         """Sorted devices refused in round `round_idx` (the complement of `allowed`)."""
         if round_idx - self.min_separation < self._kept_from:  # window pruned: scan everyone

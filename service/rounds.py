@@ -22,6 +22,7 @@ import numpy as np
 
 from dpfleet.coordinator.aggregation import AggregateResult, RingSum
 from dpfleet.coordinator.config import round_size
+from dpfleet.coordinator.participation import ParticipationGuard
 from dpfleet.coordinator.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.coordinator.simulation import _seed
@@ -160,7 +161,7 @@ class RoundDriver:
             spent, now, cur = time.time() - now, time.time(), self.current
         guard = self.engine.participation.guard
         r = self.engine.next_round
-        if not guard.allowed(r)[i] or (timer is not None and timer > now):
+        if not guard.admits(i, r) or (timer is not None and timer > now):
             self.refused_timer.add(i)
             capped = guard.max_participation and guard.count[i] >= guard.max_participation
             return {"kind": "refused", "reason": "max_participation" if capped else "timer",
@@ -322,17 +323,16 @@ class RoundDriver:
     async def _try_open(self) -> OpenRound | Stop | None:
         eng, m = self.engine, self.cfg.dp.report_goal
         r = eng.next_round
-        allowed = eng.participation.guard.allowed(r) if r < self.cfg.rounds else None
-        if allowed is None or int(allowed.sum()) < m:
+        now = time.monotonic()
+        self.pool = {i: t for i, t in self.pool.items() if t > now}
+        self.waiting_since = {i: self.waiting_since[i] for i in self.pool}
+        avail, total = (allowed_waiting(eng.participation.guard, self.pool, r)
+                        if r < self.cfg.rounds else ([], 0))
+        if total < m:
             plan = eng.open_round()  # the engine says why no round can open (done / unfillable)
             if not isinstance(plan, Stop):
                 raise RuntimeError("the engine opened a round the guard cannot fill")
             return plan
-        now = time.monotonic()
-        self.pool = {i: t for i, t in self.pool.items() if t > now}
-        self.waiting_since = {i: self.waiting_since[i] for i in self.pool}
-        avail = sorted(i for i in self.pool if allowed[i])
-        total = int(allowed.sum())
         if len(avail) < m:
             return None
         # the window runs from when m were waiting and no round was open (its devices come back)
@@ -596,3 +596,11 @@ class RoundDriver:
         histogram = {str(k): int(v) for k, v in enumerate(counts) if v}
         return {"rounds": self.history, "participation_histogram": histogram,
                 "device_states": self.device_counts()}
+
+
+def allowed_waiting(guard: ParticipationGuard, waiting, round_idx: int) -> tuple[list[int], int]:
+    """(the waiting devices the guard allows in `round_idx`, ascending; how many devices it
+    allows in all), from its refused set: O(waiting + recent participants), so opening a round
+    never builds a mask over every registered device (the same answer as `allowed(r)`)."""
+    ids = np.sort(np.fromiter(waiting, np.int64))
+    return ids[guard.allows(ids, round_idx)].tolist(), guard.last.size - guard.blocked(round_idx).size
