@@ -102,6 +102,19 @@ def fleet_data(cfg, folder: Path):
     return [c.user for c in data.train], {c.user: c.examples for c in data.train}
 
 
+def device_keys(users) -> dict[str, Ed25519PrivateKey]:
+    """A fresh Ed25519 identity per device."""
+    return {u: Ed25519PrivateKey.generate() for u in users}
+
+
+def one_round_world(root: Path):
+    """(cfg, root, users, examples) of a one-round, 30% over-selected service run: the shared
+    set-up of the attack test modules."""
+    cfg = tiny_cfg(rounds=1, service={"overselect": 0.3})
+    users, examples = fleet_data(cfg, root / "fleet")
+    return cfg, root, users, examples
+
+
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
                       replies: list | None = None, runtime: str = "eager",

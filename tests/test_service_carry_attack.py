@@ -11,8 +11,7 @@ Checked on the value: round 2's released participants."""
 import asyncio
 import time
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import checkin_all, fleet_data, serving, tiny_cfg
+from service_fleet import checkin_all, device_keys, fleet_data, serving, tiny_cfg
 
 from dpfleet.fleet.participant import take_part
 
@@ -21,7 +20,7 @@ def test_carried_check_ins_cannot_break_min_separation_the_timer_or_a_pause(tmp_
     cfg = tiny_cfg(rounds=2, participation={"min_separation": 1},
                    service={"checkin_window_s": 0.5, "overselect": 0.0})
     users, examples = fleet_data(cfg, tmp_path / "fleet")
-    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    keys = device_keys(users)
 
     async def main():
         async with serving(cfg, tmp_path / "state", keys) as (running, links):

@@ -7,8 +7,7 @@ a stop releases every held check-in."""
 import asyncio
 import time
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from service_fleet import checkin_all, fleet_data, serving, tiny_cfg
+from service_fleet import checkin_all, device_keys, fleet_data, serving, tiny_cfg
 
 from dpfleet.fleet.participant import take_part
 
@@ -19,7 +18,7 @@ def test_a_device_waiting_through_a_round_gets_the_next_one_at_once(tmp_path):
     cfg = tiny_cfg(rounds=2, service={"checkin_retry_s": RETRY_S, "checkin_window_s": 0.5,
                                       "overselect": 0.0})
     users, examples = fleet_data(cfg, tmp_path / "fleet")
-    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    keys = device_keys(users)
 
     async def main():
         async with serving(cfg, tmp_path / "state", keys) as (running, links):

@@ -21,8 +21,8 @@ from service_fleet import (
     capture_sums,
     checkin_all,
     close_all,
-    fleet_data,
     honest_sum,
+    one_round_world,
     register_all,
     tiny_cfg,
 )
@@ -60,10 +60,7 @@ async def raw(url, method, path_qs, body=b"", headers=None, ssl=None):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("security")
-    cfg = tiny_cfg(rounds=1, service={"overselect": 0.3})
-    users, examples = fleet_data(cfg, root / "fleet")
-    return cfg, root, users, examples
+    return one_round_world(tmp_path_factory.mktemp("security"))
 
 
 def test_attacks_on_an_open_plain_round_never_change_the_sum(world):

@@ -19,8 +19,8 @@ from service_fleet import (
     capture_sums,
     checkin_all,
     close_all,
-    fleet_data,
     honest_sum,
+    one_round_world,
     register_all,
     tiny_cfg,
 )
@@ -106,10 +106,7 @@ def test_both_sides_derive_one_key_and_a_new_handshake_ends_the_old_session():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sessions")
-    cfg = tiny_cfg(rounds=1, service={"overselect": 0.3})
-    users, examples = fleet_data(cfg, root / "fleet")
-    return cfg, root, users, examples
+    return one_round_world(tmp_path_factory.mktemp("sessions"))
 
 
 class MitmLink(CoordinatorLink):
