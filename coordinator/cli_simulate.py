@@ -74,10 +74,14 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     click.echo(f"perplexity            model {f['perplexity']:.1f}   unigram baseline {b['perplexity']:.1f}")
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     click.echo(
-        f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} (PLD; "
+        f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} "
+        f"({'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
         f"zCDP {p['zcdp']:.4g}, noise multiplier {p['noise_multiplier']:g}, observed MinS {mins}, "
         f"MaxP {p['max_participation']}; see privacy_report.md)"
     )
+    click.echo(f"noise                 {p['noise_mechanism']}")
+    if p.get("honest_participants_only"):
+        click.echo(f"WARNING               {p['honest_participants_only_statement']}")
     if "total_with_vocabulary" in p:
         t = p["total_with_vocabulary"]
         click.echo(f"with DP vocabulary    eps = {t['epsilon']:.2f} at delta = {t['delta']:.3g} "

@@ -80,9 +80,14 @@ class DPSection:
     # -1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
     # derived from this seed and the DP guarantee does not hold against anyone who knows it
     noise_seed: int = -1
-    # "discrete": the tree noise is a discrete Gaussian added to secure aggregation's integer
-    # ring sum before decoding (coordinator/ring_noise.py); needs aggregation.kind = "secagg"
-    noise: str = "gaussian"
+    # where the tree noise goes. "discrete": a discrete Gaussian added to secure aggregation's
+    # integer ring sum before decoding (coordinator/ring_noise.py; needs aggregation.kind =
+    # "secagg"), so one device moves the released ring value by at most its bound even when a
+    # dishonest co-participant parks the sum at the ring's wrap. "gaussian": continuous noise on
+    # the decoded sum (with secagg: private only against honest participants). "auto" (default):
+    # "discrete" with secagg and dp.noise_multiplier > 0, else "gaussian"; the run's
+    # config.toml holds the resolved value (`resolve_noise`)
+    noise: str = "auto"
 
 
 @dataclass
@@ -191,7 +196,7 @@ _CHOICES = {
     "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
-    "dp.noise": ("gaussian", "discrete"),
+    "dp.noise": ("auto", "gaussian", "discrete"),
     "fleet.client": ("dpfleet", "bundle"),
 }
 
@@ -241,8 +246,32 @@ def build_section(cls: type, values: dict, prefix: str) -> object:
 
 def parse_config(values: dict) -> SimulationConfig:
     cfg = build_section(SimulationConfig, values, "")
+    cfg.dp.noise = resolve_noise(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_noise(cfg: SimulationConfig) -> str:
+    """The run's tree noise, "discrete" or "gaussian" (`dp.noise = "auto"` resolved).
+
+    Why discrete by default with secure aggregation: nobody range-checks a device's masked
+    input, so a dishonest co-participant can park the ring sum at the signed wrap, where one
+    honest device's small update flips the *decoded* sum by ~2^bits / scale. Noise added after
+    decoding is then calibrated for the wrong sensitivity; noise added in the ring is not (the
+    ring value moves by at most Delta_s, tests/test_ring_wrap_attack.py). With z = 0 there is
+    no noise to place, and the plain path has no ring."""
+    noise = cfg.dp.noise
+    if noise == "auto":
+        secagg = cfg.aggregation.kind == "secagg" and cfg.dp.noise_multiplier > 0
+        return "discrete" if secagg else "gaussian"
+    return noise
+
+
+def honest_participants_only(cfg: SimulationConfig) -> bool:
+    """Continuous noise after decoding a SecAgg sum (explicit `dp.noise = "gaussian"`): the DP
+    guarantee then holds only if every participant is honest (module docstring of ring_noise)."""
+    return (cfg.aggregation.kind == "secagg" and resolve_noise(cfg) == "gaussian"
+            and cfg.dp.noise_multiplier > 0)
 
 
 def read_toml(path: Path, what: str = "config file") -> dict:
@@ -296,10 +325,10 @@ def validate(cfg: SimulationConfig) -> None:
         (0 <= cfg.aggregation.corruption < 0.5, "aggregation.corruption must be in [0, 0.5)"),
         (not cfg.aggregation.fleet_keys or cfg.aggregation.signed,
          "aggregation.fleet_keys needs aggregation.signed = true"),
-        (cfg.dp.noise != "discrete" or cfg.aggregation.kind == "secagg",
+        (resolve_noise(cfg) != "discrete" or cfg.aggregation.kind == "secagg",
          "dp.noise = 'discrete' requires aggregation.kind = 'secagg' (the integer noise is added "
          "to secure aggregation's ring sum)"),
-        (cfg.dp.noise != "discrete" or cfg.dp.noise_multiplier > 0,
+        (resolve_noise(cfg) != "discrete" or cfg.dp.noise_multiplier > 0,
          "dp.noise = 'discrete' needs dp.noise_multiplier > 0"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
          "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),

@@ -24,6 +24,8 @@ client timer enforces, also the worst case that timer implies over the planned r
   secagg                bool: updates were summed with secure aggregation
   noise                 "gaussian" (default) or "discrete": integer noise on the SecAgg ring sum,
                         accounted by zCDP (CKS Thm. 14) and converted by "rdp", never "pld"
+  ring                  dict: the discrete noise's ring (`ring_noise.RingPlan`: bits,
+                        ring_clients, scale, delta_s, sigma_sq, effective_z), shown in the report
   adaptive_clipping     bool: clip norm adopted at tree restarts (paper 002 Alg. 1)
   public_data           str: public data used (e.g. for pretraining), not covered by DP
   not_covered           list[str]: what the guarantee does not cover (`not_covered.py`)
@@ -55,8 +57,29 @@ OPTIONAL = {
     "adjacency": "zero-out", "method": "pld", "tree_nodes": "all", "restarts": None,
     "secagg": False, "noise": "gaussian",
     "adaptive_clipping": False, "public_data": None, "participation_log": None,
-    "not_covered": None, "vocabulary": None, "nonprivate_vocabulary": False,
+    "not_covered": None, "vocabulary": None, "nonprivate_vocabulary": False, "ring": None,
 }
+HONEST_ONLY = ("PRIVATE ONLY AGAINST HONEST PARTICIPANTS: the noise is continuous Gaussian added "
+               "after decoding the secure-aggregation sum (dp.noise = \"gaussian\" with "
+               "aggregation.kind = \"secagg\"). A dishonest co-participant can park the ring sum "
+               "at its wrap, where one honest device's small update moves the decoded release by "
+               "about 2^bits / scale per coordinate, far beyond the sensitivity the noise is "
+               "calibrated for. The statement below holds only if every participant is honest; "
+               "the default (dp.noise = \"auto\") puts discrete noise in the ring instead.")
+
+
+def noise_mechanism(noise: str, secagg: bool) -> str:
+    """Where the tree noise was added, in the words every output uses."""
+    if noise == "discrete":
+        return "discrete Gaussian in the SecAgg ring"
+    return "continuous Gaussian after decoding" if secagg else "continuous Gaussian on the plain sum"
+
+
+def honest_only(noise: str, secagg: bool) -> bool:
+    """Whether the guarantee needs every participant honest (continuous noise after SecAgg)."""
+    return secagg and noise != "discrete"
+
+
 def _participation_sentence(s: dict) -> str:
     """How participation was bounded: by device timers, or by selecting each device once."""
     if s["timer_min_separation"] is None:
@@ -169,8 +192,14 @@ def render_privacy_report(summary: dict) -> str:
     nodes = {"all": "every dyadic tree node", "prefix": "the tree nodes the streaming prefix "
              "sums use (left children and roots)"}[s["tree_nodes"]]
     source = "observed participation" if obs else "the worst case the client timer implies"
+    mechanism = noise_mechanism(s["noise"], s["secagg"])
     lines = [
         "# Privacy report",
+        "",
+        *([f"**{HONEST_ONLY}**", ""] if honest_only(s["noise"], s["secagg"]) else []),
+        f"**Noise: {mechanism}.**" + (" One device moves the released ring value by at most "
+                                      "its bound Delta_s, whatever the other participants send."
+                                      if s["noise"] == "discrete" else ""),
         "",
         f"**Formal statement.** This training run satisfies rho-zCDP with rho = "
         f"{head['zcdp']:.4g} ({s['unit']}-level, {s['adjacency']} adjacency; from {source}), "
@@ -185,7 +214,9 @@ def render_privacy_report(summary: dict) -> str:
     if s["secagg"]:
         lines.append("Updates were summed with secure aggregation: the server sees only sums "
                      "over at least the report goal's devices. The DP guarantee does not rely "
-                     "on it.")
+                     "on it" + (", and holds whatever the other participants send." if s["noise"]
+                                == "discrete" else ", but on every participant encoding honestly "
+                                "(the noise comes after decoding: see the warning above)."))
     if s["noise"] == "discrete":
         lines.append("The tree noise is a discrete Gaussian N_Z(0, sigma^2) added to secure "
                      "aggregation's integer ring sum before decoding (exact sampler from AES-CTR "
@@ -194,6 +225,7 @@ def render_privacy_report(summary: dict) -> str:
                      "continuous Gaussian (CKS Thm. 14), but the continuous Gaussian's PLD is not "
                      "a proven bound for it, so eps comes from the zCDP statement through the "
                      "RDP conversion (valid for every rho-zCDP mechanism).")
+        lines += _ring_lines(s["ring"])
     lines += [
         "",
         "## 2. Instantiating the DP definition",
@@ -257,11 +289,25 @@ def render_privacy_report(summary: dict) -> str:
         f"| report goal | {'-' if s['report_goal'] is None else s['report_goal']} |",
         f"| population | {'-' if s['population'] is None else s['population']} |",
         f"| secure aggregation | {'yes' if s['secagg'] else 'no'} |",
+        f"| noise | {mechanism} |",
         f"| unit / adjacency | {s['unit']} / {s['adjacency']} |",
         f"| accounting | zCDP (exact tree sensitivity); eps by {s['method']} |",
         "",
     ]
     return "\n".join(lines)
+
+
+def _ring_lines(ring: dict | None) -> list[str]:
+    """The discretization behind the discrete noise: the bound it is calibrated to."""
+    if not ring:
+        return []
+    return [f"Discretization: a {ring['bits']}-bit ring sized for {ring['ring_clients']} clients, "
+            f"scale s = {ring['scale']:.6g}; one device's rounded vector has L2 norm <= Delta_s = "
+            f"{ring['delta_s']:.6g} (the clip norm's s C = {ring['scaled_clip']:.6g} inflated by "
+            f"conditional randomized rounding, factor {ring['norm_inflation']:.6g}); the noise "
+            f"variance is sigma^2 = {ring['sigma_sq']} >= (z Delta_s)^2, rounded up to an "
+            f"integer (effective z = sigma / Delta_s = {ring['effective_z']:.6g}). The accounting "
+            "uses the configured z, which this sigma meets."]
 
 
 def _vocabulary_statement(summary: dict) -> list[str]:

@@ -15,14 +15,24 @@ round but is public and data-independent, so the tree over the integer round sum
 usual sensitivity and sigma = z * Delta_s gives rho = S / (2 z^2) exactly as the continuous
 Gaussian (Canonne, Kamath, Steinke 2020, Thm. 14). sigma^2 is rounded *up* to an integer t * c.
 
+Dishonest participants: nobody range-checks a device's masked input, so a malicious device can
+park the sum at the signed wrap 2^(b-1), where one honest device's update q flips the *decoded*
+sum by ~2^b / s per coordinate it carries across. Noise added after decoding (`dp.noise =
+"gaussian"`) is then calibrated for the wrong sensitivity. Here the released value is
+(sum + noise) mod 2^b: whatever the others put in, with an integer lift M of their sum it is
+(M + q + N) mod 2^b, so one device's data shifts a discrete Gaussian on Z by q, ||q|| <= Delta_s,
+and the modular reduction and decoding are post-processing. Hence the default with SecAgg
+(`config.resolve_noise`; attack and property test: tests/test_ring_wrap_attack.py).
+
 Headroom: the ring level L (per-client coordinate bound) is sized for `ring_clients` >= the
-report goal n, so that n L plus the largest residual noise never wraps. A residual sums at most
+round's most clients n (`round_size`: the report goal plus over-selection), so that n L plus the
+largest residual noise never wraps. A residual sums at most
 j = 1 + floor(log2 T) independent nodes; the discrete Gaussian is sigma-subgaussian (CKS 2020,
 Sec. 2: E exp(lambda X) <= exp(lambda^2 sigma^2 / 2)), so P(|residual coordinate| >= x) <=
 2 exp(-x^2 / (2 j sigma^2)), and over d' coordinates and T rounds the run wraps with
 probability <= WRAP_PROBABILITY when n L + sigma sqrt(2 j ln(2 d' T / WRAP_PROBABILITY))
-<= 2^(b-1) - 1. A config that cannot meet this is refused. (A wrap would only spoil utility:
-privacy is that of the ring value.)
+<= 2^(b-1) - 1. A config that cannot meet this is refused. (A wrap, honest or forced by a
+malicious input, only spoils utility: privacy is that of the ring value.)
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from fractions import Fraction
 import numpy as np
 
 from dpfleet.coordinator.aggregation import RingSum
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, round_size
 from dpfleet.coordinator.discrete_gaussian import DiscreteGaussianNodes, integer_sigma_sq
 from dpfleet.coordinator.noise_stream import NodeStream
 from dpfleet.errors import DpfleetError
@@ -68,6 +78,17 @@ class RingPlan:
         return self.sigma / self.scale
 
 
+def ring_summary(plan: RingPlan, bits: int, clip_norm: float) -> dict:
+    """What the privacy report and privacy.json say about the discretization (JSON-ready):
+    Delta_s against s C (the rounding's inflation) and sigma against z Delta_s."""
+    scaled_clip = plan.scale * clip_norm
+    return {"bits": bits, "ring_clients": plan.ring_clients, "length": plan.length,
+            "level": plan.level, "scale": plan.scale, "scaled_clip": scaled_clip,
+            "delta_s": plan.delta_s, "norm_inflation": plan.delta_s / scaled_clip,
+            "sigma_sq": int(plan.sigma_sq) if plan.sigma_sq.denominator == 1 else str(plan.sigma_sq),
+            "effective_z": plan.sigma / plan.delta_s, "wrap_probability": plan.wrap_probability}
+
+
 def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multiplier: float,
               rounds: int, block_size: int = 1 << 14) -> RingPlan:
     """The smallest ring_clients >= clients whose ring holds the noise; DpfleetError if none."""
@@ -96,16 +117,19 @@ def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multipl
 
 
 def discrete_plan(cfg: SimulationConfig, dim: int) -> RingPlan:
-    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). With adaptive
-    clipping the model's share of the noise is z_delta (the clipped counts take the rest, as
-    Gaussian noise added by the coordinator: `adaptive_clipping`, Thm. 1)."""
+    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). The headroom is
+    planned for `round_size` clients (the report goal plus the service's over-selection: the
+    most devices one sum can hold); the noise is z Delta_s whatever the count, and DP-FTRL
+    divides by the report goal as always. With adaptive clipping the model's share of the noise
+    is z_delta (the clipped counts take the rest, as Gaussian noise added by the coordinator to
+    the bounded count map: `adaptive_clipping`, Thm. 1; `count_bit.split_count`)."""
     z = cfg.dp.noise_multiplier
     if cfg.dp.adaptive_clipping:
         from dpfleet.coordinator.adaptive_clipping import model_noise_multiplier
         from dpfleet.coordinator.config import clip_count_stddev
 
         z = model_noise_multiplier(z, clip_count_stddev(cfg))
-    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, cfg.dp.report_goal, z, cfg.rounds)
+    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), z, cfg.rounds)
 
 
 def ring_nodes(plan: RingPlan, key: bytes) -> DiscreteGaussianNodes:
@@ -117,11 +141,27 @@ def ring_nodes(plan: RingPlan, key: bytes) -> DiscreteGaussianNodes:
         t=plan.t)
 
 
-def release(ring: RingSum, residual: np.ndarray) -> np.ndarray:
-    """decode((ring sum + integer residual) mod 2^b): the round's noised sum, as float64."""
+def noisy_ring(ring: RingSum, residual: np.ndarray) -> np.ndarray:
+    """(ring sum + integer residual) mod 2^b, in [0, 2^b): the value the mechanism releases (its
+    decoding is post-processing). One device moves it by at most Delta_s in `ring_distance`,
+    whatever the other inputs are, also when a malicious one parks the sum at the signed wrap."""
     values = np.asarray(ring.values)
     if values.size != residual.size:
         raise ValueError(f"ring sum has {values.size} entries, the noise tree {residual.size}")
     noisy = values.astype(np.int64) + residual
     noisy &= np.int64((1 << ring.bits) - 1)  # the ring's modular sum, in [0, 2^b)
-    return ring.decode(noisy)
+    return noisy
+
+
+def release(ring: RingSum, residual: np.ndarray) -> np.ndarray:
+    """decode(`noisy_ring`): the round's noised sum, as float64."""
+    return ring.decode(noisy_ring(ring, residual))
+
+
+def ring_distance(a: np.ndarray, b: np.ndarray, bits: int) -> float:
+    """L2 norm of the shortest way round the ring from b to a, coordinate by coordinate (each
+    |a_j - b_j| taken mod 2^bits, at most 2^(bits-1)): the metric of the ring's sensitivity."""
+    modulus = np.int64(1 << bits)
+    diff = (np.asarray(a).astype(np.int64) - np.asarray(b).astype(np.int64)) % modulus
+    diff = np.minimum(diff, modulus - diff)
+    return float(np.linalg.norm(diff.astype(np.float64)))

@@ -32,7 +32,7 @@ from dpfleet.coordinator.adaptive_clipping import (
     model_noise_multiplier,
 )
 from dpfleet.coordinator.aggregation import AggregateResult
-from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, round_size
+from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate
 from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
@@ -157,7 +157,7 @@ class RoundEngine:
                                            cfg.rounds, cfg.seed)
         self.accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
                                         spent_zcdp=(vocabulary or {}).get("zcdp", 0),
-                                        conversion="rdp" if cfg.dp.noise == "discrete" else "pld")
+                                        conversion="rdp" if resolve_noise(cfg) == "discrete" else "pld")
         self.restarts = restart_rounds(cfg)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
         noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
@@ -170,7 +170,7 @@ class RoundEngine:
             )
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
-        if cfg.dp.noise == "discrete":
+        if resolve_noise(cfg) == "discrete":
             from dpfleet.coordinator.ring_noise import discrete_plan
 
             self.ring = discrete_plan(cfg, theta0.size)
@@ -358,7 +358,7 @@ class RoundEngine:
         privacy = write_run_privacy(run_path, cfg, self.participation, self.accountant,
                                     len(self.users), model_noise_multiplier=self.z_model,
                                     stopped_early=stopped_early, vocabulary=self.vocabulary,
-                                    public_data=list(public_data))
+                                    public_data=list(public_data), ring=self.ring)
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
@@ -370,6 +370,9 @@ class RoundEngine:
             "simulated_hours": self.participation.hours(self.participation.slot),
             "resumed_after_round": self.start or None,
             "rounds_lost_in_crash": self.lost,
+            # which noise, and whether the guarantee needs every participant honest
+            **{k: privacy[k] for k in ("noise_mechanism", "honest_participants_only",
+                                       "honest_participants_only_statement") if k in privacy},
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)

@@ -22,19 +22,28 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpfleet.coordinator.accounting import (
     epsilon_from_zcdp,
     zcdp_for_epsilon,
     zcdp_from_sensitivity,
 )
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, resolve_noise
 from dpfleet.coordinator.not_covered import not_covered
 from dpfleet.coordinator.participation import Participation
-from dpfleet.coordinator.privacy_report import summarize_privacy, write_privacy_report
+from dpfleet.coordinator.privacy_report import (
+    HONEST_ONLY,
+    noise_mechanism,
+    summarize_privacy,
+    write_privacy_report,
+)
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
 from dpfleet.errors import DpfleetError
+
+if TYPE_CHECKING:
+    from dpfleet.coordinator.ring_noise import RingPlan
 
 
 class RunAccountant:
@@ -124,7 +133,7 @@ def _report_setting(cfg: SimulationConfig, participation: Participation, rounds:
     public = _public_data(cfg, public_data)
     if public:
         setting["public_data"] = "; ".join(public)
-    if dp.noise == "discrete":
+    if resolve_noise(cfg) == "discrete":
         setting.update(noise="discrete", method="rdp")
     mins = participation.min_separation
     if part.mode == "timer":
@@ -161,6 +170,22 @@ def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
         _open_report_with(run_dir, noise_statement(cfg))
 
 
+def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
+    """Which noise the run used, for privacy.json and summary.json: the mechanism in words,
+    whether the guarantee needs every participant honest, and the ring's discretization."""
+    noise = resolve_noise(cfg)
+    fields = {"noise_kind": noise,
+              "noise_mechanism": noise_mechanism(noise, cfg.aggregation.kind == "secagg"),
+              "honest_participants_only": honest_participants_only(cfg)}
+    if fields["honest_participants_only"]:
+        fields["honest_participants_only_statement"] = HONEST_ONLY
+    if ring is not None:
+        from dpfleet.coordinator.ring_noise import ring_summary
+
+        fields["ring"] = ring_summary(ring, cfg.aggregation.bits, cfg.dp.clip_norm)
+    return fields
+
+
 def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
     """A generated population's report opens with what its epsilon is not (population.py)."""
     if cfg.data.generated_population:
@@ -181,13 +206,18 @@ def _trivial_report(run_dir: Path, statement: str) -> None:
 def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Participation,
                       accountant: RunAccountant, population: int, *,
                       model_noise_multiplier: float, stopped_early: str | None,
-                      vocabulary: dict | None = None, public_data: Sequence[str] = ()) -> dict:
+                      vocabulary: dict | None = None, public_data: Sequence[str] = (),
+                      ring: RingPlan | None = None) -> dict:
     """privacy_report.md and privacy.json of a finished (or stopped) run; returns the JSON dict.
 
     `vocabulary`: the DP word vocabulary's summary (dp_vocabulary.py), composed with training;
-    `public_data`: public data the caller trained on (listed, not accounted)."""
+    `public_data`: public data the caller trained on (listed, not accounted); `ring`: the
+    discrete noise's ring plan (its discretization is reported)."""
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
+    noise = noise_fields(cfg, ring)
+    if "ring" in noise:
+        setting["ring"] = noise["ring"]
     debug_file = (run_dir / "debug_nonprivate.jsonl").is_file()
     setting["not_covered"] = not_covered(cfg, public_data=_public_data(cfg, public_data),
                                          debug_file=debug_file)
@@ -201,7 +231,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                       "over every participation pattern with the observed MinS / MaxP (zero-out, "
                       "device level); " + ("epsilon and epsilon_rdp by RDP (discrete noise: the "
                                            "Gaussian PLD is no bound for it)"
-                                           if cfg.dp.noise == "discrete" else
+                                           if resolve_noise(cfg) == "discrete" else
                                            "epsilon by PLD, epsilon_rdp by RDP"),
         "participation": cfg.participation.mode,
         "min_separation_enforced": participation.min_separation,
@@ -219,6 +249,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
         "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
         "debug_nonprivate_file": debug_file,
+        **noise,
     }
     if cfg.data.generated_population:
         privacy["generated_population"] = {"clients": cfg.data.generated_population,

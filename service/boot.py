@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.config import SimulationConfig, round_size
+from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.round_engine import RoundEngine
@@ -32,9 +32,6 @@ from dpfleet.service.run_bundle import RunBundle, run_bundle
 
 def check_service_config(cfg: SimulationConfig) -> None:
     """What the service refuses up front (clear errors, never a silent weaker guarantee)."""
-    if cfg.dp.noise == "discrete" and round_size(cfg) > cfg.dp.report_goal:
-        raise DpfleetError("dp.noise = 'discrete' with service.overselect > 0 is not supported: "
-                           "the ring headroom is planned for report_goal clients")
     if cfg.aggregation.kind == "secagg" and cfg.aggregation.dropout:
         raise DpfleetError("aggregation.dropout simulates dropouts in-process; over the network "
                            "devices drop by themselves: set it to 0 for the service")

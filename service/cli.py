@@ -54,7 +54,29 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
         cfg = dataclasses.replace(cfg, rounds=rounds)
         validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
+    warning = noise_warning(cfg)
+    if warning:
+        click.echo(warning, err=True)
     status = eventloop.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
                              tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")
+    click.echo(f"noise: {noise_line(cfg)}")
+    if warning:
+        click.echo(warning)
+
+
+def noise_line(cfg) -> str:
+    """Which noise the run adds, in the privacy report's words."""
+    from dpfleet.coordinator.config import resolve_noise
+    from dpfleet.coordinator.privacy_report import noise_mechanism
+
+    return noise_mechanism(resolve_noise(cfg), cfg.aggregation.kind == "secagg")
+
+
+def noise_warning(cfg) -> str | None:
+    """"WARNING: ..." when continuous noise after SecAgg makes the guarantee need honest peers."""
+    from dpfleet.coordinator.config import honest_participants_only
+    from dpfleet.coordinator.privacy_report import HONEST_ONLY
+
+    return f"WARNING: {HONEST_ONLY}" if honest_participants_only(cfg) else None

@@ -280,7 +280,9 @@ def test_simulate_with_secagg_gives_the_plain_counts_clip_trajectory_and_epsilon
     runs = {}
     for kind in ("plain", "secagg"):
         counts = _counting(monkeypatch)
-        cfg = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp=ADAPTIVE_DP,
+        # the same (continuous, research-seeded) model noise in both, so only the aggregation
+        # differs (secagg's default, ring noise, draws other noise: the models would diverge)
+        cfg = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp={**ADAPTIVE_DP, "noise": "gaussian"},
                        aggregation={"kind": kind})
         result = run_simulation(cfg, tmp_path / kind, progress=False, log=lambda s: None)
         runs[kind] = (list(counts), result)
@@ -311,7 +313,7 @@ def test_the_service_and_fleet_count_the_bits_inside_signed_secagg_like_simulate
     from dpfleet.service.server import shutdown, start
 
     rounds = 4
-    dp = {**ADAPTIVE_DP, "restart_rounds": [2]}
+    dp = {**ADAPTIVE_DP, "restart_rounds": [2], "noise": "gaussian"}  # as simulate's plain run
     service = {"overselect": 0.0, "report_deadline_s": 30.0, "secagg_phase_deadline_s": 10.0}
     secure = tiny_cfg(rounds=rounds, eval_every=rounds, dp=dp, service=service,
                       aggregation={"kind": "secagg", "signed": True, "graph": "harary"})

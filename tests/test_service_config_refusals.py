@@ -31,10 +31,6 @@ def test_serve_refuses_a_config_whose_guarantee_it_cannot_keep(tmp_path, data, d
 
 
 @pytest.mark.parametrize("text, message", [
-    # discrete noise's modular ring is planned for report_goal summands: overselected devices
-    # could wrap the SecAgg sum
-    (BASE.format(data="", dp="noise = \"discrete\"\n", agg="secagg") + "[service]\noverselect = 0.4\n",
-     "ring headroom is planned for report_goal"),
     # simulator-only knobs mean nothing to devices that train and drop by themselves
     (BASE.format(data="", dp="", agg="secagg") + "dropout = 0.2\n",
      "aggregation.dropout simulates dropouts in-process"),
