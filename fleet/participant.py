@@ -2,7 +2,9 @@
 report (plain) or run SecAgg over the link.
 
 Why the device decides so much itself: the coordinator is not trusted with what it could bend.
-The plan and model are checked against their hashes (`link.blob`); training uses the plan's
+The plan and model are checked against their hashes (`link.blob`), and in SecAgg downloaded
+before the first message and bound into the setup (`secagg/round_terms.py`: devices given
+different models never share a sum); training uses the plan's
 client seed with the same trainer code as `simulate` (`backends.SequentialTrainer`:
 `client_update`), so an honest network run equals the in-process one; in SecAgg the device's
 `ClientPolicy` is configured locally (never from the server) and the identity keys it checks
@@ -123,13 +125,18 @@ async def _hook(hook: Hook | None, phase: str) -> None:
 
 
 async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,
-                threads: int = 1, bundle_key=None, cpu: CpuClock | None = None
-                ) -> tuple[dict, ClientUpdate, float]:
+                threads: int = 1, bundle_key=None, cpu: CpuClock | None = None,
+                received: tuple[dict, bytes] | None = None) -> tuple[dict, ClientUpdate, float]:
     """(plan, clipped update, wall seconds) for this device's examples on the assigned model;
-    with `bundle_key` (the pinned bundle public key) through the run's signed bundle."""
+    with `bundle_key` (the pinned bundle public key) through the run's signed bundle.
+    `received`: the (plan, model bytes) already downloaded, so that training uses exactly the
+    model a SecAgg setup was checked against (None: downloaded here)."""
     cpu = cpu or CpuClock()
-    plan = json.loads(await link.blob(assignment["plan_sha256"]))
-    theta = np.frombuffer(await link.blob(assignment["model_sha256"]), dtype="<f4").astype(np.float32)
+    if received is None:
+        received = (json.loads(await link.blob(assignment["plan_sha256"])),
+                    await link.blob(assignment["model_sha256"]))
+    plan, model = received
+    theta = np.frombuffer(model, dtype="<f4").astype(np.float32)
     await link.blob(plan["tokenizer_sha256"])  # what a phone would tokenize its text with
     if bundle_key is not None:
         from dpfleet.fleet.bundle_device import check_plan, fetch_bundle, train_update
@@ -208,8 +215,9 @@ async def _send(link, number: int, attempt: int, data: bytes, cursor: int, wait:
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
                   bundle_key=None) -> Outcome:
     from dpfleet.coordinator.adaptive_clipping import clipped_bit
+    from dpfleet.secagg import round_terms
     from dpfleet.secagg.client import SecAggClient
-    from dpfleet.secagg.count_bit import append_bit, check_layout
+    from dpfleet.secagg.count_bit import append_bit, check_layout, terms_digest
     from dpfleet.secagg.encoding import Discretizer
     from dpfleet.secagg.errors import SecAggError
     from dpfleet.secagg.setup_wire import decode_setup
@@ -217,22 +225,31 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
     number, attempt, position = assignment["round"], assignment["attempt"], assignment["position"]
     devices = assignment["devices"]
     cpu = CpuClock()
+    # the plan and model before the first SecAgg message: the setup must bind the very model
+    # bytes this device trains on (THREAT_MODEL.md, "Model consistency")
+    plan_bytes = await link.blob(assignment["plan_sha256"])
+    model = await link.blob(assignment["model_sha256"])
     try:
         with cpu("setup"):
+            plan = json.loads(plan_bytes)
             setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
             disc = Discretizer(**assignment["secagg"]["discretizer"])
             threshold = assignment["secagg"].get("count_threshold")  # adaptive clipping's C^t
             threshold = None if threshold is None else float(threshold)
-            check_layout(setup, disc, threshold)  # the length, bit slot and terms it signs
+            # SHA-256 of the bytes received, never the server's name for them alone
+            terms = round_terms.bind_round(terms_digest(disc, threshold),
+                                           round_terms.model_digest(model), plan)
+            check_layout(setup, disc, threshold, terms)  # the length, bit slot and terms it signs
             if callable(policy):
                 policy = policy(setup.n)
             pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
             client = SecAggClient(setup, position, link.key if setup.signed else None, policy,
                                   pins if pinned is not None else None)
-    except (SecAggError, ValueError, KeyError, TypeError) as exc:
+    except (SecAggError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return Outcome("refused_setup", f"{type(exc).__name__}: {exc}", cpu=cpu.seconds)
     training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,
-                                           threads=threads, bundle_key=bundle_key, cpu=cpu))
+                                           threads=threads, bundle_key=bundle_key, cpu=cpu,
+                                           received=(plan, model)))
     update, seconds = None, 0.0
 
     def outcome(kind: str, detail: str = "") -> Outcome:

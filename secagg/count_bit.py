@@ -44,18 +44,20 @@ def terms_digest(disc: Discretizer, count_threshold: float | None) -> bytes:
     return hashlib.sha256(TERMS_LABEL + json.dumps(terms, sort_keys=True).encode()).digest()
 
 
-def check_layout(setup: RoundSetup, disc: Discretizer, count_threshold: float | None) -> None:
+def check_layout(setup: RoundSetup, disc: Discretizer, count_threshold: float | None,
+                 terms: bytes | None = None) -> None:
     """What a device checks before its first message: the announced length is the model part
-    plus exactly the slot it will fill, and the setup binds these very terms; else
-    `ProtocolViolationError` (the device refuses the round)."""
+    plus exactly the slot it will fill, and the setup binds these very terms (`terms`: the ones
+    the device computed itself, `round_terms.bind_round` over these and the model and plan it
+    received; None: these alone); else `ProtocolViolationError` (the device refuses the round)."""
     want = input_length(disc, count_threshold)
     if setup.length != want:
         raise ProtocolViolationError(
             f"setup announces {setup.length} ring elements, the discretizer and clipped-count "
             f"slot make {want}")
-    if setup.terms != terms_digest(disc, count_threshold):
-        raise ProtocolViolationError("setup does not bind this round's discretizer and "
-                                     "clipped-count threshold")
+    if setup.terms != (terms_digest(disc, count_threshold) if terms is None else terms):
+        raise ProtocolViolationError("setup does not bind this round's discretizer, "
+                                     "clipped-count threshold, model and plan")
 
 
 def append_bit(values: np.ndarray, bit: int) -> np.ndarray:

@@ -358,7 +358,8 @@ class RoundDriver:
         common = {"round": number, "lr": cfg.client.lr, "batch_size": cfg.client.batch_size,
                   "seq_len": cfg.data.seq_len, "clip_norm": plan.clip_norm,
                   "model": b.model_config, "runtime": cfg.client.runtime,
-                  "tokenizer_sha256": b.tokenizer_sha256, "aggregation": cfg.aggregation.kind}
+                  "tokenizer_sha256": b.tokenizer_sha256, "aggregation": cfg.aggregation.kind,
+                  "noise": cfg.dp.noise}
         plan_sha = b.blobs.put(dumps(common).encode())
         self.store.open_round(number, plan_sha)
         attempt = int(self.store.round(number)["attempts"])
@@ -369,7 +370,7 @@ class RoundDriver:
                         time.monotonic())
         secagg_json = None
         if cfg.aggregation.kind == "secagg":
-            secagg_json = self._secagg_setup(cur)
+            secagg_json = self._secagg_setup(cur, model_sha, {**common, "attempt": attempt})
             phase_dl = self.svc.secagg_phase_deadline_s
             t, deadlines = now, {}
             for phase in ("commit", "keys", "shares", "masked", "consistency", "unmask"):
@@ -403,7 +404,13 @@ class RoundDriver:
             cur.critical["open"] = time.monotonic() - self.open_due
         return cur
 
-    def _secagg_setup(self, cur: OpenRound) -> dict:
+    def _secagg_setup(self, cur: OpenRound, model_sha: str, shared_plan: dict) -> dict:
+        """The attempt's SecAgg setup; its terms bind the inputs' meaning, the model's hash and
+        the plan every device shares (`round_terms`), exactly as each device recomputes them
+        from what it downloaded (THREAT_MODEL.md, "Model consistency")."""
+        import json
+
+        from dpfleet.secagg import round_terms
         from dpfleet.secagg.count_bit import input_length, terms_digest
         from dpfleet.secagg.encoding import Discretizer
         from dpfleet.secagg.params import plan_round
@@ -419,7 +426,9 @@ class RoundDriver:
         setup, _, _ = plan_round(len(plan.devices), input_length(disc, threshold), agg.bits,
                                  agg.graph, dropout=0.1, corruption=agg.corruption,
                                  signed=agg.signed, public_keys=identities if agg.signed else None,
-                                 terms=terms_digest(disc, threshold))
+                                 terms=round_terms.bind_round(
+                                     terms_digest(disc, threshold), bytes.fromhex(model_sha),
+                                     json.loads(dumps(shared_plan))))  # as the devices read it
         cur.secagg, cur.disc = SecAggRound(setup), disc
         return {"setup": encode_setup(setup).hex(),
                 "discretizer": {"length": disc.length, "clip_norm": disc.clip_norm,

@@ -16,6 +16,8 @@ encoded coordinate of the vector it masks (`secagg/count_bit.py`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -42,6 +44,7 @@ from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.messages import SERVER, MaskedInput, decode
 from dpfleet.secagg.params import RoundSetup, plan_round
 from dpfleet.secagg.policy import ClientPolicy
+from dpfleet.secagg.round_terms import bind_round, model_digest
 from dpfleet.secagg.setup_wire import decode_setup, encode_setup
 
 DIM = 24
@@ -170,9 +173,19 @@ def test_a_device_checks_the_slot_and_the_bound_terms_before_anything_else():
         decode_setup(wire[:-1])
 
 
+PLAN = json.dumps({"round": 1, "attempt": 1, "clip_norm": 0.5}).encode()
+MODEL = np.zeros(DIM, "<f4").tobytes()
+BLOBS = {hashlib.sha256(b).hexdigest(): b for b in (PLAN, MODEL)}
+
+
+def _bound(disc: Discretizer, threshold: float | None) -> bytes:
+    """The terms a device computes for PLAN and MODEL (`round_terms`, model consistency)."""
+    return bind_round(terms_digest(disc, threshold), model_digest(MODEL), json.loads(PLAN))
+
+
 class _SilentLink:
     """Stands in for `fleet.link.CoordinatorLink` in a refusal test: it records whatever the
-    device would send and serves nothing (a refused setup must not get that far)."""
+    device would send and serves only the plan and model (which the setup must bind)."""
 
     key = None
 
@@ -183,12 +196,13 @@ class _SilentLink:
         self.sent.append(args)
 
     async def blob(self, sha):
-        raise AssertionError("nothing is downloaded in this test")
+        return BLOBS[sha]
 
 
 def _assignment(setup: RoundSetup, disc: Discretizer, threshold: float | None) -> dict:
+    sha = {v: k for k, v in BLOBS.items()}
     return {"round": 1, "attempt": 1, "position": 0, "devices": [f"d{u}" for u in range(setup.n)],
-            "aggregation": "secagg", "plan_sha256": "0" * 64, "model_sha256": "0" * 64,
+            "aggregation": "secagg", "plan_sha256": sha[PLAN], "model_sha256": sha[MODEL],
             "secagg": {"setup": encode_setup(setup).hex(),
                        "discretizer": {"length": disc.length, "clip_norm": disc.clip_norm,
                                        "bits": disc.bits, "clients": disc.clients,
@@ -209,11 +223,15 @@ def test_a_device_refuses_a_setup_that_drops_or_reinterprets_the_slot_and_sends_
         assert link.sent == []
         return out.kind
 
-    assert outcome(_setup_for(6, disc, 0.42), 0.42) == "dropped"  # control: accepted
-    assert outcome(_setup_for(6, disc, None), None) == "dropped"
-    assert outcome(_setup_for(6, disc, 0.42, length=disc.padded_length), 0.42) == "refused_setup"
-    assert outcome(_setup_for(6, disc, 0.42), None) == "refused_setup"
-    assert outcome(_setup_for(6, disc, 1e9), 0.42) == "refused_setup"
+    def bound(threshold, **kw):
+        return _setup_for(6, disc, threshold, terms=_bound(disc, threshold), **kw)
+
+    assert outcome(bound(0.42), 0.42) == "dropped"  # control: accepted
+    assert outcome(bound(None), None) == "dropped"
+    assert outcome(bound(0.42, length=disc.padded_length), 0.42) == "refused_setup"
+    assert outcome(bound(0.42), None) == "refused_setup"
+    assert outcome(bound(1e9), 0.42) == "refused_setup"
+    assert outcome(_setup_for(6, disc, 0.42), 0.42) == "refused_setup"  # the model not bound
 
 
 def test_a_server_cannot_isolate_one_bit_by_handing_out_different_thresholds():
