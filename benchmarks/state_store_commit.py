@@ -45,7 +45,7 @@ def bench(params: int, commits: int, cohort: int, fleet: int) -> dict:
             rec = release_record(round=r, tree_id=0, t=r, key_id="k", participants=chosen,
                                  restart=r == 1, clip_norm=1.0, released=str(r), data_sha256="d")
             start = time.perf_counter()
-            store.commit_round(rec, str(r), write_state)
+            store.commit_round(rec, str(r), write_state, {"metrics": {"round": r, "epsilon": 0.0}})
             totals.append(time.perf_counter() - start)
         store.close()
     ms = lambda xs, q: 1e3 * float(np.quantile(xs, q))  # noqa: E731

@@ -29,6 +29,13 @@ Rules (transport-free; a SQLite-backed service applies the same ones):
    dropped rounds); the accountant pays for them anyway.
 3. Resuming with other training data is refused (`data_sha256`), so recorded participants mean
    what they meant.
+4. A round is recorded whole. Its per-round logs (metrics.jsonl: DP quantities and held-out
+   evaluation; debug_nonprivate.jsonl when on) are built before the release and committed with it:
+   here they go first to `round.pending` (fsynced; private, like resume/), then the release line
+   (the commit point), then the log lines, then the pending file goes. Reopening finishes a
+   pending round that was released (its lines appended once) and drops one that was not. (The
+   state store commits the same rows in the release's transaction.) So no released round lacks
+   its metrics line.
 """
 
 from __future__ import annotations
@@ -36,15 +43,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from dpfleet.coordinator.tree_noise import prefix_nodes
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
 
 RELEASES = "releases.jsonl"
+PENDING = "round.pending"  # the logs of the round being recorded (rule 4)
+LOGS = ("metrics", "debug_nonprivate")  # the per-round logs committed with a release
 
 
 def release_hash(theta: np.ndarray, clip_estimate: float | None = None) -> str:
@@ -62,12 +72,46 @@ def release_record(*, round: int, tree_id: int, t: int, key_id: str, participant
             "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256}
 
 
+def _fsync_append(path: Path, text: str) -> None:
+    with path.open("a") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _logged_rounds(path: Path) -> set[int]:
+    """Rounds of a JSON-lines log; a torn last line (a killed append) is cut off first."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        with path.open("r+b") as fh:
+            fh.truncate(len(data))
+    return {json.loads(line)["round"] for line in data.decode().splitlines() if line.strip()}
+
+
+def check_logs(round: int, logs: Mapping[str, dict]) -> None:
+    """The logs a release commits: known names, each a record of that round, metrics always."""
+    if "metrics" not in logs or set(logs) - set(LOGS):
+        raise DpfleetError(f"round {round}: a release commits its metrics (and optionally "
+                           f"debug_nonprivate) record, got {sorted(logs)}")
+    for name, record in logs.items():
+        if record.get("round") != round:
+            raise DpfleetError(f"round {round}: its {name} record is for round {record.get('round')}")
+
+
 class ReleaseLog:
-    """Append-only, fsynced log of released rounds (`releases.jsonl` of a run directory)."""
+    """Append-only, fsynced log of released rounds (`releases.jsonl` of a run directory), with
+    each round's metrics / debug lines committed with it (rule 4) in the same folder."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.pending = self.path.with_name(PENDING)
+        # a test's crash injection: called with the name of each step of record_release
+        self.fault: Callable[[str], None] = lambda point: None
         self._records = self._read()
+        self._finish_pending()
 
     def _read(self) -> list[dict]:
         if not self.path.is_file():
@@ -86,18 +130,49 @@ class ReleaseLog:
                                    "was edited; it cannot be trusted") from None
         return records
 
+    def _finish_pending(self) -> None:
+        """Rule 4 after a crash: a released round's logs are appended (once), an unreleased
+        round's are dropped (a torn pending file was never followed by its release)."""
+        if not self.pending.is_file():
+            return
+        try:
+            pending = json.loads(self.pending.read_text())
+        except json.JSONDecodeError:
+            pending = None
+        if pending is not None and pending["round"] in {r["round"] for r in self._records}:
+            for name, record in pending["logs"].items():
+                path = self.path.with_name(f"{name}.jsonl")
+                if pending["round"] not in _logged_rounds(path):
+                    _fsync_append(path, dumps(record) + "\n")
+        self.pending.unlink()
+
     def record_release(self, *, round: int, tree_id: int, t: int, key_id: str,
                        participants: Sequence[str], restart: bool, clip_norm: float, released: str,
-                       data_sha256: str) -> dict:
-        """Append one round and fsync: call it before anything of the round is released."""
+                       data_sha256: str, logs: Mapping[str, dict] | None = None) -> dict:
+        """Append one round and fsync: call it before anything of the round is released.
+        `logs` (name -> the round's record: "metrics", "debug_nonprivate") are committed with it
+        (rule 4); the engine always passes its metrics."""
         record = release_record(round=round, tree_id=tree_id, t=t, key_id=key_id,
                                 participants=participants, restart=restart, clip_norm=clip_norm,
                                 released=released, data_sha256=data_sha256)
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        if logs:
+            check_logs(round, logs)
+            self.pending.unlink(missing_ok=True)
+            _fsync_append(self.pending, dumps({"round": round, "logs": dict(logs)}))
+            fd = os.open(self.pending.parent, os.O_RDONLY)  # its name, too, before the release
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.fault("pending_written")
+        _fsync_append(self.path, json.dumps(record) + "\n")  # the commit point
+        self.fault("release_line")
         self._records.append(json.loads(json.dumps(record)))  # as it reads back
+        if logs:
+            for name, entry in logs.items():
+                _fsync_append(self.path.with_name(f"{name}.jsonl"), dumps(entry) + "\n")
+                self.fault(f"{name}_line")
+            self.pending.unlink()
         return record
 
     def released_rounds(self) -> list[dict]:

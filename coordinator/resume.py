@@ -48,6 +48,7 @@ from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.coordinator.run_dir import atomic_write, write_secret
 from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
 
 RESUME = "resume"  # folder in the run directory; gone once the run has finished
 KEY_FILE = "noise_key"
@@ -238,10 +239,12 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
 
 
 def replay(participation: Participation, accountant: RunAccountant, logged: list[dict],
-           users: Sequence[str], networked: bool = False) -> None:
+           users: Sequence[str], networked: bool = False) -> list[dict]:
     """Bring participation and the accountant to where they were after the logged rounds
-    (`networked`: `ResumeSource.networked`; the guard still refuses any MinS / MaxP break)."""
+    (`networked`: `ResumeSource.networked`; the guard still refuses any MinS / MaxP break);
+    returns the accountant's privacy after each of them (what each metrics record says)."""
     index = {u: i for i, u in enumerate(users)}
+    spent = []
     for entry in logged:
         r = entry["round"]
         try:
@@ -263,7 +266,8 @@ def replay(participation: Participation, accountant: RunAccountant, logged: list
             raise DpfleetError(f"round {r + 1} of the log does not replay under this config "
                                "(other devices would be selected): the run was started differently")
         participation.commit(selection, contributed)
-        accountant.record(entry["devices"], entry["restart"])
+        spent.append(accountant.record(entry["devices"], entry["restart"]))
+    return spent
 
 
 @dataclass
@@ -281,14 +285,21 @@ class Resumed:
         return self.start if self.lost else None
 
 
-def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[dict]) -> list[dict]:
-    """Metrics of every released round: logged ones kept, the others get a stub (lost in the
-    crash, or, in the state store, a committed round whose metrics row the crash cut off)."""
+def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[dict],
+                          spent: list[dict]) -> list[dict]:
+    """Metrics of every released round: logged ones kept. A released round without one (a run
+    or state of an older dpfleet, where the metrics were written after the release) gets a record
+    rebuilt from its release and the replayed accountant (`spent`, the same numbers the round
+    logged), so every reader finds the DP fields; its evaluation is gone (null)."""
     by_round = {m["round"]: m for m in logged}
     out = []
-    for r in released:
-        stub = {"round": r["round"], "clients": len(r["participants"]), "restart": r["restart"],
-                "lost_in_crash": r["round"] > rounds_done, "accuracy": None, "loss": None}
+    for r, privacy in zip(released, spent, strict=True):
+        stub = {"round": r["round"], "clients": len(r["participants"]), "clip": r["clip_norm"],
+                "epsilon": privacy["epsilon"], "zcdp": privacy["zcdp"],
+                "min_separation": privacy["min_separation"],
+                "max_participation": privacy["max_participation"], "restart": r["restart"],
+                "lost_in_crash": r["round"] > rounds_done, "rebuilt_after_crash": True,
+                "accuracy": None, "loss": None}
         out.append(by_round.get(r["round"], stub))
     return out
 
@@ -322,15 +333,15 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     entries = [{"round": r["round"] - 1, "devices": r["participants"], "restart": r["restart"]}
                for r in released]
     if source is not None:
-        resumed.metrics = _metrics_after_resume(source.metrics, done, released)
-        replay(participation, accountant, entries, users, source.networked)
+        spent = replay(participation, accountant, entries, users, source.networked)
+        resumed.metrics = _metrics_after_resume(source.metrics, done, released, spent)
         return resumed
     atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
     path = run_path / "metrics.jsonl"
     logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if len(logged) < done:  # the saved rounds must all be there
         raise DpfleetError(f"{path} has {len(logged)} rounds but the resume point has {done}")
-    resumed.metrics = _metrics_after_resume(logged, done, released)
-    atomic_write(run_path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in resumed.metrics))
-    replay(participation, accountant, entries, users)
+    spent = replay(participation, accountant, entries, users)
+    resumed.metrics = _metrics_after_resume(logged, done, released, spent)
+    atomic_write(run_path / "metrics.jsonl", "".join(dumps(m) + "\n" for m in resumed.metrics))
     return resumed

@@ -8,8 +8,9 @@ check, tree restarts, the release log and the accounting cannot drift apart:
     plan = engine.open_round(before_round)   # selection, budget, restart -> RoundPlan | Stop
     ... the driver trains the plan's devices and aggregates their clipped deltas ...
     record = engine.close_round(plan, aggregate, client_stats)
-        # DP-FTRL step -> release log (fsynced, before return) -> participation commit
-        # -> accounting -> the round's record (metrics / participation / debug via the sink)
+        # DP-FTRL step -> participation commit -> accounting -> the round's metrics record (and
+        # held-out evaluation when due) -> ONE commit of release + metrics (+ debug) records
+        # (`ReleaseLog.record_release`, fsynced before return) -> participation log via the sink
     engine.save_resume_point(); engine.evaluate(); engine.finish(...)
 
 The engine owns the secrets (the run's noise key, the tree) and the privacy state; it opens no
@@ -111,27 +112,21 @@ class Stop:
 
 
 class RunSink(Protocol):
-    """Where the engine's per-round logs go: files here, SQLite in a service."""
+    """Where the engine's participation log goes: a file here, checked against the committed
+    rows in a service. (metrics / debug records are committed with the release itself.)"""
 
-    def metrics(self, record: dict) -> None: ...
     def participation(self, entry: dict) -> None: ...
-    def debug(self, record: dict) -> None: ...
 
 
 class RunDirSink:
-    """metrics.jsonl, participation.jsonl and (opt-in) debug_nonprivate.jsonl of a run directory."""
+    """participation.jsonl of a run directory (metrics.jsonl and debug_nonprivate.jsonl are
+    written by the release log, with the release: `release_log` rule 4)."""
 
     def __init__(self, run: RunDir):
         self.run = run
 
-    def metrics(self, record: dict) -> None:
-        self.run.append("metrics.jsonl", record)
-
     def participation(self, entry: dict) -> None:
         self.run.append("participation.jsonl", entry)
-
-    def debug(self, record: dict) -> None:
-        self.run.append(DEBUG_NONPRIVATE, record)
 
 
 class RoundEngine:
@@ -262,7 +257,8 @@ class RoundEngine:
 
     def close_round(self, plan: RoundPlan, aggregate: AggregateResult,
                     client_stats: Sequence[ClientStats]) -> dict:
-        """Step, record the release (fsynced before this returns), commit, account, log.
+        """Step, account, build the round's metrics record (evaluating when due), then commit
+        release + records in one step (fsynced before this returns), then the participation log.
 
         `client_stats[i]` is the report of `plan.devices[i]`; `aggregate.survivors` are the
         positions whose deltas are in the sum (dropped devices contributed nothing).
@@ -280,12 +276,6 @@ class RoundEngine:
             estimator.update_count(aggregate.clipped_count, len(aggregate.survivors))
         elif estimator is not None:
             estimator.update([client_stats[i].norm for i in aggregate.survivors])
-        self.releases.record_release(  # durable before anything of round r + 1 leaves the engine
-            round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),
-            participants=[self.users[i] for i in in_sum], restart=restart, clip_norm=clip,
-            released=release_hash(server.theta, estimator.estimate if estimator else None),
-            data_sha256=self.fingerprint,
-        )
         selection = plan.selection
         record = {
             "round": r + 1,
@@ -310,19 +300,27 @@ class RoundEngine:
                 k: v for k, v in aggregate.info.items()
                 if isinstance(v, int | float | str | bool) and k not in DATA_DEPENDENT_AGGREGATION
             }
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:  # in-process: nothing leaves
             ev = self.evaluate()
             record.update(accuracy=ev["accuracy"], loss=ev["loss"], perplexity=ev["perplexity"])
-        self.metrics.append(record)
-        self.sink.metrics(record)
+        logs = {"metrics": record}
         if cfg.debug_nonprivate:  # un-noised, over this round's few clients: not DP
-            self.sink.debug({
+            logs["debug_nonprivate"] = {
                 "round": r + 1,
                 "train_loss": float(np.mean([u.loss for u in client_stats])),
                 "mean_update_norm": float(np.mean([u.norm for u in client_stats])),
                 "clipped_fraction": float(np.mean([u.clipped for u in client_stats])),
                 **{k: aggregate.info[k] for k in DATA_DEPENDENT_AGGREGATION if k in aggregate.info},
-            })
+            }
+        # the commit: release and its records at once (durable before anything of round r + 1
+        # leaves the engine), so a crash never leaves a released round without its metrics
+        self.releases.record_release(
+            round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),
+            participants=[self.users[i] for i in in_sum], restart=restart, clip_norm=clip,
+            released=release_hash(server.theta, estimator.estimate if estimator else None),
+            data_sha256=self.fingerprint, logs=logs,
+        )
+        self.metrics.append(record)
         self.sink.participation(
             {"round": r, "devices": [self.users[i] for i in in_sum], "restart": restart})
         return record

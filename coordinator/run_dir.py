@@ -7,6 +7,8 @@ Layout (every file is written atomically: a crash never leaves a half-written fi
     vocabulary/                 a DP word vocabulary and its privacy summary (tokenizer.kind word)
     participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
     releases.jsonl              what each round released, fsynced before release (release_log.py)
+    round.pending               only inside a round's commit: its metrics / debug lines, written
+                                before its release line and finished or dropped on reopening
     resume/                     while unfinished: resume point + noise_key (0600; resume.py)
     checkpoint/                 model.safetensors, model_config.json, tokenizer/, server_state
     accuracy.png                held-out accuracy per round against the unigram baseline

@@ -29,15 +29,24 @@ Tables and the invariant each one carries (WHY):
                             noise position, enforced by the database itself.
     participation(round, device)   whose clipped update is in round's sum: what the accountant
                             and the MinS / MaxP guard replay on reopening.
-    metrics(round, record), debug_nonprivate(round, record)   the engine's per-round logs (JSON).
+    metrics(round, record), debug_nonprivate(round, record)   the engine's per-round logs (JSON),
+                            committed with the release: a released round always has its metrics
+                            row (what status, history and metrics.jsonl are read from).
 
-The commit (`commit_round`): the round's server state is written to rounds/NNNNNN.tmp, every
-file fsynced, the folder renamed into place and the parent fsynced; THEN one transaction
-inserts the release row and the participation rows, bumps the device counters and marks the
-round committed. Nothing of the round may be served before `commit_round` returns. A crash
-before COMMIT leaves none of the round (the leftover folder is deleted on reopening: that round
-was never released, so its noise nodes were never seen); a crash after it leaves all of it, and
-the committed folder is exactly the state to continue from, so no round is ever lost or redone.
+The commit (`commit_round`): the engine first builds the round's metrics record (DP quantities,
+held-out evaluation when due) and debug record; the round's server state is written to
+rounds/NNNNNN.tmp, every file fsynced, the folder renamed into place and the parent fsynced
+(fault points files_written, files_fsynced, files_renamed); THEN one transaction inserts the
+release row (release_row) and the participation rows (participation_rows), bumps the device
+counters (device_counters), inserts the metrics (and debug_nonprivate) rows (metrics_row) and
+marks the round committed (round_status), then COMMIT (committed). Nothing of the round may be
+served before `commit_round` returns. A crash before COMMIT leaves none of the round (the
+leftover folder is deleted on reopening: that round was never released, so its noise nodes were
+never seen); a crash after it leaves all of it, and the committed folder is exactly the state to
+continue from, so no round is ever lost, redone or half-recorded. (Before, the metrics row was a
+later transaction of its own: a kill between the two left a released round without metrics, and
+status then failed on it. A state written so still opens: the missing row is rebuilt from the
+release log and the replayed accountant, marked `rebuilt_after_crash`.)
 """
 
 from __future__ import annotations
@@ -48,11 +57,11 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dpfleet.coordinator.release_log import ReleaseLog, release_hash, release_record
+from dpfleet.coordinator.release_log import LOGS, ReleaseLog, check_logs, release_hash, release_record
 from dpfleet.coordinator.resume import (
     FINGERPRINT_KEY,
     KEY_FILE,
@@ -318,13 +327,15 @@ class StateStore:
         self.fault("files_renamed")
 
     def commit_round(self, release: dict, model_sha256: str,
-                     write_state: Callable[[Path], None]) -> None:
+                     write_state: Callable[[Path], None], logs: Mapping[str, dict]) -> None:
         """Files first (written into a folder, fsynced, renamed), then ONE transaction: release
-        row, participation rows, device counters, round status. Serve nothing before it returns."""
+        row, participation rows, device counters, the round's `logs` rows ("metrics", required,
+        and "debug_nonprivate"), round status. Serve nothing before it returns."""
         r = release["round"]
         if r != self.last_committed() + 1:
             raise DpfleetError(f"round {r} cannot commit after round {self.last_committed()}: "
                                "rounds commit once, in order")
+        check_logs(r, logs)
         self._write_files(r, write_state)
         now = time.time()
         try:
@@ -340,6 +351,8 @@ class StateStore:
                                     "last_round = ? WHERE id = ?",
                                     [(r, d) for d in release["participants"]])
                 self.fault("device_counters")
+                self._insert_logs(logs.items())
+                self.fault("metrics_row")
                 self.db.execute(
                     "INSERT INTO rounds (round, status, model_sha256, opened_at, committed_at) "
                     "VALUES (?, 'committed', ?, ?, ?) ON CONFLICT(round) DO UPDATE SET "
@@ -378,11 +391,22 @@ class StateStore:
             raise ValueError(table)
         return [json.loads(x) for (x,) in self.db.execute(f"SELECT record FROM {table} ORDER BY round")]
 
-    def append_log(self, table: str, round: int, record: dict) -> None:
-        if table not in ("metrics", "debug_nonprivate"):
-            raise ValueError(table)
-        with self._transaction():
-            self.db.execute(f"INSERT INTO {table} VALUES (?, ?)", (round, dumps(record)))
+    def _insert_logs(self, records: Iterable[tuple[str, dict]]) -> None:
+        for table, record in records:
+            if table not in LOGS:
+                raise ValueError(table)
+            self.db.execute(f"INSERT INTO {table} VALUES (?, ?)", (record["round"], dumps(record)))
+
+    def rebuild_metrics(self, records: Sequence[dict]) -> list[int]:
+        """Metrics rows for released rounds that have none (a state written before the rows
+        were committed with the release), in one transaction; returns the rounds filled."""
+        have = {r for (r,) in self.db.execute("SELECT round FROM metrics")}
+        released = {r for (r,) in self.db.execute("SELECT round FROM releases")}
+        missing = [m for m in records if m["round"] in released - have]
+        if missing:
+            with self._transaction():
+                self._insert_logs(("metrics", m) for m in missing)
+        return [m["round"] for m in missing]
 
     def export_participation(self) -> Path:
         """participation.jsonl from the committed rows (release order), for the privacy report:
@@ -410,27 +434,21 @@ class StoreReleaseLog(ReleaseLog):
         self.write_state: Callable[[Path], None] | None = None  # set by `open_engine`
         self.model_sha256: Callable[[], str] | None = None
 
-    def record_release(self, **fields) -> dict:
+    def record_release(self, *, logs: Mapping[str, dict] | None = None, **fields) -> dict:
         if self.write_state is None or self.model_sha256 is None:
             raise DpfleetError("the store's release log is not bound to an engine (use open_engine)")
         record = release_record(**fields)
-        self.store.commit_round(record, self.model_sha256(), self.write_state)
+        self.store.commit_round(record, self.model_sha256(), self.write_state, logs or {})
         self._records.append(json.loads(json.dumps(record)))
         return record
 
 
 class SqliteSink:
-    """The engine's RunSink on the store: metrics and debug rows; participation is committed with
-    the release, so the engine's participation entry is only checked against it."""
+    """The engine's RunSink on the store: participation (like metrics and debug rows) is
+    committed with the release, so the engine's participation entry is only checked against it."""
 
     def __init__(self, store: StateStore):
         self.store = store
-
-    def metrics(self, record: dict) -> None:
-        self.store.append_log("metrics", record["round"], record)
-
-    def debug(self, record: dict) -> None:
-        self.store.append_log("debug_nonprivate", record["round"], record)
 
     def participation(self, entry: dict) -> None:
         committed = self.store.participation().get(entry["round"] + 1, set())
@@ -458,6 +476,7 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool
                               metrics=store.log("metrics"), networked=networked)
     engine = RoundEngine(cfg, RunDir(store.path, resume=True), users=users, sink=SqliteSink(store),
                          releases=releases, resume=bool(done), resume_source=source, **engine_kwargs)
+    store.rebuild_metrics(engine.metrics)  # only a state of an older dpfleet can lack a row
     if not done:  # no round released yet: this (possibly new) key is the run's
         (store.path / KEY_FILE).unlink(missing_ok=True)
         write_key(store.path, engine.server.noise_key)

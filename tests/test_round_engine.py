@@ -172,9 +172,12 @@ def test_stop_is_returned_when_the_population_runs_out(tmp_path):
     assert "before round 4" in plan.message
 
 
-def test_the_release_is_durable_before_close_round_returns(tmp_path, monkeypatch):
-    """A crash right after the release record (before metrics, participation log, resume point):
-    the round is on disk, and resuming never computes it again."""
+@pytest.mark.parametrize("point", ["pending_written", "release_line", "metrics_line"])
+def test_the_release_is_durable_with_its_metrics_before_close_round_returns(tmp_path, point):
+    """A crash inside round 3's commit (`release_log` rule 4): before the release line, round 3
+    was never released and is computed again, bit for bit; after it, round 3 is on disk WITH its
+    metrics line (the round's own record, written once, not a stub), and resuming never computes
+    it again (its state was not saved: a fresh tree)."""
     cfg, out = cfg_with(), tmp_path / "run"
     engine, train_and_sum = by_hand(cfg, out)
     for _ in range(2):
@@ -182,24 +185,36 @@ def test_the_release_is_durable_before_close_round_returns(tmp_path, monkeypatch
     engine.save_resume_point()
     plan = engine.open_round()
 
-    def crash(record):
-        raise Crash
+    def crash(at):
+        if at == point:
+            raise Crash
 
-    monkeypatch.setattr(engine.sink, "metrics", crash)
+    engine.releases.fault = crash
     with pytest.raises(Crash):
         engine.close_round(plan, *train_and_sum(plan))
+    released = point != "pending_written"
     on_disk = ReleaseLog(out / RELEASES).released_rounds()  # read back as a restart would
-    assert [r["round"] for r in on_disk] == [1, 2, 3]
-    third = on_disk[2]
+    assert [r["round"] for r in on_disk] == [1, 2, 3][: 2 + released]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [1, 2, 3][: 2 + released]  # rolled forward on open
+    assert not (out / "round.pending").exists()
     assert len((out / "participation.jsonl").read_text().splitlines()) == 2
 
     resumed = run_simulation(cfg, out, resume=True, **QUIET)
     records = ReleaseLog(out / RELEASES).released_rounds()
     assert [r["round"] for r in records] == list(range(1, ROUNDS + 1))
-    assert records[2] == third  # round 3 was not recomputed
-    assert records[3]["restart"] and records[3]["tree_id"] > third["tree_id"]  # a fresh tree
     check_no_reuse(records)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in metrics] == list(range(1, ROUNDS + 1))  # each round once
+    assert all("epsilon" in m and "rebuilt_after_crash" not in m for m in metrics)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds_lost_in_crash"] == [3] and resumed.metrics[2]["lost_in_crash"]
+    if released:
+        assert records[2] == on_disk[2]  # round 3 was not recomputed
+        assert records[3]["restart"] and records[3]["tree_id"] > on_disk[2]["tree_id"]  # fresh tree
+        assert summary["rounds_lost_in_crash"] == [3]
+        assert metrics[2]["clients"] == len(on_disk[2]["participants"])
+    else:
+        assert summary["rounds_lost_in_crash"] == []
+        assert resumed.metrics[2]["round"] == 3 and not records[3]["restart"]
     log = [json.loads(x) for x in (out / "participation.jsonl").read_text().splitlines()]
-    assert log[2]["devices"] == third["participants"]  # still accounted
+    assert log[2]["devices"] == records[2]["participants"]  # still accounted

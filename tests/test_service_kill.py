@@ -28,12 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def serve_once(config, state, port, fault):
+async def serve_once(config, state, port, fault, started: dict | None = None):
+    """`dpfleet coordinator serve` as a process until it exits: (return code, stderr); with
+    `fault` its DPFLEET_SERVICE_FAULT; `started["pid"]` is its pid once it runs."""
     env = {**os.environ, ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != ENV}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "from dpfleet.cli import main; main()", "coordinator", "serve",
         str(config), "--state", str(state), "--listen", f"127.0.0.1:{port}", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    if started is not None:
+        started["pid"] = proc.pid
     _, err = await asyncio.wait_for(proc.communicate(), 240)
     return proc.returncode, err.decode()
 

@@ -27,7 +27,7 @@ from dpfleet.errors import DpfleetError
 
 ROUNDS = 4
 STEPS = ("files_written", "files_fsynced", "files_renamed", "release_row", "participation_rows",
-         "device_counters", "round_status", "committed")
+         "device_counters", "metrics_row", "round_status", "committed")
 BEFORE_COMMIT = STEPS[:-1]
 
 
@@ -58,10 +58,12 @@ def no_secret(release: dict) -> dict:
 
 
 def check_consistent(store: StateStore) -> None:
-    """Devices' counters = participation rows = releases' participants; committed = released."""
+    """Devices' counters = participation rows = releases' participants; committed = released =
+    metrics rows (each round's once)."""
     releases = store.releases()
     part = store.participation()
     assert {r["round"]: set(r["participants"]) for r in releases} == part
+    assert [m["round"] for m in store.log("metrics")] == [r["round"] for r in releases]
     for device, count, last in store.db.execute("SELECT id, participations, last_round FROM devices"):
         rounds = [r for r, ds in part.items() if device in ds]
         assert count == len(rounds) and last == (max(rounds) if rounds else None)
@@ -142,8 +144,10 @@ def test_a_crash_at_any_step_leaves_all_or_nothing_and_continues_bit_for_bit(
     store, engine, train_and_sum = engine_on(cfg, state, store)
     assert engine.next_round == survived
     assert run_rounds(engine, train_and_sum, store).reason == "done"
-    # nothing lost, nothing redone: the same releases as the uninterrupted run, bit for bit
+    # nothing lost, nothing redone: the same releases as the uninterrupted run, bit for bit,
+    # and the same metrics rows (DP quantities and evaluation), each round's once
     assert [no_secret(r) for r in store.releases()] == [no_secret(r) for r in info["releases"]]
+    assert store.log("metrics") == info["metrics"]
     check_consistent(store)
     store.close()
 
@@ -162,7 +166,8 @@ KILLER = textwrap.dedent("""
     for r in range(store.last_committed() + 1, 6):
         rec = release_record(round=r, tree_id=0, t=r, key_id="k", participants=["a", "c"][: 1 + r % 2],
                              restart=r == 1, clip_norm=1.0, released=f"m{r}", data_sha256="d")
-        store.commit_round(rec, f"m{r}", lambda folder: (folder / "model").write_bytes(b"x" * 4096))
+        store.commit_round(rec, f"m{r}", lambda folder: (folder / "model").write_bytes(b"x" * 4096),
+                           {"metrics": {"round": r, "epsilon": 0.1 * r}})
 """)
 
 
@@ -195,14 +200,18 @@ def write_nothing(folder):
     (folder / "x").write_bytes(b"")
 
 
+def metrics(r):
+    return {"metrics": {"round": r, "epsilon": 0.1 * r}}
+
+
 def test_a_noise_position_is_released_once_and_releases_are_never_rewritten(tmp_path):
     store = StateStore(tmp_path / "s", {"k": 1})
     store.register_devices(["a", "b"])
-    store.commit_round(release(1), "m1", write_nothing)
+    store.commit_round(release(1), "m1", write_nothing, metrics(1))
     with pytest.raises(DpfleetError, match="released before"):  # round 2 on round 1's nodes
-        store.commit_round(release(2, t=1, participants=("b",)), "m2", write_nothing)
+        store.commit_round(release(2, t=1, participants=("b",)), "m2", write_nothing, metrics(2))
     with pytest.raises(DpfleetError, match="once, in order"):
-        store.commit_round(release(1), "m1", write_nothing)
+        store.commit_round(release(1), "m1", write_nothing, metrics(1))
     with pytest.raises(sqlite3.IntegrityError, match="never rewritten"):
         store.db.execute("UPDATE releases SET participants = '[\"b\"]' WHERE round = 1")
     with pytest.raises(sqlite3.IntegrityError, match="never removed"):
@@ -210,7 +219,7 @@ def test_a_noise_position_is_released_once_and_releases_are_never_rewritten(tmp_
     assert [r["participants"] for r in store.releases()] == [["a"]]
     assert store.device("b")["participations"] == 0  # the refused round left nothing
     with pytest.raises(DpfleetError, match="unregistered"):
-        store.commit_round(release(2, participants=("z",)), "m2", write_nothing)
+        store.commit_round(release(2, participants=("z",)), "m2", write_nothing, metrics(2))
     check_consistent(store)
 
 
@@ -257,7 +266,51 @@ def test_open_and_failed_rounds(tmp_path):
     assert store.round(1)["status"] == "failed"
     store.open_round(1, "p2")  # the same number again: round numbers count releases
     assert store.round(1)["attempts"] == 2
-    store.commit_round(release(1), "m1", write_nothing)
+    store.commit_round(release(1), "m1", write_nothing, metrics(1))
     with pytest.raises(DpfleetError, match="not open"):
         store.fail_round(1, "too late")
     assert store.round(1)["status"] == "committed"
+
+
+def test_a_commit_without_its_metrics_record_is_refused_and_leaves_nothing(tmp_path):
+    store = StateStore(tmp_path / "s", {"k": 1})
+    store.register_devices(["a"])
+    for logs in ({}, {"debug_nonprivate": {"round": 1}}, {"metrics": {"round": 2}}):
+        with pytest.raises(DpfleetError, match="round 1"):
+            store.commit_round(release(1), "m1", write_nothing, logs)
+    assert store.last_committed() == 0 and store.log("metrics") == []
+    assert not (tmp_path / "s" / "rounds" / "000001").exists()
+    store.commit_round(release(1), "m1", write_nothing,
+                       {**metrics(1), "debug_nonprivate": {"round": 1, "train_loss": 2.5}})
+    assert store.log("metrics") == [{"round": 1, "epsilon": 0.1}]
+    assert store.log("debug_nonprivate") == [{"round": 1, "train_loss": 2.5}]
+    check_consistent(store)
+
+
+def test_a_state_missing_a_metrics_row_is_rebuilt_on_open_and_status_reads_it(reference, tmp_path):
+    """A state written by the old commit order (metrics row a later transaction, cut off by a
+    kill): reopening rebuilds the row from the release and the replayed accountant, so every
+    reader (status, history, metrics.jsonl) finds the DP fields."""
+    from types import SimpleNamespace
+
+    from dpfleet.service.rounds import RoundDriver
+
+    cfg, _, _, info = reference
+    store, engine, train_and_sum = engine_on(cfg, tmp_path / "state")
+    run_rounds(engine, train_and_sum, store, until=3)
+    store.db.execute("DELETE FROM metrics WHERE round IN (2, 3)")  # the old hole
+    store.close()
+    store, engine, train_and_sum = engine_on(cfg, tmp_path / "state")
+    rows = store.log("metrics")
+    assert [m["round"] for m in rows] == [1, 2, 3]
+    for m, ref in zip(rows[1:], info["metrics"][1:3], strict=True):
+        assert m["rebuilt_after_crash"] and m["accuracy"] is None
+        for k in ("epsilon", "zcdp", "min_separation", "max_participation", "clients", "restart"):
+            assert m[k] == ref[k], k
+    assert RoundDriver.epsilon(SimpleNamespace(engine=engine)) == info["metrics"][2]["epsilon"]
+    # a record without the key (whatever wrote it) is skipped, never a KeyError / 500
+    bare = SimpleNamespace(engine=SimpleNamespace(metrics=[rows[0], {"round": 2, "clients": 3}]))
+    assert RoundDriver.epsilon(bare) == info["metrics"][0]["epsilon"]
+    assert run_rounds(engine, train_and_sum, store).reason == "done"
+    check_consistent(store)
+    store.close()
