@@ -67,6 +67,76 @@ def test_a_torn_last_line_was_not_released_and_is_dropped(tmp_path):
         ReleaseLog(path)
 
 
+POINTS = ("pending_written", "release_line", "metrics_line", "debug_nonprivate_line")
+
+
+def logs_of(r: int) -> dict:
+    return {"metrics": {"round": r, "epsilon": 0.5 * r}, "debug_nonprivate": {"round": r, "loss": 1.0}}
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_crash_inside_a_release_leaves_it_with_all_its_lines_or_none(tmp_path, point):
+    """Rule 4: after a crash at any step of round 2's record, reopening leaves round 2 either
+    unreleased with no line anywhere, or released with its metrics and debug lines, once."""
+    path = tmp_path / "releases.jsonl"
+    log = ReleaseLog(path)
+    log.record_release(round=1, tree_id=0, t=1, key_id="k", participants=["a"], restart=True,
+                       clip_norm=1.0, released="h1", data_sha256="d", logs=logs_of(1))
+
+    def crash(at):
+        if at == point:
+            raise Crash
+
+    log.fault = crash
+    with pytest.raises(Crash):
+        log.record_release(round=2, tree_id=0, t=2, key_id="k", participants=["a"], restart=False,
+                           clip_norm=1.0, released="h2", data_sha256="d", logs=logs_of(2))
+    assert (tmp_path / "round.pending").exists()  # the crash came before the round was finished
+    again = ReleaseLog(path)  # a restart
+    released = point != "pending_written"
+    rounds = [1, 2][: 1 + released]
+    assert [r["round"] for r in again.released_rounds()] == rounds
+    assert lines(tmp_path / "metrics.jsonl") == [logs_of(r)["metrics"] for r in rounds]
+    assert lines(tmp_path / "debug_nonprivate.jsonl") == [logs_of(r)["debug_nonprivate"] for r in rounds]
+    assert not (tmp_path / "round.pending").exists()
+    ReleaseLog(path)  # opening again changes nothing
+    assert [m["round"] for m in lines(tmp_path / "metrics.jsonl")] == rounds
+
+
+def test_a_torn_pending_file_or_metrics_line_is_repaired_on_open(tmp_path):
+    path = tmp_path / "releases.jsonl"
+    log = ReleaseLog(path)
+    for r in (1, 2):
+        log.record_release(round=r, tree_id=0, t=r, key_id="k", participants=["a"], restart=r == 1,
+                           clip_norm=1.0, released=f"h{r}", data_sha256="d",
+                           logs={"metrics": logs_of(r)["metrics"]})
+    # killed inside round 2's metrics append (after its release line): a torn last line
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:-7])
+    pending = {"round": 2, "logs": {"metrics": logs_of(2)["metrics"]}}
+    (tmp_path / "round.pending").write_text(json.dumps(pending))
+    ReleaseLog(path)
+    assert lines(metrics) == [logs_of(1)["metrics"], logs_of(2)["metrics"]]
+    # killed while writing round 3's pending file: round 3 never released, nothing of it kept
+    (tmp_path / "round.pending").write_text('{"round": 3, "logs": {"metr')
+    assert [r["round"] for r in ReleaseLog(path).released_rounds()] == [1, 2]
+    assert [m["round"] for m in lines(metrics)] == [1, 2] and not (tmp_path / "round.pending").exists()
+
+
+def test_a_release_without_its_metrics_record_or_with_another_rounds_is_refused(tmp_path):
+    log = ReleaseLog(tmp_path / "releases.jsonl")
+    for logs in ({"debug_nonprivate": {"round": 1}}, {"metrics": {"round": 2}},
+                 {"metrics": {"round": 1}, "other": {"round": 1}}):
+        with pytest.raises(DpfleetError, match="round 1"):
+            log.record_release(round=1, tree_id=0, t=1, key_id="k", participants=["a"], restart=True,
+                               clip_norm=1.0, released="h", data_sha256="d", logs=logs)
+    assert log.released_rounds() == [] and not (tmp_path / "releases.jsonl").exists()
+
+
 def test_check_no_reuse_catches_the_old_resume():
     # what resume did before: rounds 4-5 redone from round 3's state with the same tree nodes
     log = [{"round": r, "key_id": "k", "tree_id": 0, "t": r} for r in (1, 2, 3, 4, 5)]
