@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dpfleet.coordinator.aggregation import AggregateResult, RingSum
-from dpfleet.coordinator.config import round_size
+from dpfleet.coordinator.config import resolve_noise, round_size
 from dpfleet.coordinator.participation import ParticipationGuard
 from dpfleet.coordinator.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.run_dir import atomic_write
@@ -360,7 +359,7 @@ class RoundDriver:
                   "seq_len": cfg.data.seq_len, "clip_norm": plan.clip_norm,
                   "model": b.model_config, "runtime": cfg.client.runtime,
                   "tokenizer_sha256": b.tokenizer_sha256, "aggregation": cfg.aggregation.kind,
-                  "noise": cfg.dp.noise}
+                  "noise": resolve_noise(cfg), "noise_multiplier": cfg.dp.noise_multiplier}
         plan_sha = b.blobs.put(dumps(common).encode())
         self.store.open_round(number, plan_sha)
         attempt = int(self.store.round(number)["attempts"])
@@ -556,14 +555,8 @@ class RoundDriver:
         return sum(1 for h in self.history if h["status"] == "failed")
 
     def epsilon(self) -> float:
-        """eps spent by the committed rounds: the last metrics record's (every committed round
-        has one with the DP fields; a record without the key is skipped, never a 500). A stored
-        null is eps = inf (no noise: JSON has no inf); 0 before any round."""
-        for m in reversed(self.engine.metrics):
-            if "epsilon" in m:
-                eps = m["epsilon"]
-                return math.inf if eps is None else float(eps)
-        return 0.0
+        metrics = self.engine.metrics
+        return float(metrics[-1]["epsilon"]) if metrics else 0.0
 
     def last_accuracy(self) -> float | None:
         for m in reversed(self.engine.metrics):

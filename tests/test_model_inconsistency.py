@@ -12,8 +12,8 @@ SecAgg setup terms (`secagg/round_terms.py`); the attacks, asserted on the value
   exists and the attacker's estimate of its input is empty; unbound, the sum is its input;
 - a device whose downloaded model is not the one its setup binds refuses before sending;
 - (hypothesis) equal (inputs' terms, model hash, plan) give equal terms and setup hashes, any
-  difference in model, round, attempt, clip bound, noise kind or lr distinct ones, and the
-  per-device plan fields (device id, training seed) none.
+  difference in model, round, attempt, clip bound, noise kind or multiplier or lr distinct
+  ones, and the per-device plan fields (device id, training seed) none.
 """
 
 from __future__ import annotations
@@ -183,13 +183,14 @@ FIELDS = {  # each bound field and a strategy for its values
     "attempt": st.integers(1, 50),
     "clip_norm": st.floats(1e-6, 1e3),
     "noise": st.sampled_from(["gaussian", "discrete"]),
+    "noise_multiplier": st.floats(0.0, 100.0),
     "lr": st.floats(1e-6, 10.0),
     "inputs": st.binary(min_size=32, max_size=32),
 }
 
 
 def _bound_terms(values: dict, device: tuple[str, int]) -> tuple[bytes, bytes]:
-    plan = {k: values[k] for k in ("round", "attempt", "clip_norm", "noise", "lr")}
+    plan = {k: values[k] for k in FIELDS if k not in ("model", "inputs")}
     plan["device_id"], plan["client_seed"] = device
     terms = bind_round(values["inputs"], values["model"], plan)
     setup = RoundSetup(n=5, k=4, threshold=3, length=8, bits=32, session_id=bytes(32), terms=terms)
