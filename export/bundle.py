@@ -471,6 +471,7 @@ class BundleExport:
             spec["state"] = {"state_h": [cfg.num_layers, "batch", cfg.projection_dim],
                              "state_c": [cfg.num_layers, "batch", cfg.hidden_dim], "initial": "zeros"}
         measured = {"vs_window_max_abs_err": float(np.abs(got - ref).max()),
+                    "vs_window_ref_max_abs": float(np.abs(ref).max()),  # the error's scale
                     "vs_window_top1": float((got.argmax(-1) == ref.argmax(-1)).mean()),
                     "latency_ms": {**step_latency_ms(session, cfg, weights, feed=feed),
                                    "threads": self.threads}}

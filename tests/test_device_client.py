@@ -135,12 +135,15 @@ def test_suggest_completes_words_from_a_trained_model(tmp_path_factory, bundles)
     """After training, the bundle's window program predicts the language's verb for each subject."""
     _, _, folder, cfg = bundles("cifg")
     model_cfg, model, tok = load_checkpoint(folder)
-    train_briefly(model, tok, sentences(400, 0), SEQ_LEN, steps=800)
+    train_briefly(model, tok, sentences(400, 0), SEQ_LEN)
     root = tmp_path_factory.mktemp("trained")
     save_checkpoint(root / "ckpt", model, model_cfg, tok)
     summary = make_bundle(root / "ckpt", root / "bundle", program_cache(tmp_path_factory))
     client = BundleClient(root / "bundle", summary["public_key"])
     for subject, verb in [("alice", "eats"), ("bob", "buys"), ("carol", "likes"), ("dave", "cooks")]:
+        logits = client.next_logits([tok.encode(subject)])[0].astype(np.float64)
+        p = np.exp(logits - logits.max())
+        assert p[tok.encode(verb)[0]] / p.sum() > 0.9  # a real margin, not a near-tie
         assert client.suggest(f"{subject} ", k=1) == [verb]
         assert client.suggest(f"{subject} {verb[:2]}", k=3)[0] == verb
     assert all(w.startswith("b") for w in client.suggest("alice eats b", k=3))

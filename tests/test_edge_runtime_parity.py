@@ -1,8 +1,9 @@
 """Exported runtimes (ExecuTorch .pte, ONNX Runtime) train exactly like eager torch.
 
-Tolerance (stated in the issue's terms): after one local epoch, |mean loss - eager| <= 1e-5 and
-max |delta - eager delta| <= 1e-6 + 1e-4 * max |eager delta| (float32 reduction order differs
-between runtimes; measured errors are ~1e-7 of the delta's scale).
+Tolerance (stated in the issue's terms): after one local epoch, |mean loss - eager| <=
+1e-5 * max(1, |eager loss|) and max |delta - eager delta| <= 1e-6 + 1e-4 * max |eager delta|
+(float32 reduction order differs between runtimes; measured errors are ~1e-7 of the delta's
+scale). Both scale with the values compared (tests/numerics.py says why).
 Programs are exported once per session into a shared cache (content-hashed).
 """
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from edge_models import SEQ_LEN, tiny_config
+from numerics import scaled_bound
 
 from dpfleet.edge.client_update import client_update
 from dpfleet.edge.runtime import EagerRuntime, fixed_shape_batches
@@ -48,7 +50,7 @@ def assert_close_to_eager(rt, cfg, theta0, rows, lr=0.5, seed=3):
     rt.set_weights(theta0)
     got = rt.train_epoch(rows, lr=lr, batch_size=BATCH, seed=seed)
     assert got.steps == ref.steps == -(-len(rows) // BATCH)
-    assert abs(got.mean_loss - ref.mean_loss) <= 1e-5
+    assert abs(got.mean_loss - ref.mean_loss) <= scaled_bound(ref.mean_loss)
     d_ref = eager.get_weights() - theta0
     d_got = rt.get_weights() - theta0
     assert np.abs(d_ref).max() > 1e-3  # the epoch really moved the weights

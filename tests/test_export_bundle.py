@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edge_models import SEQ_LEN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numerics import scaled_bound
 
 from dpfleet.cli import main
 from dpfleet.edge.bundle_format import (
@@ -335,7 +336,8 @@ def test_cli_writes_a_bundle(spm_bundle, tmp_path, capsys, monkeypatch, tmp_path
           "--seq-len", str(SEQ_LEN), "--heldout", str(heldout)])
     summary = json.loads(capsys.readouterr().out)
     window = summary["measured"]["window_vs_eager"]
-    assert window["text"].startswith("held-out text (30 lines)") and window["max_abs_err"] < 1e-4
+    assert window["text"].startswith("held-out text (30 lines)")
+    assert window["max_abs_err"] <= scaled_bound(window["ref_max_abs"])
     assert summary["signing_key"] == str(key) and not summary["signing_key_generated"]
     verify_bundle(tmp_path / "b", summary["public_key"])
     assert not default_key_path(tmp_path / "b").exists()

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from bundle_helpers import sentences
+from bundle_helpers import sentences, train_briefly
+from numerics import scaled_bound
 
 from dpfleet.cli import main
-from dpfleet.edge.tokenizer import BOS, EOS, PAD, WordTokenizer
+from dpfleet.edge.tokenizer import WordTokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint, save_checkpoint
 from dpfleet.export.manifest import verify_manifest
-from dpfleet.export.models import ModelConfig, build_model, next_token_loss
+from dpfleet.export.models import ModelConfig, build_model
 
 pytest.importorskip("executorch")
 pytest.importorskip("onnxruntime")
@@ -36,21 +36,9 @@ def checkpoint(tmp_path_factory):
     cfg = ModelConfig(
         arch="cifg", vocab_size=tok.vocab_size, embedding_dim=16, hidden_dim=32, projection_dim=16
     )
-    rows = np.zeros((len(train), SEQ_LEN + 1), dtype=np.int64)
-    for i, line in enumerate(train):
-        ids = [BOS, *tok.encode(line), EOS][: SEQ_LEN + 1]
-        rows[i, : len(ids)] = ids
-    data = torch.from_numpy(rows)
     torch.manual_seed(0)
     model = build_model(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for _ in range(250):
-        batch = data[torch.randint(0, len(data), (32,))]
-        loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:], PAD)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 1.0  # it learned the language
+    train_briefly(model, tok, train, SEQ_LEN, steps=250, max_loss=1.0)  # it learned the language
     save_checkpoint(folder, model, cfg, tok)
     heldout = folder.parent / "heldout.txt"
     heldout.write_text("\n".join(sentences(60, seed=1)))
@@ -97,7 +85,7 @@ def test_float_export_matches_eager(fmt, exports, capsys):
     assert set(summary["files"]) == {program, "tokenizer/tokenizer.json"}
     assert summary["files"][program] == (out / program).stat().st_size > 0
     assert summary["total_bytes"] == sum(summary["files"].values())
-    assert summary["agreement"]["max_abs_err"] < 1e-4
+    assert summary["agreement"]["max_abs_err"] <= scaled_bound(summary["agreement"]["ref_max_abs"])
     assert summary["agreement"]["top1"] == 1.0
     assert summary["agreement"]["positions"] > 300
     assert summary["latency_ms"]["median"] > 0

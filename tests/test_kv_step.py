@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from numerics import assert_scaled_close
 
 from dpfleet.edge.ort_session import load_session
 from dpfleet.edge.tokenizer import BOS, PAD
@@ -51,10 +52,10 @@ def test_step_equals_window_and_eager(programs):
     for n in range(SEQ_LEN):  # 0 .. seq_len - 1 message tokens after BOS
         ids = [BOS, *rng.integers(4, model.cfg.vocab_size, n).tolist()]
         got = kv_streamed_logits(step, model.cfg, SEQ_LEN, ids, weights)
-        np.testing.assert_allclose(got, window_last(window, weights, ids), atol=1e-5, rtol=0)
+        assert_scaled_close(got, window_last(window, weights, ids))
         with torch.no_grad():
             eager = model(torch.tensor([ids]))[0, -1].numpy()
-        np.testing.assert_allclose(got, eager, atol=1e-5, rtol=0)
+        assert_scaled_close(got, eager)
         if previous is not None:
             assert np.abs(got - previous).max() > 1e-2  # every step really changes the answer
         previous = got
@@ -88,7 +89,7 @@ def test_stale_slots_never_leak(programs, seed):
             for position, t in enumerate(ids):
                 logits, keys, values = step(torch.tensor([t]), torch.tensor(position), keys, values)
         outs.append(logits[0].numpy())
-    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert_scaled_close(outs[0], outs[1])
 
 
 def test_batched_candidates_keep_rows_apart(programs):
@@ -99,7 +100,7 @@ def test_batched_candidates_keep_rows_apart(programs):
                                                "keys": keys, "values": values, **weights})
     for row, t in enumerate([5, 6, 7]):
         alone = kv_streamed_logits(step, model.cfg, SEQ_LEN, [BOS, t], weights)
-        np.testing.assert_allclose(logits[row], alone, atol=1e-5, rtol=0)
+        assert_scaled_close(logits[row], alone)
 
 
 def test_message_longer_than_the_cache_is_refused(programs):
