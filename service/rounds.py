@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -555,8 +556,14 @@ class RoundDriver:
         return sum(1 for h in self.history if h["status"] == "failed")
 
     def epsilon(self) -> float:
-        metrics = self.engine.metrics
-        return float(metrics[-1]["epsilon"]) if metrics else 0.0
+        """eps spent by the committed rounds: the last metrics record's (every committed round
+        has one with the DP fields; a record without the key is skipped, never a 500). A stored
+        null is eps = inf (no noise: JSON has no inf); 0 before any round."""
+        for m in reversed(self.engine.metrics):
+            if "epsilon" in m:
+                eps = m["epsilon"]
+                return math.inf if eps is None else float(eps)
+        return 0.0
 
     def last_accuracy(self) -> float | None:
         for m in reversed(self.engine.metrics):
