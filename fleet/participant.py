@@ -82,24 +82,29 @@ def runtime_for(plan: dict, threads: int = 1, cache_dir: Path | None = None
     return _RUNTIMES[key]
 
 
-def local_policy(report_goal: int, graph: str, corruption: float, n: int, dropout: float = 0.1):
+def local_policy(report_goal: int, graph: str, corruption: float, n: int):
     """The minimums a device configured with the fleet's own config demands of a round of n:
     at least the report goal, and the masking degree / threshold / corruption that config plans
-    for n (`secagg.graph.plan_graph`), signed mode always."""
+    for n (`secagg.graph.plan_graph` with the dropout and the d missing graph-seed reveals of
+    `secagg.params.fleet_margins`, as the coordinator plans it), no more missing reveals than
+    d, signed mode always."""
+    from dpfleet.secagg.params import fleet_margins
     from dpfleet.secagg.policy import ClientPolicy
 
-    plan = _graph_plan(n, graph, dropout, corruption)
+    dropout, unrevealed = fleet_margins(n, min(report_goal, n))
+    plan = _graph_plan(n, graph, dropout, corruption, unrevealed)
     return ClientPolicy(min_clients=report_goal, min_degree=plan.k, min_threshold=plan.threshold,
-                        min_corrupt=plan.corrupt, require_signed=True)
+                        min_corrupt=plan.corrupt, require_signed=True,
+                        max_unrevealed=unrevealed)
 
 
 @lru_cache(maxsize=64)
-def _graph_plan(n: int, graph: str, dropout: float, corruption: float):
+def _graph_plan(n: int, graph: str, dropout: float, corruption: float, unrevealed: int):
     """`plan_graph` is a pure function of its arguments and costs ~10-25 ms (tail sums): every
     device of every round would recompute the same plan."""
     from dpfleet.secagg.graph import plan_graph
 
-    return plan_graph(n, graph, dropout, corruption)
+    return plan_graph(n, graph, dropout, corruption, unrevealed=unrevealed)
 
 
 class CpuClock:

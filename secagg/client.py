@@ -9,10 +9,12 @@ Phases: new -> committed -> advertised -> shared -> masked [-> checked] -> done 
 Before anything else the client checks the setup against its local policy and pinned identity
 keys (`policy.py`). It commits to graph-seed randomness, reveals it with its keys once every
 commitment is fixed, and derives the masking graph itself from all reveals, so the server
-cannot pick who masks with whom. It reveals, for each neighbour, either the share of its
-self-mask seed (neighbour survived) or the share of its masking key (neighbour dropped), once,
-and never both; in signed mode only for a survivor list that t of its own neighbours signed
-under the same setup hash. Its secrets are dropped as soon as it is done or aborted.
+cannot pick who masks with whom (up to `RoundSetup.reveal_slack` committed clients may be
+missing from the reveals, no more: c is sized for every graph that choice allows). It
+reveals, for each neighbour, either the share of its self-mask seed (neighbour survived) or
+the share of its masking key (neighbour dropped), once, and never both; in signed mode only
+for a survivor list that t of its own neighbours signed under the same setup hash. Its
+secrets are dropped as soon as it is done or aborted.
 """
 
 from __future__ import annotations
@@ -172,10 +174,16 @@ class SecAggClient:
 
     def _on_keys(self, message: KeyBroadcast) -> list[Outbound]:
         reveals = dict(message.reveals)
-        if [u for u, _ in message.reveals] != sorted(self._commitments):
-            raise ProtocolViolationError("reveals must come from exactly the committed clients")
-        if reveals[self.id] != self._reveal:
-            raise ProtocolViolationError("our own graph-seed reveal was altered")
+        ids = [u for u, _ in message.reveals]
+        if ids != sorted(reveals) or not reveals.keys() <= self._commitments.keys():
+            raise ProtocolViolationError("reveals must come once per committed client, sorted")
+        missing = len(self._commitments) - len(reveals)
+        if missing > self.setup.reveal_slack:
+            # more would let the server choose among more graphs than c was sized for
+            raise ProtocolViolationError(f"{missing} committed clients' reveals missing, the "
+                                         f"setup allows {self.setup.reveal_slack}")
+        if reveals.get(self.id) != self._reveal:
+            raise ProtocolViolationError("our own graph-seed reveal is missing or altered")
         for u, reveal in message.reveals:
             if reveal_commitment(self.context, u, reveal) != self._commitments[u]:
                 raise ProtocolViolationError(f"client {u}'s reveal does not open its commitment")
@@ -193,7 +201,7 @@ class SecAggClient:
                 raise DuplicateMessageError(f"two adverts from client {advert.sender}")
             if self.setup.signed:
                 verify(blob, self.setup.identities[advert.sender], self.context)
-            if advert.reveal != reveals[advert.sender]:
+            if advert.reveal != reveals.get(advert.sender):
                 raise ProtocolViolationError("advert and reveal list disagree")
             if len(advert.c_public) != crypto.KEY_BYTES or len(advert.s_public) != crypto.KEY_BYTES:
                 raise ProtocolViolationError("public keys must be 32 bytes")

@@ -25,7 +25,12 @@ exact binomial tails and a union bound over the n clients we require
    see THREAT_MODEL.md for what each mode does and does not resist.
 
 The relabelling is drawn from a seed the clients of the round produce by commit-and-reveal
-(`client.py`), so the server cannot choose it.
+(`client.py`), so the server cannot choose it -- except by withholding reveals: when up to d
+committed clients may be missing from the reveals (`RoundSetup.unrevealed`, so that a dropout
+between commit and reveal does not abort the attempt), a server that sees every reveal first
+can pick any of G = sum_{i<=d} C(n, i) graphs. Conditions 2-4 must then hold for all of them,
+so for a sparse graph they are met at 2^-sigma / (n G) (union bound over the server's choices:
+sigma + log2 G bits, `choice_bits`). The complete graph is the same under every seed: no cost.
 
 `plan_graph` takes the smallest even k, then the smallest t, meeting all of them. When even
 the complete graph (k = n - 1) cannot meet them -- small n cannot give 2^-40 guarantees -- it
@@ -108,7 +113,17 @@ def _log_tails(k: int, p: float) -> np.ndarray:
     return np.r_[np.logaddexp.accumulate(log_pmf[::-1])[::-1], -np.inf]
 
 
-def corrupt_bound(k: int, n: int, corruption: float, sigma: int = SECURITY_BITS) -> int:
+def choice_bits(n: int, unrevealed: int) -> float:
+    """log2 G, G = sum_{i<=d} C(n, i): how many graph seeds a server that may withhold up to
+    d = `unrevealed` of n reveals can choose among (exact, in log space)."""
+    if unrevealed <= 0:
+        return 0.0
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+             for i in range(min(unrevealed, n) + 1)]
+    return float(np.logaddexp.reduce(terms)) / math.log(2)
+
+
+def corrupt_bound(k: int, n: int, corruption: float, sigma: float = SECURITY_BITS) -> int:
     """c: the number of corrupt neighbours exceeded with probability at most 2^-sigma / n."""
     corrupt = _log_tails(k, corruption)
     return int(np.argmax(corrupt[1:] <= -sigma * math.log(2) - math.log(n)))
@@ -119,7 +134,7 @@ def threshold_for(
     n: int,
     dropout: float,
     corruption: float,
-    sigma: int = SECURITY_BITS,
+    sigma: float = SECURITY_BITS,
     eta: int = CORRECTNESS_BITS,
 ) -> int | None:
     """Smallest t meeting conditions 1, 2 and 4 for degree k (None when none does)."""
@@ -142,8 +157,11 @@ def plan_graph(
     corruption: float = 0.05,
     sigma: int = SECURITY_BITS,
     eta: int = CORRECTNESS_BITS,
+    unrevealed: int = 0,
 ) -> GraphPlan:
-    """Degree and threshold for n clients (see the module docstring for the conditions)."""
+    """Degree and threshold for n clients (see the module docstring for the conditions); a
+    sparse graph whose seed may leave out up to `unrevealed` reveals meets the privacy
+    conditions at sigma + `choice_bits` bits."""
     if n < 2:
         raise ValueError(f"need at least 2 clients, got {n}")
     if kind not in ("complete", "harary"):
@@ -152,12 +170,13 @@ def plan_graph(
         raise ValueError("dropout and corruption must be probabilities in [0, 1)")
     if kind == "harary":
         removed = dropout + corruption
+        chosen = sigma + choice_bits(n, unrevealed)  # every graph the server may pick
         for k in range(2, n - 1, 2):
-            if removed > 0 and math.log(n) + k / 2 * math.log(removed) > -sigma * math.log(2):
+            if removed > 0 and math.log(n) + k / 2 * math.log(removed) > -chosen * math.log(2):
                 continue
-            t = threshold_for(k, n, dropout, corruption, sigma, eta)
+            t = threshold_for(k, n, dropout, corruption, chosen, eta)
             if t is not None:
-                return GraphPlan(k, t, True, corrupt_bound(k, n, corruption, sigma))
+                return GraphPlan(k, t, True, corrupt_bound(k, n, corruption, chosen))
     k = n - 1
     t = threshold_for(k, n, dropout, corruption, sigma, eta)
     if t is not None:

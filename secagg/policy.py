@@ -1,8 +1,9 @@
 """What a client insists on before it takes part: its local policy and its pinned keys.
 
 The setup comes from the server, so the client must not take it on trust: a server that hands
-one client a smaller threshold, a smaller neighbourhood, fewer clients, or its own identity key
-in place of a neighbour's could rebuild that client's secrets. The client therefore checks the
+one client a smaller threshold, a smaller neighbourhood, fewer clients, more room to withhold
+graph-seed reveals, or its own identity key in place of a neighbour's could rebuild that
+client's secrets. The client therefore checks the
 setup against minimums configured on the device (`ClientPolicy`) and, in signed mode, against
 the identity keys it got out of band (a fleet registry or key file the coordinator cannot
 rewrite), before it derives or sends anything.
@@ -26,17 +27,21 @@ class ClientPolicy:
     min_threshold: int = 1
     min_corrupt: int = 0  # the setup must size t against at least this many colluders
     require_signed: bool = True
+    # the most committed clients a sparse setup may let go unrevealed (None: any): each one
+    # more multiplies the graphs a withholding server chooses among (`graph.choice_bits`)
+    max_unrevealed: int | None = 0
 
     @classmethod
     def lenient(cls) -> ClientPolicy:
-        return cls(require_signed=False)
+        return cls(require_signed=False, max_unrevealed=None)
 
     @classmethod
     def for_setup(cls, setup: RoundSetup) -> ClientPolicy:
         """A policy demanding exactly this setup's strength (what an emulated fleet configures
         its devices with; anything weaker the server hands out is refused)."""
         return cls(min_clients=setup.n, min_degree=setup.k, min_threshold=setup.threshold,
-                   min_corrupt=setup.corrupt, require_signed=setup.signed)
+                   min_corrupt=setup.corrupt, require_signed=setup.signed,
+                   max_unrevealed=setup.unrevealed)
 
     def check(self, setup: RoundSetup, client_id: int, own_identity: bytes | None,
               pinned: Mapping[int, bytes] | None) -> None:
@@ -51,6 +56,9 @@ class ClientPolicy:
                 ("assumed corrupt", setup.corrupt, self.min_corrupt))
             if have < need
         ]
+        sparse = setup.k < setup.n - 1  # the complete graph is the same under every seed
+        if sparse and self.max_unrevealed is not None and setup.unrevealed > self.max_unrevealed:
+            weaker.append(f"unrevealed {setup.unrevealed} > {self.max_unrevealed}")
         if weaker:
             raise PolicyError("setup is weaker than the local policy: " + ", ".join(weaker))
         if self.require_signed and not setup.signed:

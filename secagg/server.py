@@ -15,11 +15,13 @@ Between phases the server prunes clients with fewer than t live neighbours (SecA
 secrets could never be rebuilt, so they are left out before anyone masks against them.
 
 The masking graph comes from the clients' commit-and-reveal: the server collects commitments,
-fixes the list, then collects the reveals with the keys. A client that committed but does not
-reveal aborts the attempt (a retry needs a fresh session id): letting the server leave out
-reveals would let it choose among many graphs. A share that does not fit its commitment or
-public key does not abort the round: other t-subsets are tried (`crypto.reconstruct_checked`)
-and the holders whose shares disagree are reported in `inconsistent`.
+fixes the list, then collects the reveals with the keys. Up to `RoundSetup.reveal_slack`
+committed clients may fail to reveal (they are then dropouts like any other); more abort the
+attempt (a retry needs a fresh session id): every reveal it may leave out multiplies the graphs
+a dishonest server could choose among, and c is sized for exactly d of them (`plan_graph`).
+A share that does not fit its commitment or public key does not abort the round: other
+t-subsets are tried (`crypto.reconstruct_checked`) and the holders whose shares disagree are
+reported in `inconsistent`.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class SecAggServer:
         self.phase = "commit"
         self.error: SecAggError | None = None  # why the round aborted
         self.survivors: tuple[int, ...] = ()  # U3: clients whose inputs are in the sum
-        self.graph: Graph | None = None  # known once every committed client has revealed
+        self.graph: Graph | None = None  # known once the reveals are in
         self.inconsistent: dict[int, list[int]] = {}  # owner -> holders whose share was bad
         self._commitments: dict[int, bytes] = {}
         self._neighbours: list[frozenset[int]] = []
@@ -215,8 +217,9 @@ class SecAggServer:
 
     def _close_keys(self, answered: frozenset[int]) -> list[Outbound]:
         silent = sorted(self._expected - answered)
-        if silent:
-            raise ThresholdError(f"clients {silent[:5]} committed but did not reveal: the "
+        if len(silent) > self.setup.reveal_slack:
+            raise ThresholdError(f"clients {silent[:5]} ({len(silent)}) committed but did not "
+                                 f"reveal, the setup allows {self.setup.reveal_slack}: the "
                                  f"attempt aborts (retry with a fresh session id)")
         reveals = tuple(sorted((u, self._adverts[u][3]) for u in answered))
         self.graph = self.setup.graph(graph_seed(self.context, reveals))

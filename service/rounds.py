@@ -414,7 +414,7 @@ class RoundDriver:
         from dpfleet.secagg import round_terms
         from dpfleet.secagg.count_bit import input_length, terms_digest
         from dpfleet.secagg.encoding import Discretizer
-        from dpfleet.secagg.params import plan_round
+        from dpfleet.secagg.params import fleet_margins, plan_round
         from dpfleet.secagg.setup_wire import encode_setup
 
         cfg, eng, plan = self.cfg, self.engine, cur.plan
@@ -424,8 +424,12 @@ class RoundDriver:
                            _seed(cfg.seed, "agg", plan.round))
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
         threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too
+        # the dropout the over-selection absorbs, and d missing reveals (the devices' policy
+        # recomputes both from the same config: fleet.participant.local_policy)
+        dropout, unrevealed = fleet_margins(len(plan.devices), cfg.dp.report_goal)
         setup, _, _ = plan_round(len(plan.devices), input_length(disc, threshold), agg.bits,
-                                 agg.graph, dropout=0.1, corruption=agg.corruption,
+                                 agg.graph, dropout=dropout, corruption=agg.corruption,
+                                 unrevealed=unrevealed,
                                  signed=agg.signed, public_keys=identities if agg.signed else None,
                                  terms=round_terms.bind_round(
                                      terms_digest(disc, threshold), bytes.fromhex(model_sha),

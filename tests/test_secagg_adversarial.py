@@ -24,7 +24,7 @@ from dpfleet.secagg.errors import (
     UnknownSenderError,
 )
 from dpfleet.secagg.inprocess import run_round
-from dpfleet.secagg.params import plan_round
+from dpfleet.secagg.params import RoundSetup, plan_round
 
 N, LENGTH, BITS = 7, 40, 16
 ATTACKER = Ed25519PrivateKey.generate()
@@ -304,8 +304,10 @@ def test_too_many_corrupted_shares_abort_instead_of_a_wrong_sum():
 
 @pytest.mark.parametrize("bad_key", ["own", "copied", "low_order"])
 def test_bad_public_keys_are_refused(bad_key):
-    """The advert is refused; since it also carried the client's graph-seed reveal, the attempt
-    aborts (a retry gets a fresh session) rather than letting the server drop reveals."""
+    """The advert is refused; since it also carried the client's graph-seed reveal, its sender
+    is a committed client that did not reveal: on this complete graph (no seed changes it) a
+    dropout like any other, the sum over the rest exact; on a sparse graph with d = 0 the
+    attempt aborts (a retry gets a fresh session) rather than letting the server drop reveals."""
     adverts = {}
 
     def intercept(phase, sender, recipient, data):
@@ -318,5 +320,11 @@ def test_bad_public_keys_are_refused(bad_key):
                "low_order": bytes(32)}[bad_key]
         return [_rewrite(data, s_public=key)]
 
+    report = _round(intercept)
+    assert report.survivors == _all_but(2)
+    assert [(type(r.error), r.sender) for r in report.rejections] == [
+        (ProtocolViolationError, 2)]
+    sparse = RoundSetup(n=N, k=4, threshold=3, length=LENGTH, bits=BITS)
+    adverts.clear()
     with pytest.raises(ThresholdError, match="did not reveal"):
-        _round(intercept)
+        run_round(sparse, lambda u: np.zeros(LENGTH, sparse.dtype), intercept=intercept)

@@ -7,6 +7,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from dpfleet.secagg import messages as m
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import PolicyError, ThresholdError
 from dpfleet.secagg.graph import Graph
@@ -27,11 +28,12 @@ def _plain_sum(inputs, survivors, bits):
     return total.astype(inputs.dtype)
 
 
-def _oracle(graph, t, fate, signed):
+def _oracle(graph, t, fate, signed, slack):
     """Which clients end up in the sum (None: the round must abort), from the protocol's rules:
-    more than t commit; every committer reveals (else the attempt aborts: no grinding); prune
-    clients with < t live neighbours after keys and after shares, need t at each step, and t
-    returned shares for every client that shared its secrets."""
+    more than t commit; all but at most `slack` committers reveal (else the attempt aborts: no
+    more graphs to choose among than c is sized for); prune clients with < t live neighbours
+    after keys and after shares, need t at each step, and t returned shares for every client
+    that shared its secrets."""
     n = len(fate)
     order = {p: i for i, p in enumerate(PHASES)}
 
@@ -44,10 +46,10 @@ def _oracle(graph, t, fate, signed):
             alive -= weak
         return alive
 
-    committed = sends("commit")
-    if len(committed) <= t or sends("advertise") != committed:
+    committed, revealed = sends("commit"), sends("advertise")
+    if len(committed) <= t or len(committed - revealed) > slack:
         return None
-    p1 = prune(committed)
+    p1 = prune(revealed)
     p2 = prune(p1 & sends("share"))
     u3 = p2 & sends("mask")
     responders = u3 & sends("consistency") if signed else u3
@@ -60,23 +62,38 @@ def _oracle(graph, t, fate, signed):
 
 
 @st.composite
-def rounds(draw):
-    n = draw(st.integers(2, 9))
+def rounds(draw, sizes=(2, 9), per_phase=None, non_revealers=0, spread=None, most_corrupt=None):
+    """A round and each client's fate (the phase it vanishes before, None: stays): each client
+    drops with probability about 1/4 (`per_phase` None), or a set of up to `per_phase` clients
+    per phase and 1..`non_revealers` between commit and reveal; c up to `most_corrupt` (None:
+    all the split-view rule allows), t at most `spread` above the least that rule allows."""
+    n = draw(st.integers(*sizes))
     kind = draw(st.sampled_from(["complete", "harary"] if n >= 4 else ["complete"]))
     k = n - 1 if kind == "complete" else draw(st.sampled_from(range(2, n - 1, 2)))
     signed = draw(st.sampled_from([False, False, False, True]))
-    fates = st.one_of(st.none(), st.none(), st.none(), st.sampled_from(
-        [p for p in PHASES if signed or p != "consistency"]))
-    corrupt = draw(st.integers(0, (k - 1) // 2))
+    phases = [p for p in PHASES if signed or p != "consistency"]
+    if per_phase is None:
+        fates = st.one_of(st.none(), st.none(), st.none(), st.sampled_from(phases))
+        fate = draw(st.lists(fates, min_size=n, max_size=n))
+    else:
+        fate = [None] * n
+        for phase in reversed(phases):  # a client vanishes before the first phase it is in
+            most = non_revealers if phase == "advertise" else per_phase
+            for u in draw(st.sets(st.integers(0, n - 1), min_size=int(phase == "advertise"),
+                                  max_size=most)):
+                fate[u] = phase
+    corrupt = draw(st.integers(0, min((k - 1) // 2, k if most_corrupt is None else most_corrupt)))
     return {
         "n": n,
         "k": k,
         "corrupt": corrupt,
-        "threshold": draw(st.integers((k + corrupt) // 2 + 1, k)),
+        "threshold": draw(st.integers((k + corrupt) // 2 + 1, k if spread is None else min(
+            k, (k + corrupt) // 2 + 1 + spread))),
         "length": draw(st.integers(1, 300)),
         "bits": draw(st.integers(1, 32)),
         "signed": signed,
-        "fate": draw(st.lists(fates, min_size=n, max_size=n)),
+        "unrevealed": draw(st.integers(0, 3)),  # d: committed clients that may not reveal
+        "fate": fate,
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -84,20 +101,57 @@ def rounds(draw):
 @settings(max_examples=200, deadline=None)
 @given(rounds())
 def test_exact_sum_with_dropouts_in_every_phase(r):
+    _check_round(r)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rounds(sizes=(12, 24), per_phase=1, non_revealers=3, spread=1, most_corrupt=1))
+def test_exact_sum_with_commit_to_reveal_dropouts(r):
+    """Larger rounds, up to one dropout in every other phase and 1-3 committed clients that never
+    reveal:
+    summed whenever at most d of them (any number on the complete graph) and t remain."""
+    _check_round(r)
+
+
+def _check_round(r):
+    """Dropouts in any phase, commit-to-reveal included (up to d on a sparse graph, any number
+    on the complete one): the exact sum over the survivors whenever the protocol's rules leave
+    t; otherwise a refusal with no sum, and no client's two secrets both handed out."""
     n, t, fate = r["n"], r["threshold"], r["fate"]
     keys = {u: Ed25519PrivateKey.generate() for u in range(n)} if r["signed"] else None
     identities = {u: k.public_key().public_bytes_raw() for u, k in keys.items()} if keys else None
     setup = RoundSetup(n=n, k=r["k"], threshold=t, length=r["length"], bits=r["bits"],
-                       corrupt=r["corrupt"], identities=identities)
+                       corrupt=r["corrupt"], identities=identities, unrevealed=r["unrevealed"])
     inputs = _inputs(r["seed"], n, r["length"], r["bits"], setup.dtype)
     dropouts = {p: {u for u, f in enumerate(fate) if f == p} for p in PHASES}
-    report = run_round(setup, inputs.__getitem__, keys, dropouts, raise_on_abort=False)
+    released = {"self_mask": {}, "mask_key": {}}  # owner -> holders that returned that share
+    shared = []  # clients that sent their secret shares
+
+    def watch(phase, sender, recipient, data):
+        if phase == "share" and sender != SERVER:
+            shared.append(sender)
+        if phase == "unmask" and sender != SERVER:
+            for kind, pairs in (("self_mask", m.decode(data).self_mask),
+                                ("mask_key", m.decode(data).mask_key)):
+                for owner, _ in pairs:
+                    released[kind].setdefault(owner, set()).add(sender)
+        return [data]
+
+    report = run_round(setup, inputs.__getitem__, keys, dropouts, watch, raise_on_abort=False)
     # the graph is the clients' commit-and-reveal result; any seed would do for the oracle
     graph = report.graph or Graph(n, r["k"])
-    expected = _oracle(graph, t, fate, r["signed"])
+    expected = _oracle(graph, t, fate, r["signed"], setup.reveal_slack)
+    missing = sum(f == "advertise" for f in fate)
     event("aborted" if expected is None else "summed")
+    event(f"{'summed' if expected is not None else 'aborted'} with a commit-to-reveal dropout"
+          if missing else "no commit-to-reveal dropout")
+    both = [w for w in released["self_mask"] if len(released["self_mask"][w]) >= t
+            and len(released["mask_key"].get(w, ())) >= t]
+    assert both == []  # never both of one client's secrets
     if expected is None:
-        assert isinstance(report.aborted, ThresholdError)
+        assert isinstance(report.aborted, ThresholdError) and report.total.size == 0
+        if missing > setup.reveal_slack:  # refused at the reveal: no client shared anything
+            assert shared == []
         return
     assert report.aborted is None
     assert set(report.survivors) == expected
@@ -182,16 +236,22 @@ def test_pruning_drops_clients_whose_secrets_could_not_be_rebuilt():
         run_round(setup, lambda u: np.zeros(4, np.uint8), dropouts={"share": {0}})
 
 
-def test_a_committed_client_that_does_not_reveal_aborts_the_attempt():
-    """Otherwise the server could drop reveals at will and choose among many graphs."""
-    setup = RoundSetup(n=8, k=7, threshold=5, length=4, bits=8)
-    report = run_round(setup, lambda u: np.zeros(4, np.uint8), dropouts={"advertise": {3}},
+def test_more_committed_clients_than_d_that_do_not_reveal_abort_the_attempt():
+    """On a sparse graph with d = 0 (old main's rule, for every graph): otherwise the server
+    could drop reveals at will and choose among more graphs than c is sized for. On the
+    complete graph, which no seed changes, the same dropout is survived."""
+    sparse = RoundSetup(n=8, k=4, threshold=3, length=4, bits=8)
+    report = run_round(sparse, lambda u: np.zeros(4, np.uint8), dropouts={"advertise": {3}},
                        raise_on_abort=False)
     assert isinstance(report.aborted, ThresholdError) and "did not reveal" in str(report.aborted)
-    # dropping before committing is fine: the client is simply not part of the graph seed
-    report = run_round(setup, lambda u: np.ones(4, np.uint8), dropouts={"commit": {3}})
+    complete = RoundSetup(n=8, k=7, threshold=5, length=4, bits=8)
+    report = run_round(complete, lambda u: np.ones(4, np.uint8), dropouts={"advertise": {3}})
     assert report.survivors == (0, 1, 2, 4, 5, 6, 7)
     np.testing.assert_array_equal(report.total, np.full(4, 7, np.uint8))
+    # dropping before committing is fine: the client is simply not part of the graph seed
+    report = run_round(sparse, lambda u: np.ones(4, np.uint8), dropouts={"commit": {3}})
+    assert 3 not in report.survivors and len(report.survivors) >= 3
+    np.testing.assert_array_equal(report.total, np.full(4, len(report.survivors), np.uint8))
 
 
 def test_a_bare_client_refuses_unsigned_mode():

@@ -151,6 +151,30 @@ def test_dropout_after_key_sharing_commits_from_survivors_and_too_few_fail_clean
     check_sums(sums, outcomes)
 
 
+def test_a_dropout_between_commit_and_reveal_is_survived(tmp_path):
+    """Old main failed the attempt when one committed device did not reveal (issue 22, hole 3);
+    now the round commits from the other survivors, with the exact sum of their updates."""
+    from dpfleet.fleet.participant import DropOut
+
+    cfg = secagg_cfg(rounds=1)
+    users, _ = fleet_data(cfg, tmp_path / "probe")
+    calls = {"n": 0}
+
+    def hook(phase):
+        if phase == "advertise":  # the message carrying the graph-seed reveal
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise DropOut("gone after committing")
+
+    users, sums, outcomes, history, releases = serve_with_devices(
+        cfg, tmp_path, dict.fromkeys(users, hook))
+    assert [(h["round"], h["status"]) for h in history] == [(1, "committed")]
+    dropped = {d for d, outs in outcomes.items() for _, _, o in outs if o.kind == "dropped"}
+    assert len(dropped) == 1 and [len(agg.survivors) for _, agg in sums] == [4]
+    assert not dropped & set(releases[0]["participants"])
+    check_sums(sums, outcomes)
+
+
 def test_a_device_refuses_a_setup_with_a_key_outside_its_pinned_registry(tmp_path):
     cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 2.0})
     users, examples = fleet_data(cfg, tmp_path / "fleet")
