@@ -299,3 +299,62 @@ def test_the_signature_is_checked_before_any_listed_file_is_fetched(tmp_path):
         asyncio.run(fetch_bundle(link, ref, pinned_key.public_key()))
     with pytest.raises(BundleError, match="names no bundle"):
         asyncio.run(fetch_bundle(link, None, pinned_key.public_key()))
+
+
+class StoreLink:
+    """Stands in for `CoordinatorLink.blob` over the coordinator's own BlobStore."""
+
+    def __init__(self, blobs):
+        self.blobs = blobs
+
+    async def blob(self, sha: str) -> bytes:
+        return self.blobs.get(sha)
+
+
+def test_a_fleet_device_trains_through_the_bundles_pte(tmp_path, tmp_path_factory, monkeypatch):
+    """`client.runtime = "executorch"`: the run's bundle ships train.pte, and a fleet device that
+    fetched it (signature first, every file verified) trains its round through the .pte: its
+    clipped update equals the eager trainer's, and the ONNX program's, within the parity
+    tolerance (max |d - eager d| <= 1e-6 + 1e-4 * max |eager d|, norm to 1e-5 relative). Small
+    model: the edge tests' tiny CIFG, whose programs the session's cache holds once
+    test_edge_runtime_parity has run (then this test takes seconds, not an export's ~30 s)."""
+    pytest.importorskip("executorch")
+    from bundle_helpers import program_cache, sentences, word_checkpoint
+    from edge_models import SEQ_LEN
+
+    from dpfleet.edge.client_update import client_update
+    from dpfleet.export.checkpoint import load_checkpoint
+    from dpfleet.fleet.bundle_device import check_plan, fetch_bundle, train_update
+    from dpfleet.service.blobs import BlobStore
+    from dpfleet.service.run_bundle import run_bundle
+
+    xdg, programs = tmp_path / "xdg", program_cache(tmp_path_factory)
+    programs.mkdir(parents=True, exist_ok=True)
+    (xdg / "dpfleet").mkdir(parents=True)
+    (xdg / "dpfleet" / "programs").symlink_to(programs)  # the session's exports
+    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
+    cfg = tiny_cfg(data={"seq_len": SEQ_LEN, "max_examples": 64}, client={"runtime": "executorch", "batch_size": 4},
+                   fleet={"client": "bundle"})
+    model_cfg, model, tok = load_checkpoint(word_checkpoint(tmp_path / "ckpt", "cifg")[0])
+    blobs = BlobStore()
+    (tmp_path / "state").mkdir()
+    published = run_bundle(cfg, tmp_path / "state", model, model_cfg, tok, blobs, log=lambda s: None)
+    client, _ = asyncio.run(fetch_bundle(StoreLink(blobs), published.assignment_field(),
+                                         pinned(tmp_path / "state" / PUBLIC_FILE)))
+    assert client.bundle.manifest["training"]["pte"]["file"] == "train.pte"
+    rows = client.examples(sentences(9, 1))
+    assert len(rows) % 4  # a partial last minibatch: the static-batch program pads it
+    theta = client.weights()
+    plan = {"lr": cfg.client.lr, "batch_size": 4, "seq_len": SEQ_LEN, "runtime": "executorch",
+            "client_seed": 7}
+    check_plan(client, plan, theta)
+    for clip in (cfg.dp.clip_norm / 10, 100.0):  # clipped, and left alone
+        ref = client_update(EagerRuntime(model_cfg, 1), theta, rows, lr=cfg.client.lr, batch_size=4,
+                            clip_norm=clip, seed=7)
+        assert np.abs(ref.delta).max() > 1e-3  # the epoch really moved the weights
+        for runtime in ("executorch", "onnx"):
+            got = train_update(client, {**plan, "clip_norm": clip, "runtime": runtime}, theta, rows)
+            assert got.clipped == ref.clipped == (clip < 1)
+            assert abs(got.norm - ref.norm) <= 1e-5 * ref.norm
+            assert np.abs(got.delta - ref.delta).max() <= 1e-6 + 1e-4 * np.abs(ref.delta).max(), runtime
+    assert client._pte is not None  # the .pte program was loaded and ran
