@@ -29,6 +29,7 @@ def parse_rounds_list(text: str | None) -> list[int]:
 def _format(result: dict) -> str:
     mins = result["min_separation"]
     lines = [
+        f"noise: {result['noise_mechanism']}",
         f"DP-FTRL tree aggregation over {result['rounds']} rounds"
         + (f", tree restarts at {result['restarts']}" if result["restarts"] else ", no restart"),
         f"  MaxP                  {result['max_participation']}",
@@ -67,9 +68,15 @@ def _format(result: dict) -> str:
               help="Rounds at which a fresh tree starts (e.g. adaptive clipping's 128,1152).")
 @click.option("--delta", type=float, default=1e-10, show_default=True,
               help="Target delta of the (eps, delta) statement.")
-@click.option("--method", type=click.Choice(METHODS), default="pld", show_default=True,
-              help="zCDP -> eps conversion: pld (tightest; paper 002), rdp (paper 000), "
+@click.option("--method", type=click.Choice(METHODS), default=None,
+              help="zCDP -> eps conversion: pld (tightest; paper 002; the default for "
+                   "--noise gaussian), rdp (paper 000; the default for --noise discrete), "
                    "zcdp_bound (closed form).")
+@click.option("--noise", type=click.Choice(["gaussian", "discrete"]), default="gaussian",
+              show_default=True,
+              help="The run's dp.noise as resolved in its config.toml: discrete = the discrete "
+                   "Gaussian in the SecAgg ring (the default with secagg), whose zCDP the "
+                   "Gaussian PLD does not bound, so pld is refused for it.")
 @click.option("--adjacency", type=click.Choice(list(ADJACENCY)), default="zero-out",
               show_default=True,
               help="zero-out (add/remove a device's updates; paper 002) or replace-one "
@@ -83,8 +90,8 @@ def _format(result: dict) -> str:
                    "restarts and the worst actual device.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def account(noise_multiplier: float, rounds: int | None, max_participation: int | None,
-            min_separation: int | None, restarts: str | None, delta: float, method: str,
-            adjacency: str, tree_nodes: str, participation_log: str | None,
+            min_separation: int | None, restarts: str | None, delta: float, method: str | None,
+            noise: str, adjacency: str, tree_nodes: str, participation_log: str | None,
             as_json: bool) -> None:
     """Privacy of DP-FTRL: exact worst-case tree sensitivity -> rho-zCDP -> (eps, delta).
 
@@ -97,7 +104,13 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
       dpfleet account -z 7 -T 3600 -P 3 -S 909          # paper 002, pt-BR: zCDP 0.45
       dpfleet account -z 8.83 -T 1600 --delta 1e-6 --method rdp   # paper 000: eps 1.77
       dpfleet account -z 7 --participation-log runs/x/participation.jsonl --json
+      dpfleet account -z 1 --noise discrete --participation-log runs/secagg/participation.jsonl
     """
+    if method is None:
+        method = "rdp" if noise == "discrete" else "pld"
+    if noise == "discrete" and method == "pld":
+        raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
+                           "discrete Gaussian; use --method rdp (or zcdp_bound)")
     if participation_log is not None:
         if max_participation is not None or min_separation is not None or restarts:
             raise DpfleetError("with --participation-log, MaxP, MinS and restarts come from "
@@ -112,4 +125,7 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
                                     1 if max_participation is None else max_participation,
                                     min_separation, parse_rounds_list(restarts), delta, method,
                                     adjacency=adjacency, nodes=tree_nodes)
+    result["noise"] = noise
+    result["noise_mechanism"] = ("discrete Gaussian in the SecAgg ring" if noise == "discrete"
+                                 else "continuous Gaussian")
     click.echo(dumps(result) if as_json else _format(result))

@@ -35,7 +35,8 @@ def check_committed_log(state, cfg, outcomes=None):
     assert [e["round"] for e in log] == list(range(cfg.rounds))
     assert all(len(e["devices"]) >= cfg.dp.report_goal for e in log)
     fresh = account_participation_log(state / "participation.jsonl", cfg.dp.noise_multiplier,
-                                      cfg.dp.delta)
+                                      cfg.dp.delta,  # secagg's ring noise converts by RDP
+                                      "rdp" if cfg.dp.noise == "discrete" else "pld")
     privacy = json.loads((state / "privacy.json").read_text())
     assert privacy["epsilon"] == pytest.approx(fresh["epsilon"], rel=1e-9)
     if outcomes is None:

@@ -86,6 +86,16 @@ def test_a_default_secagg_run_puts_its_noise_in_the_ring_through_adaptive_clippi
     assert "Delta_s" in report and HONEST_ONLY not in report
     assert summary["noise_mechanism"] == "discrete Gaussian in the SecAgg ring"
     assert summary["honest_participants_only"] is False
+    # `dpfleet account --noise discrete` gives the report's figure (RDP; PLD is refused)
+    from dpfleet.coordinator.cli_account import account
+
+    args = ["-z", str(cfg.dp.noise_multiplier), "--delta", str(cfg.dp.delta), "--noise", "discrete",
+            "--participation-log", str(run / "participation.jsonl")]
+    out = CliRunner().invoke(account, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
+    refused = CliRunner().invoke(account, [*args, "--method", "pld"])
+    assert refused.exit_code != 0 and "not a proven bound" in str(refused.exception)
 
 
 def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participants_only(tmp_path):
