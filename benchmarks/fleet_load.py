@@ -151,7 +151,9 @@ def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
 
 
 def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float,
-              work: Path) -> dict:
+              work: Path, template: str = CONFIG) -> dict:
+    """One run (see the module docstring); `template`: the config, CONFIG or a variant of it
+    (benchmarks/fleet_dropout.py adds over-selection and per-phase dropout)."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.emulate import fleet_keys, load_devices
@@ -161,7 +163,7 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
 
     work.mkdir(parents=True, exist_ok=True)
     config = work / "fleet_load.toml"
-    config.write_text(CONFIG.format(devices=devices, goal=goal, rounds=rounds, retry=retry))
+    config.write_text(template.format(devices=devices, goal=goal, rounds=rounds, retry=retry))
     cfg = load_config(config)
     ids, _, params = load_devices(cfg)
     keys = fleet_keys(work / "fleet_keys.json", len(ids))
