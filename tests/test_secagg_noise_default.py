@@ -119,6 +119,14 @@ def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participant
         values = json.loads((run / name).read_text())
         assert values["honest_participants_only"] is True
         assert values["honest_participants_only_statement"] == HONEST_ONLY
+    # `coordinator serve` prints the same before it starts and when it ends
+    from dpfleet.service.cli import noise_line, noise_warning
+
+    assert noise_warning(cfg) == f"WARNING: {HONEST_ONLY}"
+    assert noise_line(cfg) == "continuous Gaussian after decoding"
+    default = tiny_cfg(rounds=1, aggregation={"kind": "secagg"})
+    assert noise_warning(default) is None
+    assert noise_line(default) == "discrete Gaussian in the SecAgg ring"
 
 
 def test_the_service_sizes_the_ring_for_the_round_size(tmp_path):
