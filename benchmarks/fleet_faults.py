@@ -131,7 +131,8 @@ def check(state: Path, cfg, ids: list[str], life_events: list[list[dict]]) -> di
         reuse = str(exc)
     log = [{"round": r["round"] - 1, "devices": r["participants"], "restart": r["restart"]}
            for r in releases]
-    fresh = account_participation_log(log, cfg.dp.noise_multiplier, cfg.dp.delta)
+    fresh = account_participation_log(log, cfg.dp.noise_multiplier, cfg.dp.delta,  # ring noise: RDP
+                                      "rdp" if cfg.dp.noise == "discrete" else "pld")
     privacy_file = state / "privacy.json"
     served = json.loads(privacy_file.read_text())["epsilon"] if privacy_file.is_file() else None
     committed = [r["round"] for r in rounds if r is not None and r["status"] == "committed"]
