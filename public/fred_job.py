@@ -33,7 +33,13 @@ from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 from dpfleet.public.embedders import Embedder, Projection, load_embedder
 from dpfleet.public.fred import frechet_distance, moments
-from dpfleet.public.fred_privacy import calibrate, dpftrl_zcdp, privacy_figures, render_privacy
+from dpfleet.public.fred_privacy import (
+    FRED_HONEST_ONLY,
+    calibrate,
+    dpftrl_zcdp,
+    privacy_figures,
+    render_privacy,
+)
 from dpfleet.public.fred_stats import (
     LEVELS,
     FredRelease,
@@ -160,7 +166,7 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     """The private query: writes out/fred_stats.npz and the privacy report; returns the summary."""
     f = cfg.fred
     out = Path(out)
-    rho_ftrl = dpftrl_zcdp(Path(f.dpftrl_run)) if f.dpftrl_run else None
+    rho_ftrl, ftrl_discrete = dpftrl_zcdp(Path(f.dpftrl_run)) if f.dpftrl_run else (None, False)
     embedder = embedder or load_embedder(f.embedder, progress=progress)
     cohort = _cohort_texts(f)
     public = embed_cached(embedder, _public_pool(f))
@@ -192,7 +198,10 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     nsr = covariance_noise_to_signal(spectrum, nsr_denominator, z2, f.clip)
     advice = supported_dim(full_spectrum, nsr_denominator, z2, f.clip, f.max_noise_to_signal)
     public_clipped = float(np.mean(np.linalg.norm(public_view, axis=1) > f.clip))
-    fig = privacy_figures(z1, z2, f.delta, f.level, rho_ftrl)
+    fig = privacy_figures(z1, z2, f.delta, f.level, rho_ftrl, dpftrl_discrete=ftrl_discrete)
+    if f.aggregation == "secagg":
+        fig["honest_participants_only"] = True
+        log(f"WARNING: {FRED_HONEST_ONLY}")
     summary = {
         "embedder": embedder.name, "d": dim, "pca_dim": f.pca_dim, "level": f.level,
         "cohort": release.cohort, "survivors": release.survivors, "texts": sum(counts),

@@ -21,8 +21,15 @@ from pathlib import Path
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpfleet.coordinator.accounting import zcdp_for_epsilon
+from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
+
+FRED_HONEST_ONLY = (
+    "PRIVATE ONLY AGAINST HONEST PARTICIPANTS: with fred.aggregation = \"secagg\" the noise is "
+    "continuous Gaussian added after decoding the secure-aggregation sum, so a dishonest "
+    "co-participant that parks the ring sum at its wrap makes one honest device move the release "
+    "far beyond the sensitivity the noise covers. The statement below holds only if every "
+    "participant is honest (DP-FTRL's default puts its noise in the ring instead).")
 
 
 def calibrate(epsilon: float, delta: float, mean_share: float = 0.5) -> tuple[float, float]:
@@ -45,20 +52,24 @@ def gaussians_epsilon(noise_multipliers: list[float], delta: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
-def dpftrl_zcdp(run_dir: Path) -> float:
-    """rho-zCDP of a finished simulation run (its privacy.json)."""
+def dpftrl_zcdp(run_dir: Path) -> tuple[float, bool]:
+    """rho-zCDP of a finished simulation run (its privacy.json), and whether its noise was the
+    discrete Gaussian in the SecAgg ring (composition must then avoid the Gaussian PLD)."""
     path = Path(run_dir) / "privacy.json"
     if not path.is_file():
         raise DpfleetError(f"{run_dir} holds no privacy.json (not a finished `dpfleet simulate` run)")
-    rho = json.loads(path.read_text()).get("zcdp")
+    privacy = json.loads(path.read_text())
+    rho = privacy.get("zcdp")
     if not isinstance(rho, (int, float)) or rho < 0:
         raise DpfleetError(f"{path} has no usable zcdp figure")
-    return float(rho)
+    return float(rho), privacy.get("noise_kind", privacy.get("noise")) == "discrete"
 
 
 def privacy_figures(z_mean: float, z_cov: float, delta: float, level: str,
-                    dpftrl_rho: float | None = None) -> dict:
-    """The numbers of the report (and of fred_stats.npz)."""
+                    dpftrl_rho: float | None = None, *, dpftrl_discrete: bool = False) -> dict:
+    """The numbers of the report (and of fred_stats.npz). `dpftrl_discrete`: the DP-FTRL run put
+    discrete Gaussian noise in the SecAgg ring; the Gaussian PLD is no proven bound for it, so
+    the composition goes by zCDP -> RDP (the same conversion that run's own report used)."""
     rho = 0.5 / z_mean ** 2 + 0.5 / z_cov ** 2
     out = {"level": level, "delta": delta, "z_mean": z_mean, "z_cov": z_cov, "zcdp": rho,
            "epsilon": gaussians_epsilon([z_mean, z_cov], delta),
@@ -71,8 +82,11 @@ def privacy_figures(z_mean: float, z_cov: float, delta: float, level: str,
                                "composed with device-level DP-FTRL; use level = \"user\"")
         z_ftrl = math.inf if dpftrl_rho == 0 else 1 / math.sqrt(2 * dpftrl_rho)
         zs = [z_mean, z_cov] + ([z_ftrl] if dpftrl_rho > 0 else [])
-        out.update(dpftrl_zcdp=dpftrl_rho, composed_zcdp=rho + dpftrl_rho,
-                   composed_epsilon=gaussians_epsilon(zs, delta))
+        composed = (epsilon_from_zcdp(rho + dpftrl_rho, delta, "rdp") if dpftrl_discrete
+                    else gaussians_epsilon(zs, delta))
+        out.update(dpftrl_zcdp=dpftrl_rho, composed_zcdp=rho + dpftrl_rho, composed_epsilon=composed,
+                   composed_accounting="zCDP -> RDP (the DP-FTRL noise is a discrete Gaussian)"
+                   if dpftrl_discrete else "PLD of the three Gaussian mechanisms")
     return out
 
 
@@ -84,10 +98,12 @@ def render_privacy(fig: dict, cohort: int, clip: float, secure: bool) -> str:
             "user with many sentences is protected far less. Not dpfleet's default guarantee.")
     denominator = ("fixed public K, the denominator" if fig["level"] == "user"
                    else "released noisy sample count")
-    summing = ("secure aggregation (noise calibrated to the discretized sensitivity)" if secure
-               else "plain sum")
-    lines = [
-        "# FreD privacy report", "",
+    summing = ("secure aggregation (noise calibrated to the discretized sensitivity, continuous "
+               "Gaussian added after decoding)" if secure else "plain sum")
+    lines = ["# FreD privacy report", ""]
+    if secure:
+        lines += [f"**{FRED_HONEST_ONLY}**", ""]
+    lines += [
         f"**Formal statement.** The FreD statistics (DP mean and DP covariance of the cohort's "
         f"embeddings) are ({fig['epsilon']:.4g}, {fig['delta']:g})-DP "
         f"(rho-zCDP {fig['zcdp']:.4g}).", "", unit, "",
@@ -100,6 +116,6 @@ def render_privacy(fig: dict, cohort: int, clip: float, secure: bool) -> str:
     if "composed_epsilon" in fig:
         lines += ["", f"**Composed with the same users' DP-FTRL** (rho-zCDP {fig['dpftrl_zcdp']:.4g}): "
                   f"({fig['composed_epsilon']:.4g}, {fig['delta']:g})-DP, rho-zCDP "
-                  f"{fig['composed_zcdp']:.4g} (PLD of the three Gaussian mechanisms)."]
+                  f"{fig['composed_zcdp']:.4g} ({fig['composed_accounting']})."]
     lines += ["", "Ranking candidates against this release is post-processing: no further cost.", ""]
     return "\n".join(lines)

@@ -347,7 +347,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         fig = report["fred_privacy"]
         if fig["level"] == "user" and 0 < (result.privacy.get("zcdp") or 0) < float("inf"):
             composed = privacy_figures(fig["z_mean"], fig["z_cov"], sim.dp.delta, "user",
-                                       result.privacy["zcdp"])
+                                       result.privacy["zcdp"],
+                                       dpftrl_discrete=result.privacy.get("noise_kind") == "discrete")
             summary["epsilon_with_fred"] = composed["composed_epsilon"]
             report_md = out / "simulation" / "privacy_report.md"
             if report_md.is_file():
@@ -356,6 +357,6 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                     f"with FreD statistics of the same users (two Gaussian releases, z1 = "
                     f"{fig['z_mean']:.4g}, z2 = {fig['z_cov']:.4g}). DP-FTRL and FreD together: "
                     f"({composed['composed_epsilon']:.4g}, {sim.dp.delta:g})-DP, rho-zCDP "
-                    f"{composed['composed_zcdp']:.4g} (PLD of the Gaussian mechanisms).\n"))
+                    f"{composed['composed_zcdp']:.4g} ({composed['composed_accounting']}).\n"))
     atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
     return summary

@@ -12,7 +12,7 @@ from hypothesis.extra.numpy import arrays
 from dpfleet.coordinator.accounting import epsilon_from_zcdp
 from dpfleet.errors import DpfleetError
 from dpfleet.public.fred import frechet_distance, gaussian_loglik, moments, psd_projection
-from dpfleet.public.fred_privacy import calibrate, gaussians_epsilon, privacy_figures
+from dpfleet.public.fred_privacy import calibrate, gaussians_epsilon, privacy_figures, render_privacy
 from dpfleet.public.fred_stats import (
     cov_contribution,
     covariance_noise_to_signal,
@@ -233,6 +233,26 @@ def test_composition_with_dpftrl():
                                                     rel=2e-3)
     alone = epsilon_from_zcdp(rho_ftrl, 2e-6)
     assert alone < fig["composed_epsilon"] < alone + fig["epsilon"]
+
+
+def test_composition_with_a_ring_noise_dpftrl_run_goes_by_rdp_not_the_gaussian_pld():
+    """A discrete-Gaussian DP-FTRL run is rho-zCDP but not a Gaussian: its composition must not use
+    the Gaussian PLD (which gives a smaller, unproven eps here)."""
+    z1, z2 = calibrate(0.6, 2e-6)
+    rho_fred, rho_ftrl = 0.5 / z1 ** 2 + 0.5 / z2 ** 2, 0.35
+    gaussian = privacy_figures(z1, z2, 2e-6, "user", dpftrl_rho=rho_ftrl)
+    ring = privacy_figures(z1, z2, 2e-6, "user", dpftrl_rho=rho_ftrl, dpftrl_discrete=True)
+    assert ring["composed_epsilon"] == pytest.approx(
+        epsilon_from_zcdp(rho_fred + rho_ftrl, 2e-6, "rdp"), rel=1e-9)
+    assert ring["composed_epsilon"] > gaussian["composed_epsilon"] * 1.01
+    assert "RDP" in ring["composed_accounting"] and "PLD" in gaussian["composed_accounting"]
+
+
+def test_the_report_of_a_secagg_query_says_it_holds_only_against_honest_participants():
+    fig = privacy_figures(*calibrate(0.6, 2e-6), 2e-6, "user")
+    secure, plain = (render_privacy(fig, 100, 1.0, secure) for secure in (True, False))
+    assert secure.splitlines()[2].startswith("**PRIVATE ONLY AGAINST HONEST PARTICIPANTS")
+    assert "HONEST PARTICIPANTS" not in plain
 
 
 # --- what d the population supports, and ranking ----------------------------------------------

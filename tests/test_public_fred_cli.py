@@ -95,6 +95,13 @@ def test_composition_with_a_dpftrl_run(files):
     assert fig["composed_epsilon"] > fig["epsilon"]
     report = (files["root"] / "composed" / "fred_privacy.md").read_text()
     assert "Composed with the same users' DP-FTRL" in report
+    assert "PLD of the three Gaussian" in report
+    # a run whose noise was the discrete Gaussian in the SecAgg ring composes by RDP
+    (run / "privacy.json").write_text(json.dumps({"zcdp": 0.2, "noise_kind": "discrete"}))
+    ring = run_fred_stats(cfg, files["root"] / "ring", progress=False, log=lambda s: None)["privacy"]
+    assert ring["composed_zcdp"] == pytest.approx(fig["composed_zcdp"])
+    assert ring["composed_epsilon"] > fig["composed_epsilon"]
+    assert "RDP" in (files["root"] / "ring" / "fred_privacy.md").read_text()
 
 
 def run_cli(*args):
