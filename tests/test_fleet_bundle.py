@@ -333,7 +333,8 @@ def test_a_fleet_device_trains_through_the_bundles_pte(tmp_path, tmp_path_factor
     (xdg / "dpfleet").mkdir(parents=True)
     (xdg / "dpfleet" / "programs").symlink_to(programs)  # the session's exports
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
-    cfg = tiny_cfg(data={"seq_len": SEQ_LEN, "max_examples": 64}, client={"runtime": "executorch", "batch_size": 4},
+    cfg = tiny_cfg(data={"seq_len": SEQ_LEN, "max_examples": 64},
+                   client={"runtime": "executorch", "batch_size": 4},
                    fleet={"client": "bundle"})
     model_cfg, model, tok = load_checkpoint(word_checkpoint(tmp_path / "ckpt", "cifg")[0])
     blobs = BlobStore()
