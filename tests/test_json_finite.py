@@ -116,7 +116,6 @@ def test_numpy_arrays_and_numpy_scalars_never_leak_nan_through_the_fast_path():
     @given(tree)
     def check(value):
         text = dumps(value)
-        assert "NaN" not in text and "Infinity" not in text
-        strict_loads(text)
+        strict_loads(text)  # refuses a NaN / Infinity token (a dict key "NaN" is fine)
 
     check()
