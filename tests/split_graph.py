@@ -9,7 +9,7 @@ would not give: who holds whose shares and who masks with whom is decided per vi
 The server's best plan against the target u, given c colluding neighbours of u in G_T:
   - M: u's honest neighbours in G_T (they see G_T too, so each also has u as a neighbour);
   - H: t - c of M whose shares u receives, so u masks with H and the colluders only (u needs t);
-    these are later declared dropped to their share holders, who return their masking keys;
+    these are later declared dropped to their share holders, who are asked for their keys;
   - Q: the rest of M, who receive u's shares (u never gets theirs) and are told u survived, so
     they return shares of u's self-mask seed b_u; the colluders hand over both of their shares.
   - Then y_u - PRG(b_u) - (the masks with H and the colluders) is x_u, if b_u and H's keys
@@ -243,6 +243,7 @@ class SplitGraphServer:
             "masking_key_shares": len(key_shares.get(target, [])),
             "self_mask_seed_rebuilt": seed_rebuilt,
             "masks_removed": len(masks_removed),
+            "partner_key_shares": [len(key_shares.get(h, [])) for h in partners],
             "masks_in_y": len(held_by.get(target, ())),
             "match_fraction": float(np.mean(estimate == truth)),
             "exact": bool(np.array_equal(estimate, truth)),
@@ -264,9 +265,9 @@ def main() -> None:
     """Both splits (only "commitments" where RoundSetup has no d), c and t colluders."""
     splits = ["none", "commitments"] + (["reveals"] if "unrevealed" in RoundSetup.__dataclass_fields__
                                 else [])
-    out = {f"{s}/{k}": {key: v for key, v in attack(s, k).items() if key != "estimate"}
-           for s in splits for k in (C, T)}
-    print(json.dumps(out))
+    runs = {f"{s}/{k}": {key: v for key, v in attack(s, k).items() if key != "estimate"}
+            for s in splits for k in (C, T)}
+    print(json.dumps({"n": N, "k": K, "t": T, "c": C, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ def test_split_graph_view_recovers_nothing(split):
     assert (result["group_sizes"]["B"] >= 1) == (split != "none")  # someone sees G_B
     assert result["group_sizes"]["T"] > K
     assert result["target_masked"]  # the attacker holds y_u: only the masks protect it
-    # every mask in y_u but the self-mask is one the attacker can take out (colluders' keys,
-    # H's keys rebuilt from holders told H dropped) -- or it is what else stops the attack
+    # y_u carries t pairwise masks: the colluders' (the attacker has their keys) and H's
+    # (their holders are told H dropped; in a Harary neighbourhood H and the target crowd
+    # each other's holders, so these keys mostly fail too -- a second, independent barrier)
     assert result["masks_in_y"] >= T
+    assert result["masks_removed"] >= C
     assert result["match_fraction"] < CHANCE
     assert not result["exact"]
     # the one piece that cannot be had: t shares of the target's self-mask seed; its holders
