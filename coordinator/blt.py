@@ -36,7 +36,8 @@ from dpfleet.errors import DpfleetError
 class BLT:
     """C = Toeplitz(1, omega.sum(), omega @ theta, omega @ theta^2, ...): d buffers."""
 
-    theta: np.ndarray  # buffer decays, shape (d,)
+    theta: np.ndarray  # buffer decays, shape (d,); strategies keep them in (0, 1), an inverse
+    # may have |theta| >= 1 (its coefficients then grow with t, still exact for finite n)
     omega: np.ndarray  # output scales, shape (d,)
 
     def __post_init__(self):
@@ -47,8 +48,6 @@ class BLT:
                                f"{omega.shape}")
         if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(omega))):
             raise DpfleetError("BLT parameters must be finite")
-        if np.any(np.abs(theta) >= 1):
-            raise DpfleetError("BLT buffer decays must lie in (-1, 1) for a stable buffer")
         object.__setattr__(self, "theta", theta)
         object.__setattr__(self, "omega", omega)
 
