@@ -79,11 +79,14 @@ class SplitGraphServer:
             return None
         return m.decode(wire), wire
 
-    def run(self, split: str, colluders_wanted: int) -> dict:
+    def run(self, split: str, colluders_wanted: int, lists: str = "one") -> dict:
         """split: "reveals" (the target's group misses d reveals the others get; needs d > 0),
         "commitments" (one client's commitment is left out of the target's group's list,
         which also works with d = 0) or "none" (one shared graph: the baseline). Returns what
-        the attacker recovered and why."""
+        the attacker recovered and why. lists: "one" (H dropped for everyone; u's shares go
+        to Q only) or "two" (u's shares go to H too, and H is told u survived, so b_u has k
+        holders; H's own holders are told H dropped: local consistency across the views is
+        what must stop it)."""
         n, ctx, t = self.setup.n, self.ctx, self.setup.threshold
         target = TARGET
         commits = {u: m.decode(c.start()[0].data).commitment for u, c in self.clients.items()}
@@ -145,7 +148,8 @@ class SplitGraphServer:
             for v, sealed in message.shares:
                 if v not in inbox or w not in peers.get(v, ()):
                     continue  # v never took w's advert: it would refuse the whole message
-                if w == target and v not in holders and v not in colluders:
+                if w == target and v not in (holders if lists == "one" else around) + sorted(
+                        colluders):
                     continue
                 if v == target and w not in partners and w not in colluders:
                     continue
@@ -158,14 +162,20 @@ class SplitGraphServer:
                 masked[v] = reply[0].vector
         held_by = {v: {w for w, _ in inbox[v]} for v in inbox}  # who holds whose shares
 
-        # One survivor list for all: H dropped, everyone else alive, so H's holders return H's
-        # masking keys and u's holders its seed share. Each client is shown it without those of
-        # its own neighbours that never shared with it (it would refuse the list otherwise).
-        base = frozenset(masked) - set(partners)
-        lists = {}
-        for a in sorted(base - colluders - {target}):
+        # "one": one survivor list, H dropped, so H's holders return H's masking keys and u's
+        # holders its seed share. "two": H and u's other neighbours are told everyone survived,
+        # the other holders of H's shares that H dropped. Each client is shown its list without
+        # those of its own neighbours that never shared with it (it would refuse it otherwise).
+        everyone = frozenset(masked)
+        shown = {}
+        for a in sorted(everyone - colluders - {target}):
+            if lists == "one" and a in partners:
+                continue  # told it dropped, it would refuse
+            told_dropped = lists == "one" or (held_by[a] & set(partners) and a not in around)
+            base = everyone - set(partners) if told_dropped else everyone
             strangers = set(graphs[view[a]].neighbours(a)) - held_by[a] - {a}
-            lists[a] = tuple(sorted(base - strangers))
+            shown[a] = tuple(sorted(base - strangers))
+        lists = shown
         signatures: dict[tuple, dict[int, bytes]] = {s: {} for s in set(lists.values())}
         for a, survivors in lists.items():
             reply = self._ask(a, m.ConsistencyCheck(ctx, m.SERVER, a, survivors))
@@ -244,6 +254,7 @@ class SplitGraphServer:
             "self_mask_seed_rebuilt": seed_rebuilt,
             "masks_removed": len(masks_removed),
             "partner_key_shares": [len(key_shares.get(h, [])) for h in partners],
+            "partner_keys_rebuilt": sum(1 for h in partners if h in s_keys),
             "masks_in_y": len(held_by.get(target, ())),
             "match_fraction": float(np.mean(estimate == truth)),
             "exact": bool(np.array_equal(estimate, truth)),
@@ -252,21 +263,23 @@ class SplitGraphServer:
         }
 
 
-def attack(split: str, colluders: int, seed: int = 0) -> dict:
+def attack(split: str, colluders: int, seed: int = 0, lists: str = "one") -> dict:
     """One attacked round (n = 40, k = 6, t = 5, c = 2) with `colluders` colluding neighbours
     of the target (c is the model's bound; t is the positive control beyond it)."""
     withhold = 2 if split == "reveals" else 0
     setup, keys = make_setup(withhold)
     inputs = np.random.default_rng(seed).integers(0, 1 << BITS, (N, LENGTH)).astype(np.uint16)
-    return SplitGraphServer(setup, keys, inputs).run(split, colluders)
+    return SplitGraphServer(setup, keys, inputs).run(split, colluders, lists)
 
 
 def main() -> None:
-    """Both splits (only "commitments" where RoundSetup has no d), c and t colluders."""
+    """Every split (no "reveals" where RoundSetup has no d): c colluders with either list
+    strategy, t colluders (the positive control)."""
     splits = ["none", "commitments"] + (["reveals"] if "unrevealed" in RoundSetup.__dataclass_fields__
                                 else [])
-    runs = {f"{s}/{k}": {key: v for key, v in attack(s, k).items() if key != "estimate"}
-            for s in splits for k in (C, T)}
+    runs = {f"{s}/{k}/{lists}": {key: v for key, v in attack(s, k, lists=lists).items()
+                                 if key != "estimate"}
+            for s in splits for k, lists in ((C, "one"), (C, "two"), (T, "one"))}
     print(json.dumps({"n": N, "k": K, "t": T, "c": C, "runs": runs}))
 
 

@@ -22,7 +22,7 @@ SPLITS = ["reveals", "commitments", "none"]
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_split_graph_view_recovers_nothing(split):
-    result = attack(split, C)
+    result = attack(split, C, lists="one")
     assert result["views_differ"] == (split != "none")
     assert (result["group_sizes"]["B"] >= 1) == (split != "none")  # someone sees G_B
     assert result["group_sizes"]["T"] > K
@@ -50,3 +50,19 @@ def test_positive_control_t_colluders_read_the_input_through_a_split(split):
     assert result["masks_removed"] == result["masks_in_y"]
     assert result["exact"] and result["estimate"].size == LENGTH
     assert int(result["estimate"].max()) < 1 << BITS
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_h_told_the_target_survived_while_its_holders_hear_it_dropped(split):
+    """The other way round: the target's shares go to all its neighbours, H among them, and
+    all of them are told it survived (b_u has k >= t holders to ask), while the other holders
+    of H's shares are told H dropped. Each H client would then need t signers on a list with
+    it and t holders on a list without it among its own k: local consistency in its own view,
+    whichever graph its signers hold, stops it."""
+    result = attack(split, C, lists="two")
+    assert result["views_differ"] == (split != "none")
+    assert result["target_masked"]
+    assert result["match_fraction"] < CHANCE
+    assert not result["exact"]
+    assert not (result["self_mask_seed_rebuilt"]
+                and result["partner_keys_rebuilt"] == result["partners"])

@@ -26,7 +26,7 @@ CHANCE = 0.05  # share of 64 coordinates guessed right by luck is ~2^-16
 
 
 def attack_runs(python: str) -> dict:
-    """{"n", "k", "t", "c", "runs": {split/colluders: result}} from tests/split_graph.py."""
+    """{"n", "k", "t", "c", "runs": {split/colluders/lists: result}} (tests/split_graph.py)."""
     with tempfile.TemporaryDirectory() as cwd:
         done = subprocess.run([python, "-I", str(SCRIPT)], cwd=cwd, capture_output=True,
                               text=True, timeout=600, check=True)
@@ -41,7 +41,7 @@ def _summary(runs: dict) -> dict:
 
 def _succeeded(runs: dict, colluders: int) -> bool:
     return any(run["match_fraction"] > CHANCE for name, run in runs.items()
-               if run["views_differ"] and name.endswith(f"/{colluders}"))
+               if run["views_differ"] and name.split("/")[1] == str(colluders))
 
 
 def run() -> list[dict]:
