@@ -4,8 +4,9 @@ The graph seed comes from the reveals (and commitments) each client is shown, an
 two clients see the same lists, so a server can hand the target's neighbourhood one graph and
 everyone else another (`split_graph.SplitGraphServer`, the REAL client state machines). It
 then plays the freedom a split gives to the hilt: the target masks only with the c colluders
-and t - c honest neighbours H, which are later declared dropped (their holders return their
-masking keys), while its other honest neighbours hold its shares and are told it survived.
+and t - c honest neighbours H, which are later declared dropped (their holders are asked for
+their masking keys), while its other honest neighbours hold its shares and are told it
+survived; a second strategy tells H the target survived and H's other holders H dropped.
 Asserted on the values: the attacker's estimate of the target's input is garbage whether the
 views split by reveals, by commitments or not at all, because the target's self-mask seed can
 only come from its neighbours outside H -- at most k - t + c < t of them, in the target's
