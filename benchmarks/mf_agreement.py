@@ -26,7 +26,7 @@ import numpy as np
 
 VENV = Path(os.environ.get("JAXPRIV_VENV", "/tmp/jaxpriv-venv"))
 OUT = Path(__file__).resolve().parent / "results" / "mf_agreement.json"
-OPT_GRID = [(60, 3, 15), (60, 3, 20), (120, 10, 12), (2000, 10, 200)]  # (n, gap, k) for optimisers
+OPT_GRID = [(60, 3, 15), (60, 3, 20), (120, 10, 12), (2000, 10, 200), (2000, 10, 20), (2000, 100, 5)]
 
 
 def majorant(coef: list[float]) -> np.ndarray:

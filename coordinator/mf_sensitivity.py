@@ -21,13 +21,15 @@ Three computations, each checked against the brute force in tests/test_mf_sensit
 - `brute_force_sensitivity_squared`: enumerate every pattern (small n only).
 - `banded_sensitivity_squared`: if C has at most `gap` bands, columns of two admissible rounds
   never overlap, so sens^2 = max_pi sum_{i in pi} ||C[:, i]||^2, a 1-D dynamic program
-  (Choquette-Choo et al. 2023, Thm. 2 and Alg. "VecSens"). It is at most k * max_i ||C[:, i]||^2,
-  the bound quoted in the paper's Thm. 2 (equal when k columns of maximal norm fit).
+  (Choquette-Choo et al. 2023, banded sensitivity and Alg. 3 "VecSens"). It is at most
+  k * max_i ||C[:, i]||^2, the simple form often quoted (equal when k columns of maximal norm fit;
+  for banded Toeplitz C the last columns are shorter, so the DP can be smaller).
 - `toeplitz_minsep_sensitivity_squared`: lower-triangular Toeplitz C with non-negative,
   non-increasing coefficients: the worst pattern is k participations exactly `gap` apart starting
-  at round 0 (McKenna 2024 / McMahan et al. 2024, "Efficient and near-optimal noise generation for
-  streaming DP", arXiv:2405.13763, Thm. 2), an O(n) sum. Other coefficients are first projected
-  (absolute value, then the smallest non-increasing majorant), which gives an upper bound.
+  at round 0 (the theorem jax-privacy's `toeplitz.minsep_sensitivity_squared` cites,
+  arXiv:2405.13763 Thm. 2; McMahan et al. 2024, arXiv:2408.08868, account BLTs with it), an O(n)
+  sum. Other coefficients are first projected (absolute value, then the smallest non-increasing
+  majorant), which gives an upper bound.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def banded_sensitivity_squared(c: np.ndarray, gap: int, k: int | None = None) ->
 
     Two admissible rounds i < j have j - i >= gap >= bands, so columns i and j of C have disjoint
     supports and X[pi, pi] is diagonal: sens^2 = max_pi sum_{i in pi} ||C[:, i]||^2
-    (Choquette-Choo et al. 2023, Thm. 2). Raises if C has more bands than `gap`.
+    (Choquette-Choo et al. 2023). Raises if C has more bands than `gap`.
     """
     c = _lower_triangular(c)
     gap = check_int(gap, "gap", 1)
