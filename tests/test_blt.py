@@ -122,3 +122,16 @@ def test_optimised_strategies_beat_the_tree_and_the_trivial_strategies():
     blt = optimize_blt(n, gap, k).loss
     band = optimize_banded(n, gap, k).loss
     assert max(blt, band) < 0.5 * min(tree, identity, prefix)
+
+
+def test_optimised_blt_streams_stably_over_a_long_run():
+    """Decays near 1 from the optimiser: 2,000 streamed rounds still equal the dense solve."""
+    from scipy.linalg import solve_triangular
+    opt = optimize_blt(2000, 10, 20, buffers=2)
+    blt = BLT(np.array(opt.params["theta"]), np.array(opt.params["omega"]))
+    assert blt.theta.max() > 0.9
+    z = np.random.default_rng(1).normal(size=(2000, 3))
+    stream = blt.noise(3)
+    got = np.array([stream.next(row) for row in z])
+    np.testing.assert_allclose(got, solve_triangular(blt.matrix(2000), z, lower=True), rtol=1e-9,
+                               atol=1e-9)
