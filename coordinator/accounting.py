@@ -256,6 +256,20 @@ def observe_participation(records: Iterable[Mapping]) -> ObservedParticipation:
     )
 
 
+def observe_participation_log(path_or_records: str | Path | Iterable[Mapping],
+                              rounds: int | None = None) -> ObservedParticipation:
+    """`observe_participation` of a log file (or records), of its first `rounds` rounds if given."""
+    records = (read_participation_log(path_or_records)
+               if isinstance(path_or_records, str | Path) else list(path_or_records))
+    if rounds is not None:
+        rounds = check_int(rounds, "rounds", 1)
+        logged = observe_participation(records).rounds
+        if rounds > logged:
+            raise DpfleetError(f"rounds ({rounds}) is more than the log holds ({logged})")
+        records = [rec for rec in records if rec["round"] < rounds]
+    return observe_participation(records)
+
+
 def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
                               noise_multiplier: float, delta: float, method: str = "pld", *,
                               rounds: int | None = None, adjacency: str = "zero-out",
@@ -268,15 +282,7 @@ def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
     """
     _check_positive(noise_multiplier, "noise multiplier")
     _check_delta(delta), _check_method(method), _adjacency_factor(adjacency)
-    records = (read_participation_log(path_or_records)
-               if isinstance(path_or_records, str | Path) else list(path_or_records))
-    if rounds is not None:
-        rounds = check_int(rounds, "rounds", 1)
-        logged = observe_participation(records).rounds
-        if rounds > logged:
-            raise DpfleetError(f"rounds ({rounds}) is more than the log holds ({logged})")
-        records = [rec for rec in records if rec["round"] < rounds]
-    obs = observe_participation(records)
+    obs = observe_participation_log(path_or_records, rounds)
     worst = account_worst_case(noise_multiplier, obs.rounds, max(obs.max_participation, 1),
                                obs.min_separation, obs.restarts, delta, method,
                                adjacency=adjacency, nodes=nodes)

@@ -13,6 +13,10 @@ norm) is the utility proxy. It keeps falling, ever more slowly, as M grows, so w
 report goal the planner picks the smallest one within 10% of the best z / M on its grid.
 The timer that approaches MinS keeps a device ineligible for MinS + 1 rounds; the paper grows
 it in whole days because participation is diurnal.
+
+Mechanisms (`mechanism_rows`): at the chosen report goal, the tree, banded and BLT strategies
+are each optimised for (rounds, MinS, MaxP) and given the z that meets the target; at one rho
+the one whose model noise (z x `noise_factor`) is least is `pick_mechanism`'s choice.
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ from dpfleet.coordinator.accounting import (
     epsilon_from_zcdp,
     noise_for_zcdp,
     zcdp_from_sensitivity,
+)
+from dpfleet.coordinator.mechanisms import (
+    MECHANISMS,
+    noise_factor,
+    optimize_mechanism,
+    prefix_error,
+    sensitivity_squared,
 )
 from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
 from dpfleet.errors import DpfleetError
@@ -139,6 +150,43 @@ def make_plan(population: int, rounds: int, target_zcdp: float, *,
         chosen = next(r for r in rows if r.noise_per_report <= 1.1 * best)
     return Plan(population, rounds, target_zcdp, delta, method, eps, rows, chosen,
                 timer_for(chosen.min_separation, round_minutes))
+
+
+@dataclass(frozen=True)
+class MechanismRow:
+    """One noise mechanism at a plan's report goal: the z it needs and the model noise it gives.
+
+    model_noise = z * sqrt(prefix_error) is the worst round's noise std on the model's prefix sum
+    in clip-norm units (proportional to z * noise_factor): at one target rho the mechanism with
+    the least model_noise adds the least noise, the one `auto` picks.
+    """
+
+    mechanism: str
+    spec: dict
+    sensitivity_squared: float
+    noise_multiplier: float
+    noise_factor: float
+    model_noise: float
+    model_noise_per_report: float  # / M: on the averaged update
+
+
+def mechanism_rows(row: PlanRow, rounds: int, target_zcdp: float,
+                   kinds: Sequence[str] = MECHANISMS) -> list[MechanismRow]:
+    """Each mechanism optimised for the row's (rounds, MinS, MaxP), with the z meeting the target."""
+    out = []
+    for kind in kinds:
+        spec = optimize_mechanism(kind, rounds, row.min_separation, row.max_participation)
+        s = sensitivity_squared(spec, row.min_separation, row.max_participation)
+        z = noise_for_zcdp(target_zcdp, s)
+        noise = z * math.sqrt(prefix_error(spec))
+        out.append(MechanismRow(kind, spec.to_json(), s, z, noise_factor(spec), noise,
+                                noise / row.report_goal))
+    return out
+
+
+def pick_mechanism(rows: Sequence[MechanismRow]) -> MechanismRow:
+    """The least model noise; ties go to the earlier (simpler) mechanism."""
+    return min(rows, key=lambda r: r.model_noise)
 
 
 def zcdp_curve_report_goal(population: int, rounds: int, report_goals: Sequence[int],

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from dpfleet.coordinator.accounting import account_worst_case, zcdp_from_noise
 from dpfleet.coordinator.blt import BLT, banded_toeplitz_matrix
 from dpfleet.coordinator.mechanisms import (
+    MAX_BANDS,
     MECHANISMS,
     MechanismSpec,
     mechanism_zcdp,
@@ -117,7 +118,7 @@ def test_optimised_specs_sensitivity_is_brute_force_and_deterministic(kind, roun
     optimize_mechanism.cache_clear()
     assert optimize_mechanism(kind, rounds, mins, maxp) == spec  # recomputed, not the cache
     if kind == "banded":
-        assert spec.bands == min(mins + 1, rounds)
+        assert spec.bands == min(mins + 1, rounds, MAX_BANDS)
     brute = brute_force_sensitivity_squared(matrix(spec), mins + 1, maxp, upper_bound=True)
     assert sensitivity_squared(spec, mins, maxp) == pytest.approx(brute, rel=1e-9)
     # less model noise than the tree at equal zCDP, and the figure is mf_optimize's loss ratio
