@@ -88,6 +88,10 @@ class DPSection:
     # "discrete" with secagg and dp.noise_multiplier > 0, else "gaussian"; the run's
     # config.toml holds the resolved value (`resolve_noise`)
     noise: str = "auto"
+    # the DP-FTRL noise: "tree" (online binary tree), or a matrix-factorization strategy optimised
+    # at run start for the enforced participation (coordinator/mf_noise.py): "banded" (BandMF,
+    # Choquette-Choo et al. 2023) or "blt" (buffered linear Toeplitz, McMahan et al. 2024)
+    mechanism: str = "tree"
 
 
 @dataclass
@@ -197,6 +201,7 @@ _CHOICES = {
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
+    "dp.mechanism": ("tree", "banded", "blt"),
     "fleet.client": ("dpfleet", "bundle"),
 }
 
@@ -348,6 +353,7 @@ def validate(cfg: SimulationConfig) -> None:
          "(checkin_window_s >= 0, rate_burst >= 1)"),
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
+        *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
@@ -358,6 +364,21 @@ def validate(cfg: SimulationConfig) -> None:
             raise DpfleetError(message)
     if cfg.dp.adaptive_clipping:  # fails early when sigma_b leaves no room for z (App. A)
         model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+
+
+def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
+    """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet."""
+    mf = cfg.dp.mechanism != "tree"
+    name = f"dp.mechanism = '{cfg.dp.mechanism}'"
+    return [
+        (not mf or cfg.aggregation.kind == "plain",
+         f"{name} needs aggregation.kind = 'plain': its correlated noise C^-1 z is not an integer, "
+         "so it cannot go into secure aggregation's ring yet (use dp.mechanism = 'tree')"),
+        (not mf or not cfg.dp.adaptive_clipping,
+         f"{name} does not support dp.adaptive_clipping yet (use dp.mechanism = 'tree')"),
+        (not mf or not cfg.dp.restart_rounds,
+         f"{name} has no tree to restart: dp.restart_rounds must be empty"),
+    ]
 
 
 def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:

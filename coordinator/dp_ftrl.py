@@ -28,6 +28,7 @@ from dpfleet.coordinator.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.tree_noise import TreeNoise
 
 if TYPE_CHECKING:
+    from dpfleet.coordinator.mechanisms import MechanismSpec
     from dpfleet.coordinator.ring_noise import RingPlan
 
 
@@ -42,6 +43,9 @@ class DPFTRLConfig:
     # One client's L2 contribution to the sum is at most clip_norm * sensitivity_factor; > 1 when
     # secure aggregation's discretization inflates norms, so the noise must grow with it.
     sensitivity_factor: float = 1.0
+    # a banded / BLT `mechanisms.MechanismSpec`: matrix-factorization noise (`mf_noise.MFNoise`,
+    # same interface as the tree) instead of the tree; None: the tree
+    mechanism: MechanismSpec | None = None
 
 
 class DPFTRLServer:
@@ -72,6 +76,10 @@ class DPFTRLServer:
         return GaussianNodes(self.noise_key, self.noise_std, self.theta.size)
 
     def _new_tree(self, tree_id: int) -> TreeNoise:
+        if self.cfg.mechanism is not None:  # a fresh matrix-factorization segment
+            from dpfleet.coordinator.mf_noise import MFNoise
+
+            return MFNoise(self.cfg.mechanism, self.theta.size, self.noise_key, self.noise_std, tree_id)
         return TreeNoise(self.ring.length if self.ring else self.theta.size, self._nodes(), tree_id)
 
     @property
@@ -123,4 +131,10 @@ class DPFTRLServer:
         self.momentum = state["momentum"].astype(np.float32).copy()
         self.round = int(state["round"])
         self.clip_norm = float(state["clip_norm"])
+        if self.cfg.mechanism is not None:  # rebuilt by replaying its z_t from the key
+            from dpfleet.coordinator.mf_noise import MFNoise
+
+            self.tree = MFNoise.from_state(state["tree"], self.cfg.mechanism, self.noise_key,
+                                           self.noise_std)
+            return
         self.tree = TreeNoise.from_state(state["tree"], self._nodes())

@@ -36,6 +36,7 @@ from dpfleet.coordinator.aggregation import AggregateResult
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.evaluation import evaluate
+from dpfleet.coordinator.mf_noise import MFAccountant, mf_privacy, run_mechanism
 from dpfleet.coordinator.noise_stream import key_id, new_noise_key, seeded_noise_key
 from dpfleet.coordinator.participation import Participation, RoundUnfillable, Selection
 from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, release_hash
@@ -150,9 +151,15 @@ class RoundEngine:
         self.vocabulary = vocabulary
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed)
-        self.accountant = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
-                                        spent_zcdp=(vocabulary or {}).get("zcdp", 0),
-                                        conversion="rdp" if resolve_noise(cfg) == "discrete" else "pld")
+        # dp.mechanism banded / blt: the strategy optimised for the enforced participation
+        self.mechanism, self.mechanism_optimised_for = (
+            run_mechanism(cfg, self.participation.min_separation, run.path, resume)
+            if cfg.dp.mechanism != "tree" else (None, None))
+        accountant_args = (cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
+        accountant_kw = dict(spent_zcdp=(vocabulary or {}).get("zcdp", 0),
+                             conversion="rdp" if resolve_noise(cfg) == "discrete" else "pld")
+        self.accountant = (RunAccountant(*accountant_args, **accountant_kw) if self.mechanism is None
+                           else MFAccountant(self.mechanism, *accountant_args, **accountant_kw))
         self.restarts = restart_rounds(cfg)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
         noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
@@ -175,7 +182,7 @@ class RoundEngine:
                 noise_multiplier=self.z_model, clip_norm=cfg.dp.clip_norm,
                 report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr,
                 momentum=cfg.dp.momentum, restart_rounds=tuple(self.restarts),
-                sensitivity_factor=sensitivity_factor(cfg, theta0.size),
+                sensitivity_factor=sensitivity_factor(cfg, theta0.size), mechanism=self.mechanism,
             ),
             noise_key=noise_key, ring=self.ring,
         )
@@ -319,6 +326,7 @@ class RoundEngine:
             participants=[self.users[i] for i in in_sum], restart=restart, clip_norm=clip,
             released=release_hash(server.theta, estimator.estimate if estimator else None),
             data_sha256=self.fingerprint, logs=logs,
+            **({"mechanism": self.mechanism.kind} if self.mechanism is not None else {}),
         )
         self.metrics.append(record)
         self.sink.participation(
@@ -357,6 +365,8 @@ class RoundEngine:
                                     len(self.users), model_noise_multiplier=self.z_model,
                                     stopped_early=stopped_early, vocabulary=self.vocabulary,
                                     public_data=list(public_data), ring=self.ring)
+        if self.mechanism is not None:  # the strategy's accounting replaces the tree's figures
+            privacy = mf_privacy(run_path, cfg, self.accountant, self.mechanism_optimised_for, privacy)
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)

@@ -38,6 +38,10 @@ def check_service_config(cfg: SimulationConfig) -> None:
     if cfg.data.generated_population:
         raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
                            "protects nobody, so the service refuses it: use `dpfleet simulate`")
+    if cfg.dp.mechanism != "tree":
+        raise DpfleetError(f"dp.mechanism = '{cfg.dp.mechanism}' runs in `dpfleet simulate` only for "
+                           "now; the service's state store does not carry its noise segments yet: "
+                           "use dp.mechanism = 'tree'")
     if cfg.backend.kind != "local":
         raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
 
