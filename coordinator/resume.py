@@ -147,6 +147,8 @@ def _accounted(config: dict) -> dict:
     for section, kept in OPERATIONAL.items():
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in kept}
+    if isinstance(out.get("dp"), dict):  # a run saved before dp.mechanism existed used the tree
+        out["dp"] = {"mechanism": "tree", **out["dp"]}
     return out
 
 

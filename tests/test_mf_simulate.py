@@ -16,6 +16,7 @@ from crashes import Crash
 from safetensors.numpy import load_file
 
 import dpfleet.coordinator.round_engine as round_engine
+from dpfleet.cli import main
 from dpfleet.coordinator import simulation
 from dpfleet.coordinator.accounting import epsilon_from_zcdp
 from dpfleet.coordinator.blt import banded_toeplitz_matrix
@@ -27,6 +28,7 @@ from dpfleet.coordinator.noise_stream import GaussianNodes, key_id, seeded_noise
 from dpfleet.coordinator.participation import ParticipationGuard
 from dpfleet.coordinator.release_log import check_no_reuse
 from dpfleet.coordinator.resume import resume_point
+from dpfleet.coordinator.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import check_service_config
 
@@ -300,3 +302,38 @@ def test_unknown_mechanism_and_service_refusal():
     with pytest.raises(DpfleetError, match="runs in `dpfleet simulate` only"):
         check_service_config(parse_config(config("banded")))
     check_service_config(parse_config(config("tree")))
+
+
+def test_budget_stops_before_the_round_that_would_pass_it(tmp_path, monkeypatch):
+    """The budget check asks the strategy's accountant, before the round, with its devices."""
+    spec = optimize_mechanism("blt", ROUNDS, 1, 2)
+    eps_one = epsilon_from_zcdp(mechanism_zcdp(spec, 1.0, ROUNDS - 1, 1), 1e-6, "pld")
+    eps_two = epsilon_from_zcdp(mechanism_zcdp(spec, 1.0, 1, 2), 1e-6, "pld")
+    budget = (eps_one + eps_two) / 2  # every device's first round fits, no second one does
+    run, _, _, _ = spied_run(tmp_path, monkeypatch, "budget", config("blt", budget_epsilon=budget))
+    privacy = read_json(run.run_dir / "privacy.json")
+    assert run.stopped_early and "privacy budget" in run.stopped_early
+    assert privacy["max_participation"] == 1 and privacy["epsilon"] <= budget
+    assert privacy["epsilon"] == pytest.approx(eps_one)
+
+
+def test_cli_refusal_is_one_error_line(tmp_path, capsys):
+    values = parse_config(dict(config("tree"), aggregation={"kind": "secagg"})).resolved()
+    values["dp"]["mechanism"] = "banded"
+    path = tmp_path / "secagg_banded.toml"
+    path.write_text(to_toml(values))
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("error: dp.mechanism = 'banded'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_saved_before_dp_mechanism_existed_resumes_as_the_tree():
+    from dpfleet.coordinator.resume import differing_keys
+
+    resolved = parse_config(config("tree")).resolved()
+    saved = json.loads(json.dumps(resolved))
+    del saved["dp"]["mechanism"]
+    assert differing_keys(saved, resolved) == []
+    assert differing_keys(saved, parse_config(config("blt")).resolved()) == ["dp"]
