@@ -148,8 +148,8 @@ def optimize_mechanism(kind: str, rounds: int, min_separation: int,
                        max_participation: int | None) -> MechanismSpec:
     """The mechanism of `kind` optimised for (n, MinS, MaxP) (deterministic; cached).
 
-    banded: min(MinS + 1, n, MAX_BANDS) bands; with MaxP 1 any separation holds, so n bands (and the BLT
-    is optimised for single participation).
+    banded: min(MinS + 1, n, MAX_BANDS) bands. With MaxP 1 any separation holds, so both are
+    optimised for single participation (banded: min(n, MAX_BANDS) bands).
     """
     if kind not in MECHANISMS:
         raise DpfleetError(f"unknown mechanism {kind!r}; use one of {', '.join(MECHANISMS)}")
