@@ -128,7 +128,7 @@ def _mf_result(kind: str, given: MechanismSpec | None, source: str, part: dict,
 def _strategy(spec: dict) -> str:
     if spec["kind"] == "banded":
         return f"{spec['bands']} bands, coefficients " + ", ".join(f"{c:.4g}" for c in spec["coefficients"])
-    return (f"{len(spec['theta'])} buffers, theta " + ", ".join(f"{t:.6g}" for t in spec["theta"])
+    return (f"{len(spec['theta'])} buffers, theta " + ", ".join(f"{t:.8g}" for t in spec["theta"])
             + ", omega " + ", ".join(f"{w:.4g}" for w in spec["omega"]))
 
 

@@ -155,3 +155,21 @@ def test_help_explains_each_mechanism(capsys, command):
     text = " ".join(run(capsys, command, "--help").split())
     for kind, desc in DESCRIPTIONS.items():
         assert f"{kind} {' '.join(desc.split())}" in text
+
+
+def test_account_of_a_real_blt_run_equals_the_runs_own_privacy_json(tmp_path, capsys):
+    from test_mf_simulate import config
+
+    from dpfleet.coordinator.run_dir import to_toml
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(to_toml(config("blt")))
+    main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet"])
+    capsys.readouterr()
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    out = json.loads(run(capsys, "account", "-z", "1", "--delta", str(privacy["delta"]), "--json",
+                         "--participation-log", str(tmp_path / "run" / "participation.jsonl")))
+    assert out["mechanism"] == privacy["mechanism"] == "blt"
+    assert out["mechanism_spec"] == privacy["mechanism_spec"]
+    assert out["sensitivity_squared"] == pytest.approx(privacy["sensitivity_squared"], rel=1e-12)
+    assert out["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-9) and out["epsilon"] > 0
