@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from crashes import Crash
 from safetensors.numpy import load_file
+from test_noise_secrecy import CFG as SECRECY_CFG
+from test_noise_secrecy import QUIET
 
 import dpfleet.coordinator.round_engine as round_engine
 from dpfleet.cli import main
@@ -33,17 +35,11 @@ from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import check_service_config
 
 ROUNDS, M = 6, 4
-CFG = {
-    "rounds": ROUNDS, "eval_every": ROUNDS, "seed": 7, "checkpoint_every": 2,
-    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 60, "max_examples": 8},
-    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
-    "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
-    "client": {"lr": 1.0, "batch_size": 8},
-    # momentum 0, server lr 1: theta_t - theta_{t-1} = (round sum + round noise) / m
-    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": M, "momentum": 0.0},
-    "participation": {"mode": "uniform", "min_separation": 1, "max_participation": 2},
-}
-QUIET = {"progress": False, "log": lambda s: None}
+# the secrecy tests' tiny run (momentum 0, server lr 1: theta_t - theta_{t-1} = (round sum + round
+# noise) / m), longer and with devices taking part twice, at least one round apart
+CFG = {**SECRECY_CFG, "rounds": ROUNDS, "eval_every": ROUNDS,
+       "participation": {"mode": "uniform", "min_separation": 1, "max_participation": 2}}
+assert CFG["dp"]["report_goal"] == M and CFG["dp"]["momentum"] == 0
 
 
 def config(kind, **dp):
