@@ -13,6 +13,8 @@ import os
 import numpy as np
 import pytest
 from crashes import Crash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
@@ -333,3 +335,29 @@ def test_a_run_saved_before_dp_mechanism_existed_resumes_as_the_tree():
     del saved["dp"]["mechanism"]
     assert differing_keys(saved, resolved) == []
     assert differing_keys(saved, parse_config(config("blt")).resolved()) == ["dp"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["banded", "blt"]), n=st.integers(2, 12), cut=st.integers(0, 12),
+       segment=st.integers(0, 3), key=st.binary(min_size=32, max_size=32))
+def test_a_stream_rebuilt_from_its_position_continues_exactly(kind, n, cut, segment, key):
+    """Resume keeps only (segment, t) and the key: the replayed stream must go on bit for bit, and
+    its z must be its own position's (not the tree's domain, not another segment's)."""
+    from dpfleet.coordinator.mf_noise import MFNoise
+
+    cut = min(cut, n)
+    spec = optimize_mechanism(kind, n, 1, None)
+    whole = MFNoise(spec, 5, key, 0.3, segment)
+    outputs = [whole.next_residual() for _ in range(n)]
+    part = MFNoise(spec, 5, key, 0.3, segment)
+    for _ in range(cut):
+        part.next_residual()
+    rebuilt = MFNoise.from_state(json.loads(json.dumps(part.state_dict())), spec, key, 0.3)
+    assert rebuilt.t == cut and rebuilt.state_dict()["noise"] == []
+    for t in range(cut, n):
+        np.testing.assert_array_equal(rebuilt.next_residual(), outputs[t])
+    z = whole.fresh(1)
+    assert not np.array_equal(z, GaussianNodes(key, 0.3, 5)(segment, 0, 1))  # the tree's domain
+    assert not np.array_equal(z, MFNoise(spec, 5, key, 0.3, segment + 1).fresh(1))
+    with pytest.raises(DpfleetError, match="covers"):
+        whole.next_residual()  # a strategy never runs past its rounds
