@@ -43,8 +43,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
     with and gives the same result, bit for bit, as an uninterrupted run.
     """
+    from dpfleet.api import run
     from dpfleet.coordinator.config import load_config, parse_config, validate
-    from dpfleet.coordinator.simulation import run_simulation
     from dpfleet.errors import DpfleetError, resume_hint
 
     if resume is not None:
@@ -67,11 +67,13 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         out = out or _fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
     with resume_hint(f"dpfleet simulate --resume {out}"):
-        result = run_simulation(cfg, out, overwrite=overwrite, resume=resume is not None,
-                                progress=not quiet, log=click.echo)
-    f, b, p = result.final, result.baseline, result.privacy
-    click.echo(f"next-token accuracy   model {f['accuracy']:.4f}   unigram baseline {b['accuracy']:.4f}")
-    click.echo(f"perplexity            model {f['perplexity']:.1f}   unigram baseline {b['perplexity']:.1f}")
+        result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
+                     log=click.echo)  # the Python API's own path (dpfleet.api)
+    p = result.privacy
+    click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
+               f"{result.unigram_accuracy:.4f}")
+    click.echo(f"perplexity            model {result.perplexity:.1f}   unigram baseline "
+               f"{result.unigram_perplexity:.1f}")
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     click.echo(
         f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} "

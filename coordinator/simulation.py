@@ -14,6 +14,7 @@ reproducible. Each round is written to the release log before it is released (`r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -49,9 +50,10 @@ from dpfleet.coordinator.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGG
 from dpfleet.coordinator.run_dir import RunDir, atomic_write
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_store import ClientStore
-from dpfleet.edge.datasets import load_records
+from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
+from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.training import default_program_cache
 
@@ -88,13 +90,18 @@ def vocabulary_privacy(folder: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None):
-    """Records -> tokenizer -> per-client example arrays (train clients and held-out clients)."""
-    path = Path(cfg.data.path) if cfg.data.path else None
-    records = load_records(cfg.data.dataset, "train", path)
-    by_user = group_by_user(records)
-    train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
-    tokenizer = make_tokenizer(cfg, [by_user[u] for u in train_users], vocabulary_folder)
+def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None,
+                 records: Sequence[TextRecord] | None = None, tokenizer=None):
+    """Records -> tokenizer -> per-client example arrays (train clients and held-out clients).
+    `records` / `tokenizer` replace the config's dataset / tokenizer (`dpfleet.simulate`'s users
+    and tokenizer): the same per-user split and rows either way."""
+    if records is None:
+        path = Path(cfg.data.path) if cfg.data.path else None
+        records = load_records(cfg.data.dataset, "train", path)
+    if tokenizer is None:
+        by_user = group_by_user(records)
+        train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
+        tokenizer = make_tokenizer(cfg, [by_user[u] for u in train_users], vocabulary_folder)
     data = build_federated(
         records, tokenizer, seq_len=cfg.data.seq_len, max_examples=cfg.data.max_examples,
         test_fraction=cfg.data.test_fraction, seed=cfg.seed, max_clients=cfg.data.max_clients or None,
@@ -136,6 +143,7 @@ class SimulationResult:
     baseline: dict
     privacy: dict
     stopped_early: str | None = None  # why the run ended before its planned rounds
+    model: torch.nn.Module | None = None  # holding the final released weights
 
 
 def run_simulation(
@@ -148,6 +156,9 @@ def run_simulation(
     log: Callable[[str], None] = print,
     before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
     public_data: Sequence[str] = (),
+    records: Sequence[TextRecord] | None = None,
+    model: torch.nn.Module | None = None,
+    tokenizer=None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -160,6 +171,9 @@ def run_simulation(
     resume point (`checkpoint_every`), or from round 0 when none was written yet (`resume.py`).
 
     `public_data` names public data the caller trained on, for the privacy report.
+    `records`, `model`, `tokenizer` replace the config's dataset, zoo model and tokenizer
+    (`dpfleet.simulate`); a custom model trains through the sequential eager trainer and is
+    checked on a dummy batch first (`check_custom_model`).
     metrics.jsonl holds DP quantities and held-out evaluation only; un-noised client telemetry
     goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
     """
@@ -179,18 +193,34 @@ def run_simulation(
         (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
         if cfg.debug_nonprivate:
             (run.path / DEBUG_NONPRIVATE).write_text("")
-    tokenizer, data = prepare_data(cfg, vocabulary_folder)
+    tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
+    if model is not None:
+        check_custom_model(model, tokenizer.vocab_size, cfg.data.seq_len, data)
     population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
     data.train = []  # from here on the clients are read through the store, a cohort at a time
     generated_notice = generated_population_notice(population)
     if generated_notice:
         log(generated_notice["warning"])
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    model = build_model(model_cfg)
-    runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared by runs, keyed by content
-    trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
-                           batch_size=cfg.client.batch_size, device=cfg.client.device,
-                           memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+    trainer_note = None
+    if model is None:
+        model = build_model(model_cfg)
+        runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
+        trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
+                               batch_size=cfg.client.batch_size, device=cfg.client.device,
+                               memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+    else:  # a custom module: the cohort trainers' fused / torch.func paths assume a zoo model
+        if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
+            raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
+                               f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
+        if cfg.client.trainer != "sequential":
+            trainer_note = (f"client.trainer = {cfg.client.trainer!r}: a custom model trains with "
+                            "the sequential eager trainer")
+            log(trainer_note)
+        trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
+                                                          model=copy.deepcopy(model)),
+                               model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
+        model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
         cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
@@ -206,7 +236,8 @@ def run_simulation(
     log(
         f"data: {len(population)} train clients, {len(data.test)} held-out clients "
         f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
-        f"{len(baseline_clients)} fit the unigram baseline); model {model_cfg.arch} with "
+        f"{len(baseline_clients)} fit the unigram baseline); model "
+        f"{type(model).__name__ if model_cfg is None else model_cfg.arch} with "
         f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
     start, lost = engine.start, engine.lost
@@ -245,9 +276,43 @@ def run_simulation(
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
                                    extra={"client_trainer": trainer.name,  # cohort / sequential
+                                          **({"client_trainer_note": trainer_note} if trainer_note
+                                             else {}),
+                                          **({"data": "records given in Python"} if records is not None
+                                             else {}),
                                           **({"generated_population": generated_notice}
                                              if generated_notice else {})})
-    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early)
+    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def check_custom_model(model: torch.nn.Module, vocab_size: int, seq_len: int, data) -> None:
+    """One forward on a dummy batch before any training: a custom model must map int64 token ids
+    [batch, time] to logits [batch, time, vocab_size], and its embedding must hold every token id
+    in the data, so a mismatch is one clear error instead of a traceback rounds later."""
+    ids = [int(c.examples.max()) for c in (*data.train, *data.test) if c.examples.size]
+    top = max(ids, default=0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.num_embeddings < max(vocab_size, top + 1):
+            raise DpfleetError(f"vocabulary mismatch: the model's embedding has {module.num_embeddings} "
+                               f"rows but token ids reach {max(vocab_size, top + 1) - 1} (tokenizer "
+                               f"vocab_size {vocab_size}, largest id in the data {top})")
+    dummy = torch.arange(2 * seq_len, dtype=torch.int64).reshape(2, seq_len) % vocab_size
+    try:
+        with torch.no_grad():
+            out = model(dummy)
+    except Exception as exc:  # the user's module: any failure is their input's
+        raise DpfleetError(f"the model failed on a dummy batch of token ids [2, {seq_len}] (int64, "
+                           f"ids < {vocab_size}): {type(exc).__name__}: {exc}") from None
+    expected = (2, seq_len, vocab_size)
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != expected:
+        what = ("vocabulary mismatch: the model's output vocabulary differs from the tokenizer's "
+                "vocab_size" if isinstance(got, tuple) and got[:2] == expected[:2] else
+                "the model's output has the wrong shape")
+        raise DpfleetError(f"{what}: token ids [2, {seq_len}] must give logits [batch, time, vocab] "
+                           f"= {list(expected)}, got {list(got) if isinstance(got, tuple) else got}")
+    if not out.is_floating_point():
+        raise DpfleetError(f"the model's output must be float logits, got {out.dtype}")
 
 
 def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list:

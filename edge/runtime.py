@@ -70,11 +70,12 @@ class EagerRuntime:
 
     name = "eager"
 
-    def __init__(self, cfg: ModelConfig, threads: int | None = None):
+    def __init__(self, cfg: ModelConfig, threads: int | None = None, model: torch.nn.Module | None = None):
+        """`model`: train this module instead of the zoo's `cfg` model (`dpfleet.simulate`'s own)."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
-        self.model = build_model(cfg)
+        self.model = build_model(cfg) if model is None else model
 
     def set_weights(self, flat: np.ndarray) -> None:
         set_flat(self.model, flat)

@@ -22,15 +22,18 @@ TOKENIZER = "tokenizer"
 
 
 def save_checkpoint(
-    folder: Path, model: nn.Module, cfg: ModelConfig, tokenizer: SentencePieceTokenizer | WordTokenizer
+    folder: Path, model: nn.Module, cfg: ModelConfig | None, tokenizer: SentencePieceTokenizer | WordTokenizer
 ) -> Path:
+    """`cfg` None: a model from outside the zoo (`dpfleet.simulate(model=...)`); only its weights
+    and tokenizer are written, since no config can rebuild it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     save_file(tensors, str(folder / WEIGHTS))
-    (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+    if cfg is not None:
+        (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(folder / TOKENIZER)
     return folder
 
