@@ -193,9 +193,13 @@ def run_simulation(
         (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
         if cfg.debug_nonprivate:
             (run.path / DEBUG_NONPRIVATE).write_text("")
+    custom_tokenizer = tokenizer is not None
     tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
     if model is not None:
         check_custom_model(model, tokenizer.vocab_size, cfg.data.seq_len, data)
+    elif custom_tokenizer and (top := largest_id(data)) >= tokenizer.vocab_size:
+        raise DpfleetError(f"vocabulary mismatch: the tokenizer gave token id {top} but its vocab_size "
+                           f"is {tokenizer.vocab_size} (the model's embedding size)")
     population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
     data.train = []  # from here on the clients are read through the store, a cohort at a time
     generated_notice = generated_population_notice(population)
@@ -285,24 +289,32 @@ def run_simulation(
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
 
 
+def largest_id(data) -> int:
+    """The largest token id in the federated data's rows (train and held-out clients)."""
+    return max((int(c.examples.max()) for c in (*data.train, *data.test) if c.examples.size), default=0)
+
+
 def check_custom_model(model: torch.nn.Module, vocab_size: int, seq_len: int, data) -> None:
     """One forward on a dummy batch before any training: a custom model must map int64 token ids
     [batch, time] to logits [batch, time, vocab_size], and its embedding must hold every token id
     in the data, so a mismatch is one clear error instead of a traceback rounds later."""
-    ids = [int(c.examples.max()) for c in (*data.train, *data.test) if c.examples.size]
-    top = max(ids, default=0)
+    top = largest_id(data)
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module.num_embeddings < max(vocab_size, top + 1):
             raise DpfleetError(f"vocabulary mismatch: the model's embedding has {module.num_embeddings} "
                                f"rows but token ids reach {max(vocab_size, top + 1) - 1} (tokenizer "
                                f"vocab_size {vocab_size}, largest id in the data {top})")
     dummy = torch.arange(2 * seq_len, dtype=torch.int64).reshape(2, seq_len) % vocab_size
+    training = model.training
+    model.eval()  # no dropout: the check draws nothing from torch's seeded generator
     try:
         with torch.no_grad():
             out = model(dummy)
     except Exception as exc:  # the user's module: any failure is their input's
         raise DpfleetError(f"the model failed on a dummy batch of token ids [2, {seq_len}] (int64, "
                            f"ids < {vocab_size}): {type(exc).__name__}: {exc}") from None
+    finally:
+        model.train(training)
     expected = (2, seq_len, vocab_size)
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if got != expected:

@@ -55,20 +55,36 @@ class TokenizerLike(Protocol):
 @dataclass(frozen=True)
 class Result:
     """A finished run. Every figure is also in the run directory (summary.json, privacy.json,
-    metrics.jsonl); `model` is the trained module, holding the last released (noised) weights."""
+    metrics.jsonl), which stays the record; this is its summary in Python.
 
-    accuracy: float  # held-out next-token accuracy of the final model
-    unigram_accuracy: float  # the same for the unigram baseline fitted on held-out users
+    Attributes:
+        accuracy: held-out next-token accuracy of the final model (PAD and special targets unscored).
+        unigram_accuracy: the same for the unigram baseline fitted on other held-out users.
+        perplexity: held-out perplexity of the final model.
+        unigram_perplexity: the baseline's.
+        epsilon: user-level epsilon of all released models at `delta` (privacy.json; inf without noise).
+        delta: the config's dp.delta (with a DP word vocabulary, the total of both is in
+            `privacy["total_with_vocabulary"]`).
+        run_dir: the run directory.
+        model: the trained module (yours, or the zoo's), holding the last released, noised weights.
+        metrics: one dict per round, as in metrics.jsonl.
+        privacy: privacy.json: the accounting, mechanism and what is not covered.
+        stopped_early: why the run ended before its planned rounds (a budget), or None.
+        client_trainer: "cohort" or "sequential": which trainer ran the clients.
+    """
+
+    accuracy: float
+    unigram_accuracy: float
     perplexity: float
     unigram_perplexity: float
-    epsilon: float  # user-level (epsilon, delta)-DP of the released models (privacy.json)
+    epsilon: float
     delta: float
     run_dir: Path
     model: nn.Module
-    metrics: list[dict]  # one dict per round (metrics.jsonl)
-    privacy: dict  # privacy.json
-    stopped_early: str | None  # why the run ended before its planned rounds (a budget), or None
-    client_trainer: str  # "cohort" or "sequential": which trainer ran the clients
+    metrics: list[dict]
+    privacy: dict
+    stopped_early: str | None
+    client_trainer: str
 
 
 def simulate(

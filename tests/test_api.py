@@ -129,6 +129,23 @@ def test_token_ids_beyond_the_embedding_are_a_vocabulary_mismatch(tmp_path):
         run(tmp_path, tokenizer=Overflowing())
 
 
+def test_zoo_model_with_your_users_and_tokenizer(tmp_path):
+    """No model: the config's zoo model, sized to the caller's tokenizer, on the cohort trainer;
+    a tokenizer whose ids pass its own vocab_size is a clear error there too."""
+    config = {**CONFIG, "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8}}
+    result = run(tmp_path / "zoo", config=config, model=None)
+    assert result.client_trainer == "cohort" and 0 <= result.accuracy <= 1
+    assert result.model.embed.num_embeddings == VOCAB
+
+    class Overflowing(WordIds):
+        def encode(self, text):
+            return [VOCAB + 5 for _ in text.split()]
+
+    with pytest.raises(DpfleetError, match=r"vocabulary mismatch: the tokenizer gave token id 69 but "
+                                           r"its vocab_size is 64"):
+        run(tmp_path / "bad", config=config, model=None, tokenizer=Overflowing())
+
+
 @pytest.mark.parametrize("users, message", [
     ({**USERS, "silent": []}, r"user 'silent' has no text"),
     ({**USERS, "blank": ["  ", ""]}, r"user 'blank' has no text"),
