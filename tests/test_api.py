@@ -174,3 +174,51 @@ def test_bad_tokenizer_and_config_are_one_clear_error(tmp_path):
         run(tmp_path, config=3)
     with pytest.raises(DpfleetError, match=r"config file not found"):
         run(tmp_path, config=tmp_path / "missing.toml")
+
+
+def test_cli_on_a_jsonl_file_and_the_api_on_the_same_users_give_the_same_run(tmp_path):
+    """One path: `dpfleet simulate` on a jsonl dataset and `dpfleet.simulate(users=...)` on the
+    same records split, tokenise and train identically (seeded noise, research mode)."""
+    from click.testing import CliRunner
+
+    from dpfleet.coordinator.cli_simulate import simulate
+
+    data = tmp_path / "users.jsonl"
+    data.write_text("".join(json.dumps({"user": u, "text": t}) + "\n" for u, ts in USERS.items() for t in ts))
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(f"""rounds = 2
+eval_every = 1
+checkpoint_every = 0
+seed = 1
+[data]
+dataset = "jsonl"
+path = "{data}"
+seq_len = 8
+max_examples = 8
+test_fraction = 0.2
+eval_examples = 50
+[tokenizer]
+kind = "word"
+vocab_size = 40
+allow_nonprivate_vocabulary = true
+[model]
+arch = "cifg"
+embedding_dim = 8
+hidden_dim = 8
+projection_dim = 8
+[client]
+lr = 0.5
+batch_size = 4
+[dp]
+noise_multiplier = 0.5
+clip_norm = 1.0
+report_goal = 5
+noise_seed = 3
+""")
+    cli = CliRunner().invoke(simulate, [str(toml), "--out", str(tmp_path / "cli"), "--quiet"])
+    assert cli.exit_code == 0, cli.output
+    api = dpfleet.simulate(toml, users=USERS, run_dir=tmp_path / "api", progress=False)
+    cli_metrics = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").open()]
+    for key in ("accuracy", "loss", "epsilon"):
+        assert [m[key] for m in api.metrics] == [m[key] for m in cli_metrics], key
+    assert f"model {api.accuracy:.4f}" in cli.output
