@@ -186,35 +186,14 @@ def test_cli_on_a_jsonl_file_and_the_api_on_the_same_users_give_the_same_run(tmp
     data = tmp_path / "users.jsonl"
     data.write_text("".join(json.dumps({"user": u, "text": t}) + "\n" for u, ts in USERS.items() for t in ts))
     toml = tmp_path / "tiny.toml"
-    toml.write_text(f"""rounds = 2
-eval_every = 1
-checkpoint_every = 0
-seed = 1
-[data]
-dataset = "jsonl"
-path = "{data}"
-seq_len = 8
-max_examples = 8
-test_fraction = 0.2
-eval_examples = 50
-[tokenizer]
-kind = "word"
-vocab_size = 40
-allow_nonprivate_vocabulary = true
-[model]
-arch = "cifg"
-embedding_dim = 8
-hidden_dim = 8
-projection_dim = 8
-[client]
-lr = 0.5
-batch_size = 4
-[dp]
-noise_multiplier = 0.5
-clip_norm = 1.0
-report_goal = 5
-noise_seed = 3
-""")
+    config = {**CONFIG, "dp": {**CONFIG["dp"], "noise_seed": 3},
+              "data": {**CONFIG["data"], "dataset": "jsonl", "path": str(data)},
+              "tokenizer": {"kind": "word", "vocab_size": 40, "allow_nonprivate_vocabulary": True},
+              "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8}}
+    # TOML of flat tables: a JSON scalar is a TOML scalar
+    toml.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items() if not isinstance(v, dict))
+                    + "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
+                              for name, table in config.items() if isinstance(table, dict)))
     cli = CliRunner().invoke(simulate, [str(toml), "--out", str(tmp_path / "cli"), "--quiet"])
     assert cli.exit_code == 0, cli.output
     api = dpfleet.simulate(toml, users=USERS, run_dir=tmp_path / "api", progress=False)
