@@ -55,6 +55,7 @@ from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
+from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
 
 
@@ -217,13 +218,16 @@ def run_simulation(
         if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
             raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
                                f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
-        if cfg.client.trainer != "sequential":
-            trainer_note = (f"client.trainer = {cfg.client.trainer!r}: a custom model trains with "
-                            "the sequential eager trainer")
-            log(trainer_note)
-        trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
-                                                          model=copy.deepcopy(model)),
-                               model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
+        if cfg.client.trainer == "cohort":  # opt-in: torch.func over the module, checked once
+            trainer = custom_cohort_trainer(cfg, model_cfg, model)
+        else:
+            if cfg.client.trainer == "auto":
+                trainer_note = ("client.trainer = 'auto': a custom model trains with the sequential "
+                                "eager trainer (set 'cohort' for torch.func over your module)")
+                log(trainer_note)
+            trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
+                                                              model=copy.deepcopy(model)),
+                                   model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
         model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
@@ -287,6 +291,23 @@ def run_simulation(
                                           **({"generated_population": generated_notice}
                                              if generated_notice else {})})
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):
+    """The cohort trainer's torch.func path over a caller's module, tried on one dummy client
+    first: a module torch.func cannot batch (random dropout, in-place state) is one clear error."""
+    from dpfleet.edge.cohort import CohortTrainer
+
+    trainer = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
+                            device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb, model=model)
+    rows = np.full((2, cfg.data.seq_len + 1), 4, dtype=np.int32)
+    try:
+        trainer.train_round(get_flat(model), [rows], [0], lr=0.0, batch_size=cfg.client.batch_size,
+                            clip_norm=1.0)
+    except Exception as exc:  # the user's module under vmap
+        raise DpfleetError(f"client.trainer = 'cohort' cannot batch this model with torch.func "
+                           f"({type(exc).__name__}: {str(exc)[:200]}); use 'sequential' or 'auto'") from None
+    return trainer
 
 
 def largest_id(data) -> int:

@@ -18,9 +18,12 @@ What you may bring, each optional:
   toolkit's PAD / BOS / EOS / UNK (PAD targets are not scored), so a tokenizer should not give
   real words those ids. Default: the config's tokenizer.
 * `model`: any `torch.nn.Module` mapping int64 token ids [batch, time] to float logits
-  [batch, time, vocab]. It trains through the sequential eager client trainer (the cohort
-  trainers' fused and torch.func paths are written for the zoo's models); the run's summary.json
-  says so when the config asked for another trainer. Default: the config's zoo model.
+  [batch, time, vocab]. With client.trainer = "auto" (the default) or "sequential" it trains
+  through the sequential eager client trainer, the reference (summary.json notes the fallback
+  from "auto"); "cohort" trains a round's clients at once with torch.func over your module,
+  after one trial step (a module vmap cannot batch, e.g. one with random dropout, is an error).
+  Exported runtimes (ExecuTorch / ONNX) and Ray are for the zoo's models. Default: the config's
+  zoo model.
 
 Mistakes in these inputs are one `DpfleetError` naming the problem, raised before training.
 """
@@ -102,7 +105,8 @@ def simulate(
     Args:
         config: a TOML file's path, or a dict with the same sections and keys.
         model: a `torch.nn.Module` from int64 token ids [batch, time] to logits [batch, time,
-            vocab]; default the config's `[model]`.
+            vocab]; default the config's `[model]`. Checked with one forward on a dummy batch
+            before training; trained by the sequential trainer unless client.trainer = "cohort".
         users: a mapping user id -> that user's texts, or an iterable of (user id, text);
             default the config's `[data]` dataset.
         tokenizer: anything with `encode(str) -> list[int]` and `vocab_size`; default the

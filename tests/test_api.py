@@ -201,3 +201,40 @@ def test_cli_on_a_jsonl_file_and_the_api_on_the_same_users_give_the_same_run(tmp
     for key in ("accuracy", "loss", "epsilon"):
         assert [m[key] for m in api.metrics] == [m[key] for m in cli_metrics], key
     assert f"model {api.accuracy:.4f}" in cli.output
+
+
+def test_cohort_trainer_on_a_custom_model_matches_the_sequential_path():
+    """client.trainer = 'cohort' with your module: torch.func's batched steps give each client's
+    clipped delta as the sequential reference does (float rounding only)."""
+    import numpy as np
+
+    from dpfleet.coordinator.backends import SequentialTrainer
+    from dpfleet.edge.cohort import CohortTrainer
+    from dpfleet.edge.runtime import EagerRuntime
+    from dpfleet.export.models import ModelConfig
+    from dpfleet.export.params import get_flat
+
+    model, cfg = _seeded(), ModelConfig(vocab_size=VOCAB)
+    rng = np.random.default_rng(0)
+    clients = [rng.integers(4, VOCAB, size=(n, 9)).astype(np.int32) for n in (3, 9, 6)]
+    args = dict(lr=0.5, batch_size=4, clip_norm=0.05)  # small clip: some clients are clipped
+    cohort = CohortTrainer(cfg, seq_len=8, batch_size=4, device="cpu", model=model, chunk=2)
+    seq = SequentialTrainer(EagerRuntime(cfg, model=_seeded()))
+    a = cohort.train_round(get_flat(model), clients, [1, 2, 3], **args)
+    b = seq.train_round(get_flat(model), clients, [1, 2, 3], **args)
+    for x, y in zip(a, b, strict=True):
+        assert np.abs(x.delta).max() > 1e-4  # they trained
+        np.testing.assert_allclose(x.delta, y.delta, atol=1e-6)
+    assert [x.clipped for x in a] == [y.clipped for y in b]
+
+
+def test_cohort_with_a_custom_model_runs_and_dropout_is_a_clear_error(tmp_path):
+    config = {**CONFIG, "client": {**CONFIG["client"], "trainer": "cohort"}}
+    assert run(tmp_path / "ok", config=config).client_trainer == "cohort"
+
+    class Dropping(TinyLM):
+        def forward(self, ids):
+            return nn.functional.dropout(super().forward(ids), 0.5, self.training)
+
+    with pytest.raises(DpfleetError, match=r"client.trainer = 'cohort' cannot batch this model"):
+        run(tmp_path / "bad", config=config, model=Dropping())
