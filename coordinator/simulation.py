@@ -30,7 +30,7 @@ import torch
 from dpfleet.coordinator.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.backends import make_trainer
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
 from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.population import generated_population_notice, open_population
@@ -160,6 +160,7 @@ def run_simulation(
     records: Sequence[TextRecord] | None = None,
     model: torch.nn.Module | None = None,
     tokenizer=None,
+    audit=None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -177,13 +178,17 @@ def run_simulation(
     checked on a dummy batch first (`check_custom_model`).
     metrics.jsonl holds DP quantities and held-out evaluation only; un-noised client telemetry
     goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
+    `audit` (`dpfleet audit` only: `audit_run.CanaryRun`) adds canary devices to the fleet, sees
+    the engine once built and trains the canaries of each plan; None for every other run.
     """
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
         check_resumable(run.path, cfg.resolved())
     else:
         discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
-    run.write_config(cfg.resolved())
+    planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
+    if not planned:
+        run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
@@ -203,6 +208,8 @@ def run_simulation(
                            f"is {tokenizer.vocab_size} (the model's embedding size)")
     population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
     data.train = []  # from here on the clients are read through the store, a cohort at a time
+    if planned:
+        plan_run(cfg, run, len(population), resume, log)
     generated_notice = generated_population_notice(population)
     if generated_notice:
         log(generated_notice["warning"])
@@ -232,13 +239,15 @@ def run_simulation(
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
         cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
-        users=population.user_ids(),
+        users=population.user_ids() if audit is None else audit.users(population.user_ids()),
         fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
                                      tokenizer,
                                      fingerprint_secret(run.path, create=not resume)),
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
     )
     aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
+    if audit is not None:
+        audit.engine_ready(engine)
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
@@ -268,7 +277,8 @@ def run_simulation(
         if isinstance(plan, Stop):
             stopped_early = plan.message
             break
-        updates = train_plan(cfg, trainer, population, plan)
+        updates = (train_plan(cfg, trainer, population, plan) if audit is None
+                   else audit.train_plan(cfg, trainer, population, plan))
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
@@ -291,6 +301,24 @@ def run_simulation(
                                           **({"generated_population": generated_notice}
                                              if generated_notice else {})})
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
+             log: Callable[[str], None]) -> None:
+    """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
+    config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
+    from dpfleet.coordinator.config_plan import apply_run_plan, make_run_plan
+
+    record = make_run_plan(cfg, population)
+    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
+    validate(cfg)
+    if not resume:
+        run.write_config(cfg.resolved())
+        run.write_json("plan.json", record)
+    c = record["chosen"]
+    log(f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N {population}, "
+        f"{record['rounds']} rounds -> report goal {c['report_goal']}, MinS {c['min_separation']}, "
+        f"MaxP {c['max_participation']}, {c['mechanism']} noise z {c['noise_multiplier']:.4g} (plan.json)")
 
 
 def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):

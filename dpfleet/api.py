@@ -144,9 +144,11 @@ def run(
     overwrite: bool = False,
     resume: bool = False,
     log: Callable[[str], None] = print,
+    audit=None,
 ) -> Result:
     """`simulate` for a parsed config (what the CLI calls): checks the inputs, runs, and reads
-    the `Result` off the run. `resume` continues an interrupted run directory."""
+    the `Result` off the run. `resume` continues an interrupted run directory. `audit`: `dpfleet
+    audit`'s canaries (`coordinator.audit_run`), the same run with canary devices added."""
     validate(cfg)
     if model is not None and not isinstance(model, nn.Module):
         raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -155,7 +157,7 @@ def run(
     from dpfleet.coordinator.simulation import run_simulation
 
     out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress, log=log,
-                         records=records, model=model, tokenizer=tok)
+                         records=records, model=model, tokenizer=tok, audit=audit)
     summary = json.loads((out.run_dir / "summary.json").read_text())
     return Result(
         accuracy=out.final["accuracy"], unigram_accuracy=out.baseline["accuracy"],
