@@ -92,6 +92,11 @@ class DPSection:
     # at run start for the enforced participation (coordinator/mf_noise.py): "banded" (BandMF,
     # Choquette-Choo et al. 2023) or "blt" (buffered linear Toeplitz, McMahan et al. 2024)
     mechanism: str = "tree"
+    # > 0: the planner chooses report_goal, noise_multiplier, the participation limits (uniform,
+    # largest MinS, worst-case MaxP) and, with mechanism = "auto", the mechanism for this eps at
+    # delta over `rounds` and the training population (coordinator/config_plan.py; plan.json in
+    # the run directory). A planned key the config also states must agree with the plan.
+    target_epsilon: float = 0.0
 
 
 @dataclass
@@ -201,7 +206,7 @@ _CHOICES = {
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
-    "dp.mechanism": ("tree", "banded", "blt"),
+    "dp.mechanism": ("tree", "banded", "blt", "auto"),
     "fleet.client": ("dpfleet", "bundle"),
 }
 
@@ -249,8 +254,26 @@ def build_section(cls: type, values: dict, prefix: str) -> object:
     return cls(**kwargs)
 
 
+# the keys dp.target_epsilon plans (coordinator/config_plan.py), as (section, key)
+PLANNED_KEYS = (("dp", "report_goal"), ("dp", "noise_multiplier"), ("dp", "mechanism"),
+                ("participation", "mode"), ("participation", "min_separation"),
+                ("participation", "max_participation"))
+
+
+def given_planned_keys(values: dict) -> dict[str, object]:
+    """The planned keys a raw config dict states itself ("dp.report_goal" -> value)."""
+    out = {}
+    for section, key in PLANNED_KEYS:
+        table = values.get(section)
+        if isinstance(table, dict) and key in table:
+            out[f"{section}.{key}"] = table[key]
+    return out
+
+
 def parse_config(values: dict) -> SimulationConfig:
     cfg = build_section(SimulationConfig, values, "")
+    # what the config itself says of the planned keys (not a TOML key): the plan must agree with it
+    cfg.planned_given = given_planned_keys(values)
     cfg.dp.noise = resolve_noise(cfg)
     validate(cfg)
     return cfg
@@ -353,6 +376,9 @@ def validate(cfg: SimulationConfig) -> None:
          "(checkin_window_s >= 0, rate_burst >= 1)"),
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
+        (cfg.dp.target_epsilon >= 0, "dp.target_epsilon must be >= 0 (0: no plan)"),
+        (cfg.dp.mechanism != "auto" or cfg.dp.target_epsilon > 0,
+         "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
         *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
@@ -368,7 +394,7 @@ def validate(cfg: SimulationConfig) -> None:
 
 def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
     """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet."""
-    mf = cfg.dp.mechanism != "tree"
+    mf = cfg.dp.mechanism not in ("tree", "auto")  # auto picks only what the config supports
     name = f"dp.mechanism = '{cfg.dp.mechanism}'"
     return [
         (not mf or cfg.aggregation.kind == "plain",

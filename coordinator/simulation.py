@@ -30,7 +30,7 @@ import torch
 from dpfleet.coordinator.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.backends import make_trainer
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.dp_vocabulary import VocabularyDP, build_dp_vocabulary
 from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.population import generated_population_notice, open_population
@@ -186,7 +186,9 @@ def run_simulation(
         check_resumable(run.path, cfg.resolved())
     else:
         discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
-    run.write_config(cfg.resolved())
+    planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
+    if not planned:
+        run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
@@ -206,6 +208,8 @@ def run_simulation(
                            f"is {tokenizer.vocab_size} (the model's embedding size)")
     population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
     data.train = []  # from here on the clients are read through the store, a cohort at a time
+    if planned:
+        plan_run(cfg, run, len(population), resume, log)
     generated_notice = generated_population_notice(population)
     if generated_notice:
         log(generated_notice["warning"])
@@ -297,6 +301,24 @@ def run_simulation(
                                           **({"generated_population": generated_notice}
                                              if generated_notice else {})})
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
+             log: Callable[[str], None]) -> None:
+    """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
+    config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
+    from dpfleet.coordinator.config_plan import apply_run_plan, make_run_plan
+
+    record = make_run_plan(cfg, population)
+    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
+    validate(cfg)
+    if not resume:
+        run.write_config(cfg.resolved())
+        run.write_json("plan.json", record)
+    c = record["chosen"]
+    log(f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N {population}, "
+        f"{record['rounds']} rounds -> report goal {c['report_goal']}, MinS {c['min_separation']}, "
+        f"MaxP {c['max_participation']}, {c['mechanism']} noise z {c['noise_multiplier']:.4g} (plan.json)")
 
 
 def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):

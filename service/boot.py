@@ -38,6 +38,10 @@ def check_service_config(cfg: SimulationConfig) -> None:
     if cfg.data.generated_population:
         raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
                            "protects nobody, so the service refuses it: use `dpfleet simulate`")
+    if cfg.dp.target_epsilon:
+        raise DpfleetError("dp.target_epsilon is planned by `dpfleet simulate` only; for the service, "
+                           "run `dpfleet plan` and set dp.report_goal, dp.noise_multiplier and the "
+                           "participation limits it prints")
     if cfg.dp.mechanism != "tree":
         raise DpfleetError(f"dp.mechanism = '{cfg.dp.mechanism}' runs in `dpfleet simulate` only for "
                            "now; the service's state store does not carry its noise segments yet: "
