@@ -393,13 +393,11 @@ def validate(cfg: SimulationConfig) -> None:
 
 
 def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
-    """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet."""
+    """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet.
+    (With secagg its noise goes into the ring rounded, `mf_ring`.)"""
     mf = cfg.dp.mechanism not in ("tree", "auto")  # auto picks only what the config supports
     name = f"dp.mechanism = '{cfg.dp.mechanism}'"
     return [
-        (not mf or cfg.aggregation.kind == "plain",
-         f"{name} needs aggregation.kind = 'plain': its correlated noise C^-1 z is not an integer, "
-         "so it cannot go into secure aggregation's ring yet (use dp.mechanism = 'tree')"),
         (not mf or not cfg.dp.adaptive_clipping,
          f"{name} does not support dp.adaptive_clipping yet (use dp.mechanism = 'tree')"),
         (not mf or not cfg.dp.restart_rounds,

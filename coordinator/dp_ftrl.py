@@ -79,11 +79,25 @@ class DPFTRLServer:
             return ring_nodes(self.ring, self.noise_key)
         return GaussianNodes(self.noise_key, self.noise_std, self.theta.size)
 
+    def _mf_segment(self, tree_id: int, state: dict | None = None):
+        """A matrix-factorization segment (fresh, or rebuilt from a resume point's position): in
+        ring units with a ring plan (`mf_ring`: rounded, in the ring), else in units of the
+        configured clip norm (`step` scales it to the round's clip norm: adaptive clipping)."""
+        from dpfleet.coordinator.mf_noise import MFNoise
+        from dpfleet.coordinator.mf_ring import RingMFNoise
+
+        if self.ring is not None:
+            cls, dim, std = RingMFNoise, self.ring.length, self.ring.sigma
+        else:
+            cls, dim = MFNoise, self.theta.size
+            std = self.cfg.noise_multiplier * self.cfg.clip_norm * self.cfg.sensitivity_factor
+        if state is not None:
+            return cls.from_state(state, self.cfg.mechanism, self.noise_key, std)
+        return cls(self.cfg.mechanism, dim, self.noise_key, std, tree_id)
+
     def _new_tree(self, tree_id: int) -> TreeNoise:
         if self.cfg.mechanism is not None:  # a fresh matrix-factorization segment
-            from dpfleet.coordinator.mf_noise import MFNoise
-
-            return MFNoise(self.cfg.mechanism, self.theta.size, self.noise_key, self.noise_std, tree_id)
+            return self._mf_segment(tree_id)
         return TreeNoise(self.ring.length if self.ring else self.theta.size, self._nodes(), tree_id)
 
     @property
@@ -118,6 +132,9 @@ class DPFTRLServer:
 
             noisy_sum = release(delta_sum, residual).astype(np.float32)
         else:
+            if self.cfg.mechanism is not None and self.clip_norm != self.cfg.clip_norm:
+                # adaptive clipping with MF: x_t / C_t + z (C^-1 z)_t released, times C_t
+                residual = residual * np.float32(self.clip_norm / self.cfg.clip_norm)
             noisy_sum = delta_sum.astype(np.float32) + residual
         noisy_avg = noisy_sum / np.float32(self.cfg.report_goal)
         self.momentum *= np.float32(self.cfg.momentum)
@@ -139,9 +156,6 @@ class DPFTRLServer:
         self.round = int(state["round"])
         self.clip_norm = float(state["clip_norm"])
         if self.cfg.mechanism is not None:  # rebuilt by replaying its z_t from the key
-            from dpfleet.coordinator.mf_noise import MFNoise
-
-            self.tree = MFNoise.from_state(state["tree"], self.cfg.mechanism, self.noise_key,
-                                           self.noise_std)
+            self.tree = self._mf_segment(0, state["tree"])
             return
         self.tree = TreeNoise.from_state(state["tree"], self._nodes())

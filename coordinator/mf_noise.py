@@ -40,6 +40,7 @@ from dpfleet.errors import DpfleetError
 
 MF_DOMAIN = b"mf"  # NodeStream domain of the z_t (separate from the tree's b"gauss")
 MECHANISM_FILE = "mechanism.json"
+RING_MF_MECHANISM = "matrix-factorization Gaussian, rounded, in the SecAgg ring"  # `mf_ring`
 
 
 def accounted_participation(cfg, min_separation: int) -> tuple[int, int]:
@@ -98,12 +99,16 @@ class MFNoise:
         """z_t of this segment (1-based t): std * N(0, I), float32."""
         return self.z(self.tree_id, 0, t)
 
-    def next_residual(self) -> np.ndarray:
-        """Round t's noise (C^{-1} z)_t, float32, to add to round t's sum."""
+    def next_exact(self) -> np.ndarray:
+        """Round t's noise (C^{-1} z)_t as the stream computes it (float64)."""
         if self.t >= self.spec.rounds:
             raise DpfleetError(f"the {self.spec.kind} strategy covers {self.spec.rounds} rounds")
         self.t += 1
-        return self.stream.next(self.fresh(self.t)).astype(np.float32)
+        return self.stream.next(self.fresh(self.t))
+
+    def next_residual(self) -> np.ndarray:
+        """Round t's noise (C^{-1} z)_t, float32, to add to round t's sum."""
+        return self.next_exact().astype(np.float32)
 
     def state_dict(self) -> dict:
         """Position only: the state is rebuilt from the key (no noise vector is ever saved)."""
@@ -172,6 +177,11 @@ def mf_privacy(run_dir: Path, cfg, accountant: MFAccountant, optimised_for: dict
                              "(2 z^2), sens^2 the worst case over every participation pattern with the "
                              "observed MinS / MaxP (zero-out, device level), summed over noise segments; "
                              "epsilon by PLD, epsilon_rdp by RDP")
+    if privacy.get("noise_kind") == "discrete":  # `mf_ring`: rounded in the ring, ring units
+        privacy["noise_mechanism"] = RING_MF_MECHANISM
+        privacy["accounting"] += ("; in the SecAgg ring: sens in units of one device's ring L2 bound "
+                                  "Delta_s, noise sigma >= z Delta_s, rounded to integers and reduced "
+                                  "mod 2^bits (post-processing of the continuous Gaussian)")
     privacy["tree_sensitivity_squared_not_used"] = privacy.pop("sensitivity_squared", None)
     privacy.pop("worst_device", None)
     segments = 1 + len(accountant.restarts)

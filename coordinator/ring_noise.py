@@ -90,12 +90,17 @@ def ring_summary(plan: RingPlan, bits: int, clip_norm: float) -> dict:
 
 
 def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multiplier: float,
-              rounds: int, block_size: int = 1 << 14) -> RingPlan:
-    """The smallest ring_clients >= clients whose ring holds the noise; DpfleetError if none."""
+              rounds: int, block_size: int = 1 << 14, variance_factor: float | None = None
+              ) -> RingPlan:
+    """The smallest ring_clients >= clients whose ring holds the noise; DpfleetError if none.
+    `variance_factor`: a residual coordinate's variance in units of sigma^2 when it is not the
+    tree's 1 + floor(log2 T) nodes (matrix-factorization noise, `mf_ring`: also rounded, + 1/2)."""
     if noise_multiplier <= 0:
         raise DpfleetError("dp.noise = 'discrete' needs dp.noise_multiplier > 0")
     half = (1 << (bits - 1)) - 1
     depth = 1 + max(rounds, 1).bit_length() - 1  # nodes in one residual: 1 + floor(log2 T)
+    rounding = 0.0 if variance_factor is None else 0.5
+    depth = depth if variance_factor is None else variance_factor
     ring = clients
     for _ in range(64):
         try:
@@ -105,7 +110,7 @@ def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multipl
         sigma_sq, t = integer_sigma_sq(noise_multiplier**2 * disc.rounding_bound**2
                                        * (1 + SIGMA_MARGIN))
         tails = 2 * depth * math.log(2 * disc.padded_length * rounds / WRAP_PROBABILITY)
-        bound = math.sqrt(float(sigma_sq) * tails)
+        bound = math.sqrt(float(sigma_sq) * tails) + rounding
         if clients * disc.level + bound <= half:
             return RingPlan(ring, disc.padded_length, disc.level, disc.scale, disc.rounding_bound,
                             sigma_sq, t, bound, WRAP_PROBABILITY)
@@ -116,7 +121,7 @@ def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multipl
         f"raise aggregation.bits or lower dp.noise_multiplier")
 
 
-def discrete_plan(cfg: SimulationConfig, dim: int) -> RingPlan:
+def discrete_plan(cfg: SimulationConfig, dim: int, variance_factor: float | None = None) -> RingPlan:
     """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). The headroom is
     planned for `round_size` clients (the report goal plus the service's over-selection: the
     most devices one sum can hold); the noise is z Delta_s whatever the count, and DP-FTRL
@@ -129,7 +134,8 @@ def discrete_plan(cfg: SimulationConfig, dim: int) -> RingPlan:
         from dpfleet.coordinator.config import clip_count_stddev
 
         z = model_noise_multiplier(z, clip_count_stddev(cfg))
-    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), z, cfg.rounds)
+    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), z, cfg.rounds,
+                     variance_factor=variance_factor)
 
 
 def ring_nodes(plan: RingPlan, key: bytes) -> DiscreteGaussianNodes:

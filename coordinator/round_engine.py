@@ -173,9 +173,11 @@ class RoundEngine:
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
         if resolve_noise(cfg) == "discrete":
+            from dpfleet.coordinator.mf_ring import inverse_variance_factor
             from dpfleet.coordinator.ring_noise import discrete_plan
 
-            self.ring = discrete_plan(cfg, theta0.size)
+            self.ring = discrete_plan(cfg, theta0.size, None if self.mechanism is None else
+                                      inverse_variance_factor(self.mechanism))
         self.server = DPFTRLServer(
             theta0,
             DPFTRLConfig(

@@ -279,7 +279,6 @@ def test_a_coordinator_that_breaks_min_separation_is_accounted_with_the_true_one
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"aggregation": {"kind": "secagg"}}, "needs aggregation.kind = 'plain'"),
     ({"dp": {"adaptive_clipping": True, "clip_count_stddev": 1.0}}, "does not support dp.adaptive_clipping"),
     ({"dp": {"restart_rounds": [3]}}, "dp.restart_rounds must be empty"),
 ])
@@ -316,9 +315,9 @@ def test_budget_stops_before_the_round_that_would_pass_it(tmp_path, monkeypatch)
 
 
 def test_cli_refusal_is_one_error_line(tmp_path, capsys):
-    values = parse_config(dict(config("tree"), aggregation={"kind": "secagg"})).resolved()
+    values = parse_config(dict(config("tree"), dp=dict(CFG["dp"], restart_rounds=[3]))).resolved()
     values["dp"]["mechanism"] = "banded"
-    path = tmp_path / "secagg_banded.toml"
+    path = tmp_path / "restart_banded.toml"
     path.write_text(to_toml(values))
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet"])
