@@ -87,7 +87,8 @@ def _log_mass(mean: np.ndarray, std: np.ndarray, lo: np.ndarray, hi: np.ndarray,
               inside: np.ndarray) -> np.ndarray:
     """log N(mean, std^2) mass of (lo, hi) where `inside`, else of its complement. Upper-tail
     intervals are measured from the right so tiny masses keep their digits (log_ndtr)."""
-    z1, z2 = (lo - mean) / std, (hi - mean) / std
+    with np.errstate(over="ignore"):  # a root near +-1e308 (nearly equal variances) is +-inf here
+        z1, z2 = (lo - mean) / std, (hi - mean) / std
     in_mass = np.where(z1 > 0, _logdiffexp(log_ndtr(-z1), log_ndtr(-z2)),
                        _logdiffexp(log_ndtr(z2), log_ndtr(z1)))
     out_mass = np.logaddexp(log_ndtr(z1), log_ndtr(-z2))
@@ -106,7 +107,7 @@ def _log_hockey_stick(eps: np.ndarray, mp: np.ndarray, sp: np.ndarray, mq: np.nd
     b = mp / sp**2 - mq / sq**2
     c = np.log(sq / sp) - 0.5 * mp**2 / sp**2 + 0.5 * mq**2 / sq**2 - eps
     disc = b * b - 4 * a * c
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # huge roots become +-inf
         root = np.sqrt(np.maximum(disc, 0.0))
         qq = -0.5 * (b + np.where(b >= 0, root, -root))
         r1 = np.where(qq != 0, qq / a, 0.0)
