@@ -18,6 +18,16 @@ Under secure aggregation the bit never leaves a device in the clear: it is maske
 update as one more exact ring coordinate, and the coordinator gets only the survivors' count
 (`update_count`, `secagg/count_bit.py`); the count noise is added here in either case.
 
+With matrix-factorization noise (dp.mechanism banded / blt, `mechanism`) the counts get the same
+strategy's noise sigma_b (C^-1 z')_t (z' under its own domain `MF_COUNT_DOMAIN`), so the prefix
+sum b~^t carries B z' instead of the tree's nodes, and the clip norm becomes the estimate EVERY
+round: the MF mechanism is private for adaptively chosen inputs (C lower-triangular; Denisov et
+al. 2022), so the model's release x_t / C_t + z_delta (C^-1 z)_t has sensitivity 1 per
+participation whatever C_t earlier releases chose (`dp_ftrl` scales the noise by C_t). The pair
+(model, count) is then one MF Gaussian mechanism of multiplier z on the same strategy, exactly as
+Thm. 1 pairs them on the tree: sens_C^2 / (2 z_delta^2) + sens_C^2 / (2 (2 sigma_b)^2) = sens_C^2 /
+(2 z^2), so the MF accountant keeps z.
+
 Privacy (App. A, Thm. 1): the bits are summed centred, b - 1/2, so one device moves the count by
 at most 1/2 and count noise sigma_b is a noise multiplier of 2 sigma_b. Model noise z_delta with
 1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2 makes the pair one Gaussian mechanism of noise
@@ -28,11 +38,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfleet.coordinator.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.tree_noise import TreeNoise
+
+if TYPE_CHECKING:
+    from dpfleet.coordinator.mechanisms import MechanismSpec
 from dpfleet.errors import DpfleetError
 
 FIRST_RESTART, RESTART_EVERY = 128, 1024  # paper 002 Alg. 1: R = {128 + 1024 i}
@@ -81,7 +95,7 @@ class QuantileClipEstimator:
 
     def __init__(self, initial_clip: float, report_goal: int, *, target_quantile: float = 0.5,
                  learning_rate: float = 0.2, count_stddev: float | None = None,
-                 noise_key: bytes | None = None):
+                 noise_key: bytes | None = None, mechanism: MechanismSpec | None = None):
         if not initial_clip > 0:
             raise DpfleetError(f"initial clip norm must be > 0, got {initial_clip}")
         if not 0.0 < target_quantile < 1.0:
@@ -98,7 +112,24 @@ class QuantileClipEstimator:
                                    self.count_stddev, 1, domain=b"count")
         self.estimate = self.base = float(initial_clip)
         self.noised_prefix = 0.0  # tree-noised sum of (b - 1/2) over the current tree's rounds
-        self.tree = TreeNoise(1, self.nodes, 0)
+        self.mechanism = mechanism  # banded / blt: count noise on the same strategy
+        self.tree = self._segment(0)
+
+    def _segment(self, tree_id: int, state: dict | None = None):
+        """The count noise of one tree / MF segment (fresh, or rebuilt from a resume point)."""
+        if self.mechanism is None:
+            if state is None:
+                return TreeNoise(1, self.nodes, tree_id)
+            return TreeNoise.from_state(state, self.nodes)
+        from dpfleet.coordinator.mf_noise import MF_COUNT_DOMAIN, MFNoise
+
+        if state is None:
+            return MFNoise(self.mechanism, 1, self.nodes.key, self.count_stddev, tree_id, MF_COUNT_DOMAIN)
+        return MFNoise.from_state(state, self.mechanism, self.nodes.key, self.count_stddev, MF_COUNT_DOMAIN)
+
+    def load_tree(self, state: dict) -> None:
+        """The count noise from a resume point's tree state (live nodes; MF: position only)."""
+        self.tree = self._segment(0, state)
 
     @property
     def rounds_in_tree(self) -> int:
@@ -125,7 +156,7 @@ class QuantileClipEstimator:
         of the next prefix sums."""
         self.base = self.estimate
         self.noised_prefix = 0.0
-        self.tree = TreeNoise(1, self.nodes, self.tree.tree_id + 1 if tree_id is None else tree_id)
+        self.tree = self._segment(self.tree.tree_id + 1 if tree_id is None else tree_id)
 
     def state_dict(self, with_noise: bool = True) -> dict:
         """With `with_noise`, the live count-noise nodes (noise secrets: resume point only)."""

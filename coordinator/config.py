@@ -394,12 +394,11 @@ def validate(cfg: SimulationConfig) -> None:
 
 def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
     """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet.
-    (With secagg its noise goes into the ring rounded, `mf_ring`.)"""
+    (With secagg its noise goes into the ring rounded, `mf_ring`; adaptive clipping adopts the
+    estimate every round, `adaptive_clipping`.)"""
     mf = cfg.dp.mechanism not in ("tree", "auto")  # auto picks only what the config supports
     name = f"dp.mechanism = '{cfg.dp.mechanism}'"
     return [
-        (not mf or not cfg.dp.adaptive_clipping,
-         f"{name} does not support dp.adaptive_clipping yet (use dp.mechanism = 'tree')"),
         (not mf or not cfg.dp.restart_rounds,
          f"{name} has no tree to restart: dp.restart_rounds must be empty"),
     ]

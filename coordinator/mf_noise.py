@@ -39,6 +39,7 @@ from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
 
 MF_DOMAIN = b"mf"  # NodeStream domain of the z_t (separate from the tree's b"gauss")
+MF_COUNT_DOMAIN = b"mfcount"  # adaptive clipping's clipped-count z_t (`adaptive_clipping`)
 MECHANISM_FILE = "mechanism.json"
 RING_MF_MECHANISM = "matrix-factorization Gaussian, rounded, in the SecAgg ring"  # `mf_ring`
 
@@ -89,9 +90,10 @@ class MFNoise:
     """One segment's correlated noise, with `TreeNoise`'s interface for `DPFTRLServer`
     (`next_residual`, `t`, `tree_id` = the segment, `state_dict` / `from_state`)."""
 
-    def __init__(self, spec: MechanismSpec, dim: int, key: bytes, std: float, segment: int = 0):
+    def __init__(self, spec: MechanismSpec, dim: int, key: bytes, std: float, segment: int = 0,
+                 domain: bytes = MF_DOMAIN):
         self.spec, self.dim, self.tree_id = spec, int(dim), int(segment)
-        self.z = GaussianNodes(key, std, self.dim, MF_DOMAIN)
+        self.z = GaussianNodes(key, std, self.dim, domain)
         self.stream = noise_generator(spec, self.dim)
         self.t = 0
 
@@ -116,11 +118,12 @@ class MFNoise:
                 "mechanism": self.spec.kind}
 
     @classmethod
-    def from_state(cls, state: dict, spec: MechanismSpec, key: bytes, std: float) -> MFNoise:
+    def from_state(cls, state: dict, spec: MechanismSpec, key: bytes, std: float,
+                   domain: bytes = MF_DOMAIN) -> MFNoise:
         if state.get("mechanism") != spec.kind:
             raise DpfleetError(f"the resume point's noise is {state.get('mechanism', 'tree')!r}, the "
                                f"run's mechanism {spec.kind!r}")
-        noise = cls(spec, state["dim"], key, std, state["tree_id"])
+        noise = cls(spec, state["dim"], key, std, state["tree_id"], domain)
         for _ in range(int(state["t"])):  # replay z_1..z_t from the key
             noise.next_residual()
         return noise
@@ -182,6 +185,11 @@ def mf_privacy(run_dir: Path, cfg, accountant: MFAccountant, optimised_for: dict
         privacy["accounting"] += ("; in the SecAgg ring: sens in units of one device's ring L2 bound "
                                   "Delta_s, noise sigma >= z Delta_s, rounded to integers and reduced "
                                   "mod 2^bits (post-processing of the continuous Gaussian)")
+    if cfg.dp.adaptive_clipping:  # `adaptive_clipping`: counts on the same strategy, C_t per round
+        privacy["accounting"] += ("; adaptive clipping: each round's sum normalised by its clip norm "
+                                  "C_t (chosen from earlier releases), model noise z_delta and clipped-"
+                                  "count noise 2 sigma_b on the same strategy: one MF mechanism of "
+                                  "multiplier z (1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2)")
     privacy["tree_sensitivity_squared_not_used"] = privacy.pop("sensitivity_squared", None)
     privacy.pop("worst_device", None)
     segments = 1 + len(accountant.restarts)
@@ -240,7 +248,8 @@ def _report(cfg, p: dict, spec: MechanismSpec) -> str:
         "## Parameters", "", "| parameter | value |", "|---|---|",
         f"| mechanism | {spec.kind} |",
         f"| noise multiplier z | {cfg.dp.noise_multiplier:g} |",
-        f"| clip norm | {cfg.dp.clip_norm:g} |",
+        f"| clip norm | {cfg.dp.clip_norm:g}"
+        + (" initial; adaptive: the quantile estimate, every round |" if cfg.dp.adaptive_clipping else " |"),
         f"| report goal | {cfg.dp.report_goal} |", "",
     ]
     if p.get("not_covered"):

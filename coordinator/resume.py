@@ -46,7 +46,6 @@ from dpfleet.coordinator.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.release_log import ReleaseLog
 from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.coordinator.run_dir import atomic_write, write_secret
-from dpfleet.coordinator.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 
@@ -133,7 +132,7 @@ def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
     estimator.estimate, estimator.base = float(state["estimate"]), float(state["base"])
     estimator.noised_prefix = float(state["noised_prefix"])
     tree = dict(state["tree"], noise=[np.array([v], dtype=np.float32) for v in state["tree"]["noise"]])
-    estimator.tree = TreeNoise.from_state(tree, estimator.nodes)
+    estimator.load_tree(tree)
 
 
 # [service] settings an operator may change between restarts of a coordinator: deadlines, rate

@@ -59,9 +59,10 @@ DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "coun
 
 
 def restart_rounds(cfg: SimulationConfig) -> list[int]:
-    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping."""
+    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping
+    on the tree (matrix-factorization noise adopts the clip estimate every round: no restarts)."""
     rounds = cfg.dp.restart_rounds
-    if not rounds and cfg.dp.adaptive_clipping:
+    if not rounds and cfg.dp.adaptive_clipping and cfg.dp.mechanism == "tree":
         rounds = default_restart_rounds(cfg.rounds)
     return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
 
@@ -168,7 +169,7 @@ class RoundEngine:
             self.estimator = QuantileClipEstimator(
                 cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
                 learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
-                noise_key=noise_key,
+                noise_key=noise_key, mechanism=self.mechanism,
             )
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
@@ -226,6 +227,8 @@ class RoundEngine:
         if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
             server.restart(estimator.estimate)
             estimator.restart()
+        if estimator is not None and self.mechanism is not None:  # MF: C_t from earlier releases
+            server.clip_norm = estimator.estimate
         public_update = before_round(r, server.theta) if before_round else None
         if public_update is not None:
             server.theta = np.asarray(public_update, dtype=np.float32).copy()

@@ -279,7 +279,6 @@ def test_a_coordinator_that_breaks_min_separation_is_accounted_with_the_true_one
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"dp": {"adaptive_clipping": True, "clip_count_stddev": 1.0}}, "does not support dp.adaptive_clipping"),
     ({"dp": {"restart_rounds": [3]}}, "dp.restart_rounds must be empty"),
 ])
 def test_unsupported_combinations_are_refused(extra, message):
