@@ -143,6 +143,12 @@ class CanaryRun:
             engine.server.audit_noise_scale = NOISE_SCALE[self.settings.broken]
         self._make_secrets(engine.tokenizer, engine.cfg.data.seq_len)
 
+    def clip_bound(self, plan) -> float:
+        """The norm the driver checks each update against: the plan's clip norm, or none with
+        --break clipping (a per-update check exists only in simulation: under SecAgg a deployed
+        server never sees one device's update, so a device-side clipping bug goes through)."""
+        return float("inf") if self.settings.broken == "clipping" else plan.clip_norm
+
     def train_plan(self, cfg, trainer, population, plan) -> list[ClientUpdate]:
         """The plan's updates in device order: real and text-canary devices trained by the run's
         trainer (seeds as `simulation.train_plan`), gradient canaries built from their direction."""

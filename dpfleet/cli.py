@@ -18,6 +18,7 @@ from dpfleet.errors import DpfleetError
 COMMANDS: dict[str, str] = {
     "data": "dpfleet.edge.cli_data:data",
     "simulate": "dpfleet.coordinator.cli_simulate:simulate",
+    "audit": "dpfleet.coordinator.cli_audit:audit",
     "account": "dpfleet.coordinator.cli_account:account",
     "plan": "dpfleet.coordinator.cli_plan:plan",
     "secagg": "dpfleet.secagg.cli:secagg",

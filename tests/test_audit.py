@@ -1,0 +1,169 @@
+"""`dpfleet audit`: the audit must be able to fail, and must not fail an honest run.
+
+Each test trains a tiny real run (40 Shakespeare clients, a 37k-parameter CIFG, 10 rounds of 25
+devices, disjoint participation) with ~256 canary devices added, and asserts ON THE VALUES: a run
+whose noise is off, whose clipping is off or whose noise is 10x too small gets an epsilon
+estimate (its whole interval) or a lower bound above the accounted epsilon, while honest runs'
+lower bounds stay at or below it, with the tree, a matrix-factorization mechanism and secure
+aggregation.
+"""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from dpfleet.cli import main
+from dpfleet.coordinator.audit_run import CANARY_PREFIX, AuditSettings, run_audit
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.simulation import run_simulation
+
+# z = 6 at delta 1e-5 accounts eps ~ 1.27 for one participation: small enough that a broken run's
+# estimate clears it; 10 rounds x 25 devices take ~84% of 40 real + ~256 canary devices (a device
+# that trains nothing costs nothing, so canaries are cheap; 512 directions pin the Gaussians down)
+CFG = {
+    "rounds": 10, "eval_every": 10, "seed": 7, "checkpoint_every": 0,
+    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 60, "max_examples": 8},
+    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
+    "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
+    "client": {"lr": 1.0, "batch_size": 8},
+    "dp": {"noise_multiplier": 6.0, "clip_norm": 0.5, "report_goal": 25, "momentum": 0.0,
+           "delta": 1e-5},
+}
+QUIET = {"progress": False, "log": lambda s: None}
+CANARIES = AuditSettings(canaries=256, text_canaries=2, null_directions=500, references=500,
+                         bootstrap=300)
+
+
+def audit(tmp_path, name, values=CFG, seeds=1, **settings):
+    s = AuditSettings(**{**CANARIES.__dict__, **settings})
+    return run_audit(parse_config(copy.deepcopy(values)), tmp_path / name, s, seeds=seeds,
+                     overwrite=True, **QUIET)
+
+
+def with_(section, **values):
+    return {**CFG, section: {**CFG.get(section, {}), **values}}
+
+
+@pytest.mark.parametrize("broken", ["noise-off", "clipping", "noise-div-10"])
+def test_a_broken_run_is_caught_above_its_accounted_epsilon(tmp_path, broken):
+    a = audit(tmp_path, broken, broken=broken)
+    accounted = a["epsilon_accounted"]
+    assert 1.0 < accounted < 1.5  # the configured z's epsilon: breaking the run did not change it
+    assert a["epsilon_estimate_interval"][0] > accounted, a  # the whole interval, not just the point
+    assert a["epsilon_estimate"] > 3 * accounted
+    if broken == "noise-off":  # no noise: the inserted canaries stand out one by one
+        assert a["epsilon_lower_bound"] > accounted
+    assert a["verdict"].startswith("FAIL")
+    assert a["broken"]["mode"] == broken and "DELIBERATELY BROKEN" in a["broken"]["warning"]
+    report = (tmp_path / broken / "privacy_report.md").read_text()
+    assert "## Empirical audit" in report and "DELIBERATELY BROKEN" in report
+
+
+def test_honest_runs_lower_bound_stays_at_or_below_accounted(tmp_path):
+    a = audit(tmp_path, "honest", seeds=2)
+    for entry in (*a["seeds"], a):  # each seed, and both pooled
+        assert entry["epsilon_lower_bound"] <= entry["epsilon_accounted"], entry
+        assert entry["epsilon_estimate_interval"][0] <= entry["epsilon_accounted"], entry
+        assert entry["broken"] is None and not entry["verdict"].startswith("FAIL")
+    assert a["canaries"]["directions"] == 2 * 512 and a["runs"] == 2
+    # the canaries went through the run's participation like any device: most reached a sum
+    assert a["canaries"]["inserted_in_sum"] >= 0.8 * a["canaries"]["inserted"]
+    on_disk = json.loads((tmp_path / "honest" / "audit.json").read_text())
+    assert on_disk["epsilon_lower_bound"] == a["epsilon_lower_bound"]
+    assert [s["seed"] for s in on_disk["seeds"]] == [7, 8]
+
+
+def test_canaries_are_devices_not_users_in_accounting_or_evaluation(tmp_path):
+    """The accounted eps and the held-out evaluation rows are the config's own; the canaries show
+    up only as devices in the participation log."""
+    short = {**CFG, "rounds": 1}  # disjoint: 25 slots fit the 40 real clients without canaries
+    plain = run_simulation(parse_config(copy.deepcopy(short)), tmp_path / "plain", **QUIET)
+    a = audit(tmp_path, "audited", short)
+    assert a["epsilon_accounted"] == plain.privacy["epsilon"]
+    summary = json.loads((tmp_path / "audited" / "summary.json").read_text())
+    assert summary["final"]["scored_tokens"] == plain.final["scored_tokens"]
+    devices = [d for line in (tmp_path / "audited" / "participation.jsonl").read_text().splitlines()
+               for d in json.loads(line)["devices"]]
+    assert any(d.startswith(CANARY_PREFIX) for d in devices)
+    assert len(devices) == len(set(devices)) == 25  # disjoint: canaries obey MaxP 1 too
+
+
+def test_audit_with_secure_aggregation(tmp_path):
+    """SecAgg with discrete noise on the ring sum: the canaries are masked and summed like any
+    device, and switching the ring noise off is still caught."""
+    values = with_("aggregation", kind="secagg")
+    honest = audit(tmp_path, "secagg", values)
+    assert honest["aggregation"] == "secagg" and "discrete" in honest["noise"]
+    assert honest["canaries"]["inserted_in_sum"] > 0
+    assert honest["epsilon_lower_bound"] <= honest["epsilon_accounted"]
+    broken = audit(tmp_path, "secagg-off", values, broken="noise-off")
+    assert broken["epsilon_estimate_interval"][0] > broken["epsilon_accounted"]
+
+
+def test_audit_with_a_matrix_factorization_mechanism(tmp_path):
+    values = with_("dp", mechanism="blt")
+    honest = audit(tmp_path, "blt", values)
+    assert honest["mechanism"] == "blt"
+    assert honest["epsilon_lower_bound"] <= honest["epsilon_accounted"]
+    broken = audit(tmp_path, "blt-div-10", values, broken="noise-div-10")
+    assert broken["epsilon_estimate_interval"][0] > broken["epsilon_accounted"]
+
+
+def test_cli_writes_audit_json_and_report_section(tmp_path, capsys):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(to_toml(CFG))
+    main(["audit", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--canaries", "256",
+          "--text-canaries", "1"])
+    out = capsys.readouterr().out
+    a = json.loads((tmp_path / "run" / "audit.json").read_text())
+    for key in ("epsilon_accounted", "delta", "epsilon_estimate", "epsilon_estimate_interval",
+                "epsilon_lower_bound", "lower_bound_confidence", "exposure", "canaries", "mechanism",
+                "aggregation", "broken"):
+        assert key in a
+    assert a["canaries"]["text"] == 1 and a["exposure"]["canaries"] == 1
+    assert np.isfinite(a["exposure"]["median_bits"]) and a["exposure"]["max_bits"] >= 0
+    assert f"eps = {a['epsilon_accounted']:.3f}" in out and "one-run lower bound" in out
+    assert "## Empirical audit" in (tmp_path / "run" / "privacy_report.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--canaries", "x"], "--canaries must be an integer"),
+    (["--canaries", "0"], "--canaries must be >= 1"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--confidence", "1.5"], "--confidence must be in (0.5, 1)"),
+    (["--break", "everything"], "--break must be 'clipping' or 'noise-div-10'"),
+    (["--break", "clipping", "--debug-nonprivate"], "give one broken mode"),
+])
+def test_bad_cli_input_is_one_error_line(tmp_path, capsys, args, message):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(to_toml(CFG))
+    with pytest.raises(SystemExit) as exit_:
+        main(["audit", str(cfg), "--out", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not (tmp_path / "run").exists()  # refused before any training
+
+
+def test_missing_config_and_zero_noise_are_one_error_line(tmp_path, capsys):
+    cfg = tmp_path / "nonoise.toml"
+    cfg.write_text(to_toml(with_("dp", noise_multiplier=0.0)))
+    for path, message in [(tmp_path / "nope.toml", "config file not found"),
+                          (cfg, "nothing to audit")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["audit", str(path), "--out", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and message in err[0]
+
+
+@pytest.mark.slow
+def test_false_alarm_rate_over_seeds_is_what_the_confidence_implies(tmp_path):
+    """Honest runs over 20 seeds at confidence 0.8: each lower bound passes the accounted eps
+    with probability <= 0.2, so 20 runs give more than 9 false alarms with probability < 0.3%
+    (binomial(20, 0.2)); in practice the bound is far below (it is loose), so 0 is typical."""
+    a = audit(tmp_path, "seeds", seeds=20, confidence=0.8, text_canaries=0)
+    alarms = sum(e["epsilon_lower_bound"] > e["epsilon_accounted"] for e in a["seeds"])
+    assert alarms <= 9, [e["epsilon_lower_bound"] for e in a["seeds"]]
+    assert a["epsilon_lower_bound"] <= a["epsilon_accounted"]
