@@ -30,9 +30,10 @@ Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's
 
 
 def allowed_mechanisms(cfg: SimulationConfig) -> tuple[str, ...]:
-    """What "auto" may pick: matrix-factorization noise needs plain aggregation and fixed clipping
-    (config.mechanism_checks), so otherwise only the tree."""
-    if cfg.aggregation.kind != "plain" or cfg.dp.adaptive_clipping or cfg.dp.restart_rounds:
+    """What "auto" may pick: matrix-factorization noise has no tree restarts (config.mechanism_
+    checks), so with dp.restart_rounds only the tree. (With secagg MF noise goes into the ring,
+    `mf_ring`; with adaptive clipping the counts share its strategy, `adaptive_clipping`.)"""
+    if cfg.dp.restart_rounds:
         return ("tree",)
     return MECHANISMS
 

@@ -272,3 +272,12 @@ def test_ring_release_decodes_to_the_plain_mf_release_up_to_quantization():
             assert low < ratio < high, (t, ratio)
         # the two paths' noise scales agree up to the ring's rounding-bound inflation
         assert plan.sigma / disc.scale == pytest.approx(Z * clip, rel=1e-3)
+
+
+def test_auto_mechanism_may_pick_mf_with_secagg_and_adaptive_clipping_but_not_with_restarts():
+    from dpfleet.coordinator.config_plan import allowed_mechanisms
+
+    assert allowed_mechanisms(parse_config(secagg("tree"))) == ("tree", "banded", "blt")
+    adaptive = secagg("tree", adaptive_clipping=True, clip_count_stddev=1.0)
+    assert allowed_mechanisms(parse_config(adaptive)) == ("tree", "banded", "blt")
+    assert allowed_mechanisms(parse_config(secagg("tree", restart_rounds=[3]))) == ("tree",)
