@@ -73,6 +73,11 @@ def _unit_open(name: str, value: float) -> float:
     return x
 
 
+def _is_int(value: object) -> bool:
+    """An integer count (numpy integers too), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 # ---------------------------------------------------------------- one-shot (Andrew et al. 2024)
 
 
@@ -219,7 +224,7 @@ def one_shot_estimate(observed: Sequence[float], unobserved: Sequence[float], de
     null = _scores("unobserved", unobserved, minimum=2)
     delta = _unit_open("delta", delta)
     confidence = _unit_open("confidence", confidence)
-    if not (isinstance(bootstrap, int) and bootstrap >= 1):
+    if not (_is_int(bootstrap) and bootstrap >= 1):
         raise DpfleetError(f"bootstrap must be a positive number of replicates, got {bootstrap!r}")
     if interval not in ("basic", "percentile"):
         raise DpfleetError(f"interval must be 'basic' or 'percentile', got {interval!r}")
@@ -238,7 +243,7 @@ def one_shot_estimate(observed: Sequence[float], unobserved: Sequence[float], de
         lo, hi = max(0.0, 2 * eps - q_hi), max(0.0, 2 * eps - q_lo)
     return {"epsilon": eps, "interval": [lo, hi], "confidence": confidence, "interval_method": interval,
             "mu_observed": float(mo), "sigma_observed": float(so), "mu_unobserved": float(mu),
-            "sigma_unobserved": float(su), "canaries": int(obs.size), "bootstrap": bootstrap}
+            "sigma_unobserved": float(su), "canaries": int(obs.size), "bootstrap": int(bootstrap)}
 
 
 # ---------------------------------------------------------------- one run (Steinke et al. 2023)
@@ -320,8 +325,8 @@ def one_run_lower_bound(scores: Sequence[float], inserted: Sequence[bool], delta
     m = s.size
     if guesses is None:
         tried = _guess_counts(m)
-    elif isinstance(guesses, int) and 1 <= guesses <= m:
-        tried = [guesses]
+    elif _is_int(guesses) and 1 <= guesses <= m:
+        tried = [int(guesses)]
     else:
         raise DpfleetError(f"guesses must be an integer in 1..{m} (the number of canaries), got {guesses!r}")
     alpha = (1 - confidence) / len(tried)
@@ -335,7 +340,7 @@ def one_run_lower_bound(scores: Sequence[float], inserted: Sequence[bool], delta
         if not best or eps > best["epsilon"]:
             best = {"epsilon": eps, "guesses": r, "correct": v}
     return {"epsilon": float(best["epsilon"]), "confidence": confidence, "guesses": best["guesses"],
-            "correct": best["correct"], "canaries": m, "delta": delta, "guess_counts_tried": tried}
+            "correct": best["correct"], "canaries": int(m), "delta": delta, "guess_counts_tried": tried}
 
 
 # ---------------------------------------------------------------- exposure (Carlini et al. 2019)
