@@ -115,6 +115,18 @@ class ParticipationSection:
 
 
 @dataclass
+class PretrainSection:
+    """Central training on public text before the first private round (coordinator/public_init.py):
+    public data only, so no privacy cost; refused when a corpus overlaps the private dataset."""
+
+    corpus: list[str] = field(default_factory=list)  # e.g. ["wikitext2", "kjv"]; empty: no pretraining
+    steps: int = 0  # Adam steps on the public rows
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0  # the public batches' draw (the init is the run's seed)
+
+
+@dataclass
 class AggregationSection:
     kind: str = "plain"  # "plain" | "secagg" (pairwise-mask secure aggregation, in-process)
     bits: int = 32  # secagg ring Z_(2^bits)
@@ -187,6 +199,7 @@ class SimulationConfig:
     client: ClientSection = field(default_factory=ClientSection)
     dp: DPSection = field(default_factory=DPSection)
     participation: ParticipationSection = field(default_factory=ParticipationSection)
+    pretrain: PretrainSection = field(default_factory=PretrainSection)
     aggregation: AggregationSection = field(default_factory=AggregationSection)
     backend: BackendSection = field(default_factory=BackendSection)
     fleet: FleetSection = field(default_factory=FleetSection)
@@ -377,6 +390,10 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.participation.max_participation >= 0,
          "participation.max_participation must be >= 0 (0: no cap)"),
         (cfg.dp.target_epsilon >= 0, "dp.target_epsilon must be >= 0 (0: no plan)"),
+        (cfg.pretrain.steps >= 0 and cfg.pretrain.batch_size >= 1 and cfg.pretrain.lr > 0,
+         "pretrain.steps must be >= 0, pretrain.batch_size >= 1 and pretrain.lr > 0"),
+        (not cfg.pretrain.corpus or cfg.pretrain.steps > 0,
+         "pretrain.corpus is set but pretrain.steps = 0: give the steps, or remove the corpus"),
         (cfg.dp.mechanism != "auto" or cfg.dp.target_epsilon > 0,
          "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
         *mechanism_checks(cfg),

@@ -215,13 +215,23 @@ def run_simulation(
         log(generated_notice["warning"])
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     trainer_note = None
+    pretrained = None
     if model is None:
         model = build_model(model_cfg)
+        if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
+            from dpfleet.coordinator.public_init import pretrain_on_public
+
+            pretrained = pretrain_on_public(cfg, model_cfg, model, tokenizer, log)
+            public_data = [*public_data, *(f"{c} (pretraining, {cfg.pretrain.steps} steps)"
+                                           for c in cfg.pretrain.corpus)]
         runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
         trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                                batch_size=cfg.client.batch_size, device=cfg.client.device,
                                memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
     else:  # a custom module: the cohort trainers' fused / torch.func paths assume a zoo model
+        if cfg.pretrain.corpus:
+            raise DpfleetError("[pretrain] trains the config's zoo model; pretrain a custom model "
+                               "yourself before passing it")
         if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
             raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
                                f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
@@ -298,6 +308,7 @@ def run_simulation(
                                              else {}),
                                           **({"data": "records given in Python"} if records is not None
                                              else {}),
+                                          **({"public_pretraining": pretrained} if pretrained else {}),
                                           **({"generated_population": generated_notice}
                                              if generated_notice else {})})
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)

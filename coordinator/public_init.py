@@ -1,0 +1,85 @@
+"""`[pretrain]`: the model starts from central training on public text, not from a random init.
+
+Why: under DP the private rounds buy little signal per unit of noise, so what the model can learn
+without the private data should not be paid for with it. Training on public corpora (WikiText-2,
+the King James Bible: packaged, and refused when they overlap the private dataset) before the
+first private round is post-processing of public data: it costs no privacy, and the run's
+privacy report names the corpora. The same tokenizer (trained on WikiText-2) cuts the public
+text into rows of `data.seq_len` tokens; the loop is public/kd_pretrain.py's with beta = 0
+(plain next-token loss, Adam, gradient clipping at 1).
+
+The pretrained weights are cached under `$DPFLEET_CACHE/pretrain/`, keyed by the token rows,
+the model config and the training settings, so a rerun (or another seed of the private run with
+the same pretraining seed) does not pay for it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.edge.datasets import load_records
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig
+from dpfleet.export.params import get_flat, set_flat
+from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
+from dpfleet.public.overlap import check_public_sources
+
+
+def public_sequences(sources: list[str], tokenizer, seq_len: int) -> list[list[int]]:
+    """Every train-split record of each source, tokenized and cut into pieces of <= seq_len tokens
+    (pieces under 4 tokens dropped: mostly headings and blank tails)."""
+    out = []
+    for source in sources:
+        for record in load_records(source, "train"):
+            ids = tokenizer.encode(record.text)
+            pieces = (ids[i:i + seq_len] for i in range(0, len(ids), seq_len))
+            out.extend(piece for piece in pieces if len(piece) >= 4)
+    if not out:
+        raise DpfleetError(f"pretrain.corpus {sources} gave no text")
+    return out
+
+
+def _key(sequences: list[list[int]], model_cfg: ModelConfig, train: KDTrainConfig, sources: list[str]) -> str:
+    digest = hashlib.sha256(json.dumps([sources, asdict(model_cfg), asdict(train)], sort_keys=True).encode())
+    for s in sequences:
+        digest.update(np.asarray(s, dtype=np.int32).tobytes() + b"\xff\xff\xff\xff")
+    return digest.hexdigest()[:24]
+
+
+def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: torch.nn.Module, tokenizer,
+                       log: Callable[[str], None] = print) -> dict:
+    """Train `model` in place on `cfg.pretrain.corpus` (public), from its seeded init; returns what
+    the privacy report and summary record (corpora, rows, steps, seconds, cached or not)."""
+    p = cfg.pretrain
+    check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
+    t0 = time.perf_counter()
+    sequences = public_sequences(list(p.corpus), tokenizer, cfg.data.seq_len)
+    train = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=0.0, seed=p.seed)
+    path = cache_dir() / "pretrain" / f"{_key(sequences, model_cfg, train, list(p.corpus))}.npy"
+    cached = path.is_file()
+    if cached:
+        theta = np.load(path)
+    else:
+        rng = torch.get_rng_state()  # the private run's torch stream stays as without pretraining
+        theta, _ = kd_train(model_cfg, get_flat(model), PlainCorpus(sequences), None, train,
+                            progress=False, desc="public pretraining")
+        torch.set_rng_state(rng)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, theta)
+        tmp.replace(path)
+    set_flat(model, theta)
+    seconds = time.perf_counter() - t0
+    log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps"
+        f"{' (cached)' if cached else ''}, {seconds:.1f} s")
+    return {"corpus": list(p.corpus), "rows": len(sequences), "steps": p.steps, "batch_size": p.batch_size,
+            "lr": p.lr, "seed": p.seed, "cached": cached, "seconds": seconds}
