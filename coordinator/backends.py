@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from dpfleet.coordinator.config import BackendSection
-from dpfleet.edge.client_update import ClientUpdate, client_update
+from dpfleet.edge.client_update import ClientUpdate, Clip, client_update
 from dpfleet.edge.runtime import TrainingRuntime
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
@@ -40,14 +40,15 @@ class SequentialTrainer:
 
     name = "sequential"
 
-    def __init__(self, runtime: TrainingRuntime):
-        self.runtime = runtime
+    def __init__(self, runtime: TrainingRuntime, clip: Clip | None = None):
+        """`clip`: a `dpfleet.extensions.ClippingRule` (default the L2 clip)."""
+        self.runtime, self.clip = runtime, clip
 
     def train_round(self, theta0: np.ndarray, examples: Sequence[np.ndarray], seeds: Sequence[int],
                     *, lr: float, batch_size: int, clip_norm: float) -> list[ClientUpdate]:
         return [
             client_update(self.runtime, theta0, x, lr=lr, batch_size=batch_size, clip_norm=clip_norm,
-                          seed=s)
+                          seed=s, clip=self.clip)
             for x, s in zip(examples, seeds, strict=True)
         ]
 

@@ -103,11 +103,56 @@ class Selection:
     refused: int  # devices that checked in but the guard refused (summed over the waits)
 
 
+class Eligible:
+    """The devices the guard allows in one round, in ascending order, without materialising them
+    (a million-device fleet): what a `dpfleet.extensions.ParticipationPolicy` chooses from."""
+
+    def __init__(self, size: int, blocked: np.ndarray, pool: np.ndarray | None = None):
+        """`blocked`: sorted devices the guard refuses; `pool`: the devices that checked in and are
+        not blocked (None: every device not blocked)."""
+        self.blocked, self.pool = blocked, pool
+        self.count = size - blocked.size if pool is None else pool.size
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The eligible devices at `positions` (0 <= position < count) of the ascending list."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return self.pool[positions] if self.pool is not None else nth_unblocked(self.blocked, positions)
+
+
+class UniformPolicy:
+    """Built-in `ParticipationPolicy`: a seeded uniform draw without replacement among the
+    eligible devices (`participation.mode = "uniform"`; with `tag` 0x5C the networked timer mode's
+    draw among the devices that checked in)."""
+
+    def __init__(self, seed: int, tag: int = 0x5B):
+        self.seed, self.tag = seed, tag
+
+    def select(self, round_idx: int, eligible: Eligible, count: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.tag, round_idx])
+        return eligible.at(rng.choice(eligible.count, count, replace=False))
+
+
+class DisjointPolicy:
+    """Built-in `ParticipationPolicy`: one seeded permutation cut into blocks of the report goal
+    (`participation.mode = "disjoint"`): each device at most once."""
+
+    def __init__(self, size: int, seed: int):
+        self.order = np.random.default_rng([seed, 0x5A]).permutation(size)
+
+    def select(self, round_idx: int, eligible: Eligible, count: int) -> np.ndarray:
+        return self.order[round_idx * count : (round_idx + 1) * count]
+
+
 class Participation:
     """Selects each round's devices under the configured mode and enforces the guard."""
 
     def __init__(self, section: ParticipationSection, size: int, report_goal: int, rounds: int,
-                 seed: int, fleet: EmulatedFleet | None = None):
+                 seed: int, fleet: EmulatedFleet | None = None, policy=None):
+        """`policy`: a caller's `dpfleet.extensions.ParticipationPolicy` in place of the mode's
+        built-in draw (uniform mode only); its choice is checked against the guard every round."""
+        if policy is not None and section.mode != "uniform":
+            raise DpfleetError(f"a custom participation policy runs with participation.mode = "
+                               f"'uniform' (its guard's MinS / MaxP apply), not {section.mode!r}")
         if report_goal > size:
             raise DpfleetError(f"dp.report_goal={report_goal} exceeds the {size} training clients")
         if section.mode == "disjoint" and rounds * report_goal > size:
@@ -128,8 +173,9 @@ class Participation:
             mins = self.fleet.timer_slots - 1 if section.mode == "timer" else 0
         self.guard = ParticipationGuard(size, max(mins, 0), section.max_participation)
         self.slot = 0
-        self._order = (np.random.default_rng([seed, 0x5A]).permutation(size)
-                       if section.mode == "disjoint" else None)
+        self.policy = policy if policy is not None else (
+            DisjointPolicy(size, seed) if section.mode == "disjoint" else UniformPolicy(seed))
+        self._timer_draw = UniformPolicy(seed, 0x5C)  # timer mode among the devices that checked in
 
     @property
     def min_separation(self) -> int:
@@ -158,18 +204,16 @@ class Participation:
                 f"the report goal is {m}"
             )
         mode = self.section.mode
-        if mode == "disjoint":
-            chosen = self._order[round_idx * m : (round_idx + 1) * m]
-            return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
-        if mode == "uniform" or available is not None:  # timer + available: the devices' timers
-            # decided who checked in. Drawing positions in the allowed pool by count gives the
-            # same devices as rng.choice over the pool array did (numpy draws positions either way)
-            tag = 0x5B if mode == "uniform" else 0x5C
-            rng = np.random.default_rng([self.seed, tag, round_idx])
-            picks = rng.choice(n_allowed, min(m + extra, n_allowed), replace=False)
-            chosen = pool[picks] if pool is not None else nth_unblocked(blocked, picks)
-            return Selection(round_idx, sorted(chosen.tolist()), self.slot, 0, 0)
-        return self._propose_timer(round_idx, self.guard.allowed(round_idx))  # the fleet scans all
+        if mode == "timer" and available is None:
+            return self._propose_timer(round_idx, self.guard.allowed(round_idx))  # the fleet scans all
+        # timer + available: the devices' timers decided who checked in, a uniform draw among them.
+        # Drawing positions in the allowed pool by count gives the same devices as rng.choice over
+        # the pool array did (numpy draws positions either way)
+        policy = self._timer_draw if mode == "timer" else self.policy
+        count = m if mode == "disjoint" else min(m + extra, n_allowed)
+        chosen = policy.select(round_idx, Eligible(self.size, blocked, pool), count)
+        devices = check_selection(chosen, count, self.size, blocked, pool, round_idx)  # every policy
+        return Selection(round_idx, devices, self.slot, 0, 0)
 
     def _propose_timer(self, round_idx: int, allowed: np.ndarray) -> Selection:
         max_wait = int(MAX_WAIT_DAYS * 24 * 60 / self.section.round_minutes)
@@ -197,6 +241,40 @@ class Participation:
         if self.fleet is not None:
             self.fleet.took_part(selection.devices, selection.slot)
         self.slot = selection.slot + 1
+
+
+def check_selection(chosen: object, count: int, size: int, blocked: np.ndarray, pool: np.ndarray | None,
+                    round_idx: int) -> list[int]:
+    """A policy's choice, checked before anything is trained or released: exactly `count` distinct
+    devices, each one the guard allows (and, networked, one that checked in). A duplicate would
+    count one user twice in a sum whose sensitivity assumes once; a refused one breaks MinS / MaxP.
+    Returns the devices ascending; anything else is one `DpfleetError` naming the device."""
+    try:
+        arr = np.asarray(chosen).reshape(-1)
+    except Exception:  # a caller's object
+        arr = np.zeros(0)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise DpfleetError(f"round {round_idx + 1}: the participation policy must return device "
+                           f"indices (ints), got {arr.dtype}")
+    devices = np.sort(arr.astype(np.int64))
+    where = f"round {round_idx + 1}: the participation policy"
+    if devices.size != count:
+        raise DpfleetError(f"{where} chose {devices.size} devices, the round needs {count}")
+    if devices.size and (devices[0] < 0 or devices[-1] >= size):
+        bad = devices[0] if devices[0] < 0 else devices[-1]
+        raise DpfleetError(f"{where} chose device {bad}, not in [0, {size})")
+    twice = devices[1:][devices[1:] == devices[:-1]]
+    if twice.size:
+        raise DpfleetError(f"{where} chose device {twice[0]} more than once (its update would count "
+                           "twice in a sum whose sensitivity assumes once)")
+    refused = devices[np.isin(devices, blocked)]
+    if refused.size:
+        raise DpfleetError(f"{where} chose device {refused[0]}, which the guard refuses in this round "
+                           "(it would break the enforced MinS / MaxP)")
+    if pool is not None and not np.isin(devices, pool).all():
+        raise DpfleetError(f"{where} chose device {devices[~np.isin(devices, pool)][0]}, which did not "
+                           "check in")
+    return devices.tolist()
 
 
 def nth_unblocked(blocked: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -372,6 +372,8 @@ class RoundEngine:
                                     public_data=list(public_data), ring=self.ring)
         if self.mechanism is not None:  # the strategy's accounting replaces the tree's figures
             privacy = mf_privacy(run_path, cfg, self.accountant, self.mechanism_optimised_for, privacy)
+        if hasattr(self.accountant, "privacy"):  # a caller's noise mechanism (dpfleet.extensions)
+            privacy = self.accountant.privacy(run_path, cfg, privacy)
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)

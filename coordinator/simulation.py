@@ -161,6 +161,7 @@ def run_simulation(
     model: torch.nn.Module | None = None,
     tokenizer=None,
     audit=None,
+    extensions: dict | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -246,6 +247,13 @@ def run_simulation(
                                                               model=copy.deepcopy(model)),
                                    model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
         model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
+    ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
+    from dpfleet.extensions import check_clipped, custom_trainer, install
+
+    if "client_update" in ext or "clipping" in ext:
+        trainer, note = custom_trainer(cfg, trainer, model_cfg, model, ext.get("client_update"),
+                                       ext.get("clipping"))
+        trainer_note = note or trainer_note
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
         cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
@@ -255,6 +263,7 @@ def run_simulation(
                                      fingerprint_secret(run.path, create=not resume)),
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
     )
+    install(engine, participation=ext.get("participation"), noise=ext.get("noise"), resume=resume)
     aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
     if audit is not None:
         audit.engine_ready(engine)
@@ -289,6 +298,7 @@ def run_simulation(
             break
         updates = (train_plan(cfg, trainer, population, plan) if audit is None
                    else audit.train_plan(cfg, trainer, population, plan))
+        check_clipped(updates, plan.clip_norm, ext.get("clipping"), plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),

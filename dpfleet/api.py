@@ -42,6 +42,7 @@ from torch import nn
 from dpfleet.coordinator.config import SimulationConfig, load_config, parse_config, validate
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.errors import DpfleetError
+from dpfleet.extensions import ClippingRule, LocalUpdate, NoiseMechanism, ParticipationPolicy
 
 __all__ = ["Result", "TokenizerLike", "run", "simulate"]
 
@@ -99,6 +100,10 @@ def simulate(
     progress: bool = True,
     run_dir: str | Path | None = None,
     overwrite: bool = False,
+    client_update: LocalUpdate | None = None,
+    clipping: ClippingRule | None = None,
+    noise: NoiseMechanism | None = None,
+    participation: ParticipationPolicy | None = None,
 ) -> Result:
     """Train a model with DP-FTRL over a simulated fleet and return its `Result`.
 
@@ -115,6 +120,15 @@ def simulate(
         run_dir: where the run directory goes; default `runs/<config name>` (or `runs/python`
             for a dict), with -2, -3, ... appended if that is taken.
         overwrite: reuse a non-empty `run_dir`.
+        client_update: your local training (`dpfleet.extensions.LocalUpdate`); default one
+            epoch of plain SGD (`LocalSGD`).
+        clipping: your clipping rule (`dpfleet.extensions.ClippingRule`), checked every round
+            against the bound; default the L2 clip.
+        noise: your noise mechanism with its declared accounting
+            (`dpfleet.extensions.NoiseMechanism`); default the config's `dp.mechanism`.
+        participation: your choice among the eligible devices
+            (`dpfleet.extensions.ParticipationPolicy`, participation.mode = "uniform"); default
+            the config's mode.
 
     Raises:
         DpfleetError: a bad config, users, tokenizer or model, named in one line.
@@ -130,7 +144,8 @@ def simulate(
 
         run_dir = _fresh_run_dir(Path("runs") / name)
     return run(cfg, Path(run_dir), model=model, users=users, tokenizer=tokenizer, progress=progress,
-               overwrite=overwrite, log=(print if progress else _quiet))
+               overwrite=overwrite, log=(print if progress else _quiet), client_update=client_update,
+               clipping=clipping, noise=noise, participation=participation)
 
 
 def run(
@@ -145,10 +160,15 @@ def run(
     resume: bool = False,
     log: Callable[[str], None] = print,
     audit=None,
+    client_update: LocalUpdate | None = None,
+    clipping: ClippingRule | None = None,
+    noise: NoiseMechanism | None = None,
+    participation: ParticipationPolicy | None = None,
 ) -> Result:
     """`simulate` for a parsed config (what the CLI calls): checks the inputs, runs, and reads
     the `Result` off the run. `resume` continues an interrupted run directory. `audit`: `dpfleet
-    audit`'s canaries (`coordinator.audit_run`), the same run with canary devices added."""
+    audit`'s canaries (`coordinator.audit_run`), the same run with canary devices added. The
+    four extension points (`dpfleet.extensions`) default to the built-in parts."""
     validate(cfg)
     if model is not None and not isinstance(model, nn.Module):
         raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -157,7 +177,9 @@ def run(
     from dpfleet.coordinator.simulation import run_simulation
 
     out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress, log=log,
-                         records=records, model=model, tokenizer=tok, audit=audit)
+                         records=records, model=model, tokenizer=tok, audit=audit,
+                         extensions={"client_update": client_update, "clipping": clipping,
+                                     "noise": noise, "participation": participation})
     summary = json.loads((out.run_dir / "summary.json").read_text())
     return Result(
         accuracy=out.final["accuracy"], unigram_accuracy=out.baseline["accuracy"],

@@ -7,6 +7,7 @@ adaptive clipping (quantile estimation needs only the bit `norm <= C`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,15 +50,22 @@ def client_update(
     batch_size: int,
     clip_norm: float,
     seed: int,
+    clip: Clip | None = None,
 ) -> ClientUpdate:
     runtime.set_weights(theta0)
     result = runtime.train_epoch(examples, lr=lr, batch_size=batch_size, seed=seed)
-    return finish_update(runtime.get_weights() - theta0, clip_norm, result.mean_loss, len(examples))
+    return finish_update(runtime.get_weights() - theta0, clip_norm, result.mean_loss, len(examples), clip)
 
 
-def finish_update(delta: np.ndarray, clip_norm: float, loss: float, num_examples: int) -> ClientUpdate:
-    """Clip a trained delta; shared by the sequential and the cohort trainers."""
+Clip = Callable[[np.ndarray, float], tuple[np.ndarray, float]]  # `dpfleet.extensions.ClippingRule`
+
+
+def finish_update(delta: np.ndarray, clip_norm: float, loss: float, num_examples: int,
+                  clip: Clip | None = None) -> ClientUpdate:
+    """Clip a trained delta with `clip` (a `dpfleet.extensions.ClippingRule`; default the L2 clip
+    `clip_l2`); shared by the sequential and the cohort trainers. The driver checks the result's
+    norm against the bound before aggregation (`extensions.check_clipped`)."""
     if not np.isfinite(delta).all():  # diverged local training contributes nothing, not NaN
         return ClientUpdate(np.zeros_like(delta), float("inf"), True, loss, num_examples)
-    clipped, norm = clip_l2(delta, clip_norm)
+    clipped, norm = (clip_l2 if clip is None else clip)(delta, clip_norm)
     return ClientUpdate(clipped, norm, norm > clip_norm, loss, num_examples)

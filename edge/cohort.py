@@ -105,6 +105,7 @@ class CohortTrainer:
     """Trains a round's clients in chunks of stacked weights (eager torch, CPU or CUDA)."""
 
     name = "cohort"
+    clip = None  # a `dpfleet.extensions.ClippingRule` set by the driver; None: the L2 clip
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
                  memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True,
@@ -148,7 +149,7 @@ class CohortTrainer:
             deltas, losses = self._train_chunk(theta, [examples[i] for i in ids],
                                                [plans[i] for i in ids], lr, batch_size)
             for j, i in enumerate(ids):
-                out[i] = finish_update(deltas[j], clip_norm, losses[j], len(examples[i]))
+                out[i] = finish_update(deltas[j], clip_norm, losses[j], len(examples[i]), self.clip)
         return out  # type: ignore[return-value]
 
     def _train_chunk(self, theta: torch.Tensor, examples: list[np.ndarray],

@@ -65,17 +65,40 @@ class HostWeights:
         return self._flat.copy()
 
 
+class LocalSGD:
+    """The built-in local training (`dpfleet.extensions.LocalUpdate`): one epoch of plain SGD over
+    the user's rows in seeded shuffled minibatches, mean next-token loss with PAD targets unscored.
+    The cohort trainer and the exported phone programs are batched / compiled forms of exactly
+    this loop (their deltas are tested against it)."""
+
+    def __call__(self, model: torch.nn.Module, rows: torch.Tensor, *, lr: float, batch_size: int,
+                 seed: int) -> float:
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for idx in batches(len(rows), batch_size, seed):
+            batch = rows[idx]
+            loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:], PAD)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return float(np.mean(losses)) if losses else float("nan")
+
+
 class EagerRuntime:
     """The reference runtime: eager PyTorch on CPU."""
 
     name = "eager"
 
-    def __init__(self, cfg: ModelConfig, threads: int | None = None, model: torch.nn.Module | None = None):
-        """`model`: train this module instead of the zoo's `cfg` model (`dpfleet.simulate`'s own)."""
+    def __init__(self, cfg: ModelConfig, threads: int | None = None, model: torch.nn.Module | None = None,
+                 local_update=None):
+        """`model`: train this module instead of the zoo's `cfg` model (`dpfleet.simulate`'s own);
+        `local_update`: a `dpfleet.extensions.LocalUpdate` instead of the built-in `LocalSGD`."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.model = build_model(cfg) if model is None else model
+        self.local_update = LocalSGD() if local_update is None else local_update
 
     def set_weights(self, flat: np.ndarray) -> None:
         set_flat(self.model, flat)
@@ -89,14 +112,6 @@ class EagerRuntime:
         if examples.ndim != 2 or examples.shape[1] < 2:
             raise DpfleetError(f"examples must be [n, L+1] token rows, got {examples.shape}")
         data = torch.from_numpy(examples.astype(np.int64))
-        opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.model.train()
-        losses = []
-        for idx in batches(len(data), batch_size, seed):
-            rows = data[idx]
-            loss = next_token_loss(self.model(rows[:, :-1]), rows[:, 1:], PAD)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return EpochResult(float(np.mean(losses)) if losses else float("nan"), len(losses))
+        loss = self.local_update(self.model, data, lr=lr, batch_size=batch_size, seed=seed)
+        return EpochResult(float(loss), -(-len(data) // batch_size))

@@ -1,0 +1,212 @@
+"""Extension points (`dpfleet.extensions`): the example of each runs; the built-in objects are
+the run's own path (passing them explicitly changes nothing, bit for bit); and the attacks: a
+clipping rule that overshoots its bound, a participation policy that picks a device twice or one
+the guard refuses, a noise mechanism that declares no accounting. Each is caught before the round
+is released, or said plainly in the privacy report, checked on the values."""
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_api import CONFIG, USERS, TinyLM, WordIds
+
+import dpfleet
+from dpfleet.coordinator.mechanisms import optimize_mechanism
+from dpfleet.coordinator.mf_noise import MFAccountant
+from dpfleet.coordinator.participation import check_selection
+from dpfleet.coordinator.run_accounting import RunAccountant
+from dpfleet.errors import DpfleetError
+from dpfleet.extensions import (
+    ClippingRule,
+    LocalSGD,
+    LocalUpdate,
+    MatrixMechanism,
+    NoiseMechanism,
+    ParticipationPolicy,
+    TreeMechanism,
+    UniformPolicy,
+    clip_l2,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIFORM = {**CONFIG, "rounds": 3, "dp": {**CONFIG["dp"], "noise_seed": 7},
+           "participation": {"mode": "uniform", "min_separation": 1}}
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("extensions_example", ROOT / "examples" / "extensions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, name="run", config=UNIFORM, **kw):
+    torch.manual_seed(0)
+    return dpfleet.simulate(config, model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False,
+                            run_dir=tmp_path / name, **kw)
+
+
+def _released(run_dir: Path) -> list[dict]:
+    path = run_dir / "releases.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def test_example_runs_all_four_and_its_epsilon_is_the_declared_one(tmp_path):
+    ex = _example()
+    model = ex.GRULanguageModel(64)
+    assert isinstance(ex.LocalAdam(), LocalUpdate) and isinstance(ex.PerLayerClip(model), ClippingRule)
+    assert isinstance(ex.IndependentGaussian(), NoiseMechanism)
+    assert isinstance(ex.CyclicPolicy(4), ParticipationPolicy)
+    result = ex.main(tmp_path / "ext", progress=False)
+    privacy = json.loads((result.run_dir / "privacy.json").read_text())
+    log = [json.loads(x) for x in (result.run_dir / "participation.jsonl").read_text().splitlines()]
+    seen: dict[str, list[int]] = {}
+    for entry in log:
+        for d in entry["devices"]:
+            seen.setdefault(d, []).append(entry["round"])
+    maxp = max(len(r) for r in seen.values())
+    gaps = [b - a - 1 for r in seen.values() for a, b in zip(r, r[1:], strict=False)]
+    # cyclic: a device comes back only every 4th round; the declared rho is MaxP / (2 z^2)
+    assert gaps and min(gaps) >= 3 and privacy["min_separation"] == min(gaps)
+    assert privacy["zcdp"] == pytest.approx(maxp / (2 * ex.CONFIG["dp"]["noise_multiplier"] ** 2))
+    assert privacy["noise_mechanism"] == "custom: independent Gaussian"
+    assert privacy["accounted_by_dpfleet"] is False and privacy["accounting_declared_by_mechanism"]
+    assert "AS DECLARED" in (result.run_dir / "privacy_report.md").read_text()
+    assert result.epsilon == privacy["epsilon"] < math.inf
+    assert "LocalAdam" in json.loads((result.run_dir / "summary.json").read_text())["client_trainer_note"]
+
+
+def test_built_in_parts_passed_explicitly_are_the_same_run(tmp_path):
+    """LocalSGD, clip_l2, UniformPolicy and TreeMechanism are what the config's run uses: passed
+    through the protocols they give the same model and the same per-round zCDP, bit for bit."""
+    base = _run(tmp_path, "base")
+    same = _run(tmp_path, "same", client_update=LocalSGD(), clipping=clip_l2, noise=TreeMechanism(),
+                participation=UniformPolicy(UNIFORM["seed"]))
+    for a, b in zip(base.model.state_dict().values(), same.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert [m["zcdp"] for m in base.metrics] == [m["zcdp"] for m in same.metrics]
+    assert [m["accuracy"] for m in base.metrics] == [m["accuracy"] for m in same.metrics]
+    assert same.privacy["noise_mechanism"] == "custom: tree"
+
+
+def test_a_custom_local_update_changes_the_training(tmp_path):
+    base = _run(tmp_path, "base")
+    adam = _run(tmp_path, "adam", client_update=_example().LocalAdam(lr=0.05))
+    assert not torch.equal(base.model.head.weight, adam.model.head.weight)
+
+
+@pytest.mark.parametrize("factor", [2.0, 1 + 1e-6])
+def test_attack_a_clipping_rule_above_its_bound_is_stopped_before_release(tmp_path, factor):
+    """The rule returns norm factor x bound (2x, and a subtle 1e-6 overshoot): the run stops with
+    one error naming the rule and the norm it measured, and no round is released."""
+
+    def overshoot(delta, bound):  # every delta scaled to norm factor x bound
+        v = delta.astype(np.float64)
+        norm = float(np.linalg.norm(v))
+        return (v * (factor * bound / norm)).astype(np.float32), norm
+
+    with pytest.raises(DpfleetError, match=r"clipping rule .*overshoot") as err:
+        _run(tmp_path, clipping=overshoot)
+    measured = float(re.search(r"L2 norm ([0-9.e+-]+)", str(err.value)).group(1))
+    bound = CONFIG["dp"]["clip_norm"]
+    assert measured > bound and measured == pytest.approx(bound * factor, rel=1e-6)
+    assert _released(tmp_path / "run") == []
+
+
+def test_a_clipping_rule_returning_nan_is_stopped(tmp_path):
+    with pytest.raises(DpfleetError, match="L2 norm nan"):
+        _run(tmp_path, clipping=lambda d, b: (np.full_like(d, np.nan), 0.0))
+    assert _released(tmp_path / "run") == []
+
+
+class Twice:
+    def select(self, round_idx, eligible, count):
+        devices = eligible.at(np.arange(count - 1))
+        return np.concatenate([devices, devices[:1]])  # device counted twice in the sum
+
+
+class Same:
+    def select(self, round_idx, eligible, count):
+        return np.arange(count)  # the same devices every round: round 2 breaks MinS 1
+
+
+def test_attack_a_policy_that_counts_a_device_twice_is_refused(tmp_path):
+    with pytest.raises(DpfleetError, match=r"round 1: .* chose device 0 more than once"):
+        _run(tmp_path, participation=Twice())
+    assert _released(tmp_path / "run") == []
+
+
+def test_attack_a_policy_that_picks_a_refused_device_is_refused(tmp_path):
+    with pytest.raises(DpfleetError, match=r"round 2: .* chose device 0, which the guard refuses"):
+        _run(tmp_path, participation=Same())
+    assert [r["round"] for r in _released(tmp_path / "run")] == [1]  # round 1 only
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 40), data=st.data())
+def test_check_selection_accepts_exactly_the_valid_choices(size, data):
+    blocked = np.array(sorted(data.draw(st.sets(st.integers(0, size - 1)))), dtype=np.int64)
+    chosen = data.draw(st.lists(st.integers(-2, size + 1), max_size=12))
+    count = data.draw(st.integers(0, 12))
+    valid = (len(chosen) == count and len(set(chosen)) == len(chosen)
+             and all(0 <= d < size and d not in blocked for d in chosen))
+    if valid:
+        got = check_selection(np.array(chosen, dtype=np.int64), count, size, blocked, None, 0)
+        assert got == sorted(chosen)
+    else:
+        with pytest.raises(DpfleetError):
+            check_selection(np.array(chosen, dtype=np.int64), count, size, blocked, None, 0)
+
+
+class Unaccounted:
+    name = "unaccounted"
+
+    def stream(self, dim, std, key):
+        return TreeMechanism().stream(dim, std, key)
+
+    def zcdp(self, noise_multiplier, rounds, min_separation, max_participation):
+        return None
+
+
+def test_a_mechanism_without_accounting_says_so_plainly(tmp_path):
+    result = _run(tmp_path, noise=Unaccounted())
+    privacy = json.loads((result.run_dir / "privacy.json").read_text())
+    assert privacy["epsilon"] is None and result.epsilon == math.inf  # strict JSON: inf -> null
+    assert privacy["accounted_by_dpfleet"] is False and not privacy["accounting_declared_by_mechanism"]
+    assert "NOT ACCOUNTED BY DPFLEET" in (result.run_dir / "privacy_report.md").read_text()
+    budget = {**UNIFORM, "dp": {**UNIFORM["dp"], "budget_epsilon": 50.0}}
+    with pytest.raises(DpfleetError, match="budget_epsilon needs an accounted mechanism"):
+        _run(tmp_path, "b", config=budget, noise=Unaccounted())
+
+
+def test_custom_noise_refuses_what_it_cannot_honour(tmp_path):
+    secagg = {**UNIFORM, "aggregation": {"kind": "secagg"}}
+    with pytest.raises(DpfleetError, match="ring noise"):
+        _run(tmp_path, config=secagg, noise=TreeMechanism())
+    with pytest.raises(DpfleetError, match="must be a dpfleet.extensions.NoiseMechanism"):
+        _run(tmp_path, "b", noise=object())
+
+    class Short(Unaccounted):
+        def stream(self, dim, std, key):
+            return TreeMechanism().stream(dim - 1, std, key)
+
+    with pytest.raises(DpfleetError, match=r"round 1's noise must be a finite vector of shape"):
+        _run(tmp_path, "c", noise=Short())
+
+
+def test_built_in_mechanisms_declare_what_the_run_accountant_computes():
+    log = [["a", "b"], ["c"], ["a"], ["b", "c"], ["a"]]  # a: rounds 0, 2, 4 (MinS 1, MaxP 3)
+    tree, z = RunAccountant(0.8, 1e-6), 0.8
+    spec = optimize_mechanism("banded", 5, 1, 3)
+    mf = MFAccountant(spec, 0.8, 1e-6)
+    for devices in log:
+        got_tree, got_mf = tree.record(devices, False), mf.record(devices, False)
+    assert TreeMechanism().zcdp(z, 5, 1, 3) == pytest.approx(got_tree["zcdp"], rel=1e-12)
+    assert MatrixMechanism(spec).zcdp(z, 5, 1, 3) == pytest.approx(got_mf["zcdp"], rel=1e-12)
