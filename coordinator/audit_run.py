@@ -61,7 +61,7 @@ SECRET_FORMAT = "my secret code is"
 class AuditSettings:
     """What `dpfleet audit` plants and how it scores (CLI flags)."""
 
-    canaries: int = 64  # N: 2N gradient directions are drawn, each inserted with probability 1/2
+    canaries: int = 256  # N: 2N gradient directions are drawn, each inserted with probability 1/2
     text_canaries: int = 4  # secret-sharer devices (and as many never-inserted control secrets)
     confidence: float = 0.95
     broken: str | None = None  # a key of BROKEN, or None for an honest audit

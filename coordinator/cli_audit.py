@@ -23,7 +23,7 @@ def _count(value: str, flag: str, minimum: int) -> int:
 
 @click.command()
 @click.argument("config", type=click.Path(path_type=Path))
-@click.option("--canaries", default="64", show_default=True, metavar="N",
+@click.option("--canaries", default="256", show_default=True, metavar="N",
               help="Gradient canaries: 2N secret random directions, each inserted as a device with "
                    "probability 1/2 (the others are the unobserved null).")
 @click.option("--text-canaries", default="4", show_default=True, metavar="T",
