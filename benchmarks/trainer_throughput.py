@@ -35,13 +35,13 @@ import torch
 from tqdm import tqdm
 
 from dpfleet.coordinator.backends import SequentialTrainer
-from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.config import SimulationConfig, parse_config
 from dpfleet.coordinator.simulation import prepare_data
 from dpfleet.edge.client_update import finish_update
 from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.edge.runtime import EagerRuntime, batches
 from dpfleet.edge.tokenizer import PAD
-from dpfleet.export.models import build_model, next_token_loss
+from dpfleet.export.models import ModelConfig, build_model, next_token_loss
 from dpfleet.export.params import get_flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,14 @@ PEER = {
     "client": {"lr": 0.5, "batch_size": 16},
     "dp": {"noise_multiplier": 0.0, "clip_norm": 1e6, "report_goal": 50},
 }
+
+
+def build_workload(config: dict | SimulationConfig) -> tuple[SimulationConfig, ModelConfig, object]:
+    """A config (dict or parsed) -> (config, model config with the tokenizer's vocabulary, the
+    federated data): dpfleet's own split and rows, shared by this file and peers.py."""
+    cfg = parse_config(config) if isinstance(config, dict) else config
+    tokenizer, data = prepare_data(cfg)
+    return cfg, dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size), data
 
 
 def nn_lstm_model(model_cfg) -> tuple[torch.nn.Module, object]:
@@ -202,9 +210,7 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()
 
-    cfg = parse_config(PEER)
-    tokenizer, data = prepare_data(cfg)
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    cfg, model_cfg, data = build_workload(PEER)
     eligible = [c for c in data.train if len(c.examples) >= 16]
     theta = get_flat(build_model(model_cfg))
     bs, lr, seq_len = cfg.client.batch_size, cfg.client.lr, cfg.data.seq_len
