@@ -42,10 +42,6 @@ def check_service_config(cfg: SimulationConfig) -> None:
         raise DpfleetError("dp.target_epsilon is planned by `dpfleet simulate` only; for the service, "
                            "run `dpfleet plan` and set dp.report_goal, dp.noise_multiplier and the "
                            "participation limits it prints")
-    if cfg.dp.mechanism != "tree":
-        raise DpfleetError(f"dp.mechanism = '{cfg.dp.mechanism}' runs in `dpfleet simulate` only for "
-                           "now; the service's state store does not carry its noise segments yet: "
-                           "use dp.mechanism = 'tree'")
     if cfg.backend.kind != "local":
         raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
 
