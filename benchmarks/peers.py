@@ -102,15 +102,13 @@ def write_workload(path: Path, rounds: int, seeds: int, config: Path) -> tuple[M
     for s in range(seeds):
         torch.manual_seed(s)
         theta0.append(get_flat(build_model(model_cfg)))
-    rows = [c.examples for c in data.train]
-    meta = {"seeds": list(range(seeds)), "model": model_cfg.to_dict(), "lr": cfg.client.lr,
-            "batch_size": cfg.client.batch_size, "clip_norm": cfg.dp.clip_norm,
-            "noise_multiplier": cfg.dp.noise_multiplier}
-    np.savez(path, rows=np.concatenate(rows).astype(np.int32),
-             offsets=np.cumsum([0] + [len(x) for x in rows]), cohorts=cohorts, batch_seeds=batch_seeds,
-             theta0=np.stack(theta0), meta=json.dumps(meta))
+    w = Workload([c.examples for c in data.train], cohorts, batch_seeds, np.stack(theta0), list(range(seeds)),
+                 model_cfg, cfg.client.lr, cfg.client.batch_size, cfg.dp.clip_norm, cfg.dp.noise_multiplier)
+    w.save(path)
     eval_rows, _ = split_held_out(data.test, cfg.data.eval_examples or None)
-    return model_cfg, eval_rows, {**meta, "config": config.name, "rounds": rounds,
+    return model_cfg, eval_rows, {"config": config.name, "model": model_cfg.to_dict(), "lr": w.lr,
+                                  "batch_size": w.batch_size, "clip_norm": w.clip_norm,
+                                  "noise_multiplier": w.noise_multiplier, "rounds": rounds,
                                   "clients_per_round": cohort, "train_clients": len(data.train),
                                   "eval_rows": len(eval_rows), "seq_len": cfg.data.seq_len,
                                   "participation": "disjoint cohorts (each client at most once per seed)"}

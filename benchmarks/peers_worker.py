@@ -62,6 +62,15 @@ class Workload:
                    ModelConfig(**meta["model"]), meta["lr"], meta["batch_size"], meta["clip_norm"],
                    meta["noise_multiplier"])
 
+    def save(self, path: str | Path) -> None:
+        """The one file every system loads (clients concatenated as int32 rows + offsets)."""
+        meta = {"seeds": list(self.seeds), "model": self.model.to_dict(), "lr": self.lr,
+                "batch_size": self.batch_size, "clip_norm": self.clip_norm,
+                "noise_multiplier": self.noise_multiplier}
+        np.savez(path, rows=np.concatenate(self.clients).astype(np.int32),
+                 offsets=np.cumsum([0] + [len(x) for x in self.clients]), cohorts=self.cohorts,
+                 batch_seeds=self.batch_seeds, theta0=self.theta0, meta=json.dumps(meta))
+
     def ordered(self, client: int, seed: int) -> np.ndarray:
         """The client's rows in dpfleet's minibatch order: consecutive slices of batch_size are
         exactly dpfleet's minibatches (so frameworks that iterate in order see the same ones)."""
