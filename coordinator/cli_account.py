@@ -23,6 +23,7 @@ from dpfleet.coordinator.mechanisms import (
     account_mechanism,
     optimize_mechanism,
 )
+from dpfleet.coordinator.privacy_report import RING_MF_MECHANISM
 from dpfleet.coordinator.tree_sensitivity import NODES
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
@@ -193,13 +194,15 @@ def _format_all(rows: list[dict]) -> str:
               help="Target delta of the (eps, delta) statement.")
 @click.option("--method", type=click.Choice(METHODS), default=None,
               help="zCDP -> eps conversion: pld (tightest; paper 002; the default for "
-                   "--noise gaussian), rdp (paper 000; the default for --noise discrete), "
+                   "--noise gaussian and for banded / blt), rdp (paper 000; the default for the "
+                   "tree with --noise discrete), "
                    "zcdp_bound (closed form).")
 @click.option("--noise", type=click.Choice(["gaussian", "discrete"]), default="gaussian",
               show_default=True,
-              help="The run's dp.noise as resolved in its config.toml: discrete = the discrete "
-                   "Gaussian in the SecAgg ring (the default with secagg), whose zCDP the "
-                   "Gaussian PLD does not bound, so pld is refused for it.")
+              help="The run's dp.noise as resolved in its config.toml: discrete = noise in the "
+                   "SecAgg ring (the default with secagg). Tree: the discrete Gaussian, whose zCDP "
+                   "the Gaussian PLD does not bound, so pld is refused for it; banded / blt: the MF "
+                   "Gaussian rounded in the ring, the same eps as gaussian (PLD holds).")
 @click.option("--adjacency", type=click.Choice(list(ADJACENCY)), default="zero-out",
               show_default=True,
               help="zero-out (add/remove a device's updates; paper 002) or replace-one "
@@ -243,11 +246,6 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
       dpfleet account -z 1 --noise discrete --participation-log runs/secagg/participation.jsonl
       dpfleet account -z 8.881 -T 60 -P 15 -S 3 --delta 1e-6 --mechanism all
     """
-    if method is None:
-        method = "rdp" if noise == "discrete" else "pld"
-    if noise == "discrete" and method == "pld":
-        raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
-                           "discrete Gaussian; use --method rdp (or zcdp_bound)")
     given, source = None, ""
     if mechanism_spec is not None:
         given, source = load_spec(mechanism_spec), mechanism_spec
@@ -259,8 +257,13 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
     if given is not None and mechanism != "all" and given.kind != mechanism:
         raise DpfleetError(f"{source} holds a {given.kind} strategy, not {mechanism}: account it "
                            f"with --mechanism {given.kind}")
-    if mechanism != "tree" and noise == "discrete":
-        raise DpfleetError("--noise discrete (noise in the SecAgg ring) exists for the tree only")
+    # banded / blt in the ring are the continuous MF Gaussian, rounded (`mf_ring`): PLD holds
+    ring_mf = noise == "discrete" and mechanism in ("banded", "blt")
+    if method is None:
+        method = "rdp" if noise == "discrete" and not ring_mf else "pld"
+    if noise == "discrete" and method == "pld" and not ring_mf:
+        raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
+                           "discrete Gaussian; use --method rdp (or zcdp_bound)")
     if mechanism in ("banded", "blt"):
         if restarts:
             raise DpfleetError("--restarts are tree restarts; banded / blt have none")
@@ -273,7 +276,7 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
         part = _mf_participation(participation_log, rounds, max_participation, min_separation)
         result = _mf_result(mechanism, given, source, part, noise_multiplier, delta, method,
                             adjacency)
-        result.update(noise=noise, noise_mechanism="continuous Gaussian")
+        result.update(noise=noise, noise_mechanism=RING_MF_MECHANISM if ring_mf else "continuous Gaussian")
         click.echo(dumps(result) if as_json else _format_mf(result))
         return
     if participation_log is not None:
@@ -304,7 +307,8 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
         row = _mf_result(kind, given, source, part, noise_multiplier, delta, method, adjacency)
         ratio = (row["sensitivity_squared"] / result["sensitivity_squared"]
                  if result["sensitivity_squared"] else 1.0)
-        row.update(noise=noise, noise_mechanism=result["noise_mechanism"],
+        row.update(noise=noise,
+                   noise_mechanism=RING_MF_MECHANISM if noise == "discrete" else result["noise_mechanism"],
                    noise_at_equal_zcdp=math.sqrt(ratio) * row["noise_factor"])
         rows.append(row)
     click.echo("\n".join(dumps(r) for r in rows) if as_json else _format_all(rows))

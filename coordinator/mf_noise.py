@@ -34,6 +34,7 @@ from dpfleet.coordinator.blt import BandedNoise
 from dpfleet.coordinator.mechanisms import MechanismSpec, optimize_mechanism, sensitivity_squared
 from dpfleet.coordinator.mf_sensitivity import gap_from_min_separation, true_max_participations
 from dpfleet.coordinator.noise_stream import GaussianNodes
+from dpfleet.coordinator.privacy_report import RING_MF_MECHANISM
 from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
@@ -41,7 +42,6 @@ from dpfleet.errors import DpfleetError
 MF_DOMAIN = b"mf"  # NodeStream domain of the z_t (separate from the tree's b"gauss")
 MF_COUNT_DOMAIN = b"mfcount"  # adaptive clipping's clipped-count z_t (`adaptive_clipping`)
 MECHANISM_FILE = "mechanism.json"
-RING_MF_MECHANISM = "matrix-factorization Gaussian, rounded, in the SecAgg ring"  # `mf_ring`
 
 
 def accounted_participation(cfg, min_separation: int) -> tuple[int, int]:

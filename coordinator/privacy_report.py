@@ -68,10 +68,14 @@ HONEST_ONLY = ("PRIVATE ONLY AGAINST HONEST PARTICIPANTS: the noise is continuou
                "the default (dp.noise = \"auto\") puts discrete noise in the ring instead.")
 
 
-def noise_mechanism(noise: str, secagg: bool) -> str:
-    """Where the tree noise was added, in the words every output uses."""
+RING_MF_MECHANISM = "matrix-factorization Gaussian, rounded, in the SecAgg ring"  # `mf_ring`
+
+
+def noise_mechanism(noise: str, secagg: bool, mechanism: str = "tree") -> str:
+    """Where the noise was added, in the words every output uses (`mechanism` banded / blt in the
+    ring: the MF Gaussian rounded to integers, `mf_ring`)."""
     if noise == "discrete":
-        return "discrete Gaussian in the SecAgg ring"
+        return RING_MF_MECHANISM if mechanism in ("banded", "blt") else "discrete Gaussian in the SecAgg ring"
     return "continuous Gaussian after decoding" if secagg else "continuous Gaussian on the plain sum"
 
 

@@ -175,7 +175,8 @@ def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
     whether the guarantee needs every participant honest, and the ring's discretization."""
     noise = resolve_noise(cfg)
     fields = {"noise_kind": noise,
-              "noise_mechanism": noise_mechanism(noise, cfg.aggregation.kind == "secagg"),
+              "noise_mechanism": noise_mechanism(noise, cfg.aggregation.kind == "secagg",
+                                                 cfg.dp.mechanism),
               "honest_participants_only": honest_participants_only(cfg)}
     if fields["honest_participants_only"]:
         fields["honest_participants_only_statement"] = HONEST_ONLY

@@ -71,7 +71,7 @@ def noise_line(cfg) -> str:
     from dpfleet.coordinator.config import resolve_noise
     from dpfleet.coordinator.privacy_report import noise_mechanism
 
-    return noise_mechanism(resolve_noise(cfg), cfg.aggregation.kind == "secagg")
+    return noise_mechanism(resolve_noise(cfg), cfg.aggregation.kind == "secagg", cfg.dp.mechanism)
 
 
 def noise_warning(cfg) -> str | None:

@@ -94,10 +94,26 @@ def test_participation_log_without_a_strategy_stays_tree(tmp_path, capsys):
     assert "mechanism" not in out and out["min_separation"] == 2 and out["sensitivity_squared"] >= 2
 
 
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_mf_in_the_ring_is_accounted_as_the_continuous_mf_gaussian(capsys, kind):
+    """--noise discrete with banded / blt: the MF Gaussian rounded in the ring (`mf_ring`) has the
+    same eps as the continuous one, by PLD (post-processing); the tree's discrete noise keeps RDP."""
+    ring = json.loads(run(capsys, "account", *ISSUE, "--mechanism", kind, "--noise", "discrete", "--json"))
+    plain = json.loads(run(capsys, "account", *ISSUE, "--mechanism", kind, "--json"))
+    assert ring["method"] == "pld" and ring["epsilon"] == plain["epsilon"] and ring["zcdp"] == plain["zcdp"]
+    assert ring["noise_mechanism"] == "matrix-factorization Gaussian, rounded, in the SecAgg ring"
+    rows = [json.loads(x) for x in run(capsys, "account", *ISSUE, "--mechanism", "all", "--noise",
+                                       "discrete", "--json").splitlines()]
+    assert [r["method"] for r in rows] == ["rdp"] * 3  # one conversion per table: the tree's
+    assert rows[0]["noise_mechanism"] == "discrete Gaussian in the SecAgg ring"
+    mf = next(r for r in rows if r["mechanism"] == kind)
+    assert mf["zcdp"] == pytest.approx(plain["zcdp"]) and mf["noise_mechanism"] == ring["noise_mechanism"]
+
+
 @pytest.mark.parametrize("args,needle", [
     ([*ISSUE, "--mechanism", "blt", "--restarts", "5"], "restarts"),
     ([*ISSUE, "--mechanism", "banded", "--tree-nodes", "prefix"], "--tree-nodes"),
-    ([*ISSUE, "--mechanism", "blt", "--noise", "discrete", "--method", "rdp"], "tree only"),
+    ([*ISSUE, "--noise", "discrete", "--method", "pld"], "not a proven bound"),  # the tree's
     (["-z", "1", "--mechanism", "blt"], "give --rounds"),
     ([*ISSUE, "--mechanism", "blt", "--mechanism-spec", "SPEC_BAD_JSON"], "not JSON"),
     ([*ISSUE, "--mechanism", "blt", "--mechanism-spec", "SPEC_BAD_THETA"], "theta in (0, 1)"),
