@@ -298,7 +298,8 @@ def run_simulation(
             break
         updates = (train_plan(cfg, trainer, population, plan) if audit is None
                    else audit.train_plan(cfg, trainer, population, plan))
-        check_clipped(updates, plan.clip_norm, ext.get("clipping"), plan.round)  # before any sum
+        bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
+        check_clipped(updates, bound, ext.get("clipping"), plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
         agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
