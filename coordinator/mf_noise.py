@@ -211,6 +211,18 @@ def mf_privacy(run_dir: Path, cfg, accountant: MFAccountant, optimised_for: dict
     return privacy
 
 
+def _ring_lines(p: dict) -> list[str]:
+    """With secure aggregation: where the noise went and in which units (`mf_ring`)."""
+    ring = p.get("ring")
+    if not ring or p.get("noise_kind") != "discrete":
+        return []
+    return [f"In the SecAgg ring ({ring['bits']} bits, scale {ring['scale']:.6g}): round t's ring sum "
+            f"gets round_half_up(sigma (C^-1 z)_t) with sigma^2 = {ring['sigma_sq']} >= (z Delta_s)^2, "
+            f"Delta_s = {ring['delta_s']:.6g} one device's ring L2 bound, before decoding, so a "
+            "co-participant parking the sum at the ring's wrap gains nothing (rounding, the modular "
+            "reduction and decoding are post-processing of the continuous MF Gaussian).", ""]
+
+
 def _report(cfg, p: dict, spec: MechanismSpec) -> str:
     params = (f"{spec.bands} bands, coefficients {', '.join(f'{c:.4g}' for c in spec.coefficients)}"
               if spec.kind == "banded" else
@@ -232,6 +244,7 @@ def _report(cfg, p: dict, spec: MechanismSpec) -> str:
         f"/ MaxP {opt['max_participation']} ({opt['participation']} participation). "
         f"Noise segments: {p['noise_segments']} (a crash that lost released rounds starts a fresh "
         "one; their zCDP adds).", "",
+        *_ring_lines(p),
         "## Accounting", "",
         "rho = sens^2 / (2 z^2) per segment, sens^2 = max over participation patterns with the "
         "observed MinS / MaxP of ||C u||^2 (min-separation sensitivity: exact banded column-norm DP, "

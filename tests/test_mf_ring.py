@@ -194,6 +194,8 @@ def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_
     assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12)
     assert privacy["epsilon"] == pytest.approx(epsilon_from_zcdp(rho, 1e-6, "pld"), rel=1e-9)
     assert privacy["noise_mechanism"] == RING_MF_MECHANISM and not privacy["honest_participants_only"]
+    report = (path / "privacy_report.md").read_text()
+    assert f"**Noise: {RING_MF_MECHANISM}" in report and f"sigma^2 = {ring['sigma_sq']}" in report
     summary = read_json(path / "summary.json")
     assert summary["noise_mechanism"] == RING_MF_MECHANISM
     releases = [json.loads(x) for x in (path / "releases.jsonl").read_text().splitlines()]
