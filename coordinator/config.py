@@ -80,7 +80,8 @@ class DPSection:
     # -1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
     # derived from this seed and the DP guarantee does not hold against anyone who knows it
     noise_seed: int = -1
-    # where the tree noise goes. "discrete": a discrete Gaussian added to secure aggregation's
+    # where the noise goes. "discrete": a discrete Gaussian (tree; banded / blt: their Gaussian
+    # rounded to integers, coordinator/mf_ring.py) added to secure aggregation's
     # integer ring sum before decoding (coordinator/ring_noise.py; needs aggregation.kind =
     # "secagg"), so one device moves the released ring value by at most its bound even when a
     # dishonest co-participant parks the sum at the ring's wrap. "gaussian": continuous noise on
