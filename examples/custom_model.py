@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,11 +67,16 @@ def shakespeare_users(plays: int = 12) -> dict[str, list[str]]:
     return group_by_user(r for r in records if r.user.split("/")[0] in keep)
 
 
-def main(run_dir: Path, progress: bool = True) -> dpfleet.Result:
+def main(run_dir: Path, progress: bool = True, config: dict | None = None,
+         parts: Callable[[nn.Module], dict] | None = None) -> dpfleet.Result:
+    """`config` replaces CONFIG; `parts(model)` gives `simulate`'s extension keywords
+    (`examples/extensions.py`)."""
+    config = config or CONFIG
     torch.manual_seed(0)
     users = shakespeare_users()
-    model = GRULanguageModel(CONFIG["tokenizer"]["vocab_size"])
-    result = dpfleet.simulate(CONFIG, model=model, users=users, run_dir=run_dir, progress=progress)
+    model = GRULanguageModel(config["tokenizer"]["vocab_size"])
+    result = dpfleet.simulate(config, model=model, users=users, run_dir=run_dir, progress=progress,
+                              **(parts(model) if parts else {}))
     print(f"{len(users)} users; held-out accuracy {result.accuracy:.4f} (unigram "
           f"{result.unigram_accuracy:.4f}); eps = {result.epsilon:.2f} at delta = {result.delta:g}; "
           f"trainer {result.client_trainer}; run directory {result.run_dir}")

@@ -60,7 +60,7 @@ def _released(run_dir: Path) -> list[dict]:
 
 def test_example_runs_all_four_and_its_epsilon_is_the_declared_one(tmp_path):
     ex = _example()
-    model = ex.GRULanguageModel(64)
+    model = ex.custom_model.GRULanguageModel(64)
     assert isinstance(ex.LocalAdam(), LocalUpdate) and isinstance(ex.PerLayerClip(model), ClippingRule)
     assert isinstance(ex.IndependentGaussian(), NoiseMechanism)
     assert isinstance(ex.CyclicPolicy(4), ParticipationPolicy)
