@@ -178,13 +178,13 @@ class CohortTrainer:
             cols = int(real_cols[-1]) + 2 if len(real_cols) else 2
             rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(self.device)
             active = {name: p[:k] for name, p in params.items()}
-            if self.fused:
-                grads, loss = recurrent_grads(self.cfg, active, rows)
+            if self.fused:  # the SGD step is applied inside, fused into the gradient GEMMs
+                _, loss = recurrent_grads(self.cfg, active, rows, lr=lr)
             else:
                 grads, loss = self._step(active, rows)
-            with torch.no_grad():
-                for name, p in active.items():
-                    p.sub_(grads[name], alpha=lr)
+                with torch.no_grad():
+                    for name, p in active.items():
+                        p.sub_(grads[name], alpha=lr)
             loss_sum[:k] += loss.detach().to("cpu", torch.float64)
         flat = torch.cat([params[name].reshape(n, -1) for name in self.layout.names], dim=1)
         deltas = (flat - theta).cpu().numpy()

@@ -9,14 +9,20 @@ to float rounding:
 * the input projection x_t @ W_x of all time steps is one GEMM before the recurrence (only
   h_{t-1} @ W_h stays inside it), and the weight gradients of the gates and the projection are one
   GEMM each over all time steps after the backward recurrence;
+* the gates' local derivatives (sigmoid', tanh', the cell's products) are computed for all time
+  steps in a few whole-tensor ops, so the backward recurrence is 6 ops per time step;
 * every matmul is batched over the client axis (`bmm`, client j uses only its own weights);
 * trailing columns with no real target are cut off (a causal model's later positions cannot
   change earlier outputs), and the output layer, log-softmax and loss run only at real (non-PAD)
-  target positions, client by client, so padding costs no vocabulary-sized work.
+  target positions: each client's real positions are packed into the rows of one [k, n_max, P]
+  block (n_max: the most real targets of any client), so the vocabulary-sized work is one batched
+  GEMM over all clients (fill rows get weight 0);
+* with `lr`, SGD is applied in place as the gradient GEMMs run (`baddbmm_(alpha=-lr)`, the
+  embedding by `index_add_`): no gradient buffers, no separate update pass.
 
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
-in tests/test_edge_cohort.py).
+in tests/test_cohort_lstm.py).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from dpfleet.edge.tokenizer import PAD
 from dpfleet.export.models import ModelConfig
 
 RECURRENT = ("lstm", "cifg")
+# logits per output-layer GEMM group (4 MB): one 9-client block of the peer workload's 4K-word
+# logits (38 MB) ran its log-softmax 2x slower than 9 per-client blocks (fresh pages each call)
+LOGITS_FLOATS = 2**20
 
 
 def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_params: int) -> int:
@@ -35,7 +44,8 @@ def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_pa
     Weights + gradient + update temporary (3 x params), and per token and layer the saved
     activations of the recurrence: input, gate pre-activations, activated gates and their
     gradient (3 x gates), cell, tanh(cell), gated output (3 x hidden), output and its gradient.
-    The vocabulary-sized logits live one client at a time, so they do not scale with the chunk.
+    (The logits are [chunk, real targets, vocab]; the budget's rule predates them and is kept so a
+    config's chunks, hence its float rounding, do not change.)
     """
     gates = (3 if cfg.arch == "cifg" else 4) * cfg.hidden_dim
     per_token = cfg.num_layers * (cfg.embedding_dim + 3 * gates + 3 * cfg.hidden_dim
@@ -43,136 +53,234 @@ def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_pa
     return 4 * (3 * n_params + batch_size * seq_len * per_token)
 
 
+class _Sink:
+    """Where a gradient goes: a zero-initialised gradient tensor (`lr` None) or, with `lr`, the
+    parameter itself scaled by -lr (the SGD step fused into the gradient's GEMM)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], lr: float | None):
+        self.params, self.lr = params, lr
+        self.grads = {} if lr is not None else {n: torch.zeros_like(p) for n, p in params.items()}
+
+    def target(self, name: str) -> tuple[torch.Tensor, float]:
+        if self.lr is not None:
+            return self.params[name], -self.lr
+        return self.grads[name], 1.0
+
+
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
                    coupled: bool) -> tuple[torch.Tensor, tuple]:
-    """x [k, T, B, D] (time-major per client) -> outputs [k, T, B, P] and what backward needs."""
+    """x [k, T, B, D] (client-major) -> outputs [T, k, B, P] (time-major) and what backward needs.
+
+    Per-step results go into the time step's slice of a time-major buffer: contiguous, so each
+    step's batched GEMM writes its result in place (a strided result makes torch loop over the
+    clients with one GEMM each)."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
-    wx, wh_t, wp_t = w[:, :, :d], w[:, :, d:].transpose(1, 2), wp.transpose(1, 2)
-    # the input projection of every time step in one GEMM
-    zx = torch.baddbmm(b.unsqueeze(1), x.reshape(k, steps * rows, d), wx.transpose(1, 2))
+    wh_t, wp_t = w[:, :, d:].transpose(1, 2), wp.transpose(1, 2)
+    # the input projection of every time step in one GEMM; the recurrence adds h_{t-1} @ W_h
+    zx = torch.baddbmm(b.unsqueeze(1), x.reshape(k, steps * rows, d), w[:, :, :d].transpose(1, 2))
     zx = zx.view(k, steps, rows, n_gates)
-    h = x.new_zeros(k, rows, proj)
-    c = x.new_zeros(k, rows, hidden)
-    acts, cells, tanh_cells, gated, outs = [], [], [], [], []
+    acts = x.new_empty(steps, k, rows, n_gates)
+    cells = x.new_empty(steps, k, rows, hidden)
+    tanh_cells = torch.empty_like(cells)
+    gated = torch.empty_like(cells)
+    out = x.new_empty(steps, k, rows, proj)
+    sig = hidden if coupled else 2 * hidden  # f (and i) first, then g, then o
     for t in range(steps):
-        z = torch.baddbmm(zx[:, t], h, wh_t)  # activated in place: z becomes the saved gates
-        if coupled:
-            f, g, o = z.split(hidden, dim=-1)
-            f.sigmoid_()
-            g.tanh_()
-            o.sigmoid_()
-            c = f * c + (1.0 - f) * g
+        a = acts[t]  # activated in place: acts holds the gates
+        if t:
+            torch.baddbmm(zx[:, t], out[t - 1], wh_t, out=a)
         else:
-            f, i, g, o = z.split(hidden, dim=-1)
-            f.sigmoid_()
-            i.sigmoid_()
-            g.tanh_()
-            o.sigmoid_()
-            c = f * c + i * g
-        acts.append(z)
-        tc = torch.tanh(c)
-        m = o * tc
-        h = torch.bmm(m, wp_t)
-        cells.append(c)
-        tanh_cells.append(tc)
-        gated.append(m)
-        outs.append(h)
-    out = torch.stack(outs, dim=1)
-    return out, (x, out, torch.stack(acts, 1), torch.stack(cells, 1), torch.stack(tanh_cells, 1),
-                 torch.stack(gated, 1))
+            a.copy_(zx[:, 0])
+        a[..., :sig].sigmoid_()
+        a[..., sig : sig + hidden].tanh_()
+        a[..., sig + hidden :].sigmoid_()
+        f, g = a[..., :hidden], a[..., sig : sig + hidden]
+        c = cells[t]
+        if coupled:  # c = f c' + (1 - f) g = g + f (c' - g)
+            if t:
+                torch.addcmul(g, f, cells[t - 1] - g, out=c)
+            else:
+                torch.addcmul(g, f, g, value=-1.0, out=c)
+        else:  # c = f c' + i g
+            torch.mul(a[..., hidden:sig], g, out=c)
+            if t:
+                c.addcmul_(f, cells[t - 1])
+        tc = torch.tanh(c, out=tanh_cells[t])
+        m = torch.mul(a[..., sig + hidden :], tc, out=gated[t])
+        torch.bmm(m, wp_t, out=out[t])
+    return out, (x, out, acts, cells, tanh_cells, gated)
+
+
+def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
+                       coupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For all time steps at once (time-major): dc_t += dm_t * to_cell; dz_o = dm_t * to_o; the
+    other gates' pre-activation gradients are dc_t * to_gates (f, [i,] g in the weights' order)."""
+    hidden = cells.shape[-1]
+    sig = hidden if coupled else 2 * hidden
+    f, g, o = acts[..., :hidden], acts[..., sig : sig + hidden], acts[..., sig + hidden :]
+    c_prev = torch.zeros_like(cells)
+    c_prev[1:] = cells[:-1]
+    to_cell = (1.0 - tanh_cells * tanh_cells).mul_(o)
+    to_o = (1.0 - o).mul_(o).mul_(tanh_cells)
+    to_gates = cells.new_empty(*cells.shape[:-1], 2 if coupled else 3, hidden)
+    df = (1.0 - f).mul_(f)  # sigmoid'
+    dg = 1.0 - g * g  # tanh'
+    if coupled:  # c = f c' + (1 - f) g
+        torch.mul(c_prev.sub_(g), df, out=to_gates[..., 0, :])
+        torch.mul(1.0 - f, dg, out=to_gates[..., 1, :])
+    else:  # c = f c' + i g
+        i = acts[..., hidden:sig]
+        torch.mul(c_prev, df, out=to_gates[..., 0, :])
+        torch.mul((1.0 - i).mul_(i), g, out=to_gates[..., 1, :])
+        torch.mul(i, dg, out=to_gates[..., 2, :])
+    return to_cell, to_o, to_gates
+
+
+def _client_major(t: torch.Tensor) -> torch.Tensor:
+    """[T, k, B, X] -> contiguous [k, T * B, X] (the layout of the GEMMs over all time steps)."""
+    steps, k, rows, width = t.shape
+    return t.transpose(0, 1).reshape(k, steps * rows, width)
 
 
 def _layer_backward(d_out: torch.Tensor, saved: tuple, w: torch.Tensor, wp: torch.Tensor,
-                    coupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """d_out [k, T, B, P] -> (d_x, d_gates_weight, d_gates_bias, d_proj_weight)."""
+                    coupled: bool, sink: _Sink, name: str) -> torch.Tensor:
+    """d_out [T, k, B, P] (overwritten) -> d_x [k, T, B, D]; weight gradients go to `sink`."""
     x, out, acts, cells, tanh_cells, gated = saved
     k, steps, rows, d = x.shape
-    hidden = wp.shape[2]
-    wx, wh = w[:, :, :d], w[:, :, d:]
-    dh = torch.zeros_like(d_out[:, 0])
-    dc = torch.zeros_like(cells[:, 0])
-    dz_all = torch.empty_like(acts)  # [k, T, B, gates], written slice by slice (no concatenation)
-    dh_all = torch.empty_like(d_out)
+    hidden, n_gates = wp.shape[2], acts.shape[-1]
+    wh = w[:, :, d:]
+    to_cell, to_o, to_gates = _local_derivatives(acts, cells, tanh_cells, coupled)
+    split = n_gates - hidden  # the o gate's rows are last
+    dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
+    dc = cells.new_zeros(k, rows, hidden)
+    dz_all = torch.empty_like(acts)  # [T, k, B, gates]
     for t in reversed(range(steps)):
-        dht = torch.add(d_out[:, t], dh, out=dh_all[:, t])
-        dm = torch.bmm(dht, wp)
-        tc = tanh_cells[:, t]
-        a = acts[:, t]
-        c_prev = cells[:, t - 1] if t else torch.zeros_like(dc)
-        dz = dz_all[:, t]
-        if coupled:
-            f, g, o = a.split(hidden, dim=-1)
-            dz_f, dz_g, dz_o = dz.split(hidden, dim=-1)
-        else:
-            f, i, g, o = a.split(hidden, dim=-1)
-            dz_f, dz_i, dz_g, dz_o = dz.split(hidden, dim=-1)
-        dc = dc + dm * o * (1.0 - tc * tc)
-        torch.mul(dm * tc, o * (1.0 - o), out=dz_o)
-        dg = dc * (1.0 - g * g)
-        if coupled:  # c = f c' + (1 - f) g
-            torch.mul(dc * (c_prev - g), f * (1.0 - f), out=dz_f)
-            torch.mul(dg, 1.0 - f, out=dz_g)
-        else:  # c = f c' + i g
-            torch.mul(dc * c_prev, f * (1.0 - f), out=dz_f)
-            torch.mul(dc * g, i * (1.0 - i), out=dz_i)
-            torch.mul(dg, i, out=dz_g)
-        dc = dc * f
-        dh = torch.bmm(dz, wh)
-    dz = dz_all.view(k, steps * rows, -1)
-    dh_tot = dh_all.reshape(k, steps * rows, -1)
-    h_prev = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
-    inputs = torch.cat([x, h_prev], dim=-1).reshape(k, steps * rows, -1)
-    # the weight gradients of all time steps, one GEMM each
-    d_w = torch.bmm(dz.transpose(1, 2), inputs)
-    d_b = dz.sum(1)
-    d_wp = torch.bmm(dh_tot.transpose(1, 2), gated.reshape(k, steps * rows, hidden))
-    d_x = torch.bmm(dz, wx).view(k, steps, rows, d)
-    return d_x, d_w, d_b, d_wp
+        dm = torch.bmm(dh[t], wp)
+        dc.addcmul_(dm, to_cell[t])
+        dz = dz_all[t]
+        torch.mul(dm, to_o[t], out=dz[..., split:])
+        torch.mul(dc.unsqueeze(2), to_gates[t], out=dz[..., :split].unflatten(-1, (-1, hidden)))
+        if t:
+            dc.mul_(acts[t, :, :, :hidden])
+            dh[t - 1].baddbmm_(dz, wh)
+    dz = _client_major(dz_all)
+    d_x = torch.bmm(dz, w[:, :, :d]).view(k, steps, rows, d)  # before w is updated
+    # the weight gradients of all time steps, one GEMM each, on the inputs [x_t, h_{t-1}]
+    inputs = x.new_empty(k, steps, rows, w.shape[2])
+    inputs[..., :d] = x
+    inputs[:, 0, :, d:] = 0.0
+    inputs[:, 1:, :, d:] = out[:-1].transpose(0, 1)
+    target, alpha = sink.target(f"{name}.gates.weight")
+    target.baddbmm_(dz.transpose(1, 2), inputs.view(k, steps * rows, -1), alpha=alpha)
+    target, alpha = sink.target(f"{name}.gates.bias")
+    target.add_(dz.sum(1), alpha=alpha)
+    target, alpha = sink.target(f"{name}.proj.weight")
+    target.baddbmm_(_client_major(dh).transpose(1, 2), _client_major(gated), alpha=alpha)
+    return d_x
+
+
+def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple[int, int, int]]:
+    """Consecutive clients batched into one GEMM while padding every client to the group's most
+    real targets costs at most `slack` x the real rows and the group has at most `max_rows` rows
+    (its logits stay a few MB: cache-sized, and reused by the allocator instead of fresh pages):
+    (first, end, rows per client)."""
+    out, start = [], 0
+    while start < len(counts):
+        end, top, total = start + 1, counts[start], counts[start]
+        while end < len(counts):
+            new_top = max(top, counts[end])
+            if (new_top * (end + 1 - start) > slack * (total + counts[end]) + 16
+                    or new_top * (end + 1 - start) > max_rows):
+                break
+            top, total, end = new_top, total + counts[end], end + 1
+        out.append((start, end, max(top, 1)))
+        start = end
+    return out
 
 
 def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
-                  b_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits, mean cross-entropy and its gradient at real target positions only, per client.
+                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits, mean cross-entropy and its gradient at real target positions only.
 
-    y [k, T, B, P]; real/targets [k, T, B]. Returns (loss [k], d_y, d_w_out, d_b_out).
+    y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
+    block in a packed [rows, P] matrix; consecutive clients with similar n_j share one batched
+    GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in every
+    gradient. Returns (loss [k], d_y [T, k, B, P]).
     """
-    k = y.shape[0]
-    loss = y.new_zeros(k)
+    steps, k, rows, proj = y.shape
+    positions = steps * rows
+    flat_real = real.reshape(k, positions)
+    counts = flat_real.sum(1)
     d_y = torch.zeros_like(y)
-    d_w = torch.zeros_like(w_out)
-    d_b = torch.zeros_like(b_out)
-    for j in range(k):
-        mask = real[j]
-        yj = y[j][mask]
-        n = yj.shape[0]
-        if n == 0:  # no real target: loss 0 and a zero gradient, as next_token_loss gives
-            continue
-        tj = targets[j][mask]
-        logp = torch.log_softmax(torch.addmm(b_out[j], yj, w_out[j].t()), dim=-1)
-        picked = logp.gather(1, tj.unsqueeze(1)).squeeze(1)
-        loss[j] = -picked.sum() / n
-        grad = logp.exp_()  # softmax - onehot, over n
-        grad[torch.arange(n), tj] -= 1.0
-        grad.div_(n)
-        torch.mm(grad.t(), yj, out=d_w[j])
-        d_b[j] = grad.sum(0)
-        d_y[j][mask] = grad @ w_out[j]
-    return loss, d_y, d_w, d_b
+    loss = y.new_zeros(k)
+    groups = [g for g in _groups(counts.tolist(), LOGITS_FLOATS // w_out.shape[1])
+              if counts[g[0] : g[1]].any()]
+    if not groups:  # no real target anywhere: loss 0 and a zero gradient, as next_token_loss gives
+        return loss, d_y
+    offset = torch.zeros(k, dtype=torch.int64)
+    base = 0
+    for first, end, n in groups:
+        offset[first:end] = base + n * torch.arange(end - first)
+        base += n * (end - first)
+    client, pos = flat_real.nonzero(as_tuple=True)  # client-major, positions in order
+    slot = flat_real.cumsum(1)[client, pos] - 1
+    dst = offset[client] + slot
+    t, r = pos // rows, pos % rows
+    src = (t * k + client) * rows + r  # row of y's time-major [T * k * B, P] view
+    packed = y.new_zeros(base, proj)
+    packed[dst] = y.reshape(-1, proj)[src]
+    tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
+    tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
+    inv = 1.0 / counts.clamp_min(1).to(y.dtype)
+    weight = y.new_zeros(base, 1)  # 1 / n_j on client j's real rows, 0 on fill rows
+    weight[dst, 0] = inv[client]
+    d_packed = torch.empty_like(packed)
+    w_target, w_alpha = sink.target(w_name)
+    b_target, b_alpha = sink.target(b_name)
+    base = 0
+    for first, end, n in groups:
+        m = end - first
+        block = slice(base, base + m * n)
+        base += m * n
+        yg, wg = packed[block].view(m, n, proj), weight[block].view(m, n, 1)
+        w_g = w_out[first:end]
+        logits = torch.baddbmm(b_out[first:end].unsqueeze(1), yg, w_g.transpose(1, 2))
+        vocab = logits.shape[-1]
+        tg = tgt[block]
+        grad = torch.softmax(logits, dim=-1)  # one exp per logit (log-softmax + exp took two)
+        flat = grad.view(-1, vocab)
+        p_t = flat.gather(1, tg)
+        nll = -torch.log(p_t)
+        tiny = (p_t < 1e-30).nonzero()[:, 0]  # underflowed or denormal p_t: exact log-sum-exp there
+        if len(tiny):
+            rows_t = logits.view(-1, vocab)[tiny]
+            nll[tiny] = torch.logsumexp(rows_t, dim=1, keepdim=True) - rows_t.gather(1, tg[tiny])
+        loss[first:end] = (nll.view(m, n) * (wg.view(m, n) > 0)).sum(1) / counts[first:end].clamp_min(1)
+        # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
+        flat.scatter_add_(1, tg, grad.new_full((m * n, 1), -1.0))
+        torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
+        w_target[first:end].baddbmm_(grad.transpose(1, 2), yg * wg, alpha=w_alpha)
+        b_target[first:end].unsqueeze(1).baddbmm_(wg.transpose(1, 2), grad, alpha=b_alpha)
+    d_y.view(-1, proj)[src] = d_packed[dst].mul_(weight[dst])
+    return loss, d_y
 
 
-def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: torch.Tensor
-                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: torch.Tensor,
+                    lr: float | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-client gradients and mean losses of a recurrent zoo model on one minibatch each.
 
     params: the model's parameters stacked over k clients ([k, *shape]); rows [k, B, L+1] token
     rows (PAD-filled). Equal to `vmap(grad_and_value(next_token_loss o model))` up to rounding.
+    With `lr`: one SGD step is applied to `params` in place instead and the gradients returned
+    are empty ({}): each weight is updated only after its last use in the step.
     """
     k, _, _ = rows.shape
     targets_all = rows[:, :, 1:]
     real_cols = (targets_all != PAD).any(0).any(0).nonzero()
     steps = int(real_cols[-1]) + 1 if len(real_cols) else 1  # cut trailing all-PAD columns
-    inputs = rows[:, :, :steps].transpose(1, 2)  # time-major [k, T, B]
+    inputs = rows[:, :, :steps].transpose(1, 2)  # [k, T, B]
     targets = targets_all[:, :, :steps].transpose(1, 2)
     real = targets != PAD
     embed = params["embed.weight"]
@@ -182,28 +290,22 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
     coupled = cfg.arch == "cifg"
     names = [f"layers.{i}" for i in range(cfg.num_layers)]
     saved = []
-    for name in names:
+    for depth, name in enumerate(names):
+        if depth:  # the next layer's input, client-major
+            x = x.transpose(0, 1).contiguous()
         x, keep = _layer_forward(x, params[f"{name}.gates.weight"], params[f"{name}.gates.bias"],
                                  params[f"{name}.proj.weight"], coupled)
         saved.append(keep)
-    if cfg.tie_embeddings:
-        w_out, b_out = embed, params["output_bias"]
-    else:
-        w_out, b_out = params["output.weight"], params["output.bias"]
-    loss, d_x, d_w_out, d_b_out = _output_layer(x, real, targets, w_out, b_out)
-    grads: dict[str, torch.Tensor] = {}
-    for name, keep in zip(reversed(names), reversed(saved), strict=True):
-        d_x, d_w, d_b, d_wp = _layer_backward(d_x, keep, params[f"{name}.gates.weight"],
-                                              params[f"{name}.proj.weight"], coupled)
-        grads[f"{name}.gates.weight"], grads[f"{name}.gates.bias"] = d_w, d_b
-        grads[f"{name}.proj.weight"] = d_wp
-    d_embed = torch.zeros_like(embed).view(k * vocab, dim)
-    d_embed.index_add_(0, flat_ids, d_x.reshape(-1, dim))
-    d_embed = d_embed.view(k, vocab, dim)
-    if cfg.tie_embeddings:
-        d_embed += d_w_out
-        grads["output_bias"] = d_b_out
-    else:
-        grads["output.weight"], grads["output.bias"] = d_w_out, d_b_out
-    grads["embed.weight"] = d_embed
-    return grads, loss
+    sink = _Sink(params, lr)
+    out_names = ("embed.weight", "output_bias") if cfg.tie_embeddings else ("output.weight", "output.bias")
+    loss, d_x = _output_layer(x, real, targets, params[out_names[0]], params[out_names[1]], sink,
+                              *out_names)
+    for depth, name, keep in zip(reversed(range(len(names))), reversed(names), reversed(saved),
+                                 strict=True):
+        d_x = _layer_backward(d_x, keep, params[f"{name}.gates.weight"], params[f"{name}.proj.weight"],
+                              coupled, sink, name)
+        if depth:  # the layer below takes its output gradient time-major
+            d_x = d_x.transpose(0, 1).contiguous()
+    target, alpha = sink.target("embed.weight")
+    target.view(k * vocab, dim).index_add_(0, flat_ids, d_x.reshape(-1, dim), alpha=alpha)
+    return sink.grads, loss

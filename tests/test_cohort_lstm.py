@@ -111,9 +111,9 @@ def test_short_rows_are_trimmed_and_still_equal_the_sequential_path(monkeypatch)
     widths = []
     real = cohort_mod.recurrent_grads
 
-    def spy(cfg, params, rows):
+    def spy(cfg, params, rows, **kwargs):
         widths.append(rows.shape[-1])
-        return real(cfg, params, rows)
+        return real(cfg, params, rows, **kwargs)
 
     monkeypatch.setattr(cohort_mod, "recurrent_grads", spy)
     rng = np.random.default_rng(5)
