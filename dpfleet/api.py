@@ -25,6 +25,11 @@ What you may bring, each optional:
   Exported runtimes (ExecuTorch / ONNX) and Ray are for the zoo's models. Default: the config's
   zoo model.
 
+* `client_update`, `clipping`, `noise`, `participation`: your own local training, clipping rule,
+  noise mechanism (with its declared accounting) and participation policy, each a typed protocol
+  of `dpfleet.extensions`, checked where the guarantee depends on it. Default: the built-in ones,
+  which implement the same protocols.
+
 Mistakes in these inputs are one `DpfleetError` naming the problem, raised before training.
 """
 

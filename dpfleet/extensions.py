@@ -183,7 +183,7 @@ def check_clipped(updates: Sequence, bound: float, rule: object = None, round_id
         delta = np.asarray(update.delta)
         norm = _norm64(delta.astype(np.float32, copy=False))  # the built-in clip's own norm
         if not norm <= bound:  # NaN fails too
-            name = getattr(rule, "__qualname__", None) or type(rule).__name__ if rule else "clip_l2"
+            name = (getattr(rule, "__qualname__", None) or type(rule).__name__) if rule else "clip_l2"
             raise DpfleetError(
                 f"round {round_idx + 1}: the clipping rule {name} returned a delta of L2 norm "
                 f"{norm:.9g} for client {pos} of the round, above the bound {bound:.9g} the noise is "
