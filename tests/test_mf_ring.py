@@ -27,6 +27,7 @@ from test_ring_wrap_attack import BITS, CLIP, DIM, KEY, Z, world
 
 import dpfleet.coordinator.ring_noise as ring_noise
 import dpfleet.coordinator.round_engine as round_engine
+from dpfleet.cli import main
 from dpfleet.coordinator import simulation
 from dpfleet.coordinator.accounting import epsilon_from_zcdp
 from dpfleet.coordinator.aggregation import RingSum
@@ -175,7 +176,8 @@ def dense_ring_noise(key, spec, sigma, length, segment=0, ts=range(1, ROUNDS + 1
     return np.linalg.inv(strategy(spec, len(ts))) @ fresh_z(key, sigma, length, segment, ts)
 
 
-def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_path, monkeypatch):
+def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_path, monkeypatch,
+                                                                            capsys):
     result, spy, (key,) = run(tmp_path, monkeypatch, "ring", secagg())
     path = result.run_dir
     privacy = read_json(path / "privacy.json")
@@ -194,6 +196,12 @@ def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_
     assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12)
     assert privacy["epsilon"] == pytest.approx(epsilon_from_zcdp(rho, 1e-6, "pld"), rel=1e-9)
     assert privacy["noise_mechanism"] == RING_MF_MECHANISM and not privacy["honest_participants_only"]
+    capsys.readouterr()  # `dpfleet account` of the ring run's own log: the same eps
+    main(["account", "-z", "1", "--delta", "1e-6", "--noise", "discrete", "--participation-log",
+          str(path / "participation.jsonl"), "--json"])
+    accounted = json.loads(capsys.readouterr().out)
+    assert accounted["mechanism"] == "blt" and accounted["noise_mechanism"] == RING_MF_MECHANISM
+    assert accounted["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-9)
     report = (path / "privacy_report.md").read_text()
     assert f"**Noise: {RING_MF_MECHANISM}" in report and f"sigma^2 = {ring['sigma_sq']}" in report
     summary = read_json(path / "summary.json")
