@@ -124,7 +124,7 @@ class PretrainSection:
     steps: int = 0  # Adam steps on the public rows
     batch_size: int = 32
     lr: float = 3e-3
-    seed: int = 0  # the public batches' draw (the init is the run's seed)
+    seed: int = 0  # the public model's init and batches (shared by every seed of the private run)
 
 
 @dataclass

@@ -8,9 +8,10 @@ privacy report names the corpora. The same tokenizer (trained on WikiText-2) cut
 text into rows of `data.seq_len` tokens; the loop is public/kd_pretrain.py's with beta = 0
 (plain next-token loss, Adam, gradient clipping at 1).
 
-The pretrained weights are cached under `$DPFLEET_CACHE/pretrain/`, keyed by the token rows,
-the model config and the training settings, so a rerun (or another seed of the private run with
-the same pretraining seed) does not pay for it again.
+Pretraining starts from the model's init at `pretrain.seed` (not the run's seed), so its result
+is a function of the token rows, the model config and the training settings alone: it is cached
+under `$DPFLEET_CACHE/pretrain/` by their digest, and every seed of the private run (which then
+sets sampling and noise) starts from the same public model without paying for it again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.export.models import ModelConfig
+from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 from dpfleet.public.overlap import check_public_sources
@@ -57,8 +58,8 @@ def _key(sequences: list[list[int]], model_cfg: ModelConfig, train: KDTrainConfi
 
 def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: torch.nn.Module, tokenizer,
                        log: Callable[[str], None] = print) -> dict:
-    """Train `model` in place on `cfg.pretrain.corpus` (public), from its seeded init; returns what
-    the privacy report and summary record (corpora, rows, steps, seconds, cached or not)."""
+    """Set `model` to the public model (`cfg.pretrain.corpus` trained from the init at pretrain.seed);
+    returns what the privacy report and summary record (corpora, rows, steps, seconds, cached)."""
     p = cfg.pretrain
     check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
     t0 = time.perf_counter()
@@ -70,8 +71,9 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
         theta = np.load(path)
     else:
         rng = torch.get_rng_state()  # the private run's torch stream stays as without pretraining
-        theta, _ = kd_train(model_cfg, get_flat(model), PlainCorpus(sequences), None, train,
-                            progress=False, desc="public pretraining")
+        torch.manual_seed(p.seed)  # the public init: a function of the cache key alone
+        theta, _ = kd_train(model_cfg, get_flat(build_model(model_cfg)), PlainCorpus(sequences), None,
+                            train, progress=False, desc="public pretraining")
         torch.set_rng_state(rng)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npy")
