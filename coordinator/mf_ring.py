@@ -25,10 +25,13 @@ continuous MF Gaussian mechanism on the real sequence L (Denisov et al. 2022: pr
 adaptively chosen inputs because C is lower-triangular; the next round's model, hence L_{t+1},
 depends only on earlier releases). (3) That mechanism's zero-out sensitivity is Delta_s times
 the strategy's min-separation sensitivity (the per-round differences are vectors of norm <=
-Delta_s placed in the device's participation pattern), and the noise is sigma >= z Delta_s, so
+Delta_s placed in the device's participation pattern; vector directions as in `mf_sensitivity`),
+and the noise is sigma >= z Delta_s, so
 rho = sens^2 / (2 z^2): exactly the plain MF accountant with the ring's units. The Gaussian PLD
 applies (the mechanism is a continuous Gaussian before the rounding). As with the tree's ring
 noise, this is central DP on top of SecAgg: the coordinator that adds the noise sees S_t.
+With adaptive clipping the round's encoding scale is s C_0 / C_t (s C_t fixed), so ring units are
+already the normalised x_t / C_t and the same sigma serves every round (`adaptive_clipping`).
 
 Floating point: y_t is the float64 stream (`MFNoise.next_exact`); `round_half_up` computes
 floor(y + 1/2) exactly (floor(y) plus the exact comparison of y - floor(y) with 1/2, no float
