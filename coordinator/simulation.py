@@ -230,9 +230,10 @@ def run_simulation(
                                batch_size=cfg.client.batch_size, device=cfg.client.device,
                                memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
     else:  # a custom module: the cohort trainers' fused / torch.func paths assume a zoo model
-        if cfg.pretrain.corpus:
-            raise DpfleetError("[pretrain] trains the config's zoo model; pretrain a custom model "
-                               "yourself before passing it")
+        if cfg.pretrain.corpus:  # said in the log and summary.json, not silently skipped
+            pretrained = {"skipped": "[pretrain] trains the config's zoo model; a custom model starts "
+                                     "from the weights it was passed with"}
+            log(pretrained["skipped"])
         if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
             raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
                                f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
