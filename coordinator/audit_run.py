@@ -8,8 +8,10 @@ An audit measures what the released model actually reveals about devices the aud
   directions in model space, each from the audit's secret key; each is INSERTED with probability
   1/2 (the Steinke coin) as a device whose update is its direction times `CANARY_NORM` clip
   norms (clipping brings it to exactly C, the most any device can move the sum; with clipping
-  broken it stays 10x larger). The others, plus `null_directions` more never drawn for any
-  device, are the unobserved null. Score: cosine of theta_T - theta_0 with each direction.
+  broken it stays 100x larger; at 1000x the canaries wrecked the tests' model, whose real
+  updates then grew larger still and hid them).
+  The others, plus `null_directions` more never drawn for any device, are the unobserved null.
+  Score: cosine of theta_T - theta_0 with each direction.
 * text canaries (Carlini et al., "The Secret Sharer", 2019): devices whose only data is "my
   secret code is" + random tokens, trained like any device; exposure = rank of the secret's
   log-perplexity among `references` random secrets of the same format, in bits. As many secrets
@@ -52,7 +54,7 @@ BROKEN = {
                     "configured z",
 }
 NOISE_SCALE = {"noise-off": 0.0, "noise-div-10": 0.1}
-CANARY_NORM = 10.0  # a gradient canary's raw update, in clip norms (clipped to exactly C)
+CANARY_NORM = 100.0  # a gradient canary's raw update, in clip norms (clipped to exactly C)
 CANARY_PREFIX = "audit-canary-"
 SECRET_FORMAT = "my secret code is"
 
@@ -96,6 +98,8 @@ class CanaryScores:
     exposure: list[float] = field(default_factory=list)  # inserted text canaries, bits
     null_exposure: list[float] = field(default_factory=list)  # never-inserted secrets, bits
     text_in_sum: int = 0
+    scored_rounds: int = 0  # rounds in the scored model (fewer: the final one was not finite)
+    exposure_note: str | None = None  # why there is no exposure (a diverged model)
 
     @property
     def observed(self) -> np.ndarray:
@@ -120,6 +124,7 @@ class CanaryRun:
         self.inserted = self._rng("coin").random(2 * settings.canaries) < 0.5
         self.gradient = np.flatnonzero(self.inserted)  # the direction of each gradient device
         self.base = self.engine = self.theta0 = None
+        self.last_finite: tuple[int, np.ndarray] | None = None  # (rounds in it, released model)
         self.text_rows: list[np.ndarray] = []
         self.secret_ids: list[list[int]] = []  # inserted secrets, then the control secrets
 
@@ -153,6 +158,8 @@ class CanaryRun:
         """The plan's updates in device order: real and text-canary devices trained by the run's
         trainer (seeds as `simulation.train_plan`), gradient canaries built from their direction."""
         clip = float("inf") if self.settings.broken == "clipping" else plan.clip_norm
+        if np.isfinite(plan.theta).all():  # a broken run may diverge: score its last finite release
+            self.last_finite = (plan.round, plan.theta)
         out: list[ClientUpdate | None] = [None] * len(plan.devices)
         trained, rows = [], []
         for pos, i in enumerate(plan.devices):
@@ -199,11 +206,12 @@ class CanaryRun:
                           for sec in self.secret_ids[:s.text_canaries]]
 
     # --- scoring --------------------------------------------------------------------------------
-    def score(self, participants: set[str]) -> CanaryScores:
-        """Scores of the finished run (theta_T = the last released model). `participants`: the
-        user ids whose updates reached a sum (participation.jsonl)."""
+    def score(self, participants: dict[str, int]) -> CanaryScores:
+        """Scores of the finished run (theta_T = the last released model). `participants`: user
+        id -> round whose released sum held its update (`participants`)."""
         s = self.settings
-        delta = self.engine.server.theta.astype(np.float64) - self.theta0
+        rounds, theta = self.scored_model()
+        delta = theta.astype(np.float64) - self.theta0
         size = np.linalg.norm(delta)
         unit = delta / size if size > 0 else delta
         scores = np.array([self.direction(j) @ unit for j in range(2 * s.canaries)])
@@ -212,24 +220,39 @@ class CanaryRun:
         for start in range(0, s.null_directions, chunk):  # never drawn for any device
             block = rng.standard_normal((min(chunk, s.null_directions - start), unit.size))
             null[start:start + len(block)] = (block @ unit) / np.linalg.norm(block, axis=1)
+        def scored(user: str) -> bool:  # its update is in the scored model
+            return participants.get(user, rounds) < rounds
+
         in_sum = np.zeros(2 * s.canaries, dtype=bool)
         for j in self.gradient:
-            in_sum[j] = f"{CANARY_PREFIX}g{j:04d}" in participants
-        out = CanaryScores(scores, self.inserted.copy(), null, in_sum,
-                           text_in_sum=sum(f"{CANARY_PREFIX}t{k:02d}" in participants
+            in_sum[j] = scored(f"{CANARY_PREFIX}g{j:04d}")
+        out = CanaryScores(scores, self.inserted.copy(), null, in_sum, scored_rounds=rounds,
+                           text_in_sum=sum(scored(f"{CANARY_PREFIX}t{k:02d}")
                                            for k in range(s.text_canaries)))
         if s.text_canaries:
             out.exposure, out.null_exposure = self._exposures()
+            if not out.exposure:
+                out.exposure_note = "the scored model's log-perplexities are not finite (it diverged)"
         return out
+
+    def scored_model(self) -> tuple[int, np.ndarray]:
+        """(rounds in it, model): the final release, or, when a broken run diverged, the last
+        finite one (every release is public in DP-FTRL, so any of them may be scored)."""
+        theta = self.engine.server.theta
+        if np.isfinite(theta).all() or self.last_finite is None:
+            return self.engine.next_round, theta
+        return self.last_finite
 
     def _exposures(self) -> tuple[list[float], list[float]]:
         from dpfleet.coordinator.audit_estimators import exposure_bits
 
         s, model = self.settings, self.engine.model
-        set_flat(model, self.engine.server.theta)
+        set_flat(model, self.scored_model()[1])
         refs = self._rng("references").choice(self.alphabet, (s.references, s.secret_tokens))
         ref_scores = log_perplexity(model, self.prefix, refs)
         mine = log_perplexity(model, self.prefix, np.array(self.secret_ids))
+        if not (np.isfinite(ref_scores).all() and np.isfinite(mine).all()):
+            return [], []
         bits = [float(exposure_bits(float(x), ref_scores)) for x in mine]
         return bits[:s.text_canaries], bits[s.text_canaries:]
 
@@ -255,11 +278,11 @@ def log_perplexity(model: torch.nn.Module, prefix: list[int], secrets: np.ndarra
     return out
 
 
-def participants(run_dir: Path) -> set[str]:
-    """The user ids whose updates reached a released sum (participation.jsonl)."""
+def participants(run_dir: Path) -> dict[str, int]:
+    """User id -> the last 0-based round in whose released sum its update was (participation.jsonl)."""
     path = run_dir / "participation.jsonl"
-    return {d for line in path.read_text().splitlines() if line.strip()
-            for d in json.loads(line)["devices"]}
+    return {d: entry["round"] for entry in map(json.loads, filter(str.strip, path.read_text().splitlines()))
+            for d in entry["devices"]}
 
 
 def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, settings: AuditSettings,
@@ -296,11 +319,14 @@ def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, setti
             "null_median_bits": float(np.median(null_exposure)) if null_exposure else None,
             "null_max_bits": float(np.max(null_exposure)) if null_exposure else None,
             "reference_secrets": settings.references,
+            **({"note": notes[0]} if (notes := [r.exposure_note for r in runs if r.exposure_note])
+               else {}),
         },
         "canaries": {
             "directions": int(sum(r.scores.size for r in runs)),
             "inserted": int(observed.size),
             "inserted_in_sum": int(sum(r.in_sum.sum() for r in runs)),
+            "scored_rounds": [r.scored_rounds for r in runs],
             "unobserved": int(unobserved.size),
             "text": len(exposure),
             "text_in_sum": int(sum(r.text_in_sum for r in runs)),
@@ -360,6 +386,7 @@ def report_section(a: dict) -> str:
         f"exposure median {fmt(e['median_bits'])} bits, max {fmt(e['max_bits'])} bits "
         f"(never-inserted secrets: median {fmt(e['null_median_bits'])}); ranked among "
         f"{e['reference_secrets']} random secrets",
+        f"- scored model: the release after round(s) {cn['scored_rounds']} (the last finite one)",
         f"- verdict: {a['verdict']}",
         "",
         "An estimate is not a proof, and a lower bound under the accounted eps is consistent with "
@@ -383,6 +410,7 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
     for s in range(seeds):
         run_cfg = copy.deepcopy(cfg)
         run_cfg.seed = cfg.seed + s
+        run_cfg.checkpoint_every = 0  # no resume point: a resumed run would lose its canaries' key
         run_dir = out if seeds == 1 else out / f"seed-{run_cfg.seed}"
         canaries = CanaryRun(settings)
         result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries)
