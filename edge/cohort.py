@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _on_threads(fn, items: list, workers: int) -> list:
+    """fn over items on `workers` Python threads, torch single-threaded in each (torch releases
+    the GIL inside its ops). Each item's result is computed by one thread with one torch thread,
+    so it does not depend on the scheduling: a config's results are the same on every run."""
+    threads = torch.get_num_threads()
+
+    def one(item):
+        torch.set_num_threads(1)
+        return fn(item)
+
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(one, items))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class _Plan:
     """One chunk: its clients (longest first) and, per step, each active client's row indices."""
@@ -143,14 +161,28 @@ class CohortTrainer:
         plans = [batches(len(x), batch_size, s) for x, s in zip(examples, seeds, strict=True)]
         # longest first, then by rows: a chunk's short clients pad their rows to similar sizes
         order = sorted(range(len(examples)), key=lambda i: (-len(plans[i]), -len(examples[i])))
+        workers = self._workers(len(order))
+        size = min(self.chunk, -(-len(order) // workers)) if workers > 1 else self.chunk
+        chunks = [order[start : start + size] for start in range(0, len(order), size)]
+
+        def train(ids: list[int]) -> tuple[np.ndarray, list[float]]:
+            return self._train_chunk(theta, [examples[i] for i in ids], [plans[i] for i in ids], lr,
+                                     batch_size)
+
+        results = _on_threads(train, chunks, workers) if workers > 1 else [train(c) for c in chunks]
         out: list[ClientUpdate | None] = [None] * len(examples)
-        for start in range(0, len(order), self.chunk):
-            ids = order[start : start + self.chunk]
-            deltas, losses = self._train_chunk(theta, [examples[i] for i in ids],
-                                               [plans[i] for i in ids], lr, batch_size)
+        for ids, (deltas, losses) in zip(chunks, results, strict=True):
             for j, i in enumerate(ids):
                 out[i] = finish_update(deltas[j], clip_norm, losses[j], len(examples[i]), self.clip)
         return out  # type: ignore[return-value]
+
+    def _workers(self, clients: int) -> int:
+        """Chunks trained at once on CPU, one per torch thread (fused path only): the per-step
+        products have only `batch` rows per client, too small to split over threads, so torch's
+        own threads idle; a chunk per thread keeps each thread's weights in its own cache."""
+        if self.device.type != "cpu" or not self.fused or clients < 2:
+            return 1
+        return min(torch.get_num_threads(), clients)
 
     def _train_chunk(self, theta: torch.Tensor, examples: list[np.ndarray],
                      plans: list[list[np.ndarray]], lr: float, batch_size: int

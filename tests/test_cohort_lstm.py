@@ -149,3 +149,34 @@ def test_fused_chunk_memory_rule_is_smaller_per_client():
     cpu = torch.device("cpu")
     assert cohort_mod.chunk_size(big, 16, 20, cpu, 160, fused=True) == 160 * 2**20 // fused
     assert BATCH == 8  # the shared helpers' batch (both() trains with it)
+
+
+def test_chunks_on_two_threads_equal_the_sequential_path(monkeypatch):
+    """2 torch threads: the round's chunks train on 2 Python threads (one torch thread each).
+    Every client's update still equals the sequential path's, in the caller's order (a chunk's
+    results written to another chunk's clients would miss by far more than the tolerance), the
+    run repeats bit for bit, and torch's thread count is restored afterwards."""
+    calls = []
+    real = cohort_mod._on_threads
+
+    def spy(fn, items, workers):
+        calls.append((len(items), workers))
+        return real(fn, items, workers)
+
+    monkeypatch.setattr(cohort_mod, "_on_threads", spy)
+    rng = np.random.default_rng(9)
+    examples = [client_rows(rng, n) for n in (1, 7, 13, 20, 4, 9, 16)]
+    seeds = list(range(len(examples)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seq, cohort = both("cifg", examples, seeds, clip=0.5)
+        _, again = both("cifg", examples, seeds, clip=0.5)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [(3, 2), (3, 2)]  # 7 clients in chunks of 3 on 2 threads, both runs
+    assert threads_after == 2
+    assert_same(seq, cohort)
+    for a, b in zip(cohort, again, strict=True):
+        np.testing.assert_array_equal(a.delta, b.delta)
