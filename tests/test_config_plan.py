@@ -7,6 +7,7 @@ differently is refused (one error line) instead of silently running something el
 
 import json
 
+import numpy as np
 import pytest
 from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
@@ -99,3 +100,26 @@ def test_service_refuses_a_target_it_cannot_plan():
     cfg = parse_config({**CFG, "dp": {**CFG["dp"], "mechanism": "tree"}})
     with pytest.raises(DpfleetError, match="planned by `dpfleet simulate` only"):
         check_service_config(cfg)
+
+
+def test_a_planned_run_resumes_through_the_cli_to_the_same_model(tmp_path, capsys):
+    from crashes import Crash
+    from safetensors.numpy import load_file
+
+    values = {**CFG, "checkpoint_every": 2, "dp": {**CFG["dp"], "noise_seed": 3}}
+    whole = planned_run(tmp_path, values, name="whole")
+
+    def crash_before_4(r, theta):
+        if r == 4:
+            raise Crash
+
+    cut = tmp_path / "cut"
+    with pytest.raises(Crash):
+        simulation.run_simulation(parse_config(values), cut, before_round=crash_before_4, **QUIET)
+    plan = (cut / "plan.json").read_text()
+    main(["simulate", "--resume", str(cut), "--quiet"])
+    assert "resuming after round 4" in capsys.readouterr().out
+    assert (cut / "plan.json").read_text() == plan  # planned once, re-planned to the same on resume
+    released = [load_file(str(d / "checkpoint" / "server_state.safetensors"))["theta"]
+                for d in (whole.run_dir, cut)]
+    np.testing.assert_array_equal(*released)
