@@ -196,10 +196,10 @@ class CanaryRun:
         if self.alphabet.size < 8:  # a tokenizer that splits digits: random ordinary tokens
             self.alphabet = rng.choice(np.arange(4, tokenizer.vocab_size), 10, replace=False)
         room = seq_len - s.secret_tokens
-        if room < 0:
+        if room < 0 and s.text_canaries:
             raise DpfleetError(f"data.seq_len = {seq_len} is shorter than a text canary's "
                                f"{s.secret_tokens} secret tokens: use --text-canaries 0")
-        self.prefix = list(tokenizer.encode(SECRET_FORMAT))[:room]
+        self.prefix = list(tokenizer.encode(SECRET_FORMAT))[:max(room, 0)]
         secrets = rng.choice(self.alphabet, (2 * s.text_canaries, s.secret_tokens))
         self.secret_ids = [list(map(int, row)) for row in secrets]
         self.text_rows = [np.repeat(to_rows([self.prefix + sec], seq_len), s.text_copies, axis=0)
