@@ -171,13 +171,16 @@ def order(item: tuple) -> tuple:
 def report(rows: list[dict], out: Path = OUT) -> str:
     """mechanisms.md (and mechanisms.png): cell means and paired intervals against the tree."""
     cells: dict = defaultdict(dict)
+    loads = [r["loadavg_before"][0] for r in rows]
     for r in rows:
         cells[(r["mechanism"], r["target_epsilon"], r["public"], r["projection_population"])][r["seed"]] = r
     lines = ["# DP-FTRL mechanisms on the main job (benchmarks/mechanisms.py)", "",
              "Accuracy: held-out next-token accuracy (mean and sample sd over seeds). Each row runs the "
              "planner's choice at its target epsilon (delta 1e-6, N 1,277); noise_seed = seed "
              "(research mode) pairs the mechanisms. Projection rows train the 1,277 clients with the "
-             "noise per device a population of N would need at the target: NOT private at that eps.", "",
+             "noise per device a population of N would need at the target: NOT private at that eps. "
+             "'public only' is the pretrained model before any private round. Wall time at 1 torch thread; "
+             f"machine load (1-min loadavg) {min(loads):.1f}-{max(loads):.1f} on 2 cores.", "",
              "| mechanism | target eps | public | projected N | seeds | accuracy | unigram | z | report goal "
              "| MaxP | wall s (mean) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kind, eps, public, proj), by_seed in sorted(cells.items(), key=order):
@@ -186,7 +189,8 @@ def report(rows: list[dict], out: Path = OUT) -> str:
         sd = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1)) if len(acc) > 1 else float("nan")
         r0 = next(iter(by_seed.values()))
         wall = sum(r["wall_s"] for r in by_seed.values()) / len(by_seed)
-        lines.append(f"| {kind} | {eps:g} | {public} | {proj or '-'} | {len(acc)} | {mean:.4f} ± {sd:.4f} | "
+        spread = f" ± {sd:.4f}" if len(acc) > 1 else ""
+        lines.append(f"| {kind} | {eps:g} | {public} | {proj or '-'} | {len(acc)} | {mean:.4f}{spread} | "
                      f"{r0['unigram']:.4f} | {r0['noise_multiplier']:.4g} | {r0['report_goal']} | "
                      f"{r0['max_participation']} | {wall:.0f} |")
     lines += ["", "Paired difference against the tree (same seed, same noise key; points of accuracy, "
