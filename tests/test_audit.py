@@ -10,12 +10,15 @@ aggregation.
 
 import copy
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpfleet.cli import main
-from dpfleet.coordinator.audit_run import CANARY_PREFIX, AuditSettings, run_audit
+from dpfleet.coordinator.audit_run import CANARY_NORM, CANARY_PREFIX, AuditSettings, CanaryRun, run_audit
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.run_dir import to_toml
 from dpfleet.coordinator.simulation import run_simulation
@@ -45,6 +48,37 @@ def audit(tmp_path, name, values=CFG, seeds=1, **settings):
 
 def with_(section, **values):
     return {**CFG, section: {**CFG.get(section, {}), **values}}
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 24), clip=st.floats(1e-3, 1e3), key=st.binary(min_size=32, max_size=32),
+       broken=st.sampled_from([None, "clipping"]))
+def test_a_gradient_canary_sends_its_secret_direction_clipped_to_exactly_c(n, clip, key, broken):
+    """Property: each inserted canary device's update is its own direction at norm C (at most C in
+    float64, the bound the noise is calibrated to), or 100 C with --break clipping; the coins
+    and directions are a function of the audit's key alone."""
+    run = CanaryRun(AuditSettings(canaries=n, text_canaries=0, broken=broken), key=key)
+    real = ["alice", "bob"]
+    ids = run.users(real)
+    assert ids[:2] == real and len(ids) == 2 + run.inserted.sum() and 2 * n == run.inserted.size
+    run.theta0 = np.zeros(300)
+    plan = SimpleNamespace(devices=list(range(2, len(ids))), clip_norm=clip, round=0,
+                           theta=np.zeros(300, np.float32))
+    updates = run.train_plan(None, None, None, plan)  # canaries only: nothing is trained
+    for update, j in zip(updates, run.gradient, strict=True):
+        norm = float(np.linalg.norm(update.delta.astype(np.float64)))
+        assert update.delta.dtype == np.float32
+        if broken:
+            assert norm == pytest.approx(CANARY_NORM * clip, rel=1e-5)
+        else:
+            assert clip * (1 - 1e-5) <= norm <= clip
+        assert update.delta.astype(np.float64) @ run.direction(int(j)) / norm > 1 - 1e-5
+    again, other = (CanaryRun(AuditSettings(canaries=n, text_canaries=0), key=k)
+                    for k in (key, bytes(b ^ 1 for b in key)))
+    again.theta0 = other.theta0 = run.theta0
+    assert (again.inserted == run.inserted).all()
+    assert np.array_equal(again.direction(0), run.direction(0))
+    assert abs(other.direction(0) @ run.direction(0)) < 0.5  # another key: unrelated directions
 
 
 @pytest.mark.parametrize("broken", ["noise-off", "clipping", "noise-div-10"])
