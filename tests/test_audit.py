@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_noise_secrecy import CFG as SECRECY_CFG
+from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
 from dpfleet.coordinator.audit_run import CANARY_NORM, CANARY_PREFIX, AuditSettings, CanaryRun, run_audit
@@ -26,16 +28,11 @@ from dpfleet.coordinator.simulation import run_simulation
 # z = 6 at delta 1e-5 accounts eps ~ 1.27 for one participation: small enough that a broken run's
 # estimate clears it; 10 rounds x 25 devices take ~84% of 40 real + ~256 canary devices (a device
 # that trains nothing costs nothing, so canaries are cheap; 512 directions pin the Gaussians down)
-CFG = {
-    "rounds": 10, "eval_every": 10, "seed": 7, "checkpoint_every": 0,
-    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 60, "max_examples": 8},
-    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
-    "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
-    "client": {"lr": 1.0, "batch_size": 8},
-    "dp": {"noise_multiplier": 6.0, "clip_norm": 0.5, "report_goal": 25, "momentum": 0.0,
-           "delta": 1e-5},
-}
-QUIET = {"progress": False, "log": lambda s: None}
+# (the secrecy tests' tiny run: 40 clients, a 16/32/16 CIFG, client lr 1)
+CFG = {**SECRECY_CFG, "rounds": 10, "eval_every": 10, "checkpoint_every": 0,
+       "dp": {"noise_multiplier": 6.0, "clip_norm": 0.5, "report_goal": 25, "momentum": 0.0,
+              "delta": 1e-5}}
+assert CFG["data"]["max_clients"] == 40 and CFG["client"]["lr"] == 1.0
 CANARIES = AuditSettings(canaries=256, text_canaries=2, null_directions=500, references=500,
                          bootstrap=300)
 
