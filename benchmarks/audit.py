@@ -85,6 +85,9 @@ def main() -> None:
                                             capture_output=True, text=True).stdout)
     else:
         base = read_toml(ROOT / example)
+    if "target_epsilon" in base.get("dp", {}):
+        raise SystemExit("this main job plans its noise from dp.target_epsilon, and the benchmark varies "
+                         "dp.noise_multiplier: run it on the fixed-noise main job, --rev 32b79ee")
     base["checkpoint_every"] = 0
     settings = AuditSettings(canaries=args.canaries, text_canaries=4)
     cells = [(z, None) for z in args.z] + [(args.broken_z, b) for b in BROKEN]
