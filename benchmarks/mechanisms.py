@@ -50,7 +50,7 @@ from dpfleet.coordinator.simulation import run_simulation  # noqa: E402
 
 CONFIG = ROOT / "examples" / "shakespeare_cifg.toml"
 OUT = ROOT / "benchmarks" / "results" / "mechanisms.json"
-CELL = ("mechanism", "epsilon", "seed", "public", "projection_population")
+CELL = ("mechanism", "target_epsilon", "seed", "public", "projection_population")
 
 
 def load_rows(path: Path = OUT) -> list[dict]:
@@ -131,8 +131,9 @@ def run_cell(base: dict, kind: str, eps: float, seed: int, public: str,
     }
 
 
-def public_only_row(base: dict) -> dict:
-    """The reference: the config's public model alone, before any private round (eps 0)."""
+def public_only_row(base: dict, seed: int) -> dict:
+    """The reference: the config's public model alone, before any private round (eps 0), scored on
+    seed `seed`'s held-out users (the seed also draws the train / held-out split)."""
     import dataclasses
 
     from dpfleet.coordinator.evaluation import evaluate, split_held_out, unigram_baseline
@@ -140,7 +141,7 @@ def public_only_row(base: dict) -> dict:
     from dpfleet.coordinator.simulation import prepare_data
     from dpfleet.export.models import build_model
 
-    cfg = parse_config(copy.deepcopy(base))
+    cfg = parse_config({**copy.deepcopy(base), "seed": seed})
     load, t0 = os.getloadavg(), time.perf_counter()
     torch.set_num_threads(max(1, cfg.client.threads))
     tokenizer, data = prepare_data(cfg, None)
@@ -149,7 +150,7 @@ def public_only_row(base: dict) -> dict:
     model = build_model(model_cfg)
     info = pretrain_on_public(cfg, model_cfg, model, tokenizer, log=lambda s: None)
     return {"mechanism": "public only", "epsilon": 0.0, "target_epsilon": 0.0, "delta": cfg.dp.delta,
-            "seed": cfg.pretrain.seed,
+            "seed": seed, "pretrain_seed": cfg.pretrain.seed,
             "public": f"pretrain {'+'.join(cfg.pretrain.corpus)} {cfg.pretrain.steps} steps",
             "accuracy": evaluate(model, rows)["accuracy"],
             "unigram": unigram_baseline((c.examples for c in baseline_clients), rows)["accuracy"],
@@ -281,10 +282,11 @@ def main() -> None:
                 for k in args.mechanisms if not args.no_grid]
         todo += [(k, e, s, p, n) for n in args.projection for s in args.seeds for p in args.public
                  for e in args.epsilons for k in args.mechanisms]
-        if base.get("pretrain") and not any(r["mechanism"] == "public only" for r in rows):
-            rows.append(public_only_row(base))
-            save_rows(rows, args.out)
-            print(f"public only: accuracy {rows[-1]['accuracy']:.4f}", flush=True)
+        for seed in args.seeds if base.get("pretrain") else ():
+            if ("public only", 0.0, seed, "pretrain", 0) not in done:
+                rows.append(public_only_row(base, seed))
+                save_rows(rows, args.out)
+                print(f"public only, seed {seed}: accuracy {rows[-1]['accuracy']:.4f}", flush=True)
         for kind, eps, seed, public, proj in todo:
             if (kind, eps, seed, public, proj or 0) in done:
                 continue

@@ -41,3 +41,9 @@ def test_a_projection_has_the_large_fleets_noise_per_device():
     assert extra["projection_report_goal"] == big.report_goal > 10 * small.report_goal
     assert (cfg.participation.mode, cfg.participation.min_separation, cfg.participation.max_participation) \
         == ("uniform", small.min_separation, small.max_participation)
+
+
+def test_a_done_cell_is_found_by_its_target_not_the_accounted_eps():
+    row = {"mechanism": "blt", "epsilon": 7.999999828, "target_epsilon": 8.0, "seed": 2,
+           "public": "pretrain kjv 3000 steps", "projection_population": 0}
+    assert bench.key(row) == ("blt", 8.0, 2, "pretrain", 0)  # what main() looks up before running
