@@ -218,6 +218,18 @@ def report(rows: list[dict], out: Path = OUT) -> str:
             d = paired_difference([100 * by_seed[s]["accuracy"] for s in seeds],
                                   [100 * none[s]["accuracy"] for s in seeds])
             lines.append(f"| {kind} | {eps:g} | {format_difference(d)} |")
+    alone = next((by_seed for (kind, *_), by_seed in cells.items() if kind == "public only"), {})
+    if alone:
+        lines += ["", "What the private rounds add to the public model (same seed's held-out users):", "",
+                  "| mechanism | target eps | private rounds - public model alone, [95% CI], up / down |",
+                  "|---|---|---|"]
+        for (kind, eps, public, proj), by_seed in sorted(cells.items(), key=order):
+            seeds = sorted(set(by_seed) & set(alone))
+            if kind == "public only" or public == "none" or proj or not seeds:
+                continue
+            d = paired_difference([100 * by_seed[s]["accuracy"] for s in seeds],
+                                  [100 * alone[s]["accuracy"] for s in seeds])
+            lines.append(f"| {kind} | {eps:g} | {format_difference(d)} |")
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     plot(cells, out.with_suffix(".png"))
