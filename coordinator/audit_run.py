@@ -11,7 +11,11 @@ An audit measures what the released model actually reveals about devices the aud
   broken it stays 100x larger; at 1000x the canaries wrecked the tests' model, whose real
   updates then grew larger still and hid them).
   The others, plus `null_directions` more never drawn for any device, are the unobserved null.
-  Score: cosine of theta_T - theta_0 with each direction.
+  Scores: the cosine of theta_T - theta_0 with each direction (the paper's one-shot, final-model
+  score), and the max over rounds of the cosine of each released change theta_t - theta_{t-1}
+  (their all-iterates score: every release of DP-FTRL is public, so an adversary may look at each
+  round, where a canary is not diluted by every other round's updates). Never-inserted directions
+  are scored the same two ways, so under "not inserted" a direction's score has the null's law.
 * text canaries (Carlini et al., "The Secret Sharer", 2019): devices whose only data is "my
   secret code is" + random tokens, trained like any device; exposure = rank of the secret's
   log-perplexity among `references` random secrets of the same format, in bits. As many secrets
@@ -99,6 +103,8 @@ class CanaryScores:
     null_exposure: list[float] = field(default_factory=list)  # never-inserted secrets, bits
     text_in_sum: int = 0
     scored_rounds: int = 0  # rounds in the scored model (fewer: the final one was not finite)
+    round_scores: np.ndarray | None = None  # max over releases of the cosine of each release's change
+    round_null: np.ndarray | None = None  # the same for the never-drawn directions
     exposure_note: str | None = None  # why there is no exposure (a diverged model)
 
     @property
@@ -108,6 +114,10 @@ class CanaryScores:
     @property
     def unobserved(self) -> np.ndarray:
         return np.concatenate([self.scores[~self.inserted], self.null])
+
+    def all_rounds(self) -> CanaryScores:
+        """These scores with the all-iterates score in place of the final-model one."""
+        return CanaryScores(self.round_scores, self.inserted, self.round_null, self.in_sum)
 
 
 class CanaryRun:
@@ -125,6 +135,7 @@ class CanaryRun:
         self.gradient = np.flatnonzero(self.inserted)  # the direction of each gradient device
         self.base = self.engine = self.theta0 = None
         self.last_finite: tuple[int, np.ndarray] | None = None  # (rounds in it, released model)
+        self.releases: list[np.ndarray] = []  # theta_1, theta_2, ...: every finite release before the last
         self.text_rows: list[np.ndarray] = []
         self.secret_ids: list[list[int]] = []  # inserted secrets, then the control secrets
 
@@ -160,6 +171,8 @@ class CanaryRun:
         clip = float("inf") if self.settings.broken == "clipping" else plan.clip_norm
         if np.isfinite(plan.theta).all():  # a broken run may diverge: score its last finite release
             self.last_finite = (plan.round, plan.theta)
+            if plan.round >= 1:
+                self.releases.append(np.array(plan.theta, dtype=np.float32))
         out: list[ClientUpdate | None] = [None] * len(plan.devices)
         trained, rows = [], []
         for pos, i in enumerate(plan.devices):
@@ -211,15 +224,19 @@ class CanaryRun:
         id -> round whose released sum held its update (`participants`)."""
         s = self.settings
         rounds, theta = self.scored_model()
-        delta = theta.astype(np.float64) - self.theta0
-        size = np.linalg.norm(delta)
-        unit = delta / size if size > 0 else delta
-        scores = np.array([self.direction(j) @ unit for j in range(2 * s.canaries)])
-        null = np.empty(s.null_directions)
+        # row 0: theta_T - theta_0 (final model); rows 1..: each release's change (all iterates)
+        models = [self.theta0, *(r for r in self.releases[:max(rounds - 1, 0)]), theta]
+        changes = np.stack([theta.astype(np.float64) - self.theta0,
+                            *(np.diff(np.stack(models).astype(np.float64), axis=0))])
+        sizes = np.linalg.norm(changes, axis=1, keepdims=True)
+        units = np.divide(changes, sizes, out=np.zeros_like(changes), where=sizes > 0)
+        cos = np.array([units @ self.direction(j) for j in range(2 * s.canaries)])
+        null_cos = np.empty((s.null_directions, len(units)))
         rng, chunk = self._rng("null"), 64
         for start in range(0, s.null_directions, chunk):  # never drawn for any device
-            block = rng.standard_normal((min(chunk, s.null_directions - start), unit.size))
-            null[start:start + len(block)] = (block @ unit) / np.linalg.norm(block, axis=1)
+            block = rng.standard_normal((min(chunk, s.null_directions - start), units.shape[1]))
+            null_cos[start:start + len(block)] = (block @ units.T) / np.linalg.norm(block, axis=1)[:, None]
+        scores, null = cos[:, 0], null_cos[:, 0]
         def scored(user: str) -> bool:  # its update is in the scored model
             return participants.get(user, rounds) < rounds
 
@@ -227,6 +244,7 @@ class CanaryRun:
         for j in self.gradient:
             in_sum[j] = scored(f"{CANARY_PREFIX}g{j:04d}")
         out = CanaryScores(scores, self.inserted.copy(), null, in_sum, scored_rounds=rounds,
+                           round_scores=cos[:, 1:].max(axis=1), round_null=null_cos[:, 1:].max(axis=1),
                            text_in_sum=sum(scored(f"{CANARY_PREFIX}t{k:02d}")
                                            for k in range(s.text_canaries)))
         if s.text_canaries:
@@ -288,16 +306,16 @@ def participants(run_dir: Path) -> dict[str, int]:
 def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, settings: AuditSettings,
               privacy: dict) -> dict:
     """audit.json's figures from one or more audited runs (pooled: the canaries of independent
-    runs are independent, so both estimators take them together)."""
-    from dpfleet.coordinator.audit_estimators import one_run_lower_bound, one_shot_estimate
+    runs are independent, so both estimators take them together).
 
+    Two scores per direction (module docstring): the final model's (`epsilon_estimate`, the
+    paper's one-shot estimate) and the all-iterates one (`all_rounds`). The lower bound tests both
+    at (1 - confidence) / 2 each and reports the larger (Bonferroni), so an honest run passes its
+    accounted epsilon with probability at most 1 - confidence over both scores together."""
     c, delta = settings.confidence, cfg.dp.delta
-    observed = np.concatenate([r.observed for r in runs])
-    unobserved = np.concatenate([r.unobserved for r in runs])
-    est = one_shot_estimate(observed, unobserved, delta, confidence=c, bootstrap=settings.bootstrap,
-                            seed=0)
-    bound = one_run_lower_bound(np.concatenate([r.scores for r in runs]),
-                                np.concatenate([r.inserted for r in runs]), delta, confidence=c)
+    final = _estimators(runs, delta, settings)
+    every = _estimators([r.all_rounds() for r in runs], delta, settings)
+    est, bound = final["estimate"], max((final["bound"], every["bound"]), key=lambda b: b["epsilon"])
     exposure = [x for r in runs for x in r.exposure]
     null_exposure = [x for r in runs for x in r.null_exposure]
     out = {
@@ -307,7 +325,15 @@ def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, setti
         "epsilon_estimate_interval": [float(x) for x in est["interval"]],
         "estimate_confidence": est["confidence"],
         "epsilon_lower_bound": float(bound["epsilon"]),
-        "lower_bound_confidence": bound["confidence"],
+        "lower_bound_confidence": c,
+        "lower_bound_score": "final model" if bound is final["bound"] else "all rounds",
+        "all_rounds": {
+            "epsilon_estimate": float(every["estimate"]["epsilon"]),
+            "epsilon_estimate_interval": [float(x) for x in every["estimate"]["interval"]],
+            "epsilon_lower_bound": float(every["bound"]["epsilon"]),
+            "final_model_lower_bound": float(final["bound"]["epsilon"]),
+            "score": "max over rounds of the cosine of each released model change with the direction",
+        },
         "lower_bound_guesses": bound["guesses"],
         "lower_bound_correct": bound["correct"],
         "estimate": {k: est[k] for k in ("mu_observed", "sigma_observed", "mu_unobserved",
@@ -324,10 +350,10 @@ def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, setti
         },
         "canaries": {
             "directions": int(sum(r.scores.size for r in runs)),
-            "inserted": int(observed.size),
+            "inserted": int(sum(r.observed.size for r in runs)),
             "inserted_in_sum": int(sum(r.in_sum.sum() for r in runs)),
             "scored_rounds": [r.scored_rounds for r in runs],
-            "unobserved": int(unobserved.size),
+            "unobserved": int(sum(r.unobserved.size for r in runs)),
             "text": len(exposure),
             "text_in_sum": int(sum(r.text_in_sum for r in runs)),
             "update_norm_in_clip_norms": CANARY_NORM,
@@ -345,6 +371,21 @@ def summarise(runs: Sequence[CanaryScores], epsilon_accounted: float, cfg, setti
     return out
 
 
+def _estimators(runs: Sequence[CanaryScores], delta: float, settings: AuditSettings) -> dict:
+    """The one-shot estimate (at the confidence) and the one-run bound (at half its alpha) of the
+    runs' pooled scores."""
+    from dpfleet.coordinator.audit_estimators import one_run_lower_bound, one_shot_estimate
+
+    c = settings.confidence
+    est = one_shot_estimate(np.concatenate([r.observed for r in runs]),
+                            np.concatenate([r.unobserved for r in runs]), delta, confidence=c,
+                            bootstrap=settings.bootstrap, seed=0)
+    bound = one_run_lower_bound(np.concatenate([r.scores for r in runs]),
+                                np.concatenate([r.inserted for r in runs]), delta,
+                                confidence=1 - (1 - c) / 2)
+    return {"estimate": est, "bound": bound}
+
+
 def verdict(a: dict) -> str:
     """One line on what the figures show (and, when nothing is found, what that does not show)."""
     acc, lo = a["epsilon_accounted"], a["epsilon_estimate_interval"][0]
@@ -353,12 +394,17 @@ def verdict(a: dict) -> str:
                 f"{a['lower_bound_confidence']:g}) is above the accounted eps {acc:.3g}: the run "
                 f"leaks more than its accounting says (a false alarm has probability <= "
                 f"{1 - a['lower_bound_confidence']:.2g})")
-    if lo > acc:
-        return (f"FAIL: the one-shot estimate's interval [{lo:.3g}, ...] lies above the accounted "
-                f"eps {acc:.3g}")
-    if a["epsilon_estimate"] > acc:
-        return (f"SUSPICIOUS: the one-shot estimate {a['epsilon_estimate']:.3g} is above the "
-                f"accounted eps {acc:.3g} (its interval reaches below it)")
+    every = a.get("all_rounds") or {}
+    for name, low in (("one-shot (final model)", lo),
+                      ("all-rounds", every.get("epsilon_estimate_interval", [0.0])[0])):
+        if low > acc:
+            return (f"FAIL: the {name} estimate's interval [{low:.3g}, ...] lies above the accounted "
+                    f"eps {acc:.3g}")
+    for name, point in (("one-shot (final model)", a["epsilon_estimate"]),
+                        ("all-rounds", every.get("epsilon_estimate", 0.0))):
+        if point > acc:
+            return (f"SUSPICIOUS: the {name} estimate {point:.3g} is above the accounted eps "
+                    f"{acc:.3g} (its interval reaches below it)")
     return ("consistent: no estimate or bound above the accounted eps (an estimate is not a proof, "
             "and a bound below the accounted eps is consistent with it, not a certificate)")
 
@@ -376,6 +422,10 @@ def report_section(a: dict) -> str:
         f"({a['mechanism']}, {a['noise']}, aggregation {a['aggregation']})",
         f"- one-shot estimate (Andrew et al. 2024): eps = {fmt(a['epsilon_estimate'])}, "
         f"{a['estimate_confidence']:g} interval [{fmt(lo)}, {fmt(hi)}]",
+        f"- all-rounds estimate (max over releases of the cosine with each round's change): eps = "
+        f"{fmt(a['all_rounds']['epsilon_estimate'])}, interval "
+        f"[{fmt(a['all_rounds']['epsilon_estimate_interval'][0])}, "
+        f"{fmt(a['all_rounds']['epsilon_estimate_interval'][1])}]",
         f"- one-run lower bound (Steinke et al. 2023): eps >= {fmt(a['epsilon_lower_bound'])} at "
         f"confidence {a['lower_bound_confidence']:g} ({a['lower_bound_correct']} of "
         f"{a['lower_bound_guesses']} guesses correct)",
@@ -390,7 +440,7 @@ def report_section(a: dict) -> str:
         f"- verdict: {a['verdict']}",
         "",
         "An estimate is not a proof, and a lower bound under the accounted eps is consistent with "
-        "it, not a certificate: the audit sees one run and the final model only.",
+        "it, not a certificate: the audit sees one run and canaries of one shape.",
         "",
     ]
     return "\n".join(lines)

@@ -83,7 +83,7 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     if rounds is not None:
         cfg.rounds = _count(rounds, "--rounds", 1)
     validate(cfg)
-    if cfg.dp.noise_multiplier == 0:
+    if cfg.dp.noise_multiplier == 0 and cfg.dp.target_epsilon == 0:  # a planned run's z comes later
         raise DpfleetError("dp.noise_multiplier = 0 accounts eps = inf: there is nothing to audit "
                            "(--debug-nonprivate switches the noise off under a finite accounted eps)")
     out = out or _fresh_run_dir(Path("runs") / f"{config.stem}-audit")

@@ -78,13 +78,46 @@ def test_a_gradient_canary_sends_its_secret_direction_clipped_to_exactly_c(n, cl
     assert abs(other.direction(0) @ run.direction(0)) < 0.5  # another key: unrelated directions
 
 
+def test_every_release_is_scored_so_a_canary_erased_by_the_final_model_still_shows():
+    """All-iterates score: inserted canaries added in round 1 and taken out again in round 2 leave
+    no trace in theta_T - theta_0 (final-model cosines like the null's) but stand out in the max
+    over rounds of each release's change, while never-inserted and never-drawn directions, scored
+    the same way, keep the null's law (so the estimators' "not inserted" side holds)."""
+    n, dim = 64, 4000
+    run = CanaryRun(AuditSettings(canaries=n, text_canaries=0, null_directions=300), key=bytes(32))
+    run.users([])
+    rng = np.random.default_rng(0)
+    run.theta0 = np.zeros(dim)
+    canaries = sum(run.direction(int(j)) for j in run.gradient)
+    noise = [rng.standard_normal(dim) * 0.05 for _ in range(3)]
+    released = [run.theta0 + canaries + noise[0]]  # round 1: the canaries are in the sum
+    released.append(released[0] - canaries + noise[1])  # round 2: something takes them out
+    final = released[1] + noise[2]
+    for r, theta in enumerate(released, start=1):
+        plan = SimpleNamespace(devices=[], clip_norm=1.0, round=r, theta=theta.astype(np.float32))
+        run.train_plan(None, None, None, plan)
+    run.engine = SimpleNamespace(server=SimpleNamespace(theta=final.astype(np.float32)), next_round=3)
+    scores = run.score({})
+    assert scores.round_scores.shape == scores.scores.shape and scores.round_null.shape == (300,)
+    ins, out = scores.inserted, ~scores.inserted
+    # final model: the canaries are gone, inserted look like the rest
+    assert abs(scores.scores[ins].mean() - scores.null.mean()) < 3 * scores.null.std()
+    # every release: each inserted canary is far above every not-inserted and never-drawn one
+    assert scores.round_scores[ins].min() > max(scores.round_scores[out].max(), scores.round_null.max())
+    # not inserted and never drawn are scored alike: same mean within sampling error
+    se = scores.round_null.std() * (1 / np.sqrt(out.sum()) + 1 / np.sqrt(300))
+    assert abs(scores.round_scores[out].mean() - scores.round_null.mean()) < 4 * se
+
+
 @pytest.mark.parametrize("broken", ["noise-off", "clipping", "noise-div-10"])
 def test_a_broken_run_is_caught_above_its_accounted_epsilon(tmp_path, broken):
     a = audit(tmp_path, broken, broken=broken)
     accounted = a["epsilon_accounted"]
     assert 1.0 < accounted < 1.5  # the configured z's epsilon: breaking the run did not change it
-    assert a["epsilon_estimate_interval"][0] > accounted, a  # the whole interval, not just the point
-    assert a["epsilon_estimate"] > 3 * accounted
+    # the whole interval of the final-model or the all-rounds estimate, not just a point
+    every = a["all_rounds"]
+    assert max(a["epsilon_estimate_interval"][0], every["epsilon_estimate_interval"][0]) > accounted, a
+    assert max(a["epsilon_estimate"], every["epsilon_estimate"]) > 3 * accounted
     if broken == "noise-off":  # no noise: the inserted canaries stand out one by one
         assert a["epsilon_lower_bound"] > accounted
     assert a["verdict"].startswith("FAIL")
