@@ -1,10 +1,12 @@
 """dpfleet against the peers a user would pick instead, on the main job's workload, in one run (issue 26).
 
-Workload: examples/shakespeare_cifg.toml (CIFG 32/64/32, SentencePiece vocabulary 1024, seq_len 20,
-batch 16, lr 5.0, one local epoch over each client's <= 256 rows, 20 clients a round, clip 2.0,
-Gaussian noise at noise_multiplier 0.7 on the mean). Per seed: the same start weights, the same
-disjoint cohorts, each client's minibatches in dpfleet's order. The tokenized clients go to one
-.npz that every system loads (benchmarks/peers_worker.py says how each one trains).
+Workload: the main job as issue 26 states it (`MAIN_JOB`: CIFG 32/64/32, SentencePiece vocabulary
+1024, seq_len 20, batch 16, lr 5.0, one local epoch over each client's <= 256 rows, 20 clients a
+round, clip 2.0, Gaussian noise at noise_multiplier 0.7 on the mean; examples/shakespeare_cifg.toml
+has since moved to a planned eps-8 run, 319 clients a round: --clients-per-round / --lr). Per
+seed: the same start weights, the same disjoint cohorts, each client's minibatches in dpfleet's
+order. The tokenized clients go to one .npz that every system loads (benchmarks/peers_worker.py
+says how each one trains).
 
 Systems, one after another in their own processes at the same torch thread count: `plain` (a
 per-client torch loop), `pfl` (pfl 0.6 simulation, central Gaussian mechanism), `flower` (Flower's
@@ -47,7 +49,6 @@ sys.path.insert(0, str(HERE))
 from peers_worker import Workload  # noqa: E402
 from trainer_throughput import build_workload  # noqa: E402
 
-from dpfleet.coordinator.config import load_config  # noqa: E402
 from dpfleet.coordinator.evaluation import evaluate, split_held_out  # noqa: E402
 from dpfleet.coordinator.simulation import _seed  # noqa: E402
 from dpfleet.errors import DpfleetError  # noqa: E402
@@ -61,6 +62,17 @@ DEFAULT_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / 
 # torch pinned to dpfleet's own: any other spec makes pip fetch a multi-GB build
 PEER_REQUIREMENTS = ("pfl==0.6.*", "flwr[simulation]", "torch==2.13.0", "setuptools>=68")
 PEER_CHECK = "import pfl, flwr, ray, torch, dpfleet.export.models; print(torch.__version__)"
+# The main job as issue 26 states it (examples/shakespeare_cifg.toml before it planned for eps 8):
+# pinned here so the comparison does not move when the example's training settings do.
+MAIN_JOB = {
+    "seed": 0,
+    "data": {"dataset": "shakespeare", "seq_len": 20, "max_examples": 256, "test_fraction": 0.1,
+             "eval_examples": 3000},
+    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024, "corpus": "wikitext2"},
+    "model": {"arch": "cifg", "embedding_dim": 32, "hidden_dim": 64, "projection_dim": 32},
+    "client": {"lr": 5.0, "batch_size": 16},
+    "dp": {"noise_multiplier": 0.7, "clip_norm": 2.0, "report_goal": 20},
+}
 
 
 def peer_python(venv: Path, log=print) -> Path:
@@ -86,10 +98,11 @@ def _check(python: Path) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def write_workload(path: Path, rounds: int, seeds: int, config: Path) -> tuple[ModelConfig, np.ndarray, dict]:
-    """The main job's clients and per-seed plan -> `path` (.npz); returns the model config, the
+def write_workload(path: Path, rounds: int, seeds: int,
+                   config: dict = MAIN_JOB) -> tuple[ModelConfig, np.ndarray, dict]:
+    """The job's clients and per-seed plan -> `path` (.npz); returns the model config, the
     held-out rows every system's final weights are scored on, and the plan's description."""
-    cfg, model_cfg, data = build_workload(load_config(config))
+    cfg, model_cfg, data = build_workload(config)
     cohort = cfg.dp.report_goal
     if rounds * cohort > len(data.train):
         raise DpfleetError(f"{rounds} disjoint rounds of {cohort} need {rounds * cohort} clients; "
@@ -106,12 +119,24 @@ def write_workload(path: Path, rounds: int, seeds: int, config: Path) -> tuple[M
                  model_cfg, cfg.client.lr, cfg.client.batch_size, cfg.dp.clip_norm, cfg.dp.noise_multiplier)
     w.save(path)
     eval_rows, _ = split_held_out(data.test, cfg.data.eval_examples or None)
-    return model_cfg, eval_rows, {"config": config.name, "model": model_cfg.to_dict(), "lr": w.lr,
+    return model_cfg, eval_rows, {"config": config, "model": model_cfg.to_dict(), "lr": w.lr,
                                   "batch_size": w.batch_size, "clip_norm": w.clip_norm,
                                   "noise_multiplier": w.noise_multiplier, "rounds": rounds,
                                   "clients_per_round": cohort, "train_clients": len(data.train),
                                   "eval_rows": len(eval_rows), "seq_len": cfg.data.seq_len,
                                   "participation": "disjoint cohorts (each client at most once per seed)"}
+
+
+def code_state() -> dict:
+    """Which dpfleet the run measured: HEAD and the training code's uncommitted files (the tree
+    is shared with work in progress on the cohort path)."""
+    def git(*a):
+        done = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    dirty = git("status", "--short", "--", "edge", "coordinator", "export")
+    return {"head": git("rev-parse", "--short", "HEAD"), "uncommitted_training_code": dirty.splitlines()
+            if dirty else []}
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -246,12 +271,15 @@ def summarize(res: dict, w: Workload, model_cfg: ModelConfig, eval_rows: np.ndar
                 for c in w.cohorts[:, steady].reshape(-1) for i in range(0, len(w.clients[c]), w.batch_size))
     model = build_model(model_cfg)
     losses, accs = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # scoring is not timed; one thread does not stall on a loaded machine
     for theta in res["theta"]:
         set_flat(model, theta)
         with torch.no_grad():
             m = evaluate(model, eval_rows)
         losses.append(m["loss"])
         accs.append(m["accuracy"])
+    torch.set_num_threads(threads)
     keep = {k: v for k, v in res.items() if k not in ("theta", "round_seconds", "system")}
     return {
         "steps_per_s": round(steps / seconds, 2), "clients_per_s": round(clients / seconds, 2),
@@ -296,21 +324,25 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--config", type=Path, default=ROOT / "examples" / "shakespeare_cifg.toml")
+    ap.add_argument("--lr", type=float, default=MAIN_JOB["client"]["lr"], help="local SGD learning rate")
+    ap.add_argument("--clients-per-round", type=int, default=MAIN_JOB["dp"]["report_goal"])
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the peers' venv (made if absent)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "peers.json")
+    ap.add_argument("--note", default="", help="a line for the JSON (the machine's state, why this run)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seeds = 2, 2
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         raise SystemExit(f"error: unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    load_start = os.getloadavg()
+    load_start, code_start = os.getloadavg(), code_state()
     torch.set_num_threads(args.threads)
     peers = peer_python(args.venv) if set(systems) & set(PEERS) else None
     with tempfile.TemporaryDirectory(prefix="dpfleet-peers-") as tmp:
         workload = Path(tmp) / "workload.npz"
-        model_cfg, eval_rows, plan = write_workload(workload, args.rounds, args.seeds, args.config)
+        job = {**MAIN_JOB, "client": {**MAIN_JOB["client"], "lr": args.lr},
+               "dp": {**MAIN_JOB["dp"], "report_goal": args.clients_per_round}}
+        model_cfg, eval_rows, plan = write_workload(workload, args.rounds, args.seeds, job)
         w = Workload.load(workload)
         runs: dict[str, list[dict]] = {n: [] for n in systems}
         for si in range(args.seeds):  # seed-major, the order reversed every other seed: load drift is shared
@@ -336,11 +368,12 @@ def main() -> None:
         "goal": "dpfleet_cohort >= 2.5x plain and >= 3x pfl at equal held-out loss (issue 26)",
         "roofline_gflops_by_threads": rooflines(model_cfg, plan, args.threads),
         "flops_per_step_full_batch": step_flops(model_cfg, plan["batch_size"], plan["seq_len"]),
+        "dpfleet_code_at_start_end": [code_start, code_state()],
         "torch_threads": args.threads, "cpu_count": os.cpu_count(),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "peak_rss_harness_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "note": "shared machine: other jobs may have run during this run; see each system's loadavg",
+        "note": args.note or "shared machine: other jobs may have run; see each system's loadavg",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
