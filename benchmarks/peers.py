@@ -380,7 +380,7 @@ def main() -> None:
     loads = [x for r in results.values() for x in np.ravel(r["loadavg_1min_before_after_per_seed"])]
     plot(results, args.out.with_suffix(".png"),
          f"main job (CIFG 32/64/32, V=1024), {args.seeds} seeds x {args.rounds} rounds x "
-         f"{plan['clients_per_round']} clients, {args.threads} threads, "
+         f"{plan['clients_per_round']} clients, {args.threads} torch thread(s), "
          f"load {min(loads):.1f}-{max(loads):.1f}")
     print(json.dumps({k: out[k] for k in ("ratios_steps_per_s", "roofline_gflops_by_threads")}, indent=2))
 
