@@ -334,7 +334,8 @@ def main() -> None:
         args.rounds, args.seeds = 2, 2
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
-        raise SystemExit(f"error: unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+        print(f"error: unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
+        sys.exit(2)
     load_start, code_start = os.getloadavg(), code_state()
     torch.set_num_threads(args.threads)
     peers = peer_python(args.venv) if set(systems) & set(PEERS) else None
@@ -386,4 +387,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DpfleetError as exc:  # too many rounds for the population, a broken peers' venv
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
