@@ -242,13 +242,14 @@ def plot(cells: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.4))
     series: dict = defaultdict(list)
     unigram = []
     for (kind, eps, public, proj), by_seed in cells.items():
         acc = [r["accuracy"] for r in by_seed.values()]
         if kind == "public only":
-            ax.axhline(acc[0], color="tab:green", ls="-.", lw=0.9, label=f"public model alone ({public})")
+            ax.axhline(sum(acc) / len(acc), color="tab:olive", ls="-.", lw=0.9,
+                       label=f"public model alone ({public}; mean of {len(acc)} seeds' held-out users)")
             continue
         mean = sum(acc) / len(acc)
         sd = math.sqrt(sum((a - mean) ** 2 for a in acc) / (len(acc) - 1)) if len(acc) > 1 else 0.0
@@ -266,8 +267,9 @@ def plot(cells: dict, path: Path) -> None:
     ax.set(xscale="log", xlabel="epsilon (delta 1e-6)", ylabel="next-token accuracy (held out)",
            title="main job, planner's choice per epsilon")
     ax.set_xticks([2, 4, 8, 16], ["2", "4", "8", "16"])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
