@@ -105,17 +105,13 @@ def test_service_refuses_a_target_it_cannot_plan():
 def test_a_planned_run_resumes_through_the_cli_to_the_same_model(tmp_path, capsys):
     from crashes import Crash
     from safetensors.numpy import load_file
+    from test_resume import crash_before
 
     values = {**CFG, "checkpoint_every": 2, "dp": {**CFG["dp"], "noise_seed": 3}}
     whole = planned_run(tmp_path, values, name="whole")
-
-    def crash_before_4(r, theta):
-        if r == 4:
-            raise Crash
-
     cut = tmp_path / "cut"
     with pytest.raises(Crash):
-        simulation.run_simulation(parse_config(values), cut, before_round=crash_before_4, **QUIET)
+        simulation.run_simulation(parse_config(values), cut, before_round=crash_before(4), **QUIET)
     plan = (cut / "plan.json").read_text()
     main(["simulate", "--resume", str(cut), "--quiet"])
     assert "resuming after round 4" in capsys.readouterr().out
