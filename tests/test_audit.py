@@ -193,6 +193,23 @@ def test_cli_writes_audit_json_and_report_section(tmp_path, capsys):
     assert "## Empirical audit" in (tmp_path / "run" / "privacy_report.md").read_text()
 
 
+def test_cli_audits_a_planned_config(tmp_path, capsys):
+    """A config that states dp.target_epsilon (as the main job does) is audited at the planner's
+    choice: the canaries join the fleet after the plan is made for the real population."""
+    planned = {**CFG, "rounds": 4, "eval_every": 4,
+               "dp": {**{k: v for k, v in CFG["dp"].items() if k not in ("noise_multiplier", "report_goal")},
+                      "target_epsilon": 8.0, "mechanism": "auto"}}
+    cfg = tmp_path / "planned.toml"
+    cfg.write_text(to_toml(planned))
+    main(["audit", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--canaries", "64",
+          "--text-canaries", "0"])
+    a = json.loads((tmp_path / "run" / "audit.json").read_text())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())["chosen"]
+    assert a["mechanism"] == plan["mechanism"] and plan["noise_multiplier"] > 0
+    assert 0 < a["epsilon_accounted"] <= 8.0 * (1 + 1e-6)
+    assert a["all_rounds"]["epsilon_lower_bound"] <= a["epsilon_accounted"]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--canaries", "x"], "--canaries must be an integer"),
     (["--canaries", "0"], "--canaries must be >= 1"),
