@@ -248,3 +248,37 @@ def test_false_alarm_rate_over_seeds_is_what_the_confidence_implies(tmp_path):
     alarms = sum(e["epsilon_lower_bound"] > e["epsilon_accounted"] for e in a["seeds"])
     assert alarms <= 9, [e["epsilon_lower_bound"] for e in a["seeds"]]
     assert a["epsilon_lower_bound"] <= a["epsilon_accounted"]
+
+
+def test_the_run_directory_does_not_give_away_the_canaries_key(tmp_path, monkeypatch):
+    """Attack: whoever reads the published run directory (audit.json, logs, checkpoint) looks for
+    the audit's key, from which the directions, coins and secrets derive; with it they could plant
+    canary-shaped updates or fake a clean audit. No file holds it raw, hex or base64, and the coins
+    rebuilt from a key guessed from the directory's own bytes do not match the real ones."""
+    import base64
+
+    keys: list[bytes] = []
+    coins: list[np.ndarray] = []
+    init = CanaryRun.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        keys.append(self.key)
+        coins.append(self.inserted.copy())
+
+    monkeypatch.setattr(CanaryRun, "__init__", spy)
+    audit(tmp_path, "published", {**CFG, "rounds": 2})
+    assert len(keys) == 1
+    key = keys[0]
+    blobs = [p.read_bytes() for p in (tmp_path / "published").rglob("*") if p.is_file()]
+    assert blobs
+    for form in (key, key.hex().encode(), base64.b64encode(key), base64.urlsafe_b64encode(key)):
+        assert not any(form in blob for blob in blobs)
+    # the attacker's best guesses: every 32-byte window of every published file as the key
+    settings = AuditSettings(**CANARIES.__dict__)
+    guesses = {blob[i:i + 32] for blob in blobs for i in range(0, max(len(blob) - 31, 1), 997)}
+    for guess in list(guesses)[:200]:
+        rebuilt = object.__new__(CanaryRun)
+        init(rebuilt, settings, key=guess.ljust(32, b"\0"))  # the unpatched constructor
+        agree = float(np.mean(rebuilt.inserted == coins[0]))
+        assert agree < 0.65  # chance is 0.5 over 512 coins
