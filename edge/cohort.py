@@ -27,9 +27,8 @@ only to float32 rounding; the stated tolerance there is the CPU one against the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from dpfleet.edge.client_update import ClientUpdate, finish_update
 from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
+from dpfleet.edge.cohort_pool import WorkerError, discard_pool, shared_pool
 from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -111,12 +111,54 @@ def _on_threads(fn, items: list, workers: int) -> list:
         torch.set_num_threads(threads)
 
 
-@dataclass
-class _Plan:
-    """One chunk: its clients (longest first) and, per step, each active client's row indices."""
+def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, examples: list[np.ndarray],
+                plans: list[list[np.ndarray]], lr: float, batch_size: int,
+                step: Callable | None = None) -> tuple[np.ndarray, list[float]]:
+    """One chunk's local training from `theta`: (deltas [n, params], mean losses).
 
-    clients: list[int]
-    steps: list[list[np.ndarray]]  # steps[s][j]: rows of client clients[j] at step s (prefix)
+    `step` None: the fused recurrent path (`recurrent_grads`, the SGD step inside); otherwise
+    `vmap(grad_and_value(loss))` over the stacked weights. A module-level function so a worker
+    process (`cohort_pool`) runs exactly this code."""
+    n = len(examples)
+    width = max(x.shape[1] for x in examples)
+    params = {
+        name: part.reshape(shape).unsqueeze(0).repeat(n, *([1] * len(shape))).contiguous()
+        for name, shape, part in zip(layout.names, layout.shapes, theta.split(layout.sizes), strict=True)
+    }
+    loss_sum = torch.zeros(n, dtype=torch.float64)
+    steps = [len(p) for p in plans]
+    for s in range(steps[0] if n else 0):
+        k = sum(1 for m in steps if m > s)  # active clients: a prefix (sorted longest first)
+        rows_s = max(len(plans[j][s]) for j in range(k))  # PAD rows only up to the widest
+        block = np.full((k, rows_s, width), PAD, dtype=np.int64)
+        for j in range(k):
+            idx = plans[j][s]
+            x = examples[j]
+            block[j, : len(idx), : x.shape[1]] = x[idx]
+        # trailing columns with no real target cannot change a causal model's earlier outputs
+        real_cols = (block[:, :, 1:] != PAD).any(axis=(0, 1)).nonzero()[0]
+        cols = int(real_cols[-1]) + 2 if len(real_cols) else 2
+        rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(theta.device)
+        active = {name: p[:k] for name, p in params.items()}
+        if step is None:  # the SGD step is applied inside, fused into the gradient GEMMs
+            _, loss = recurrent_grads(cfg, active, rows, lr=lr)
+        else:
+            grads, loss = step(active, rows)
+            with torch.no_grad():
+                for name, p in active.items():
+                    p.sub_(grads[name], alpha=lr)
+        loss_sum[:k] += loss.detach().to("cpu", torch.float64)
+    flat = torch.cat([params[name].reshape(n, -1) for name in layout.names], dim=1)
+    deltas = (flat - theta).cpu().numpy()
+    losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
+    return deltas, losses
+
+
+def _pooled_chunk(cfg: ModelConfig, layout: ParamLayout, theta: np.ndarray, examples: list[np.ndarray],
+                  plans: list[list[np.ndarray]], lr: float, batch_size: int
+                  ) -> tuple[np.ndarray, list[float]]:
+    """`train_chunk` of the fused path in a worker process (numpy in, numpy out)."""
+    return train_chunk(cfg, layout, torch.from_numpy(theta), examples, plans, lr, batch_size)
 
 
 class CohortTrainer:
@@ -127,10 +169,13 @@ class CohortTrainer:
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
                  memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, processes: bool = True):
         """`model`: a module from outside the zoo (`dpfleet.simulate`), trained on the torch.func
-        path (a copy; `cfg` then only gives vocab_size for the chunk size)."""
+        path (a copy; `cfg` then only gives vocab_size for the chunk size). `processes`: with 2+
+        torch threads on CPU, train the fused path's chunks in worker processes (`cohort_pool`);
+        False keeps them on Python threads (same results, slower: see cohort_pool)."""
         self.cfg = cfg
+        self.processes = processes
         self.device = resolve_device(device)
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
@@ -162,14 +207,20 @@ class CohortTrainer:
         # longest first, then by rows: a chunk's short clients pad their rows to similar sizes
         order = sorted(range(len(examples)), key=lambda i: (-len(plans[i]), -len(examples[i])))
         workers = self._workers(len(order))
-        size = min(self.chunk, -(-len(order) // workers)) if workers > 1 else self.chunk
-        chunks = [order[start : start + size] for start in range(0, len(order), size)]
-
-        def train(ids: list[int]) -> tuple[np.ndarray, list[float]]:
-            return self._train_chunk(theta, [examples[i] for i in ids], [plans[i] for i in ids], lr,
-                                     batch_size)
-
-        results = _on_threads(train, chunks, workers) if workers > 1 else [train(c) for c in chunks]
+        size = min(self.chunk, -(-len(order) // workers))
+        # consecutive clients of the longest-first order go to one group of `workers` chunks (a
+        # chunk runs as many steps as its longest client), dealt out over the group's chunks in
+        # turn (so the chunks trained at once finish together)
+        span = workers * size
+        chunks = [c for g in range(0, len(order), span) for c in
+                  (order[g : g + span][j::workers] for j in range(workers)) if c]
+        tasks = [(self.cfg, self.layout, theta, [examples[i] for i in ids], [plans[i] for i in ids], lr,
+                  batch_size) for ids in chunks]
+        step = None if self.fused else self._step
+        if workers < 2:
+            results = [train_chunk(*task, step) for task in tasks]
+        else:
+            results = self._in_parallel(tasks, workers)
         out: list[ClientUpdate | None] = [None] * len(examples)
         for ids, (deltas, losses) in zip(chunks, results, strict=True):
             for j, i in enumerate(ids):
@@ -179,46 +230,21 @@ class CohortTrainer:
     def _workers(self, clients: int) -> int:
         """Chunks trained at once on CPU, one per torch thread (fused path only): the per-step
         products have only `batch` rows per client, too small to split over threads, so torch's
-        own threads idle; a chunk per thread keeps each thread's weights in its own cache."""
+        own threads idle; a chunk per worker keeps each one's weights in its own cache."""
         if self.device.type != "cpu" or not self.fused or clients < 2:
             return 1
         return min(torch.get_num_threads(), clients)
 
-    def _train_chunk(self, theta: torch.Tensor, examples: list[np.ndarray],
-                     plans: list[list[np.ndarray]], lr: float, batch_size: int
-                     ) -> tuple[np.ndarray, list[float]]:
-        n = len(examples)
-        width = max(x.shape[1] for x in examples)
-        params = {
-            name: part.reshape(shape).unsqueeze(0).repeat(n, *([1] * len(shape))).contiguous()
-            for name, shape, part in zip(
-                self.layout.names, self.layout.shapes, theta.split(self.layout.sizes), strict=True
-            )
-        }
-        loss_sum = torch.zeros(n, dtype=torch.float64)
-        steps = [len(p) for p in plans]
-        for s in range(steps[0] if n else 0):
-            k = sum(1 for m in steps if m > s)  # active clients: a prefix (sorted longest first)
-            rows_s = max(len(plans[j][s]) for j in range(k))  # PAD rows only up to the widest
-            block = np.full((k, rows_s, width), PAD, dtype=np.int64)
-            for j in range(k):
-                idx = plans[j][s]
-                x = examples[j]
-                block[j, : len(idx), : x.shape[1]] = x[idx]
-            # trailing columns with no real target cannot change a causal model's earlier outputs
-            real_cols = (block[:, :, 1:] != PAD).any(axis=(0, 1)).nonzero()[0]
-            cols = int(real_cols[-1]) + 2 if len(real_cols) else 2
-            rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(self.device)
-            active = {name: p[:k] for name, p in params.items()}
-            if self.fused:  # the SGD step is applied inside, fused into the gradient GEMMs
-                _, loss = recurrent_grads(self.cfg, active, rows, lr=lr)
-            else:
-                grads, loss = self._step(active, rows)
-                with torch.no_grad():
-                    for name, p in active.items():
-                        p.sub_(grads[name], alpha=lr)
-            loss_sum[:k] += loss.detach().to("cpu", torch.float64)
-        flat = torch.cat([params[name].reshape(n, -1) for name in self.layout.names], dim=1)
-        deltas = (flat - theta).cpu().numpy()
-        losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
-        return deltas, losses
+    def _in_parallel(self, tasks: list[tuple], workers: int) -> list[tuple[np.ndarray, list[float]]]:
+        """The chunks on the worker processes (`cohort_pool`), or on Python threads of one torch
+        thread each where processes are off or cannot start (the same bits either way)."""
+        size = torch.get_num_threads()
+        pool = shared_pool(size) if self.processes else None
+        if pool is None:
+            return _on_threads(lambda task: train_chunk(*task), tasks, workers)
+        arrays = [(cfg, layout, theta.numpy(), *rest) for cfg, layout, theta, *rest in tasks]
+        try:
+            return pool.map(_pooled_chunk, arrays)
+        except WorkerError:
+            discard_pool(size)
+            raise

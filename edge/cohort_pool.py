@@ -1,0 +1,214 @@
+"""Worker processes for the cohort trainer's CPU chunks: one torch thread each.
+
+Why processes, not threads. A fused chunk's step is hundreds of ~10 us ops (per time step, 16
+rows a client), and the interpreter between them serializes Python threads: on the peers
+workload (issue 26; CIFG 32/64/32, two 10-client chunks of one round, 1 torch thread each, quiet
+2-core machine) the chunks took 1.87 s and 1.90 s alone, 2.79 s together on two Python threads
+(1.35x) and 1.98 s together in two processes (1.90x).
+
+Why `subprocess` and pipes, not `multiprocessing`. Its spawn and forkserver children re-run the
+user's main script (a script calling `dpfleet.simulate` without an `if __name__ == "__main__"`
+guard would train again in every worker), and fork copies a process that may hold other threads'
+locks (the coordinator service, Ray, tqdm). A worker here is a fresh `python -c` that imports only
+dpfleet's training code and serves chunks from its stdin.
+
+Same bits as in-process training. A worker runs the parent's `train_chunk` on one torch thread
+with the parent's environment (so the same ATen kernels), which is what `CohortTrainer` does with
+its thread fallback (`processes=False`, or where no process can be started): a chunk's result
+does not depend on where it ran (tested bit for bit in tests/test_cohort_pool.py). The workers
+are started on the first parallel round, which waits for their imports (about 1.5 s), and kept
+for the life of the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import BinaryIO
+
+from dpfleet.errors import DpfleetError
+
+_HEADER = struct.Struct("<Q")
+_READY = b"ready"
+
+_BOOT = (
+    "import sys; sys.path[:0] = {path!r}; "
+    "from dpfleet.edge.cohort_pool import serve; serve()"
+)
+
+
+def _send(stream: BinaryIO, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _recv(stream: BinaryIO) -> object:
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("cohort worker closed its pipe")
+    (size,) = _HEADER.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("cohort worker closed its pipe mid-message")
+    return pickle.loads(data)
+
+
+def serve() -> None:
+    """Worker side: answer `(function, args)` messages on stdin until it closes.
+
+    Replies are ("ok", result) or ("error", traceback text); the worker's own output goes to
+    stderr, so stdout carries only the protocol."""
+    import torch
+
+    torch.set_num_threads(1)
+    import dpfleet.edge.cohort  # noqa: F401  (what the tasks call: imported before "ready")
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr
+    _send(stdout, _READY)
+    while True:
+        try:
+            fn, args = _recv(stdin)
+        except EOFError:
+            return
+        try:
+            reply = ("ok", fn(*args))
+        except Exception:  # a bug or resource failure: the parent raises it with this text
+            reply = ("error", traceback.format_exc())
+        _send(stdout, reply)
+
+
+class WorkerError(DpfleetError):
+    """A worker died (out of memory, killed) or a task raised in it (the message carries the
+    worker's traceback): the run stops with this one error, nothing of the round is released."""
+
+
+class _Worker:
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(path=list(sys.path))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.ready = False
+
+    def call(self, fn: Callable, args: tuple) -> object:
+        try:
+            if not self.ready:  # called before it said so: wait for its imports
+                self.ready = _recv(self.proc.stdout) == _READY
+            _send(self.proc.stdin, (fn, args))
+            status, value = _recv(self.proc.stdout)
+        except (EOFError, BrokenPipeError, OSError) as exc:
+            raise WorkerError(f"cohort worker process {self.proc.pid} exited (code {self.proc.poll()}): "
+                              "out of memory or killed? Lower client.cohort_memory_mb or the torch "
+                              f"threads ({exc})") from exc
+        if status != "ok":
+            raise WorkerError(f"cohort worker process {self.proc.pid} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+class WorkerPool:
+    """`size` worker processes, started at once."""
+
+    def __init__(self, size: int):
+        self.workers: list[_Worker] = []
+        try:
+            for _ in range(size):
+                self.workers.append(_Worker())
+        except BaseException:
+            self.close()
+            raise
+        self._lock = threading.Lock()  # one task list on the pipes at a time
+
+    def map(self, fn: Callable, arg_tuples: list[tuple]) -> list:
+        """fn(*args) for each tuple, task i on worker i mod size; each worker's tasks in order on
+        one parent I/O thread (so no pipe can fill up against a blocked reader)."""
+        with self._lock:
+            return self._map(fn, arg_tuples)
+
+    def _map(self, fn: Callable, arg_tuples: list[tuple]) -> list:
+        results: list = [None] * len(arg_tuples)
+        errors: list[BaseException] = []
+
+        def drive(j: int) -> None:
+            try:
+                for i in range(j, len(arg_tuples), len(self.workers)):
+                    results[i] = self.workers[j].call(fn, arg_tuples[i])
+            except BaseException as exc:  # re-raised in the caller's thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drive, args=(j,), daemon=True)
+                   for j in range(min(len(self.workers), len(arg_tuples)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+_POOLS: dict[int, WorkerPool] = {}
+_LOCK = threading.Lock()
+
+
+_UNAVAILABLE: list[str] = []  # why workers cannot start here (then chunks stay on threads)
+
+
+def shared_pool(size: int) -> WorkerPool | None:
+    """The process's pool of `size` workers (started on first request, kept for later rounds and
+    trainers, closed at exit); None where processes cannot be started (a sandbox without
+    fork/exec: the caller trains on threads)."""
+    with _LOCK:
+        if _UNAVAILABLE:
+            return None
+        pool = _POOLS.get(size)
+        if pool is None:
+            try:
+                pool = _POOLS[size] = WorkerPool(size)
+            except OSError as exc:
+                _UNAVAILABLE.append(str(exc))
+                return None
+        return pool
+
+
+def discard_pool(size: int) -> None:
+    """Forget a broken pool (a dead worker): the next request starts a new one."""
+    with _LOCK:
+        pool = _POOLS.pop(size, None)
+    if pool is not None:
+        pool.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for size in list(_POOLS):
+        discard_pool(size)
+
+
+def _forget_after_fork() -> None:
+    """A forked child shares its parent's pipes: it must start its own workers, not talk to the
+    parent's (nor close them: they are the parent's)."""
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,147 @@
+"""Cohort chunks in worker processes (edge/cohort_pool.py): the same bits as in-process training,
+clear failures, no re-run of the user's script, no orphans.
+
+The workers here are the real thing (`python -c` children over pipes); nothing is faked.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dpfleet.edge import cohort_pool
+from dpfleet.edge.cohort import CohortTrainer
+from dpfleet.edge.cohort_pool import WorkerError, WorkerPool, discard_pool, shared_pool
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.export.params import get_flat
+
+CFG = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
+
+
+def clients(seed: int, n: int = 7) -> tuple[list[np.ndarray], list[int]]:
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(n):
+        rows = rng.integers(4, 64, (int(rng.integers(3, 40)), 10)).astype(np.int32)
+        rows[:, 0] = 1
+        examples.append(rows)
+    return examples, [int(s) for s in rng.integers(0, 2**31, n)]
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def round_deltas(processes: bool, examples, seeds, theta) -> np.ndarray:
+    trainer = CohortTrainer(CFG, seq_len=9, batch_size=4, device="cpu", chunk=2, processes=processes)
+    ups = trainer.train_round(theta, examples, seeds, lr=0.5, batch_size=4, clip_norm=1e9)
+    return np.stack([u.delta for u in ups])
+
+
+def test_processes_give_the_bits_of_in_process_threads(two_threads):
+    """Four chunks over two workers, against the thread path: equal bit for bit (a chunk's result
+    does not depend on where it ran), and the workers were really used."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    examples, seeds = clients(1)
+    calls = []
+    real_map = WorkerPool.map
+
+    def counting(self, fn, args):
+        calls.append(len(args))
+        return real_map(self, fn, args)
+
+    WorkerPool.map = counting
+    try:
+        in_workers = round_deltas(True, examples, seeds, theta)
+    finally:
+        WorkerPool.map = real_map
+    on_threads = round_deltas(False, examples, seeds, theta)
+    assert calls == [4]
+    assert np.array_equal(in_workers, on_threads)
+    assert np.abs(in_workers).max() > 1e-3  # they trained
+
+
+def test_a_task_that_raises_in_a_worker_carries_its_traceback():
+    pool = WorkerPool(1)
+    try:
+        with pytest.raises(WorkerError, match="math domain error") as info:
+            pool.map(math.sqrt, [(-1.0,)])
+        assert "Traceback" in str(info.value)
+        assert pool.map(math.sqrt, [(4.0,)]) == [2.0]  # the worker lives on
+    finally:
+        pool.close()
+
+
+def test_a_killed_worker_is_a_clear_error_and_the_next_round_starts_new_workers(two_threads):
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    examples, seeds = clients(2)
+    pool = shared_pool(2)
+    pool.map(math.sqrt, [(1.0,), (1.0,)])  # both workers up
+    pool.workers[1].proc.kill()
+    pool.workers[1].proc.wait()
+    with pytest.raises(DpfleetError, match="exited .*out of memory or killed"):
+        round_deltas(True, examples, seeds, theta)
+    fresh = shared_pool(2)
+    assert fresh is not pool
+    assert np.array_equal(round_deltas(True, examples, seeds, theta),
+                          round_deltas(False, examples, seeds, theta))
+
+
+SCRIPT = textwrap.dedent("""
+    # no `if __name__ == "__main__"` guard: a multiprocessing spawn child would run this again
+    import sys, time
+    import numpy as np, torch
+    print("TOP-LEVEL RAN", flush=True)
+    torch.set_num_threads(2)
+    from dpfleet.edge.cohort import CohortTrainer
+    from dpfleet.edge.cohort_pool import shared_pool
+    from dpfleet.export.models import ModelConfig
+    cfg = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=8, hidden_dim=8, projection_dim=8)
+    pool = shared_pool(2)
+    rng = np.random.default_rng(0)
+    ex = [np.c_[np.ones((5, 1), np.int32), rng.integers(4, 64, (5, 6))].astype(np.int32) for _ in range(4)]
+    t = CohortTrainer(cfg, seq_len=6, batch_size=2, device="cpu")
+    ups = t.train_round(np.zeros(sum(t.layout.sizes), np.float32), ex, [1, 2, 3, 4], lr=0.1,
+                        batch_size=2, clip_norm=1.0)
+    print("WORKERS", *[w.proc.pid for w in pool.workers], flush=True)
+""")
+
+
+def test_workers_do_not_rerun_the_users_script_and_exit_with_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("TOP-LEVEL RAN") == 1
+    pids = [int(p) for p in out.stdout.split("WORKERS")[1].split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    for pid in pids:  # the script's exit closed their stdin; they ended (and init reaped them)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_forked_child_does_not_reuse_its_parents_workers():
+    pool = shared_pool(1)
+    pid = os.fork()
+    if pid == 0:  # child: its pools were forgotten at fork
+        os._exit(0 if not cohort_pool._POOLS else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert shared_pool(1) is pool  # the parent's pool is untouched
+    discard_pool(1)
