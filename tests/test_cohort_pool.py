@@ -14,9 +14,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dpfleet.edge import cohort_pool
-from dpfleet.edge.cohort import CohortTrainer
+from dpfleet.edge.cohort import CohortTrainer, _deal
 from dpfleet.edge.cohort_pool import WorkerError, WorkerPool, discard_pool, shared_pool
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
@@ -106,7 +108,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     print("TOP-LEVEL RAN", flush=True)
     torch.set_num_threads(2)
-    from dpfleet.edge.cohort import CohortTrainer
+    from dpfleet.edge.cohort import CohortTrainer, _deal
     from dpfleet.edge.cohort_pool import shared_pool
     from dpfleet.export.models import ModelConfig
     cfg = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=8, hidden_dim=8, projection_dim=8)
@@ -145,3 +147,14 @@ def test_a_forked_child_does_not_reuse_its_parents_workers():
     assert os.waitstatus_to_exitcode(status) == 0
     assert shared_pool(1) is pool  # the parent's pool is untouched
     discard_pool(1)
+
+
+@given(st.integers(0, 60), st.integers(1, 6))
+def test_dealing_chunks_back_and_forth_keeps_every_client_once_and_balances(n, hands):
+    dealt = _deal(list(range(n)), hands)
+    assert sorted(c for hand in dealt for c in hand) == list(range(n))
+    assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
+    for hand in dealt:  # each hand stays longest-first (the prefix rule of train_chunk)
+        assert hand == sorted(hand)
+    if n % (2 * hands) == 0:  # whole back-and-forth rounds: every hand gets the same rank sum
+        assert len({sum(hand) for hand in dealt}) == 1  # (in turn, hand 0 would get the longest)
