@@ -67,8 +67,13 @@ def serve() -> None:
 
     Replies are ("ok", result) or ("error", traceback text); the worker's own output goes to
     stderr, so stdout carries only the protocol."""
+    import signal
+
     import torch
 
+    # Ctrl-C in a terminal reaches the whole process group: the parent handles it (and says how
+    # to resume); a worker ends when the parent closes its stdin, without a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     import dpfleet.edge.cohort  # noqa: F401  (what the tasks call: imported before "ready")
 

@@ -6,6 +6,7 @@ The workers here are the real thing (`python -c` children over pipes); nothing i
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,21 @@ def test_a_task_that_raises_in_a_worker_carries_its_traceback():
         assert pool.map(math.sqrt, [(4.0,)]) == [2.0]  # the worker lives on
     finally:
         pool.close()
+
+
+def test_ctrl_c_is_left_to_the_parent():
+    """A terminal's SIGINT reaches the workers too: they ignore it (no traceback of their own)
+    and keep serving; the parent decides."""
+    pool = WorkerPool(1)
+    try:
+        assert pool.map(math.sqrt, [(9.0,)]) == [3.0]
+        os.kill(pool.workers[0].proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert pool.workers[0].proc.poll() is None
+        assert pool.map(math.sqrt, [(16.0,)]) == [4.0]
+    finally:
+        pool.close()
+    assert pool.workers[0].proc.returncode == 0  # stdin closed: a clean exit
 
 
 def test_a_killed_worker_is_a_clear_error_and_the_next_round_starts_new_workers(two_threads):
