@@ -36,7 +36,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from dpfleet.edge.client_update import ClientUpdate, finish_update
 from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
-from dpfleet.edge.cohort_pool import WorkerError, discard_pool, shared_pool
+from dpfleet.edge.cohort_pool import discard_pool, shared_pool
 from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -254,6 +254,6 @@ class CohortTrainer:
         arrays = [(cfg, layout, theta.numpy(), *rest) for cfg, layout, theta, *rest in tasks]
         try:
             return pool.map(_pooled_chunk, arrays)
-        except WorkerError:
+        except BaseException:  # a dead worker, or Ctrl-C while the workers train
             discard_pool(size)
             raise

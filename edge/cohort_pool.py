@@ -110,7 +110,7 @@ class _Worker:
                 self.ready = _recv(self.proc.stdout) == _READY
             _send(self.proc.stdin, (fn, args))
             status, value = _recv(self.proc.stdout)
-        except (EOFError, BrokenPipeError, OSError) as exc:
+        except (EOFError, OSError, ValueError) as exc:  # ValueError: its pipe closed here (killed)
             raise WorkerError(f"cohort worker process {self.proc.pid} exited (code {self.proc.poll()}): "
                               "out of memory or killed? Lower client.cohort_memory_mb or the torch "
                               f"threads ({exc})") from exc
@@ -118,9 +118,12 @@ class _Worker:
             raise WorkerError(f"cohort worker process {self.proc.pid} failed:\n{value}")
         return value
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """End the worker: close its stdin (it exits when idle), or kill it (mid-task)."""
         if self.proc.poll() is None:
             try:
+                if kill:
+                    self.proc.kill()
                 self.proc.stdin.close()
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
@@ -167,9 +170,9 @@ class WorkerPool:
             raise errors[0]
         return results
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
         for w in self.workers:
-            w.close()
+            w.close(kill)
 
 
 _POOLS: dict[int, WorkerPool] = {}
@@ -197,17 +200,22 @@ def shared_pool(size: int) -> WorkerPool | None:
 
 
 def discard_pool(size: int) -> None:
-    """Forget a broken pool (a dead worker): the next request starts a new one."""
+    """Kill and forget a pool whose `map` did not complete (a dead worker, or Ctrl-C / an error in
+    the caller while its I/O threads still talk to the workers: a reply of that map must never be
+    read as one of the next): the next request starts a new one."""
     with _LOCK:
         pool = _POOLS.pop(size, None)
     if pool is not None:
-        pool.close()
+        pool.close(kill=True)
 
 
 @atexit.register
 def _close_all() -> None:
-    for size in list(_POOLS):
-        discard_pool(size)
+    with _LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()
 
 
 def _forget_after_fork() -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -116,6 +117,39 @@ def test_a_killed_worker_is_a_clear_error_and_the_next_round_starts_new_workers(
     assert fresh is not pool
     assert np.array_equal(round_deltas(True, examples, seeds, theta),
                           round_deltas(False, examples, seeds, theta))
+
+
+def test_ctrl_c_during_a_round_kills_the_pool_so_no_stale_reply_is_read(two_threads, monkeypatch):
+    """Ctrl-C lands in the caller while the pool's I/O threads still await the workers' replies:
+    the pool is killed and replaced, and the next round gets its own results, not the old ones."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    examples, seeds = clients(3)
+    pool = shared_pool(2)
+    real_map = WorkerPool._map
+
+    stale = []
+
+    def in_flight(self, fn, args):  # the I/O of the interrupted map, still running
+        try:
+            real_map(self, fn, args)
+        except WorkerError as exc:  # its workers were killed under it
+            stale.append(exc)
+
+    def interrupted(self, fn, args):
+        threading.Thread(target=in_flight, args=(self, fn, args), daemon=True).start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkerPool, "_map", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        round_deltas(True, examples, seeds, theta)
+    monkeypatch.setattr(WorkerPool, "_map", real_map)
+    assert all(w.proc.poll() is not None for w in pool.workers)  # killed
+    fresh = shared_pool(2)
+    assert fresh is not pool
+    other_theta = theta + 0.01
+    assert np.array_equal(round_deltas(True, examples, seeds, other_theta),
+                          round_deltas(False, examples, seeds, other_theta))
 
 
 SCRIPT = textwrap.dedent("""
