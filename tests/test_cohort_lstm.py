@@ -88,6 +88,30 @@ def test_property_fused_equals_autograd_on_ragged_blocks(seed, k, b, longest, ar
     assert_grads_close(ref, got, ref_loss, loss)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_underflowed_target_probability_still_gives_the_exact_loss(tie):
+    """An output bias of -100 on some words pushes their softmax probability below 1e-30 (nll
+    ~100): the kernel's loss there must be the log-sum-exp value autograd gets, not log(0) = inf
+    or a value off by the denormal's rounding. Losses ~10-20 (float32's ulp ~2e-6): the loss
+    check adds a relative 1e-6; the gradients keep the absolute 1e-6."""
+    cfg = cfg_of("cifg", tie, layers=1)
+    model, params = stacked(cfg, k=3, seed=5)
+    bias = "output_bias" if tie else "output.bias"
+    params[bias][:, 4:12] = -100.0
+    rows = rows_block(np.random.default_rng(3), 3, 4)
+    ref, ref_loss = autograd(model, params, rows)
+    logp = torch.stack([functional_call(model, {n: p[j] for n, p in params.items()}, (rows[j, :, :-1],))
+                        for j in range(3)]).log_softmax(-1)
+    logp_t = logp.gather(-1, rows[:, :, 1:, None])[rows[:, :, 1:] != PAD]
+    assert float(logp_t.min()) < -70.0  # some target really underflows (p_t < 1e-30)
+    got, loss = recurrent_grads(cfg, params, rows)
+    assert torch.isfinite(loss).all()
+    np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-6, atol=1e-5)
+    for name in ref:
+        np.testing.assert_allclose(got[name].numpy(), ref[name].numpy(), rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
 def test_a_client_gradient_depends_on_its_own_rows_only():
     """Attack on batching over clients: change client 1's rows; clients 0 and 2 keep their exact
     gradients while client 1's moves by far more than the tolerance."""
