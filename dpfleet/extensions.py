@@ -43,7 +43,8 @@ from dpfleet.coordinator.participation import (
     check_selection,
 )
 from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.edge.client_update import _norm64, clip_l2
+from dpfleet.edge.client_update import clip_l2
+from dpfleet.edge.clipping import norm64
 from dpfleet.edge.runtime import LocalSGD
 from dpfleet.errors import DpfleetError
 
@@ -181,7 +182,7 @@ def check_clipped(updates: Sequence, bound: float, rule: object = None, round_id
     is formed, so nothing of the round is released. Runs for every rule, the built-in one too."""
     for pos, update in enumerate(updates):
         delta = np.asarray(update.delta)
-        norm = _norm64(delta.astype(np.float32, copy=False))  # the built-in clip's own norm
+        norm = norm64(delta.astype(np.float32, copy=False))  # the built-in clip's own norm
         if not norm <= bound:  # NaN fails too
             name = (getattr(rule, "__qualname__", None) or type(rule).__name__) if rule else "clip_l2"
             raise DpfleetError(
