@@ -179,7 +179,9 @@ def test_chunks_on_two_threads_equal_the_sequential_path(monkeypatch):
     """2 torch threads: the round's chunks train on 2 Python threads (one torch thread each).
     Every client's update still equals the sequential path's, in the caller's order (a chunk's
     results written to another chunk's clients would miss by far more than the tolerance), the
-    run repeats bit for bit, and torch's thread count is restored afterwards."""
+    run repeats bit for bit, and torch's thread count is restored afterwards. Worker processes
+    are the default since they exist (`cohort_pool`, whose tests show they give these threads'
+    bits); here they are made unavailable, so the thread fallback runs."""
     calls = []
     real = cohort_mod._on_threads
 
@@ -188,6 +190,7 @@ def test_chunks_on_two_threads_equal_the_sequential_path(monkeypatch):
         return real(fn, items, workers)
 
     monkeypatch.setattr(cohort_mod, "_on_threads", spy)
+    monkeypatch.setattr(cohort_mod, "shared_pool", lambda size: None)
     rng = np.random.default_rng(9)
     examples = [client_rows(rng, n) for n in (1, 7, 13, 20, 4, 9, 16)]
     seeds = list(range(len(examples)))
