@@ -6,9 +6,8 @@ differentiates the unrolled time loop step by step; every step's weight gradient
 an inner dimension of only `batch` (16) rows. Here the same arithmetic is regrouped, exactly up
 to float rounding:
 
-* the input projection x_t @ W_x of all time steps is one GEMM before the recurrence (only
-  h_{t-1} @ W_h stays inside it), and the weight gradients of the gates and the projection are one
-  GEMM each over all time steps after the backward recurrence;
+* the weight gradients of the gates (with their bias) and of the projection are one GEMM each
+  over all time steps after the backward recurrence;
 * the gates' local derivatives (sigmoid', tanh', the cell's products) are computed for all time
   steps in a few whole-tensor ops, so the backward recurrence is 6 ops per time step;
 * every matmul is batched over the client axis (`bmm`, client j uses only its own weights);
@@ -17,7 +16,7 @@ to float rounding:
   target positions: each client's real positions are packed into the rows of one [k, n_max, P]
   block (n_max: the most real targets of any client), so the vocabulary-sized work is one batched
   GEMM over all clients (fill rows get weight 0);
-* with `lr`, SGD is applied as each gradient is made (`_Sink.gemm`): no zero-filled gradient
+* with `lr`, SGD is applied as each gradient is made (`_Sink`): no zero-filled gradient
   buffers, the embedding's only at the rows used. Each gradient is summed in full before it
   touches the weight (accumulating into the weight inside the GEMM, beta = 1, adds partial sums
   at the weight's scale: the peer workload's deltas then moved 1.5e-6 from the sequential path,
@@ -40,7 +39,10 @@ into fresh pages). Where a target's probability underflows (clients that diverge
 of their targets), the loss takes log(sum) from the softmax at the row's top logit instead of a
 second exp pass. The local derivatives are in-place chains (6 fresh [T, k, B, H] temporaries
 instead of 9). Measured on the peer workload, 1 thread, load ~1, 5 runs paired with the previous
-kernel (cba5108): 436 vs 310 steps/s (median pair ratio 1.40x).
+kernel (cba5108): 436 vs 310 steps/s (median pair ratio 1.40x); LSTM 96/256/96, vocab 4K, 9
+clients: 116 vs 128 ms per step (1.10x). Rounding: against the sequential path the peer workload's
+first round's per-client deltas are 4.5e-8 to 2.8e-7 off (before: 4.5e-8 to 1.8e-7; one 16-step
+client that diverges amplifies either to ~1e-4).
 
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
@@ -56,7 +58,8 @@ from dpfleet.export.models import ModelConfig
 
 RECURRENT = ("lstm", "cifg")
 # logits per output-layer GEMM group (4 MB): one 9-client block of the peer workload's 4K-word
-# logits (38 MB) ran its log-softmax 2x slower than 9 per-client blocks (fresh pages each call)
+# logits (38 MB) ran its log-softmax 2x slower than 9 per-client blocks (fresh pages each call);
+# with the buffers reused across groups 2**20 is still the fastest of 2**18 .. 2**21 (peer workload)
 LOGITS_FLOATS = 2**20
 
 
@@ -94,11 +97,9 @@ class _Sink:
             target, alpha = self.target(name)
             target[clients][index].add_(value, alpha=alpha)
 
-    def gemm(self, name: str, a: torch.Tensor, b: torch.Tensor, clients: slice = slice(None),
-             unsqueeze: bool = False) -> None:
-        """gradient[clients] += a @ b (batched), or the SGD step with it."""
-        target, alpha = self.target(name)
-        target = target[clients].unsqueeze(1) if unsqueeze else target[clients]
+    def gemm(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """gradient += a @ b (batched), or the SGD step with it."""
+        target, _ = self.target(name)
         if self.lr is None:
             target.baddbmm_(a, b)
         else:
