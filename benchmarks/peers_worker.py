@@ -161,7 +161,11 @@ def run_dpfleet(w: Workload, kind: str) -> tuple[list[np.ndarray], list[list[flo
     trainer = (SequentialTrainer(EagerRuntime(w.model)) if kind == "sequential" else
                CohortTrainer(w.model, seq_len=seq_len, batch_size=w.batch_size, device="cpu"))
     finals, times = run_rounds(w, dpfleet_round(trainer, w))
-    return finals, times, {"cohort_chunk": getattr(trainer, "chunk", None)}
+    from dpfleet.edge import cohort_pool
+
+    pool = cohort_pool._POOLS.get(torch.get_num_threads())  # the cohort's worker processes, if any
+    return finals, times, {"cohort_chunk": getattr(trainer, "chunk", None),
+                           "cohort_worker_processes": len(pool.workers) if pool else 0}
 
 
 def run_plain(w: Workload) -> tuple[list[np.ndarray], list[list[float]], dict]:
