@@ -224,4 +224,5 @@ def _forget_after_fork() -> None:
     _POOLS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere nothing forks
+    os.register_at_fork(after_in_child=_forget_after_fork)
