@@ -45,7 +45,8 @@ import torch
 from dpfleet.coordinator.run_dir import atomic_write
 from dpfleet.coordinator.simulation import _seed
 from dpfleet.edge.client_data import to_rows
-from dpfleet.edge.client_update import ClientUpdate, clip_l2
+from dpfleet.edge.client_update import ClientUpdate
+from dpfleet.edge.clipping import clip_l2
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
 from dpfleet.jsonio import dumps

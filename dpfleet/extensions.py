@@ -43,8 +43,7 @@ from dpfleet.coordinator.participation import (
     check_selection,
 )
 from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.edge.client_update import clip_l2
-from dpfleet.edge.clipping import norm64
+from dpfleet.edge.clipping import clip_l2, norm64
 from dpfleet.edge.runtime import LocalSGD
 from dpfleet.errors import DpfleetError
 

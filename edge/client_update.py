@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpfleet.edge.clipping import clip_l2 as clip_to_norm
+from dpfleet.edge.clipping import clip_l2
 from dpfleet.edge.runtime import TrainingRuntime
 
 
@@ -23,19 +23,6 @@ class ClientUpdate:
     clipped: bool
     loss: float
     num_examples: int
-
-
-def clip_l2(vec: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
-    """Scale `vec` down to L2 norm <= clip_norm exactly (`edge/clipping.py`); returns (clipped
-    vector, original norm).
-
-    Norms accumulate in float64 by numpy's pairwise sum (`clipping.norm64`): no thread pool is
-    woken. np.linalg.norm wakes OpenBLAS's threads, which spin against torch's on a small machine
-    (issue 15's profile), and torch.linalg.vector_norm(dtype=float64) at 2 torch threads took 3-5 ms
-    for an 81k vector with the other core busy, 70x its 1-thread time (issue 26's profile: 1.5 s of
-    a 4.4 s main-job round), where norm64 takes 0.08-0.12 ms either way.
-    """
-    return clip_to_norm(vec, clip_norm)
 
 
 def client_update(

@@ -112,8 +112,8 @@ def _on_threads(fn, items: list, workers: int) -> list:
 
 
 def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, examples: list[np.ndarray],
-                plans: list[list[np.ndarray]], lr: float, batch_size: int,
-                step: Callable | None = None) -> tuple[np.ndarray, list[float]]:
+                plans: list[list[np.ndarray]], lr: float, step: Callable | None = None
+                ) -> tuple[np.ndarray, list[float]]:
     """One chunk's local training from `theta`: (deltas [n, params], mean losses).
 
     `step` None: the fused recurrent path (`recurrent_grads`, the SGD step inside); otherwise
@@ -155,10 +155,9 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
 
 
 def _pooled_chunk(cfg: ModelConfig, layout: ParamLayout, theta: np.ndarray, examples: list[np.ndarray],
-                  plans: list[list[np.ndarray]], lr: float, batch_size: int
-                  ) -> tuple[np.ndarray, list[float]]:
+                  plans: list[list[np.ndarray]], lr: float) -> tuple[np.ndarray, list[float]]:
     """`train_chunk` of the fused path in a worker process (numpy in, numpy out)."""
-    return train_chunk(cfg, layout, torch.from_numpy(theta), examples, plans, lr, batch_size)
+    return train_chunk(cfg, layout, torch.from_numpy(theta), examples, plans, lr)
 
 
 def _deal(items: list[int], hands: int) -> list[list[int]]:
@@ -223,8 +222,8 @@ class CohortTrainer:
         # dealing in turn on the peers workload)
         span = workers * size
         chunks = [c for g in range(0, len(order), span) for c in _deal(order[g : g + span], workers) if c]
-        tasks = [(self.cfg, self.layout, theta, [examples[i] for i in ids], [plans[i] for i in ids], lr,
-                  batch_size) for ids in chunks]
+        tasks = [(self.cfg, self.layout, theta, [examples[i] for i in ids], [plans[i] for i in ids], lr)
+                 for ids in chunks]
         step = None if self.fused else self._step
         if workers < 2:
             results = [train_chunk(*task, step) for task in tasks]
