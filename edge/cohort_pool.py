@@ -65,9 +65,14 @@ def _recv(stream: BinaryIO) -> object:
 def serve() -> None:
     """Worker side: answer `(function, args)` messages on stdin until it closes.
 
-    Replies are ("ok", result) or ("error", traceback text); the worker's own output goes to
-    stderr, so stdout carries only the protocol."""
+    Replies are ("ok", result) or ("error", traceback text) on a private copy of the stdout pipe;
+    fd 1 itself is pointed at stderr first, so nothing else the worker prints (Python's print, or
+    native code writing to fd 1, e.g. OpenMP's notices) can enter or break the protocol."""
     import signal
+
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
     import torch
 
@@ -77,9 +82,8 @@ def serve() -> None:
     torch.set_num_threads(1)
     import dpfleet.edge.cohort  # noqa: F401  (what the tasks call: imported before "ready")
 
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr
-    _send(stdout, _READY)
+    stdin = sys.stdin.buffer
+    _send(replies, _READY)
     while True:
         try:
             fn, args = _recv(stdin)
@@ -89,7 +93,7 @@ def serve() -> None:
             reply = ("ok", fn(*args))
         except Exception:  # a bug or resource failure: the parent raises it with this text
             reply = ("error", traceback.format_exc())
-        _send(stdout, reply)
+        _send(replies, reply)
 
 
 class WorkerError(DpfleetError):

@@ -7,6 +7,7 @@ The workers here are the real thing (`python -c` children over pipes); nothing i
 import math
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,19 @@ def test_a_task_that_raises_in_a_worker_carries_its_traceback():
             pool.map(math.sqrt, [(-1.0,)])
         assert "Traceback" in str(info.value)
         assert pool.map(math.sqrt, [(4.0,)]) == [2.0]  # the worker lives on
+    finally:
+        pool.close()
+
+
+def test_a_stray_write_to_stdout_in_a_worker_cannot_forge_or_break_a_reply():
+    """A C library (OpenMP's 'OMP: Info', a print in native code) writes straight to fd 1: the
+    protocol must not share it. Attack: bytes that look like a reply header are written to fd 1
+    during a task; the parent still gets each task's own result."""
+    forged = struct.pack("<Q", 4) + b"junk"  # a well-formed header of a 4-byte 'reply'
+    pool = WorkerPool(1)
+    try:
+        assert pool.map(os.write, [(1, forged)]) == [len(forged)]  # os.write returns its count
+        assert pool.map(math.sqrt, [(25.0,)]) == [5.0]  # the stream is still in step
     finally:
         pool.close()
 
