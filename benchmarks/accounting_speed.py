@@ -12,7 +12,7 @@ import platform
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.tree_sensitivity import _sensitivity, tree_sensitivity_squared
+from dpfleet.coordinator.mechanisms.tree_sensitivity import _sensitivity, tree_sensitivity_squared
 
 # (label, rounds, MaxP, MinS)
 TABLE1 = [("de-DE", 930, 4, 212), ("en-GB", 980, 4, 226), ("fr-FR", 1280, 5, 180),

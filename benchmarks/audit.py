@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.audit_run import AuditSettings, run_audit
+from dpfleet.coordinator.audit.canaries import AuditSettings, run_audit
 from dpfleet.coordinator.config import parse_config, read_toml
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dpfleet.coordinator.participation import ParticipationGuard
+from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.service.rounds import RoundDriver, allowed_waiting
 from dpfleet.service.wakeups import Wakeups
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import prepare_data
+from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.edge.cohort_lstm import recurrent_grads
 from dpfleet.edge.runtime import batches

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.discrete_gaussian import DiscreteGaussianNodes
-from dpfleet.coordinator.noise_stream import GaussianNodes
-from dpfleet.coordinator.noise_stream import NodeStream as Stream
-from dpfleet.coordinator.ring_noise import plan_ring
+from dpfleet.coordinator.mechanisms.discrete_gaussian import DiscreteGaussianNodes
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
+from dpfleet.coordinator.mechanisms.noise_stream import NodeStream as Stream
+from dpfleet.coordinator.mechanisms.ring_noise import plan_ring
 
 
 class Counting:

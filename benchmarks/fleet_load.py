@@ -337,7 +337,7 @@ def analyse(events: list[dict], log: list[dict], summary: dict, processes: int) 
 
 def simulate_baseline(devices: int, goal: int, rounds: int, work: Path) -> dict:
     from dpfleet.coordinator.config import load_config
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     config = work / "baseline.toml"
     config.write_text(CONFIG.format(devices=devices, goal=goal, rounds=rounds, retry=1.0))

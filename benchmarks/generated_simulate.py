@@ -50,9 +50,9 @@ def mask_draw_ms(part, r: int, repeats: int = 20) -> float:
 def one(size: int, out: Path) -> dict:
     import torch
 
-    from dpfleet.coordinator import participation
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine import participation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     times: list[float] = []
     propose = participation.Participation.propose

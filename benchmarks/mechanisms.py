@@ -1,7 +1,7 @@
 """Issue 23's evidence: the main job at the planner's choice, per mechanism, epsilon and seed.
 
 Each cell runs examples/shakespeare_cifg.toml with dp.target_epsilon = EPS and dp.mechanism = KIND:
-the planner (coordinator/config_plan.py) gives the report goal, the largest MinS, the worst-case
+the planner (coordinator/accounting/config_plan.py) gives the report goal, the largest MinS, the worst-case
 MaxP for the config's rounds and the z that KIND needs at EPS, so the mechanisms differ only in
 their noise (same cohort, participation, clients and init per seed). Seed s also sets dp.noise_seed
 = s (research mode: the noise key is derivable, so these runs carry NO privacy against whoever
@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
 from paired import format_difference, paired_difference  # noqa: E402
 
-from dpfleet.coordinator.accounting import zcdp_for_epsilon  # noqa: E402
+from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows  # noqa: E402
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon  # noqa: E402
 from dpfleet.coordinator.config import PLANNED_KEYS, parse_config, read_toml  # noqa: E402
-from dpfleet.coordinator.planner import make_plan, mechanism_rows  # noqa: E402
-from dpfleet.coordinator.simulation import run_simulation  # noqa: E402
+from dpfleet.coordinator.engine.simulation import run_simulation  # noqa: E402
 
 CONFIG = ROOT / "examples" / "shakespeare_cifg.toml"
 OUT = ROOT / "benchmarks" / "results" / "mechanisms.json"
@@ -136,9 +136,9 @@ def public_only_row(base: dict, seed: int) -> dict:
     seed `seed`'s held-out users (the seed also draws the train / held-out split)."""
     import dataclasses
 
-    from dpfleet.coordinator.evaluation import evaluate, split_held_out, unigram_baseline
-    from dpfleet.coordinator.public_init import pretrain_on_public
-    from dpfleet.coordinator.simulation import prepare_data
+    from dpfleet.coordinator.engine.evaluation import evaluate, split_held_out, unigram_baseline
+    from dpfleet.coordinator.engine.public_init import pretrain_on_public
+    from dpfleet.coordinator.engine.simulation import prepare_data
     from dpfleet.export.models import build_model
 
     cfg = parse_config({**copy.deepcopy(base), "seed": seed})

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dpfleet.coordinator.config import parse_config, read_toml
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "mechanisms_quick.json"

@@ -92,9 +92,14 @@ def rel_err(a: float, b: float) -> float:
 
 
 def main() -> None:
-    from dpfleet.coordinator.blt import BLT, banded_toeplitz_matrix
-    from dpfleet.coordinator.mf_optimize import banded_loss, blt_loss, optimize_banded, optimize_blt
-    from dpfleet.coordinator.mf_sensitivity import (
+    from dpfleet.coordinator.mechanisms.blt import BLT, banded_toeplitz_matrix
+    from dpfleet.coordinator.mechanisms.mf_optimize import (
+        banded_loss,
+        blt_loss,
+        optimize_banded,
+        optimize_blt,
+    )
+    from dpfleet.coordinator.mechanisms.mf_sensitivity import (
         banded_sensitivity_squared,
         toeplitz_minsep_sensitivity_squared,
         true_max_participations,

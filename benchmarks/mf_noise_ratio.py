@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.mf_optimize import optimize_banded, optimize_blt, tree_loss
+from dpfleet.coordinator.mechanisms.mf_optimize import optimize_banded, optimize_blt, tree_loss
 
 OUT = Path(__file__).resolve().parent / "results" / "mf_noise_ratio.json"
 

@@ -24,8 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.noise_stream import GaussianNodes, NodeStream, new_noise_key, standard_normals
-from dpfleet.coordinator.tree_noise import TreeNoise
+from dpfleet.coordinator.mechanisms.noise_stream import (
+    GaussianNodes,
+    NodeStream,
+    new_noise_key,
+    standard_normals,
+)
+from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 
 ROOT = Path(__file__).resolve().parents[1]
 DIMS = (81_088, 4_400_000)

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.accounting import observe_participation
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.accounting.zcdp import observe_participation
 from dpfleet.coordinator.config import load_config
-from dpfleet.coordinator.participation import Participation, RoundUnfillable
-from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.coordinator.simulation import prepare_data, run_simulation
+from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.engine.simulation import prepare_data, run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 

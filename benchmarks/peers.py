@@ -49,8 +49,8 @@ sys.path.insert(0, str(HERE))
 from peers_worker import Workload  # noqa: E402
 from trainer_throughput import build_workload  # noqa: E402
 
-from dpfleet.coordinator.evaluation import evaluate, split_held_out  # noqa: E402
-from dpfleet.coordinator.simulation import _seed  # noqa: E402
+from dpfleet.coordinator.engine.evaluation import evaluate, split_held_out  # noqa: E402
+from dpfleet.coordinator.engine.simulation import _seed  # noqa: E402
 from dpfleet.errors import DpfleetError  # noqa: E402
 from dpfleet.export.models import ModelConfig, build_model  # noqa: E402
 from dpfleet.export.params import get_flat, set_flat  # noqa: E402

@@ -153,7 +153,7 @@ def dpfleet_round(trainer, w: Workload) -> Callable:
 
 
 def run_dpfleet(w: Workload, kind: str) -> tuple[list[np.ndarray], list[list[float]], dict]:
-    from dpfleet.coordinator.backends import SequentialTrainer
+    from dpfleet.coordinator.engine.backends import SequentialTrainer
     from dpfleet.edge.cohort import CohortTrainer
     from dpfleet.edge.runtime import EagerRuntime
 

@@ -36,7 +36,7 @@ def one(size: int, kind: str, cache: Path) -> dict:
     from trainer_throughput import PEER
 
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.simulation import prepare_data
+    from dpfleet.coordinator.engine.simulation import prepare_data
     from dpfleet.edge.client_data import ClientData
     from dpfleet.edge.client_store import build_store, generated
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dpfleet.coordinator.config import load_config
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 

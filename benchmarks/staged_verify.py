@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.public.staged import (
     RACY_NS,

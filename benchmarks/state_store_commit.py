@@ -1,4 +1,4 @@
-"""Cost of a durable round commit (`coordinator/state_store.py:commit_round`).
+"""Cost of a durable round commit (`coordinator/state/state_store.py:commit_round`).
 
 Per commit: the round's state folder (theta + momentum as safetensors, written and fsynced,
 renamed, parent fsynced), then one SQLite transaction (WAL, synchronous=FULL) with the release
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from dpfleet.coordinator.release_log import release_record
-from dpfleet.coordinator.state_store import StateStore
+from dpfleet.coordinator.state.release_log import release_record
+from dpfleet.coordinator.state.state_store import StateStore
 
 
 def bench(params: int, commits: int, cohort: int, fleet: int) -> dict:

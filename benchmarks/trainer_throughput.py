@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dpfleet.coordinator.backends import SequentialTrainer
 from dpfleet.coordinator.config import SimulationConfig, parse_config
-from dpfleet.coordinator.simulation import prepare_data
+from dpfleet.coordinator.engine.backends import SequentialTrainer
+from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.client_update import finish_update
 from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.edge.runtime import EagerRuntime, batches
@@ -195,7 +195,7 @@ def clip_norm_cost(dim: int, reps: int = 20) -> dict:
 
 def _ray_trainer(model_cfg, seq_len: int, batch_size: int, workers: int):
     """Ray(local): a private Ray instance with one single-threaded cohort worker per core."""
-    from dpfleet.coordinator.ray_backend import RayTrainer
+    from dpfleet.coordinator.engine.ray_backend import RayTrainer
 
     return RayTrainer(model_cfg, seq_len=seq_len, batch_size=batch_size, workers=workers)
 

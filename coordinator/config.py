@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dpfleet.coordinator.adaptive_clipping import default_count_stddev, model_noise_multiplier
+from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 
@@ -40,7 +40,7 @@ class TokenizerSection:
     vocab_size: int = 4096
     corpus: str = "wikitext2"  # public corpus the SentencePiece model is trained on
     path: str = ""  # an existing tokenizer folder (overrides kind/corpus)
-    # kind = "word": the vocabulary is chosen with user-level DP (coordinator/dp_vocabulary.py),
+    # kind = "word": the vocabulary is chosen with user-level DP (coordinator/mechanisms/dp_vocabulary.py),
     # unless allow_nonprivate_vocabulary (top words of the private clients, outside the guarantee)
     allow_nonprivate_vocabulary: bool = False
     dp_noise: float = 1.0  # sigma on each word's count of users (each user's L2 weight <= 1)
@@ -81,8 +81,8 @@ class DPSection:
     # derived from this seed and the DP guarantee does not hold against anyone who knows it
     noise_seed: int = -1
     # where the noise goes. "discrete": a discrete Gaussian (tree; banded / blt: their Gaussian
-    # rounded to integers, coordinator/mf_ring.py) added to secure aggregation's
-    # integer ring sum before decoding (coordinator/ring_noise.py; needs aggregation.kind =
+    # rounded to integers, coordinator/mechanisms/mf_ring.py) added to secure aggregation's
+    # integer ring sum before decoding (coordinator/mechanisms/ring_noise.py; needs aggregation.kind =
     # "secagg"), so one device moves the released ring value by at most its bound even when a
     # dishonest co-participant parks the sum at the ring's wrap. "gaussian": continuous noise on
     # the decoded sum (with secagg: private only against honest participants). "auto" (default):
@@ -90,19 +90,19 @@ class DPSection:
     # config.toml holds the resolved value (`resolve_noise`)
     noise: str = "auto"
     # the DP-FTRL noise: "tree" (online binary tree), or a matrix-factorization strategy optimised
-    # at run start for the enforced participation (coordinator/mf_noise.py): "banded" (BandMF,
+    # at run start for the enforced participation (coordinator/mechanisms/mf_noise.py): "banded" (BandMF,
     # Choquette-Choo et al. 2023) or "blt" (buffered linear Toeplitz, McMahan et al. 2024)
     mechanism: str = "tree"
     # > 0: the planner chooses report_goal, noise_multiplier, the participation limits (uniform,
     # largest MinS, worst-case MaxP) and, with mechanism = "auto", the mechanism for this eps at
-    # delta over `rounds` and the training population (coordinator/config_plan.py; plan.json in
+    # delta over `rounds` and the training population (coordinator/accounting/config_plan.py; plan.json in
     # the run directory). A planned key the config also states must agree with the plan.
     target_epsilon: float = 0.0
 
 
 @dataclass
 class ParticipationSection:
-    """Who takes part when (see coordinator/participation.py)."""
+    """Who takes part when (see coordinator/engine/participation.py)."""
 
     mode: str = "disjoint"  # "disjoint" (each device at most once) | "uniform" | "timer"
     timer_period: float = 24.0  # hours a device stays away after taking part (timer mode)
@@ -117,7 +117,7 @@ class ParticipationSection:
 
 @dataclass
 class PretrainSection:
-    """Central training on public text before the first private round (coordinator/public_init.py):
+    """Central training on public text before the first private round (coordinator/engine/public_init.py):
     public data only, so no privacy cost; refused when a corpus overlaps the private dataset."""
 
     corpus: list[str] = field(default_factory=list)  # e.g. ["wikitext2", "kjv"]; empty: no pretraining
@@ -140,7 +140,7 @@ class AggregationSection:
 
 @dataclass
 class BackendSection:
-    """Where a round's clients train (coordinator/ray_backend.py)."""
+    """Where a round's clients train (coordinator/engine/ray_backend.py)."""
 
     kind: str = "local"  # "local" | "ray" (cohort sharded over Ray workers)
     address: str = ""  # Ray cluster address (`ray start --head`); "": a private local instance
@@ -268,7 +268,7 @@ def build_section(cls: type, values: dict, prefix: str) -> object:
     return cls(**kwargs)
 
 
-# the keys dp.target_epsilon plans (coordinator/config_plan.py), as (section, key)
+# the keys dp.target_epsilon plans (coordinator/accounting/config_plan.py), as (section, key)
 PLANNED_KEYS = (("dp", "report_goal"), ("dp", "noise_multiplier"), ("dp", "mechanism"),
                 ("participation", "mode"), ("participation", "min_separation"),
                 ("participation", "max_participation"))

@@ -145,7 +145,7 @@ def simulate(
     else:
         raise DpfleetError(f"config must be a TOML path or a dict, not {type(config).__name__}")
     if run_dir is None:
-        from dpfleet.coordinator.cli_simulate import _fresh_run_dir
+        from dpfleet.coordinator.cli.simulate import _fresh_run_dir
 
         run_dir = _fresh_run_dir(Path("runs") / name)
     return run(cfg, Path(run_dir), model=model, users=users, tokenizer=tokenizer, progress=progress,
@@ -179,7 +179,7 @@ def run(
         raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     records = None if users is None else user_records(users)
     tok = None if tokenizer is None else _UserTokenizer(tokenizer)
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress, log=log,
                          records=records, model=model, tokenizer=tok, audit=audit,

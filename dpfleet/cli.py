@@ -1,6 +1,6 @@
 """The `dpfleet` console script.
 
-Subcommands live next to the code they drive (`coordinator/cli_simulate.py`, `secagg/cli.py`,
+Subcommands live next to the code they drive (`coordinator/cli/simulate.py`, `secagg/cli.py`,
 ...) and are imported lazily, so `dpfleet account --help` does not pay for importing torch.
 Every user mistake is raised as `DpfleetError` and printed as one line with exit code 2.
 """
@@ -17,10 +17,10 @@ from dpfleet.errors import DpfleetError
 # command name -> "module:attribute" of a click command or group
 COMMANDS: dict[str, str] = {
     "data": "dpfleet.edge.cli_data:data",
-    "simulate": "dpfleet.coordinator.cli_simulate:simulate",
-    "audit": "dpfleet.coordinator.cli_audit:audit",
-    "account": "dpfleet.coordinator.cli_account:account",
-    "plan": "dpfleet.coordinator.cli_plan:plan",
+    "simulate": "dpfleet.coordinator.cli.simulate:simulate",
+    "audit": "dpfleet.coordinator.cli.audit:audit",
+    "account": "dpfleet.coordinator.cli.account:account",
+    "plan": "dpfleet.coordinator.cli.plan:plan",
     "secagg": "dpfleet.secagg.cli:secagg",
     "export": "dpfleet.export.cli:export",
     "public": "dpfleet.public.cli:public",

@@ -35,14 +35,14 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
-from dpfleet.coordinator.participation import (
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.engine.participation import (
     DisjointPolicy,
     Eligible,
     UniformPolicy,
     check_selection,
 )
-from dpfleet.coordinator.run_accounting import RunAccountant
 from dpfleet.edge.clipping import clip_l2, norm64
 from dpfleet.edge.runtime import LocalSGD
 from dpfleet.errors import DpfleetError
@@ -93,7 +93,7 @@ class NoiseMechanism(Protocol):
 
     `stream(dim, std, key)` gives the run's noise: `std` = z * C (times secure aggregation's
     norm inflation), the per-round std of the tree's nodes; `key` is the run's secret 32-byte
-    noise key (draw from it, e.g. with `dpfleet.coordinator.noise_stream.GaussianNodes`, so reruns
+    noise key (draw from it, e.g. with `dpfleet.coordinator.mechanisms.noise_stream.GaussianNodes`, so reruns
     get fresh noise and `dp.noise_seed` reproduces it).
 
     `zcdp(noise_multiplier, rounds, min_separation, max_participation)` declares the rho-zCDP of
@@ -131,15 +131,15 @@ class TreeMechanism:
     name = "tree"
 
     def stream(self, dim: int, std: float, key: bytes) -> NoiseStream:
-        from dpfleet.coordinator.noise_stream import GaussianNodes
-        from dpfleet.coordinator.tree_noise import TreeNoise
+        from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
+        from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 
         return TreeNoise(dim, GaussianNodes(key, std, dim))
 
     def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
              max_participation: int) -> float | None:
-        from dpfleet.coordinator.accounting import zcdp_from_sensitivity
-        from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
+        from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
+        from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
 
         if max_participation == 0:
             return 0.0
@@ -157,14 +157,14 @@ class MatrixMechanism:
         self.spec, self.name = spec, spec.kind
 
     def stream(self, dim: int, std: float, key: bytes) -> NoiseStream:
-        from dpfleet.coordinator.mf_noise import MFNoise
+        from dpfleet.coordinator.mechanisms.mf_noise import MFNoise
 
         return MFNoise(self.spec, dim, key, std)
 
     def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
              max_participation: int) -> float | None:
-        from dpfleet.coordinator.accounting import zcdp_from_sensitivity
-        from dpfleet.coordinator.mechanisms import sensitivity_squared
+        from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
+        from dpfleet.coordinator.mechanisms.spec import sensitivity_squared
 
         if max_participation == 0:
             return 0.0
@@ -286,7 +286,7 @@ def custom_noise_privacy(run_dir, cfg, accountant: DeclaredAccountant, privacy: 
     """privacy.json's figures and privacy_report.md for a caller's mechanism, replacing the tree's:
     the declared rho converted by RDP (valid for any rho-zCDP mechanism), or, undeclared, a plain
     statement that dpfleet did not account the run."""
-    from dpfleet.coordinator.run_dir import atomic_write
+    from dpfleet.coordinator.state.run_dir import atomic_write
 
     mech = accountant.mechanism
     rho = accountant._zcdp(accountant._sensitivity(accountant.rounds, accountant.max_participation,
@@ -330,7 +330,7 @@ def custom_trainer(cfg, trainer, model_cfg, model: torch.nn.Module, client_updat
     runs through the sequential eager trainer (the cohort trainer is a batched `LocalSGD` only);
     a clipping rule is set on whichever trainer runs (sequential or cohort). Returns (trainer,
     note for summary.json or None)."""
-    from dpfleet.coordinator.backends import SequentialTrainer
+    from dpfleet.coordinator.engine.backends import SequentialTrainer
     from dpfleet.edge.runtime import EagerRuntime
 
     note = None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.client_data import ClientData
 from dpfleet.errors import DpfleetError
 

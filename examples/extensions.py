@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dpfleet
-from dpfleet.coordinator.noise_stream import GaussianNodes
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
 from dpfleet.errors import DpfleetError
 from dpfleet.extensions import Eligible, clip_l2
 

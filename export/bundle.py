@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
-from dpfleet.coordinator.run_dir import atomic_write, write_secret
+from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.edge.bundle_format import (
     BUNDLE_VERSION,
     MANIFEST,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
 
 

@@ -54,7 +54,7 @@ def load_devices(cfg: SimulationConfig, devices: int = 0, vocabulary: Path | Non
     """(device ids, each device's examples, model parameters) as `simulate` prepares them."""
     import torch
 
-    from dpfleet.coordinator.simulation import DP_VOCABULARY, prepare_data
+    from dpfleet.coordinator.engine.simulation import DP_VOCABULARY, prepare_data
     from dpfleet.export.models import build_model
 
     if cfg.data.generated_population:

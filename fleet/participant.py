@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.backends import SequentialTrainer
+from dpfleet.coordinator.engine.backends import SequentialTrainer
 from dpfleet.edge.bundle_format import BundleError
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.export.models import ModelConfig
@@ -219,7 +219,7 @@ async def _send(link, number: int, attempt: int, data: bytes, cursor: int, wait:
 
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
                   bundle_key=None) -> Outcome:
-    from dpfleet.coordinator.adaptive_clipping import clipped_bit
+    from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
     from dpfleet.secagg import round_terms
     from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.count_bit import append_bit, check_layout, terms_digest

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import socket
 
-from dpfleet.coordinator.ray_backend import connect_ray
+from dpfleet.coordinator.engine.ray_backend import connect_ray
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.emulate import Fleet
 from dpfleet.fleet.worker import ONE_THREAD_ENV, WorkerSpec, worker_main

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.config import build_section, read_toml
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps

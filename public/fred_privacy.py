@@ -21,7 +21,7 @@ from pathlib import Path
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
 
 FRED_HONEST_ONLY = (

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
-from dpfleet.coordinator.noise_stream import (
+from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
+from dpfleet.coordinator.mechanisms.noise_stream import (
     NodeStream,
     new_noise_key,
     seeded_noise_key,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.manifest import sha256_file

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
-from dpfleet.coordinator.resume import differing_keys
-from dpfleet.coordinator.run_dir import atomic_write
+from dpfleet.coordinator.state.resume import differing_keys
+from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
@@ -263,7 +263,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     builds the teacher's labels from (cfg, vocab, pool, progress); a benchmark can restrict it
     to part of the pool (benchmarks/quality/lpub_kd.py).
     """
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     out = Path(out)
     if (out / "summary.json").is_file() and not overwrite:

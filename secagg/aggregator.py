@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.aggregation import AggregateResult, RingSum
+from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.count_bit import append_bit, split_count
 from dpfleet.secagg.encoding import Discretizer

@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.run_dir import write_secret
+from dpfleet.coordinator.state.run_dir import write_secret
 from dpfleet.errors import DpfleetError
 
 VERSION = 1

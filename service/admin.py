@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dpfleet.coordinator.run_accounting import write_run_privacy
+from dpfleet.coordinator.accounting.run_accountant import write_run_privacy
 from dpfleet.service.rounds import ApiError, RoundDriver
 
 

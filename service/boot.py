@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.evaluation import split_held_out, unigram_baseline
-from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
-from dpfleet.coordinator.round_engine import RoundEngine
-from dpfleet.coordinator.run_dir import RunDir
-from dpfleet.coordinator.simulation import prepare_data, vocabulary_privacy
-from dpfleet.coordinator.state_store import StateStore, open_engine
+from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
+from dpfleet.coordinator.engine.round_engine import RoundEngine
+from dpfleet.coordinator.engine.simulation import prepare_data, vocabulary_privacy
+from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
+from dpfleet.coordinator.state.run_dir import RunDir
+from dpfleet.coordinator.state.state_store import StateStore, open_engine
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.service.blobs import BlobStore, folder_tar

@@ -68,15 +68,15 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
 
 def noise_line(cfg) -> str:
     """Which noise the run adds, in the privacy report's words."""
+    from dpfleet.coordinator.accounting.privacy_report import noise_mechanism
     from dpfleet.coordinator.config import resolve_noise
-    from dpfleet.coordinator.privacy_report import noise_mechanism
 
     return noise_mechanism(resolve_noise(cfg), cfg.aggregation.kind == "secagg", cfg.dp.mechanism)
 
 
 def noise_warning(cfg) -> str | None:
     """"WARNING: ..." when continuous noise after SecAgg makes the guarantee need honest peers."""
+    from dpfleet.coordinator.accounting.privacy_report import HONEST_ONLY
     from dpfleet.coordinator.config import honest_participants_only
-    from dpfleet.coordinator.privacy_report import HONEST_ONLY
 
     return f"WARNING: {HONEST_ONLY}" if honest_participants_only(cfg) else None

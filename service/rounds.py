@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpfleet.coordinator.aggregation import AggregateResult, RingSum
 from dpfleet.coordinator.config import resolve_noise, round_size
-from dpfleet.coordinator.participation import ParticipationGuard
-from dpfleet.coordinator.round_engine import RoundPlan, Stop
-from dpfleet.coordinator.run_dir import atomic_write
-from dpfleet.coordinator.simulation import _seed
-from dpfleet.coordinator.state_store import finish_run
+from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
+from dpfleet.coordinator.engine.participation import ParticipationGuard
+from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
+from dpfleet.coordinator.engine.simulation import _seed
+from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 from dpfleet.service.boot import Booted

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.run_dir import atomic_write, write_secret
+from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.edge.bundle_format import (
     MANIFEST,
     SIGNATURE,

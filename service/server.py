@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.run_dir import write_secret
+from dpfleet.coordinator.state.run_dir import write_secret
 from dpfleet.errors import DpfleetError
 from dpfleet.service.app import POLL_S, make_app
 from dpfleet.service.auth import new_admin_token

@@ -24,8 +24,8 @@ def failing_on_call(func: Callable, n: int, exc: type[BaseException] = Crash) ->
 
 def failing_on_round(monkeypatch, n: int, exc: type[BaseException] = Crash) -> None:
     """Makes the n-th round's client training raise `exc`, whichever trainer (sequential or
-    cohort, coordinator/backends.py) the simulation picks; rounds count across runs."""
-    import dpfleet.coordinator.simulation as simulation
+    cohort, coordinator/engine/backends.py) the simulation picks; rounds count across runs."""
+    import dpfleet.coordinator.engine.simulation as simulation
 
     real_make = simulation.make_trainer
     tick = failing_on_call(lambda: None, n, exc)

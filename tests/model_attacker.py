@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from service_fleet import capture_sums, device_keys, fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.backends import SequentialTrainer
+from dpfleet.coordinator.engine.backends import SequentialTrainer
 from dpfleet.fleet.participant import local_policy, runtime_for
 from dpfleet.service import rounds
 from dpfleet.service.server import shutdown, start

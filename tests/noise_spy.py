@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-import dpfleet.coordinator.round_engine as round_engine
-from dpfleet.coordinator.dp_ftrl import DPFTRLServer
+import dpfleet.coordinator.engine.round_engine as round_engine
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 
 
 @contextmanager

@@ -12,7 +12,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import prepare_data
+from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import take_part
 from dpfleet.service.server import shutdown, start

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import (
+from dpfleet.coordinator.accounting.zcdp import (
     METHODS,
     account_worst_case,
     epsilon_from_zcdp,

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting import (
+from dpfleet.coordinator.accounting.zcdp import (
     account_participation_log,
     observe_participation,
     zcdp_from_noise,
 )
-from dpfleet.coordinator.tree_sensitivity import pattern_sensitivity_squared
+from dpfleet.coordinator.mechanisms.tree_sensitivity import pattern_sensitivity_squared
 from dpfleet.errors import DpfleetError
 
 

@@ -1,6 +1,6 @@
 """The published figures the accountant must reproduce (paper 002 Tables 1-2 and text, paper 000).
 
-Conventions established here (see coordinator/tree_sensitivity.py and accounting.py):
+Conventions established here (see coordinator/mechanisms/tree_sensitivity.py and accounting.py):
 - MinS counts rounds strictly between two participations; en-IN tells the conventions apart.
 - Paper 002 converts zCDP to eps with PLD, starting from the zCDP *rounded to 2 decimals*.
 - Paper 000's eps come from RDP (single participation, T = 1600, delta = 1e-6).
@@ -8,8 +8,8 @@ Conventions established here (see coordinator/tree_sensitivity.py and accounting
 
 import pytest
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_from_noise
-from dpfleet.coordinator.tree_sensitivity import tree_sensitivity_squared
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
+from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
 
 Z = 7.0  # every model of paper 002 Tables 1-2: noise multiplier 7, report goal 6500
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dpfleet.coordinator.accounting import account_participation_log, zcdp_from_noise
-from dpfleet.coordinator.privacy_report import summarize_privacy, write_privacy_report
+from dpfleet.coordinator.accounting.privacy_report import summarize_privacy, write_privacy_report
+from dpfleet.coordinator.accounting.zcdp import account_participation_log, zcdp_from_noise
 from dpfleet.errors import DpfleetError
 
 SETTING = {"noise_multiplier": 2.0, "delta": 1e-6, "clip_norm": 0.3, "report_goal": 2,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.tree_sensitivity import (
+from dpfleet.coordinator.mechanisms.tree_sensitivity import (
     pattern_sensitivity_squared,
     tree_pieces,
     tree_sensitivity_squared,

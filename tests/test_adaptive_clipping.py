@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.adaptive_clipping import (
+from dpfleet.coordinator.config import clip_count_stddev, parse_config
+from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
     default_restart_rounds,
     model_noise_multiplier,
 )
-from dpfleet.coordinator.config import clip_count_stddev, parse_config
-from dpfleet.coordinator.noise_stream import GaussianNodes
-from dpfleet.coordinator.tree_noise import TreeNoise
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
+from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 
 NORMAL_QUANTILE = {0.5: 0.0, 0.8: 0.8416212335729143, 0.2: -0.8416212335729143}

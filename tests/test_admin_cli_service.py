@@ -17,7 +17,7 @@ from admin_standin import one_error_line, run
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.state.run_dir import to_toml
 
 
 def _wait(predicate, timeout: float, what: str):

@@ -181,7 +181,7 @@ def test_cli_on_a_jsonl_file_and_the_api_on_the_same_users_give_the_same_run(tmp
     same records split, tokenise and train identically (seeded noise, research mode)."""
     from click.testing import CliRunner
 
-    from dpfleet.coordinator.cli_simulate import simulate
+    from dpfleet.coordinator.cli.simulate import simulate
 
     data = tmp_path / "users.jsonl"
     data.write_text("".join(json.dumps({"user": u, "text": t}) + "\n" for u, ts in USERS.items() for t in ts))
@@ -208,7 +208,7 @@ def test_cohort_trainer_on_a_custom_model_matches_the_sequential_path():
     clipped delta as the sequential reference does (float rounding only)."""
     import numpy as np
 
-    from dpfleet.coordinator.backends import SequentialTrainer
+    from dpfleet.coordinator.engine.backends import SequentialTrainer
     from dpfleet.edge.cohort import CohortTrainer
     from dpfleet.edge.runtime import EagerRuntime
     from dpfleet.export.models import ModelConfig

@@ -20,10 +20,10 @@ from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
-from dpfleet.coordinator.audit_run import CANARY_NORM, CANARY_PREFIX, AuditSettings, CanaryRun, run_audit
+from dpfleet.coordinator.audit.canaries import CANARY_NORM, CANARY_PREFIX, AuditSettings, CanaryRun, run_audit
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.run_dir import to_toml
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.run_dir import to_toml
 
 # z = 6 at delta 1e-5 accounts eps ~ 1.27 for one participation: small enough that a broken run's
 # estimate clears it; 10 rounds x 25 devices take ~84% of 40 real + ~256 canary devices (a device

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from scipy import integrate
 from scipy.stats import binom
 
-from dpfleet.coordinator.analytic_gaussian import analytic_gaussian_epsilon
-from dpfleet.coordinator.audit_estimators import (
+from dpfleet.coordinator.accounting.analytic_gaussian import analytic_gaussian_epsilon
+from dpfleet.coordinator.audit.estimators import (
     exposure_bits,
     gaussian_pair_epsilon,
     one_run_lower_bound,

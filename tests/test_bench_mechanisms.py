@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dpfleet.coordinator.accounting import zcdp_for_epsilon
+from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config, read_toml
-from dpfleet.coordinator.planner import make_plan, mechanism_rows
 
 _path = Path(__file__).parents[1] / "benchmarks" / "mechanisms.py"
 _spec = importlib.util.spec_from_file_location("bench_mechanisms", _path)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.blt import (
+from dpfleet.coordinator.mechanisms.blt import (
     BLT,
     BandedNoise,
     banded_toeplitz_matrix,
@@ -13,7 +13,7 @@ from dpfleet.coordinator.blt import (
     prefix_error_per_round,
     tree_prefix_error_per_round,
 )
-from dpfleet.coordinator.mf_optimize import (
+from dpfleet.coordinator.mechanisms.mf_optimize import (
     banded_loss,
     blt_inverse_coefs,
     blt_loss,
@@ -21,8 +21,8 @@ from dpfleet.coordinator.mf_optimize import (
     optimize_blt,
     tree_loss,
 )
-from dpfleet.coordinator.mf_sensitivity import brute_force_sensitivity_squared
-from dpfleet.coordinator.tree_noise import prefix_nodes
+from dpfleet.coordinator.mechanisms.mf_sensitivity import brute_force_sensitivity_squared
+from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
 from dpfleet.errors import DpfleetError
 
 SETTINGS = settings(max_examples=40, deadline=None)

@@ -1,4 +1,4 @@
-"""dp.target_epsilon: `simulate` takes the planner's choice (coordinator/config_plan.py).
+"""dp.target_epsilon: `simulate` takes the planner's choice (coordinator/accounting/config_plan.py).
 
 Scored on the values: the run's report goal, z, mechanism and participation limits are the ones
 the planner computes independently for the run's population and rounds; the participation log
@@ -13,11 +13,11 @@ from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
-from dpfleet.coordinator import simulation
-from dpfleet.coordinator.accounting import zcdp_for_epsilon
+from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows, pick_mechanism
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.planner import make_plan, mechanism_rows, pick_mechanism
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import check_service_config
 

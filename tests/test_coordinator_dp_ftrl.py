@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 
 
 def test_noiseless_server_is_sgd_with_momentum_on_the_average():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpfleet.coordinator.evaluation import accuracy_counts, evaluate, unigram_baseline
+from dpfleet.coordinator.engine.evaluation import accuracy_counts, evaluate, unigram_baseline
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 
 

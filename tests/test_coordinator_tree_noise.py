@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.noise_stream import GaussianNodes
-from dpfleet.coordinator.tree_noise import TreeNoise, prefix_nodes
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
+from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise, prefix_nodes
 
 
 def key(i: int) -> bytes:

@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from dpfleet.coordinator import discrete_gaussian as dgm
-from dpfleet.coordinator.discrete_gaussian import (
+from dpfleet.coordinator.mechanisms import discrete_gaussian as dgm
+from dpfleet.coordinator.mechanisms.discrete_gaussian import (
     DiscreteGaussian,
     DiscreteGaussianNodes,
     integer_sigma_sq,
     uniform_below,
 )
-from dpfleet.coordinator.noise_stream import NodeStream
+from dpfleet.coordinator.mechanisms.noise_stream import NodeStream
 
 
 def stream(seed: int, tree_id: int = 0) -> NodeStream:

@@ -10,10 +10,10 @@ import pytest
 from crashes import Crash
 from safetensors.numpy import load_file
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 
 CFG = {
     "rounds": 1, "eval_every": 1, "seed": 5, "checkpoint_every": 0,

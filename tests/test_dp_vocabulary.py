@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.dp_vocabulary import (
+from dpfleet.coordinator.engine.simulation import make_tokenizer, run_simulation
+from dpfleet.coordinator.mechanisms.dp_vocabulary import (
     VocabularyDP,
     build_dp_vocabulary,
     dp_word_weights,
     select_words,
     user_words,
 )
-from dpfleet.coordinator.simulation import make_tokenizer, run_simulation
 from dpfleet.edge.tokenizer import load_tokenizer
 from dpfleet.errors import DpfleetError
 
@@ -197,7 +197,7 @@ def test_resume_reuses_the_released_vocabulary_and_debug_log(tmp_path):
 def test_budget_counts_the_vocabulary():
     """eps 5 at 1e-6 allows one round at z = 1 (rho 0.5, eps 4.89), not after a vocabulary
     that already spent rho 0.5."""
-    from dpfleet.coordinator.run_accounting import RunAccountant
+    from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 
     plain = RunAccountant(1.0, 1e-6, budget_epsilon=5.0)
     spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0, spent_zcdp=0.5)

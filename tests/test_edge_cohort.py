@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.backends import SequentialTrainer, make_trainer
+from dpfleet.coordinator.engine.backends import SequentialTrainer, make_trainer
 from dpfleet.edge.cohort import CohortTrainer, bytes_per_client, chunk_size
 from dpfleet.edge.cohort_lstm import RECURRENT
 from dpfleet.edge.runtime import EagerRuntime

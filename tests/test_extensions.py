@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from test_api import CONFIG, USERS, TinyLM, WordIds
 
 import dpfleet
-from dpfleet.coordinator.mechanisms import optimize_mechanism
-from dpfleet.coordinator.mf_noise import MFAccountant
-from dpfleet.coordinator.participation import check_selection
-from dpfleet.coordinator.run_accounting import RunAccountant
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.engine.participation import check_selection
+from dpfleet.coordinator.mechanisms.mf_noise import MFAccountant
+from dpfleet.coordinator.mechanisms.spec import optimize_mechanism
 from dpfleet.errors import DpfleetError
 from dpfleet.extensions import (
     ClippingRule,

@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.numpy import load_file
 from service_fleet import capture_sums, fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.backends import SequentialTrainer
-from dpfleet.coordinator.simulation import _seed, run_simulation
+from dpfleet.coordinator.engine.backends import SequentialTrainer
+from dpfleet.coordinator.engine.simulation import _seed, run_simulation
 from dpfleet.edge import device_client
 from dpfleet.edge.bundle_format import load_public_key, public_key_hex, sign_manifest
 from dpfleet.edge.runtime import EagerRuntime

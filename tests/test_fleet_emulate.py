@@ -13,7 +13,7 @@ import time
 import pytest
 from service_fleet import tiny_cfg
 
-from dpfleet.coordinator.accounting import account_participation_log
+from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import FleetSection
 from dpfleet.fleet.behaviour import Behaviour
 from dpfleet.fleet.clock import FleetClock

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
-from dpfleet.coordinator.analytic_gaussian import analytic_gaussian_epsilon, log_delta
-from dpfleet.coordinator.cli_account import account
-from dpfleet.coordinator.run_dir import RunDir
+from dpfleet.coordinator.accounting.analytic_gaussian import analytic_gaussian_epsilon, log_delta
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.cli.account import account
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.jsonio import dumps
 
 

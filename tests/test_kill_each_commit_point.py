@@ -20,11 +20,11 @@ import pytest
 from service_fleet import device_keys, fleet_data, run_devices, tiny_cfg
 from test_service_kill import check_run, free_port, serve_once
 
-from dpfleet.coordinator.accounting import account_participation_log
-from dpfleet.coordinator.release_log import check_no_reuse
-from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.coordinator.run_dir import to_toml
-from dpfleet.coordinator.state_store import StateStore
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.accounting.zcdp import account_participation_log
+from dpfleet.coordinator.state.release_log import check_no_reuse
+from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.coordinator.state.state_store import StateStore
 
 ROUNDS = 3
 KILLED_ROUND = 2

@@ -6,13 +6,13 @@ import math
 import pytest
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting import (
+from dpfleet.coordinator.accounting.zcdp import (
     account_worst_case,
     epsilon_from_zcdp,
     zcdp_for_epsilon,
     zcdp_from_sensitivity,
 )
-from dpfleet.coordinator.mechanisms import (
+from dpfleet.coordinator.mechanisms.spec import (
     DESCRIPTIONS,
     MechanismSpec,
     optimize_mechanism,
@@ -176,7 +176,7 @@ def test_help_explains_each_mechanism(capsys, command):
 def test_account_of_a_real_blt_run_equals_the_runs_own_privacy_json(tmp_path, capsys):
     from test_mf_simulate import config
 
-    from dpfleet.coordinator.run_dir import to_toml
+    from dpfleet.coordinator.state.run_dir import to_toml
 
     path = tmp_path / "cfg.toml"
     path.write_text(to_toml(config("blt")))

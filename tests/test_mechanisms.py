@@ -8,9 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import account_worst_case, zcdp_from_noise
-from dpfleet.coordinator.blt import BLT, banded_toeplitz_matrix
-from dpfleet.coordinator.mechanisms import (
+from dpfleet.coordinator.accounting.zcdp import account_worst_case, zcdp_from_noise
+from dpfleet.coordinator.mechanisms.blt import BLT, banded_toeplitz_matrix
+from dpfleet.coordinator.mechanisms.mf_optimize import optimize_blt, tree_loss
+from dpfleet.coordinator.mechanisms.mf_sensitivity import (
+    brute_force_sensitivity_squared,
+    pattern_sensitivity_squared,
+)
+from dpfleet.coordinator.mechanisms.spec import (
     MAX_BANDS,
     MECHANISMS,
     MechanismSpec,
@@ -20,8 +25,6 @@ from dpfleet.coordinator.mechanisms import (
     relative_noise,
     sensitivity_squared,
 )
-from dpfleet.coordinator.mf_optimize import optimize_blt, tree_loss
-from dpfleet.coordinator.mf_sensitivity import brute_force_sensitivity_squared, pattern_sensitivity_squared
 from dpfleet.errors import DpfleetError
 
 positive = st.floats(0.01, 2.0, allow_nan=False)

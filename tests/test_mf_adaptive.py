@@ -18,20 +18,20 @@ import pytest
 from crashes import Crash
 from test_mf_simulate import QUIET, ROUNDS, M, config, crash_before, fresh_z, released_theta, strategy
 
-import dpfleet.coordinator.adaptive_clipping as adaptive_clipping
-from dpfleet.coordinator import simulation
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
-from dpfleet.coordinator.adaptive_clipping import QuantileClipEstimator, model_noise_multiplier
+import dpfleet.coordinator.engine.adaptive_clipping as adaptive_clipping
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.dp_ftrl import DPFTRLServer
-from dpfleet.coordinator.mechanisms import (
+from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, model_noise_multiplier
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
+from dpfleet.coordinator.mechanisms.mf_noise import MF_COUNT_DOMAIN
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, seeded_noise_key
+from dpfleet.coordinator.mechanisms.spec import (
     MechanismSpec,
     mechanism_zcdp,
     optimize_mechanism,
     sensitivity_squared,
 )
-from dpfleet.coordinator.mf_noise import MF_COUNT_DOMAIN
-from dpfleet.coordinator.noise_stream import GaussianNodes, seeded_noise_key
 
 SIGMA_B, CLIP0, Z = 1.0, 0.5, 1.0
 

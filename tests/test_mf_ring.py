@@ -25,21 +25,21 @@ from hypothesis.extra import numpy as hnp
 from test_mf_simulate import QUIET, config, crash_before, fresh_z, released_theta, strategy
 from test_ring_wrap_attack import BITS, CLIP, DIM, KEY, Z, world
 
-import dpfleet.coordinator.ring_noise as ring_noise
-import dpfleet.coordinator.round_engine as round_engine
+import dpfleet.coordinator.engine.round_engine as round_engine
+import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
 from dpfleet.cli import main
-from dpfleet.coordinator import simulation
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
-from dpfleet.coordinator.aggregation import RingSum
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
-from dpfleet.coordinator.mechanisms import MechanismSpec, mechanism_zcdp, optimize_mechanism
-from dpfleet.coordinator.mf_noise import RING_MF_MECHANISM
-from dpfleet.coordinator.mf_ring import RingMFNoise, inverse_variance_factor, round_half_up
-from dpfleet.coordinator.noise_stream import seeded_noise_key
-from dpfleet.coordinator.release_log import check_no_reuse
-from dpfleet.coordinator.resume import resume_point
-from dpfleet.coordinator.ring_noise import noisy_ring, plan_ring, ring_distance
+from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.engine.aggregation import RingSum
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.mechanisms.mf_noise import RING_MF_MECHANISM
+from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise, inverse_variance_factor, round_half_up
+from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
+from dpfleet.coordinator.mechanisms.ring_noise import noisy_ring, plan_ring, ring_distance
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec, mechanism_zcdp, optimize_mechanism
+from dpfleet.coordinator.state.release_log import check_no_reuse
+from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.secagg.encoding import Discretizer
 
 ROUNDS = 6
@@ -285,7 +285,7 @@ def test_ring_release_decodes_to_the_plain_mf_release_up_to_quantization():
 
 
 def test_auto_mechanism_may_pick_mf_with_secagg_and_adaptive_clipping_but_not_with_restarts():
-    from dpfleet.coordinator.config_plan import allowed_mechanisms
+    from dpfleet.coordinator.accounting.config_plan import allowed_mechanisms
 
     assert allowed_mechanisms(parse_config(secagg("tree"))) == ("tree", "banded", "blt")
     adaptive = secagg("tree", adaptive_clipping=True, clip_count_stddev=1.0)

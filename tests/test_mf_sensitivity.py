@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.blt import BLT, banded_toeplitz_matrix
-from dpfleet.coordinator.mf_sensitivity import (
+from dpfleet.coordinator.mechanisms.blt import BLT, banded_toeplitz_matrix
+from dpfleet.coordinator.mechanisms.mf_sensitivity import (
     banded_sensitivity_squared,
     banded_sensitivity_squared_bound,
     brute_force_sensitivity_squared,

@@ -19,20 +19,20 @@ from safetensors.numpy import load_file
 from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
-import dpfleet.coordinator.round_engine as round_engine
+import dpfleet.coordinator.engine.round_engine as round_engine
 from dpfleet.cli import main
-from dpfleet.coordinator import simulation
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
-from dpfleet.coordinator.blt import banded_toeplitz_matrix
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.dp_ftrl import DPFTRLServer
-from dpfleet.coordinator.mechanisms import MechanismSpec, mechanism_zcdp, optimize_mechanism
-from dpfleet.coordinator.mf_noise import MF_DOMAIN
-from dpfleet.coordinator.noise_stream import GaussianNodes, key_id, seeded_noise_key
-from dpfleet.coordinator.participation import ParticipationGuard
-from dpfleet.coordinator.release_log import check_no_reuse
-from dpfleet.coordinator.resume import resume_point
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
+from dpfleet.coordinator.engine.participation import ParticipationGuard
+from dpfleet.coordinator.mechanisms.blt import banded_toeplitz_matrix
+from dpfleet.coordinator.mechanisms.mf_noise import MF_DOMAIN
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, key_id, seeded_noise_key
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec, mechanism_zcdp, optimize_mechanism
+from dpfleet.coordinator.state.release_log import check_no_reuse
+from dpfleet.coordinator.state.resume import resume_point
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import check_service_config
 
@@ -325,7 +325,7 @@ def test_cli_refusal_is_one_error_line(tmp_path, capsys):
 
 
 def test_a_run_saved_before_dp_mechanism_existed_resumes_as_the_tree():
-    from dpfleet.coordinator.resume import differing_keys
+    from dpfleet.coordinator.state.resume import differing_keys
 
     resolved = parse_config(config("tree")).resolved()
     saved = json.loads(json.dumps(resolved))
@@ -340,7 +340,7 @@ def test_a_run_saved_before_dp_mechanism_existed_resumes_as_the_tree():
 def test_a_stream_rebuilt_from_its_position_continues_exactly(kind, n, cut, segment, key):
     """Resume keeps only (segment, t) and the key: the replayed stream must go on bit for bit, and
     its z must be its own position's (not the tree's domain, not another segment's)."""
-    from dpfleet.coordinator.mf_noise import MFNoise
+    from dpfleet.coordinator.mechanisms.mf_noise import MFNoise
 
     cut = min(cut, n)
     spec = optimize_mechanism(kind, n, 1, None)

@@ -17,13 +17,13 @@ from crashes import Crash
 from noise_spy import spied_noise
 from safetensors.numpy import load_file
 
-import dpfleet.coordinator.round_engine as round_engine
-import dpfleet.coordinator.simulation as simulation
-from dpfleet.coordinator import resume
+import dpfleet.coordinator.engine.round_engine as round_engine
+import dpfleet.coordinator.engine.simulation as simulation
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.noise_stream import GaussianNodes, seeded_noise_key
-from dpfleet.coordinator.resume import resume_point
-from dpfleet.coordinator.tree_noise import prefix_nodes
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, seeded_noise_key
+from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
+from dpfleet.coordinator.state import resume
+from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.errors import DpfleetError
 
 ROUNDS = 3

@@ -9,7 +9,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.noise_stream import (
+from dpfleet.coordinator.mechanisms.noise_stream import (
     GaussianNodes,
     NodeStream,
     counter_block,

@@ -9,8 +9,8 @@ import pytest
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.evaluation import split_held_out
-from dpfleet.coordinator.simulation import DATA_DEPENDENT_AGGREGATION, run_simulation
+from dpfleet.coordinator.engine.evaluation import split_held_out
+from dpfleet.coordinator.engine.simulation import DATA_DEPENDENT_AGGREGATION, run_simulation
 from dpfleet.edge.client_data import ClientData
 from dpfleet.errors import DpfleetError
 
@@ -82,7 +82,7 @@ def test_debug_file_only_with_the_flag_and_the_report_says_so(tmp_path):
     assert "`debug_nonprivate.jsonl`" in not_covered
     assert json.loads((out / "config.json").read_text())["debug_nonprivate"] is True
     with pytest.raises(DpfleetError, match="debug-nonprivate"):  # resume keeps its own config
-        from dpfleet.coordinator.cli_simulate import simulate
+        from dpfleet.coordinator.cli.simulate import simulate
 
         simulate.main(["--resume", str(out), "--debug-nonprivate"], standalone_mode=False)
 
@@ -100,7 +100,7 @@ def test_report_lists_what_is_not_covered(tmp_path):
 
 
 def test_report_lists_public_data_and_shakespeare_clients():
-    from dpfleet.coordinator.not_covered import not_covered
+    from dpfleet.coordinator.accounting.not_covered import not_covered
 
     cfg = parse_config({"data": {"dataset": "shakespeare"}})
     items = not_covered(cfg, public_data=["wikitext2, for the SentencePiece vocabulary"])
@@ -127,7 +127,7 @@ def test_baseline_clients_are_disjoint_from_the_evaluation_rows():
 
 
 def test_run_baseline_is_fitted_on_held_out_clients_only(tmp_path, monkeypatch):
-    import dpfleet.coordinator.simulation as simulation
+    import dpfleet.coordinator.engine.simulation as simulation
 
     seen = {}
     real = simulation.unigram_baseline

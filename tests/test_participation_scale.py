@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.coordinator.config import ParticipationSection
-from dpfleet.coordinator.participation import (
+from dpfleet.coordinator.engine.participation import (
     Participation,
     ParticipationGuard,
     RoundUnfillable,

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import observe_participation
+from dpfleet.coordinator.accounting.planner import max_min_separation, timer_for
+from dpfleet.coordinator.accounting.zcdp import observe_participation
 from dpfleet.coordinator.config import ParticipationSection, parse_config
-from dpfleet.coordinator.participation import Participation, ParticipationGuard, RoundUnfillable
-from dpfleet.coordinator.planner import max_min_separation, timer_for
+from dpfleet.coordinator.engine.participation import Participation, ParticipationGuard, RoundUnfillable
 from dpfleet.edge.fleet import Availability, EmulatedFleet, timer_slots
 from dpfleet.errors import DpfleetError
 

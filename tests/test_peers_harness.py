@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from peers_worker import PlainLoop, Workload, dpfleet_round, run_rounds  # noqa: E402
 
-from dpfleet.coordinator.backends import SequentialTrainer  # noqa: E402
+from dpfleet.coordinator.engine.backends import SequentialTrainer  # noqa: E402
 from dpfleet.edge.runtime import EagerRuntime, batches  # noqa: E402
 from dpfleet.edge.tokenizer import PAD  # noqa: E402
 from dpfleet.export.models import ModelConfig, build_model  # noqa: E402

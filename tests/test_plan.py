@@ -5,14 +5,14 @@ import json
 import pytest
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_from_noise
-from dpfleet.coordinator.planner import (
+from dpfleet.coordinator.accounting.planner import (
     make_plan,
     max_min_separation,
     plan_row,
     timer_for,
     worst_case_max_participation,
 )
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.errors import DpfleetError
 
 

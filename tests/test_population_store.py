@@ -11,14 +11,12 @@ import torch
 from test_edge_client_store import make_clients
 
 from dpfleet.cli import main
-from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.evaluation import split_held_out
-from dpfleet.coordinator.population import open_population
-from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
-from dpfleet.coordinator.round_engine import RoundEngine, Stop
-from dpfleet.coordinator.run_dir import RunDir
-from dpfleet.coordinator.simulation import (
+from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.evaluation import split_held_out
+from dpfleet.coordinator.engine.population import open_population
+from dpfleet.coordinator.engine.round_engine import RoundEngine, Stop
+from dpfleet.coordinator.engine.simulation import (
     _seed,
     make_aggregator,
     make_runtime,
@@ -26,6 +24,8 @@ from dpfleet.coordinator.simulation import (
     run_simulation,
     train_plan,
 )
+from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model

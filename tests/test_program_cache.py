@@ -52,7 +52,7 @@ def test_second_simulation_reuses_the_first_runs_program(monkeypatch, tmp_path):
     exporting; the bundle carries the run's privacy summary and client settings."""
     pytest.importorskip("onnxruntime")
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the data cache stays where it is
     cfg = parse_config({

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.errors import DpfleetError
 from dpfleet.public.fred import frechet_distance, gaussian_loglik, moments, psd_projection
 from dpfleet.public.fred_privacy import calibrate, gaussians_epsilon, privacy_figures, render_privacy

@@ -1,4 +1,4 @@
-"""[pretrain]: the private run starts from weights trained on public text (coordinator/public_init.py).
+"""[pretrain]: the private run starts from weights trained on public text (coordinator/engine/public_init.py).
 
 Scored on the values: the model the first private round starts from IS the public-trained one
 (and not the seeded init), the same clients are chosen with and without pretraining (the public
@@ -13,9 +13,9 @@ from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
-from dpfleet.coordinator import public_init, simulation
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.engine import public_init, simulation
+from dpfleet.coordinator.state.run_dir import to_toml
 
 PRE = {"corpus": ["kjv"], "steps": 3, "batch_size": 4, "lr": 0.01}
 CFG = {**SECRECY_CFG, "rounds": 2, "eval_every": 2}

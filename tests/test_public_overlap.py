@@ -7,7 +7,7 @@ import pytest
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import make_tokenizer
+from dpfleet.coordinator.engine.simulation import make_tokenizer
 from dpfleet.edge.datasets import load_records
 from dpfleet.errors import DpfleetError
 from dpfleet.public.matching import Pool

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.ray_backend import shards
+from dpfleet.coordinator.engine.ray_backend import shards
 from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
@@ -25,7 +25,7 @@ def test_shards_cover_every_client_once_and_balance():
 
 @pytest.mark.slow
 def test_ray_trainer_equals_local_cohort(ray_local):
-    from dpfleet.coordinator.ray_backend import RayTrainer
+    from dpfleet.coordinator.engine.ray_backend import RayTrainer
 
     cfg = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def test_ray_trainer_equals_local_cohort(ray_local):
 
 @pytest.mark.slow
 def test_simulate_on_ray_gives_the_local_model(ray_local, tmp_path):
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
 
     values = {
         "rounds": 2, "eval_every": 2, "seed": 1, "checkpoint_every": 0,

@@ -15,11 +15,11 @@ from crashes import Crash
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import dpfleet.coordinator.round_engine as round_engine
-import dpfleet.coordinator.simulation as simulation
+import dpfleet.coordinator.engine.round_engine as round_engine
+import dpfleet.coordinator.engine.simulation as simulation
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse, release_hash
-from dpfleet.coordinator.tree_noise import prefix_nodes
+from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
+from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse, release_hash
 from dpfleet.errors import DpfleetError
 
 ROUNDS = 6

@@ -14,10 +14,10 @@ from safetensors.numpy import load_file
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse
-from dpfleet.coordinator.resume import resume_point
-from dpfleet.coordinator.run_dir import to_toml
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
+from dpfleet.coordinator.state.resume import resume_point
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 
 # Device timers with waits and refusals, adaptive clipping with tree restarts, tree noise: every
@@ -108,7 +108,7 @@ def test_released_rounds_lost_in_a_crash_stay_accounted_and_get_fresh_noise(tmp_
 
 
 def test_resume_refuses_changed_client_data(tmp_path, monkeypatch, capsys):
-    import dpfleet.coordinator.simulation as simulation
+    import dpfleet.coordinator.engine.simulation as simulation
 
     out = tmp_path / "run"
     config = tmp_path / "tiny.toml"
@@ -219,7 +219,7 @@ def test_cli_resume(interrupted, capsys, reference):
 
 
 def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeypatch, reference):
-    import dpfleet.coordinator.simulation as simulation
+    import dpfleet.coordinator.engine.simulation as simulation
 
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(parse_config(CFG).resolved()))

@@ -3,10 +3,10 @@ than the report goal, and the coordinator's own MinS guard must still refuse a f
 
 import pytest
 
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.config import ParticipationSection
-from dpfleet.coordinator.participation import Participation
-from dpfleet.coordinator.resume import replay
-from dpfleet.coordinator.run_accounting import RunAccountant
+from dpfleet.coordinator.engine.participation import Participation
+from dpfleet.coordinator.state.resume import replay
 from dpfleet.errors import DpfleetError
 
 USERS = [f"u{i}" for i in range(20)]
@@ -36,7 +36,7 @@ def test_a_log_that_breaks_min_separation_is_refused():
 
 
 def test_operational_service_settings_may_change_but_overselect_may_not():
-    from dpfleet.coordinator.resume import differing_keys
+    from dpfleet.coordinator.state.resume import differing_keys
 
     saved = {"rounds": 5, "service": {"report_deadline_s": 30.0, "overselect": 0.0}}
     later = {"rounds": 5, "service": {"report_deadline_s": 90.0, "overselect": 0.0}}

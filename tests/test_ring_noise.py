@@ -11,13 +11,13 @@ from dp_accounting.pld import privacy_loss_distribution
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting import epsilon_from_zcdp, zcdp_from_sensitivity
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.discrete_gaussian import DiscreteGaussianNodes, integer_sigma_sq
-from dpfleet.coordinator.dp_ftrl import DPFTRLConfig, DPFTRLServer
-from dpfleet.coordinator.noise_stream import NodeStream
-from dpfleet.coordinator.ring_noise import plan_ring, release, ring_nodes
-from dpfleet.coordinator.tree_noise import TreeNoise
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.mechanisms.discrete_gaussian import DiscreteGaussianNodes, integer_sigma_sq
+from dpfleet.coordinator.mechanisms.noise_stream import NodeStream
+from dpfleet.coordinator.mechanisms.ring_noise import plan_ring, release, ring_nodes
+from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.aggregator import SecAggAggregator
 

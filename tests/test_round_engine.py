@@ -12,14 +12,11 @@ import torch
 from crashes import Crash
 from safetensors.numpy import load_file
 
-from dpfleet.coordinator.backends import make_trainer
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.evaluation import split_held_out
-from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, check_no_reuse, release_hash
-from dpfleet.coordinator.resume import data_fingerprint, fingerprint_secret
-from dpfleet.coordinator.round_engine import RoundEngine, RoundPlan, RoundStateError, Stop
-from dpfleet.coordinator.run_dir import RunDir
-from dpfleet.coordinator.simulation import (
+from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.evaluation import split_held_out
+from dpfleet.coordinator.engine.round_engine import RoundEngine, RoundPlan, RoundStateError, Stop
+from dpfleet.coordinator.engine.simulation import (
     _seed,
     make_aggregator,
     make_runtime,
@@ -27,6 +24,9 @@ from dpfleet.coordinator.simulation import (
     run_simulation,
     train_plan,
 )
+from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, check_no_reuse, release_hash
+from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.export.models import build_model
 
 ROUNDS = 6

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from secagg_attacker import MaliciousServer
 from service_fleet import tiny_cfg
 
-from dpfleet.coordinator.adaptive_clipping import QuantileClipEstimator, clipped_bit
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, clipped_bit
+from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.fleet.participant import DropOut, take_part
 from dpfleet.secagg.aggregator import SecAggAggregator
 from dpfleet.secagg.count_bit import (
@@ -379,8 +379,8 @@ def test_discrete_noise_with_adaptive_clipping_gives_the_model_z_delta_and_count
     """dp.noise = "discrete": the ring's integer noise is the model's share z_delta (the
     clipped counts get the coordinator's Gaussian sigma_b, as with plain aggregation), and the
     decoded noise follows the clip norm a restart adopts."""
-    from dpfleet.coordinator.adaptive_clipping import model_noise_multiplier
-    from dpfleet.coordinator.ring_noise import discrete_plan
+    from dpfleet.coordinator.engine.adaptive_clipping import model_noise_multiplier
+    from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
 
     discrete = {**ADAPTIVE_DP, "noise": "discrete"}
     cfg = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp=discrete, aggregation={"kind": "secagg"})

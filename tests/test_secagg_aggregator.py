@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.aggregation import Aggregator, PlainAggregator
+from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
 from dpfleet.secagg.aggregator import SecAggAggregator
 from dpfleet.secagg.errors import ThresholdError
 

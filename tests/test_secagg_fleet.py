@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import make_aggregator
+from dpfleet.coordinator.engine.simulation import make_aggregator
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.aggregator import SecAggAggregator
 from dpfleet.secagg.fleet import create_fleet_file, load_fleet_file, pinned_keys

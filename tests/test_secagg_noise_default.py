@@ -20,10 +20,10 @@ from click.testing import CliRunner
 from crashes import Crash
 from service_fleet import tiny_cfg
 
+from dpfleet.coordinator.accounting.privacy_report import HONEST_ONLY
 from dpfleet.coordinator.config import honest_participants_only, parse_config, round_size
-from dpfleet.coordinator.privacy_report import HONEST_ONLY
-from dpfleet.coordinator.release_log import ReleaseLog, check_no_reuse
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.secagg.encoding import Discretizer
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -87,7 +87,7 @@ def test_a_default_secagg_run_puts_its_noise_in_the_ring_through_adaptive_clippi
     assert summary["noise_mechanism"] == "discrete Gaussian in the SecAgg ring"
     assert summary["honest_participants_only"] is False
     # `dpfleet account --noise discrete` gives the report's figure (RDP; PLD is refused)
-    from dpfleet.coordinator.cli_account import account
+    from dpfleet.coordinator.cli.account import account
 
     args = ["-z", str(cfg.dp.noise_multiplier), "--delta", str(cfg.dp.delta), "--noise", "discrete",
             "--participation-log", str(run / "participation.jsonl")]
@@ -100,8 +100,8 @@ def test_a_default_secagg_run_puts_its_noise_in_the_ring_through_adaptive_clippi
 
 def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participants_only(tmp_path):
     """Kept for research comparisons; the report, privacy.json, summary.json and the CLI say it."""
-    from dpfleet.coordinator.cli_simulate import simulate
-    from dpfleet.coordinator.run_dir import to_toml
+    from dpfleet.coordinator.cli.simulate import simulate
+    from dpfleet.coordinator.state.run_dir import to_toml
 
     cfg = tiny_cfg(rounds=1, eval_every=1, dp={"noise": "gaussian"}, aggregation={"kind": "secagg"})
     config = tmp_path / "gauss.toml"
@@ -132,7 +132,7 @@ def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participant
 def test_the_service_sizes_the_ring_for_the_round_size(tmp_path):
     """Over-selection no longer refuses ring noise: the ring holds report goal + over-selected
     devices at +-L plus the noise bound without wrapping."""
-    from dpfleet.coordinator.ring_noise import discrete_plan
+    from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
     from dpfleet.service.boot import check_service_config
 
     cfg = tiny_cfg(rounds=2, aggregation={"kind": "secagg"}, service={"overselect": 0.6})

@@ -13,7 +13,7 @@ from service_fleet import fleet_data, run_devices, tiny_cfg
 from test_service_security import raw
 
 from dpfleet.cli import main
-from dpfleet.coordinator.run_dir import to_toml
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.service.server import shutdown, start
 
 STATUS_KEYS = {"run_state", "round", "phase", "rounds_committed", "rounds_failed", "rounds_planned",

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.participation import ParticipationGuard
+from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.service.rounds import allowed_waiting
 
 

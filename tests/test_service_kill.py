@@ -15,10 +15,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.release_log import check_no_reuse
-from dpfleet.coordinator.run_accounting import RunAccountant
-from dpfleet.coordinator.run_dir import to_toml
-from dpfleet.coordinator.state_store import StateStore
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.state.release_log import check_no_reuse
+from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.coordinator.state.state_store import StateStore
 from dpfleet.service.faults import ENV
 
 

@@ -16,14 +16,14 @@ from test_service_kill import kill_and_restart
 from test_service_parity import lines, run_service
 from test_service_secagg import SECAGG, check_sums, secagg_cfg, serve_with_devices
 
-import dpfleet.coordinator.ring_noise as ring_noise
-from dpfleet.coordinator.mechanisms import MechanismSpec
-from dpfleet.coordinator.mf_noise import RING_MF_MECHANISM, MFAccountant
-from dpfleet.coordinator.mf_ring import RingMFNoise
-from dpfleet.coordinator.noise_stream import seeded_noise_key
-from dpfleet.coordinator.release_log import check_no_reuse
-from dpfleet.coordinator.simulation import run_simulation
-from dpfleet.coordinator.state_store import StateStore
+import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.mechanisms.mf_noise import RING_MF_MECHANISM, MFAccountant
+from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise
+from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec
+from dpfleet.coordinator.state.release_log import check_no_reuse
+from dpfleet.coordinator.state.state_store import StateStore
 
 
 def read_json(path):

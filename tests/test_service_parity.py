@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.numpy import load_file
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.service.server import shutdown, start
 
 

@@ -18,8 +18,8 @@ from noise_spy import spied_noise
 from safetensors.numpy import load_file
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.noise_stream import GaussianNodes
-from dpfleet.coordinator.tree_noise import prefix_nodes
+from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
+from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
 from dpfleet.service.server import shutdown, start
 
 ROUNDS = 3

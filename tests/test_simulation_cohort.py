@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.errors import DpfleetError
 
 SHORT = {

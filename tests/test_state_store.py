@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from test_round_engine import CFG, QUIET, cfg_with, engine_parts
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.release_log import RELEASES, ReleaseLog, check_no_reuse, release_record
-from dpfleet.coordinator.resume import KEY_FILE, fingerprint_secret
-from dpfleet.coordinator.round_engine import Stop
-from dpfleet.coordinator.simulation import run_simulation
-from dpfleet.coordinator.state_store import DB_FILE, StateStore, finish_run, open_engine
+from dpfleet.coordinator.engine.round_engine import Stop
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, check_no_reuse, release_record
+from dpfleet.coordinator.state.resume import KEY_FILE, fingerprint_secret
+from dpfleet.coordinator.state.state_store import DB_FILE, StateStore, finish_run, open_engine
 from dpfleet.errors import DpfleetError
 
 ROUNDS = 4
@@ -154,8 +154,8 @@ def test_a_crash_at_any_step_leaves_all_or_nothing_and_continues_bit_for_bit(
 
 KILLER = textwrap.dedent("""
     import os, sys
-    from dpfleet.coordinator.release_log import release_record
-    from dpfleet.coordinator.state_store import StateStore
+    from dpfleet.coordinator.state.release_log import release_record
+    from dpfleet.coordinator.state.state_store import StateStore
     state, step, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = StateStore(state, {"k": 1})
     store.register_devices(["a", "b", "c"])

@@ -25,7 +25,7 @@ import torch
 from grid import add_grid_args, private_simulation
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.simulation import make_tokenizer, run_simulation
+from dpfleet.coordinator.engine.simulation import make_tokenizer, run_simulation
 from dpfleet.public.fred_job import candidate_texts
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 from dpfleet.public.topk import student_sequences

@@ -56,7 +56,7 @@ def word_token_accuracy(cfg, run_dir: Path, spm_tokenizer, top_word: int) -> dic
     unigram baseline's, which always predicts `top_word`)."""
     import torch
 
-    from dpfleet.coordinator.simulation import prepare_data
+    from dpfleet.coordinator.engine.simulation import prepare_data
     from dpfleet.edge.client_data import build_federated
     from dpfleet.edge.datasets import load_records
     from dpfleet.edge.tokenizer import PAD, UNK, WordTokenizer
@@ -182,7 +182,7 @@ def main() -> None:
     import torch
 
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.simulation import run_simulation
+    from dpfleet.coordinator.engine.simulation import run_simulation
     from dpfleet.public.pipeline import parse_pipeline, teacher_vocab
 
     torch.set_num_threads(1)

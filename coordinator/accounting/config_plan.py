@@ -1,0 +1,96 @@
+"""`dp.target_epsilon`: a run config that states its privacy target and lets the planner choose.
+
+Why: the noise, cohort size and participation limits that meet an epsilon are not something a
+user should hand-tune (README "What privacy costs here"); `dpfleet plan` already chooses them.
+With `dp.target_epsilon > 0` the simulation plans once the training population N is known:
+report goal and the largest MinS / worst-case MaxP it allows (`make_plan`), each mechanism
+optimised for them with the z that meets the target (`mechanism_rows`), and `dp.mechanism =
+"auto"` takes the least model noise. The planned keys are written into the config (uniform
+participation enforced by the coordinator's MinS / MaxP guard), and the run directory gets
+plan.json. A planned key the config states itself must agree with the plan, else the run is
+refused: a config never says one thing while the run does another.
+
+The accountant still reads the participation log: the plan sets the limits, it does not
+replace the accounting (privacy.json's eps is the observed run's, at most the target).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows, pick_mechanism
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.mechanisms.spec import MECHANISMS
+from dpfleet.errors import DpfleetError
+
+Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's within this
+
+
+def allowed_mechanisms(cfg: SimulationConfig) -> tuple[str, ...]:
+    """What "auto" may pick: matrix-factorization noise has no tree restarts (config.mechanism_
+    checks), so with dp.restart_rounds only the tree. (With secagg MF noise goes into the ring,
+    `mf_ring`; with adaptive clipping the counts share its strategy, `adaptive_clipping`.)"""
+    if cfg.dp.restart_rounds:
+        return ("tree",)
+    return MECHANISMS
+
+
+def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
+    """plan.json for this config and a training population of `population` clients."""
+    target = cfg.dp.target_epsilon
+    rho = zcdp_for_epsilon(target, cfg.dp.delta)
+    plan = make_plan(population, cfg.rounds, rho, delta=cfg.dp.delta)
+    asked = cfg.dp.mechanism
+    kinds = allowed_mechanisms(cfg) if asked == "auto" else sorted({"tree", asked}, key=MECHANISMS.index)
+    rows = mechanism_rows(plan.chosen, cfg.rounds, rho, kinds)
+    picked = pick_mechanism(rows) if asked == "auto" else next(r for r in rows if r.mechanism == asked)
+    c = plan.chosen
+    return {
+        "population": population, "rounds": cfg.rounds, "target_epsilon": target,
+        "delta": cfg.dp.delta, "target_zcdp": rho,
+        "epsilon_of_target_zcdp": epsilon_from_zcdp(rho, cfg.dp.delta),
+        "mechanism_choice": asked,
+        "chosen": {"report_goal": c.report_goal, "min_separation": c.min_separation,
+                   "max_participation": c.max_participation, "mechanism": picked.mechanism,
+                   "noise_multiplier": picked.noise_multiplier,
+                   "noise_per_report": picked.noise_multiplier / c.report_goal,
+                   "model_noise_per_report": picked.model_noise_per_report},
+        "mechanisms": [asdict(r) for r in rows],
+        "report_goals": [{**asdict(r), "noise_per_report": r.noise_per_report} for r in plan.rows],
+        "why": "report goal: the smallest within 10% of the best tree z / M on the grid; MinS: the "
+               "largest it allows (N // M - 1); MaxP: ceil(T / (MinS + 1)); mechanism: "
+               + ("least model noise at the target" if asked == "auto" else "as the config asks"),
+    }
+
+
+def planned_values(record: dict) -> dict[str, Any]:
+    c = record["chosen"]
+    return {"dp.report_goal": c["report_goal"], "dp.noise_multiplier": c["noise_multiplier"],
+            "dp.mechanism": c["mechanism"], "participation.mode": "uniform",
+            "participation.min_separation": c["min_separation"],
+            "participation.max_participation": c["max_participation"]}
+
+
+def _agrees(key: str, stated: Any, planned: Any, asked_mechanism: str) -> bool:
+    if key == "dp.mechanism":
+        return stated in ("auto", planned) or (stated == asked_mechanism == planned)
+    if key == "dp.noise_multiplier":
+        return math.isclose(float(stated), planned, rel_tol=Z_TOLERANCE)
+    return stated == planned
+
+
+def apply_run_plan(cfg: SimulationConfig, record: dict, given: dict[str, Any]) -> None:
+    """Write the plan's keys into `cfg`; a key the config stated differently is one error."""
+    values = planned_values(record)
+    for key, stated in given.items():
+        if not _agrees(key, stated, values[key], record["mechanism_choice"]):
+            raise DpfleetError(
+                f"config states {key} = {stated!r} but dp.target_epsilon = {record['target_epsilon']:g} "
+                f"plans {values[key]!r} (N {record['population']}, {record['rounds']} rounds): remove "
+                f"{key} to take the plan, or remove dp.target_epsilon to set the keys yourself")
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)

@@ -1,0 +1,245 @@
+"""Choosing DP-FTRL's report goal, noise multiplier and client timer (paper 002, Sec. 2.2, 2.5).
+
+Each round takes at least `report_goal` (M) distinct devices from a population of N, so a
+device can come back at the earliest floor(N / M) rounds after it took part: the largest MinS a
+timer can enforce is floor(N / M) - 1 rounds *between* participations (the accountant's
+convention; the paper's "MinS ~ N / report goal"). With that MinS, the worst case over T rounds
+is MaxP = ceil(T / (MinS + 1)), the most participations MinS allows. The exact tree
+sensitivity S then gives the noise multiplier meeting a zCDP target, z = sqrt(S / (2 rho)).
+
+Paper 002's working hypothesis: utility stays about the same when noise multiplier and report
+goal grow in proportion, so z / M (the noise std on the averaged update, in units of the clip
+norm) is the utility proxy. It keeps falling, ever more slowly, as M grows, so without a given
+report goal the planner picks the smallest one within 10% of the best z / M on its grid.
+The timer that approaches MinS keeps a device ineligible for MinS + 1 rounds; the paper grows
+it in whole days because participation is diurnal.
+
+Mechanisms (`mechanism_rows`): at the chosen report goal, the tree, banded and BLT strategies
+are each optimised for (rounds, MinS, MaxP) and given the z that meets the target; at one rho
+the one whose model noise (z x `noise_factor`) is least is `pick_mechanism`'s choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from dpfleet.coordinator.accounting.zcdp import (
+    epsilon_from_zcdp,
+    noise_for_zcdp,
+    zcdp_from_sensitivity,
+)
+from dpfleet.coordinator.mechanisms.spec import (
+    MECHANISMS,
+    noise_factor,
+    optimize_mechanism,
+    prefix_error,
+    sensitivity_squared,
+)
+from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
+from dpfleet.errors import DpfleetError
+
+
+def max_min_separation(population: int, report_goal: int) -> int:
+    """Largest MinS (rounds strictly between) that N devices allow at M devices per round."""
+    if report_goal < 1 or population < report_goal:
+        raise DpfleetError(f"need 1 <= report goal <= population, got report goal "
+                           f"{report_goal} and population {population}")
+    return population // report_goal - 1
+
+
+def worst_case_max_participation(rounds: int, min_separation: int) -> int:
+    """The most participations MinS allows in `rounds` rounds."""
+    return -(-rounds // (min_separation + 1))
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One report goal with the largest MinS it allows and the noise that meets the target."""
+
+    report_goal: int
+    min_separation: int
+    max_participation: int
+    sensitivity_squared: int
+    noise_multiplier: float
+    zcdp: float
+
+    @property
+    def noise_per_report(self) -> float:
+        """z / M: noise std on the mean update in clip-norm units (the utility proxy)."""
+        return self.noise_multiplier / self.report_goal
+
+
+@dataclass(frozen=True)
+class Timer:
+    """How long a device stays ineligible after taking part, to approach a MinS."""
+
+    rounds: int  # MinS + 1
+    hours: float | None  # at the given round duration
+    diurnal_hours: float | None  # rounded up to whole days
+
+
+def timer_for(min_separation: int, round_minutes: float | None = None) -> Timer:
+    rounds = min_separation + 1
+    if round_minutes is None:
+        return Timer(rounds, None, None)
+    if not (round_minutes > 0 and math.isfinite(round_minutes)):
+        raise DpfleetError(f"round duration must be positive minutes, got {round_minutes}")
+    hours = rounds * round_minutes / 60.0
+    return Timer(rounds, hours, 24.0 * math.ceil(hours / 24.0))
+
+
+def plan_row(population: int, rounds: int, report_goal: int, target_zcdp: float) -> PlanRow:
+    """The plan for one report goal: MinS = N // M - 1, MaxP = worst case, z for the target."""
+    mins = max_min_separation(population, report_goal)
+    maxp = worst_case_max_participation(rounds, mins)
+    s = tree_sensitivity_squared(rounds, maxp, mins)
+    z = noise_for_zcdp(target_zcdp, s)
+    return PlanRow(report_goal, mins, maxp, s, z, zcdp_from_sensitivity(z, s))
+
+
+def report_goal_grid(population: int, rounds: int, points: int = 12) -> list[int]:
+    """Report goals from 'each device at most once' (M ~ N / T) to N / 4 (MinS >= 3)."""
+    low = max(1, population // max(rounds, 1))
+    high = max(low, population // 4)
+    return sorted({int(round(m)) for m in np.geomspace(low, high, points)})
+
+
+@dataclass(frozen=True)
+class Plan:
+    population: int
+    rounds: int
+    target_zcdp: float
+    delta: float | None
+    method: str
+    epsilon: float | None  # of the target zCDP at delta, when a delta was given
+    rows: list[PlanRow]
+    chosen: PlanRow
+    timer: Timer
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for row, d in zip([*self.rows, self.chosen], [*out["rows"], out["chosen"]], strict=True):
+            d["noise_per_report"] = row.noise_per_report
+        return out
+
+
+def make_plan(population: int, rounds: int, target_zcdp: float, *,
+              report_goal: int | None = None, delta: float | None = None, method: str = "pld",
+              round_minutes: float | None = None) -> Plan:
+    """Rows over a report-goal grid (plus `report_goal`); chosen: `report_goal`, or else the
+    smallest report goal whose z / M is within 10% of the grid's best."""
+    if population < 1 or rounds < 1:
+        raise DpfleetError("population and rounds must be >= 1")
+    eps = None if delta is None else epsilon_from_zcdp(target_zcdp, delta, method)
+    goals = report_goal_grid(population, rounds)
+    if report_goal is not None:
+        max_min_separation(population, report_goal)  # validates
+        goals = sorted({*goals, report_goal})
+    rows = [plan_row(population, rounds, m, target_zcdp)
+            for m in tqdm(goals, desc="planning", unit="report goal", leave=False, disable=None)]
+    if report_goal is not None:
+        chosen = next(r for r in rows if r.report_goal == report_goal)
+    else:
+        best = min(r.noise_per_report for r in rows)
+        chosen = next(r for r in rows if r.noise_per_report <= 1.1 * best)
+    return Plan(population, rounds, target_zcdp, delta, method, eps, rows, chosen,
+                timer_for(chosen.min_separation, round_minutes))
+
+
+@dataclass(frozen=True)
+class MechanismRow:
+    """One noise mechanism at a plan's report goal: the z it needs and the model noise it gives.
+
+    model_noise = z * sqrt(prefix_error) is the worst round's noise std on the model's prefix sum
+    in clip-norm units (proportional to z * noise_factor): at one target rho the mechanism with
+    the least model_noise adds the least noise, the one `auto` picks.
+    """
+
+    mechanism: str
+    spec: dict
+    sensitivity_squared: float
+    noise_multiplier: float
+    noise_factor: float
+    model_noise: float
+    model_noise_per_report: float  # / M: on the averaged update
+
+
+def mechanism_rows(row: PlanRow, rounds: int, target_zcdp: float,
+                   kinds: Sequence[str] = MECHANISMS) -> list[MechanismRow]:
+    """Each mechanism optimised for the row's (rounds, MinS, MaxP), with the z meeting the target."""
+    out = []
+    for kind in kinds:
+        spec = optimize_mechanism(kind, rounds, row.min_separation, row.max_participation)
+        s = sensitivity_squared(spec, row.min_separation, row.max_participation)
+        z = noise_for_zcdp(target_zcdp, s)
+        noise = z * math.sqrt(prefix_error(spec))
+        out.append(MechanismRow(kind, spec.to_json(), s, z, noise_factor(spec), noise,
+                                noise / row.report_goal))
+    return out
+
+
+def pick_mechanism(rows: Sequence[MechanismRow]) -> MechanismRow:
+    """The least model noise; ties go to the earlier (simpler) mechanism."""
+    return min(rows, key=lambda r: r.model_noise)
+
+
+def zcdp_curve_report_goal(population: int, rounds: int, report_goals: Sequence[int],
+                           noise_per_report: float) -> list[float]:
+    """zCDP when z grows with M (z = noise_per_report * M) and MinS is the largest allowed."""
+    out = []
+    for m in report_goals:
+        mins = max_min_separation(population, m)
+        s = tree_sensitivity_squared(rounds, worst_case_max_participation(rounds, mins), mins)
+        out.append(zcdp_from_sensitivity(noise_per_report * m, s))
+    return out
+
+
+def zcdp_curve_min_separation(rounds: int, min_separations: Sequence[int],
+                              noise_multiplier: float) -> list[float]:
+    """zCDP at a fixed z against MinS, with the worst-case MaxP = ceil(T / (MinS + 1))."""
+    return [zcdp_from_sensitivity(noise_multiplier, tree_sensitivity_squared(
+        rounds, worst_case_max_participation(rounds, s), s)) for s in min_separations]
+
+
+def plot_plan(plan: Plan, path: str | Path) -> Path:
+    """Paper 002 Fig. 4-like: zCDP vs report goal (a) and vs MinS (b), the plan marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    chosen = plan.chosen
+    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    populations = [plan.population // 4, plan.population, plan.population * 4]
+    for n in tqdm(populations, desc="plot: report goal", leave=False, disable=None):
+        goals = report_goal_grid(n, plan.rounds)
+        ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report),
+                  marker="o", ms=3, label=f"population {n:,}")
+    ax_a.plot([chosen.report_goal], [chosen.zcdp], "k*", ms=12, label="plan")
+    ax_a.set(xscale="log", yscale="log", xlabel="report goal (noise multiplier grows in "
+             f"proportion, z/M = {chosen.noise_per_report:.3g})", ylabel="zCDP rho",
+             title=f"(a) {plan.rounds} rounds, largest MinS per report goal")
+    top = max(plan.rounds * 2 - 1, 2)
+    mins = sorted({int(round(s)) for s in np.geomspace(max(1, plan.rounds // 100), top, 16)})
+    for t in tqdm([max(plan.rounds // 2, 1), plan.rounds, plan.rounds * 2],
+                  desc="plot: MinS", leave=False, disable=None):
+        ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier),
+                  marker="o", ms=3, label=f"{t} rounds")
+    ax_b.plot([chosen.min_separation], [chosen.zcdp], "k*", ms=12, label="plan")
+    ax_b.set(xscale="log", yscale="log", xlabel="MinS (rounds between participations; "
+             "MaxP = ceil(T / (MinS + 1)))", ylabel="zCDP rho",
+             title=f"(b) noise multiplier {chosen.noise_multiplier:.3g}")
+    for ax in (ax_a, ax_b):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,284 @@
+"""Privacy accounting while a run goes: observed MinS / MaxP, eps after every round, the budget.
+
+The round engine tells the accountant who contributed to each round (the same records it writes
+to participation.jsonl). After each round the accountant gives the zCDP of the worst case over
+every participation pattern with the MinS / MaxP observed so far (the exact tree sensitivity, as
+the headline of `accounting.account_participation_log`) and its eps by RDP: fast, cached by the
+integer sensitivity S, and in disjoint mode exactly paper 000's single-participation figures.
+The run's final report converts with PLD (tighter) through `privacy_report`.
+
+Budget: `would_exceed` is asked *before* a round, with the devices selected for it, whether the
+worst case after that round would pass the budget. The budget is an eps at delta by PLD (the
+report's conversion); eps grows with rho, so it becomes a rho threshold once, and each check is
+exact and cheap. Stopping depends only on who takes part, never on their data.
+
+At the end, `write_run_privacy` writes privacy_report.md (paper 002 App. C, PLD, from the
+participation log: observed MinS / MaxP, and the worst case the timer / coordinator MinS implies)
+and privacy.json with the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dpfleet.coordinator.accounting.not_covered import not_covered
+from dpfleet.coordinator.accounting.privacy_report import (
+    HONEST_ONLY,
+    noise_mechanism,
+    summarize_privacy,
+    write_privacy_report,
+)
+from dpfleet.coordinator.accounting.zcdp import (
+    epsilon_from_zcdp,
+    zcdp_for_epsilon,
+    zcdp_from_sensitivity,
+)
+from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, resolve_noise
+from dpfleet.coordinator.engine.participation import Participation
+from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
+from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.errors import DpfleetError
+
+if TYPE_CHECKING:
+    from dpfleet.coordinator.mechanisms.ring_noise import RingPlan
+
+
+class RunAccountant:
+    """Observed participation of a running simulation and its privacy after each round."""
+
+    def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
+                 spent_zcdp: float = 0.0, conversion: str = "pld"):
+        """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget;
+        `conversion`: "rdp" for discrete noise, whose zCDP the Gaussian PLD does not bound."""
+        if budget_epsilon and noise_multiplier <= 0:
+            raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
+        self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
+        self.budget_epsilon = float(budget_epsilon)
+        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) - spent_zcdp
+                           if budget_epsilon else math.inf)
+        self.rounds = 0
+        self.restarts: list[int] = []
+        self.last: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+        self.min_separation: int | None = None  # observed; None until a device took part twice
+        self.max_participation = 0
+        self._eps_rdp: dict[int, float] = {}
+
+    def _observed_after(self, devices: Sequence[str]) -> tuple[int, int | None]:
+        """(MaxP, MinS) if `devices` took part in the next round."""
+        maxp, mins = self.max_participation, self.min_separation
+        for d in devices:
+            maxp = max(maxp, self.count.get(d, 0) + 1)
+            if d in self.last:
+                gap = self.rounds - self.last[d] - 1
+                mins = gap if mins is None else min(mins, gap)
+        return maxp, mins
+
+    def _sensitivity(self, rounds: int, maxp: int, mins: int | None, restarts: list[int]) -> int:
+        if maxp == 0:  # nobody took part: nothing about anyone was released
+            return 0
+        return tree_sensitivity_squared(rounds, maxp, mins, restarts)
+
+    def _zcdp(self, s: int) -> float:
+        if s == 0:
+            return 0.0
+        return math.inf if self.noise_multiplier == 0 else zcdp_from_sensitivity(self.noise_multiplier, s)
+
+    def zcdp_after(self, devices: Sequence[str], restart: bool) -> float:
+        """Worst-case zCDP after the next round if `devices` take part in it."""
+        maxp, mins = self._observed_after(devices)
+        restarts = self.restarts + [self.rounds] * restart
+        return self._zcdp(self._sensitivity(self.rounds + 1, maxp, mins, restarts))
+
+    def would_exceed(self, devices: Sequence[str], restart: bool) -> bool:
+        return self.zcdp_after(devices, restart) > self.rho_budget
+
+    def record(self, devices: Sequence[str], restart: bool) -> dict:
+        """Add one round; returns the privacy after it (zcdp, eps by RDP, observed MinS/MaxP)."""
+        self.max_participation, self.min_separation = self._observed_after(devices)
+        if restart and self.rounds > 0:
+            self.restarts.append(self.rounds)
+        for d in devices:
+            self.last[d] = self.rounds
+            self.count[d] = self.count.get(d, 0) + 1
+        self.rounds += 1
+        s = self._sensitivity(self.rounds, self.max_participation, self.min_separation, self.restarts)
+        rho = self._zcdp(s)
+        if s not in self._eps_rdp:
+            self._eps_rdp[s] = epsilon_from_zcdp(rho, self.delta, "rdp")
+        return {"zcdp": rho, "epsilon": self._eps_rdp[s], "sensitivity_squared": s,
+                "min_separation": self.min_separation, "max_participation": self.max_participation}
+
+
+def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
+    """Every public input of the run: the SentencePiece corpus and the caller's."""
+    spm = cfg.tokenizer.kind == "sentencepiece" and not cfg.tokenizer.path
+    return [f"{cfg.tokenizer.corpus}, for the SentencePiece vocabulary"] * spm + list(public_data)
+
+
+def _report_setting(cfg: SimulationConfig, participation: Participation, rounds: int,
+                    population: int, public_data: Sequence[str] = ()) -> dict:
+    """The `privacy_report` setting of a simulation run."""
+    dp, part = cfg.dp, cfg.participation
+    clip = (f"adaptive: initial {dp.clip_norm:g}, target quantile {dp.target_quantile:g}, "
+            "adopted at tree restarts" if dp.adaptive_clipping else dp.clip_norm)
+    setting = {
+        "noise_multiplier": dp.noise_multiplier, "delta": dp.delta, "clip_norm": clip,
+        "report_goal": dp.report_goal, "population": population, "rounds": rounds,
+        "secagg": cfg.aggregation.kind == "secagg", "adaptive_clipping": dp.adaptive_clipping,
+    }
+    public = _public_data(cfg, public_data)
+    if public:
+        setting["public_data"] = "; ".join(public)
+    if resolve_noise(cfg) == "discrete":
+        setting.update(noise="discrete", method="rdp")
+    mins = participation.min_separation
+    if part.mode == "timer":
+        slots = participation.fleet.timer_slots
+        setting["timer_min_separation"] = mins
+        setting["timer_period"] = (f"{part.timer_period:g} h = {slots} rounds of "
+                                   f"{part.round_minutes:g} min: nominal MinS {slots - 1}; "
+                                   f"enforced MinS {mins}")
+    elif part.mode == "uniform" and mins > 0:
+        setting["timer_min_separation"] = mins
+        setting["timer_period"] = f"no timer here: uniform sampling, enforced MinS {mins}"
+    return setting
+
+
+def noise_statement(cfg: SimulationConfig) -> str:
+    """How the DP noise was drawn; in research mode, that the guarantee is void for seed holders."""
+    if cfg.dp.noise_seed >= 0:
+        return (f"RESEARCH MODE (dp.noise_seed = {cfg.dp.noise_seed}): the DP guarantee below does "
+                "NOT hold against anyone who knows the noise seed: they can rebuild and subtract "
+                "all the noise.")
+    return ("Noise: AES-256-CTR keystream under a secret 256-bit key drawn for this run from the "
+            "OS CSPRNG (never derived from the seed, never stored with the released model).")
+
+
+def _open_report_with(run_dir: Path, statement: str) -> None:
+    """Put `statement`, in bold, first in the run's privacy_report.md."""
+    path = run_dir / "privacy_report.md"
+    atomic_write(path, f"**{statement}**\n\n" + path.read_text())
+
+
+def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
+    """The report's first line says when the guarantee does not hold against the seed's holders."""
+    if cfg.dp.noise_seed >= 0:
+        _open_report_with(run_dir, noise_statement(cfg))
+
+
+def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
+    """Which noise the run used, for privacy.json and summary.json: the mechanism in words,
+    whether the guarantee needs every participant honest, and the ring's discretization."""
+    noise = resolve_noise(cfg)
+    fields = {"noise_kind": noise,
+              "noise_mechanism": noise_mechanism(noise, cfg.aggregation.kind == "secagg",
+                                                 cfg.dp.mechanism),
+              "honest_participants_only": honest_participants_only(cfg)}
+    if fields["honest_participants_only"]:
+        fields["honest_participants_only_statement"] = HONEST_ONLY
+    if ring is not None:
+        from dpfleet.coordinator.mechanisms.ring_noise import ring_summary
+
+        fields["ring"] = ring_summary(ring, cfg.aggregation.bits, cfg.dp.clip_norm)
+    return fields
+
+
+def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
+    """A generated population's report opens with what its epsilon is not (population.py)."""
+    if cfg.data.generated_population:
+        _open_report_with(run_dir, generated_population_statement(cfg))
+
+
+def generated_population_statement(cfg: SimulationConfig) -> str:
+    return (f"GENERATED POPULATION (data.generated_population = {cfg.data.generated_population:,}): "
+            "the clients are real users cycled to that size, so users repeat and each copy is "
+            "accounted as a different person. The epsilon below is NOT a guarantee for any real "
+            "person in this run; the run measures speed and memory only.")
+
+
+def _trivial_report(run_dir: Path, statement: str) -> None:
+    atomic_write(run_dir / "privacy_report.md", f"# Privacy report\n\n**Formal statement.** {statement}\n")
+
+
+def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Participation,
+                      accountant: RunAccountant, population: int, *,
+                      model_noise_multiplier: float, stopped_early: str | None,
+                      vocabulary: dict | None = None, public_data: Sequence[str] = (),
+                      ring: RingPlan | None = None) -> dict:
+    """privacy_report.md and privacy.json of a finished (or stopped) run; returns the JSON dict.
+
+    `vocabulary`: the DP word vocabulary's summary (dp_vocabulary.py), composed with training;
+    `public_data`: public data the caller trained on (listed, not accounted); `ring`: the
+    discrete noise's ring plan (its discretization is reported)."""
+    setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
+                              public_data)
+    noise = noise_fields(cfg, ring)
+    if "ring" in noise:
+        setting["ring"] = noise["ring"]
+    debug_file = (run_dir / "debug_nonprivate.jsonl").is_file()
+    setting["not_covered"] = not_covered(cfg, public_data=_public_data(cfg, public_data),
+                                         debug_file=debug_file)
+    if vocabulary is not None:
+        setting["vocabulary"] = vocabulary
+    tok = cfg.tokenizer
+    setting["nonprivate_vocabulary"] = (tok.kind == "word" and not tok.path
+                                        and tok.allow_nonprivate_vocabulary)
+    privacy = {
+        "accounting": "rho-zCDP of DP-FTRL's tree aggregation with the exact worst-case sensitivity "
+                      "over every participation pattern with the observed MinS / MaxP (zero-out, "
+                      "device level); " + ("epsilon and epsilon_rdp by RDP (discrete noise: the "
+                                           "Gaussian PLD is no bound for it)"
+                                           if resolve_noise(cfg) == "discrete" else
+                                           "epsilon by PLD, epsilon_rdp by RDP"),
+        "participation": cfg.participation.mode,
+        "min_separation_enforced": participation.min_separation,
+        "max_participation_enforced": cfg.participation.max_participation or None,
+        "model_noise_multiplier": model_noise_multiplier,
+        "planned_rounds": cfg.rounds,
+        "budget_epsilon": cfg.dp.budget_epsilon or None,
+        "stopped_early": stopped_early,
+        **{k: v for k, v in setting.items() if k not in ("rounds", "timer_period")},
+        "rounds": accountant.rounds,
+        "min_separation": accountant.min_separation,
+        "max_participation": accountant.max_participation,
+        "restarts": accountant.restarts,
+        "noise": noise_statement(cfg),
+        "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
+        "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
+        "debug_nonprivate_file": debug_file,
+        **noise,
+    }
+    if cfg.data.generated_population:
+        privacy["generated_population"] = {"clients": cfg.data.generated_population,
+                                           "users_repeat": True, "epsilon_is_a_guarantee": False,
+                                           "statement": generated_population_statement(cfg)}
+    if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
+        eps = 0.0 if accountant.rounds == 0 else math.inf
+        privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)
+        _trivial_report(run_dir, "No round ran, so nothing about any device was released (eps = 0)."
+                        if accountant.rounds == 0 else
+                        "None: the noise multiplier is 0, so the run is not differentially "
+                        "private (eps = inf).")
+        _mark_research_mode(run_dir, cfg)
+        _mark_generated_population(run_dir, cfg)
+        return privacy
+    summary = summarize_privacy(run_dir, setting)
+    obs, timer = summary["observed"], summary["timer"]
+    if summary["total"] is not None:
+        privacy["total_with_vocabulary"] = summary["total"]
+    privacy.update(
+        zcdp=obs["zcdp"], epsilon=obs["epsilon"],
+        epsilon_rdp=epsilon_from_zcdp(obs["zcdp"], cfg.dp.delta, "rdp"),
+        sensitivity_squared=obs["sensitivity_squared"], worst_device=obs["worst_device"],
+        timer_worst_case=None if timer is None else {
+            k: timer[k] for k in ("rounds", "min_separation", "max_participation",
+                                  "sensitivity_squared", "zcdp", "epsilon")},
+    )
+    write_privacy_report(run_dir, setting)
+    _mark_research_mode(run_dir, cfg)
+    _mark_generated_population(run_dir, cfg)
+    return privacy

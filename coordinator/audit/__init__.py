@@ -1,0 +1,2 @@
+"""Empirical privacy audits: canary runs and estimators.
+"""

@@ -1,0 +1,2 @@
+"""The coordinator's commands (simulate, audit, plan, account): thin, parse, call, print.
+"""

@@ -1,0 +1,314 @@
+"""`dpfleet account`: zCDP and (eps, delta) of a DP-FTRL run, planned or observed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+
+from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
+from dpfleet.coordinator.accounting.zcdp import (
+    ADJACENCY,
+    METHODS,
+    MIN_SEPARATION_CONVENTION,
+    account_participation_log,
+    account_worst_case,
+    observe_participation_log,
+)
+from dpfleet.coordinator.mechanisms.spec import (
+    DESCRIPTIONS,
+    MECHANISMS,
+    MechanismSpec,
+    account_mechanism,
+    optimize_mechanism,
+)
+from dpfleet.coordinator.mechanisms.tree_sensitivity import NODES
+from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
+
+
+def parse_rounds_list(text: str | None) -> list[int]:
+    """'128,1152' -> [128, 1152]; empty or None -> []."""
+    if not text:
+        return []
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise DpfleetError(f"expected comma-separated round numbers, got {text!r}") from None
+
+
+def _format(result: dict) -> str:
+    mins = result["min_separation"]
+    lines = [
+        f"noise: {result['noise_mechanism']}",
+        f"DP-FTRL tree aggregation over {result['rounds']} rounds"
+        + (f", tree restarts at {result['restarts']}" if result["restarts"] else ", no restart"),
+        f"  MaxP                  {result['max_participation']}",
+        f"  MinS                  {'none' if mins is None else mins} ({MIN_SEPARATION_CONVENTION})",
+        f"  noise multiplier      {result['noise_multiplier']:g}",
+        f"  adjacency, nodes      {result['adjacency']}, {result['nodes']}",
+        f"  sensitivity^2 (C^2)   {result['sensitivity_squared']}",
+        f"  zCDP                  {result['zcdp']:.4f}",
+        f"  epsilon               {result['epsilon']:.4f} at delta {result['delta']:g} "
+        f"({result['method']})",
+    ]
+    if "devices" in result:
+        lines.insert(1, f"  observed in the log   {result['devices']} devices, "
+                        f"{result['participations']} participations")
+        dev = result["worst_device"]
+        if dev:
+            lines.append(f"  worst actual device   {dev['device']}: {dev['participations']} "
+                         f"participations, sensitivity^2 {dev['sensitivity_squared']}, "
+                         f"zCDP {dev['zcdp']:.4f}, epsilon {dev['epsilon']:.4f}")
+    return "\n".join(lines)
+
+
+MECHANISM_FILE = "mechanism.json"  # a run directory's strategy, beside participation.jsonl
+MECHANISM_HELP = "\n".join(f"  {k:<7} {line}" if i == 0 else f"  {'':<7} {line}"
+                           for k, text in DESCRIPTIONS.items()
+                           for i, line in enumerate(text.splitlines()))
+
+
+def with_mechanism_help(f):
+    """Put the mechanisms' descriptions in place of {mechanisms} in a command's docstring."""
+    f.__doc__ = f.__doc__.replace("{mechanisms}", MECHANISM_HELP.replace("\n", "\n    "))
+    return f
+
+
+def load_spec(path: str | Path) -> MechanismSpec:
+    """A MechanismSpec from JSON: the spec itself or a run's mechanism.json ({"spec": ...})."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise DpfleetError(f"cannot read mechanism spec {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise DpfleetError(f"{path}: not JSON ({exc.msg})") from None
+    return MechanismSpec.from_json(data.get("spec", data) if isinstance(data, dict) else data)
+
+
+def _mf_participation(participation_log: str | None, rounds: int | None,
+                      max_participation: int | None, min_separation: int | None) -> dict:
+    """Rounds, MinS, MaxP, noise segments to account banded / BLT with (log: observed)."""
+    if participation_log is None:
+        if rounds is None:
+            raise DpfleetError("give --rounds (or --participation-log)")
+        return {"rounds": rounds, "min_separation": min_separation,
+                "max_participation": 1 if max_participation is None else max_participation,
+                "segments": 1}
+    obs = observe_participation_log(participation_log, rounds)
+    return {"rounds": obs.rounds, "min_separation": obs.min_separation,
+            "max_participation": obs.max_participation, "segments": 1 + len(obs.restarts),
+            "devices": len(obs.devices), "participations": sum(len(p) for p in obs.patterns)}
+
+
+def _mf_result(kind: str, given: MechanismSpec | None, source: str, part: dict,
+               noise_multiplier: float, delta: float, method: str, adjacency: str) -> dict:
+    """Account `kind` with the given strategy if it is of that kind, else one optimised for `part`."""
+    rounds, mins, maxp = part["rounds"], part["min_separation"], part["max_participation"]
+    if given is not None and given.kind == kind:
+        if given.rounds < rounds:
+            raise DpfleetError(f"the {kind} strategy ({source}) covers {given.rounds} rounds, "
+                               f"fewer than the {rounds} accounted")
+        spec = given  # over its own n rounds: an upper bound for any prefix
+    else:
+        spec = optimize_mechanism(kind, rounds, 0 if mins is None else mins, max(maxp, 1))
+        source = (f"optimised for {rounds} rounds, MinS {0 if mins is None else mins}, "
+                  f"MaxP {max(maxp, 1)}")
+    result = account_mechanism(spec, noise_multiplier, mins, max(maxp, 1), delta, method,
+                               adjacency=adjacency, segments=part["segments"])
+    result.update(max_participation=maxp, spec_source=source,
+                  **{k: part[k] for k in ("devices", "participations") if k in part})
+    if maxp == 0:  # nobody took part: nothing was released about anyone
+        result.update(sensitivity_squared=0.0, zcdp=0.0, epsilon=0.0)
+    return result
+
+
+def _strategy(spec: dict) -> str:
+    if spec["kind"] == "banded":
+        return f"{spec['bands']} bands, coefficients " + ", ".join(f"{c:.4g}" for c in spec["coefficients"])
+    return (f"{len(spec['theta'])} buffers, theta " + ", ".join(f"{t:.8g}" for t in spec["theta"])
+            + ", omega " + ", ".join(f"{w:.4g}" for w in spec["omega"]))
+
+
+def _format_mf(result: dict) -> str:
+    mins = result["min_separation"]
+    lines = [
+        f"noise: {result['noise_mechanism']}",
+        f"{result['mechanism']} matrix-factorization DP-FTRL over {result['rounds']} rounds"
+        + (f", {result['noise_segments']} noise segments" if result["noise_segments"] > 1 else ""),
+        f"  strategy              {_strategy(result['mechanism_spec'])}",
+        f"  strategy from         {result['spec_source']}",
+        f"  MaxP                  {result['max_participation']}",
+        f"  MinS                  {'none' if mins is None else mins} ({MIN_SEPARATION_CONVENTION})",
+        f"  noise multiplier      {result['noise_multiplier']:g}",
+        f"  adjacency             {result['adjacency']}",
+        f"  sensitivity^2 (C^2)   {result['sensitivity_squared']:.6g}",
+        f"  zCDP                  {result['zcdp']:.4f}",
+        f"  epsilon               {result['epsilon']:.4f} at delta {result['delta']:g} "
+        f"({result['method']})",
+        f"  noise factor          {result['noise_factor']:.4f} (model noise std / the tree's at "
+        "the same noise multiplier)",
+    ]
+    if "devices" in result:
+        lines.insert(1, f"  observed in the log   {result['devices']} devices, "
+                        f"{result['participations']} participations")
+    return "\n".join(lines)
+
+
+def _format_all(rows: list[dict]) -> str:
+    tree = rows[0]
+    mins = tree["min_separation"]
+    lines = [f"noise: {tree['noise_mechanism']}; {tree['rounds']} rounds, MaxP "
+             f"{tree['max_participation']}, MinS {'none' if mins is None else mins}, noise "
+             f"multiplier {tree['noise_multiplier']:g}, delta {tree['delta']:g} ({tree['method']})",
+             "noise factor: model noise std / the tree's at the same noise multiplier; at the same "
+             "epsilon: / the tree's at equal zCDP", "",
+             f"{'mechanism':<10} {'sens^2':>10} {'zCDP':>9} {'epsilon':>9} {'noise factor':>13} "
+             f"{'at same eps':>12}"]
+    for r in rows:
+        lines.append(f"{r['mechanism']:<10} {r['sensitivity_squared']:>10.5g} {r['zcdp']:>9.4f} "
+                     f"{r['epsilon']:>9.4f} {r['noise_factor']:>13.4f} "
+                     f"{r['noise_at_equal_zcdp']:>12.4f}")
+    return "\n".join(lines)
+
+
+@click.command("account")
+@with_mechanism_help
+@click.option("--noise-multiplier", "-z", type=float, required=True,
+              help="Noise std / clip norm of the tree (for adaptive clipping: the z of the "
+                   "App. A transform, not z_delta).")
+@click.option("--rounds", "-T", type=int, default=None,
+              help="Total rounds (leaves of the tree). With --participation-log: optional, "
+                   "accounts the model after the log's first T rounds.")
+@click.option("--max-participation", "-P", type=int, default=None,
+              help="MaxP: most rounds one device takes part in (default 1).")
+@click.option("--min-separation", "-S", type=int, default=None,
+              help="MinS: fewest rounds strictly BETWEEN two participations of one device "
+                   "(0 allows consecutive rounds; default: no constraint).")
+@click.option("--restarts", default=None, metavar="R1,R2,...",
+              help="Rounds at which a fresh tree starts (e.g. adaptive clipping's 128,1152).")
+@click.option("--delta", type=float, default=1e-10, show_default=True,
+              help="Target delta of the (eps, delta) statement.")
+@click.option("--method", type=click.Choice(METHODS), default=None,
+              help="zCDP -> eps conversion: pld (tightest; paper 002; the default for "
+                   "--noise gaussian and for banded / blt), rdp (paper 000; the default for the "
+                   "tree with --noise discrete), "
+                   "zcdp_bound (closed form).")
+@click.option("--noise", type=click.Choice(["gaussian", "discrete"]), default="gaussian",
+              show_default=True,
+              help="The run's dp.noise as resolved in its config.toml: discrete = noise in the "
+                   "SecAgg ring (the default with secagg). Tree: the discrete Gaussian, whose zCDP "
+                   "the Gaussian PLD does not bound, so pld is refused for it; banded / blt: the MF "
+                   "Gaussian rounded in the ring, the same eps as gaussian (PLD holds).")
+@click.option("--adjacency", type=click.Choice(list(ADJACENCY)), default="zero-out",
+              show_default=True,
+              help="zero-out (add/remove a device's updates; paper 002) or replace-one "
+                   "(4x the squared sensitivity).")
+@click.option("--tree-nodes", type=click.Choice(NODES), default="all", show_default=True,
+              help="all: every dyadic block (the published analysis; also right for the "
+                   "efficient tree estimator). prefix: only blocks a streaming prefix sum uses "
+                   "(exact and tighter for dpfleet's plain online tree).")
+@click.option("--participation-log", type=click.Path(dir_okay=False), default=None,
+              help="Account a run from its participation.jsonl: observed MaxP / MinS, "
+                   "restarts and the worst actual device.")
+@click.option("--mechanism", type=click.Choice([*MECHANISMS, "all"]), default=None,
+              help="The noise mechanism (see above): tree (default), banded, blt, or all "
+                   "(one row each at the same noise multiplier). With --participation-log: "
+                   "default the run's, from mechanism.json beside the log.")
+@click.option("--mechanism-spec", type=click.Path(dir_okay=False), default=None,
+              help="A banded / BLT strategy as JSON (a run's mechanism.json or a spec) to "
+                   "account instead of one optimised for the given participation.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (--mechanism all: one per line).")
+def account(noise_multiplier: float, rounds: int | None, max_participation: int | None,
+            min_separation: int | None, restarts: str | None, delta: float, method: str | None,
+            noise: str, adjacency: str, tree_nodes: str, participation_log: str | None,
+            mechanism: str | None, mechanism_spec: str | None, as_json: bool) -> None:
+    """Privacy of DP-FTRL: exact worst-case tree sensitivity -> rho-zCDP -> (eps, delta).
+
+    rho = S / (2 z^2), where S is the largest squared sensitivity of the tree mechanism over
+    every participation pattern with at most MaxP participations and at least MinS rounds
+    between two of them (Kairouz et al. 2021, App. D; paper 002, Sec. 2.2). banded / blt: the
+    strategy's min-separation sensitivity (b = MinS + 1, k = MaxP) in place of the tree's.
+
+    \b
+    Mechanisms:
+    {mechanisms}
+
+    \b
+    Examples:
+      dpfleet account -z 7 -T 3600 -P 3 -S 909          # paper 002, pt-BR: zCDP 0.45
+      dpfleet account -z 8.83 -T 1600 --delta 1e-6 --method rdp   # paper 000: eps 1.77
+      dpfleet account -z 7 --participation-log runs/x/participation.jsonl --json
+      dpfleet account -z 1 --noise discrete --participation-log runs/secagg/participation.jsonl
+      dpfleet account -z 8.881 -T 60 -P 15 -S 3 --delta 1e-6 --mechanism all
+    """
+    given, source = None, ""
+    if mechanism_spec is not None:
+        given, source = load_spec(mechanism_spec), mechanism_spec
+    elif participation_log is not None and (Path(participation_log).parent / MECHANISM_FILE).is_file():
+        source = str(Path(participation_log).parent / MECHANISM_FILE)
+        given = load_spec(source)
+    if mechanism is None:
+        mechanism = "tree" if given is None else given.kind
+    if given is not None and mechanism != "all" and given.kind != mechanism:
+        raise DpfleetError(f"{source} holds a {given.kind} strategy, not {mechanism}: account it "
+                           f"with --mechanism {given.kind}")
+    # banded / blt in the ring are the continuous MF Gaussian, rounded (`mf_ring`): PLD holds
+    ring_mf = noise == "discrete" and mechanism in ("banded", "blt")
+    if method is None:
+        method = "rdp" if noise == "discrete" and not ring_mf else "pld"
+    if noise == "discrete" and method == "pld" and not ring_mf:
+        raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
+                           "discrete Gaussian; use --method rdp (or zcdp_bound)")
+    if mechanism in ("banded", "blt"):
+        if restarts:
+            raise DpfleetError("--restarts are tree restarts; banded / blt have none")
+        if tree_nodes != "all":
+            raise DpfleetError("--tree-nodes applies to the tree mechanism only")
+        if participation_log is not None and (max_participation is not None
+                                              or min_separation is not None):
+            raise DpfleetError("with --participation-log, MaxP and MinS come from the log; drop "
+                               "--max-participation/--min-separation")
+        part = _mf_participation(participation_log, rounds, max_participation, min_separation)
+        result = _mf_result(mechanism, given, source, part, noise_multiplier, delta, method,
+                            adjacency)
+        result.update(noise=noise, noise_mechanism=RING_MF_MECHANISM if ring_mf else "continuous Gaussian")
+        click.echo(dumps(result) if as_json else _format_mf(result))
+        return
+    if participation_log is not None:
+        if max_participation is not None or min_separation is not None or restarts:
+            raise DpfleetError("with --participation-log, MaxP, MinS and restarts come from "
+                               "the log; drop --max-participation/--min-separation/--restarts")
+        result = account_participation_log(participation_log, noise_multiplier, delta, method,
+                                           rounds=rounds, adjacency=adjacency,
+                                           nodes=tree_nodes)
+    else:
+        if rounds is None:
+            raise DpfleetError("give --rounds (or --participation-log)")
+        result = account_worst_case(noise_multiplier, rounds,
+                                    1 if max_participation is None else max_participation,
+                                    min_separation, parse_rounds_list(restarts), delta, method,
+                                    adjacency=adjacency, nodes=tree_nodes)
+    result["noise"] = noise
+    result["noise_mechanism"] = ("discrete Gaussian in the SecAgg ring" if noise == "discrete"
+                                 else "continuous Gaussian")
+    if mechanism == "tree":
+        click.echo(dumps(result) if as_json else _format(result))
+        return
+    # all: the tree's figures above, then banded and BLT for the same participation and z
+    part = _mf_participation(participation_log, rounds, max_participation, min_separation)
+    part["segments"] = 1 + len(result["restarts"])
+    rows = [{**result, "mechanism": "tree", "noise_factor": 1.0, "noise_at_equal_zcdp": 1.0}]
+    for kind in ("banded", "blt"):
+        row = _mf_result(kind, given, source, part, noise_multiplier, delta, method, adjacency)
+        ratio = (row["sensitivity_squared"] / result["sensitivity_squared"]
+                 if result["sensitivity_squared"] else 1.0)
+        row.update(noise=noise,
+                   noise_mechanism=RING_MF_MECHANISM if noise == "discrete" else result["noise_mechanism"],
+                   noise_at_equal_zcdp=math.sqrt(ratio) * row["noise_factor"])
+        rows.append(row)
+    click.echo("\n".join(dumps(r) for r in rows) if as_json else _format_all(rows))

@@ -1,0 +1,396 @@
+"""The transport-free round engine: everything a DP-FTRL round does at the coordinator.
+
+Why a separate engine: the same rounds must run in-process (`simulation.run_simulation`, which
+trains the clients itself) and, next, in a networked coordinator whose devices train remotely and
+whose sums arrive as SecAgg messages. Both drivers call the same phases, so selection, the budget
+check, tree restarts, the release log and the accounting cannot drift apart:
+
+    plan = engine.open_round(before_round)   # selection, budget, restart -> RoundPlan | Stop
+    ... the driver trains the plan's devices and aggregates their clipped deltas ...
+    record = engine.close_round(plan, aggregate, client_stats)
+        # DP-FTRL step -> participation commit -> accounting -> the round's metrics record (and
+        # held-out evaluation when due) -> ONE commit of release + metrics (+ debug) records
+        # (`ReleaseLog.record_release`, fsynced before return) -> participation log via the sink
+    engine.save_resume_point(); engine.evaluate(); engine.finish(...)
+
+The engine owns the secrets (the run's noise key, the tree) and the privacy state; it opens no
+socket, starts no thread and trains nothing. Resume is a constructor path (`resume=True`): the
+release log is replayed and released rounds are never recomputed (`release_log`, `resume`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant, write_run_privacy
+from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
+from dpfleet.coordinator.engine.adaptive_clipping import (
+    QuantileClipEstimator,
+    default_restart_rounds,
+    model_noise_multiplier,
+)
+from dpfleet.coordinator.engine.aggregation import AggregateResult
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.engine.evaluation import evaluate
+from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
+from dpfleet.coordinator.mechanisms.mf_noise import MFAccountant, mf_privacy, run_mechanism
+from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
+from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
+from dpfleet.coordinator.state.resume import (
+    ResumeSource,
+    discard_resume,
+    resume_run,
+    save_resume,
+    save_server_state,
+)
+from dpfleet.coordinator.state.run_dir import RunDir, plot_accuracy
+from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import save_checkpoint
+from dpfleet.export.params import get_flat, set_flat
+
+DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
+# secure aggregation's per-round counts that depend on the clients' data (not noised)
+DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
+
+
+def restart_rounds(cfg: SimulationConfig) -> list[int]:
+    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping
+    on the tree (matrix-factorization noise adopts the clip estimate every round: no restarts)."""
+    rounds = cfg.dp.restart_rounds
+    if not rounds and cfg.dp.adaptive_clipping and cfg.dp.mechanism == "tree":
+        rounds = default_restart_rounds(cfg.rounds)
+    return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
+
+
+def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
+    """How much secure aggregation's discretization inflates one client's L2 contribution."""
+    if cfg.aggregation.kind == "plain":
+        return 1.0
+    from dpfleet.secagg.encoding import Discretizer
+
+    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), seed=0)
+    return disc.norm_inflation
+
+
+class RoundStateError(DpfleetError):
+    """A phase called out of order: a plan that is not the open round's, or a second open."""
+
+
+class ClientStats(Protocol):
+    """What the engine reads of one client's report (edge/client_update.py:ClientUpdate)."""
+
+    norm: float  # L2 norm before clipping (adaptive clipping's quantile)
+    clipped: bool
+    loss: float
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round sends out: to whom, which model, under which clip norm."""
+
+    round: int  # 0-based round index (record["round"] is round + 1)
+    devices: list[int]  # selected devices (indices into the fleet), ascending
+    device_ids: list[str]  # their user ids
+    theta: np.ndarray  # the model to send (a copy; the engine keeps its own)
+    theta_sha256: str  # content hash of `theta`, for content-addressed downloads
+    clip_norm: float
+    restart: bool  # the round starts a new noise tree
+    selection: Selection
+    # adaptive clipping: C^t, each device's bit is [||delta|| <= it] (None: fixed clipping)
+    count_threshold: float | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why no further round can be opened; returned, not raised (a normal end of a run)."""
+
+    reason: str  # "unfillable" | "budget" | "done"
+    message: str
+
+
+class RunSink(Protocol):
+    """Where the engine's participation log goes: a file here, checked against the committed
+    rows in a service. (metrics / debug records are committed with the release itself.)"""
+
+    def participation(self, entry: dict) -> None: ...
+
+
+class RunDirSink:
+    """participation.jsonl of a run directory (metrics.jsonl and debug_nonprivate.jsonl are
+    written by the release log, with the release: `release_log` rule 4)."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+
+    def participation(self, entry: dict) -> None:
+        self.run.append("participation.jsonl", entry)
+
+
+class RoundEngine:
+    """One run's coordinator state and its round phases (module docstring)."""
+
+    def __init__(self, cfg: SimulationConfig, run: RunDir, *, model, model_cfg, tokenizer,
+                 users: Sequence[str], fingerprint: str, test_rows, sink: RunSink | None = None,
+                 vocabulary: dict | None = None, resume: bool = False,
+                 releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None):
+        """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
+        `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
+        vocabulary's privacy summary, already spent. `resume=True` continues `run`.
+        `releases` / `resume_source` replace the run directory's releases.jsonl and resume
+        point (the SQLite state store, `state_store.open_engine`)."""
+        self.cfg, self.run, self.run_path = cfg, run, run.path
+        self.sink = sink if sink is not None else RunDirSink(run)
+        self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
+        # a list is copied; a lazy sequence (a memory-mapped store's ids) is kept as it is
+        self.users = list(users) if isinstance(users, list) or not isinstance(users, Sequence) else users
+        self.fingerprint, self.test_rows = fingerprint, test_rows
+        self.vocabulary = vocabulary
+        self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
+                                           cfg.rounds, cfg.seed)
+        # dp.mechanism banded / blt: the strategy optimised for the enforced participation
+        self.mechanism, self.mechanism_optimised_for = (
+            run_mechanism(cfg, self.participation.min_separation, run.path, resume)
+            if cfg.dp.mechanism != "tree" else (None, None))
+        accountant_args = (cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
+        accountant_kw = dict(spent_zcdp=(vocabulary or {}).get("zcdp", 0),
+                             conversion="rdp" if resolve_noise(cfg) == "discrete" else "pld")
+        self.accountant = (RunAccountant(*accountant_args, **accountant_kw) if self.mechanism is None
+                           else MFAccountant(self.mechanism, *accountant_args, **accountant_kw))
+        self.restarts = restart_rounds(cfg)
+        self.z_model, self.estimator = cfg.dp.noise_multiplier, None
+        noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
+        if cfg.dp.adaptive_clipping:
+            self.z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+            self.estimator = QuantileClipEstimator(
+                cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
+                learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
+                noise_key=noise_key, mechanism=self.mechanism,
+            )
+        theta0 = get_flat(model)
+        self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
+        if resolve_noise(cfg) == "discrete":
+            from dpfleet.coordinator.mechanisms.mf_ring import inverse_variance_factor
+            from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
+
+            self.ring = discrete_plan(cfg, theta0.size, None if self.mechanism is None else
+                                      inverse_variance_factor(self.mechanism))
+        self.server = DPFTRLServer(
+            theta0,
+            DPFTRLConfig(
+                noise_multiplier=self.z_model, clip_norm=cfg.dp.clip_norm,
+                report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr,
+                momentum=cfg.dp.momentum, restart_rounds=tuple(self.restarts),
+                sensitivity_factor=sensitivity_factor(cfg, theta0.size), mechanism=self.mechanism,
+            ),
+            noise_key=noise_key, ring=self.ring,
+        )
+        self.releases = releases if releases is not None else ReleaseLog(self.run_path / RELEASES)
+        self.start, self.metrics, self.fresh_tree_at, self.lost = 0, [], None, []
+        if resume:  # released rounds are never redone (`release_log`)
+            resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
+                                 self.participation, self.accountant, self.users, fingerprint,
+                                 resume_source)
+            self.start, self.metrics = resumed.start, resumed.metrics
+            self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
+        self.next_round = self.start  # 0-based index of the round open_round opens next
+        self._open: RoundPlan | None = None
+
+    def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                   *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
+        """Select the next round's devices, check the budget, restart the tree where due.
+
+        `before_round(r, theta)` may return a replacement theta (public training between private
+        rounds: post-processing); the plan carries the model after it. A networked coordinator
+        selects among the devices that checked in (`available`) plus `extra` over-selected ones.
+        """
+        if self._open is not None:
+            raise RoundStateError(f"round {self._open.round + 1} is open: close it first")
+        r, cfg = self.next_round, self.cfg
+        if r >= cfg.rounds:
+            return Stop("done", f"all {cfg.rounds} rounds are done")
+        restart = r in self.restarts or r == self.fresh_tree_at
+        try:
+            selection = self.participation.propose(
+                r, None if available is None else np.asarray(available, dtype=np.int64), extra)
+        except RoundUnfillable as exc:
+            return Stop("unfillable", f"stopped before round {r + 1}: {exc}")
+        chosen = selection.devices
+        if self.accountant.would_exceed([self.users[i] for i in chosen], restart):
+            return Stop("budget", f"stopped before round {r + 1}: it would pass the privacy budget "
+                                  f"eps = {cfg.dp.budget_epsilon:g} at delta = {cfg.dp.delta:g}")
+        server, estimator = self.server, self.estimator
+        if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
+            server.restart(estimator.estimate)
+            estimator.restart()
+        if estimator is not None and self.mechanism is not None:  # MF: C_t from earlier releases
+            server.clip_norm = estimator.estimate
+        public_update = before_round(r, server.theta) if before_round else None
+        if public_update is not None:
+            server.theta = np.asarray(public_update, dtype=np.float32).copy()
+        theta = server.theta.copy()
+        self._open = RoundPlan(r, list(chosen), [self.users[i] for i in chosen], theta,
+                               release_hash(theta), server.clip_norm, restart, selection,
+                               estimator.estimate if estimator is not None else None)
+        return self._open
+
+    def abandon_round(self, plan: RoundPlan) -> None:
+        """The open round failed before its DP step (too few reports or survivors by the
+        deadline): nothing was released and no noise was drawn, so the same round number is
+        opened again by the next `open_round`."""
+        if self._open is None or plan is not self._open:
+            raise RoundStateError(f"round {plan.round + 1} is not the open round: only the open "
+                                  "round can be abandoned")
+        self._open = None
+
+    def _check_close(self, plan: RoundPlan, aggregate: AggregateResult,
+                     client_stats: Sequence[ClientStats]) -> None:
+        if self._open is None or plan is not self._open:
+            state = f"round {self._open.round + 1} is open" if self._open else "no round is open"
+            raise RoundStateError(f"a sum for round {plan.round + 1} was handed in but {state}: "
+                                  "a round is closed once, by the plan it was opened with")
+        if len(client_stats) != len(plan.devices):
+            raise RoundStateError(f"round {plan.round + 1} selected {len(plan.devices)} devices but "
+                                  f"{len(client_stats)} client reports were handed in")
+        if not set(aggregate.survivors) <= set(range(len(plan.devices))):
+            raise RoundStateError(f"round {plan.round + 1}: survivors {aggregate.survivors} are not "
+                                  "positions in the plan's device list")
+        count = aggregate.clipped_count
+        if count is not None and not 0 <= count <= len(aggregate.survivors):
+            raise RoundStateError(f"round {plan.round + 1}: clipped count {count} is not in "
+                                  f"[0, {len(aggregate.survivors)}] (the survivors)")
+        if np.shape(aggregate.total) != self.server.theta.shape:
+            raise RoundStateError(f"round {plan.round + 1}: the sum has shape "
+                                  f"{np.shape(aggregate.total)}, the model {self.server.theta.shape}")
+
+    def close_round(self, plan: RoundPlan, aggregate: AggregateResult,
+                    client_stats: Sequence[ClientStats]) -> dict:
+        """Step, account, build the round's metrics record (evaluating when due), then commit
+        release + records in one step (fsynced before this returns), then the participation log.
+
+        `client_stats[i]` is the report of `plan.devices[i]`; `aggregate.survivors` are the
+        positions whose deltas are in the sum (dropped devices contributed nothing).
+        """
+        self._check_close(plan, aggregate, client_stats)
+        cfg, server, estimator = self.cfg, self.server, self.estimator
+        r, restart, chosen = plan.round, plan.restart, plan.devices
+        server.step(aggregate.total if self.ring is None else aggregate.ring)
+        self._open, self.next_round = None, r + 1  # the nodes are spent: never reopen this round
+        in_sum = [chosen[i] for i in aggregate.survivors]
+        self.participation.commit(plan.selection, in_sum)
+        spent = self.accountant.record([self.users[i] for i in in_sum], restart)
+        clip = server.clip_norm
+        if estimator is not None and aggregate.clipped_count is not None:  # summed in SecAgg
+            estimator.update_count(aggregate.clipped_count, len(aggregate.survivors))
+        elif estimator is not None:
+            estimator.update([client_stats[i].norm for i in aggregate.survivors])
+        selection = plan.selection
+        record = {
+            "round": r + 1,
+            "clients": len(in_sum),
+            "clip": clip,
+            "noise_std": server.noise_std,
+            "epsilon": spent["epsilon"],  # RDP, worst case over the observed MinS / MaxP so far
+            "zcdp": spent["zcdp"],
+            "min_separation": spent["min_separation"],
+            "max_participation": spent["max_participation"],
+            "restart": restart,
+            "clock_hours": self.participation.hours(selection.slot),
+            "waited_hours": self.participation.hours(selection.waited_slots),
+            "refused": selection.refused,
+            "accuracy": None,
+            "loss": None,
+        }
+        if estimator is not None:
+            record["clip_estimate"] = estimator.estimate
+        if aggregate.info:  # secure aggregation's costs and guarantees, scalars only
+            record["aggregation"] = {
+                k: v for k, v in aggregate.info.items()
+                if isinstance(v, int | float | str | bool) and k not in DATA_DEPENDENT_AGGREGATION
+            }
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:  # in-process: nothing leaves
+            ev = self.evaluate()
+            record.update(accuracy=ev["accuracy"], loss=ev["loss"], perplexity=ev["perplexity"])
+        logs = {"metrics": record}
+        if cfg.debug_nonprivate:  # un-noised, over this round's few clients: not DP
+            logs["debug_nonprivate"] = {
+                "round": r + 1,
+                "train_loss": float(np.mean([u.loss for u in client_stats])),
+                "mean_update_norm": float(np.mean([u.norm for u in client_stats])),
+                "clipped_fraction": float(np.mean([u.clipped for u in client_stats])),
+                **{k: aggregate.info[k] for k in DATA_DEPENDENT_AGGREGATION if k in aggregate.info},
+            }
+        # the commit: release and its records at once (durable before anything of round r + 1
+        # leaves the engine), so a crash never leaves a released round without its metrics
+        self.releases.record_release(
+            round=r + 1, tree_id=server.tree.tree_id, t=server.tree.t, key_id=key_id(server.noise_key),
+            participants=[self.users[i] for i in in_sum], restart=restart, clip_norm=clip,
+            released=release_hash(server.theta, estimator.estimate if estimator else None),
+            data_sha256=self.fingerprint, logs=logs,
+            **({"mechanism": self.mechanism.kind} if self.mechanism is not None else {}),
+        )
+        self.metrics.append(record)
+        self.sink.participation(
+            {"round": r, "devices": [self.users[i] for i in in_sum], "restart": restart})
+        return record
+
+    def resume_point_due(self) -> bool:
+        """Whether the config asks for a resume point after the rounds closed so far."""
+        done, every = self.next_round, self.cfg.checkpoint_every
+        return bool(every) and done % every == 0 and 0 < done < self.cfg.rounds
+
+    def save_resume_point(self) -> None:
+        """Atomically replace the resume point with the state after the rounds closed so far."""
+        if self._open is not None:
+            raise RoundStateError(f"round {self._open.round + 1} is open: a resume point is taken "
+                                  "between rounds")
+        save_resume(self.run_path, self.next_round, self.server, self.estimator)
+
+    def evaluate(self) -> dict:
+        """Held-out accuracy / loss / perplexity of the current (released) model."""
+        set_flat(self.model, self.server.theta)
+        return evaluate(self.model, self.test_rows)
+
+    def finish(self, *, stopped_early: str | None, baseline: dict, public_data: Sequence[str] = (),
+               started: float, extra: dict | None = None) -> tuple[dict, dict]:
+        """Final evaluation, checkpoint, privacy report, plot and summary; drops the resume point
+        (and with it the key). `started` is the run's `time.perf_counter()` start; `extra` goes
+        into summary.json. Returns (final evaluation, privacy report)."""
+        cfg, run_path = self.cfg, self.run_path
+        final = self.evaluate()
+        save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer)
+        save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
+                          self.estimator.state_dict(with_noise=False) if self.estimator else None,
+                          with_noise=False)
+        privacy = write_run_privacy(run_path, cfg, self.participation, self.accountant,
+                                    len(self.users), model_noise_multiplier=self.z_model,
+                                    stopped_early=stopped_early, vocabulary=self.vocabulary,
+                                    public_data=list(public_data), ring=self.ring)
+        if self.mechanism is not None:  # the strategy's accounting replaces the tree's figures
+            privacy = mf_privacy(run_path, cfg, self.accountant, self.mechanism_optimised_for, privacy)
+        if hasattr(self.accountant, "privacy"):  # a caller's noise mechanism (dpfleet.extensions)
+            privacy = self.accountant.privacy(run_path, cfg, privacy)
+        title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
+                 if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
+        plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
+        self.run.write_json("privacy.json", privacy)
+        summary = {
+            "final": final, "unigram_baseline": baseline,
+            "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
+            "rounds_completed": len(self.metrics), "stopped_early": stopped_early,
+            "simulated_hours": self.participation.hours(self.participation.slot),
+            "resumed_after_round": self.start or None,
+            "rounds_lost_in_crash": self.lost,
+            # which noise, and whether the guarantee needs every participant honest
+            **{k: privacy[k] for k in ("noise_mechanism", "honest_participants_only",
+                                       "honest_participants_only_statement") if k in privacy},
+            **(extra or {}),
+        }
+        self.run.write_json("summary.json", summary)
+        discard_resume(run_path)
+        return final, privacy
+

@@ -1,0 +1,410 @@
+"""The in-process driver of the round engine: a fleet of emulated clients trained with DP-FTRL.
+
+Why a driver: the round's coordinator side (selection with the MinS / MaxP refusal, the budget
+check, tree restarts, the DP-FTRL step, the release log, accounting, resume) lives in the
+transport-free `round_engine`, shared with the networked coordinator. This module does what
+the devices and the aggregation would do elsewhere: it loads the data, builds the tokenizer and
+the runtime, trains each planned client in-process (one local epoch, delta, clip;
+`backends`), sums the deltas (plain or secure aggregation) and hands the sum to the engine, with
+a progress bar. Selection, batching and init are seeded by `seed`; the DP noise is not: it comes
+from a fresh secret 256-bit key per run (`noise_stream`), so the same config gives fresh noise,
+unless `dp.noise_seed` (research mode, no privacy against whoever knows it) makes it
+reproducible. Each round is written to the release log before it is released (`release_log`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpfleet.coordinator.config import SimulationConfig, validate
+from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
+from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
+from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
+from dpfleet.coordinator.engine.population import generated_population_notice, open_population
+from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGGREGATION re-exported)
+    DATA_DEPENDENT_AGGREGATION,
+    DEBUG_NONPRIVATE,
+    RoundEngine,
+    RoundPlan,
+    Stop,
+)
+from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, build_dp_vocabulary
+from dpfleet.coordinator.state.resume import (
+    check_resumable,
+    data_fingerprint,
+    discard_resume,
+    fingerprint_secret,
+)
+from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
+from dpfleet.edge.client_data import build_federated, group_by_user, split_users
+from dpfleet.edge.client_store import ClientStore
+from dpfleet.edge.datasets import TextRecord, load_records
+from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
+from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import build_model
+from dpfleet.export.params import get_flat
+from dpfleet.export.training import default_program_cache
+
+
+def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
+                   folder: Path | None = None):
+    """The run's tokenizer. A `word` vocabulary is chosen with user-level DP (dp_vocabulary.py)
+    unless tokenizer.allow_nonprivate_vocabulary; a DP one is saved to `folder` with its privacy
+    summary and loaded from there on resume, so it is released (and paid for) once."""
+    tok = cfg.tokenizer
+    if tok.path:
+        return load_tokenizer(Path(tok.path))
+    if tok.kind == "word" and tok.allow_nonprivate_vocabulary:  # outside the guarantee
+        return WordTokenizer.build((t for texts in train_by_user for t in texts), tok.vocab_size)
+    if tok.kind == "word":
+        if folder is not None and (folder / DP_VOCABULARY).is_file():
+            return load_tokenizer(folder)
+        params = VocabularyDP(tok.dp_noise, tok.dp_words_per_user, tok.dp_delta)
+        tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params)
+        if folder is not None:
+            tokenizer.save(folder)
+            atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
+        return tokenizer
+    from dpfleet.public.overlap import check_public_sources
+    from dpfleet.public.spm_public import public_sentencepiece
+
+    check_public_sources([tok.corpus], cfg.data.dataset, "tokenizer.corpus")
+    return public_sentencepiece(tok.corpus, tok.vocab_size)
+
+
+def vocabulary_privacy(folder: Path) -> dict | None:
+    """The DP vocabulary's privacy summary written by `make_tokenizer`, if this run has one."""
+    path = folder / DP_VOCABULARY
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None,
+                 records: Sequence[TextRecord] | None = None, tokenizer=None):
+    """Records -> tokenizer -> per-client example arrays (train clients and held-out clients).
+    `records` / `tokenizer` replace the config's dataset / tokenizer (`dpfleet.simulate`'s users
+    and tokenizer): the same per-user split and rows either way."""
+    if records is None:
+        path = Path(cfg.data.path) if cfg.data.path else None
+        records = load_records(cfg.data.dataset, "train", path)
+    if tokenizer is None:
+        by_user = group_by_user(records)
+        train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
+        tokenizer = make_tokenizer(cfg, [by_user[u] for u in train_users], vocabulary_folder)
+    data = build_federated(
+        records, tokenizer, seq_len=cfg.data.seq_len, max_examples=cfg.data.max_examples,
+        test_fraction=cfg.data.test_fraction, seed=cfg.seed, max_clients=cfg.data.max_clients or None,
+    )
+    return tokenizer, data
+
+
+def make_runtime(cfg: SimulationConfig, model_cfg, cache: Path) -> TrainingRuntime:
+    if cfg.client.runtime == "eager":
+        return EagerRuntime(model_cfg, threads=cfg.client.threads)
+    from dpfleet.edge.runtimes import make_runtime as make_exported
+
+    return make_exported(cfg.client.runtime, model_cfg, cfg.data.seq_len, cfg.client.threads, cache)
+
+
+def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> Aggregator:
+    if cfg.aggregation.kind == "plain":
+        return PlainAggregator()
+    from dpfleet.secagg.aggregator import SecAggAggregator
+
+    return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
+                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
+                            signed=cfg.aggregation.signed, corruption=cfg.aggregation.corruption,
+                            fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients)
+
+
+DP_VOCABULARY = "dp_vocabulary.json"
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+@dataclass
+class SimulationResult:
+    run_dir: Path
+    metrics: list[dict]
+    final: dict
+    baseline: dict
+    privacy: dict
+    stopped_early: str | None = None  # why the run ended before its planned rounds
+    model: torch.nn.Module | None = None  # holding the final released weights
+
+
+def run_simulation(
+    cfg: SimulationConfig,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+    public_data: Sequence[str] = (),
+    records: Sequence[TextRecord] | None = None,
+    model: torch.nn.Module | None = None,
+    tokenizer=None,
+    audit=None,
+    extensions: dict | None = None,
+) -> SimulationResult:
+    """Run a whole simulation and write its run directory.
+
+    `before_round(r, theta)` runs before each round's clients train; a returned array replaces
+    the server's theta (public training between private rounds: post-processing, so it costs no
+    privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
+    all rounds.
+
+    With `resume`, `out` is an interrupted run of this same config: it continues from the last
+    resume point (`checkpoint_every`), or from round 0 when none was written yet (`resume.py`).
+
+    `public_data` names public data the caller trained on, for the privacy report.
+    `records`, `model`, `tokenizer` replace the config's dataset, zoo model and tokenizer
+    (`dpfleet.simulate`); a custom model trains through the sequential eager trainer and is
+    checked on a dummy batch first (`check_custom_model`).
+    metrics.jsonl holds DP quantities and held-out evaluation only; un-noised client telemetry
+    goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
+    `audit` (`dpfleet audit` only: `audit_run.CanaryRun`) adds canary devices to the fleet, sees
+    the engine once built and trains the canaries of each plan; None for every other run.
+    """
+    run = RunDir(out, overwrite=overwrite, resume=resume)
+    if resume:
+        check_resumable(run.path, cfg.resolved())
+    else:
+        discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
+    planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
+    if not planned:
+        run.write_config(cfg.resolved())
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(max(1, cfg.client.threads))
+    t_start = time.perf_counter()
+
+    vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
+    if not resume:  # nothing left over from an overwritten run
+        shutil.rmtree(vocabulary_folder, ignore_errors=True)
+        (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
+        if cfg.debug_nonprivate:
+            (run.path / DEBUG_NONPRIVATE).write_text("")
+    custom_tokenizer = tokenizer is not None
+    tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
+    if model is not None:
+        check_custom_model(model, tokenizer.vocab_size, cfg.data.seq_len, data)
+    elif custom_tokenizer and (top := largest_id(data)) >= tokenizer.vocab_size:
+        raise DpfleetError(f"vocabulary mismatch: the tokenizer gave token id {top} but its vocab_size "
+                           f"is {tokenizer.vocab_size} (the model's embedding size)")
+    population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
+    data.train = []  # from here on the clients are read through the store, a cohort at a time
+    if planned:
+        plan_run(cfg, run, len(population), resume, log)
+    generated_notice = generated_population_notice(population)
+    if generated_notice:
+        log(generated_notice["warning"])
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    trainer_note = None
+    pretrained = None
+    if model is None:
+        model = build_model(model_cfg)
+        if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
+            from dpfleet.coordinator.engine.public_init import pretrain_on_public
+
+            pretrained = pretrain_on_public(cfg, model_cfg, model, tokenizer, log)
+            public_data = [*public_data, *(f"{c} (pretraining, {cfg.pretrain.steps} steps)"
+                                           for c in cfg.pretrain.corpus)]
+        runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
+        trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
+                               batch_size=cfg.client.batch_size, device=cfg.client.device,
+                               memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+    else:  # a custom module: the cohort trainers' fused / torch.func paths assume a zoo model
+        if cfg.pretrain.corpus:  # said in the log and summary.json, not silently skipped
+            pretrained = {"skipped": "[pretrain] trains the config's zoo model; a custom model starts "
+                                     "from the weights it was passed with"}
+            log(pretrained["skipped"])
+        if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
+            raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
+                               f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
+        if cfg.client.trainer == "cohort":  # opt-in: torch.func over the module, checked once
+            trainer = custom_cohort_trainer(cfg, model_cfg, model)
+        else:
+            if cfg.client.trainer == "auto":
+                trainer_note = ("client.trainer = 'auto': a custom model trains with the sequential "
+                                "eager trainer (set 'cohort' for torch.func over your module)")
+                log(trainer_note)
+            trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
+                                                              model=copy.deepcopy(model)),
+                                   model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
+        model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
+    ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
+    from dpfleet.extensions import check_clipped, custom_trainer, install
+
+    if "client_update" in ext or "clipping" in ext:
+        trainer, note = custom_trainer(cfg, trainer, model_cfg, model, ext.get("client_update"),
+                                       ext.get("clipping"))
+        trainer_note = note or trainer_note
+    test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
+    engine = RoundEngine(
+        cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
+        users=population.user_ids() if audit is None else audit.users(population.user_ids()),
+        fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
+                                     tokenizer,
+                                     fingerprint_secret(run.path, create=not resume)),
+        test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
+    )
+    install(engine, participation=ext.get("participation"), noise=ext.get("noise"), resume=resume)
+    aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
+    if audit is not None:
+        audit.engine_ready(engine)
+    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
+    baseline["fitted_on_held_out_clients"] = len(baseline_clients)
+    log(
+        f"data: {len(population)} train clients, {len(data.test)} held-out clients "
+        f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
+        f"{len(baseline_clients)} fit the unigram baseline); model "
+        f"{type(model).__name__ if model_cfg is None else model_cfg.arch} with "
+        f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
+    )
+    start, lost = engine.start, engine.lost
+    if resume:
+        log(f"resuming after round {start} of {cfg.rounds}" if start else
+            "no resume point was written yet: starting from round 1")
+        if lost:
+            log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
+                f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
+                "fresh noise tree")
+    stopped_early = None
+    rounds = range(start, cfg.rounds)
+    if progress:
+        from tqdm import tqdm
+
+        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=start,
+                      total=cfg.rounds)
+    for r in rounds:
+        plan = engine.open_round(before_round)
+        if isinstance(plan, Stop):
+            stopped_early = plan.message
+            break
+        updates = (train_plan(cfg, trainer, population, plan) if audit is None
+                   else audit.train_plan(cfg, trainer, population, plan))
+        bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
+        check_clipped(updates, bound, ext.get("clipping"), plan.round)  # before any sum
+        bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
+                [clipped_bit(u.norm, plan.count_threshold) for u in updates])
+        agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
+                                   bits=bits, clip_norm=plan.clip_norm)
+        record = engine.close_round(plan, agg, updates)
+        if progress and record["accuracy"] is not None:
+            rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")
+        if engine.resume_point_due():
+            engine.save_resume_point()
+
+    if stopped_early:
+        log(stopped_early)
+    final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
+                                   public_data=public_data, started=t_start,
+                                   extra={"client_trainer": trainer.name,  # cohort / sequential
+                                          **({"client_trainer_note": trainer_note} if trainer_note
+                                             else {}),
+                                          **({"data": "records given in Python"} if records is not None
+                                             else {}),
+                                          **({"public_pretraining": pretrained} if pretrained else {}),
+                                          **({"generated_population": generated_notice}
+                                             if generated_notice else {})})
+    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
+             log: Callable[[str], None]) -> None:
+    """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
+    config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
+    from dpfleet.coordinator.accounting.config_plan import apply_run_plan, make_run_plan
+
+    record = make_run_plan(cfg, population)
+    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
+    validate(cfg)
+    if not resume:
+        run.write_config(cfg.resolved())
+        run.write_json("plan.json", record)
+    c = record["chosen"]
+    log(f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N {population}, "
+        f"{record['rounds']} rounds -> report goal {c['report_goal']}, MinS {c['min_separation']}, "
+        f"MaxP {c['max_participation']}, {c['mechanism']} noise z {c['noise_multiplier']:.4g} (plan.json)")
+
+
+def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):
+    """The cohort trainer's torch.func path over a caller's module, tried on one dummy client
+    first: a module torch.func cannot batch (random dropout, in-place state) is one clear error."""
+    from dpfleet.edge.cohort import CohortTrainer
+
+    trainer = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
+                            device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb, model=model)
+    rows = np.full((2, cfg.data.seq_len + 1), 4, dtype=np.int32)
+    try:
+        trainer.train_round(get_flat(model), [rows], [0], lr=0.0, batch_size=cfg.client.batch_size,
+                            clip_norm=1.0)
+    except Exception as exc:  # the user's module under vmap
+        raise DpfleetError(f"client.trainer = 'cohort' cannot batch this model with torch.func "
+                           f"({type(exc).__name__}: {str(exc)[:200]}); use 'sequential' or 'auto'") from None
+    return trainer
+
+
+def largest_id(data) -> int:
+    """The largest token id in the federated data's rows (train and held-out clients)."""
+    return max((int(c.examples.max()) for c in (*data.train, *data.test) if c.examples.size), default=0)
+
+
+def check_custom_model(model: torch.nn.Module, vocab_size: int, seq_len: int, data) -> None:
+    """One forward on a dummy batch before any training: a custom model must map int64 token ids
+    [batch, time] to logits [batch, time, vocab_size], and its embedding must hold every token id
+    in the data, so a mismatch is one clear error instead of a traceback rounds later."""
+    top = largest_id(data)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.num_embeddings < max(vocab_size, top + 1):
+            raise DpfleetError(f"vocabulary mismatch: the model's embedding has {module.num_embeddings} "
+                               f"rows but token ids reach {max(vocab_size, top + 1) - 1} (tokenizer "
+                               f"vocab_size {vocab_size}, largest id in the data {top})")
+    dummy = torch.arange(2 * seq_len, dtype=torch.int64).reshape(2, seq_len) % vocab_size
+    training = model.training
+    model.eval()  # no dropout: the check draws nothing from torch's seeded generator
+    try:
+        with torch.no_grad():
+            out = model(dummy)
+    except Exception as exc:  # the user's module: any failure is their input's
+        raise DpfleetError(f"the model failed on a dummy batch of token ids [2, {seq_len}] (int64, "
+                           f"ids < {vocab_size}): {type(exc).__name__}: {exc}") from None
+    finally:
+        model.train(training)
+    expected = (2, seq_len, vocab_size)
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != expected:
+        what = ("vocabulary mismatch: the model's output vocabulary differs from the tokenizer's "
+                "vocab_size" if isinstance(got, tuple) and got[:2] == expected[:2] else
+                "the model's output has the wrong shape")
+        raise DpfleetError(f"{what}: token ids [2, {seq_len}] must give logits [batch, time, vocab] "
+                           f"= {list(expected)}, got {list(got) if isinstance(got, tuple) else got}")
+    if not out.is_floating_point():
+        raise DpfleetError(f"the model's output must be float logits, got {out.dtype}")
+
+
+def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list:
+    """The plan's devices trained in-process on the plan's model (seeds keyed by round, client).
+    `clients`: the run's `ClientStore`, or a list of `ClientData` (the same rows)."""
+    rows = clients.examples if isinstance(clients, ClientStore) else lambda i: clients[i].examples
+    return trainer.train_round(
+        plan.theta, [rows(i) for i in plan.devices],
+        [_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
+        batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm,
+    )

@@ -1,0 +1,3 @@
+"""What must survive: the run directory, the release log, resume points, the service's SQLite state
+store.
+"""

@@ -1,0 +1,348 @@
+"""Resuming an interrupted simulation from its run directory.
+
+Only what cannot be recomputed is saved, every `checkpoint_every` rounds and atomically: the
+DP-FTRL server (theta, momentum, the live noise nodes of the tree), the adaptive clip estimator,
+the number of rounds done, and the run's secret noise key. Participation (the guard, the device
+timers, the simulated clock) and the running accountant are *replayed* from the release log
+(`release_log`), the same records participation.jsonl and the privacy report come from: a
+resumed run cannot account differently from what it released, and a config or dataset that no
+longer reproduces the logged selections is refused. Every random draw of a round except the noise
+is keyed by (seed, round, client); the noise by (secret key, tree, node).
+
+Secrets: `resume/noise_key` holds the 32-byte noise key in its own file, mode 0600, and
+`resume/server_state.safetensors` the live tree-node vectors (noise secrets too: with the model
+they would let one subtract the noise). Both exist only while the run is unfinished; the finished
+run's `checkpoint/server_state.*` keeps theta, momentum, the clip norm and the trees' positions,
+never node vectors or the key, and the resume folder is deleted. (A finished run cannot extend its
+tree: a continuation has to start a fresh tree.)
+
+Privacy rules after a crash (`release_log` has the full design): a round that was released (it is
+in the release log) is never computed again. Resuming from a point older than the last release
+continues at the round after it, on a fresh tree; the lost rounds stay in the logs and the
+accounting. If nothing was lost, the run continues bit for bit as an uninterrupted run would (the
+key is restored). Resuming with other training data (`data_fingerprint`) is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
+from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
+from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.mechanisms.noise_stream import KEY_BYTES, key_id
+from dpfleet.coordinator.state.release_log import ReleaseLog
+from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
+from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import dumps
+
+RESUME = "resume"  # folder in the run directory; gone once the run has finished
+KEY_FILE = "noise_key"
+FINGERPRINT_KEY = ".fingerprint_key"  # in the run directory while the run is unfinished
+
+
+def fingerprint_secret(run_path: Path, create: bool) -> bytes:
+    """The run's secret for `data_fingerprint`: `.fingerprint_key` (0600), made when a run
+    starts and removed with the resume point when it finishes (`discard_resume`).
+
+    Why secret: the fingerprint goes into every line of `releases.jsonl`, which a user may
+    publish. A plain hash of the data is a deterministic, non-private release: whoever knows
+    every other client's text could test two guesses of one client's text against it."""
+    path = run_path / FINGERPRINT_KEY
+    if create:
+        path.unlink(missing_ok=True)
+        write_secret(path, secrets.token_bytes(KEY_BYTES))
+    if not path.is_file():
+        raise DpfleetError(f"{run_path} has no {FINGERPRINT_KEY}: its training data cannot be checked "
+                           "against the release log, so it cannot be resumed")
+    return path.read_bytes()
+
+
+def data_fingerprint(train_examples: Sequence[np.ndarray], tokenizer, secret: bytes) -> str:
+    """HMAC-SHA256 under the run's secret over the training clients' token arrays (in order) and
+    the saved tokenizer (`fingerprint_secret` says why it is keyed)."""
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    for rows in train_examples:
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        digest.update(repr(rows.shape).encode())
+        digest.update(rows.tobytes())
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(Path(tmp))
+        for f in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+            digest.update(f.relative_to(tmp).as_posix().encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def write_key(folder: Path, key: bytes) -> None:
+    """The noise key alone in `folder/noise_key`, created with mode 0600."""
+    write_secret(folder / KEY_FILE, key)
+
+
+def read_key(folder: Path) -> bytes:
+    path = folder / KEY_FILE
+    if not path.is_file():
+        raise DpfleetError(f"{folder} has no {KEY_FILE}: the resume point is incomplete")
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        raise DpfleetError(f"{path} holds {len(key)} bytes, not a {KEY_BYTES}-byte noise key")
+    return key
+
+
+def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict | None,
+                      extra: dict | None = None, with_noise: bool = True) -> None:
+    """server_state.safetensors (theta, momentum, and with `with_noise` the live tree nodes, noise
+    secrets for a resume point only) and server_state.json (the rest)."""
+    s = server.state_dict()
+    tree = s["tree"]
+    arrays = {"theta": s["theta"], "momentum": s["momentum"]}
+    if with_noise:
+        arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
+    save_numpy(arrays, str(folder / "server_state.safetensors"))
+    meta = {k: v for k, v in tree.items() if k != "noise"}
+    atomic_write(folder / "server_state.json", json.dumps(
+        {"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
+         "clip_estimator": clip_estimator, **(extra or {})}, indent=2))
+
+
+def load_server_state(folder: Path) -> tuple[dict, dict]:
+    """(the server's state_dict, the rest of server_state.json) saved by `save_server_state`."""
+    meta = json.loads((folder / "server_state.json").read_text())
+    arrays = load_numpy(str(folder / "server_state.safetensors"))
+    tree = dict(meta["tree"], noise=[arrays[f"tree_node_{i}"] for i in range(len(meta["tree"]["nodes"]))])
+    state = {"theta": arrays["theta"], "momentum": arrays["momentum"], "round": meta["round"],
+             "clip_norm": meta["clip_norm"], "tree": tree}
+    return state, meta
+
+
+def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
+    estimator.estimate, estimator.base = float(state["estimate"]), float(state["base"])
+    estimator.noised_prefix = float(state["noised_prefix"])
+    tree = dict(state["tree"], noise=[np.array([v], dtype=np.float32) for v in state["tree"]["noise"]])
+    estimator.load_tree(tree)
+
+
+# [service] settings an operator may change between restarts of a coordinator: deadlines, rate
+# limits, the time scale. Not `overselect`: it changes the round size, hence the sensitivity.
+OPERATIONAL = {"service": {"overselect"}}
+
+
+def _accounted(config: dict) -> dict:
+    """The config without its operational settings (those do not touch noise or accounting)."""
+    out = dict(config)
+    for section, kept in OPERATIONAL.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k in kept}
+    if isinstance(out.get("dp"), dict):  # a run saved before dp.mechanism existed used the tree
+        out["dp"] = {"mechanism": "tree", **out["dp"]}
+    return out
+
+
+def differing_keys(saved: dict, resolved: dict, keys: Sequence[str] | None = None) -> list[str]:
+    """Top-level keys (all, or `keys`) where a config saved as JSON and a resolved one differ,
+    operational service settings aside."""
+    saved = _accounted(saved)
+    current = _accounted(json.loads(json.dumps(resolved)))  # like with like: tuples become lists
+    keys = sorted(set(saved) | set(current)) if keys is None else list(keys)
+    return [k for k in keys if saved.get(k) != current.get(k)]
+
+
+def check_resumable(path: Path, resolved: dict) -> None:
+    """`path` is an unfinished run of exactly this config (else resuming would mix two runs)."""
+    if not (path / "config.json").is_file():
+        raise DpfleetError(f"{path} is not a run directory (no config.json): nothing to resume")
+    if (path / "summary.json").is_file():
+        raise DpfleetError(f"{path} is a finished run: nothing to resume")
+    changed = differing_keys(json.loads((path / "config.json").read_text()), resolved)
+    if changed:
+        raise DpfleetError(f"{path} was started with another config (it differs in "
+                           f"{', '.join(changed)}); resume it with the config it was started with")
+
+
+def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
+                estimator: QuantileClipEstimator | None) -> None:
+    """Replace the run's resume point with the state after `rounds_done` rounds.
+
+    Written to resume.tmp, then swapped in, so a crash at any moment leaves one whole resume
+    point (`resume/`, or `resume.old/` if the crash fell between the two renames). The noise
+    key goes to its own 0600 file.
+    """
+    tmp, final, old = (run_path / f"{RESUME}{s}" for s in (".tmp", "", ".old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_server_state(tmp, server, estimator.state_dict() if estimator else None,
+                      {"rounds_done": rounds_done})
+    write_key(tmp, server.noise_key)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_point(run_path: Path) -> Path | None:
+    for name in (RESUME, f"{RESUME}.old"):
+        if (run_path / name / "server_state.json").is_file():
+            return run_path / name
+    return None
+
+
+def discard_resume(run_path: Path) -> None:
+    for suffix in ("", ".tmp", ".old"):
+        shutil.rmtree(run_path / f"{RESUME}{suffix}", ignore_errors=True)
+    (run_path / FINGERPRINT_KEY).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """Where a resume reads its state when it is not a run directory's resume/ folder and
+    metrics.jsonl (the SQLite state store, `state_store`): nothing is rewritten there."""
+
+    point: Path | None  # the saved server state (save_server_state with `rounds_done`)
+    key_folder: Path  # holds the noise key file
+    metrics: list[dict]  # the logged per-round metrics
+    # selection among the devices that checked in (the networked coordinator): check-ins are
+    # not logged, so the replay takes each round's logged devices as the ones available
+    networked: bool = False
+
+
+def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
+            source: ResumeSource | None = None) -> int:
+    """Load the resume point into `server` / `estimator`; returns the number of rounds done."""
+    folder = resume_point(run_path) if source is None else source.point
+    if folder is None:
+        return 0
+    state, meta = load_server_state(folder)
+    if state["theta"].shape != server.theta.shape:
+        raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
+                           f"builds {server.theta.size}: it belongs to another run")
+    server.noise_key = read_key(folder if source is None else source.key_folder)
+    server.load_state(state)
+    if estimator is not None:
+        if meta["clip_estimator"] is None:
+            raise DpfleetError(f"{folder} has no adaptive-clipping state but the config clips adaptively")
+        estimator.nodes.key = server.noise_key
+        load_clip_estimator(estimator, meta["clip_estimator"])
+    return int(meta["rounds_done"])
+
+
+def replay(participation: Participation, accountant: RunAccountant, logged: list[dict],
+           users: Sequence[str], networked: bool = False) -> list[dict]:
+    """Bring participation and the accountant to where they were after the logged rounds
+    (`networked`: `ResumeSource.networked`; the guard still refuses any MinS / MaxP break);
+    returns the accountant's privacy after each of them (what each metrics record says)."""
+    index = {u: i for i, u in enumerate(users)}
+    spent = []
+    for entry in logged:
+        r = entry["round"]
+        try:
+            contributed = sorted(index[u] for u in entry["devices"])
+        except KeyError as exc:
+            raise DpfleetError(f"round {r + 1} of the log names device {exc}, which this config's "
+                               "data does not have: the run was started with other data") from None
+        try:
+            if networked:  # who checked in is not logged: those in the sum, all of them (an
+                # over-selected round may have more contributors than the report goal)
+                extra = max(0, len(contributed) - participation.report_goal)
+                selection = participation.propose(r, np.asarray(contributed, dtype=np.int64),
+                                                  extra=extra)
+            else:
+                selection = participation.propose(r)
+        except RoundUnfillable:
+            selection = None
+        if selection is None or not set(contributed) <= set(selection.devices):
+            raise DpfleetError(f"round {r + 1} of the log does not replay under this config "
+                               "(other devices would be selected): the run was started differently")
+        participation.commit(selection, contributed)
+        spent.append(accountant.record(entry["devices"], entry["restart"]))
+    return spent
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run stands."""
+
+    start: int  # 0-based index of the next round to run (= rounds released so far)
+    rounds_done: int  # rounds in the resume point's state
+    metrics: list[dict] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)  # 1-based rounds released but not in the state
+
+    @property
+    def fresh_tree_at(self) -> int | None:
+        """The round that starts a fresh tree because released state was lost."""
+        return self.start if self.lost else None
+
+
+def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[dict],
+                          spent: list[dict]) -> list[dict]:
+    """Metrics of every released round: logged ones kept. A released round without one (a run
+    or state of an older dpfleet, where the metrics were written after the release) gets a record
+    rebuilt from its release and the replayed accountant (`spent`, the same numbers the round
+    logged), so every reader finds the DP fields; its evaluation is gone (null)."""
+    by_round = {m["round"]: m for m in logged}
+    out = []
+    for r, privacy in zip(released, spent, strict=True):
+        stub = {"round": r["round"], "clients": len(r["participants"]), "clip": r["clip_norm"],
+                "epsilon": privacy["epsilon"], "zcdp": privacy["zcdp"],
+                "min_separation": privacy["min_separation"],
+                "max_participation": privacy["max_participation"], "restart": r["restart"],
+                "lost_in_crash": r["round"] > rounds_done, "rebuilt_after_crash": True,
+                "accuracy": None, "loss": None}
+        out.append(by_round.get(r["round"], stub))
+    return out
+
+
+def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
+               releases: ReleaseLog, participation: Participation, accountant: RunAccountant,
+               users: Sequence[str], fingerprint: str, source: ResumeSource | None = None
+               ) -> Resumed:
+    """Restore the resume point, replay every released round, and start a fresh tree when
+    released rounds were lost (module docstring); rewrites metrics/participation logs to match
+    (with `source`, the state store's, nothing is rewritten: its logs commit with the release)."""
+    released = releases.released_rounds()
+    if released and released[-1]["data_sha256"] != fingerprint:
+        raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
+                           "clients or the tokenizer changed): resuming would mix two datasets")
+    done = restore(run_path, server, estimator, source)
+    if len(released) < done:
+        raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
+                           f"point has {done}: the release log was edited")
+    if done and released[done - 1]["key_id"] != key_id(server.noise_key):
+        raise DpfleetError(f"{run_path}: the resume point's noise key is not the one round {done} "
+                           "was released with: the resume point belongs to another run")
+    resumed = Resumed(start=len(released), rounds_done=done,
+                      lost=[r["round"] for r in released[done:]])
+    if resumed.lost:  # never reuse the lost rounds' nodes: a fresh tree from the saved model
+        tree_id = releases.next_tree_id()
+        server.round = resumed.start
+        server.restart(estimator.estimate if estimator else None, tree_id=tree_id)
+        if estimator is not None:
+            estimator.restart(tree_id)
+    entries = [{"round": r["round"] - 1, "devices": r["participants"], "restart": r["restart"]}
+               for r in released]
+    if source is not None:
+        spent = replay(participation, accountant, entries, users, source.networked)
+        resumed.metrics = _metrics_after_resume(source.metrics, done, released, spent)
+        return resumed
+    atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
+    path = run_path / "metrics.jsonl"
+    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(logged) < done:  # the saved rounds must all be there
+        raise DpfleetError(f"{path} has {len(logged)} rounds but the resume point has {done}")
+    spent = replay(participation, accountant, entries, users)
+    resumed.metrics = _metrics_after_resume(logged, done, released, spent)
+    atomic_write(run_path / "metrics.jsonl", "".join(dumps(m) + "\n" for m in resumed.metrics))
+    return resumed
