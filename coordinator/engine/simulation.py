@@ -249,7 +249,7 @@ def run_simulation(
                                    model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
         model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
-    from dpfleet.extensions import check_clipped, custom_trainer, install
+    from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install
 
     if "client_update" in ext or "clipping" in ext:
         trainer, note = custom_trainer(cfg, trainer, model_cfg, model, ext.get("client_update"),
