@@ -220,9 +220,17 @@ _CHOICES = {
     "aggregation.kind": ("plain", "secagg"),
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
-    "dp.mechanism": ("tree", "banded", "blt", "auto"),
     "fleet.client": ("dpfleet", "bundle"),
 }
+
+def _choices(key: str) -> tuple | None:
+    """A key's allowed values; dp.mechanism's are the registered mechanisms' (`registry`)."""
+    if key == "dp.mechanism":
+        from dpfleet.coordinator.mechanisms.registry import names
+
+        return (*names(), "auto")
+    return _CHOICES.get(key)
+
 
 _MOVED = {"dp.sampling": "participation.mode"}
 
@@ -262,7 +270,7 @@ def build_section(cls: type, values: dict, prefix: str) -> object:
             if isinstance(hint, types.UnionType):
                 hint = typing.get_args(hint)[0]
             kwargs[key] = _check_type(prefix + key, value, hint)
-            choices = _CHOICES.get(prefix + key)
+            choices = _choices(prefix + key)
             if choices and value not in choices:
                 raise DpfleetError(f"config key '{prefix}{key}' must be one of {choices}")
     return cls(**kwargs)
@@ -285,7 +293,16 @@ def given_planned_keys(values: dict) -> dict[str, object]:
 
 
 def parse_config(values: dict) -> SimulationConfig:
+    # a run's config.json carries its mechanism's binding (name, fingerprint): not a setting, a pin
+    # the run checks its mechanism against (`mechanism_binding.run_mechanism`)
+    binding = values.get("mechanism") if isinstance(values, dict) else None
+    if binding is not None:
+        if not (isinstance(binding, dict) and set(binding) == {"name", "sha256"}):
+            raise DpfleetError("config key 'mechanism' is a run's binding {name, sha256} (config.json); "
+                               "choose a mechanism with dp.mechanism")
+        values = {k: v for k, v in values.items() if k != "mechanism"}
     cfg = build_section(SimulationConfig, values, "")
+    cfg.mechanism_binding = binding
     # what the config itself says of the planned keys (not a TOML key): the plan must agree with it
     cfg.planned_given = given_planned_keys(values)
     cfg.dp.noise = resolve_noise(cfg)
@@ -411,14 +428,15 @@ def validate(cfg: SimulationConfig) -> None:
 
 
 def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
-    """What a matrix-factorization mechanism (dp.mechanism "banded" / "blt") does not support yet.
-    (With secagg its noise goes into the ring rounded, `mf_ring`; adaptive clipping adopts the
-    estimate every round, `adaptive_clipping`.)"""
-    mf = cfg.dp.mechanism not in ("tree", "auto")  # auto picks only what the config supports
-    name = f"dp.mechanism = '{cfg.dp.mechanism}'"
+    """What the config's mechanism cannot do (the engine checks a caller's object the same way,
+    `mechanism_binding.check_supported`): only a mechanism with restarts takes dp.restart_rounds."""
+    if cfg.dp.mechanism == "auto":  # auto picks only what the config supports
+        return []
+    from dpfleet.coordinator.mechanisms.registry import entry
+
     return [
-        (not mf or not cfg.dp.restart_rounds,
-         f"{name} has no tree to restart: dp.restart_rounds must be empty"),
+        (entry(cfg.dp.mechanism).cls.supports_restarts or not cfg.dp.restart_rounds,
+         f"dp.mechanism = '{cfg.dp.mechanism}' has no tree to restart: dp.restart_rounds must be empty"),
     ]
 
 

@@ -47,7 +47,7 @@ from torch import nn
 from dpfleet.coordinator.config import SimulationConfig, load_config, parse_config, validate
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.errors import DpfleetError
-from dpfleet.extensions import ClippingRule, LocalUpdate, NoiseMechanism, ParticipationPolicy
+from dpfleet.extensions import ClippingRule, LocalUpdate, Mechanism, ParticipationPolicy
 
 __all__ = ["Result", "TokenizerLike", "run", "simulate"]
 
@@ -107,7 +107,7 @@ def simulate(
     overwrite: bool = False,
     client_update: LocalUpdate | None = None,
     clipping: ClippingRule | None = None,
-    noise: NoiseMechanism | None = None,
+    noise: Mechanism | None = None,
     participation: ParticipationPolicy | None = None,
 ) -> Result:
     """Train a model with DP-FTRL over a simulated fleet and return its `Result`.
@@ -130,7 +130,7 @@ def simulate(
         clipping: your clipping rule (`dpfleet.extensions.ClippingRule`), checked every round
             against the bound; default the L2 clip.
         noise: your noise mechanism with its declared accounting
-            (`dpfleet.extensions.NoiseMechanism`); default the config's `dp.mechanism`.
+            (`dpfleet.extensions.Mechanism`); default the config's `dp.mechanism`.
         participation: your choice among the eligible devices
             (`dpfleet.extensions.ParticipationPolicy`, participation.mode = "uniform"); default
             the config's mode.
@@ -167,7 +167,7 @@ def run(
     audit=None,
     client_update: LocalUpdate | None = None,
     clipping: ClippingRule | None = None,
-    noise: NoiseMechanism | None = None,
+    noise: Mechanism | None = None,
     participation: ParticipationPolicy | None = None,
 ) -> Result:
     """`simulate` for a parsed config (what the CLI calls): checks the inputs, runs, and reads

@@ -13,7 +13,7 @@ from dpfleet.coordinator.engine.extensions import (  # noqa: F401 (re-exported)
     LocalSGD,
     LocalUpdate,
     MatrixMechanism,
-    NoiseMechanism,
+    Mechanism,
     NoiseStream,
     ParticipationPolicy,
     TreeMechanism,
@@ -25,6 +25,6 @@ from dpfleet.coordinator.engine.extensions import (  # noqa: F401 (re-exported)
 
 __all__ = [
     'ClippingRule', 'DisjointPolicy', 'Eligible', 'LocalSGD', 'LocalUpdate', 'MatrixMechanism',
-    'NoiseMechanism', 'NoiseStream', 'ParticipationPolicy', 'TreeMechanism', 'UniformPolicy',
+    'Mechanism', 'NoiseStream', 'ParticipationPolicy', 'TreeMechanism', 'UniformPolicy',
     'check_clipped', 'check_selection', 'clip_l2'
 ]

@@ -4,8 +4,8 @@
 
 * client update: `LocalAdam`, a few local epochs of Adam instead of one epoch of SGD;
 * clipping rule: `PerLayerClip`, each parameter tensor clipped to its share of the bound;
-* noise mechanism: `IndependentGaussian`, fresh Gaussian noise on every round's sum (DP-SGD's
-  noise, no tree), with its zCDP declared;
+* noise mechanism: `DenseStrategy`, matrix-factorization noise from a strategy matrix you give
+  (here a two-band Toeplitz C), with its sensitivity declared (an upper bound);
 * participation policy: `CyclicPolicy`, devices in fixed groups that take turns (the cyclic
   participation of the matrix-factorization papers).
 
@@ -29,13 +29,15 @@ from torch.nn import functional as F
 import dpfleet
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
 from dpfleet.errors import DpfleetError
-from dpfleet.extensions import Eligible, clip_l2
+from dpfleet.extensions import Eligible, Mechanism, clip_l2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import custom_model  # noqa: E402
 
 # custom_model.py's data and tokenizer; plain aggregation (a custom mechanism adds float noise to
 # the sum, not in secure aggregation's ring), cyclic groups of 4 under the guard's MinS 3
+# a two-band Toeplitz strategy over the run's 8 rounds: C = I + 0.5 (subdiagonal)
+STRATEGY = np.eye(8) + 0.5 * np.eye(8, k=-1)
 CONFIG = {**{k: v for k, v in custom_model.CONFIG.items() if k != "aggregation"}, "rounds": 8,
           "eval_every": 4, "client": {"lr": 0.5, "batch_size": 16},
           "dp": {"noise_multiplier": 0.5, "clip_norm": 0.5, "report_goal": 10, "momentum": 0.9},
@@ -87,30 +89,55 @@ class PerLayerClip:
 
 
 # --8<-- [start:noise]
-class IndependentGaussian:
-    """`NoiseMechanism`: fresh N(0, std^2) noise on every round's sum, from the run's secret key.
+class DenseStrategy(Mechanism):
+    """`Mechanism`: matrix-factorization noise from a strategy C you give as a dense matrix.
 
-    Accounting: each participation is one Gaussian mechanism of sensitivity C and noise z C,
-    rho = 1 / (2 z^2); rounds compose, so a device seen at most MaxP times has rho = MaxP / (2 z^2),
-    whatever the separation."""
+    Round t's sum gets (C^-1 z)_t, z_t ~ N(0, (z C_clip)^2 I) drawn from the run's secret key, so
+    the released prefix sums carry B z with A = B C (any lower-triangular C with a nonzero
+    diagonal). Sensitivity (zero-out, a device in k rounds): ||C u|| <= the sum of the k largest
+    column norms of C (triangle inequality over the device's columns, whatever the separation):
+    an upper bound, so the run is accounted soundly if looser than the built-ins' exact ones.
+    A resume replays the stream from the key (the base class's default)."""
 
-    name = "independent Gaussian"
+    name = "dense"
 
-    def stream(self, dim: int, std: float, key: bytes):
-        nodes = GaussianNodes(key, std, dim, domain=b"independent")  # its own keystream domain
+    def __init__(self, matrix: np.ndarray):
+        self.c = np.asarray(matrix, dtype=np.float64)
+        n = self.c.shape[0]
+        if self.c.shape != (n, n) or not np.allclose(self.c, np.tril(self.c)) or np.any(np.diag(self.c) == 0):
+            raise DpfleetError("a dense strategy is a square lower-triangular matrix with a nonzero diagonal")
+        self.norms = np.sort(np.linalg.norm(self.c, axis=0))[::-1]
 
-        class Stream:
-            t = 0
+    def identity(self) -> dict:
+        return {"matrix": self.c.tolist()}
 
-            def next_residual(self) -> np.ndarray:
+    def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
+        if rounds > len(self.c):
+            raise DpfleetError(f"the dense strategy covers {len(self.c)} rounds, not {rounds}")
+        return (1 + len(restarts)) * float(self.norms[:max_participation].sum()) ** 2
+
+    def stream(self, dim, std, key, segment=0, purpose="model"):
+        z = GaussianNodes(key, std, dim, domain=b"dense-" + purpose.encode())  # its own keystream
+        c = self.c
+
+        class Stream:  # forward substitution: y_t = (z_t - sum_{j<t} C[t, j] y_j) / C[t, t]
+            def __init__(self):
+                self.tree_id, self.t, self.past = segment, 0, []
+
+            def next_residual(self):
+                row = c[self.t]
+                y = z(segment, 0, self.t + 1).astype(np.float64)
+                for j, prev in enumerate(self.past):
+                    y -= row[j] * prev
+                y /= row[self.t]
+                self.past.append(y)
                 self.t += 1
-                return nodes(0, 0, self.t)
+                return y.astype(np.float32)
+
+            def state_dict(self):
+                return {"tree_id": self.tree_id, "t": self.t, "nodes": [], "noise": []}
 
         return Stream()
-
-    def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
-             max_participation: int) -> float | None:
-        return max_participation / (2 * noise_multiplier**2)
 # --8<-- [end:noise]
 
 
@@ -135,7 +162,7 @@ class CyclicPolicy:
 def main(run_dir: Path, progress: bool = True, config: dict | None = None) -> dpfleet.Result:
     """`examples/custom_model.py`'s run with the four parts above."""
     return custom_model.main(run_dir, progress, config or CONFIG, lambda model: dict(
-        client_update=LocalAdam(), clipping=PerLayerClip(model), noise=IndependentGaussian(),
+        client_update=LocalAdam(), clipping=PerLayerClip(model), noise=DenseStrategy(STRATEGY),
         participation=CyclicPolicy(groups=4)))
 
 

@@ -4,31 +4,20 @@ status page (`status_page.py`) renders."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
-from dpfleet.coordinator.accounting.run_accountant import write_run_privacy
+from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.service.rounds import ApiError, RoundDriver
 
 
 def privacy_report(driver: RoundDriver) -> str:
     """privacy_report.md: the finished run's, or one accounted now from the committed rounds
-    (participation exported from the store's release rows, never from memory)."""
+    (the store's release rows, never the engine's memory), rendered in memory."""
     final = driver.store.path / "privacy_report.md"
     if driver.run_state == "finished" and final.is_file():
         return final.read_text()
     if driver.current is not None and driver.current.state == "closing":
         raise ApiError(503, "committing", "a round is being committed; ask again in a moment",
                        {"Retry-After": "1"})
-    eng = driver.engine
-    exported = driver.store.export_participation()
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(exported, Path(tmp) / "participation.jsonl")
-        write_run_privacy(Path(tmp), driver.cfg, eng.participation, eng.accountant,
-                          len(driver.b.users), model_noise_multiplier=eng.z_model,
-                          stopped_early=None, vocabulary=eng.vocabulary)
-        return (Path(tmp) / "privacy_report.md").read_text()
+    return render_privacy_report(driver.engine.privacy(committed=driver.store.releases()))
 
 
 def public_status(driver: RoundDriver) -> dict:

@@ -18,17 +18,14 @@ from hypothesis import strategies as st
 from test_api import CONFIG, USERS, TinyLM, WordIds
 
 import dpfleet
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.engine.participation import check_selection
-from dpfleet.coordinator.mechanisms.mf_noise import MFAccountant
-from dpfleet.coordinator.mechanisms.spec import optimize_mechanism
 from dpfleet.errors import DpfleetError
 from dpfleet.extensions import (
     ClippingRule,
     LocalSGD,
     LocalUpdate,
-    MatrixMechanism,
-    NoiseMechanism,
+    Mechanism,
     ParticipationPolicy,
     TreeMechanism,
     UniformPolicy,
@@ -62,7 +59,7 @@ def test_example_runs_all_four_and_its_epsilon_is_the_declared_one(tmp_path):
     ex = _example()
     model = ex.custom_model.GRULanguageModel(64)
     assert isinstance(ex.LocalAdam(), LocalUpdate) and isinstance(ex.PerLayerClip(model), ClippingRule)
-    assert isinstance(ex.IndependentGaussian(), NoiseMechanism)
+    assert isinstance(ex.DenseStrategy(ex.STRATEGY), Mechanism)
     assert isinstance(ex.CyclicPolicy(4), ParticipationPolicy)
     result = ex.main(tmp_path / "ext", progress=False)
     privacy = json.loads((result.run_dir / "privacy.json").read_text())
@@ -73,11 +70,14 @@ def test_example_runs_all_four_and_its_epsilon_is_the_declared_one(tmp_path):
             seen.setdefault(d, []).append(entry["round"])
     maxp = max(len(r) for r in seen.values())
     gaps = [b - a - 1 for r in seen.values() for a, b in zip(r, r[1:], strict=False)]
-    # cyclic: a device comes back only every 4th round; the declared rho is MaxP / (2 z^2)
+    # cyclic: a device comes back only every 4th round; the declared sens^2 is the square of the
+    # sum of the MaxP largest column norms of the strategy, converted by RDP
     assert gaps and min(gaps) >= 3 and privacy["min_separation"] == min(gaps)
-    assert privacy["zcdp"] == pytest.approx(maxp / (2 * ex.CONFIG["dp"]["noise_multiplier"] ** 2))
-    assert privacy["noise_mechanism"] == "custom: independent Gaussian"
-    assert privacy["accounted_by_dpfleet"] is False and privacy["accounting_declared_by_mechanism"]
+    norms = sorted(np.linalg.norm(ex.STRATEGY, axis=0), reverse=True)
+    rho = sum(norms[:maxp]) ** 2 / (2 * ex.CONFIG["dp"]["noise_multiplier"] ** 2)
+    assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12) and privacy["mechanism"] == "dense"
+    assert privacy["epsilon"] == epsilon_from_zcdp(privacy["zcdp"], privacy["delta"], "rdp")
+    assert privacy["accounted_by_dpfleet"] is False and privacy["method"] == "rdp"
     assert "AS DECLARED" in (result.run_dir / "privacy_report.md").read_text()
     assert result.epsilon == privacy["epsilon"] < math.inf
     assert "LocalAdam" in json.loads((result.run_dir / "summary.json").read_text())["client_trainer_note"]
@@ -93,7 +93,9 @@ def test_built_in_parts_passed_explicitly_are_the_same_run(tmp_path):
         assert torch.equal(a, b)
     assert [m["zcdp"] for m in base.metrics] == [m["zcdp"] for m in same.metrics]
     assert [m["accuracy"] for m in base.metrics] == [m["accuracy"] for m in same.metrics]
-    assert same.privacy["noise_mechanism"] == "custom: tree"
+    assert same.privacy == base.privacy and same.privacy["accounted_by_dpfleet"] is True
+    report = "privacy_report.md"
+    assert (same.run_dir / report).read_text() == (base.run_dir / report).read_text()
 
 
 def test_a_custom_local_update_changes_the_training(tmp_path):
@@ -165,48 +167,55 @@ def test_check_selection_accepts_exactly_the_valid_choices(size, data):
             check_selection(np.array(chosen, dtype=np.int64), count, size, blocked, None, 0)
 
 
-class Unaccounted:
-    name = "unaccounted"
+class ClaimsZero(Mechanism):
+    """Zero noise, zero sensitivity declared: the "eps 0, AS DECLARED" of issue 31's attack 5."""
 
-    def stream(self, dim, std, key):
-        return TreeMechanism().stream(dim, std, key)
+    name = "claims-zero"
 
-    def zcdp(self, noise_multiplier, rounds, min_separation, max_participation):
+    def identity(self):
+        return {}
+
+    def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
+        return 0.0
+
+    def stream(self, dim, std, key, segment=0, purpose="model"):
+        return TreeMechanism().stream(dim, 0.0, key, segment, purpose)
+
+
+class ClaimsNone(ClaimsZero):
+    name = "claims-none"
+
+    def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
         return None
 
 
-def test_a_mechanism_without_accounting_says_so_plainly(tmp_path):
-    result = _run(tmp_path, noise=Unaccounted())
-    privacy = json.loads((result.run_dir / "privacy.json").read_text())
-    assert privacy["epsilon"] is None and result.epsilon == math.inf  # strict JSON: inf -> null
-    assert privacy["accounted_by_dpfleet"] is False and not privacy["accounting_declared_by_mechanism"]
-    assert "NOT ACCOUNTED BY DPFLEET" in (result.run_dir / "privacy_report.md").read_text()
-    budget = {**UNIFORM, "dp": {**UNIFORM["dp"], "budget_epsilon": 50.0}}
-    with pytest.raises(DpfleetError, match="budget_epsilon needs an accounted mechanism"):
-        _run(tmp_path, "b", config=budget, noise=Unaccounted())
+class Short(ClaimsZero):
+    name = "short"
+
+    def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
+        return float(max_participation)
+
+    def stream(self, dim, std, key, segment=0, purpose="model"):
+        return TreeMechanism().stream(dim - 1, std, key, segment, purpose)
+
+
+@pytest.mark.parametrize("mechanism,value", [(ClaimsZero(), "0.0"), (ClaimsNone(), "None")])
+def test_attack_a_mechanism_claiming_no_sensitivity_is_refused_before_release(tmp_path, mechanism, value):
+    """Attack 5: zero noise with a declared zCDP of 0 ended with "eps 0, AS DECLARED". Now a
+    sensitivity that is not a finite number > 0 once a device took part is refused at the round's
+    accounting, before the round's release is recorded."""
+    with pytest.raises(DpfleetError, match=rf"{mechanism.name}.*returned {value}; it must be a finite"):
+        _run(tmp_path, noise=mechanism)
+    assert _released(tmp_path / "run") == []
+    assert not (tmp_path / "run" / "privacy.json").exists()
 
 
 def test_custom_noise_refuses_what_it_cannot_honour(tmp_path):
     secagg = {**UNIFORM, "aggregation": {"kind": "secagg"}}
-    with pytest.raises(DpfleetError, match="ring noise"):
-        _run(tmp_path, config=secagg, noise=TreeMechanism())
-    with pytest.raises(DpfleetError, match="must be a dpfleet.extensions.NoiseMechanism"):
+    with pytest.raises(DpfleetError, match="short.* cannot run with ring noise .*no ring_stream"):
+        _run(tmp_path, config=secagg, noise=Short())
+    with pytest.raises(DpfleetError, match="must be a dpfleet.extensions.Mechanism"):
         _run(tmp_path, "b", noise=object())
-
-    class Short(Unaccounted):
-        def stream(self, dim, std, key):
-            return TreeMechanism().stream(dim - 1, std, key)
-
-    with pytest.raises(DpfleetError, match=r"round 1's noise must be a finite vector of shape"):
+    with pytest.raises(DpfleetError, match=r"round 1's noise must be a finite float vector of shape"):
         _run(tmp_path, "c", noise=Short())
-
-
-def test_built_in_mechanisms_declare_what_the_run_accountant_computes():
-    log = [["a", "b"], ["c"], ["a"], ["b", "c"], ["a"]]  # a: rounds 0, 2, 4 (MinS 1, MaxP 3)
-    tree, z = RunAccountant(0.8, 1e-6), 0.8
-    spec = optimize_mechanism("banded", 5, 1, 3)
-    mf = MFAccountant(spec, 0.8, 1e-6)
-    for devices in log:
-        got_tree, got_mf = tree.record(devices, False), mf.record(devices, False)
-    assert TreeMechanism().zcdp(z, 5, 1, 3) == pytest.approx(got_tree["zcdp"], rel=1e-12)
-    assert MatrixMechanism(spec).zcdp(z, 5, 1, 3) == pytest.approx(got_mf["zcdp"], rel=1e-12)
+    assert _released(tmp_path / "c") == []

@@ -12,6 +12,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     zcdp_for_epsilon,
     zcdp_from_sensitivity,
 )
+from dpfleet.coordinator.mechanisms.registry import rebuild
 from dpfleet.coordinator.mechanisms.spec import (
     DESCRIPTIONS,
     MechanismSpec,
@@ -91,7 +92,7 @@ def test_participation_log_accounts_the_runs_own_strategy_for_the_observed_parti
 def test_participation_log_without_a_strategy_stays_tree(tmp_path, capsys):
     log = write_log(tmp_path / "run", {"a": [0, 3], "b": [1]}, 8)
     out = json.loads(run(capsys, "account", "-z", "2", "--participation-log", str(log), "--json"))
-    assert "mechanism" not in out and out["min_separation"] == 2 and out["sensitivity_squared"] >= 2
+    assert out["mechanism"] == "tree" and out["min_separation"] == 2 and out["sensitivity_squared"] >= 2
 
 
 @pytest.mark.parametrize("kind", ["banded", "blt"])
@@ -146,8 +147,8 @@ def test_plan_auto_picks_the_least_model_noise_at_the_target(capsys):
     for r in rows.values():  # each z meets the target exactly, for its own sensitivity
         assert zcdp_from_sensitivity(r["noise_multiplier"], r["sensitivity_squared"]) == \
             pytest.approx(rho, rel=1e-12)
-        spec = MechanismSpec.from_json(r["spec"])
-        assert r["model_noise"] == pytest.approx(r["noise_multiplier"] * math.sqrt(prefix_error(spec)))
+        built = rebuild(r["mechanism"], r["spec"])
+        assert r["model_noise"] == pytest.approx(r["noise_multiplier"] * math.sqrt(built.prefix_error(60)))
     assert rows["tree"]["noise_multiplier"] == rec["chosen"]["noise_multiplier"]
     best = min(rows.values(), key=lambda r: r["model_noise"])
     assert rec["mechanism"] == best["mechanism"] != "tree"

@@ -28,12 +28,12 @@ from test_ring_wrap_attack import BITS, CLIP, DIM, KEY, Z, world
 import dpfleet.coordinator.engine.round_engine as round_engine
 import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
 from dpfleet.cli import main
+from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
-from dpfleet.coordinator.mechanisms.mf_noise import RING_MF_MECHANISM
 from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise, inverse_variance_factor, round_half_up
 from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
 from dpfleet.coordinator.mechanisms.ring_noise import noisy_ring, plan_ring, ring_distance
@@ -285,9 +285,8 @@ def test_ring_release_decodes_to_the_plain_mf_release_up_to_quantization():
 
 
 def test_auto_mechanism_may_pick_mf_with_secagg_and_adaptive_clipping_but_not_with_restarts():
-    from dpfleet.coordinator.accounting.config_plan import allowed_mechanisms
+    from dpfleet.coordinator.accounting.planner import candidates
 
-    assert allowed_mechanisms(parse_config(secagg("tree"))) == ("tree", "banded", "blt")
-    adaptive = secagg("tree", adaptive_clipping=True, clip_count_stddev=1.0)
-    assert allowed_mechanisms(parse_config(adaptive)) == ("tree", "banded", "blt")
-    assert allowed_mechanisms(parse_config(secagg("tree", restart_rounds=[3]))) == ("tree",)
+    assert candidates("auto") == ("tree", "banded", "blt")  # independent is never the least noise
+    assert candidates("auto", restarts=True) == ("tree",)
+    assert candidates("banded") == ("tree", "banded")

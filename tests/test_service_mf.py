@@ -17,8 +17,10 @@ from test_service_parity import lines, run_service
 from test_service_secagg import SECAGG, check_sums, secagg_cfg, serve_with_devices
 
 import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
+from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.engine.simulation import run_simulation
-from dpfleet.coordinator.mechanisms.mf_noise import RING_MF_MECHANISM, MFAccountant
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise
 from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
 from dpfleet.coordinator.mechanisms.spec import MechanismSpec
@@ -96,7 +98,7 @@ def test_kill_9_after_a_commit_then_the_mf_run_continues_its_segment(tmp_path):
     check_no_reuse(releases)
     assert [(r["round"], r["tree_id"], r["t"]) for r in releases] == [(1, 0, 1), (2, 0, 2), (3, 0, 3)]
     spec = MechanismSpec.from_json(read_json(state / "mechanism.json")["spec"])
-    fresh = MFAccountant(spec, cfg.dp.noise_multiplier, cfg.dp.delta)
+    fresh = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, mechanism=MatrixMechanism(spec))
     for r in releases:
         spent = fresh.record(r["participants"], r["restart"])
     assert lines(state / "metrics.jsonl")[-1]["zcdp"] == pytest.approx(spent["zcdp"], rel=1e-12)

@@ -20,22 +20,12 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows, pick_mechanism
+from dpfleet.coordinator.accounting.planner import candidates, make_plan, mechanism_rows, pick_mechanism
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.mechanisms.spec import MECHANISMS
 from dpfleet.errors import DpfleetError
 
 Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's within this
-
-
-def allowed_mechanisms(cfg: SimulationConfig) -> tuple[str, ...]:
-    """What "auto" may pick: matrix-factorization noise has no tree restarts (config.mechanism_
-    checks), so with dp.restart_rounds only the tree. (With secagg MF noise goes into the ring,
-    `mf_ring`; with adaptive clipping the counts share its strategy, `adaptive_clipping`.)"""
-    if cfg.dp.restart_rounds:
-        return ("tree",)
-    return MECHANISMS
 
 
 def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
@@ -44,8 +34,8 @@ def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
     rho = zcdp_for_epsilon(target, cfg.dp.delta)
     plan = make_plan(population, cfg.rounds, rho, delta=cfg.dp.delta)
     asked = cfg.dp.mechanism
-    kinds = allowed_mechanisms(cfg) if asked == "auto" else sorted({"tree", asked}, key=MECHANISMS.index)
-    rows = mechanism_rows(plan.chosen, cfg.rounds, rho, kinds)
+    # auto: with dp.restart_rounds only mechanisms that restart (config.mechanism_checks)
+    rows = mechanism_rows(plan.chosen, cfg.rounds, rho, candidates(asked, bool(cfg.dp.restart_rounds)))
     picked = pick_mechanism(rows) if asked == "auto" else next(r for r in rows if r.mechanism == asked)
     c = plan.chosen
     return {

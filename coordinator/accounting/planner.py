@@ -34,14 +34,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     noise_for_zcdp,
     zcdp_from_sensitivity,
 )
-from dpfleet.coordinator.mechanisms.spec import (
-    MECHANISMS,
-    noise_factor,
-    optimize_mechanism,
-    prefix_error,
-    sensitivity_squared,
-)
-from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
+from dpfleet.coordinator.mechanisms.registry import build, entry, planned_names
 from dpfleet.errors import DpfleetError
 
 
@@ -94,11 +87,16 @@ def timer_for(min_separation: int, round_minutes: float | None = None) -> Timer:
     return Timer(rounds, hours, 24.0 * math.ceil(hours / 24.0))
 
 
+def _tree():
+    """The report goal is chosen on the tree's z / M (paper 002's proxy), whatever the mechanism."""
+    return build("tree", 1, 0, 1)
+
+
 def plan_row(population: int, rounds: int, report_goal: int, target_zcdp: float) -> PlanRow:
     """The plan for one report goal: MinS = N // M - 1, MaxP = worst case, z for the target."""
     mins = max_min_separation(population, report_goal)
     maxp = worst_case_max_participation(rounds, mins)
-    s = tree_sensitivity_squared(rounds, maxp, mins)
+    s = _tree().sensitivity_squared(rounds, mins, maxp)
     z = noise_for_zcdp(target_zcdp, s)
     return PlanRow(report_goal, mins, maxp, s, z, zcdp_from_sensitivity(z, s))
 
@@ -170,16 +168,26 @@ class MechanismRow:
     model_noise_per_report: float  # / M: on the averaged update
 
 
+def candidates(asked: str, restarts: bool = False) -> tuple[str, ...]:
+    """The mechanisms to plan: `auto`'s (every planned one; with restarts only those that take
+    them), or the tree (the reference) and the one asked for."""
+    if asked == "auto":
+        return tuple(k for k in planned_names() if not restarts or entry(k).cls.supports_restarts)
+    return tuple(dict.fromkeys(("tree", asked)))
+
+
 def mechanism_rows(row: PlanRow, rounds: int, target_zcdp: float,
-                   kinds: Sequence[str] = MECHANISMS) -> list[MechanismRow]:
-    """Each mechanism optimised for the row's (rounds, MinS, MaxP), with the z meeting the target."""
+                   kinds: Sequence[str] = ("tree", "banded", "blt")) -> list[MechanismRow]:
+    """Each mechanism built for the row's (rounds, MinS, MaxP), with the z meeting the target."""
+    tree_error = _tree().prefix_error(rounds)
     out = []
     for kind in kinds:
-        spec = optimize_mechanism(kind, rounds, row.min_separation, row.max_participation)
-        s = sensitivity_squared(spec, row.min_separation, row.max_participation)
+        mechanism = build(kind, rounds, row.min_separation, row.max_participation)
+        s = mechanism.sensitivity_squared(rounds, row.min_separation, row.max_participation)
         z = noise_for_zcdp(target_zcdp, s)
-        noise = z * math.sqrt(prefix_error(spec))
-        out.append(MechanismRow(kind, spec.to_json(), s, z, noise_factor(spec), noise,
+        error = mechanism.prefix_error(rounds)
+        noise = z * math.sqrt(error)
+        out.append(MechanismRow(kind, mechanism.identity(), s, z, math.sqrt(error / tree_error), noise,
                                 noise / row.report_goal))
     return out
 
@@ -195,7 +203,7 @@ def zcdp_curve_report_goal(population: int, rounds: int, report_goals: Sequence[
     out = []
     for m in report_goals:
         mins = max_min_separation(population, m)
-        s = tree_sensitivity_squared(rounds, worst_case_max_participation(rounds, mins), mins)
+        s = _tree().sensitivity_squared(rounds, mins, worst_case_max_participation(rounds, mins))
         out.append(zcdp_from_sensitivity(noise_per_report * m, s))
     return out
 
@@ -203,8 +211,9 @@ def zcdp_curve_report_goal(population: int, rounds: int, report_goals: Sequence[
 def zcdp_curve_min_separation(rounds: int, min_separations: Sequence[int],
                               noise_multiplier: float) -> list[float]:
     """zCDP at a fixed z against MinS, with the worst-case MaxP = ceil(T / (MinS + 1))."""
-    return [zcdp_from_sensitivity(noise_multiplier, tree_sensitivity_squared(
-        rounds, worst_case_max_participation(rounds, s), s)) for s in min_separations]
+    tree = _tree()
+    return [zcdp_from_sensitivity(noise_multiplier, tree.sensitivity_squared(
+        rounds, s, worst_case_max_participation(rounds, s))) for s in min_separations]
 
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+import dp_accounting
+import numpy as np
 
 from dpfleet.coordinator.accounting.not_covered import not_covered
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
-    summarize_privacy,
-    write_privacy_report,
 )
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
@@ -38,8 +38,8 @@ from dpfleet.coordinator.accounting.zcdp import (
 )
 from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, resolve_noise
 from dpfleet.coordinator.engine.participation import Participation
-from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
-from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import as_mechanism
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
@@ -47,16 +47,21 @@ if TYPE_CHECKING:
 
 
 class RunAccountant:
-    """Observed participation of a running simulation and its privacy after each round."""
+    """Observed participation of a running simulation and its privacy after each round: the one
+    place a run's privacy is computed, for every mechanism (`mechanisms.base.Mechanism`)."""
 
     def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
-                 spent_zcdp: float = 0.0, conversion: str = "pld"):
+                 spent_zcdp: float = 0.0, conversion: str = "pld", *,
+                 mechanism: Mechanism | None = None, declared: bool = False):
         """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget;
-        `conversion`: "rdp" for discrete noise, whose zCDP the Gaussian PLD does not bound."""
+        `conversion`: "rdp" for noise whose zCDP the Gaussian PLD does not bound (discrete, or a
+        caller's); `mechanism`: default the tree; `declared`: its sensitivity is a caller's claim
+        (dpfleet converts it, cannot verify it)."""
         if budget_epsilon and noise_multiplier <= 0:
             raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
         self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
-        self.budget_epsilon = float(budget_epsilon)
+        self.mechanism, self.conversion, self.declared = as_mechanism(mechanism), conversion, declared
+        self.budget_epsilon, self.spent_zcdp = float(budget_epsilon), float(spent_zcdp)
         self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) - spent_zcdp
                            if budget_epsilon else math.inf)
         self.rounds = 0
@@ -65,7 +70,12 @@ class RunAccountant:
         self.count: dict[str, int] = {}
         self.min_separation: int | None = None  # observed; None until a device took part twice
         self.max_participation = 0
-        self._eps_rdp: dict[int, float] = {}
+        self._eps_rdp: dict[float, float] = {}
+
+    def fresh(self) -> RunAccountant:
+        """The same accountant before any round (to replay a log of committed rounds)."""
+        return RunAccountant(self.noise_multiplier, self.delta, self.budget_epsilon, self.spent_zcdp,
+                             self.conversion, mechanism=self.mechanism, declared=self.declared)
 
     def _observed_after(self, devices: Sequence[str]) -> tuple[int, int | None]:
         """(MaxP, MinS) if `devices` took part in the next round."""
@@ -77,12 +87,19 @@ class RunAccountant:
                 mins = gap if mins is None else min(mins, gap)
         return maxp, mins
 
-    def _sensitivity(self, rounds: int, maxp: int, mins: int | None, restarts: list[int]) -> int:
-        if maxp == 0:  # nobody took part: nothing about anyone was released
-            return 0
-        return tree_sensitivity_squared(rounds, maxp, mins, restarts)
+    def sensitivity_squared(self, rounds: int, maxp: int, mins: int | None, restarts: Sequence[int]) -> float:
+        """The mechanism's worst-case sens^2 for this participation, checked: a finite real >= 0,
+        and > 0 once a device took part (a mechanism claiming 0 would report eps 0 for releases
+        that carry a device's update)."""
+        s = self.mechanism.sensitivity_squared(rounds, mins, maxp, restarts)
+        if isinstance(s, bool) or not isinstance(s, int | float | np.integer | np.floating) \
+                or not math.isfinite(s) or s < 0 or (maxp > 0 and s == 0):
+            raise DpfleetError(
+                f"noise mechanism {self.mechanism.name!r}: sensitivity_squared({rounds}, {mins}, {maxp}) "
+                f"returned {s!r}; it must be a finite number >= 0, and > 0 once a device took part")
+        return s
 
-    def _zcdp(self, s: int) -> float:
+    def zcdp_of(self, s: float) -> float:
         if s == 0:
             return 0.0
         return math.inf if self.noise_multiplier == 0 else zcdp_from_sensitivity(self.noise_multiplier, s)
@@ -91,7 +108,7 @@ class RunAccountant:
         """Worst-case zCDP after the next round if `devices` take part in it."""
         maxp, mins = self._observed_after(devices)
         restarts = self.restarts + [self.rounds] * restart
-        return self._zcdp(self._sensitivity(self.rounds + 1, maxp, mins, restarts))
+        return self.zcdp_of(self.sensitivity_squared(self.rounds + 1, maxp, mins, restarts))
 
     def would_exceed(self, devices: Sequence[str], restart: bool) -> bool:
         return self.zcdp_after(devices, restart) > self.rho_budget
@@ -105,12 +122,51 @@ class RunAccountant:
             self.last[d] = self.rounds
             self.count[d] = self.count.get(d, 0) + 1
         self.rounds += 1
-        s = self._sensitivity(self.rounds, self.max_participation, self.min_separation, self.restarts)
-        rho = self._zcdp(s)
+        s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
+                                     self.restarts)
+        rho = self.zcdp_of(s)
         if s not in self._eps_rdp:
             self._eps_rdp[s] = epsilon_from_zcdp(rho, self.delta, "rdp")
         return {"zcdp": rho, "epsilon": self._eps_rdp[s], "sensitivity_squared": s,
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
+
+    def event(self) -> dp_accounting.DpEvent:
+        """The training's privacy event so far: the mechanism's Gaussian at its effective noise
+        multiplier for the observed MinS / MaxP (a declared one: the zCDP it implies)."""
+        if self.declared:
+            s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
+                                         self.restarts)
+            return dp_accounting.ZCDpEvent(self.zcdp_of(s))
+        return self.mechanism.event(self.noise_multiplier, self.rounds, self.min_separation,
+                                    self.max_participation, self.restarts)
+
+    def figures(self) -> dict:
+        """The observed run's headline: sens^2, rho, eps (by `conversion`) and eps by RDP."""
+        s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
+                                     self.restarts)
+        rho = self.zcdp_of(s)
+        return {"sensitivity_squared": s, "zcdp": rho,
+                "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
+                "epsilon_rdp": epsilon_from_zcdp(rho, self.delta, "rdp")}
+
+    def enforced_figures(self, rounds: int, min_separation: int, max_participation: int) -> dict:
+        """The worst case the config enforces over its planned `rounds` (MinS / MaxP the strategy
+        was optimised for, `mechanism_binding.accounted_participation`), with the restarts so far."""
+        s = self.sensitivity_squared(rounds, max_participation, min_separation, self.restarts)
+        rho = self.zcdp_of(s)
+        return {"rounds": rounds, "min_separation": min_separation,
+                "max_participation": max_participation, "sensitivity_squared": s, "zcdp": rho,
+                "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion)}
+
+    def with_vocabulary(self, vocabulary: dict | None) -> dict | None:
+        """Training composed with the DP vocabulary: both are Gaussian mechanisms, so zCDP adds
+        (the PLD of the sum is exact) and the vocabulary's thresholding delta adds."""
+        if vocabulary is None:
+            return None
+        rho = self.figures()["zcdp"] + vocabulary["zcdp"]
+        return {"zcdp": rho, "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
+                "delta": self.delta + vocabulary["delta"],
+                "vocabulary_epsilon": epsilon_from_zcdp(vocabulary["zcdp"], self.delta, self.conversion)}
 
 
 def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
@@ -158,25 +214,13 @@ def noise_statement(cfg: SimulationConfig) -> str:
             "OS CSPRNG (never derived from the seed, never stored with the released model).")
 
 
-def _open_report_with(run_dir: Path, statement: str) -> None:
-    """Put `statement`, in bold, first in the run's privacy_report.md."""
-    path = run_dir / "privacy_report.md"
-    atomic_write(path, f"**{statement}**\n\n" + path.read_text())
-
-
-def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
-    """The report's first line says when the guarantee does not hold against the seed's holders."""
-    if cfg.dp.noise_seed >= 0:
-        _open_report_with(run_dir, noise_statement(cfg))
-
-
-def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
+def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None, mechanism: str | None = None) -> dict:
     """Which noise the run used, for privacy.json and summary.json: the mechanism in words,
     whether the guarantee needs every participant honest, and the ring's discretization."""
     noise = resolve_noise(cfg)
     fields = {"noise_kind": noise,
               "noise_mechanism": noise_mechanism(noise, cfg.aggregation.kind == "secagg",
-                                                 cfg.dp.mechanism),
+                                                 mechanism or cfg.dp.mechanism),
               "honest_participants_only": honest_participants_only(cfg)}
     if fields["honest_participants_only"]:
         fields["honest_participants_only_statement"] = HONEST_ONLY
@@ -187,12 +231,6 @@ def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
     return fields
 
 
-def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
-    """A generated population's report opens with what its epsilon is not (population.py)."""
-    if cfg.data.generated_population:
-        _open_report_with(run_dir, generated_population_statement(cfg))
-
-
 def generated_population_statement(cfg: SimulationConfig) -> str:
     return (f"GENERATED POPULATION (data.generated_population = {cfg.data.generated_population:,}): "
             "the clients are real users cycled to that size, so users repeat and each copy is "
@@ -200,40 +238,42 @@ def generated_population_statement(cfg: SimulationConfig) -> str:
             "person in this run; the run measures speed and memory only.")
 
 
-def _trivial_report(run_dir: Path, statement: str) -> None:
-    atomic_write(run_dir / "privacy_report.md", f"# Privacy report\n\n**Formal statement.** {statement}\n")
+def _accounting_words(accountant: RunAccountant, cfg: SimulationConfig) -> str:
+    """privacy.json's `accounting`: what the figures are, in words."""
+    mechanism = accountant.mechanism
+    conversion = {"pld": "epsilon by PLD of the Gaussian mechanism, epsilon_rdp by RDP",
+                  "rdp": "epsilon and epsilon_rdp by RDP (valid for any rho-zCDP mechanism; the "
+                         "Gaussian PLD is no bound for discrete or undeclared noise)"}[accountant.conversion]
+    words = (f"rho-zCDP of DP-FTRL with {mechanism.name} noise: rho = sens^2 / (2 z^2), sens^2 the "
+             "worst case over every participation pattern with the observed MinS / MaxP (zero-out, "
+             "device level)" + ("; segments (restarts) included" if accountant.restarts else ""))
+    if accountant.declared:
+        words += "; sens^2 AS DECLARED by the custom mechanism (not derived by dpfleet)"
+    if cfg.dp.adaptive_clipping:
+        words += ("; adaptive clipping: model noise z_delta and clipped-count noise 2 sigma_b on the "
+                  "same strategy are one mechanism of multiplier z (1 / z^2 = 1 / z_delta^2 + "
+                  "1 / (2 sigma_b)^2, paper 002 Thm. 1)")
+    return f"{words}; {conversion}"
 
 
-def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Participation,
-                      accountant: RunAccountant, population: int, *,
-                      model_noise_multiplier: float, stopped_early: str | None,
-                      vocabulary: dict | None = None, public_data: Sequence[str] = (),
-                      ring: RingPlan | None = None) -> dict:
-    """privacy_report.md and privacy.json of a finished (or stopped) run; returns the JSON dict.
+def run_privacy(cfg: SimulationConfig, participation: Participation, accountant: RunAccountant,
+                population: int, *, model_noise_multiplier: float, stopped_early: str | None,
+                optimised_for: dict, vocabulary: dict | None = None, public_data: Sequence[str] = (),
+                ring: RingPlan | None = None, debug_file: bool = False) -> dict:
+    """The run's privacy summary (privacy.json; `privacy_report.render_privacy_report` renders it)
+    for any mechanism, from the accountant's observed participation. Writes nothing.
 
-    `vocabulary`: the DP word vocabulary's summary (dp_vocabulary.py), composed with training;
-    `public_data`: public data the caller trained on (listed, not accounted); `ring`: the
-    discrete noise's ring plan (its discretization is reported)."""
+    `optimised_for`: the MinS / MaxP the config enforces (`mechanism_binding`), for the enforced
+    worst case over the planned rounds; `vocabulary`: the DP word vocabulary's summary
+    (dp_vocabulary.py), composed with training; `public_data`: public data the caller trained on
+    (listed, not accounted); `ring`: the ring noise's plan; `debug_file`: un-noised telemetry
+    was written (listed as not covered)."""
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
-    noise = noise_fields(cfg, ring)
-    if "ring" in noise:
-        setting["ring"] = noise["ring"]
-    debug_file = (run_dir / "debug_nonprivate.jsonl").is_file()
-    setting["not_covered"] = not_covered(cfg, public_data=_public_data(cfg, public_data),
-                                         debug_file=debug_file)
-    if vocabulary is not None:
-        setting["vocabulary"] = vocabulary
+    mechanism = accountant.mechanism
     tok = cfg.tokenizer
-    setting["nonprivate_vocabulary"] = (tok.kind == "word" and not tok.path
-                                        and tok.allow_nonprivate_vocabulary)
     privacy = {
-        "accounting": "rho-zCDP of DP-FTRL's tree aggregation with the exact worst-case sensitivity "
-                      "over every participation pattern with the observed MinS / MaxP (zero-out, "
-                      "device level); " + ("epsilon and epsilon_rdp by RDP (discrete noise: the "
-                                           "Gaussian PLD is no bound for it)"
-                                           if resolve_noise(cfg) == "discrete" else
-                                           "epsilon by PLD, epsilon_rdp by RDP"),
+        "accounting": _accounting_words(accountant, cfg),
         "participation": cfg.participation.mode,
         "min_separation_enforced": participation.min_separation,
         "max_participation_enforced": cfg.participation.max_participation or None,
@@ -241,17 +281,28 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
         "planned_rounds": cfg.rounds,
         "budget_epsilon": cfg.dp.budget_epsilon or None,
         "stopped_early": stopped_early,
-        **{k: v for k, v in setting.items() if k not in ("rounds", "timer_period")},
+        **{k: v for k, v in setting.items() if k not in ("rounds", "noise")},
+        "method": accountant.conversion,
+        "not_covered": not_covered(cfg, public_data=_public_data(cfg, public_data), debug_file=debug_file),
+        "vocabulary": vocabulary,
+        "nonprivate_vocabulary": tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary,
+        "mechanism": mechanism.name, "mechanism_sha256": mechanism.fingerprint(),
+        "mechanism_identity": mechanism.identity(), "mechanism_description": mechanism.describe(),
+        "mechanism_optimised_for": optimised_for, "adapts_every_round": mechanism.adapts_every_round,
+        "accounted_by_dpfleet": not accountant.declared,
         "rounds": accountant.rounds,
         "min_separation": accountant.min_separation,
         "max_participation": accountant.max_participation,
         "restarts": accountant.restarts,
+        "noise_segments": 1 + len(accountant.restarts),  # fresh noise segments (restarts, crashes)
         "noise": noise_statement(cfg),
         "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
         "guarantee_holds_against_seed_holders": cfg.dp.noise_seed < 0,
         "debug_nonprivate_file": debug_file,
-        **noise,
+        **noise_fields(cfg, ring, mechanism.name),
     }
+    if mechanism.name in ("banded", "blt"):  # what `dpfleet account --mechanism-spec` reads
+        privacy["mechanism_spec"] = mechanism.identity()
     if cfg.data.generated_population:
         privacy["generated_population"] = {"clients": cfg.data.generated_population,
                                            "users_repeat": True, "epsilon_is_a_guarantee": False,
@@ -259,26 +310,11 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
         privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)
-        _trivial_report(run_dir, "No round ran, so nothing about any device was released (eps = 0)."
-                        if accountant.rounds == 0 else
-                        "None: the noise multiplier is 0, so the run is not differentially "
-                        "private (eps = inf).")
-        _mark_research_mode(run_dir, cfg)
-        _mark_generated_population(run_dir, cfg)
         return privacy
-    summary = summarize_privacy(run_dir, setting)
-    obs, timer = summary["observed"], summary["timer"]
-    if summary["total"] is not None:
-        privacy["total_with_vocabulary"] = summary["total"]
-    privacy.update(
-        zcdp=obs["zcdp"], epsilon=obs["epsilon"],
-        epsilon_rdp=epsilon_from_zcdp(obs["zcdp"], cfg.dp.delta, "rdp"),
-        sensitivity_squared=obs["sensitivity_squared"], worst_device=obs["worst_device"],
-        timer_worst_case=None if timer is None else {
-            k: timer[k] for k in ("rounds", "min_separation", "max_participation",
-                                  "sensitivity_squared", "zcdp", "epsilon")},
-    )
-    write_privacy_report(run_dir, setting)
-    _mark_research_mode(run_dir, cfg)
-    _mark_generated_population(run_dir, cfg)
+    privacy.update(accountant.figures())
+    privacy["timer_worst_case"] = accountant.enforced_figures(
+        cfg.rounds, optimised_for["min_separation"], optimised_for["max_participation"])
+    total = accountant.with_vocabulary(vocabulary)
+    if total is not None:
+        privacy["total_with_vocabulary"] = total
     return privacy

@@ -39,12 +39,9 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfleet.coordinator.accounting.analytic_gaussian import analytic_gaussian_epsilon
-from dpfleet.coordinator.mechanisms.tree_sensitivity import (
-    check_int,
-    normalize_restarts,
-    pattern_sensitivity_squared,
-    tree_sensitivity_squared,
-)
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.tree import TreeMechanism
+from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int, normalize_restarts
 from dpfleet.errors import DpfleetError
 
 METHODS = ("pld", "rdp", "zcdp_bound")
@@ -99,10 +96,10 @@ def noise_for_zcdp(target_zcdp: float, sensitivity_squared: float) -> float:
 def zcdp_from_noise(noise_multiplier: float, rounds: int, max_participation: int = 1,
                     min_separation: int | None = None, restarts: Sequence[int] | None = None,
                     *, adjacency: str = "zero-out", nodes: str = "all") -> float:
-    """Worst-case rho-zCDP of DP-FTRL given MaxP and MinS (see `tree_sensitivity_squared`)."""
+    """Worst-case rho-zCDP of DP-FTRL's tree given MaxP and MinS (`tree.TreeMechanism`)."""
     factor = _adjacency_factor(adjacency)
-    s = tree_sensitivity_squared(rounds, max_participation, min_separation, restarts,
-                                 nodes=nodes)
+    s = TreeMechanism(nodes).sensitivity_squared(rounds, min_separation, max_participation,
+                                                 list(restarts or []))
     return zcdp_from_sensitivity(noise_multiplier, s * factor)
 
 
@@ -162,24 +159,30 @@ def account_worst_case(noise_multiplier: float, rounds: int, max_participation: 
                        min_separation: int | None = None,
                        restarts: Sequence[int] | None = None, delta: float = 1e-10,
                        method: str = "pld", *, adjacency: str = "zero-out",
-                       nodes: str = "all") -> dict:
-    """zCDP and eps of the worst participation pattern allowed by MaxP / MinS, as one dict."""
+                       nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
+    """zCDP and eps of the worst participation pattern allowed by MaxP / MinS, as one dict, for
+    `mechanism` (default the tree over `nodes`)."""
     _check_positive(noise_multiplier, "noise multiplier")
     _check_delta(delta), _check_method(method)
-    s = tree_sensitivity_squared(rounds, max_participation, min_separation, restarts,
-                                 nodes=nodes)
+    check_int(max_participation, "max_participation", 1)
+    mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
+    restarts = list(normalize_restarts(int(rounds), restarts))  # MF: fresh segments after a crash
+    s = mechanism.sensitivity_squared(rounds, min_separation, max_participation, restarts)
     s *= _adjacency_factor(adjacency)
     rho = zcdp_from_sensitivity(noise_multiplier, s)
     return {
+        "mechanism": mechanism.name,
+        "mechanism_identity": mechanism.identity(),
         "rounds": int(rounds),
         "max_participation": int(max_participation),
         "min_separation": None if min_separation is None else int(min_separation),
         "min_separation_convention": MIN_SEPARATION_CONVENTION,
-        "restarts": list(normalize_restarts(int(rounds), restarts)),
+        "restarts": restarts,
+        "noise_segments": 1 + len(restarts),
         "noise_multiplier": float(noise_multiplier),
         "adjacency": adjacency,
-        "nodes": nodes,
-        "sensitivity_squared": int(s),
+        "nodes": getattr(mechanism, "nodes", None),
+        "sensitivity_squared": s,
         "zcdp": rho,
         "delta": float(delta),
         "method": method,
@@ -273,19 +276,21 @@ def observe_participation_log(path_or_records: str | Path | Iterable[Mapping],
 def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
                               noise_multiplier: float, delta: float, method: str = "pld", *,
                               rounds: int | None = None, adjacency: str = "zero-out",
-                              nodes: str = "all") -> dict:
-    """Account a run (or, with `rounds`, the model after its first `rounds` rounds) from its log.
+                              nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
+    """Account a run (or, with `rounds`, the model after its first `rounds` rounds) from its log,
+    for `mechanism` (default the tree over `nodes`).
 
     The headline (`sensitivity_squared`, `zcdp`, `epsilon`) is the worst case over every
-    pattern with the observed MaxP and MinS, as paper 002 reports it. `worst_device` is the
-    exact figure of the worst participation pattern that actually occurred (never larger).
+    pattern with the observed MaxP and MinS, as paper 002 reports it. `worst_device` (the tree
+    only) is the exact figure of the worst participation pattern that actually occurred.
     """
     _check_positive(noise_multiplier, "noise multiplier")
     _check_delta(delta), _check_method(method), _adjacency_factor(adjacency)
+    mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
     obs = observe_participation_log(path_or_records, rounds)
     worst = account_worst_case(noise_multiplier, obs.rounds, max(obs.max_participation, 1),
                                obs.min_separation, obs.restarts, delta, method,
-                               adjacency=adjacency, nodes=nodes)
+                               adjacency=adjacency, mechanism=mechanism)
     worst.update(
         max_participation=obs.max_participation,
         devices=len(obs.devices),
@@ -295,8 +300,10 @@ def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
     if not obs.devices:  # nobody took part: nothing was released about anyone
         worst.update(sensitivity_squared=0, zcdp=0.0, epsilon=0.0)
         return worst
-    per_device = (pattern_sensitivity_squared(obs.patterns, obs.rounds, obs.restarts,
-                                              nodes=nodes) * _adjacency_factor(adjacency))
+    per_device = getattr(mechanism, "device_sensitivity_squared", None)
+    if per_device is None:
+        return worst
+    per_device = per_device(obs.patterns, obs.rounds, obs.restarts) * _adjacency_factor(adjacency)
     i = int(np.argmax(per_device))
     rho = zcdp_from_sensitivity(noise_multiplier, int(per_device[i]))
     worst["worst_device"] = {

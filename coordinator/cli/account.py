@@ -17,13 +17,10 @@ from dpfleet.coordinator.accounting.zcdp import (
     account_worst_case,
     observe_participation_log,
 )
-from dpfleet.coordinator.mechanisms.spec import (
-    DESCRIPTIONS,
-    MECHANISMS,
-    MechanismSpec,
-    account_mechanism,
-    optimize_mechanism,
-)
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import as_mechanism, build, entries, names, rebuild
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec
+from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.coordinator.mechanisms.tree_sensitivity import NODES
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
@@ -66,9 +63,8 @@ def _format(result: dict) -> str:
 
 
 MECHANISM_FILE = "mechanism.json"  # a run directory's strategy, beside participation.jsonl
-MECHANISM_HELP = "\n".join(f"  {k:<7} {line}" if i == 0 else f"  {'':<7} {line}"
-                           for k, text in DESCRIPTIONS.items()
-                           for i, line in enumerate(text.splitlines()))
+MECHANISM_HELP = "\n".join(f"  {e.name:<11} {line}" if i == 0 else f"  {'':<11} {line}"
+                           for e in entries() for i, line in enumerate(e.description.splitlines()))
 
 
 def with_mechanism_help(f):
@@ -77,8 +73,9 @@ def with_mechanism_help(f):
     return f
 
 
-def load_spec(path: str | Path) -> MechanismSpec:
-    """A MechanismSpec from JSON: the spec itself or a run's mechanism.json ({"spec": ...})."""
+def load_mechanism(path: str | Path) -> Mechanism:
+    """The mechanism in a JSON file: a run's mechanism.json (any registered mechanism), or a
+    banded / BLT spec on its own."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -86,44 +83,34 @@ def load_spec(path: str | Path) -> MechanismSpec:
         raise DpfleetError(f"cannot read mechanism spec {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise DpfleetError(f"{path}: not JSON ({exc.msg})") from None
-    return MechanismSpec.from_json(data.get("spec", data) if isinstance(data, dict) else data)
+    if isinstance(data, dict) and "sha256" in data:  # a run's binding (`mechanism_binding`)
+        if data.get("custom"):
+            raise DpfleetError(f"{path} is a custom mechanism's ({data.get('name')!r}): account it "
+                               "from Python with the object itself")
+        return rebuild(data["name"], data["identity"])
+    return as_mechanism(MechanismSpec.from_json(data.get("spec", data) if isinstance(data, dict) else data))
 
 
-def _mf_participation(participation_log: str | None, rounds: int | None,
-                      max_participation: int | None, min_separation: int | None) -> dict:
-    """Rounds, MinS, MaxP, noise segments to account banded / BLT with (log: observed)."""
-    if participation_log is None:
-        if rounds is None:
-            raise DpfleetError("give --rounds (or --participation-log)")
-        return {"rounds": rounds, "min_separation": min_separation,
-                "max_participation": 1 if max_participation is None else max_participation,
-                "segments": 1}
-    obs = observe_participation_log(participation_log, rounds)
-    return {"rounds": obs.rounds, "min_separation": obs.min_separation,
-            "max_participation": obs.max_participation, "segments": 1 + len(obs.restarts),
-            "devices": len(obs.devices), "participations": sum(len(p) for p in obs.patterns)}
-
-
-def _mf_result(kind: str, given: MechanismSpec | None, source: str, part: dict,
-               noise_multiplier: float, delta: float, method: str, adjacency: str) -> dict:
-    """Account `kind` with the given strategy if it is of that kind, else one optimised for `part`."""
-    rounds, mins, maxp = part["rounds"], part["min_separation"], part["max_participation"]
-    if given is not None and given.kind == kind:
-        if given.rounds < rounds:
-            raise DpfleetError(f"the {kind} strategy ({source}) covers {given.rounds} rounds, "
+def _mechanism(kind: str, given: Mechanism | None, source: str, rounds: int,
+               mins: int | None, maxp: int, tree_nodes: str) -> tuple[Mechanism, str]:
+    """The mechanism to account: the given one if it is of `kind`, else `kind` built for the
+    participation (banded / BLT: optimised for it; the tree over `tree_nodes`)."""
+    if given is not None and given.name == kind and kind != "tree":
+        covered = given.spec.rounds if hasattr(given, "spec") else rounds
+        if covered < rounds:
+            raise DpfleetError(f"the {kind} strategy ({source}) covers {covered} rounds, "
                                f"fewer than the {rounds} accounted")
-        spec = given  # over its own n rounds: an upper bound for any prefix
-    else:
-        spec = optimize_mechanism(kind, rounds, 0 if mins is None else mins, max(maxp, 1))
-        source = (f"optimised for {rounds} rounds, MinS {0 if mins is None else mins}, "
-                  f"MaxP {max(maxp, 1)}")
-    result = account_mechanism(spec, noise_multiplier, mins, max(maxp, 1), delta, method,
-                               adjacency=adjacency, segments=part["segments"])
-    result.update(max_participation=maxp, spec_source=source,
-                  **{k: part[k] for k in ("devices", "participations") if k in part})
-    if maxp == 0:  # nobody took part: nothing was released about anyone
-        result.update(sensitivity_squared=0.0, zcdp=0.0, epsilon=0.0)
-    return result
+        return given, source  # over its own n rounds: an upper bound for any prefix
+    if kind == "tree":
+        return TreeMechanism(tree_nodes), ""
+    mins = 0 if mins is None else mins
+    return (build(kind, rounds, mins, max(maxp, 1)),
+            f"optimised for {rounds} rounds, MinS {mins}, MaxP {max(maxp, 1)}")
+
+
+def _covered(mechanism: Mechanism, rounds: int) -> int:
+    """The rounds a mechanism's noise is built for (a strategy's n), else those accounted."""
+    return mechanism.spec.rounds if hasattr(mechanism, "spec") else rounds
 
 
 def _strategy(spec: dict) -> str:
@@ -214,7 +201,7 @@ def _format_all(rows: list[dict]) -> str:
 @click.option("--participation-log", type=click.Path(dir_okay=False), default=None,
               help="Account a run from its participation.jsonl: observed MaxP / MinS, "
                    "restarts and the worst actual device.")
-@click.option("--mechanism", type=click.Choice([*MECHANISMS, "all"]), default=None,
+@click.option("--mechanism", type=click.Choice([*names(), "all"]), default=None,
               help="The noise mechanism (see above): tree (default), banded, blt, or all "
                    "(one row each at the same noise multiplier). With --participation-log: "
                    "default the run's, from mechanism.json beside the log.")
@@ -248,15 +235,15 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
     """
     given, source = None, ""
     if mechanism_spec is not None:
-        given, source = load_spec(mechanism_spec), mechanism_spec
+        given, source = load_mechanism(mechanism_spec), mechanism_spec
     elif participation_log is not None and (Path(participation_log).parent / MECHANISM_FILE).is_file():
         source = str(Path(participation_log).parent / MECHANISM_FILE)
-        given = load_spec(source)
+        given = load_mechanism(source)
     if mechanism is None:
-        mechanism = "tree" if given is None else given.kind
-    if given is not None and mechanism != "all" and given.kind != mechanism:
-        raise DpfleetError(f"{source} holds a {given.kind} strategy, not {mechanism}: account it "
-                           f"with --mechanism {given.kind}")
+        mechanism = "tree" if given is None else given.name
+    if given is not None and mechanism != "all" and given.name != mechanism:
+        raise DpfleetError(f"{source} holds a {given.name} strategy, not {mechanism}: account it "
+                           f"with --mechanism {given.name}")
     # banded / blt in the ring are the continuous MF Gaussian, rounded (`mf_ring`): PLD holds
     ring_mf = noise == "discrete" and mechanism in ("banded", "blt")
     if method is None:
@@ -264,51 +251,46 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
     if noise == "discrete" and method == "pld" and not ring_mf:
         raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
                            "discrete Gaussian; use --method rdp (or zcdp_bound)")
-    if mechanism in ("banded", "blt"):
-        if restarts:
-            raise DpfleetError("--restarts are tree restarts; banded / blt have none")
-        if tree_nodes != "all":
-            raise DpfleetError("--tree-nodes applies to the tree mechanism only")
-        if participation_log is not None and (max_participation is not None
-                                              or min_separation is not None):
-            raise DpfleetError("with --participation-log, MaxP and MinS come from the log; drop "
-                               "--max-participation/--min-separation")
-        part = _mf_participation(participation_log, rounds, max_participation, min_separation)
-        result = _mf_result(mechanism, given, source, part, noise_multiplier, delta, method,
-                            adjacency)
-        result.update(noise=noise, noise_mechanism=RING_MF_MECHANISM if ring_mf else "continuous Gaussian")
-        click.echo(dumps(result) if as_json else _format_mf(result))
-        return
+    if mechanism not in ("tree", "all") and tree_nodes != "all":
+        raise DpfleetError("--tree-nodes applies to the tree mechanism only")
+    if mechanism not in ("tree", "all") and restarts:
+        raise DpfleetError(f"--restarts are tree restarts; {mechanism} has none")
     if participation_log is not None:
         if max_participation is not None or min_separation is not None or restarts:
             raise DpfleetError("with --participation-log, MaxP, MinS and restarts come from "
                                "the log; drop --max-participation/--min-separation/--restarts")
-        result = account_participation_log(participation_log, noise_multiplier, delta, method,
-                                           rounds=rounds, adjacency=adjacency,
-                                           nodes=tree_nodes)
+        obs = observe_participation_log(participation_log, rounds)
+        part = (obs.rounds, obs.min_separation, obs.max_participation)
+    elif rounds is None:
+        raise DpfleetError("give --rounds (or --participation-log)")
     else:
-        if rounds is None:
-            raise DpfleetError("give --rounds (or --participation-log)")
-        result = account_worst_case(noise_multiplier, rounds,
-                                    1 if max_participation is None else max_participation,
-                                    min_separation, parse_rounds_list(restarts), delta, method,
-                                    adjacency=adjacency, nodes=tree_nodes)
-    result["noise"] = noise
-    result["noise_mechanism"] = ("discrete Gaussian in the SecAgg ring" if noise == "discrete"
-                                 else "continuous Gaussian")
-    if mechanism == "tree":
-        click.echo(dumps(result) if as_json else _format(result))
+        part = (rounds, min_separation, 1 if max_participation is None else max_participation)
+    rows = []
+    for kind in ([mechanism] if mechanism != "all" else ("tree", "banded", "blt")):
+        built, spec_source = _mechanism(kind, given, source, *part, tree_nodes)
+        if participation_log is not None:
+            result = account_participation_log(participation_log, noise_multiplier, delta, method,
+                                               rounds=rounds, adjacency=adjacency, mechanism=built)
+        else:
+            result = account_worst_case(noise_multiplier, part[0], part[2], part[1],
+                                        parse_rounds_list(restarts), delta, method,
+                                        adjacency=adjacency, mechanism=built)
+        discrete = "discrete Gaussian in the SecAgg ring" if kind == "tree" else RING_MF_MECHANISM
+        result.update(noise=noise, noise_mechanism=discrete if noise == "discrete" else "continuous Gaussian")
+        if kind != "tree":
+            result.update(mechanism_spec=built.identity(), spec_source=spec_source,
+                          noise_factor=math.sqrt(built.prefix_error(part[0])
+                                                 / TreeMechanism().prefix_error(_covered(built, part[0]))))
+        rows.append(result)
+    if mechanism != "all":
+        result = rows[0]
+        text = _format(result) if mechanism == "tree" else _format_mf(result)
+        click.echo(dumps(result) if as_json else text)
         return
-    # all: the tree's figures above, then banded and BLT for the same participation and z
-    part = _mf_participation(participation_log, rounds, max_participation, min_separation)
-    part["segments"] = 1 + len(result["restarts"])
-    rows = [{**result, "mechanism": "tree", "noise_factor": 1.0, "noise_at_equal_zcdp": 1.0}]
-    for kind in ("banded", "blt"):
-        row = _mf_result(kind, given, source, part, noise_multiplier, delta, method, adjacency)
-        ratio = (row["sensitivity_squared"] / result["sensitivity_squared"]
-                 if result["sensitivity_squared"] else 1.0)
-        row.update(noise=noise,
-                   noise_mechanism=RING_MF_MECHANISM if noise == "discrete" else result["noise_mechanism"],
-                   noise_at_equal_zcdp=math.sqrt(ratio) * row["noise_factor"])
-        rows.append(row)
+    tree = rows[0]
+    tree.update(noise_factor=1.0, noise_at_equal_zcdp=1.0)
+    for row in rows[1:]:
+        ratio = (row["sensitivity_squared"] / tree["sensitivity_squared"]
+                 if tree["sensitivity_squared"] else 1.0)
+        row["noise_at_equal_zcdp"] = math.sqrt(ratio) * row["noise_factor"]
     click.echo("\n".join(dumps(r) for r in rows) if as_json else _format_all(rows))

@@ -10,6 +10,7 @@ import click
 from dpfleet.coordinator.accounting.planner import (
     MechanismRow,
     Plan,
+    candidates,
     make_plan,
     mechanism_rows,
     pick_mechanism,
@@ -17,7 +18,7 @@ from dpfleet.coordinator.accounting.planner import (
 )
 from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
-from dpfleet.coordinator.mechanisms.spec import MECHANISMS
+from dpfleet.coordinator.mechanisms.registry import names
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 
@@ -85,7 +86,7 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Directory for plan.json and plan.png (zCDP vs report goal and MinS, "
                    "like paper 002 Fig. 4).")
-@click.option("--mechanism", type=click.Choice([*MECHANISMS, "auto"]), default="auto",
+@click.option("--mechanism", type=click.Choice([*names(), "auto"]), default="auto",
               show_default=True,
               help="Noise mechanism (see above); auto: the least model noise at the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
@@ -118,9 +119,7 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
         target_zcdp = zcdp_for_epsilon(target_epsilon, delta, method)
     result = make_plan(population, rounds, target_zcdp, report_goal=report_goal, delta=delta,
                        method=method, round_minutes=round_minutes)
-    rows = mechanism_rows(result.chosen, rounds, result.target_zcdp,
-                          MECHANISMS if mechanism == "auto" else sorted({"tree", mechanism},
-                                                                         key=MECHANISMS.index))
+    rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, candidates(mechanism))
     picked = (pick_mechanism(rows) if mechanism == "auto"
               else next(r for r in rows if r.mechanism == mechanism))
     record = {**result.to_dict(), "mechanisms": [asdict(r) for r in rows],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -45,6 +44,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     """
     from dpfleet.api import run
     from dpfleet.coordinator.config import load_config, parse_config, validate
+    from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.errors import DpfleetError, resume_hint
 
     if resume is not None:
@@ -54,7 +54,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
                                "--out, --overwrite, --rounds, --seed or --debug-nonprivate with it")
         if not (resume / "config.json").is_file():
             raise DpfleetError(f"{resume} is not a run directory (no config.json): nothing to resume")
-        cfg, out = parse_config(json.loads((resume / "config.json").read_text())), resume
+        cfg, out = parse_config(saved_config(resume)), resume
     elif config is None:
         raise DpfleetError("give a CONFIG to start a run, or --resume RUN_DIR to continue one")
     else:

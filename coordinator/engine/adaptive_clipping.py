@@ -42,12 +42,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, new_noise_key
-from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
+from dpfleet.coordinator.mechanisms.noise_stream import new_noise_key
+from dpfleet.coordinator.mechanisms.registry import as_mechanism
+from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
+    from dpfleet.coordinator.mechanisms.base import Mechanism
     from dpfleet.coordinator.mechanisms.spec import MechanismSpec
-from dpfleet.errors import DpfleetError
 
 FIRST_RESTART, RESTART_EVERY = 128, 1024  # paper 002 Alg. 1: R = {128 + 1024 i}
 
@@ -95,7 +96,7 @@ class QuantileClipEstimator:
 
     def __init__(self, initial_clip: float, report_goal: int, *, target_quantile: float = 0.5,
                  learning_rate: float = 0.2, count_stddev: float | None = None,
-                 noise_key: bytes | None = None, mechanism: MechanismSpec | None = None):
+                 noise_key: bytes | None = None, mechanism: Mechanism | MechanismSpec | None = None):
         if not initial_clip > 0:
             raise DpfleetError(f"initial clip norm must be > 0, got {initial_clip}")
         if not 0.0 < target_quantile < 1.0:
@@ -107,33 +108,17 @@ class QuantileClipEstimator:
             raise DpfleetError(f"clipped-count stddev must be >= 0, got {sigma_b}")
         self.report_goal, self.gamma, self.eta = report_goal, target_quantile, learning_rate
         self.count_stddev = float(sigma_b)
-        # the run's secret key, in its own keystream domain (never the model noise's nodes)
-        self.nodes = GaussianNodes(new_noise_key() if noise_key is None else noise_key,
-                                   self.count_stddev, 1, domain=b"count")
+        # the run's secret key; the mechanism draws the counts' noise under its own "count"
+        # purpose (never the model noise's keystream)
+        self.key = new_noise_key() if noise_key is None else noise_key
         self.estimate = self.base = float(initial_clip)
-        self.noised_prefix = 0.0  # tree-noised sum of (b - 1/2) over the current tree's rounds
-        self.mechanism = mechanism  # banded / blt: count noise on the same strategy
-        self.tree = self._segment(0)
-
-    def _segment(self, tree_id: int, state: dict | None = None):
-        """The count noise of one tree / MF segment (fresh, or rebuilt from a resume point)."""
-        if self.mechanism is None:
-            if state is None:
-                return TreeNoise(1, self.nodes, tree_id)
-            return TreeNoise.from_state(state, self.nodes)
-        from dpfleet.coordinator.mechanisms.mf_noise import MF_COUNT_DOMAIN, MFNoise
-
-        if state is None:
-            return MFNoise(self.mechanism, 1, self.nodes.key, self.count_stddev, tree_id, MF_COUNT_DOMAIN)
-        return MFNoise.from_state(state, self.mechanism, self.nodes.key, self.count_stddev, MF_COUNT_DOMAIN)
+        self.noised_prefix = 0.0  # noised sum of (b - 1/2) over the current segment's rounds
+        self.mechanism = as_mechanism(mechanism)  # the counts share the model's strategy
+        self.tree = self.mechanism.stream(1, self.count_stddev, self.key, 0, "count")
 
     def load_tree(self, state: dict) -> None:
-        """The count noise from a resume point's tree state (live nodes; MF: position only)."""
-        self.tree = self._segment(0, state)
-
-    @property
-    def rounds_in_tree(self) -> int:
-        return self.tree.t
+        """The count noise from a resume point's segment state."""
+        self.tree = self.mechanism.resume(state, 1, self.count_stddev, self.key, "count")
 
     def update(self, norms: Sequence[float]) -> float:
         """Add one round's bits (from the contributing devices' unclipped norms); new estimate."""
@@ -145,7 +130,11 @@ class QuantileClipEstimator:
         ||delta|| <= the estimate): the form in which secure aggregation delivers them."""
         if not 0 <= below <= reported:
             raise ValueError(f"clipped count {below} is not in [0, {reported}]")
-        self.noised_prefix += float(below - 0.5 * reported) + float(self.tree.next_residual()[0])
+        noise = np.asarray(self.tree.next_residual(), dtype=np.float64)
+        if noise.shape != (1,) or not np.isfinite(noise).all():
+            raise DpfleetError(f"noise mechanism {self.mechanism.name!r}: a clipped count's noise must "
+                               f"be one finite number, got shape {noise.shape}")
+        self.noised_prefix += float(below - 0.5 * reported) + float(noise[0])
         n = self.tree.t
         below = self.noised_prefix / self.report_goal + 0.5 * n  # b~: prefix sum of fractions
         self.estimate = self.base * math.exp(-self.eta * (below - n * self.gamma))
@@ -156,7 +145,8 @@ class QuantileClipEstimator:
         of the next prefix sums."""
         self.base = self.estimate
         self.noised_prefix = 0.0
-        self.tree = self._segment(self.tree.tree_id + 1 if tree_id is None else tree_id)
+        segment = self.tree.tree_id + 1 if tree_id is None else tree_id
+        self.tree = self.mechanism.stream(1, self.count_stddev, self.key, segment, "count")
 
     def state_dict(self, with_noise: bool = True) -> dict:
         """With `with_noise`, the live count-noise nodes (noise secrets: resume point only)."""

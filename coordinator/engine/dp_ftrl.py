@@ -19,17 +19,18 @@ residual is added in Z_(2^b) before decoding, so no floating-point sampler touch
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfleet.coordinator.engine.aggregation import RingSum
-from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, new_noise_key
-from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
+from dpfleet.coordinator.mechanisms.noise_stream import new_noise_key
+from dpfleet.coordinator.mechanisms.registry import as_mechanism
+from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
+    from dpfleet.coordinator.mechanisms.base import Mechanism
     from dpfleet.coordinator.mechanisms.ring_noise import RingPlan
     from dpfleet.coordinator.mechanisms.spec import MechanismSpec
 
@@ -45,9 +46,9 @@ class DPFTRLConfig:
     # One client's L2 contribution to the sum is at most clip_norm * sensitivity_factor; > 1 when
     # secure aggregation's discretization inflates norms, so the noise must grow with it.
     sensitivity_factor: float = 1.0
-    # a banded / BLT `mechanisms.MechanismSpec`: matrix-factorization noise (`mf_noise.MFNoise`,
-    # same interface as the tree) instead of the tree; None: the tree
-    mechanism: MechanismSpec | None = None
+    # the noise mechanism (`mechanisms.base.Mechanism`, or a banded / BLT `MechanismSpec`);
+    # None: the tree
+    mechanism: Mechanism | MechanismSpec | None = None
 
 
 class DPFTRLServer:
@@ -56,6 +57,7 @@ class DPFTRLServer:
     def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig, noise_key: bytes | None = None,
                  ring: RingPlan | None = None):
         self.cfg, self.ring = cfg, ring
+        self.mechanism = as_mechanism(cfg.mechanism)
         self.noise_key = new_noise_key() if noise_key is None else noise_key
         self.theta = theta0.astype(np.float32).copy()
         self.momentum = np.zeros_like(self.theta)
@@ -74,33 +76,19 @@ class DPFTRLServer:
             return self.ring.noise_std * self.clip_norm / self.cfg.clip_norm
         return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
 
-    def _nodes(self) -> Callable[[int, int, int], np.ndarray]:
+    @property
+    def stream_std(self) -> float:
+        """The float stream's std: at the round's clip norm, or, for a mechanism whose clip norm
+        may change every round, at the configured one (`step` rescales each round's noise)."""
+        if self.mechanism.adapts_every_round:
+            return self.cfg.noise_multiplier * self.cfg.clip_norm * self.cfg.sensitivity_factor
+        return self.noise_std
+
+    def _new_tree(self, tree_id: int):
+        """A fresh noise segment of the run's mechanism (in ring units with a ring plan)."""
         if self.ring is not None:
-            from dpfleet.coordinator.mechanisms.ring_noise import ring_nodes
-
-            return ring_nodes(self.ring, self.noise_key)
-        return GaussianNodes(self.noise_key, self.noise_std, self.theta.size)
-
-    def _mf_segment(self, tree_id: int, state: dict | None = None):
-        """A matrix-factorization segment (fresh, or rebuilt from a resume point's position): in
-        ring units with a ring plan (`mf_ring`: rounded, in the ring), else in units of the
-        configured clip norm (`step` scales it to the round's clip norm: adaptive clipping)."""
-        from dpfleet.coordinator.mechanisms.mf_noise import MFNoise
-        from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise
-
-        if self.ring is not None:
-            cls, dim, std = RingMFNoise, self.ring.length, self.ring.sigma
-        else:
-            cls, dim = MFNoise, self.theta.size
-            std = self.cfg.noise_multiplier * self.cfg.clip_norm * self.cfg.sensitivity_factor
-        if state is not None:
-            return cls.from_state(state, self.cfg.mechanism, self.noise_key, std)
-        return cls(self.cfg.mechanism, dim, self.noise_key, std, tree_id)
-
-    def _new_tree(self, tree_id: int) -> TreeNoise:
-        if self.cfg.mechanism is not None:  # a fresh matrix-factorization segment
-            return self._mf_segment(tree_id)
-        return TreeNoise(self.ring.length if self.ring else self.theta.size, self._nodes(), tree_id)
+            return self.mechanism.ring_stream(self.ring, self.noise_key, tree_id)
+        return self.mechanism.stream(self.theta.size, self.stream_std, self.noise_key, tree_id)
 
     @property
     def restart_due(self) -> bool:
@@ -118,12 +106,25 @@ class DPFTRLServer:
             self.clip_norm = clip_norm
         self.tree = self._new_tree(self.tree.tree_id + 1 if tree_id is None else tree_id)
 
+    def _checked(self, residual: np.ndarray) -> np.ndarray:
+        """A mechanism's round noise has exactly the sum's shape and is finite (a broadcast
+        vector, or a NaN, would void the noise the accountant assumes)."""
+        length = self.ring.length if self.ring is not None else self.theta.size
+        residual = np.asarray(residual)
+        kind = "i" if self.ring is not None else "f"
+        if residual.shape != (length,) or residual.dtype.kind != kind or (
+                kind == "f" and not np.isfinite(residual).all()):
+            raise DpfleetError(f"noise mechanism {self.mechanism.name!r}: round {self.round + 1}'s noise "
+                               f"must be a finite {'integer' if kind == 'i' else 'float'} vector of shape "
+                               f"({length},), got {residual.dtype} of shape {residual.shape}")
+        return residual
+
     def step(self, delta_sum: np.ndarray | RingSum) -> np.ndarray:
         """Apply one round's sum of clipped deltas (float, or a ring sum with a `ring` plan);
         returns the new theta."""
         if self.restart_due:
             self.restart()
-        residual = self.tree.next_residual()
+        residual = self._checked(self.tree.next_residual())
         if self.audit_noise_scale != 1.0:  # a deliberately broken audit run (see __init__)
             scaled = residual.astype(np.float64) * self.audit_noise_scale
             residual = (np.rint(scaled) if residual.dtype.kind == "i" else scaled).astype(residual.dtype)
@@ -134,8 +135,8 @@ class DPFTRLServer:
 
             noisy_sum = release(delta_sum, residual).astype(np.float32)
         else:
-            if self.cfg.mechanism is not None and self.clip_norm != self.cfg.clip_norm:
-                # adaptive clipping with MF: x_t / C_t + z (C^-1 z)_t released, times C_t
+            if self.mechanism.adapts_every_round and self.clip_norm != self.cfg.clip_norm:
+                # adaptive clipping every round: x_t / C_t + z (C^-1 z)_t released, times C_t
                 residual = residual * np.float32(self.clip_norm / self.cfg.clip_norm)
             noisy_sum = delta_sum.astype(np.float32) + residual
         noisy_avg = noisy_sum / np.float32(self.cfg.report_goal)
@@ -157,7 +158,7 @@ class DPFTRLServer:
         self.momentum = state["momentum"].astype(np.float32).copy()
         self.round = int(state["round"])
         self.clip_norm = float(state["clip_norm"])
-        if self.cfg.mechanism is not None:  # rebuilt by replaying its z_t from the key
-            self.tree = self._mf_segment(0, state["tree"])
-            return
-        self.tree = TreeNoise.from_state(state["tree"], self._nodes())
+        if self.ring is not None:
+            self.tree = self.mechanism.resume_ring(state["tree"], self.ring, self.noise_key)
+        else:
+            self.tree = self.mechanism.resume(state["tree"], self.theta.size, self.stream_std, self.noise_key)

@@ -12,11 +12,13 @@ calls the same protocol whether the object is built in or yours:
   trainers clip with the run's rule, and every clipped update is checked before aggregation
   (`check_clipped`): a rule that returns a norm above the bound the accountant assumes is one
   clear error, never a silently voided guarantee.
-* `NoiseMechanism` (what noise each round's sum gets, and its accounting). Built in:
-  `TreeMechanism` (the online tree) and `MatrixMechanism` (banded / BLT matrix factorization);
-  the config's `dp.mechanism` runs them inside the round engine (with ring noise, restarts,
-  resume). Yours replaces the noise stream and must declare its accounting (`zcdp`); without a
-  declaration privacy.json and privacy_report.md say the run is NOT accounted by dpfleet.
+* `Mechanism` (what noise each round's sum gets, and its sensitivity: `coordinator/mechanisms/
+  base.py`). Built in: `TreeMechanism` (the online tree), `MatrixMechanism` (banded / BLT matrix
+  factorization); the config's `dp.mechanism` builds one. A caller's subclass is the same kind of
+  object and runs on every path a built-in runs (ring noise if it has `ring_stream`, restarts if
+  `supports_restarts`, adaptive clipping, resume, bound to the run by its fingerprint), or is
+  refused naming the missing part. dpfleet converts its declared sensitivity to (eps, delta) by
+  RDP and says in privacy.json and the report that it cannot verify the declaration.
 * `ParticipationPolicy` (who of the eligible devices takes part). Built in: `UniformPolicy`,
   `DisjointPolicy` (`participation.mode`). The coordinator's guard still decides who is eligible
   (MinS / MaxP) and checks every choice (`check_selection`); the accountant reads who actually
@@ -28,28 +30,28 @@ docs/extending.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.engine.participation import (
     DisjointPolicy,
     Eligible,
     UniformPolicy,
     check_selection,
 )
+from dpfleet.coordinator.mechanisms.base import Mechanism, NoiseStream
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
+from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.edge.clipping import clip_l2, norm64
 from dpfleet.edge.runtime import LocalSGD
 from dpfleet.errors import DpfleetError
 
 __all__ = [
     "ClippingRule", "DisjointPolicy", "Eligible", "LocalSGD", "LocalUpdate", "MatrixMechanism",
-    "NoiseMechanism", "NoiseStream", "ParticipationPolicy", "TreeMechanism", "UniformPolicy",
+    "Mechanism", "NoiseStream", "ParticipationPolicy", "TreeMechanism", "UniformPolicy",
     "check_clipped", "check_selection", "clip_l2",
 ]
 
@@ -80,97 +82,12 @@ class ClippingRule(Protocol):
 
 
 @runtime_checkable
-class NoiseStream(Protocol):
-    """One noise segment: `next_residual()` is round t's noise vector (float32, the model's size),
-    added to round t's sum of clipped deltas before the server optimiser (t = 1, 2, ...)."""
-
-    def next_residual(self) -> np.ndarray: ...
-
-
-@runtime_checkable
-class NoiseMechanism(Protocol):
-    """A DP-FTRL noise mechanism and its privacy accounting.
-
-    `stream(dim, std, key)` gives the run's noise: `std` = z * C (times secure aggregation's
-    norm inflation), the per-round std of the tree's nodes; `key` is the run's secret 32-byte
-    noise key (draw from it, e.g. with `dpfleet.coordinator.mechanisms.noise_stream.GaussianNodes`, so reruns
-    get fresh noise and `dp.noise_seed` reproduces it).
-
-    `zcdp(noise_multiplier, rounds, min_separation, max_participation)` declares the rho-zCDP of
-    the `rounds` released so far for a device that took part at most `max_participation` times
-    with at least `min_separation` rounds strictly between two participations (None: nobody took
-    part twice), with each device's contribution bounded by C in L2. Return None when you do not
-    account it: the run then says plainly it is NOT accounted by dpfleet. dpfleet converts the
-    declared rho to (eps, delta) and stops at `dp.budget_epsilon`; it cannot verify the claim.
-    """
-
-    name: str
-
-    def stream(self, dim: int, std: float, key: bytes) -> NoiseStream: ...
-
-    def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
-             max_participation: int) -> float | None: ...
-
-
-@runtime_checkable
 class ParticipationPolicy(Protocol):
     """Choose `count` distinct devices of round `round_idx` from `eligible` (the devices the
     guard allows, ascending; `eligible.count` of them, `eligible.at(positions)` gives them).
     Return their indices. Seed any randomness from the round, so a rerun selects the same."""
 
     def select(self, round_idx: int, eligible: Eligible, count: int) -> Sequence[int] | np.ndarray: ...
-
-
-# --- built-in noise mechanisms, as protocol objects ---------------------------------------------
-
-class TreeMechanism:
-    """The online binary tree (Kairouz et al. 2021), dpfleet's default, as a `NoiseMechanism`:
-    the same nodes from the same key as `dp.mechanism = "tree"` and the accountant's exact
-    tree sensitivity (`tree_sensitivity.tree_sensitivity_squared`, no restarts)."""
-
-    name = "tree"
-
-    def stream(self, dim: int, std: float, key: bytes) -> NoiseStream:
-        from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
-        from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
-
-        return TreeNoise(dim, GaussianNodes(key, std, dim))
-
-    def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
-             max_participation: int) -> float | None:
-        from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
-        from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_sensitivity_squared
-
-        if max_participation == 0:
-            return 0.0
-        s = tree_sensitivity_squared(rounds, max_participation, min_separation)
-        return zcdp_from_sensitivity(noise_multiplier, s)
-
-
-class MatrixMechanism:
-    """A banded / BLT matrix-factorization strategy (`mechanisms.MechanismSpec`, e.g. from
-    `mechanisms.optimize_mechanism`) as a `NoiseMechanism`: `mf_noise.MFNoise`'s stream and the
-    strategy's min-separation sensitivity (`mechanisms.sensitivity_squared`), as the run's
-    `MFAccountant` gives for one segment."""
-
-    def __init__(self, spec):
-        self.spec, self.name = spec, spec.kind
-
-    def stream(self, dim: int, std: float, key: bytes) -> NoiseStream:
-        from dpfleet.coordinator.mechanisms.mf_noise import MFNoise
-
-        return MFNoise(self.spec, dim, key, std)
-
-    def zcdp(self, noise_multiplier: float, rounds: int, min_separation: int | None,
-             max_participation: int) -> float | None:
-        from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
-        from dpfleet.coordinator.mechanisms.spec import sensitivity_squared
-
-        if max_participation == 0:
-            return 0.0
-        mins = self.spec.rounds - 1 if max_participation <= 1 else (min_separation or 0)
-        return zcdp_from_sensitivity(noise_multiplier, sensitivity_squared(self.spec, mins,
-                                                                           max_participation))
 
 
 # --- the guards -------------------------------------------------------------------------------
@@ -191,135 +108,6 @@ def check_clipped(updates: Sequence, bound: float, rule: object = None, round_id
         if delta.dtype != np.float32 or delta.ndim != 1:
             raise DpfleetError(f"round {round_idx + 1}: the clipping rule must return a flat float32 "
                                f"vector, got {delta.dtype} of shape {delta.shape}")
-
-
-# --- a caller's noise mechanism in a run --------------------------------------------------------
-
-class _CheckedStream:
-    """A caller's stream with what the engine reads of a noise tree (`t`, `tree_id`,
-    `state_dict`); every vector is checked (shape, float32-able, finite)."""
-
-    def __init__(self, inner: NoiseStream, dim: int, name: str):
-        self.inner, self.dim, self.name = inner, dim, name
-        self.t, self.tree_id = 0, 0
-
-    def next_residual(self) -> np.ndarray:
-        out = np.asarray(self.inner.next_residual(), dtype=np.float32)
-        if out.shape != (self.dim,) or not np.isfinite(out).all():
-            raise DpfleetError(f"noise mechanism {self.name}: round {self.t + 1}'s noise must be a finite "
-                               f"vector of shape ({self.dim},), got shape {out.shape}")
-        self.t += 1
-        return out
-
-    def state_dict(self) -> dict:
-        """Position only: a custom mechanism's run does not resume (`check_custom_noise`)."""
-        return {"dim": self.dim, "tree_id": 0, "t": self.t, "nodes": [], "noise": [],
-                "mechanism": f"custom:{self.name}"}
-
-
-class DeclaredAccountant(RunAccountant):
-    """`RunAccountant` whose zCDP is the mechanism's own declaration for the observed MinS / MaxP,
-    carried as the Gaussian-equivalent sensitivity 2 z^2 rho (so rho, the budget check and the
-    per-round records take the base class's path); inf when the mechanism declares none."""
-
-    def __init__(self, mechanism: NoiseMechanism, *args, **kwargs):
-        super().__init__(*args, conversion="rdp", **kwargs)
-        self.mechanism = mechanism
-
-    def _sensitivity(self, rounds: int, maxp: int, mins: int | None, restarts: list[int]) -> float:
-        if maxp == 0:
-            return 0
-        rho = self.mechanism.zcdp(self.noise_multiplier, rounds, mins, maxp)
-        if rho is None:
-            return math.inf
-        rho = float(rho)
-        if not rho >= 0:
-            raise DpfleetError(f"noise mechanism {self.mechanism.name}: zcdp() must be >= 0 or None, "
-                               f"got {rho}")
-        return 2 * self.noise_multiplier**2 * rho
-
-    def privacy(self, run_dir, cfg, privacy: dict) -> dict:
-        """The run's privacy.json figures and report (`custom_noise_privacy`), for the engine's
-        finish."""
-        return custom_noise_privacy(run_dir, cfg, self, privacy)
-
-
-def check_custom_noise(cfg, noise: object) -> None:
-    """A caller's mechanism runs on the float path of one noise segment: refused with ring noise,
-    another `dp.mechanism`, restarts, adaptive clipping, z = 0, and a budget it does not account."""
-    from dpfleet.coordinator.config import resolve_noise
-
-    if not isinstance(noise, NoiseMechanism):
-        raise DpfleetError(f"noise must be a dpfleet.extensions.NoiseMechanism (name, stream(dim, std, "
-                           f"key), zcdp(...)), not {type(noise).__name__}")
-    problems = [
-        (cfg.dp.mechanism == "tree", f"dp.mechanism = {cfg.dp.mechanism!r} (leave it 'tree')"),
-        (resolve_noise(cfg) == "gaussian", "ring noise (with secure aggregation set dp.noise = "
-                                           "'gaussian': honest participants only)"),
-        (not cfg.dp.restart_rounds and not cfg.dp.adaptive_clipping,
-         "tree restarts or adaptive clipping (one noise segment)"),
-        (cfg.dp.noise_multiplier > 0, "dp.noise_multiplier = 0"),
-        (not getattr(cfg.dp, "target_epsilon", 0), "dp.target_epsilon (the planner knows the "
-                                                   "built-in mechanisms only)"),
-    ]
-    for ok, what in problems:
-        if not ok:
-            raise DpfleetError(f"a custom noise mechanism ({noise.name}) cannot run with {what}")
-
-
-def install_noise(engine, noise: NoiseMechanism) -> None:
-    """Put a caller's mechanism into a fresh engine: its stream replaces the server's tree (one
-    segment: no restart is configured), its declaration the accountant."""
-    check_custom_noise(engine.cfg, noise)
-    server, cfg = engine.server, engine.cfg
-    dim = server.theta.size
-    server.tree = _CheckedStream(noise.stream(dim, server.noise_std, server.noise_key), dim, noise.name)
-    spent = (engine.vocabulary or {}).get("zcdp", 0)
-    engine.accountant = DeclaredAccountant(noise, cfg.dp.noise_multiplier, cfg.dp.delta,
-                                           cfg.dp.budget_epsilon, spent_zcdp=spent)
-    if cfg.dp.budget_epsilon and engine.accountant._sensitivity(1, 1, None, []) == math.inf:
-        raise DpfleetError(f"dp.budget_epsilon needs an accounted mechanism: {noise.name}.zcdp() "
-                           "returns None")
-
-
-def custom_noise_privacy(run_dir, cfg, accountant: DeclaredAccountant, privacy: dict) -> dict:
-    """privacy.json's figures and privacy_report.md for a caller's mechanism, replacing the tree's:
-    the declared rho converted by RDP (valid for any rho-zCDP mechanism), or, undeclared, a plain
-    statement that dpfleet did not account the run."""
-    from dpfleet.coordinator.state.run_dir import atomic_write
-
-    mech = accountant.mechanism
-    rho = accountant._zcdp(accountant._sensitivity(accountant.rounds, accountant.max_participation,
-                                                   accountant.min_separation, []))
-    accounted = math.isfinite(rho)
-    privacy = {k: v for k, v in privacy.items()
-               if k not in ("sensitivity_squared", "worst_device", "timer_worst_case")}
-    eps = epsilon_from_zcdp(rho, cfg.dp.delta, "rdp") if accounted else math.inf
-    statement = (
-        f"This run satisfies rho-zCDP with rho = {rho:.4g} (device-level), hence (eps, delta)-DP with "
-        f"eps = {eps:.4g} at delta = {cfg.dp.delta:g}, AS DECLARED by the custom noise mechanism "
-        f"{mech.name!r} for the observed MinS / MaxP: dpfleet did not derive this and cannot verify it."
-        if accounted else
-        f"NOT ACCOUNTED BY DPFLEET: the custom noise mechanism {mech.name!r} declares no privacy "
-        "accounting (zcdp() returned None), so this run has no stated guarantee.")
-    privacy.update(
-        noise_mechanism=f"custom: {mech.name}", accounted_by_dpfleet=False,
-        accounting_declared_by_mechanism=accounted, statement=statement,
-        accounting=("rho-zCDP declared by the mechanism for the observed MinS / MaxP; epsilon by the "
-                    "zCDP -> RDP conversion" if accounted else "none"),
-        zcdp=rho, epsilon=eps, epsilon_rdp=eps,
-    )
-    mins = privacy.get("min_separation")
-    lines = ["# Privacy report", "", f"**Formal statement.** {statement}", "",
-             "| | observed |", "|---|---|", f"| rounds | {privacy.get('rounds')} |",
-             f"| MinS | {'n/a' if mins is None else mins} |",
-             f"| MaxP | {privacy.get('max_participation')} |",
-             f"| noise multiplier z | {cfg.dp.noise_multiplier:g} |", f"| clip norm | {cfg.dp.clip_norm:g} |",
-             f"| report goal | {cfg.dp.report_goal} |", ""]
-    if privacy.get("not_covered"):
-        lines += ["## Not covered", "", *[f"- {x}" for x in privacy["not_covered"]], ""]
-    atomic_write(run_dir / "privacy_report.md", "\n".join(lines))
-    return privacy
 
 
 # --- wiring a run -------------------------------------------------------------------------------
@@ -358,9 +146,10 @@ def custom_trainer(cfg, trainer, model_cfg, model: torch.nn.Module, client_updat
     return trainer, note
 
 
-def install(engine, *, participation: object = None, noise: object = None, resume: bool = False) -> None:
-    """Put a caller's `ParticipationPolicy` and `NoiseMechanism` into a run's engine before its
-    first round (the guard and the participation log stay the engine's)."""
+def install(engine, *, participation: object = None) -> None:
+    """Put a caller's `ParticipationPolicy` into a run's engine before its first round (the guard
+    and the participation log stay the engine's). A caller's `Mechanism` goes to the engine's
+    constructor (`noise_mechanism`), where the config's would be built."""
     if participation is not None:
         if not isinstance(participation, ParticipationPolicy):
             raise DpfleetError(f"participation must have select(round_idx, eligible, count), not "
@@ -369,8 +158,22 @@ def install(engine, *, participation: object = None, noise: object = None, resum
             raise DpfleetError("a custom participation policy runs with participation.mode = 'uniform' "
                                f"(its guard's MinS / MaxP apply), not {engine.cfg.participation.mode!r}")
         engine.participation.policy = participation
-    if noise is not None:
-        if resume:
-            raise DpfleetError("a run with a custom noise mechanism cannot be resumed (its stream's "
-                               "state is the caller's)")
-        install_noise(engine, noise)
+
+
+def noise_mechanism(cfg, noise: object) -> Mechanism | None:
+    """A caller's noise mechanism for the engine (None: the config's `dp.mechanism`): a
+    `Mechanism`, which the engine binds to the run and runs on every path (refusing, naming the
+    missing part, one it cannot run on); `dp.mechanism` must be left at its default."""
+    if noise is None:
+        return None
+    if not isinstance(noise, Mechanism):
+        raise DpfleetError(f"noise must be a dpfleet.extensions.Mechanism (identity(), "
+                           f"sensitivity_squared(...), stream(...)), not {type(noise).__name__}")
+    if cfg.dp.mechanism not in ("tree", noise.name):
+        raise DpfleetError(f"the config asks for dp.mechanism = {cfg.dp.mechanism!r} and noise= passes "
+                           f"{noise.name!r}: leave dp.mechanism at 'tree' (its default) or drop noise=")
+    if cfg.dp.target_epsilon:
+        raise DpfleetError(f"dp.target_epsilon plans the registered mechanisms (dp.mechanism), not a "
+                           f"caller's object ({noise.name}): set dp.noise_multiplier, or register it "
+                           "(dpfleet.coordinator.mechanisms.registry.register)")
+    return noise

@@ -27,7 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, write_run_privacy
+from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
@@ -38,8 +39,9 @@ from dpfleet.coordinator.engine.aggregation import AggregateResult
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
-from dpfleet.coordinator.mechanisms.mf_noise import MFAccountant, mf_privacy, run_mechanism
+from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
+from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
 from dpfleet.coordinator.state.resume import (
     ResumeSource,
@@ -48,7 +50,7 @@ from dpfleet.coordinator.state.resume import (
     save_resume,
     save_server_state,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, plot_accuracy
+from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
@@ -58,11 +60,12 @@ DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
 DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 
 
-def restart_rounds(cfg: SimulationConfig) -> list[int]:
-    """Tree restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping
-    on the tree (matrix-factorization noise adopts the clip estimate every round: no restarts)."""
+def restart_rounds(cfg: SimulationConfig, mechanism: Mechanism) -> list[int]:
+    """Restart rounds of this run: the configured ones, or 128 + 1024 i with adaptive clipping on a
+    mechanism that adopts a new clip norm only at restarts (the tree; matrix factorization adopts
+    the estimate every round: no restarts)."""
     rounds = cfg.dp.restart_rounds
-    if not rounds and cfg.dp.adaptive_clipping and cfg.dp.mechanism == "tree":
+    if not rounds and cfg.dp.adaptive_clipping and not mechanism.adapts_every_round:
         rounds = default_restart_rounds(cfg.rounds)
     return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
 
@@ -137,12 +140,14 @@ class RoundEngine:
     def __init__(self, cfg: SimulationConfig, run: RunDir, *, model, model_cfg, tokenizer,
                  users: Sequence[str], fingerprint: str, test_rows, sink: RunSink | None = None,
                  vocabulary: dict | None = None, resume: bool = False,
-                 releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None):
+                 releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
+                 mechanism: Mechanism | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
         `releases` / `resume_source` replace the run directory's releases.jsonl and resume
-        point (the SQLite state store, `state_store.open_engine`)."""
+        point (the SQLite state store, `state_store.open_engine`). `mechanism`: a caller's noise
+        mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`)."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
@@ -152,16 +157,21 @@ class RoundEngine:
         self.vocabulary = vocabulary
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed)
-        # dp.mechanism banded / blt: the strategy optimised for the enforced participation
-        self.mechanism, self.mechanism_optimised_for = (
-            run_mechanism(cfg, self.participation.min_separation, run.path, resume)
-            if cfg.dp.mechanism != "tree" else (None, None))
-        accountant_args = (cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon)
-        accountant_kw = dict(spent_zcdp=(vocabulary or {}).get("zcdp", 0),
-                             conversion="rdp" if resolve_noise(cfg) == "discrete" else "pld")
-        self.accountant = (RunAccountant(*accountant_args, **accountant_kw) if self.mechanism is None
-                           else MFAccountant(self.mechanism, *accountant_args, **accountant_kw))
-        self.restarts = restart_rounds(cfg)
+        # the one noise mechanism of the run (banded / blt: optimised for the enforced
+        # participation), bound to the run directory (`mechanism_binding`)
+        self.mechanism, self.mechanism_optimised_for = run_mechanism(
+            cfg, self.participation.min_separation, run.path, resume, mechanism)
+        check_supported(cfg, self.mechanism)
+        custom = not built_in(self.mechanism)
+        self.accountant = RunAccountant(
+            cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
+            spent_zcdp=(vocabulary or {}).get("zcdp", 0), mechanism=self.mechanism,
+            # discrete Gaussian ring noise, or a caller's noise dpfleet cannot see is Gaussian:
+            # eps by RDP of the zCDP; the Gaussian PLD where it is a (rounded) Gaussian
+            conversion="rdp" if custom or (resolve_noise(cfg) == "discrete"
+                                           and not self.mechanism.ring_is_rounded_gaussian) else "pld",
+            declared=custom)
+        self.restarts = restart_rounds(cfg, self.mechanism)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
         noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
         if cfg.dp.adaptive_clipping:
@@ -174,11 +184,9 @@ class RoundEngine:
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
         if resolve_noise(cfg) == "discrete":
-            from dpfleet.coordinator.mechanisms.mf_ring import inverse_variance_factor
             from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
 
-            self.ring = discrete_plan(cfg, theta0.size, None if self.mechanism is None else
-                                      inverse_variance_factor(self.mechanism))
+            self.ring = discrete_plan(cfg, theta0.size, self.mechanism.ring_variance_factor())
         self.server = DPFTRLServer(
             theta0,
             DPFTRLConfig(
@@ -227,7 +235,7 @@ class RoundEngine:
         if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
             server.restart(estimator.estimate)
             estimator.restart()
-        if estimator is not None and self.mechanism is not None:  # MF: C_t from earlier releases
+        if estimator is not None and self.mechanism.adapts_every_round:  # C_t from earlier releases
             server.clip_norm = estimator.estimate
         public_update = before_round(r, server.theta) if before_round else None
         if public_update is not None:
@@ -331,7 +339,7 @@ class RoundEngine:
             participants=[self.users[i] for i in in_sum], restart=restart, clip_norm=clip,
             released=release_hash(server.theta, estimator.estimate if estimator else None),
             data_sha256=self.fingerprint, logs=logs,
-            **({"mechanism": self.mechanism.kind} if self.mechanism is not None else {}),
+            mechanism=self.mechanism.name, mechanism_sha256=self.mechanism.fingerprint(),
         )
         self.metrics.append(record)
         self.sink.participation(
@@ -355,6 +363,22 @@ class RoundEngine:
         set_flat(self.model, self.server.theta)
         return evaluate(self.model, self.test_rows)
 
+    def privacy(self, *, stopped_early: str | None = None, public_data: Sequence[str] = (),
+                committed: Sequence[dict] | None = None) -> dict:
+        """The run's privacy summary now (`run_accountant.run_privacy`): privacy.json's content,
+        what the report renders. `committed`: release records to account instead of the engine's
+        own accountant (the service's live report, from its committed rows)."""
+        accountant = self.accountant
+        if committed is not None:
+            accountant = accountant.fresh()
+            for record in committed:
+                accountant.record(record["participants"], record["restart"])
+        return run_privacy(self.cfg, self.participation, accountant, len(self.users),
+                           model_noise_multiplier=self.z_model, stopped_early=stopped_early,
+                           optimised_for=self.mechanism_optimised_for, vocabulary=self.vocabulary,
+                           public_data=list(public_data), ring=self.ring,
+                           debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file())
+
     def finish(self, *, stopped_early: str | None, baseline: dict, public_data: Sequence[str] = (),
                started: float, extra: dict | None = None) -> tuple[dict, dict]:
         """Final evaluation, checkpoint, privacy report, plot and summary; drops the resume point
@@ -366,18 +390,12 @@ class RoundEngine:
         save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
                           self.estimator.state_dict(with_noise=False) if self.estimator else None,
                           with_noise=False)
-        privacy = write_run_privacy(run_path, cfg, self.participation, self.accountant,
-                                    len(self.users), model_noise_multiplier=self.z_model,
-                                    stopped_early=stopped_early, vocabulary=self.vocabulary,
-                                    public_data=list(public_data), ring=self.ring)
-        if self.mechanism is not None:  # the strategy's accounting replaces the tree's figures
-            privacy = mf_privacy(run_path, cfg, self.accountant, self.mechanism_optimised_for, privacy)
-        if hasattr(self.accountant, "privacy"):  # a caller's noise mechanism (dpfleet.extensions)
-            privacy = self.accountant.privacy(run_path, cfg, privacy)
+        privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
+        self.run.write_json("privacy.json", privacy)
+        atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
-        self.run.write_json("privacy.json", privacy)
         summary = {
             "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),

@@ -249,7 +249,7 @@ def run_simulation(
                                    model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
         model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
-    from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install
+    from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
 
     if "client_update" in ext or "clipping" in ext:
         trainer, note = custom_trainer(cfg, trainer, model_cfg, model, ext.get("client_update"),
@@ -263,8 +263,9 @@ def run_simulation(
                                      tokenizer,
                                      fingerprint_secret(run.path, create=not resume)),
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
+        mechanism=noise_mechanism(cfg, ext.get("noise")),
     )
-    install(engine, participation=ext.get("participation"), noise=ext.get("noise"), resume=resume)
+    install(engine, participation=ext.get("participation"))
     aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
     if audit is not None:
         audit.engine_ready(engine)

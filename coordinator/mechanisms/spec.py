@@ -29,9 +29,6 @@ from scipy.signal import lfilter
 
 from dpfleet.coordinator.accounting.zcdp import (
     ADJACENCY,
-    MIN_SEPARATION_CONVENTION,
-    epsilon_from_zcdp,
-    zcdp_from_noise,
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.mechanisms.blt import BLT, prefix_error_per_round, tree_prefix_error_per_round
@@ -46,7 +43,7 @@ from dpfleet.coordinator.mechanisms.mf_sensitivity import (
     toeplitz_minsep_sensitivity_squared,
     true_max_participations,
 )
-from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int, tree_sensitivity_squared
+from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int
 from dpfleet.errors import DpfleetError
 
 MECHANISMS = ("tree", "banded", "blt")
@@ -189,7 +186,9 @@ def sensitivity_squared(spec: MechanismSpec, min_separation: int | None,
     n = spec.rounds
     gap, k = _participation(n, min_separation, max_participation)
     if spec.kind == "tree":
-        s = float(tree_sensitivity_squared(n, k, gap - 1, restarts, nodes="all"))
+        from dpfleet.coordinator.mechanisms.tree import TreeMechanism
+
+        s = float(TreeMechanism().sensitivity_squared(n, gap - 1, k, list(restarts or [])))
     else:
         if restarts:
             raise DpfleetError(f"restarts are a tree feature; the {spec.kind} mechanism has none")
@@ -208,7 +207,7 @@ def _mf_sensitivity_squared(spec: MechanismSpec, gap: int, k: int) -> float:
 def mechanism_zcdp(spec: MechanismSpec, noise_multiplier: float, min_separation: int | None,
                    max_participation: int | None, *, restarts: Sequence[int] | None = None,
                    adjacency: str = "zero-out") -> float:
-    """rho = sens^2 / (2 z^2) (z = 0: infinite); the tree's is the accountant's `zcdp_from_noise`."""
+    """rho = sens^2 / (2 z^2) (z = 0: infinite)."""
     spec = _check_spec(spec)
     try:
         z = float(noise_multiplier)
@@ -216,9 +215,6 @@ def mechanism_zcdp(spec: MechanismSpec, noise_multiplier: float, min_separation:
         raise DpfleetError(f"noise multiplier must be a number, got {noise_multiplier!r}") from None
     if z == 0:
         return math.inf
-    if spec.kind == "tree":
-        gap, k = _participation(spec.rounds, min_separation, max_participation)
-        return zcdp_from_noise(z, spec.rounds, k, gap - 1, restarts, adjacency=adjacency, nodes="all")
     return zcdp_from_sensitivity(z, sensitivity_squared(spec, min_separation, max_participation,
                                                         restarts=restarts, adjacency=adjacency))
 
@@ -256,33 +252,3 @@ def relative_noise(spec: MechanismSpec, min_separation: int | None,
     ratio = (sensitivity_squared(spec, min_separation, max_participation)
              / sensitivity_squared(tree, min_separation, max_participation))
     return math.sqrt(ratio) * noise_factor(spec)
-
-
-def account_mechanism(spec: MechanismSpec, noise_multiplier: float, min_separation: int | None,
-                      max_participation: int | None, delta: float, method: str = "pld", *,
-                      adjacency: str = "zero-out", segments: int = 1) -> dict:
-    """zCDP and eps of a banded / BLT run as one dict (the tree's is `account_worst_case`).
-
-    `segments`: fresh noise streams of the same strategy (a restart after a crash); their rho add.
-    """
-    spec = _check_spec(spec)
-    segments = check_int(segments, "segments", 1)
-    s = segments * sensitivity_squared(spec, min_separation, max_participation, adjacency=adjacency)
-    rho = zcdp_from_sensitivity(noise_multiplier, s)
-    return {
-        "mechanism": spec.kind,
-        "mechanism_spec": spec.to_json(),
-        "rounds": spec.rounds,
-        "max_participation": max_participation,
-        "min_separation": min_separation,
-        "min_separation_convention": MIN_SEPARATION_CONVENTION,
-        "noise_multiplier": float(noise_multiplier),
-        "adjacency": adjacency,
-        "noise_segments": segments,
-        "sensitivity_squared": s,
-        "zcdp": rho,
-        "delta": float(delta),
-        "method": method,
-        "epsilon": epsilon_from_zcdp(rho, delta, method),
-        "noise_factor": noise_factor(spec),
-    }

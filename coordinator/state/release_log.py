@@ -15,9 +15,11 @@ checkpoint here; the broadcast of the new model in a networked fleet). A record 
     restart       the round starts a tree; clip_norm  the clip norm of that tree
     released      sha256 of the released model (and clip estimate): what left the engine
     data_sha256   fingerprint of the training clients' tokenized data
-    mechanism     only for matrix-factorization noise ("banded" / "blt", `mf_noise`): then
-                  tree_id is the noise segment, t the position of its z_t, and nodes is empty
-                  (release t's noise is made of z_1..z_t of the segment)
+    mechanism     only for noise other than the tree's ("banded" / "blt", a caller's): then
+                  tree_id is the noise segment, t the position in it, and nodes is empty
+                  (release t's noise is made of the segment's draws 1..t)
+    mechanism_sha256  the run's mechanism (`Mechanism.fingerprint`): a resume with another
+                  mechanism or strategy is refused (`mechanism_binding`)
 
 Rules (transport-free; a SQLite-backed service applies the same ones):
 1. Release only after the record is durable. A torn last line is a round that was not released
@@ -69,12 +71,13 @@ def release_hash(theta: np.ndarray, clip_estimate: float | None = None) -> str:
 
 def release_record(*, round: int, tree_id: int, t: int, key_id: str, participants: Sequence[str],
                    restart: bool, clip_norm: float, released: str, data_sha256: str,
-                   mechanism: str = "tree") -> dict:
+                   mechanism: str = "tree", mechanism_sha256: str = "") -> dict:
     """One round's release record (the fields of the module docstring), as every log stores it."""
     record = {"round": round, "tree_id": tree_id, "t": t,
               "nodes": prefix_nodes(t) if mechanism == "tree" else [],
               "key_id": key_id, "participants": list(participants), "restart": restart,
-              "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256}
+              "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256,
+              "mechanism_sha256": mechanism_sha256}
     if mechanism != "tree":
         record["mechanism"] = mechanism
     return record
@@ -157,13 +160,14 @@ class ReleaseLog:
     def record_release(self, *, round: int, tree_id: int, t: int, key_id: str,
                        participants: Sequence[str], restart: bool, clip_norm: float, released: str,
                        data_sha256: str, logs: Mapping[str, dict] | None = None,
-                       mechanism: str = "tree") -> dict:
+                       mechanism: str = "tree", mechanism_sha256: str = "") -> dict:
         """Append one round and fsync: call it before anything of the round is released.
         `logs` (name -> the round's record: "metrics", "debug_nonprivate") are committed with it
         (rule 4); the engine always passes its metrics."""
         record = release_record(round=round, tree_id=tree_id, t=t, key_id=key_id,
                                 participants=participants, restart=restart, clip_norm=clip_norm,
-                                released=released, data_sha256=data_sha256, mechanism=mechanism)
+                                released=released, data_sha256=data_sha256, mechanism=mechanism,
+                                mechanism_sha256=mechanism_sha256)
         if logs:
             check_logs(round, logs)
             self.pending.unlink(missing_ok=True)

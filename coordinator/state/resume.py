@@ -44,7 +44,8 @@ from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.mechanisms.noise_stream import KEY_BYTES, key_id
-from dpfleet.coordinator.state.release_log import ReleaseLog
+from dpfleet.coordinator.state.mechanism_binding import binding, check_bound, saved_config
+from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
@@ -115,7 +116,8 @@ def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict |
     meta = {k: v for k, v in tree.items() if k != "noise"}
     atomic_write(folder / "server_state.json", json.dumps(
         {"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
-         "clip_estimator": clip_estimator, **(extra or {})}, indent=2))
+         "clip_estimator": clip_estimator, "mechanism": binding(server.mechanism), **(extra or {})},
+        indent=2))
 
 
 def load_server_state(folder: Path) -> tuple[dict, dict]:
@@ -148,6 +150,7 @@ def _accounted(config: dict) -> dict:
             out[section] = {k: v for k, v in out[section].items() if k in kept}
     if isinstance(out.get("dp"), dict):  # a run saved before dp.mechanism existed used the tree
         out["dp"] = {"mechanism": "tree", **out["dp"]}
+    out.pop("mechanism", None)  # the run's binding, checked on its own (`mechanism_binding`)
     return out
 
 
@@ -166,7 +169,7 @@ def check_resumable(path: Path, resolved: dict) -> None:
         raise DpfleetError(f"{path} is not a run directory (no config.json): nothing to resume")
     if (path / "summary.json").is_file():
         raise DpfleetError(f"{path} is a finished run: nothing to resume")
-    changed = differing_keys(json.loads((path / "config.json").read_text()), resolved)
+    changed = differing_keys(saved_config(path), resolved)
     if changed:
         raise DpfleetError(f"{path} was started with another config (it differs in "
                            f"{', '.join(changed)}); resume it with the config it was started with")
@@ -229,12 +232,13 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
     if state["theta"].shape != server.theta.shape:
         raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
                            f"builds {server.theta.size}: it belongs to another run")
+    check_bound(server.mechanism, meta.get("mechanism"), f"the resume point {folder}")
     server.noise_key = read_key(folder if source is None else source.key_folder)
     server.load_state(state)
     if estimator is not None:
         if meta["clip_estimator"] is None:
             raise DpfleetError(f"{folder} has no adaptive-clipping state but the config clips adaptively")
-        estimator.nodes.key = server.noise_key
+        estimator.key = server.noise_key
         load_clip_estimator(estimator, meta["clip_estimator"])
     return int(meta["rounds_done"])
 
@@ -313,6 +317,12 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     released rounds were lost (module docstring); rewrites metrics/participation logs to match
     (with `source`, the state store's, nothing is rewritten: its logs commit with the release)."""
     released = releases.released_rounds()
+    check_no_reuse(released)  # the log replayed must never have put one noise position on two sums
+    for record in released:  # a run of an older dpfleet has no fingerprint in its records
+        if record.get("mechanism_sha256"):
+            check_bound(server.mechanism, {"name": record.get("mechanism", "tree"),
+                                           "sha256": record["mechanism_sha256"]},
+                        f"round {record['round']} of {releases.path}")
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")

@@ -74,7 +74,7 @@ from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: releases carry the mechanism and its fingerprint (issue 31)
 DB_FILE = "state.sqlite"
 ROUNDS_DIR = "rounds"
 LOCK_FILE = "lock"  # flock: one coordinator process per state directory
@@ -109,6 +109,8 @@ CREATE TABLE releases (
     clip_norm REAL NOT NULL,
     released TEXT NOT NULL,
     data_sha256 TEXT NOT NULL,
+    mechanism TEXT NOT NULL,
+    mechanism_sha256 TEXT NOT NULL,
     UNIQUE (key_id, tree_id, t)
 );
 CREATE TRIGGER releases_never_updated BEFORE UPDATE ON releases
@@ -124,7 +126,7 @@ CREATE TABLE metrics (round INTEGER PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE debug_nonprivate (round INTEGER PRIMARY KEY, record TEXT NOT NULL);
 """
 RELEASE_FIELDS = ("round", "tree_id", "t", "nodes", "key_id", "participants", "restart",
-                  "clip_norm", "released", "data_sha256")
+                  "clip_norm", "released", "data_sha256", "mechanism", "mechanism_sha256")
 
 
 def _no_fault(point: str) -> None:
@@ -342,6 +344,7 @@ class StateStore:
             with self._transaction():
                 self.db.execute(f"INSERT INTO releases VALUES ({', '.join('?' * len(RELEASE_FIELDS))})",
                                 [json.dumps(release[k]) if k in ("nodes", "participants")
+                                 else release.get(k, "tree") if k == "mechanism"
                                  else release[k] for k in RELEASE_FIELDS])
                 self.fault("release_row")
                 self.db.executemany("INSERT INTO participation VALUES (?, ?)",
@@ -376,6 +379,8 @@ class StateStore:
             record = dict(zip(RELEASE_FIELDS, row, strict=True))
             record.update(nodes=json.loads(record["nodes"]), participants=json.loads(record["participants"]),
                           restart=bool(record["restart"]))
+            if record["mechanism"] == "tree":  # as releases.jsonl writes it (`release_record`)
+                del record["mechanism"]
             out.append(record)
         return out
 

@@ -1,0 +1,101 @@
+"""Which mechanisms a config, the CLI and the planner can name: every module of this package that
+calls `register` (so adding a mechanism is one file here plus its tests, nothing to wire).
+
+A registered factory builds the mechanism for a run once the participation the coordinator
+enforces is known: `build(name, rounds, min_separation, max_participation)` (banded / BLT optimise
+their strategy for it; the tree and independent noise need nothing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.errors import DpfleetError
+
+Factory = Callable[[int, int, int], Mechanism]  # (rounds, MinS, MaxP) -> mechanism
+Rebuild = Callable[[dict], Mechanism]  # identity() -> the same mechanism (a resume)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    cls: type[Mechanism]  # what it builds: its class attributes say what it supports
+    factory: Factory
+    rebuild: Rebuild
+    description: str  # for `dpfleet account --help` and the docs
+    planned: bool = True  # a candidate of dp.mechanism = "auto"
+
+
+_ENTRIES: dict[str, Entry] = {}
+_ORDER = ("tree", "banded", "blt")  # the built-ins first, simplest first (ties in `auto`)
+
+
+def register(name: str, cls: type[Mechanism], factory: Factory, rebuild: Rebuild, description: str,
+             *, planned: bool = True) -> None:
+    """Make `name` a `dp.mechanism` value: `factory` builds it (a `cls`) for a run, `rebuild` from
+    its `identity()` (a resume); `planned`: a candidate of dp.mechanism = "auto"."""
+    if name in _ENTRIES and _ENTRIES[name].cls is not cls:
+        raise DpfleetError(f"two noise mechanisms are registered as {name!r}")
+    _ENTRIES[name] = Entry(name, cls, factory, rebuild, description, planned)
+
+
+def _load() -> dict[str, Entry]:
+    """Import every module of the package once, so each registers itself."""
+    package = importlib.import_module(__name__.rpartition(".")[0])
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    return _ENTRIES
+
+
+def entries() -> list[Entry]:
+    found = _load()
+    return sorted(found.values(), key=lambda e: (_ORDER.index(e.name) if e.name in _ORDER else len(_ORDER),
+                                                 e.name))
+
+
+def names() -> tuple[str, ...]:
+    return tuple(e.name for e in entries())
+
+
+def planned_names() -> tuple[str, ...]:
+    return tuple(e.name for e in entries() if e.planned)
+
+
+def entry(name: str) -> Entry:
+    found = _load()
+    if name not in found:
+        raise DpfleetError(f"unknown noise mechanism {name!r}; use one of {', '.join(names())}")
+    return found[name]
+
+
+def build(name: str, rounds: int, min_separation: int, max_participation: int) -> Mechanism:
+    return entry(name).factory(rounds, min_separation, max_participation)
+
+
+def rebuild(name: str, identity: dict) -> Mechanism:
+    """The registered mechanism `name` from its recorded `identity()`."""
+    found = _load()
+    if name not in found:
+        raise DpfleetError(f"the run's noise mechanism {name!r} is not one this dpfleet knows "
+                           f"({', '.join(names())})")
+    return found[name].rebuild(identity)
+
+
+def as_mechanism(obj: object) -> Mechanism:
+    """A `Mechanism` from itself, a `spec.MechanismSpec` or None (the tree)."""
+    from dpfleet.coordinator.mechanisms.spec import MechanismSpec
+
+    if isinstance(obj, Mechanism):
+        return obj
+    if obj is None or (isinstance(obj, MechanismSpec) and obj.kind == "tree"):
+        return build("tree", 1, 0, 1)
+    if isinstance(obj, MechanismSpec):
+        from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
+
+        return MatrixMechanism(obj)
+    raise DpfleetError(f"a noise mechanism must subclass dpfleet.extensions.Mechanism, not "
+                       f"{type(obj).__name__}")
