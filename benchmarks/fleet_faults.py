@@ -36,10 +36,11 @@ import torch
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.state.release_log import check_no_reuse
-from dpfleet.coordinator.state.run_dir import atomic_write, to_toml
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.state_store import StateStore
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.supervisor import stop_process, wait_for_admin
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 SECAGG_POINTS = tuple(f"secagg_{p}" for p in ("commit", "keys", "shares", "masked",

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.io import atomic_write
 from dpfleet.public.staged import (
     RACY_NS,
     STAGED_MANIFEST,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 
 VERSION = 1
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.config import build_section, read_toml
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 from dpfleet.public.embedders import Embedder, Projection, load_embedder
 from dpfleet.public.fred import frechet_distance, moments

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.export.manifest import sha256_file
+from dpfleet.io import atomic_write, sha256_file
 from dpfleet.jsonio import dumps
 from dpfleet.public.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
 from dpfleet.public.teacher import PACKAGED, resolve_teacher

@@ -41,11 +41,11 @@ import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
 from dpfleet.coordinator.state.resume import differing_keys
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (

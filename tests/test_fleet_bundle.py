@@ -113,7 +113,7 @@ def test_bundle_devices_commit_the_eager_sum_and_simulates_run(tmp_path, monkeyp
 def _resign_with(folder, key: Ed25519PrivateKey, tamper: bool) -> None:
     """The coordinator's side of the attack: optionally damage the training program, then
     re-list every file's hash and re-sign the manifest with ITS key."""
-    from dpfleet.edge.bundle_format import sha256_hex
+    from dpfleet.io import sha256_hex
 
     manifest = json.loads((folder / "manifest.json").read_text())
     if tamper:
@@ -275,7 +275,7 @@ class BlobLink:
 
 
 def _signed(manifest: dict, key: Ed25519PrivateKey) -> tuple[BlobLink, dict]:
-    from dpfleet.edge.bundle_format import sha256_hex
+    from dpfleet.io import sha256_hex
 
     blob, sig = sign_manifest(manifest, key)
     link = BlobLink({sha256_hex(blob): blob, sha256_hex(sig): sig})

@@ -43,12 +43,12 @@ import numpy as np
 import torch
 
 from dpfleet.coordinator.engine.simulation import _seed
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.edge.clipping import clip_l2
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 # deliberately broken runs, for the tests and benchmark that show the audit can fail

@@ -47,7 +47,7 @@ from dpfleet.coordinator.state.resume import (
     discard_resume,
     fingerprint_secret,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import TextRecord, load_records
@@ -57,6 +57,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
+from dpfleet.io import atomic_write
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],

@@ -70,8 +70,9 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
     write_key,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 SCHEMA_VERSION = 1
