@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import resolve_noise, round_size
-from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
 from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.engine.simulation import _seed
@@ -30,6 +29,7 @@ from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
+from dpfleet.secagg.sums import AggregateResult, RingSum
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
 from dpfleet.service.secagg_round import SecAggRound

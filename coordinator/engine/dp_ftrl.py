@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, new_noise_key
 from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
+from dpfleet.secagg.sums import RingSum
 
 if TYPE_CHECKING:
     from dpfleet.coordinator.mechanisms.ring_noise import RingPlan
