@@ -41,6 +41,7 @@ import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
 from dpfleet.coordinator.state.resume import differing_keys
+from dpfleet.edge.overlap import check_public_sources, check_public_texts
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
@@ -58,7 +59,6 @@ from dpfleet.public.matching import (
     teacher_logprobs,
     top_fraction,
 )
-from dpfleet.public.overlap import check_public_sources, check_public_texts
 from dpfleet.public.teacher_tokenizer import TeacherVocab
 from dpfleet.public.topk import TARGETS
 
@@ -89,7 +89,7 @@ class PublicSection:
 @dataclass
 class PoolSection:
     # no Shakespeare by default: shakespeare-collab is public only next to a private
-    # shakespeare-solo (public/overlap.py), and the default private dataset is shakespeare
+    # shakespeare-solo (edge/overlap.py), and the default private dataset is shakespeare
     sources: list[str] = field(default_factory=lambda: ["wikitext2", "kjv"])
     records: list[int] = field(default_factory=lambda: [600, 400])
     seq_len: int = 20
@@ -163,7 +163,7 @@ def public_data(cfg: PipelineConfig) -> list[str]:
 
 
 def check_pool_is_public(cfg: PipelineConfig, pool: Pool) -> None:
-    """No pool record's text is also a private record (see `public.overlap`)."""
+    """No pool record's text is also a private record (see `edge.overlap`)."""
     from dpfleet.edge.datasets import load_records
 
     data = cfg.simulation.data

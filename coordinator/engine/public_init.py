@@ -27,12 +27,12 @@ import torch
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.datasets import load_records
+from dpfleet.edge.overlap import check_public_sources
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
-from dpfleet.public.overlap import check_public_sources
 
 
 def public_sequences(sources: list[str], tokenizer, seq_len: int) -> list[list[int]]:

@@ -79,8 +79,8 @@ def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
             tokenizer.save(folder)
             atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
         return tokenizer
-    from dpfleet.public.overlap import check_public_sources
-    from dpfleet.public.spm_public import public_sentencepiece
+    from dpfleet.edge.overlap import check_public_sources
+    from dpfleet.edge.spm_public import public_sentencepiece
 
     check_public_sources([tok.corpus], cfg.data.dataset, "tokenizer.corpus")
     return public_sentencepiece(tok.corpus, tok.vocab_size)
