@@ -161,7 +161,7 @@ def _dpfleet(*args: object) -> list[str]:
 def run(kills: int, rounds: int, devices: int, processes: int, seed: int, timed_share: float,
         overselect: float, workdir: Path, progress: bool = True) -> dict:
     from dpfleet.fleet.emulate import fleet_keys, load_devices
-    from dpfleet.fleet.registry import public_registry, write_public_registry
+    from dpfleet.secagg.registry import public_registry, write_public_registry
 
     rng = random.Random(seed)
     cfg = parse_config(config_values(rounds, devices, overselect))

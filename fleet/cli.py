@@ -74,8 +74,8 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.fleet.registry import public_registry, write_public_registry
     from dpfleet.io import atomic_write
+    from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
         raise DpfleetError("--address is a Ray cluster's address: give it with --backend ray")
