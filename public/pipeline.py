@@ -59,6 +59,7 @@ from dpfleet.public.matching import (
     teacher_logprobs,
     top_fraction,
 )
+from dpfleet.public.public_init import pretrain_on_public
 from dpfleet.public.teacher_tokenizer import TeacherVocab
 from dpfleet.public.topk import TARGETS
 
@@ -329,7 +330,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     started = (out / "simulation" / "config.json").is_file()
     result = run_simulation(sim, out / "simulation", overwrite=True, resume=resume and started,
                             progress=progress, log=log, before_round=public_training,
-                            public_data=public_data(cfg))
+                            public_data=public_data(cfg), pretrain=pretrain_on_public)
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,

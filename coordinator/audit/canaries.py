@@ -448,11 +448,12 @@ def report_section(a: dict) -> str:
 
 
 def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwrite: bool = False,
-              progress: bool = True, log: Callable[[str], None] = print) -> dict:
+              progress: bool = True, log: Callable[[str], None] = print, pretrain=None) -> dict:
     """Run `cfg` with canaries `seeds` times (seeds cfg.seed, cfg.seed + 1, ...; one run
     directory each under `out`, or `out` itself for one seed), write each run's audit.json and
-    privacy_report.md section, and with several seeds `out/audit.json` pooling them."""
-    from dpfleet.api import run
+    privacy_report.md section, and with several seeds `out/audit.json` pooling them. `pretrain`:
+    the public pretraining step of `[pretrain]` (`coordinator.run.run`)."""
+    from dpfleet.coordinator.run import run
 
     settings.check()
     if seeds < 1:
@@ -464,7 +465,8 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         run_cfg.checkpoint_every = 0  # no resume point: a resumed run would lose its canaries' key
         run_dir = out if seeds == 1 else out / f"seed-{run_cfg.seed}"
         canaries = CanaryRun(settings)
-        result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries)
+        result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries,
+                     pretrain=pretrain)
         scores = canaries.score(participants(result.run_dir))
         entry = summarise([scores], result.epsilon, run_cfg, settings, result.privacy)
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),

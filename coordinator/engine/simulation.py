@@ -132,6 +132,10 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
 
 DP_VOCABULARY = "dp_vocabulary.json"
 
+# The public pretraining step of `[pretrain]`: (cfg, model_cfg, model, tokenizer, log) -> what the
+# privacy report records (`dpfleet.public.public_init.pretrain_on_public`).
+Pretrain = Callable[..., dict]
+
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
@@ -163,6 +167,7 @@ def run_simulation(
     tokenizer=None,
     audit=None,
     extensions: dict | None = None,
+    pretrain: Pretrain | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -182,6 +187,9 @@ def run_simulation(
     goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
     `audit` (`dpfleet audit` only: `audit_run.CanaryRun`) adds canary devices to the fleet, sees
     the engine once built and trains the canaries of each plan; None for every other run.
+    `pretrain` is the public pretraining step a config with `[pretrain]` needs
+    (`dpfleet.public.public_init.pretrain_on_public`, which `dpfleet.simulate` and the CLI pass):
+    handed in, since the coordinator does not import `dpfleet.public` (the layers).
     """
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
@@ -221,9 +229,11 @@ def run_simulation(
     if model is None:
         model = build_model(model_cfg)
         if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
-            from dpfleet.coordinator.engine.public_init import pretrain_on_public
-
-            pretrained = pretrain_on_public(cfg, model_cfg, model, tokenizer, log)
+            if pretrain is None:
+                raise DpfleetError("[pretrain] needs the public pretraining step: pass pretrain="
+                                   "dpfleet.public.public_init.pretrain_on_public (dpfleet.simulate "
+                                   "and the dpfleet CLI do)")
+            pretrained = pretrain(cfg, model_cfg, model, tokenizer, log)
             public_data = [*public_data, *(f"{c} (pretraining, {cfg.pretrain.steps} steps)"
                                            for c in cfg.pretrain.corpus)]
         runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content

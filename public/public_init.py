@@ -17,6 +17,7 @@ sets sampling and noise) starts from the same public model without paying for it
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
+from dpfleet.io import atomic_write
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 
 
@@ -76,9 +78,9 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
                             train, progress=False, desc="public pretraining")
         torch.set_rng_state(rng)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, theta)
-        tmp.replace(path)
+        buf = io.BytesIO()
+        np.save(buf, theta)
+        atomic_write(path, buf.getvalue())
     set_flat(model, theta)
     seconds = time.perf_counter() - t0
     log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps"
