@@ -134,11 +134,11 @@ def candidate_texts(spec: str, max_records: int, seed: int = 0) -> list[str]:
     return texts[:max_records]
 
 
-def _public_pool(f: FredSection) -> list[str]:
+def public_pool_texts(f: FredSection) -> list[str]:
     return [t for s in f.pca_sources for t in candidate_texts(s, f.pca_records, f.seed)]
 
 
-def _cohort_texts(f: FredSection) -> list[list[str]]:
+def cohort_texts(f: FredSection) -> list[list[str]]:
     from dpfleet.edge.datasets import load_records
 
     by_user: dict[str, list[str]] = {}
@@ -168,8 +168,8 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     out = Path(out)
     rho_ftrl, ftrl_discrete = dpftrl_zcdp(Path(f.dpftrl_run)) if f.dpftrl_run else (None, False)
     embedder = embedder or load_embedder(f.embedder, progress=progress)
-    cohort = _cohort_texts(f)
-    public = embed_cached(embedder, _public_pool(f))
+    cohort = cohort_texts(f)
+    public = embed_cached(embedder, public_pool_texts(f))
     dim = f.pca_dim or embedder.dim
     if dim > embedder.dim:
         raise DpfleetError(f"fred.pca_dim = {dim} exceeds the embedder's d = {embedder.dim}")

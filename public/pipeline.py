@@ -177,7 +177,7 @@ def load_pipeline(path: Path) -> PipelineConfig:
     return parse_pipeline(read_toml(path, "pipeline config"))
 
 
-def _digest(*parts: object) -> str:
+def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -190,7 +190,7 @@ def teacher_vocab(cfg: PipelineConfig, log: Callable[[str], None]) -> TeacherVoc
     from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
 
     p = cfg.public
-    folder = cache_dir() / "public" / f"vocab-{_digest(p.teacher, p.vocab_size, p.vocab_records)}"
+    folder = cache_dir() / "public" / f"vocab-{cache_key(p.teacher, p.vocab_size, p.vocab_records)}"
     if (folder / "teacher.json").is_file():
         return TeacherVocab.load(folder)
     log(f"trimming {p.teacher}'s vocabulary to {p.vocab_size} pieces -> {folder}")
@@ -204,7 +204,7 @@ class TeacherWork:
 
     def __init__(self, cfg: PipelineConfig, vocab: TeacherVocab, pool: Pool, progress: bool):
         p = cfg.public
-        key = _digest(p.teacher, vocab.meta, pool.fingerprint(), p.k,
+        key = cache_key(p.teacher, vocab.meta, pool.fingerprint(), p.k,
                       *(() if p.targets == "teacher" else (p.targets,)))
         self.folder = cache_dir() / "public" / f"pool-{key}"
         self.cfg, self.vocab, self.pool, self.progress = cfg, vocab, pool, progress

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.engine.simulation import _seed
+from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.edge.clipping import clip_l2
@@ -190,7 +190,7 @@ class CanaryRun:
                 out[pos] = ClientUpdate(delta, norm, norm > clip, 0.0, 0)
         if trained:
             updates = trainer.train_round(
-                plan.theta, rows, [_seed(cfg.seed, plan.round, plan.devices[p]) for p in trained],
+                plan.theta, rows, [derive_seed(cfg.seed, plan.round, plan.devices[p]) for p in trained],
                 lr=cfg.client.lr, batch_size=cfg.client.batch_size, clip_norm=clip)
             for pos, update in zip(trained, updates, strict=True):
                 out[pos] = update

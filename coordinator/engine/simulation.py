@@ -137,7 +137,9 @@ DP_VOCABULARY = "dp_vocabulary.json"
 Pretrain = Callable[..., dict]
 
 
-def _seed(*parts: object) -> int:
+def derive_seed(*parts: object) -> int:
+    """A 32-bit seed from `parts` (the run's seed, a round, a device or "agg"): the simulation, the
+    service and the audit derive the same client and aggregation seeds from the same parts."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
@@ -314,7 +316,7 @@ def run_simulation(
         check_clipped(updates, bound, ext.get("clipping"), plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
-        agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
+        agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
                                    bits=bits, clip_norm=plan.clip_norm)
         record = engine.close_round(plan, agg, updates)
         if progress and record["accuracy"] is not None:
@@ -416,6 +418,6 @@ def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list
     rows = clients.examples if isinstance(clients, ClientStore) else lambda i: clients[i].examples
     return trainer.train_round(
         plan.theta, [rows(i) for i in plan.devices],
-        [_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
+        [derive_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
         batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm,
     )
