@@ -131,10 +131,6 @@ class QuantileClipEstimator:
         """The count noise from a resume point's tree state (live nodes; MF: position only)."""
         self.tree = self._segment(0, state)
 
-    @property
-    def rounds_in_tree(self) -> int:
-        return self.tree.t
-
     def update(self, norms: Sequence[float]) -> float:
         """Add one round's bits (from the contributing devices' unclipped norms); new estimate."""
         bits = np.asarray(norms, dtype=np.float64) <= self.estimate
