@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -33,22 +35,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
-    """Replace `path` by `data` (str is UTF-8 encoded) atomically and durably (module docstring).
+def atomic_write(path: Path, data: bytes | str | Callable[[BinaryIO], object],
+                 mode: int | None = None) -> None:
+    """Replace `path` by `data` atomically and durably (module docstring).
 
-    The file gets `mode` when given (e.g. 0o644 for a cache other users read), otherwise what a
-    plain new file gets (0666 less the umask)."""
+    `data`: bytes, a str (UTF-8 encoded), or a function that writes the content into the binary
+    file it is given (`lambda f: np.save(f, x)`: nothing is held twice in memory; if it raises,
+    `path` is left as it was). The file gets `mode` when given (e.g. 0o644 for a cache other
+    users read), otherwise what a plain new file gets (0666 less the umask)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # one per writer: no clashes
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
     try:
-        try:
+        with os.fdopen(fd, "wb") as fh:
             if mode is not None:
                 os.fchmod(fd, mode)  # whatever the umask
-            _write_all(fd, data.encode() if isinstance(data, str) else bytes(data))
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
             os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -116,8 +116,7 @@ def embed_cached(embedder: Embedder, texts: Sequence[str]) -> np.ndarray:
         return np.load(path)
     x = embedder.embed(texts).astype(np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path.with_suffix(".tmp.npy"), x)
-    path.with_suffix(".tmp.npy").replace(path)
+    atomic_write(path, lambda f: np.save(f, x))
     return x
 
 
@@ -231,9 +230,7 @@ def save_release(path: Path, r: FredRelease, projection: Projection | None, summ
     if projection is not None:
         arrays.update(pca_mean=projection.mean, pca_components=projection.components,
                       pca_eigenvalues=projection.eigenvalues)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 @dataclass

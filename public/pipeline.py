@@ -239,8 +239,7 @@ class TeacherWork:
             scores = teacher_logprobs(self.extractor(), self.vocab.tokenizer, self.pool.sequences,
                                       self.cfg.public.batch_tokens, self.progress)
             self.folder.mkdir(parents=True, exist_ok=True)
-            np.save(path.with_suffix(".tmp.npy"), scores)
-            path.with_suffix(".tmp.npy").replace(path)
+            atomic_write(path, lambda f: np.save(f, scores))
         return np.load(path)
 
 

@@ -17,7 +17,6 @@ sets sampling and noise) starts from the same public model without paying for it
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import time
 from collections.abc import Callable
@@ -78,9 +77,7 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
                             train, progress=False, desc="public pretraining")
         torch.set_rng_state(rng)
         path.parent.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        np.save(buf, theta)
-        atomic_write(path, buf.getvalue())
+        atomic_write(path, lambda f: np.save(f, theta))
     set_flat(model, theta)
     seconds = time.perf_counter() - t0
     log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps"

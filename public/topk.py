@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -238,10 +239,7 @@ def build_corpus(
         start = time.perf_counter()
         parts = [extractor.rows(batch) for batch in token_batches(chunk, batch_tokens)]
         arrays = _pack(chunk, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-        tmp = out / f".{name}"
-        with tmp.open("wb") as f:
-            np.savez(f, **arrays)
-        tmp.replace(out / name)
+        atomic_write(out / name, lambda f, arrays=arrays: np.savez(f, **arrays))
         seconds += time.perf_counter() - start
         done_tokens += n_tokens
         bar.update(n_tokens)

@@ -42,3 +42,17 @@ def test_digests(tmp_path):
     data = b"x" * 3_000_000  # more than one 1 MiB chunk
     (tmp_path / "f").write_bytes(data)
     assert sha256_file(tmp_path / "f") == sha256_hex(data) == hashlib.sha256(data).hexdigest()
+
+
+def test_atomic_write_from_a_writer_and_a_failing_one(tmp_path):
+    path = tmp_path / "a.bin"
+    atomic_write(path, lambda f: f.write(b"streamed"))
+    assert path.read_bytes() == b"streamed"
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write(path, broken)
+    assert path.read_bytes() == b"streamed" and [p.name for p in tmp_path.iterdir()] == ["a.bin"]
