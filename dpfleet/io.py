@@ -8,6 +8,7 @@ half-written file" and "a key is never readable by others" are each implemented 
   crash `path` holds the old content or the new one, never a mix, and the rename is durable.
 * `write_secret`: a new file created with mode 0600 in the open call itself (never readable by
   others, not even for a moment, whatever the umask), never over an existing file, fsynced.
+* `fsync_path`: fsync a file or folder by path (what a rename of a folder needs).
 * `sha256_hex` / `sha256_file`: hex digests of bytes and of a file (read in 1 MiB chunks).
 """
 
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder by path (a folder: the names in it, e.g. after a rename)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -60,7 +62,7 @@ def atomic_write(path: Path, data: bytes | str | Callable[[BinaryIO], object],
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_secret(path: Path, secret: bytes) -> None:
@@ -74,7 +76,7 @@ def write_secret(path: Path, secret: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def sha256_hex(data: bytes) -> str:
