@@ -71,3 +71,16 @@ def test_steps_without_a_corpus_mismatch_is_one_error():
 
     with pytest.raises(DpfleetError, match="pretrain.steps = 0"):
         parse_config({**CFG, "pretrain": {"corpus": ["kjv"], "steps": 0}})
+
+
+def test_the_front_door_hands_the_step_down_and_the_coordinator_alone_refuses(tmp_path):
+    """The coordinator does not import dpfleet.public (the layers): `dpfleet.simulate` (and the CLI,
+    test above) pass the pretraining step; `run_simulation` without it is one clear error."""
+    import dpfleet
+    from dpfleet.errors import DpfleetError
+
+    result = dpfleet.simulate({**CFG, "pretrain": PRE}, run_dir=tmp_path / "api", progress=False)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["public_pretraining"]["corpus"] == ["kjv"]
+    with pytest.raises(DpfleetError, match="public pretraining step"):
+        simulation.run_simulation(parse_config({**CFG, "pretrain": PRE}), tmp_path / "alone", **QUIET)
