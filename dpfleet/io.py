@@ -1,7 +1,7 @@
 """The floor's file helpers: one atomic write, one secret write, the sha256 digests.
 
-Every layer writes files through these (the layering: docs/api/index.md), so "a crash never leaves a
-half-written file" and "a key is never readable by others" are each implemented once:
+Every layer writes files through these (the floor of the layers: docs/api/index.md), so "a crash
+never leaves a half-written file" and "a key is never readable by others" are implemented once:
 
 * `atomic_write`: the bytes go to a fresh temporary file in the same folder, are flushed and
   fsynced, the file is renamed over `path` (atomic on POSIX) and the folder is fsynced, so after a
