@@ -45,7 +45,7 @@ from torch import nn
 
 from dpfleet.coordinator import run as coordinator_run
 from dpfleet.coordinator.config import SimulationConfig, load_config, parse_config
-from dpfleet.coordinator.run import Result, TokenizerLike, fresh_run_dir
+from dpfleet.coordinator.run import Result, TokenizerLike, fresh_run_dir, user_records  # noqa: F401
 from dpfleet.errors import DpfleetError
 from dpfleet.extensions import ClippingRule, LocalUpdate, NoiseMechanism, ParticipationPolicy
 from dpfleet.public.public_init import pretrain_on_public
