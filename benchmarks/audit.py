@@ -29,6 +29,7 @@ import torch
 
 from dpfleet.coordinator.audit.canaries import AuditSettings, run_audit
 from dpfleet.coordinator.config import parse_config, read_toml
+from dpfleet.public.public_init import pretrain_on_public
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,7 +90,7 @@ def _row(values: dict, cell: dict, settings: AuditSettings, broken: str | None, 
     load = os.getloadavg()
     t0, c0 = time.perf_counter(), time.process_time()
     a = run_audit(parse_config(values), run_dir, AuditSettings(**{**settings.__dict__, "broken": broken}),
-                  progress=False, log=lambda s: None)
+                  progress=False, log=lambda s: None, pretrain=pretrain_on_public)
     plan_file = Path(a["run_dir"]) / "plan.json"
     plan = json.loads(plan_file.read_text())["chosen"] if plan_file.exists() else None
     row = {**cell, "broken": broken, "plan": plan,

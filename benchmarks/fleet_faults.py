@@ -36,10 +36,11 @@ import torch
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.state.release_log import check_no_reuse
-from dpfleet.coordinator.state.run_dir import atomic_write, to_toml
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.state_store import StateStore
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.supervisor import stop_process, wait_for_admin
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 SECAGG_POINTS = tuple(f"secagg_{p}" for p in ("commit", "keys", "shares", "masked",
@@ -160,7 +161,7 @@ def _dpfleet(*args: object) -> list[str]:
 def run(kills: int, rounds: int, devices: int, processes: int, seed: int, timed_share: float,
         overselect: float, workdir: Path, progress: bool = True) -> dict:
     from dpfleet.fleet.emulate import fleet_keys, load_devices
-    from dpfleet.fleet.registry import public_registry, write_public_registry
+    from dpfleet.secagg.registry import public_registry, write_public_registry
 
     rng = random.Random(seed)
     cfg = parse_config(config_values(rounds, devices, overselect))

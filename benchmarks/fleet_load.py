@@ -157,8 +157,8 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     from dpfleet.coordinator.config import load_config
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.emulate import fleet_keys, load_devices
-    from dpfleet.fleet.registry import public_registry, write_public_registry
     from dpfleet.fleet.supervisor import stop_process, wait_for_admin
+    from dpfleet.secagg.registry import public_registry, write_public_registry
     from dpfleet.service.admin_client import AdminClient, target_from_state
 
     work.mkdir(parents=True, exist_ok=True)

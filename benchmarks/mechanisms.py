@@ -137,9 +137,9 @@ def public_only_row(base: dict, seed: int) -> dict:
     import dataclasses
 
     from dpfleet.coordinator.engine.evaluation import evaluate, split_held_out, unigram_baseline
-    from dpfleet.coordinator.engine.public_init import pretrain_on_public
     from dpfleet.coordinator.engine.simulation import prepare_data
     from dpfleet.export.models import build_model
+    from dpfleet.public.public_init import pretrain_on_public
 
     cfg = parse_config({**copy.deepcopy(base), "seed": seed})
     load, t0 = os.getloadavg(), time.perf_counter()

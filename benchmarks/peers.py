@@ -50,7 +50,7 @@ from peers_worker import Workload  # noqa: E402
 from trainer_throughput import build_workload  # noqa: E402
 
 from dpfleet.coordinator.engine.evaluation import evaluate, split_held_out  # noqa: E402
-from dpfleet.coordinator.engine.simulation import _seed  # noqa: E402
+from dpfleet.coordinator.engine.simulation import derive_seed  # noqa: E402
 from dpfleet.errors import DpfleetError  # noqa: E402
 from dpfleet.export.models import ModelConfig, build_model  # noqa: E402
 from dpfleet.export.params import get_flat, set_flat  # noqa: E402
@@ -109,7 +109,7 @@ def write_workload(path: Path, rounds: int, seeds: int,
                            f"the main job has {len(data.train)}")
     cohorts = np.stack([np.random.default_rng(s).permutation(len(data.train))[:rounds * cohort]
                         .reshape(rounds, cohort) for s in range(seeds)])
-    batch_seeds = np.array([[[_seed(s, r, int(c)) for c in row] for r, row in enumerate(plan)]
+    batch_seeds = np.array([[[derive_seed(s, r, int(c)) for c in row] for r, row in enumerate(plan)]
                             for s, plan in enumerate(cohorts)], dtype=np.int64)
     theta0 = []
     for s in range(seeds):

@@ -163,9 +163,9 @@ def run_dpfleet(w: Workload, kind: str) -> tuple[list[np.ndarray], list[list[flo
     finals, times = run_rounds(w, dpfleet_round(trainer, w))
     from dpfleet.edge import cohort_pool
 
-    pool = cohort_pool._POOLS.get(torch.get_num_threads())  # the cohort's worker processes, if any
+    workers = cohort_pool.pool_workers(torch.get_num_threads())  # the cohort's worker processes, if any
     return finals, times, {"cohort_chunk": getattr(trainer, "chunk", None),
-                           "cohort_worker_processes": len(pool.workers) if pool else 0}
+                           "cohort_worker_processes": workers}
 
 
 def run_plain(w: Workload) -> tuple[list[np.ndarray], list[list[float]], dict]:

@@ -157,7 +157,7 @@ def _point(teacher: str, vocab_dir: str, mode: str, batch_tokens: int, chunk_tok
     """One measurement in this (fresh) process."""
     from dpfleet.public.matching import teacher_logprobs
     from dpfleet.public.teacher_tokenizer import TeacherVocab
-    from dpfleet.public.topk import _batches
+    from dpfleet.public.topk import token_batches
 
     torch.set_num_threads(threads)
     vocab = TeacherVocab.load(Path(vocab_dir))
@@ -174,7 +174,7 @@ def _point(teacher: str, vocab_dir: str, mode: str, batch_tokens: int, chunk_tok
         if mode == "lpub":
             teacher_logprobs(ext, vocab.tokenizer, seqs, batch_tokens, progress=False)
         else:
-            for batch in _batches(seqs, batch_tokens):
+            for batch in token_batches(seqs, batch_tokens):
                 ext.rows(batch)
         if cuda:
             torch.cuda.synchronize()

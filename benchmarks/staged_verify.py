@@ -1,4 +1,4 @@
-"""What checking a staged teacher against `staged.json` costs at each load (public/staged.py).
+"""What checking a staged teacher against `staged.json` costs at each load (edge/staged.py).
 
 Stages the converted Gemma 3 270M (`$DPFLEET_CACHE/teachers/gemma3-270m`, ~1.1 GB) into a
 scratch cache by hard links (same bytes, no copy; a copy where links are impossible), writes its
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.state.run_dir import atomic_write
-from dpfleet.edge.wheel_cache import cache_dir
-from dpfleet.public.staged import (
+from dpfleet.edge.staged import (
     RACY_NS,
     STAGED_MANIFEST,
     file_sha256,
     forget_digests,
     verify_staged_teacher,
 )
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.io import atomic_write
 from dpfleet.public.teacher import load_teacher
 
 RESULTS = Path(__file__).resolve().parent / "results" / "staged_verify.json"

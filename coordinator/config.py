@@ -117,7 +117,7 @@ class ParticipationSection:
 
 @dataclass
 class PretrainSection:
-    """Central training on public text before the first private round (coordinator/engine/public_init.py):
+    """Central training on public text before the first private round (public/public_init.py):
     public data only, so no privacy cost; refused when a corpus overlaps the private dataset."""
 
     corpus: list[str] = field(default_factory=list)  # e.g. ["wikitext2", "kjv"]; empty: no pretraining

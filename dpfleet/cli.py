@@ -55,12 +55,22 @@ def _resolvable(target: str) -> bool:
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dpfleet")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """dpfleet: private cross-device federated learning of on-device language models.
 
     Emulate a fleet of phones, train next-word models with DP-FTRL and user-level
     differential privacy, account the guarantee, and export the result for phones.
     """
+    ctx.obj = {"pretrain": pretrain_on_public}  # for the commands that run a config (simulate, audit)
+
+
+def pretrain_on_public(*args: object, **kwargs: object) -> dict:
+    """`[pretrain]`'s public pretraining step, handed to the coordinator's commands in the click
+    context (the coordinator must not import `dpfleet.public`); imported when a run needs it."""
+    from dpfleet.public.public_init import pretrain_on_public as pretrain
+
+    return pretrain(*args, **kwargs)
 
 
 # optional top-level modules -> the extra that installs them

@@ -12,7 +12,6 @@ ExecuTorch or SentencePiece, so a flipped byte cannot reach native code. The man
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -22,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dpfleet.errors import DpfleetError
+from dpfleet.io import sha256_hex
 
 BUNDLE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,10 +37,6 @@ class BundleError(DpfleetError):
 def canonical_json(obj: object) -> bytes:
     """The one byte string a manifest is signed as (and written as)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def sign_manifest(manifest: dict, key: Ed25519PrivateKey) -> tuple[bytes, bytes]:

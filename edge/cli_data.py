@@ -54,7 +54,7 @@ def stats(name: str, path: Path | None, vocab_size: int, seq_len: int, max_examp
     """Clients, examples, tokens and examples per client, as the simulation would build them."""
     from dpfleet.edge.client_data import build_federated, describe
     from dpfleet.edge.datasets import load_records
-    from dpfleet.public.spm_public import public_sentencepiece
+    from dpfleet.edge.spm_public import public_sentencepiece
 
     records = load_records(name, "train", path)
     tokenizer = public_sentencepiece("wikitext2", vocab_size)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.client_data import ClientData
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 
 
 def _dtype(vocab_size: int) -> np.dtype:

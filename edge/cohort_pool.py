@@ -203,6 +203,13 @@ def shared_pool(size: int) -> WorkerPool | None:
         return pool
 
 
+def pool_workers(size: int) -> int:
+    """How many worker processes the process's pool of `size` has (0: none started)."""
+    with _LOCK:
+        pool = _POOLS.get(size)
+    return len(pool.workers) if pool is not None else 0
+
+
 def discard_pool(size: int) -> None:
     """Kill and forget a pool whose `map` did not complete (a dead worker, or Ctrl-C / an error in
     the caller while its I/O threads still talk to the workers: a reply of that map must never be

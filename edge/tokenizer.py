@@ -45,11 +45,6 @@ class _SpecialIds:
     eos_id = EOS
     unk_id = UNK
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """Ids that are never scored as prediction targets."""
-        return frozenset({PAD, BOS, EOS, UNK})
-
 
 class SentencePieceTokenizer(_SpecialIds):
     """A SentencePiece model with pad=0, bos=1, eos=2, unk=3."""

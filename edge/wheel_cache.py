@@ -14,8 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from dpfleet.edge.staged import verify_staged_wheel
 from dpfleet.errors import DpfleetError
-from dpfleet.public.staged import verify_staged_wheel
 
 
 def cache_dir() -> Path:

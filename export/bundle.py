@@ -26,7 +26,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
-from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.edge.bundle_format import (
     BUNDLE_VERSION,
     MANIFEST,
@@ -34,7 +33,6 @@ from dpfleet.edge.bundle_format import (
     SIGNATURE,
     public_key_hex,
     public_key_pem,
-    sha256_hex,
     sign_manifest,
     verify_bundle,
 )
@@ -52,6 +50,7 @@ from dpfleet.export.training import (
     tool_versions,
     training_program,
 )
+from dpfleet.io import atomic_write, sha256_hex, write_secret
 
 BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"

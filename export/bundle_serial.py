@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 
 
 def serial_file(key_path: Path) -> Path:

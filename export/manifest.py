@@ -7,23 +7,15 @@ program is caught before it reaches the runtime.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib.metadata import version
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
+from dpfleet.io import sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_manifest(folder: Path, info: dict) -> dict:

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.graph_passes import dedup_nodes, split_addmm
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import ParamLayout
+from dpfleet.io import atomic_write, sha256_hex
 
 FORMATS = ("pte", "onnx")
 # Bump when the program contents change for the same spec (graph passes, signature, ...).
@@ -272,16 +272,12 @@ class ProgramFile:
             data = self.path.read_bytes()
         except OSError as exc:
             raise DpfleetError(f"cannot read program {self.path}: {exc.strerror}") from exc
-        if sha256_bytes(data) != self.sha256:
+        if sha256_hex(data) != self.sha256:
             raise DpfleetError(
                 f"program {self.path} is corrupt (sha256 differs from {self.path.name}.json); "
                 "delete it to re-export"
             )
         return data
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _meta_path(path: Path) -> Path:
@@ -293,24 +289,17 @@ def write_program(path: Path, spec: ProgramSpec, data: bytes) -> ProgramFile:
     layout = ParamLayout.of(build_model(spec.cfg))
     meta = {
         "spec": spec.to_dict(),
-        "sha256": sha256_bytes(data),
+        "sha256": sha256_hex(data),
         "names": list(layout.names),
         "shapes": [list(s) for s in layout.shapes],
         "program_version": PROGRAM_VERSION,
         "tools": tool_versions(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, data)
-    _atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode())
+    # 0644: a plain temporary file's 0600 would hide a shared cache from other users
+    atomic_write(path, data, mode=0o644)
+    atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode(), mode=0o644)
     return read_program_file(path)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
-    os.replace(tmp, path)
 
 
 def read_program_file(path: Path) -> ProgramFile:

@@ -70,12 +70,12 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
     until it says the run is done. A worker process (or Ray actor) that dies is restarted with
     its devices."""
     from dpfleet.coordinator.config import load_config
-    from dpfleet.coordinator.state.run_dir import atomic_write
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.fleet.registry import public_registry, write_public_registry
+    from dpfleet.io import atomic_write
+    from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
         raise DpfleetError("--address is a Ray cluster's address: give it with --backend ray")

@@ -80,7 +80,7 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py)."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
-    from dpfleet.fleet.registry import public_registry, write_public_registry
+    from dpfleet.secagg.registry import public_registry, write_public_registry
 
     cfg = load_config(config)  # a bad config fails here, before anything starts
     if needs_coordinator_vocabulary(cfg):

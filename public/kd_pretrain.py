@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from dpfleet.edge.tokenizer import BOS, PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
+from dpfleet.io import atomic_write
 from dpfleet.public.kd import public_loss
 from dpfleet.public.topk import KDBatch
 
@@ -161,12 +161,11 @@ def _fingerprint(model_cfg: ModelConfig, cfg: KDTrainConfig, pool: np.ndarray) -
 
 
 def _save_state(path: Path, fingerprint: str, step: int, model, opt, rng, ema, history) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"fingerprint": fingerprint, "step": step, "model": model.state_dict(),
-                "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
-                "ema": [float(v) for v in ema],
-                "history": [{k: float(v) for k, v in h.items()} for h in history]}, tmp)
-    os.replace(tmp, path)
+    state = {"fingerprint": fingerprint, "step": step, "model": model.state_dict(),
+             "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+             "ema": [float(v) for v in ema],
+             "history": [{k: float(v) for k, v in h.items()} for h in history]}
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def _load_state(path: Path, fingerprint: str, model, opt, rng) -> tuple[int, np.ndarray, list[dict]]:

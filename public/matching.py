@@ -48,7 +48,7 @@ from dpfleet.public.teacher_head import (
     target_logprob,
 )
 from dpfleet.public.teacher_tokenizer import load_teacher_spm, processor
-from dpfleet.public.topk import TopKExtractor, _batches
+from dpfleet.public.topk import TopKExtractor, token_batches
 
 
 @dataclass
@@ -131,7 +131,7 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
     totals = np.zeros(len(own))
     bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
     first = 0
-    for batch in _batches(own, batch_tokens):  # consecutive runs of records
+    for batch in token_batches(own, batch_tokens):  # consecutive runs of records
         targets, mask = right_padded(batch, 0)
         inputs = np.full(targets.shape, extractor.teacher_bos, dtype=np.int64)
         inputs[:, 1:] = np.where(mask[:, 1:], targets[:, :-1], extractor.teacher_bos)

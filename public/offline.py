@@ -10,7 +10,7 @@ datasets are read from, laid out as a dpfleet cache (`$DPFLEET_CACHE`). On the s
 `stage_bundle` also writes `staged.json`, the SHA-256 of every staged file, and `offline_check`
 refuses a cache whose files differ from it (a truncated copy, a swapped weight file); the check
 prints the digest of `staged.json` itself, to compare with the one `offline-stage` printed.
-Every later load of a staged teacher checks its own files again (public/staged.py).
+Every later load of a staged teacher checks its own files again (edge/staged.py).
 See docs/offline_gpu_server.md.
 """
 
@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.edge.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.export.manifest import sha256_file
+from dpfleet.io import atomic_write, sha256_file
 from dpfleet.jsonio import dumps
-from dpfleet.public.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
 from dpfleet.public.teacher import PACKAGED, resolve_teacher
 
 

@@ -41,11 +41,12 @@ import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
 from dpfleet.coordinator.state.resume import differing_keys
-from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.edge.overlap import check_public_sources, check_public_texts
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (
@@ -58,7 +59,7 @@ from dpfleet.public.matching import (
     teacher_logprobs,
     top_fraction,
 )
-from dpfleet.public.overlap import check_public_sources, check_public_texts
+from dpfleet.public.public_init import pretrain_on_public
 from dpfleet.public.teacher_tokenizer import TeacherVocab
 from dpfleet.public.topk import TARGETS
 
@@ -89,7 +90,7 @@ class PublicSection:
 @dataclass
 class PoolSection:
     # no Shakespeare by default: shakespeare-collab is public only next to a private
-    # shakespeare-solo (public/overlap.py), and the default private dataset is shakespeare
+    # shakespeare-solo (edge/overlap.py), and the default private dataset is shakespeare
     sources: list[str] = field(default_factory=lambda: ["wikitext2", "kjv"])
     records: list[int] = field(default_factory=lambda: [600, 400])
     seq_len: int = 20
@@ -163,7 +164,7 @@ def public_data(cfg: PipelineConfig) -> list[str]:
 
 
 def check_pool_is_public(cfg: PipelineConfig, pool: Pool) -> None:
-    """No pool record's text is also a private record (see `public.overlap`)."""
+    """No pool record's text is also a private record (see `edge.overlap`)."""
     from dpfleet.edge.datasets import load_records
 
     data = cfg.simulation.data
@@ -176,7 +177,7 @@ def load_pipeline(path: Path) -> PipelineConfig:
     return parse_pipeline(read_toml(path, "pipeline config"))
 
 
-def _digest(*parts: object) -> str:
+def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -189,7 +190,7 @@ def teacher_vocab(cfg: PipelineConfig, log: Callable[[str], None]) -> TeacherVoc
     from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
 
     p = cfg.public
-    folder = cache_dir() / "public" / f"vocab-{_digest(p.teacher, p.vocab_size, p.vocab_records)}"
+    folder = cache_dir() / "public" / f"vocab-{cache_key(p.teacher, p.vocab_size, p.vocab_records)}"
     if (folder / "teacher.json").is_file():
         return TeacherVocab.load(folder)
     log(f"trimming {p.teacher}'s vocabulary to {p.vocab_size} pieces -> {folder}")
@@ -203,7 +204,7 @@ class TeacherWork:
 
     def __init__(self, cfg: PipelineConfig, vocab: TeacherVocab, pool: Pool, progress: bool):
         p = cfg.public
-        key = _digest(p.teacher, vocab.meta, pool.fingerprint(), p.k,
+        key = cache_key(p.teacher, vocab.meta, pool.fingerprint(), p.k,
                       *(() if p.targets == "teacher" else (p.targets,)))
         self.folder = cache_dir() / "public" / f"pool-{key}"
         self.cfg, self.vocab, self.pool, self.progress = cfg, vocab, pool, progress
@@ -238,8 +239,7 @@ class TeacherWork:
             scores = teacher_logprobs(self.extractor(), self.vocab.tokenizer, self.pool.sequences,
                                       self.cfg.public.batch_tokens, self.progress)
             self.folder.mkdir(parents=True, exist_ok=True)
-            np.save(path.with_suffix(".tmp.npy"), scores)
-            path.with_suffix(".tmp.npy").replace(path)
+            atomic_write(path, lambda f: np.save(f, scores))
         return np.load(path)
 
 
@@ -329,7 +329,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     started = (out / "simulation" / "config.json").is_file()
     result = run_simulation(sim, out / "simulation", overwrite=True, resume=resume and started,
                             progress=progress, log=log, before_round=public_training,
-                            public_data=public_data(cfg))
+                            public_data=public_data(cfg), pretrain=pretrain_on_public)
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,

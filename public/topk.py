@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -171,7 +172,7 @@ def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.T
     return {"tokens": tokens, "topk_ids": ids_np, "topk_logits": rel}
 
 
-def _batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iterable[list]:
+def token_batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iterable[list]:
     """Consecutive runs of sequences whose padded size (count x longest) fits `batch_tokens`
     (the same packing as the body's micro-batches)."""
     for span in micro_batches(np.array([len(s) for s in sequences], dtype=np.int64), batch_tokens):
@@ -236,12 +237,9 @@ def build_corpus(
             bar.update(n_tokens)
             continue
         start = time.perf_counter()
-        parts = [extractor.rows(batch) for batch in _batches(chunk, batch_tokens)]
+        parts = [extractor.rows(batch) for batch in token_batches(chunk, batch_tokens)]
         arrays = _pack(chunk, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-        tmp = out / f".{name}"
-        with tmp.open("wb") as f:
-            np.savez(f, **arrays)
-        tmp.replace(out / name)
+        atomic_write(out / name, lambda f, arrays=arrays: np.savez(f, **arrays))
         seconds += time.perf_counter() - start
         done_tokens += n_tokens
         bar.update(n_tokens)

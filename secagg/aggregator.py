@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.count_bit import append_bit, split_count
 from dpfleet.secagg.encoding import Discretizer
@@ -34,6 +33,7 @@ from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.policy import ClientPolicy
+from dpfleet.secagg.sums import AggregateResult, RingSum
 
 
 class SecAggAggregator:

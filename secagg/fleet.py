@@ -18,8 +18,8 @@ from types import MappingProxyType
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.state.run_dir import write_secret
 from dpfleet.errors import DpfleetError
+from dpfleet.io import write_secret
 
 VERSION = 1
 

@@ -102,7 +102,7 @@ class GraphPlan:
     corrupt: int = 0  # c: corrupt neighbours the threshold is sized against (2t > k + c)
 
 
-def _log_tails(k: int, p: float) -> np.ndarray:
+def log_tails(k: int, p: float) -> np.ndarray:
     """tails[t] = log P[Bin(k, p) >= t] for t = 0..k+1, exact (log-sum-exp over the pmf)."""
     if p <= 0:
         return np.r_[0.0, np.full(k + 1, -np.inf)]
@@ -125,7 +125,7 @@ def choice_bits(n: int, unrevealed: int) -> float:
 
 def corrupt_bound(k: int, n: int, corruption: float, sigma: float = SECURITY_BITS) -> int:
     """c: the number of corrupt neighbours exceeded with probability at most 2^-sigma / n."""
-    corrupt = _log_tails(k, corruption)
+    corrupt = log_tails(k, corruption)
     return int(np.argmax(corrupt[1:] <= -sigma * math.log(2) - math.log(n)))
 
 
@@ -140,7 +140,7 @@ def threshold_for(
     """Smallest t meeting conditions 1, 2 and 4 for degree k (None when none does)."""
     secure = -sigma * math.log(2) - math.log(n)
     correct = -eta * math.log(2) - math.log(n)
-    dropped, corrupt = _log_tails(k, dropout), _log_tails(k, corruption)
+    dropped, corrupt = log_tails(k, dropout), log_tails(k, corruption)
     worst_corrupt = corrupt_bound(k, n, corruption, sigma)
     for t in range(1, k + 1):
         if dropped[k - t + 1] > correct:  # P[fewer than t live neighbours] too large

@@ -30,7 +30,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.secagg.crypto import KEY_BYTES, ring_dtype
-from dpfleet.secagg.graph import CORRECTNESS_BITS, Graph, GraphPlan, _log_tails, plan_graph
+from dpfleet.secagg.graph import CORRECTNESS_BITS, Graph, GraphPlan, log_tails, plan_graph
 
 SESSION_BYTES = 32
 TERMS_BYTES = 32
@@ -186,6 +186,6 @@ def fleet_margins(n: int, report_goal: int, eta: int = CORRECTNESS_BITS) -> tupl
         raise ValueError(f"report goal {report_goal} must be in 1..{n} devices")
     dropout = max(MIN_PLANNED_DROPOUT, (n - report_goal) / n)
     per_phase = 1 - (1 - dropout) ** (1 / CLIENT_MESSAGES)
-    tails = _log_tails(n, per_phase)  # tails[i] = log P[Bin(n, p) >= i]
+    tails = log_tails(n, per_phase)  # tails[i] = log P[Bin(n, p) >= i]
     quantile = int(np.argmax(tails[1:] <= -eta * np.log(2)))  # P[more than it] <= 2^-eta
     return dropout, min(n - report_goal, quantile)

@@ -8,14 +8,11 @@ plans are kept: old models are dropped once no open round can ask for them.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import tarfile
 from pathlib import Path
 
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+from dpfleet.io import sha256_hex
 
 
 class BlobStore:

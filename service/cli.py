@@ -43,7 +43,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     """
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.errors import DpfleetError
-    from dpfleet.fleet.registry import load_public_registry
+    from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
     from dpfleet.service.server import serve as run
 

@@ -138,7 +138,7 @@ def report(client: AdminClient, as_json: bool, out: Path | None) -> None:
     eps spent, MinS / MaxP observed, and what the guarantee does not cover."""
     text = client.report()
     if out is not None:
-        from dpfleet.coordinator.state.run_dir import atomic_write
+        from dpfleet.io import atomic_write
 
         try:
             atomic_write(out, text)

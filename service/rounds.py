@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import resolve_noise, round_size
-from dpfleet.coordinator.engine.aggregation import AggregateResult, RingSum
 from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
-from dpfleet.coordinator.engine.simulation import _seed
-from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
+from dpfleet.secagg.sums import AggregateResult, RingSum
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
 from dpfleet.service.secagg_round import SecAggRound
@@ -383,7 +383,7 @@ class RoundDriver:
         keep = {model_sha, plan_sha}
         for u, d in enumerate(plan.devices):
             device_plan = {**common, "attempt": attempt, "device_id": b.users[d],
-                           "client_seed": _seed(cfg.seed, plan.round, d)}
+                           "client_seed": derive_seed(cfg.seed, plan.round, d)}
             sha = b.blobs.put(dumps(device_plan).encode())
             keep.add(sha)
             cur.assignments[u] = {
@@ -421,7 +421,7 @@ class RoundDriver:
         agg = cfg.aggregation
         clients = eng.ring.ring_clients if eng.ring else round_size(cfg)
         disc = Discretizer(plan.theta.size, plan.clip_norm, agg.bits, clients,
-                           _seed(cfg.seed, "agg", plan.round))
+                           derive_seed(cfg.seed, "agg", plan.round))
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
         threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too
         # the dropout the over-selection absorbs, and d missing reveals (the devices' policy

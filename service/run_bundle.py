@@ -21,7 +21,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.edge.bundle_format import (
     MANIFEST,
     SIGNATURE,
@@ -31,6 +30,7 @@ from dpfleet.edge.bundle_format import (
     public_key_pem,
     verify_bundle,
 )
+from dpfleet.io import atomic_write, write_secret
 from dpfleet.service.blobs import BlobStore
 
 BUNDLE_DIR = "bundle"

@@ -21,8 +21,8 @@ from pathlib import Path
 from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
-from dpfleet.coordinator.state.run_dir import write_secret
 from dpfleet.errors import DpfleetError
+from dpfleet.io import write_secret
 from dpfleet.service.app import POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
 from dpfleet.service.boot import boot

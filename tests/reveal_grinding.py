@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from dpfleet.secagg.graph import Graph, _log_tails
+from dpfleet.secagg.graph import Graph, log_tails
 from dpfleet.secagg.params import graph_seed
 
 
@@ -41,7 +41,7 @@ def grind(n: int, k: int, corruption: float, d: int, trials: int, seed: int = 0,
                       .neighbours(target) & corrupt) for left in options]
         honest.append(counts[0])  # options[0] leaves nothing out
         ground.append(max(counts))
-    tails = np.exp(_log_tails(k, corruption))  # tails[c + 1] = P[Bin(k, p) > c]
+    tails = np.exp(log_tails(k, corruption))  # tails[c + 1] = P[Bin(k, p) > c]
     return {"n": n, "k": k, "corruption": corruption, "d": d, "trials": trials,
             "graphs": len(options), "honest": np.array(honest), "ground": np.array(ground),
             "tail": {c: float(tails[c + 1]) for c in range(k + 1)}}

@@ -24,9 +24,9 @@ from dpfleet.export.models import ModelConfig
 from dpfleet.export.training import (
     ProgramSpec,
     read_program_file,
-    sha256_bytes,
     training_program,
 )
+from dpfleet.io import sha256_hex
 
 pytest.importorskip("executorch")
 pytest.importorskip("onnxruntime")
@@ -55,7 +55,7 @@ def tampered(program, tmp_path, data: bytes, fix_sidecar: bool):
     path.write_bytes(data)
     meta = json.loads(program.path.with_name(program.path.name + ".json").read_text())
     if fix_sidecar:
-        meta["sha256"] = sha256_bytes(data)
+        meta["sha256"] = sha256_hex(data)
     path.with_name(path.name + ".json").write_text(json.dumps(meta))
     return read_program_file(path)
 

@@ -32,12 +32,12 @@ from dpfleet.edge.bundle_format import (
     BundleError,
     canonical_json,
     load_public_key,
-    sha256_hex,
     sign_manifest,
     verify_bundle,
 )
 from dpfleet.edge.device_client import BundleClient
 from dpfleet.export.bundle import default_key_path
+from dpfleet.io import sha256_hex
 
 pytest.importorskip("onnxruntime")
 

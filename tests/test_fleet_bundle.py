@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from service_fleet import capture_sums, fleet_data, run_devices, tiny_cfg
 
 from dpfleet.coordinator.engine.backends import SequentialTrainer
-from dpfleet.coordinator.engine.simulation import _seed, run_simulation
+from dpfleet.coordinator.engine.simulation import derive_seed, run_simulation
 from dpfleet.edge import device_client
 from dpfleet.edge.bundle_format import load_public_key, public_key_hex, sign_manifest
 from dpfleet.edge.runtime import EagerRuntime
@@ -89,7 +89,7 @@ def test_bundle_devices_commit_the_eager_sum_and_simulates_run(tmp_path, monkeyp
     for plan, aggregate in sums:
         chosen = [plan.devices[u] for u in aggregate.survivors]
         ref = eager.train_round(plan.theta, [examples[users[i]] for i in chosen],
-                                [_seed(cfg.seed, plan.round, i) for i in chosen], lr=cfg.client.lr,
+                                [derive_seed(cfg.seed, plan.round, i) for i in chosen], lr=cfg.client.lr,
                                 batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm)
         total = np.sum([u.delta.astype(np.float64) for u in ref], axis=0)
         bound = len(ref) * 1e-6 + 1e-4 * sum(np.abs(u.delta).max() for u in ref)
@@ -113,7 +113,7 @@ def test_bundle_devices_commit_the_eager_sum_and_simulates_run(tmp_path, monkeyp
 def _resign_with(folder, key: Ed25519PrivateKey, tamper: bool) -> None:
     """The coordinator's side of the attack: optionally damage the training program, then
     re-list every file's hash and re-sign the manifest with ITS key."""
-    from dpfleet.edge.bundle_format import sha256_hex
+    from dpfleet.io import sha256_hex
 
     manifest = json.loads((folder / "manifest.json").read_text())
     if tamper:
@@ -255,7 +255,8 @@ def test_signed_secagg_rounds_with_bundle_devices(tmp_path, monkeypatch):
         for u in agg.survivors:
             d = plan.devices[u]
             (o,) = [o for r, _, o in outcomes[users[d]] if r == plan.round + 1 and o.update]
-            (ref,) = eager.train_round(plan.theta, [examples[users[d]]], [_seed(cfg.seed, plan.round, d)],
+            seeds = [derive_seed(cfg.seed, plan.round, d)]
+            (ref,) = eager.train_round(plan.theta, [examples[users[d]]], seeds,
                                        lr=cfg.client.lr, batch_size=cfg.client.batch_size,
                                        clip_norm=plan.clip_norm)
             assert np.abs(o.update.delta - ref.delta).max() <= 1e-6 + 1e-4 * np.abs(ref.delta).max()
@@ -275,7 +276,7 @@ class BlobLink:
 
 
 def _signed(manifest: dict, key: Ed25519PrivateKey) -> tuple[BlobLink, dict]:
-    from dpfleet.edge.bundle_format import sha256_hex
+    from dpfleet.io import sha256_hex
 
     blob, sig = sign_manifest(manifest, key)
     link = BlobLink({sha256_hex(blob): blob, sha256_hex(sig): sig})

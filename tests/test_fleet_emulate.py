@@ -19,8 +19,8 @@ from dpfleet.fleet.behaviour import Behaviour
 from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.emulate import fleet_keys, load_devices
 from dpfleet.fleet.participant import DropOut
-from dpfleet.fleet.registry import public_registry
 from dpfleet.fleet.worker import DeviceSpec, Hooks, WorkerSpec, _run
+from dpfleet.secagg.registry import public_registry
 
 
 def lines(path):

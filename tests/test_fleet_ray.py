@@ -19,7 +19,7 @@ from test_fleet_emulate import ServerThread, check_committed_log
 
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.emulate import fleet_keys, load_devices
-from dpfleet.fleet.registry import public_registry
+from dpfleet.secagg.registry import public_registry
 
 
 def test_address_without_ray_backend_is_one_clean_line(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.emulate import fleet_keys
-from dpfleet.fleet.registry import load_public_registry, public_registry, write_public_registry
+from dpfleet.secagg.registry import load_public_registry, public_registry, write_public_registry
 
 
 def test_keys_created_once_then_reused_and_public_halves_only(tmp_path):

@@ -32,7 +32,6 @@ from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
-from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise, inverse_variance_factor, round_half_up
 from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
@@ -41,6 +40,7 @@ from dpfleet.coordinator.mechanisms.spec import MechanismSpec, mechanism_zcdp, o
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.sums import RingSum
 
 ROUNDS = 6
 REAL_NOISY_RING = ring_noise.noisy_ring

@@ -53,7 +53,7 @@ def released_theta(run_dir):
 
 def old_way_noise(seed: int, std: float, dim: int) -> np.ndarray:
     """The noise as the code before issue 10 drew it, rebuilt from config.json's seed."""
-    tree_seed = simulation._seed(seed, "tree")
+    tree_seed = simulation.derive_seed(seed, "tree")
     return sum(np.random.default_rng([tree_seed, 0, lv, ix]).standard_normal(dim, dtype=np.float32)
                * np.float32(std) for lv, ix in prefix_nodes(ROUNDS))
 
@@ -79,7 +79,7 @@ def test_noise_cannot_be_rebuilt_from_the_run_directory(tmp_path, monkeypatch):
     guesses = {
         "old default_rng from config seed": old_way_noise(seed, std, dim),
         "research key of config seed": aes_noise(seeded_noise_key(seed), std, dim),
-        "research key of the old tree seed": aes_noise(seeded_noise_key(simulation._seed(seed, "tree")),
+        "research key of the old tree seed": aes_noise(seeded_noise_key(simulation.derive_seed(seed, "tree")),
                                                        std, dim),
         "sha256 of config.toml": aes_noise(hashlib.sha256((run.run_dir / "config.toml").read_bytes())
                                            .digest(), std, dim),

@@ -17,7 +17,7 @@ from dpfleet.coordinator.engine.evaluation import split_held_out
 from dpfleet.coordinator.engine.population import open_population
 from dpfleet.coordinator.engine.round_engine import RoundEngine, Stop
 from dpfleet.coordinator.engine.simulation import (
-    _seed,
+    derive_seed,
     make_aggregator,
     make_runtime,
     prepare_data,
@@ -79,7 +79,7 @@ def lists_run(cfg, out):
     while not isinstance(plan := engine.open_round(), Stop):
         updates = train_plan(cfg, trainer, data.train, plan)
         engine.close_round(plan, aggregator.aggregate([u.delta for u in updates],
-                                                      _seed(cfg.seed, "agg", plan.round)), updates)
+                                                      derive_seed(cfg.seed, "agg", plan.round)), updates)
     return engine
 
 

@@ -1,4 +1,4 @@
-"""[pretrain]: the private run starts from weights trained on public text (coordinator/engine/public_init.py).
+"""[pretrain]: the private run starts from weights trained on public text (public/public_init.py).
 
 Scored on the values: the model the first private round starts from IS the public-trained one
 (and not the seeded init), the same clients are chosen with and without pretraining (the public
@@ -14,8 +14,9 @@ from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine import public_init, simulation
+from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.public import public_init
 
 PRE = {"corpus": ["kjv"], "steps": 3, "batch_size": 4, "lr": 0.01}
 CFG = {**SECRECY_CFG, "rounds": 2, "eval_every": 2}
@@ -33,7 +34,7 @@ def start_of(tmp_path, name, values):
         seen.setdefault(r, theta.copy())
 
     result = simulation.run_simulation(parse_config(values), tmp_path / name, before_round=before_round,
-                                       **QUIET)
+                                       pretrain=public_init.pretrain_on_public, **QUIET)
     lines = (result.run_dir / "participation.jsonl").read_text().splitlines()
     log = [json.loads(x)["devices"] for x in lines]
     return seen[0], log, result
@@ -70,3 +71,16 @@ def test_steps_without_a_corpus_mismatch_is_one_error():
 
     with pytest.raises(DpfleetError, match="pretrain.steps = 0"):
         parse_config({**CFG, "pretrain": {"corpus": ["kjv"], "steps": 0}})
+
+
+def test_the_front_door_hands_the_step_down_and_the_coordinator_alone_refuses(tmp_path):
+    """The coordinator does not import dpfleet.public (the layers): `dpfleet.simulate` (and the CLI,
+    test above) pass the pretraining step; `run_simulation` without it is one clear error."""
+    import dpfleet
+    from dpfleet.errors import DpfleetError
+
+    result = dpfleet.simulate({**CFG, "pretrain": PRE}, run_dir=tmp_path / "api", progress=False)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["public_pretraining"]["corpus"] == ["kjv"]
+    with pytest.raises(DpfleetError, match="public pretraining step"):
+        simulation.run_simulation(parse_config({**CFG, "pretrain": PRE}), tmp_path / "alone", **QUIET)

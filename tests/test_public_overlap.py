@@ -9,9 +9,9 @@ from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import make_tokenizer
 from dpfleet.edge.datasets import load_records
+from dpfleet.edge.overlap import check_public_texts, sources_overlap
 from dpfleet.errors import DpfleetError
 from dpfleet.public.matching import Pool
-from dpfleet.public.overlap import check_public_texts, sources_overlap
 from dpfleet.public.pipeline import check_pool_is_public, parse_pipeline
 
 VERSE = "In the beginning God created the heaven and the earth."

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.edge import staged as staged_module
 from dpfleet.errors import DpfleetError
-from dpfleet.public import staged as staged_module
 from dpfleet.public import teacher as teacher_module
 from dpfleet.public.offline import stage_bundle
 from dpfleet.public.teacher import load_teacher
@@ -144,7 +144,7 @@ def _restage(server) -> None:
     """The stronger attacker: after editing the weights, rewrite staged.json to match them."""
     import json
 
-    from dpfleet.public.staged import file_sha256
+    from dpfleet.edge.staged import file_sha256
 
     manifest = server / "staged.json"
     files = json.loads(manifest.read_text())["sha256"]
@@ -155,8 +155,8 @@ def test_the_pinned_list_digest_stops_an_attacker_who_rewrites_the_list(server, 
                                                                         monkeypatch):
     """staged.json alone cannot stop someone who also rewrites it; the digest offline-stage
     printed (DPFLEET_STAGED_SHA256) can."""
+    from dpfleet.edge.staged import PIN_ENV, file_sha256
     from dpfleet.public.offline import offline_check
-    from dpfleet.public.staged import PIN_ENV, file_sha256
 
     clean = _logits("gemma3-270m")
     pin = file_sha256(server / "staged.json")  # what offline-stage printed
@@ -182,7 +182,7 @@ def test_the_pinned_list_digest_stops_an_attacker_who_rewrites_the_list(server, 
 @given(pick=st.floats(0, 1, exclude_max=True), where=st.floats(0, 1, exclude_max=True),
        bit=st.integers(0, 7))
 def test_any_single_bit_flip_in_any_staged_teacher_file_is_refused(server, pick, where, bit):
-    from dpfleet.public.staged import verify_staged_teacher
+    from dpfleet.edge.staged import verify_staged_teacher
 
     folder = server / "teachers" / "gemma3-270m"
     files = sorted(f for f in folder.rglob("*") if f.is_file())

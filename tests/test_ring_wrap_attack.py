@@ -22,13 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.mechanisms.ring_noise import noisy_ring, plan_ring, ring_distance, ring_nodes
 from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.params import plan_round
+from dpfleet.secagg.sums import RingSum
 
 BITS, DIM, CLIP, Z, KEY = 32, 1024, 0.5, 1.0, b"k" * 32
 MALICIOUS, TARGET, HONEST = 0, 1, (2, 3)

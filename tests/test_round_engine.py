@@ -17,7 +17,7 @@ from dpfleet.coordinator.engine.backends import make_trainer
 from dpfleet.coordinator.engine.evaluation import split_held_out
 from dpfleet.coordinator.engine.round_engine import RoundEngine, RoundPlan, RoundStateError, Stop
 from dpfleet.coordinator.engine.simulation import (
-    _seed,
+    derive_seed,
     make_aggregator,
     make_runtime,
     prepare_data,
@@ -78,7 +78,8 @@ def engine_parts(cfg, out):
 
     def train_and_sum(plan: RoundPlan):  # in a service: devices train, SecAgg messages sum
         updates = train_plan(cfg, trainer, data.train, plan)
-        return aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", plan.round)), updates
+        agg_seed = derive_seed(cfg.seed, "agg", plan.round)
+        return aggregator.aggregate([u.delta for u in updates], agg_seed), updates
 
     parts = {"model": model, "model_cfg": model_cfg, "tokenizer": tokenizer,
              "users": [c.user for c in data.train], "test_rows": test_rows}

@@ -17,7 +17,7 @@ from secagg_attacker import MaliciousServer
 
 from dpfleet.secagg import messages as m
 from dpfleet.secagg.errors import PolicyError, ProtocolViolationError, ThresholdError
-from dpfleet.secagg.graph import _log_tails, choice_bits, corrupt_bound, plan_graph
+from dpfleet.secagg.graph import choice_bits, corrupt_bound, log_tails, plan_graph
 from dpfleet.secagg.inprocess import run_round
 from dpfleet.secagg.params import RoundSetup, fleet_margins, graph_seed, plan_round
 from dpfleet.secagg.policy import ClientPolicy
@@ -58,9 +58,9 @@ def test_planner_sizes_c_for_every_graph_the_server_can_choose(n):
     blind = plan_graph(n, "harary", 0.1, 0.05)
     log_g = choice_bits(n, d)
     assert log_g == pytest.approx(np.log2(sum(math.comb(n, i) for i in range(d + 1))))
-    tail = _log_tails(plan.k, 0.05)[plan.corrupt + 1] / np.log(2)  # log2 P[Bin > c]
+    tail = log_tails(plan.k, 0.05)[plan.corrupt + 1] / np.log(2)  # log2 P[Bin > c]
     assert np.log2(n) + log_g + tail <= -40
-    blind_tail = _log_tails(blind.k, 0.05)[blind.corrupt + 1] / np.log(2)
+    blind_tail = log_tails(blind.k, 0.05)[blind.corrupt + 1] / np.log(2)
     assert np.log2(n) + log_g + blind_tail > -40  # the old plan does not cover the choice
     assert plan.k > blind.k and 2 * plan.threshold > plan.k + plan.corrupt
     # the complete graph is the same under every seed: d costs nothing there
@@ -160,5 +160,5 @@ def test_fleet_margins_cover_the_over_selection():
     dropout, d = fleet_margins(170, 100)
     assert dropout == pytest.approx(70 / 170) and 0 < d <= 70
     p = 1 - (1 - dropout) ** (1 / 6)
-    assert np.exp(_log_tails(170, p)[d + 1]) <= 2 ** -20 < np.exp(_log_tails(170, p)[d])
+    assert np.exp(log_tails(170, p)[d + 1]) <= 2 ** -20 < np.exp(log_tails(170, p)[d])
     assert fleet_margins(26, 20)[1] == 6  # examples/fleet.toml: all six over-selected

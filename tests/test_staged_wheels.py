@@ -84,7 +84,7 @@ def test_an_unlisted_wheel_or_a_symlinked_detour_is_refused(server, tmp_path):
 
 
 def test_the_pinned_list_digest_stops_rewriting_the_list_too(server, monkeypatch):
-    from dpfleet.public.staged import file_sha256, forget_digests
+    from dpfleet.edge.staged import file_sha256, forget_digests
 
     monkeypatch.setenv("DPFLEET_STAGED_SHA256", file_sha256(server / "staged.json"))
     assert _texts()[0].startswith("The honest")

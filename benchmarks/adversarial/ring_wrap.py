@@ -42,13 +42,13 @@ def _ring_distance(a: np.ndarray, b: np.ndarray) -> float:
 def measure() -> dict:
     """The attack under this environment's default noise for a secagg config (module docstring)."""
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.engine.aggregation import RingSum
     from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
     from dpfleet.coordinator.mechanisms import ring_noise
     from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
     from dpfleet.secagg.encoding import Discretizer
     from dpfleet.secagg.inprocess import run_round
     from dpfleet.secagg.params import plan_round
+    from dpfleet.secagg.sums import RingSum
 
     noise = parse_config({"aggregation": {"kind": "secagg"},
                           "dp": {"noise_multiplier": Z, "clip_norm": CLIP}}).dp.noise

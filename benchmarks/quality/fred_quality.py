@@ -35,10 +35,10 @@ from dpfleet.public.embedders import Projection, load_embedder
 from dpfleet.public.fred import frechet_distance, moments
 from dpfleet.public.fred_job import (
     FredSection,
-    _cohort_texts,
-    _public_pool,
     candidate_texts,
+    cohort_texts,
     embed_cached,
+    public_pool_texts,
 )
 from dpfleet.public.fred_privacy import calibrate
 from dpfleet.public.fred_stats import private_moments
@@ -76,11 +76,11 @@ def main() -> None:
     f = FredSection(embedder=args.embedder, cohort_size=args.cohort, max_samples=args.max_samples,
                     pca_dim=args.pca_dim, pca_records=args.pca_records)
     embedder = load_embedder(args.embedder)
-    cohort = _cohort_texts(f)
+    cohort = cohort_texts(f)
     collab = candidate_texts("shakespeare-collab", args.pool)
     wiki = candidate_texts("wikitext2", args.pool)
     needed = {c: candidate_texts(c, args.records) for c in CANDIDATES}
-    pool_texts = _public_pool(f)
+    pool_texts = public_pool_texts(f)
     # every distinct text is embedded once (the sets overlap: same shuffles, nested prefixes)
     unique = sorted({t for group in (pool_texts, collab, wiki, *needed.values(), *cohort) for t in group})
     table = dict(zip(unique, embed_cached(embedder, unique), strict=True))

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.public.pipeline import TeacherWork, _digest
+from dpfleet.public.pipeline import TeacherWork, cache_key
 from dpfleet.public.topk import TopKCorpus, build_corpus
 
 CHUNK = 64  # records per claimed unit of teacher work
@@ -82,9 +82,9 @@ class PartialTeacher(TeacherWork):
                  labelled: Sequence[int] = ()):
         super().__init__(cfg, vocab, pool, progress)
         p = cfg.public
-        self.lpub_folder = cache_dir() / "public" / f"lpub-{_digest(p.teacher, vocab.meta)}"
+        self.lpub_folder = cache_dir() / "public" / f"lpub-{cache_key(p.teacher, vocab.meta)}"
         self.topk_folder = cache_dir() / "public" / (
-            f"topk-subset-{_digest(p.teacher, vocab.meta, p.k, p.targets)}")
+            f"topk-subset-{cache_key(p.teacher, vocab.meta, p.k, p.targets)}")
         self.candidates = sorted(set(int(i) for i in candidates))
         self.labelled = sorted(set(int(i) for i in labelled))
         # what this process ran the teacher on (cache misses only), for tokens/s

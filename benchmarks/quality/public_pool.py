@@ -2,7 +2,7 @@
 
 Same pipeline as `public_training.py` (`dpfleet public pipeline`, private `shakespeare-solo`,
 T' = T / 2), with a pool 58x larger: WikiText-2 sentences, KJV verses and the co-written plays
-(`shakespeare-collab`, in-style and disjoint from the private data, see public/overlap.py).
+(`shakespeare-collab`, in-style and disjoint from the private data, see edge/overlap.py).
 
 Rows (per seed; every arm of a seed shares its clients and, through `dp.noise_seed = seed`,
 its tree-noise draws, so arms are compared as paired differences):

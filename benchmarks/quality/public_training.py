@@ -18,7 +18,7 @@ Rows (T' = T / 2 for mid-training, the same number of public steps everywhere):
     python benchmarks/quality/public_training.py --summarize   # public_training.md from the .json
 
 Writes public_training.json / .md and fig3_ppl_scatter.png next to this file. The private data
-(shakespeare-solo) and the pool's shakespeare-collab share no record (public/overlap.py).
+(shakespeare-solo) and the pool's shakespeare-collab share no record (edge/overlap.py).
 """
 
 from __future__ import annotations

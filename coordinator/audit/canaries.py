@@ -42,13 +42,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.engine.simulation import _seed
-from dpfleet.coordinator.state.run_dir import atomic_write
+from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.edge.clipping import clip_l2
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 # deliberately broken runs, for the tests and benchmark that show the audit can fail
@@ -190,7 +190,7 @@ class CanaryRun:
                 out[pos] = ClientUpdate(delta, norm, norm > clip, 0.0, 0)
         if trained:
             updates = trainer.train_round(
-                plan.theta, rows, [_seed(cfg.seed, plan.round, plan.devices[p]) for p in trained],
+                plan.theta, rows, [derive_seed(cfg.seed, plan.round, plan.devices[p]) for p in trained],
                 lr=cfg.client.lr, batch_size=cfg.client.batch_size, clip_norm=clip)
             for pos, update in zip(trained, updates, strict=True):
                 out[pos] = update
@@ -448,11 +448,12 @@ def report_section(a: dict) -> str:
 
 
 def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwrite: bool = False,
-              progress: bool = True, log: Callable[[str], None] = print) -> dict:
+              progress: bool = True, log: Callable[[str], None] = print, pretrain=None) -> dict:
     """Run `cfg` with canaries `seeds` times (seeds cfg.seed, cfg.seed + 1, ...; one run
     directory each under `out`, or `out` itself for one seed), write each run's audit.json and
-    privacy_report.md section, and with several seeds `out/audit.json` pooling them."""
-    from dpfleet.api import run
+    privacy_report.md section, and with several seeds `out/audit.json` pooling them. `pretrain`:
+    the public pretraining step of `[pretrain]` (`coordinator.run.run`)."""
+    from dpfleet.coordinator.run import run
 
     settings.check()
     if seeds < 1:
@@ -464,7 +465,8 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         run_cfg.checkpoint_every = 0  # no resume point: a resumed run would lose its canaries' key
         run_dir = out if seeds == 1 else out / f"seed-{run_cfg.seed}"
         canaries = CanaryRun(settings)
-        result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries)
+        result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries,
+                     pretrain=pretrain)
         scores = canaries.score(participants(result.run_dir))
         entry = summarise([scores], result.epsilon, run_cfg, settings, result.privacy)
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),

@@ -61,8 +61,8 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     epsilon is consistent with it, not a certificate (docs/audit.md).
     """
     from dpfleet.coordinator.audit.canaries import BROKEN, AuditSettings, run_audit
-    from dpfleet.coordinator.cli.simulate import _fresh_run_dir
     from dpfleet.coordinator.config import load_config, validate
+    from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir
     from dpfleet.errors import DpfleetError
 
     n, t, s = (_count(canaries, "--canaries", 1), _count(text_canaries, "--text-canaries", 0),
@@ -86,8 +86,9 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     if cfg.dp.noise_multiplier == 0 and cfg.dp.target_epsilon == 0:  # a planned run's z comes later
         raise DpfleetError("dp.noise_multiplier = 0 accounts eps = inf: there is nothing to audit "
                            "(--debug-nonprivate switches the noise off under a finite accounted eps)")
-    out = out or _fresh_run_dir(Path("runs") / f"{config.stem}-audit")
-    a = run_audit(cfg, out, settings, seeds=s, overwrite=overwrite, progress=not quiet, log=click.echo)
+    out = out or fresh_run_dir(Path("runs") / f"{config.stem}-audit")
+    a = run_audit(cfg, out, settings, seeds=s, overwrite=overwrite, progress=not quiet, log=click.echo,
+                  pretrain=cli_pretrain())
     fmt = lambda x: "inf" if not math.isfinite(x) else f"{x:.3f}"  # noqa: E731
     lo, hi = a["epsilon_estimate_interval"]
     if a["broken"]:

@@ -42,8 +42,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
     with and gives the same result, bit for bit, as an uninterrupted run.
     """
-    from dpfleet.api import run
     from dpfleet.coordinator.config import load_config, parse_config, validate
+    from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, run
     from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.errors import DpfleetError, resume_hint
 
@@ -64,11 +64,11 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         if seed is not None:
             cfg.seed = seed
         cfg.debug_nonprivate = cfg.debug_nonprivate or debug_nonprivate
-        out = out or _fresh_run_dir(Path("runs") / config.stem)
+        out = out or fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
     with resume_hint(f"dpfleet simulate --resume {out}"):
         result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
-                     log=click.echo)  # the Python API's own path (dpfleet.api)
+                     log=click.echo, pretrain=cli_pretrain())  # the Python API's own path
     p = result.privacy
     click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
                f"{result.unigram_accuracy:.4f}")
@@ -96,11 +96,3 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         click.echo(f"stopped early         {result.stopped_early}")
     click.echo(f"run directory         {result.run_dir}")
 
-
-def _fresh_run_dir(base: Path) -> Path:
-    """runs/NAME, or the first runs/NAME-N that is free: a rerun never overwrites a result."""
-    candidate, n = base, 1
-    while candidate.exists() and any(candidate.iterdir()):
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate

@@ -10,33 +10,12 @@ noise, `ring_noise`) to the integer `ring` sum before it is decoded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class RingSum:
-    """A secure sum still in Z_(2^bits), and the map back to reals. Decoding is
-    post-processing, so integer noise added to `values` before `decode` protects the release."""
-
-    values: np.ndarray  # unsigned ring elements, the modular sum of the encodings
-    bits: int
-    decode: Callable[[np.ndarray], np.ndarray]  # ring elements -> float64 sum
-
-
-@dataclass
-class AggregateResult:
-    """The sum of a round's deltas plus what the aggregation cost or changed."""
-
-    total: np.ndarray  # float64 vector, the (decoded) sum over surviving clients
-    survivors: list[int]  # positions (into the input list) whose deltas are in the sum
-    info: dict = field(default_factory=dict)  # e.g. bytes sent, timings, norm inflation
-    ring: RingSum | None = None  # the integer sum before decoding (secure aggregation only)
-    # adaptive clipping: how many of the survivors had ||delta|| <= C^t, summed with the deltas
-    clipped_count: int | None = None
+from dpfleet.secagg.sums import AggregateResult
 
 
 class Aggregator(Protocol):

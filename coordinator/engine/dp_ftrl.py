@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.mechanisms.noise_stream import new_noise_key
 from dpfleet.coordinator.mechanisms.registry import as_mechanism
 from dpfleet.errors import DpfleetError
+from dpfleet.secagg.sums import RingSum
 
 if TYPE_CHECKING:
     from dpfleet.coordinator.mechanisms.base import Mechanism

@@ -35,7 +35,6 @@ from dpfleet.coordinator.engine.adaptive_clipping import (
     default_restart_rounds,
     model_noise_multiplier,
 )
-from dpfleet.coordinator.engine.aggregation import AggregateResult
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
@@ -54,6 +53,7 @@ from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accurac
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
+from dpfleet.secagg.sums import AggregateResult
 
 DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
 # secure aggregation's per-round counts that depend on the clients' data (not noised)

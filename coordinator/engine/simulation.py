@@ -47,7 +47,7 @@ from dpfleet.coordinator.state.resume import (
     discard_resume,
     fingerprint_secret,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import TextRecord, load_records
@@ -57,6 +57,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
+from dpfleet.io import atomic_write
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
@@ -78,8 +79,8 @@ def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
             tokenizer.save(folder)
             atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
         return tokenizer
-    from dpfleet.public.overlap import check_public_sources
-    from dpfleet.public.spm_public import public_sentencepiece
+    from dpfleet.edge.overlap import check_public_sources
+    from dpfleet.edge.spm_public import public_sentencepiece
 
     check_public_sources([tok.corpus], cfg.data.dataset, "tokenizer.corpus")
     return public_sentencepiece(tok.corpus, tok.vocab_size)
@@ -131,8 +132,14 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
 
 DP_VOCABULARY = "dp_vocabulary.json"
 
+# The public pretraining step of `[pretrain]`: (cfg, model_cfg, model, tokenizer, log) -> what the
+# privacy report records (`dpfleet.public.public_init.pretrain_on_public`).
+Pretrain = Callable[..., dict]
 
-def _seed(*parts: object) -> int:
+
+def derive_seed(*parts: object) -> int:
+    """A 32-bit seed from `parts` (the run's seed, a round, a device or "agg"): the simulation, the
+    service and the audit derive the same client and aggregation seeds from the same parts."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
@@ -162,6 +169,7 @@ def run_simulation(
     tokenizer=None,
     audit=None,
     extensions: dict | None = None,
+    pretrain: Pretrain | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -181,6 +189,9 @@ def run_simulation(
     goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
     `audit` (`dpfleet audit` only: `audit_run.CanaryRun`) adds canary devices to the fleet, sees
     the engine once built and trains the canaries of each plan; None for every other run.
+    `pretrain` is the public pretraining step a config with `[pretrain]` needs
+    (`dpfleet.public.public_init.pretrain_on_public`, which `dpfleet.simulate` and the CLI pass):
+    handed in, since the coordinator does not import `dpfleet.public` (the layers).
     """
     run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
@@ -220,9 +231,11 @@ def run_simulation(
     if model is None:
         model = build_model(model_cfg)
         if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
-            from dpfleet.coordinator.engine.public_init import pretrain_on_public
-
-            pretrained = pretrain_on_public(cfg, model_cfg, model, tokenizer, log)
+            if pretrain is None:
+                raise DpfleetError("[pretrain] needs the public pretraining step: pass pretrain="
+                                   "dpfleet.public.public_init.pretrain_on_public (dpfleet.simulate "
+                                   "and the dpfleet CLI do)")
+            pretrained = pretrain(cfg, model_cfg, model, tokenizer, log)
             public_data = [*public_data, *(f"{c} (pretraining, {cfg.pretrain.steps} steps)"
                                            for c in cfg.pretrain.corpus)]
         runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
@@ -304,7 +317,7 @@ def run_simulation(
         check_clipped(updates, bound, ext.get("clipping"), plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
-        agg = aggregator.aggregate([u.delta for u in updates], _seed(cfg.seed, "agg", r),
+        agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
                                    bits=bits, clip_norm=plan.clip_norm)
         record = engine.close_round(plan, agg, updates)
         if progress and record["accuracy"] is not None:
@@ -406,6 +419,6 @@ def train_plan(cfg: SimulationConfig, trainer, clients, plan: RoundPlan) -> list
     rows = clients.examples if isinstance(clients, ClientStore) else lambda i: clients[i].examples
     return trainer.train_round(
         plan.theta, [rows(i) for i in plan.devices],
-        [_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
+        [derive_seed(cfg.seed, plan.round, i) for i in plan.devices], lr=cfg.client.lr,
         batch_size=cfg.client.batch_size, clip_norm=plan.clip_norm,
     )

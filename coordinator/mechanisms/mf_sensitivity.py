@@ -152,11 +152,6 @@ def monotone_majorant(coef: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.abs(np.asarray(coef, dtype=np.float64))[::-1])[::-1]
 
 
-def is_nonneg_nonincreasing(coef: np.ndarray) -> bool:
-    coef = np.asarray(coef, dtype=np.float64)
-    return bool(np.all(coef >= 0) and np.all(np.diff(coef) <= 0))
-
-
 def toeplitz_matrix(coef: np.ndarray, n: int) -> np.ndarray:
     """The n x n lower-triangular Toeplitz matrix with first column coef (zero-padded/truncated)."""
     n = check_int(n, "n", 1)

@@ -44,11 +44,11 @@ from fractions import Fraction
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, round_size
-from dpfleet.coordinator.engine.aggregation import RingSum
 from dpfleet.coordinator.mechanisms.discrete_gaussian import DiscreteGaussianNodes, integer_sigma_sq
 from dpfleet.coordinator.mechanisms.noise_stream import NodeStream
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.sums import RingSum
 
 WRAP_PROBABILITY = 1e-12  # per run: some coordinate of some round leaves the signed ring
 SIGMA_MARGIN = 1e-9  # relative: sigma^2 >= z^2 Delta_s^2 despite float rounding of Delta_s

@@ -20,8 +20,8 @@ from pathlib import Path
 from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.mf_sensitivity import gap_from_min_separation, true_max_participations
 from dpfleet.coordinator.mechanisms.registry import build, rebuild
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
 
 MECHANISM_FILE = "mechanism.json"

@@ -1,6 +1,7 @@
 """A run directory: config, per-round metrics, participation log, checkpoint, plots, privacy.
 
-Layout (every file is written atomically: a crash never leaves a half-written file):
+Layout (every file is written atomically, by `dpfleet.io.atomic_write`: a crash never leaves a
+half-written file):
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
     debug_nonprivate.jsonl      un-noised client telemetry, only with debug_nonprivate (not DP)
@@ -18,32 +19,12 @@ Layout (every file is written atomically: a crash never leaves a half-written fi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from dpfleet.io import atomic_write, write_secret  # noqa: F401 (the run directory's writers: the floor's)
 from dpfleet.jsonio import dumps
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
-
-
-def write_secret(path: Path, secret: bytes) -> None:
-    """`secret` alone in a new file, created with mode 0600 (never readable by others, not even
-    for a moment) and never over an existing one."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-        view = memoryview(secret)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
 
 
 def _toml_value(v: object) -> str:

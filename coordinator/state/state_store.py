@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import sqlite3
 import time
@@ -70,8 +69,9 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
     write_key,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, atomic_write
+from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write, fsync_path
 from dpfleet.jsonio import dumps
 
 SCHEMA_VERSION = 2  # 2: releases carry the mechanism and its fingerprint (issue 31)
@@ -131,14 +131,6 @@ RELEASE_FIELDS = ("round", "tree_id", "t", "nodes", "key_id", "participants", "r
 
 def _no_fault(point: str) -> None:
     return None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StateStore:
@@ -320,12 +312,12 @@ class StateStore:
         write_state(tmp)
         self.fault("files_written")
         for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         self.fault("files_fsynced")
         shutil.rmtree(final, ignore_errors=True)  # a leftover of an uncommitted attempt
         tmp.rename(final)
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
         self.fault("files_renamed")
 
     def commit_round(self, release: dict, model_sha256: str,
@@ -485,7 +477,7 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool
     if not done:  # no round released yet: this (possibly new) key is the run's
         (store.path / KEY_FILE).unlink(missing_ok=True)
         write_key(store.path, engine.server.noise_key)
-        _fsync_path(store.path)
+        fsync_path(store.path)
 
     def write_state(folder: Path) -> None:
         est = engine.estimator

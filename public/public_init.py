@@ -27,12 +27,13 @@ import torch
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.datasets import load_records
+from dpfleet.edge.overlap import check_public_sources
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
+from dpfleet.io import atomic_write
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
-from dpfleet.public.overlap import check_public_sources
 
 
 def public_sequences(sources: list[str], tokenizer, seq_len: int) -> list[list[int]]:
@@ -76,9 +77,7 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
                             train, progress=False, desc="public pretraining")
         torch.set_rng_state(rng)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, theta)
-        tmp.replace(path)
+        atomic_write(path, lambda f: np.save(f, theta))
     set_flat(model, theta)
     seconds = time.perf_counter() - t0
     log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps"

@@ -1,5 +1,8 @@
 """The fleet's public identity registry: device id -> Ed25519 public key, nothing secret.
 
+It sits with SecAgg (the keys devices pin), below both the service (which reads it) and the
+fleet emulator (which writes it): the fleet is a client of the service, never the other way.
+
 Why a separate file from the fleet key file: the coordinator may be told which keys are the
 fleet's (`serve --fleet-public`, then only those may register) and the devices pin the same
 keys for SecAgg, but nobody except the devices ever needs the private keys.
@@ -14,8 +17,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
 
 VERSION = 1
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
-from dpfleet.export.manifest import sha256_file
+from dpfleet.io import sha256_file
 
 STAGED_MANIFEST = "staged.json"
 RACY_NS = 2_000_000_000  # a file changed this recently is hashed again at every load
