@@ -16,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from dpfleet.errors import DpfleetError
+
 
 @dataclass(frozen=True)
 class RingSum:
@@ -41,23 +43,38 @@ class AggregateResult:
 
 class Aggregator(Protocol):
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
-                  bits: Sequence[int] | None = None, clip_norm: float | None = None
-                  ) -> AggregateResult:
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None,
+                  dim: int | None = None) -> AggregateResult:
         """Sum flattened float deltas (each already clipped to the round's `clip_norm`, None:
-        the configured one) and, with adaptive clipping, the devices' clipped bits
+        the configured one, and each of shape (`dim`,), the model's length, None: the first
+        delta's: `check_shapes`) and, with adaptive clipping, the devices' clipped bits
         (`clipped_count`, over the same survivors)."""
         ...
+
+
+def check_shapes(deltas: Sequence[np.ndarray], dim: int | None) -> int:
+    """Every delta must be one flat vector of the model's length `dim` (None: the first delta's);
+    returns that length. Numpy would broadcast a length-1 delta into every coordinate of the sum,
+    moving it by C * sqrt(D) for a delta of norm C, so any other shape is one error, before any
+    sum is formed."""
+    if not deltas:
+        raise ValueError("no deltas to aggregate")
+    want = (int(np.size(deltas[0])) if dim is None else int(dim),)
+    for pos, d in enumerate(deltas):
+        if np.shape(d) != want:
+            raise DpfleetError(f"client {pos} of the round sent a delta of shape {np.shape(d)}, the "
+                               f"model's is {want}: each device adds exactly one vector of the "
+                               "model's length to the sum")
+    return want[0]
 
 
 class PlainAggregator:
     """Adds the deltas in the clear: the fast path for research simulations."""
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
-                  bits: Sequence[int] | None = None, clip_norm: float | None = None
-                  ) -> AggregateResult:
-        if not deltas:
-            raise ValueError("no deltas to aggregate")
-        total = np.zeros(deltas[0].shape, dtype=np.float64)
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None,
+                  dim: int | None = None) -> AggregateResult:
+        total = np.zeros(check_shapes(deltas, dim), dtype=np.float64)
         for d in deltas:
             total += d
         return AggregateResult(total=total, survivors=list(range(len(deltas))),
