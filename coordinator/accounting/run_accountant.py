@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpfleet.coordinator.accounting.caveats import mark_run
 from dpfleet.coordinator.accounting.not_covered import not_covered
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
@@ -158,18 +159,6 @@ def noise_statement(cfg: SimulationConfig) -> str:
             "OS CSPRNG (never derived from the seed, never stored with the released model).")
 
 
-def _open_report_with(run_dir: Path, statement: str) -> None:
-    """Put `statement`, in bold, first in the run's privacy_report.md."""
-    path = run_dir / "privacy_report.md"
-    atomic_write(path, f"**{statement}**\n\n" + path.read_text())
-
-
-def _mark_research_mode(run_dir: Path, cfg: SimulationConfig) -> None:
-    """The report's first line says when the guarantee does not hold against the seed's holders."""
-    if cfg.dp.noise_seed >= 0:
-        _open_report_with(run_dir, noise_statement(cfg))
-
-
 def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
     """Which noise the run used, for privacy.json and summary.json: the mechanism in words,
     whether the guarantee needs every participant honest, and the ring's discretization."""
@@ -185,12 +174,6 @@ def noise_fields(cfg: SimulationConfig, ring: RingPlan | None = None) -> dict:
 
         fields["ring"] = ring_summary(ring, cfg.aggregation.bits, cfg.dp.clip_norm)
     return fields
-
-
-def _mark_generated_population(run_dir: Path, cfg: SimulationConfig) -> None:
-    """A generated population's report opens with what its epsilon is not (population.py)."""
-    if cfg.data.generated_population:
-        _open_report_with(run_dir, generated_population_statement(cfg))
 
 
 def generated_population_statement(cfg: SimulationConfig) -> str:
@@ -263,9 +246,7 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                         if accountant.rounds == 0 else
                         "None: the noise multiplier is 0, so the run is not differentially "
                         "private (eps = inf).")
-        _mark_research_mode(run_dir, cfg)
-        _mark_generated_population(run_dir, cfg)
-        return privacy
+        return mark_run(run_dir, privacy)  # caveats first (research mode, generated population, ...)
     summary = summarize_privacy(run_dir, setting)
     obs, timer = summary["observed"], summary["timer"]
     if summary["total"] is not None:
@@ -279,6 +260,4 @@ def write_run_privacy(run_dir: Path, cfg: SimulationConfig, participation: Parti
                                   "sensitivity_squared", "zcdp", "epsilon")},
     )
     write_privacy_report(run_dir, setting)
-    _mark_research_mode(run_dir, cfg)
-    _mark_generated_population(run_dir, cfg)
-    return privacy
+    return mark_run(run_dir, privacy)  # caveats first (research mode, generated population, ...)

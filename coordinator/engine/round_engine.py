@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.caveats import caveat_fields, mark_run
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, write_run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
@@ -173,6 +174,7 @@ class RoundEngine:
             )
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
+        self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
         if resolve_noise(cfg) == "discrete":
             from dpfleet.coordinator.mechanisms.mf_ring import inverse_variance_factor
             from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
@@ -374,11 +376,13 @@ class RoundEngine:
             privacy = mf_privacy(run_path, cfg, self.accountant, self.mechanism_optimised_for, privacy)
         if hasattr(self.accountant, "privacy"):  # a caller's noise mechanism (dpfleet.extensions)
             privacy = self.accountant.privacy(run_path, cfg, privacy)
+        privacy = mark_run(run_path, privacy, self.audit_break)  # after every figure / report writer
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
-                 if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
+                 if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP guarantee")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
         self.run.write_json("privacy.json", privacy)
         summary = {
+            **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
             "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,

@@ -1,0 +1,156 @@
+"""A run that is not fully private says so first, everywhere it is shown (`accounting/caveats.py`).
+
+privacy.json and summary.json carry `fully_private` and the same `caveats` (a short first line,
+then the longer statements); privacy_report.md's first line and the `dpfleet simulate` summary's
+first line are that caveat; the service's status page shows it at the top. Where the stated eps is
+no guarantee at all (a deliberately broken audit, a mechanism that declares no accounting, a
+generated population) privacy.json's epsilon is null; research mode and honest-only noise keep
+the number (it holds against those who lack the seed / when all are honest), caveat first. And a
+broken audit's checkpoint is refused by `dpfleet export`. Each asserted on the values.
+"""
+
+import asyncio
+import copy
+import json
+import math
+import re
+
+from test_api import CONFIG, USERS, TinyLM, WordIds
+from test_audit import CFG as AUDIT_CFG
+from test_extensions import Unaccounted
+
+import dpfleet
+from dpfleet.cli import main
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.extensions import TreeMechanism
+from dpfleet.service.status_page import render
+
+SEEDED = {**CONFIG, "dp": {**CONFIG["dp"], "noise_seed": 7}}
+AUDIT = {**AUDIT_CFG, "rounds": 2, "eval_every": 2}
+
+
+def _simulate(tmp_path, name, config=CONFIG, **kw):
+    return dpfleet.simulate(config, model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False,
+                            run_dir=tmp_path / name, **kw)
+
+
+def _shown(run_dir):
+    """privacy.json, summary.json and the report's first line, as written."""
+    privacy = json.loads((run_dir / "privacy.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return privacy, summary, (run_dir / "privacy_report.md").read_text().splitlines()[0]
+
+
+def test_a_fully_private_run_says_so_and_has_no_caveat(tmp_path):
+    privacy, summary, first = _shown(_simulate(tmp_path, "plain").run_dir)
+    assert privacy["fully_private"] is True and privacy["caveats"] == []
+    assert summary["fully_private"] is True and summary["caveats"] == []
+    assert first == "# Privacy report" and math.isfinite(privacy["epsilon"])
+
+
+def test_research_mode_is_flagged_everywhere_and_keeps_its_eps(tmp_path):
+    """dp.noise_seed: eps holds against whoever lacks the seed, so the number stays, caveat first."""
+    result = _simulate(tmp_path, "seeded", SEEDED)
+    privacy, summary, first = _shown(result.run_dir)
+    assert privacy["fully_private"] is False and privacy["caveats"][0].startswith("NOT FULLY PRIVATE")
+    assert "research mode (dp.noise_seed = 7)" in privacy["caveats"][0]
+    assert any("does NOT hold against anyone who knows the noise seed" in c for c in privacy["caveats"])
+    assert summary["caveats"] == privacy["caveats"] and summary["fully_private"] is False
+    assert first == f"**{privacy['caveats'][0]}**"
+    assert privacy["epsilon"] == result.epsilon and 0 < privacy["epsilon"] < math.inf
+
+
+def test_honest_only_noise_is_flagged_and_keeps_its_eps(tmp_path):
+    honest = {**CONFIG, "aggregation": {"kind": "secagg"}, "dp": {**CONFIG["dp"], "noise": "gaussian"}}
+    privacy, summary, first = _shown(_simulate(tmp_path, "honest", honest).run_dir)
+    assert privacy["honest_participants_only"] is True and privacy["fully_private"] is False
+    assert "only against honest participants" in privacy["caveats"][0]
+    assert privacy["caveats"][1].startswith("PRIVATE ONLY AGAINST HONEST PARTICIPANTS")
+    assert summary["caveats"] == privacy["caveats"] and first == f"**{privacy['caveats'][0]}**"
+    assert 0 < privacy["epsilon"] < math.inf
+
+
+class Declared(Unaccounted):
+    name = "declared tree"
+
+    def zcdp(self, noise_multiplier, rounds, min_separation, max_participation):
+        return TreeMechanism().zcdp(noise_multiplier, rounds, min_separation, max_participation)
+
+
+def test_a_custom_mechanism_is_flagged_and_undeclared_accounting_has_no_eps(tmp_path):
+    for name, noise, voided in (("none", Unaccounted(), True), ("declared", Declared(), False)):
+        privacy, summary, first = _shown(_simulate(tmp_path, name, noise=noise).run_dir)
+        assert privacy["fully_private"] is False and summary["caveats"] == privacy["caveats"]
+        assert first == f"**{privacy['caveats'][0]}**"
+        if voided:
+            assert privacy["caveats"][0].startswith("NOT PRIVATE") and privacy["epsilon"] is None
+            assert "NOT ACCOUNTED BY DPFLEET" in privacy["caveats"][1]
+        else:
+            assert "AS DECLARED" in privacy["caveats"][1] and 0 < privacy["epsilon"] < math.inf
+
+
+def test_the_cli_summary_opens_with_the_caveat(tmp_path, capsys):
+    """The first line `dpfleet simulate` prints after the run is the caveat, before any figure."""
+    config = tmp_path / "seeded.toml"
+    config.write_text(to_toml({**AUDIT, "rounds": 1, "dp": {**AUDIT["dp"], "noise_seed": 3}}))
+    main(["simulate", str(config), "--out", str(tmp_path / "run"), "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    caveats = json.loads((tmp_path / "run" / "privacy.json").read_text())["caveats"]
+    first = lines.index("WARNING               " + caveats[0])
+    summary = lines[first:]
+    assert [x.startswith("next-token accuracy") for x in summary].index(True) == len(caveats)
+    assert not any(x.startswith(("next-token", "privacy ", "perplexity")) for x in lines[:first])
+
+
+def test_run_caveats_of_each_fact():
+    """The one function: each fact alone, what it says first and whether eps stays a guarantee."""
+    from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
+
+    base = config_facts(parse_config(copy.deepcopy(CONFIG)))
+    assert run_caveats(base) == ([], True)
+    cases = [
+        ({"noise_seed": 7}, "research mode (dp.noise_seed = 7)", True),
+        ({"honest_participants_only": True, "honest_participants_only_statement": "PRIVATE ONLY X"},
+         "only against honest participants", True),
+        ({"audit_break": {"mode": "noise-off", "what": "noise switched off"}},
+         "deliberately broken audit run (--break noise-off)", False),
+        ({"accounted_by_dpfleet": False, "accounting_declared_by_mechanism": False,
+          "statement": "NOT ACCOUNTED BY DPFLEET: x"}, "no accounting", False),
+        ({"accounted_by_dpfleet": False, "accounting_declared_by_mechanism": True,
+          "statement": "... AS DECLARED ..."}, "declared by the custom mechanism", True),
+        ({"generated_population": {"clients": 9, "statement": "GENERATED POPULATION: y"}},
+         "generated population", False),
+        ({"noise_multiplier": 0.0}, "no noise", False),
+    ]
+    for fact, says, guarantee in cases:
+        caveats, holds = run_caveats({**base, **fact})
+        assert says in caveats[0] and holds is guarantee, (fact, caveats)
+        assert caveats[0].startswith("NOT FULLY PRIVATE" if guarantee else "NOT PRIVATE")
+    both, holds = run_caveats({**base, **cases[0][0], **cases[2][0]})
+    assert both[0].startswith("NOT PRIVATE") and "research mode" in both[0] and not holds
+
+
+def test_status_page_shows_the_caveat_at_the_top(tmp_path):
+    from service_fleet import tiny_cfg
+    from test_service_security import raw
+
+    from dpfleet.service.server import shutdown, start
+
+    cfg = tiny_cfg(rounds=1, dp={"noise_seed": 5})
+
+    async def main_():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None)
+        public = json.loads((await raw(running.url, "GET", "/v1/public/status"))[1])
+        page = (await raw(running.url, "GET", "/"))[1].decode()
+        running.driver.stop()
+        await shutdown(running)
+        return public, page
+
+    public, page = asyncio.run(main_())
+    assert public["fully_private"] is False and "research mode (dp.noise_seed = 5)" in public["caveats"][0]
+    body = page[page.index("<body>"):]
+    shown = re.sub(r"<[^>]+>", " ", body)
+    assert shown.index(public["caveats"][0].split(":")[0]) < shown.index("dpfleet coordinator")
+    plain = render({"run_state": "running"}, {})
+    assert "NOT " not in re.sub(r"<[^>]+>", " ", plain)
