@@ -15,6 +15,7 @@ import json
 import math
 import re
 
+import pytest
 from test_api import CONFIG, USERS, TinyLM, WordIds
 from test_audit import CFG as AUDIT_CFG
 from test_extensions import Unaccounted
@@ -23,6 +24,8 @@ import dpfleet
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.errors import DpfleetError
+from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.extensions import TreeMechanism
 from dpfleet.service.status_page import render
 
@@ -103,6 +106,60 @@ def test_the_cli_summary_opens_with_the_caveat(tmp_path, capsys):
     assert not any(x.startswith(("next-token", "privacy ", "perplexity")) for x in lines[:first])
 
 
+@pytest.mark.parametrize("broken", [None, "noise-off", "clipping", "noise-div-10"])
+def test_attack_a_broken_audit_states_no_eps_and_its_checkpoint_does_not_export(tmp_path, capsys,
+                                                                                  broken):
+    """Before: `audit --debug-nonprivate` left privacy.json at the configured eps with no flag, a
+    report opening with a DP statement, and a checkpoint `dpfleet export` accepted."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(to_toml(AUDIT))
+    run = tmp_path / "run"
+    main(["audit", str(config), "--out", str(run), "--quiet", "--canaries", "32",
+          "--text-canaries", "0", *(["--break", broken] if broken else [])])
+    capsys.readouterr()
+    privacy, summary, first = _shown(run)
+    audit = json.loads((run / "audit.json").read_text())
+    assert 0 < audit["epsilon_accounted"] < math.inf  # the audit still compares against it
+    if broken is None:
+        assert privacy["fully_private"] is True and privacy["epsilon"] == audit["epsilon_accounted"]
+        load_checkpoint(run / "checkpoint")  # a normal run's checkpoint loads for export
+        return
+    assert privacy["epsilon"] is None and privacy["epsilon_rdp"] is None and privacy["zcdp"] is None
+    assert privacy["accounted_not_a_guarantee"]["epsilon"] == audit["epsilon_accounted"]
+    assert privacy["fully_private"] is False and summary["fully_private"] is False
+    assert privacy["caveats"][0].startswith(f"NOT PRIVATE: deliberately broken audit run (--break {broken})")
+    assert summary["caveats"] == privacy["caveats"] and first == f"**{privacy['caveats'][0]}**"
+    with pytest.raises(DpfleetError, match=rf"not private.*--break {broken}"):
+        load_checkpoint(run / "checkpoint")
+    out = tmp_path / "onnx"
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(run / "checkpoint"), "--format", "onnx", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and f"--break {broken}" in err[0], err
+    assert not out.exists()
+
+
+def test_a_normal_run_checkpoint_exports(tmp_path, capsys):
+    """The export refusal is only for marked checkpoints: a normal run's exports (ONNX)."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(to_toml({**AUDIT, "rounds": 1, "eval_every": 1}))
+    main(["simulate", str(config), "--out", str(tmp_path / "run"), "--quiet"])
+    capsys.readouterr()
+    main(["export", str(tmp_path / "run" / "checkpoint"), "--format", "onnx", "--out",
+          str(tmp_path / "onnx")])
+    assert json.loads(capsys.readouterr().out)["format"] == "onnx"
+
+
+def test_audit_debug_nonprivate_is_now_break_noise_off(tmp_path, capsys):
+    config = tmp_path / "tiny.toml"
+    config.write_text(to_toml(AUDIT))
+    with pytest.raises(SystemExit) as exit_:
+        main(["audit", str(config), "--out", str(tmp_path / "run"), "--debug-nonprivate"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "--break noise-off" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_caveats_of_each_fact():
     """The one function: each fact alone, what it says first and whether eps stays a guarantee."""
     from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
@@ -154,3 +211,22 @@ def test_status_page_shows_the_caveat_at_the_top(tmp_path):
     assert shown.index(public["caveats"][0].split(":")[0]) < shown.index("dpfleet coordinator")
     plain = render({"run_state": "running"}, {})
     assert "NOT " not in re.sub(r"<[^>]+>", " ", plain)
+
+
+def test_a_marked_checkpoint_is_refused_and_a_clean_save_in_its_folder_clears_the_mark(tmp_path):
+    """The mark travels with the folder (written before the weights); a later normal run saving
+    into the same folder (--overwrite) must not inherit it."""
+    from dpfleet.edge.tokenizer import WordTokenizer
+    from dpfleet.export.checkpoint import save_checkpoint
+    from dpfleet.export.models import ModelConfig, build_model
+
+    tok = WordTokenizer.build(["a b c d", "b c d e"], 16)
+    cfg = ModelConfig(arch="cifg", vocab_size=tok.vocab_size, embedding_dim=4, hidden_dim=8, projection_dim=4)
+    model = build_model(cfg)
+    folder = tmp_path / "checkpoint"
+    why = "deliberately broken audit run (--break clipping)"
+    save_checkpoint(folder, model, cfg, tok, not_private=why)
+    with pytest.raises(DpfleetError, match=rf"is not private .*: {re.escape(why)}$"):
+        load_checkpoint(folder)
+    save_checkpoint(folder, model, cfg, tok)
+    assert load_checkpoint(folder)[0] == cfg

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.caveats import caveat_fields, mark_run
+from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, mark_run
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, write_run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
@@ -364,7 +364,8 @@ class RoundEngine:
         into summary.json. Returns (final evaluation, privacy report)."""
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
-        save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer)
+        save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
+                        not_private=self.audit_break and broken_reason(self.audit_break))
         save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
                           self.estimator.state_dict(with_noise=False) if self.estimator else None,
                           with_noise=False)
