@@ -230,3 +230,23 @@ def test_a_marked_checkpoint_is_refused_and_a_clean_save_in_its_folder_clears_th
         load_checkpoint(folder)
     save_checkpoint(folder, model, cfg, tok)
     assert load_checkpoint(folder)[0] == cfg
+
+
+def test_mark_run_moves_every_stated_eps_of_a_run_without_guarantee(tmp_path):
+    """No eps of a voided run stays where a reader takes it for the guarantee (the vocabulary's
+    composed total and the timer's worst case too), and marking twice (after a writer replaced
+    the figures) keeps what was moved."""
+    from dpfleet.coordinator.accounting.caveats import mark_run
+
+    figures = {"epsilon": 2.0, "epsilon_rdp": 2.5, "zcdp": 0.1,
+               "total_with_vocabulary": {"epsilon": 3.0, "delta": 2e-6},
+               "timer_worst_case": {"epsilon": 4.0}}
+    broken = {"mode": "clipping", "what": "clipping disabled"}
+    once = mark_run(tmp_path, {"noise_seed": None, **figures}, broken)
+    assert [once[k] for k in ("epsilon", "epsilon_rdp", "zcdp")] == [math.inf] * 3
+    assert "total_with_vocabulary" not in once and once["timer_worst_case"] is None
+    assert once["accounted_not_a_guarantee"] == figures and once["fully_private"] is False
+    twice = mark_run(tmp_path, {**once, "epsilon": 2.0, "epsilon_rdp": 2.5, "zcdp": 0.1})
+    assert twice["accounted_not_a_guarantee"] == figures and twice["epsilon"] == math.inf
+    fine = mark_run(tmp_path, {"noise_seed": None, **figures})
+    assert fine["epsilon"] == 2.0 and fine["fully_private"] is True and fine["caveats"] == []
