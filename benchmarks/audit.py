@@ -4,7 +4,7 @@ The main job (examples/shakespeare_cifg.toml as it stands: 20 rounds, dp.target_
 planner's report goal, MinS, MaxP and mechanism, public pretraining, client lr 1.0) with ~N
 gradient canaries and 4 text canaries added, audited honestly at several stated targets (each row
 is the planner's choice at that target), then broken three ways at `--broken-eps`: noise off
-(--debug-nonprivate), clipping off, noise / 10, each with the accountant unchanged. One run (one
+(--break noise-off), clipping off, noise / 10, each with the accountant unchanged. One run (one
 secret noise key and one canary key) per row: the estimate's spread between runs is in its
 interval, not averaged away. Each row has the final-model (one-shot) estimate and the all-rounds
 one (max over releases of the cosine with each round's change).

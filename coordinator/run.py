@@ -51,7 +51,8 @@ class Result:
         unigram_accuracy: the same for the unigram baseline fitted on other held-out users.
         perplexity: held-out perplexity of the final model.
         unigram_perplexity: the baseline's.
-        epsilon: user-level epsilon of all released models at `delta` (privacy.json; inf without noise).
+        epsilon: user-level epsilon of all released models at `delta` (privacy.json; inf without
+            noise or where it is no guarantee: `privacy["caveats"]` say why, first).
         delta: the config's dp.delta (with a DP word vocabulary, the total of both is in
             `privacy["total_with_vocabulary"]`).
         run_dir: the run directory.

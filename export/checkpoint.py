@@ -19,17 +19,29 @@ from dpfleet.export.models import ModelConfig, build_model
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
 TOKENIZER = "tokenizer"
+NOT_PRIVATE = "not_private.json"  # present: the weights must not ship (`save_checkpoint`)
 
 
 def save_checkpoint(
-    folder: Path, model: nn.Module, cfg: ModelConfig | None, tokenizer: SentencePieceTokenizer | WordTokenizer
+    folder: Path,
+    model: nn.Module,
+    cfg: ModelConfig | None,
+    tokenizer: SentencePieceTokenizer | WordTokenizer,
+    not_private: str | None = None,
 ) -> Path:
     """`cfg` None: a model from outside the zoo (`dpfleet.simulate(model=...)`); only its weights
-    and tokenizer are written, since no config can rebuild it."""
+    and tokenizer are written, since no config can rebuild it. `not_private`: why these weights
+    are not private (a deliberately broken audit run): written to `not_private.json` before the
+    weights, so `load_checkpoint` (and with it `dpfleet export`) refuses them; a stale mark from
+    an earlier run in the same folder is removed otherwise."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if not_private:
+        (folder / NOT_PRIVATE).write_text(json.dumps({"private": False, "why": not_private}, indent=2))
+    else:
+        (folder / NOT_PRIVATE).unlink(missing_ok=True)
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     save_file(tensors, str(folder / WEIGHTS))
     if cfg is not None:
@@ -48,6 +60,7 @@ def load_checkpoint(
     folder = Path(folder)
     if not folder.is_dir():
         raise DpfleetError(f"checkpoint folder not found: {folder}")
+    check_private(folder)
     for name in (WEIGHTS, CONFIG, TOKENIZER):
         if not (folder / name).exists():
             raise DpfleetError(f"{folder} is not a checkpoint: missing {name}")
@@ -82,3 +95,16 @@ def load_checkpoint(
             f"{folder}: tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.vocab_size}"
         )
     return cfg, model, tokenizer
+
+
+def check_private(folder: Path) -> None:
+    """One DpfleetError naming why, for a checkpoint marked not private (`save_checkpoint`); an
+    unreadable mark still refuses: its presence is the refusal."""
+    path = Path(folder) / NOT_PRIVATE
+    if not path.exists():
+        return
+    try:
+        why = str(json.loads(path.read_text())["why"])
+    except (ValueError, KeyError, TypeError, OSError):
+        why = f"marked by {path.name}"
+    raise DpfleetError(f"{folder} is not private and must not be exported or shipped: {why}")

@@ -130,6 +130,9 @@ def export(
     With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
     client) and prints its files, sizes and the public key to pin in the app.
     """
+    from dpfleet.export.checkpoint import check_private
+
+    check_private(checkpoint)  # a deliberately broken audit run's weights never ship
     if bundle is not None:
         if fmt or out or quantize:
             raise DpfleetError("--bundle takes no --format/--out/--quantize")

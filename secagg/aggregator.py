@@ -33,7 +33,7 @@ from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.policy import ClientPolicy
-from dpfleet.secagg.sums import AggregateResult, RingSum
+from dpfleet.secagg.sums import AggregateResult, RingSum, check_shapes
 
 
 class SecAggAggregator:
@@ -79,18 +79,18 @@ class SecAggAggregator:
         self.ring_clients = ring_clients
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
-                  bits: Sequence[int] | None = None, clip_norm: float | None = None
-                  ) -> AggregateResult:
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None,
+                  dim: int | None = None) -> AggregateResult:
         """`bits`: each device's clipped bit (adaptive clipping), masked as one more exact
         coordinate after its model part (`count_bit`); the result's `clipped_count`.
         `clip_norm`: the round's clip (adaptive clipping moves it at tree restarts); the
-        discretizer is scaled to it (None: the constructor's)."""
-        if not deltas:
-            raise ValueError("no deltas to aggregate")
+        discretizer is scaled to it (None: the constructor's). `dim`: the model's length, which
+        every delta must have (`check_shapes`; None: the first delta's)."""
+        length = check_shapes(deltas, dim)
         if bits is not None and len(bits) != len(deltas):
             raise ValueError(f"{len(bits)} clipped bits for {len(deltas)} deltas")
         started = time.perf_counter()
-        n, length = len(deltas), int(np.asarray(deltas[0]).size)
+        n = len(deltas)
         if self.ring_clients is not None and n > self.ring_clients:
             raise ValueError(f"{n} clients exceed the ring's {self.ring_clients}")
         disc = Discretizer(length, clip_norm or self.clip_norm, self.bits,

@@ -21,9 +21,13 @@ def privacy_report(driver: RoundDriver) -> str:
 
 
 def public_status(driver: RoundDriver) -> dict:
+    """The status page's data; `caveats` first: a run that is not fully private says so (caveats.py)."""
+    from dpfleet.coordinator.accounting.caveats import caveat_fields, config_facts
+
     status = driver.status()
     history = driver.history_json()
     return {
+        **caveat_fields(config_facts(driver.cfg)),
         "run_state": status["run_state"], "round": status["round"], "phase": status["phase"],
         "rounds_committed": status["rounds_committed"], "rounds_failed": status["rounds_failed"],
         "rounds_planned": status["rounds_planned"], "epsilon": status["epsilon"],

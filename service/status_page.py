@@ -4,8 +4,10 @@ It is served without authentication (`GET /`), so it may show only what the run 
 DP-released aggregates (accuracy of the released model, eps spent) and counts. `render` reads a
 fixed list of numeric fields and never prints a mapping key it did not expect, so a status or
 history that happened to carry a device id (a per-device map, an id list, an extra field)
-cannot leak it through the page. No script, no external asset: the page works offline and its
-Content-Security-Policy forbids loading anything.
+cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
+coordinator builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the
+top: a run that is not fully private says so before any figure. No script, no external asset:
+the page works offline and its Content-Security-Policy forbids loading anything.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ def _bar_chart(title: str, bars: list[tuple[str, float]], color: str, xlabel: st
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:18px 24px;color:#1d2330;background:#f6f7f9}
 h1{font-size:20px;margin:0 0 4px}.sub{color:#5a6272;margin-bottom:14px}
+.caveat{background:#fdecea;border:1px solid #c0392b;border-radius:6px;padding:4px 14px;margin-bottom:14px}
+.caveat p:first-child{font-weight:bold}
 .kpis{display:flex;flex-wrap:wrap;gap:10px;margin-bottom:14px}
 .k{background:#fff;border:1px solid #dde1e8;border-radius:6px;padding:8px 14px;min-width:120px}
 .k b{display:block;font-size:22px}.k span{color:#5a6272;font-size:12px}
@@ -228,13 +232,22 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="refresh" content="{refresh}">'
         "<title>dpfleet coordinator</title>"
-        f"<style>{_CSS}</style></head><body>"
+        f"<style>{_CSS}</style></head><body>{_caveats(status.get('caveats'))}"
         f'<h1>dpfleet coordinator <span class="state">{state}</span></h1>'
         f'<div class="sub">up {format_duration(status.get("uptime_s"))} &middot; refreshes every '
         f"{refresh} s &middot; only DP-released aggregates and counts are shown</div>"
         f'<div class="kpis">{kpi_html}</div><div class="charts">{"".join(charts)}</div>'
         "</body></html>"
     )
+
+
+def _caveats(caveats: object) -> str:
+    """The run's caveats (`coordinator/accounting/caveats.py`), above everything else: a run that
+    is not fully private says so first. Only a list of strings is shown, each escaped."""
+    if not isinstance(caveats, list):
+        return ""
+    lines = [f"<p>{escape(c)}</p>" for c in caveats if isinstance(c, str)]
+    return f'<div class="caveat" role="alert">{"".join(lines)}</div>' if lines else ""
 
 
 async def _call(provider: Callable[[], object]) -> dict:

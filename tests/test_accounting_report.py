@@ -71,7 +71,7 @@ def test_matrix_mechanisms_render_through_the_same_report(kind):
     assert p["sensitivity_squared"] == mechanism.sensitivity_squared(24, 3, 6)
     text = render_privacy_report(p)
     assert mechanism.describe() in text and f"rho = {p['zcdp']:.4g}" in text
-    assert f"fingerprint {mechanism.fingerprint()[:12]}" in text
+    assert f"| mechanism fingerprint | {mechanism.fingerprint()[:16]} |" in text
 
 
 def test_timer_violation_is_flagged():

@@ -215,8 +215,8 @@ def test_cli_audits_a_planned_config(tmp_path, capsys):
     (["--canaries", "0"], "--canaries must be >= 1"),
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--confidence", "1.5"], "--confidence must be in (0.5, 1)"),
-    (["--break", "everything"], "--break must be 'clipping' or 'noise-div-10'"),
-    (["--break", "clipping", "--debug-nonprivate"], "give one broken mode"),
+    (["--break", "everything"], "--break must be one of 'noise-off', 'clipping', 'noise-div-10'"),
+    (["--break", "clipping", "--debug-nonprivate"], "is now --break noise-off"),
 ])
 def test_bad_cli_input_is_one_error_line(tmp_path, capsys, args, message):
     cfg = tmp_path / "tiny.toml"

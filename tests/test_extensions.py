@@ -19,6 +19,7 @@ from test_api import CONFIG, USERS, TinyLM, WordIds
 
 import dpfleet
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.engine.extensions import check_clipped
 from dpfleet.coordinator.engine.participation import check_selection
 from dpfleet.errors import DpfleetError
 from dpfleet.extensions import (
@@ -126,6 +127,46 @@ def test_a_clipping_rule_returning_nan_is_stopped(tmp_path):
     with pytest.raises(DpfleetError, match="L2 norm nan"):
         _run(tmp_path, clipping=lambda d, b: (np.full_like(d, np.nan), 0.0))
     assert _released(tmp_path / "run") == []
+
+
+def test_attack_a_length_one_delta_is_refused_not_broadcast(tmp_path):
+    """The rule clips the round's first device properly and returns `[C]` for the others: norm C
+    passes the norm check, but added into the model-sized total it is broadcast to every
+    coordinate (each such device moving the sum by C * sqrt(D)). The run stops with one error
+    naming the rule, the shape and the model's length; nothing is released."""
+    calls = []
+
+    def one_number(delta, bound):
+        calls.append(1)
+        if len(calls) == 1:
+            return clip_l2(delta, bound)
+        return np.array([bound], np.float32), float(np.linalg.norm(delta))
+
+    dim = sum(p.numel() for p in TinyLM().parameters())
+    with pytest.raises(DpfleetError, match=r"one_number") as err:
+        _run(tmp_path, clipping=one_number)
+    assert re.search(rf"shape \(1,\).*\({dim},\)", str(err.value)), str(err.value)
+    assert "\n" not in str(err.value)
+    assert _released(tmp_path / "run") == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(dim=st.integers(1, 12), shape=st.lists(st.integers(0, 12), max_size=3), scale=st.floats(0, 0.999),
+       data=st.data())
+def test_check_clipped_takes_exactly_one_model_sized_vector(dim, shape, scale, data):
+    """Any shape but (D,) is refused whatever its norm; (D,) float32 with norm <= C is accepted."""
+    shape = tuple(shape) if data.draw(st.booleans()) else (dim,)
+    rng = np.random.default_rng(len(shape) * 100 + dim)
+    delta = rng.normal(size=shape).astype(np.float32)
+    norm = float(np.linalg.norm(delta.astype(np.float64)))
+    if norm > 0:
+        delta = (delta * np.float32(scale / norm)).astype(np.float32)
+    update = type("U", (), {"delta": delta})
+    if shape == (dim,):
+        check_clipped([update], 1.0, dim)
+    else:
+        with pytest.raises(DpfleetError, match=rf"shape {re.escape(str(shape))}.*\({dim},\)"):
+            check_clipped([update], 1.0, dim)
 
 
 class Twice:

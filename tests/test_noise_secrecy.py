@@ -101,8 +101,10 @@ def test_research_mode_noise_is_rebuilt_exactly_so_the_attack_is_real(tmp_path, 
     std = run.metrics[-1]["noise_std"]
     error, noise = denoising_error(run, true_sum, theta0, aes_noise(seeded_noise_key(7), std, theta0.size))
     assert error < 1e-4 * noise  # float32 rounding only: the seed holder sees the clients' sum
-    report = (run.run_dir / "privacy_report.md").read_text().splitlines()[0]
-    assert "does NOT hold against anyone who knows the noise seed" in report
+    report = (run.run_dir / "privacy_report.md").read_text()
+    opening = report[:report.index("# Privacy report")]  # the caveats, above the title
+    assert report.startswith("**NOT FULLY PRIVATE: research mode (dp.noise_seed = 7)")
+    assert "does NOT hold against anyone who knows the noise seed" in opening
     privacy = json.loads((run.run_dir / "privacy.json").read_text())
     assert privacy["noise_seed"] == 7 and privacy["guarantee_holds_against_seed_holders"] is False
 

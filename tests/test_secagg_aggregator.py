@@ -1,11 +1,14 @@
 """The round engine's view: SecAggAggregator returns the plain sum within the proven bound."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
+from dpfleet.errors import DpfleetError
 from dpfleet.secagg.aggregator import SecAggAggregator
 from dpfleet.secagg.errors import ThresholdError
 
@@ -77,3 +80,20 @@ def test_bad_settings():
         SecAggAggregator(clip_norm=1.0, dropout=1.0)
     with pytest.raises(ValueError):
         SecAggAggregator(clip_norm=1.0).aggregate([], round_seed=0)
+
+
+@pytest.mark.parametrize("make", [PlainAggregator, lambda: SecAggAggregator(clip_norm=1.0)],
+                         ids=["plain", "secagg"])
+@pytest.mark.parametrize("bad", [(1,), (299,), (301,), (300, 1), ()])
+def test_attack_a_wrong_shaped_delta_is_refused_not_broadcast(make, bad):
+    """One device sends `[C]` (or any shape but the model's (D,)): summed by broadcasting it would
+    move every coordinate by C. Each aggregator refuses it before summing, naming the shapes."""
+    deltas = _deltas(6, 300, 1.0, 1)
+    deltas[2] = np.full(bad, 1.0 / np.sqrt(max(1, int(np.prod(bad)))))  # norm <= C
+    with pytest.raises(DpfleetError, match=rf"client 2 .*shape {re.escape(str(bad))}.*\(300,\)"):
+        make().aggregate(deltas, round_seed=0, dim=300)
+    with pytest.raises(DpfleetError, match=r"client 2 "):  # no `dim`: the first delta's length
+        make().aggregate(deltas, round_seed=0)
+    short = [np.full(1, 1.0)] + _deltas(5, 300, 1.0, 2)  # the first one short: dim says so
+    with pytest.raises(DpfleetError, match=r"client 0 .*shape \(1,\)"):
+        make().aggregate(short, round_seed=0, dim=300)

@@ -81,8 +81,9 @@ def test_a_default_secagg_run_puts_its_noise_in_the_ring_through_adaptive_clippi
     assert ring["effective_z"] >= resumed.privacy["model_noise_multiplier"]
     report = (run / "privacy_report.md").read_text()
     lines = report.splitlines()
-    top = lines.index("# Privacy report")  # after the research-mode line (noise_seed is set)
-    assert top <= 2 and lines[top + 2].startswith("**Noise: discrete Gaussian in the SecAgg ring.**")
+    top = lines.index("# Privacy report")  # after the research-mode caveats (noise_seed is set)
+    assert top == 4 and lines[0].startswith("**NOT FULLY PRIVATE: research mode")
+    assert lines[top + 2].startswith("**Noise: discrete Gaussian in the SecAgg ring; online binary tree")
     assert "Delta_s" in report and HONEST_ONLY not in report
     assert summary["noise_mechanism"] == "discrete Gaussian in the SecAgg ring"
     assert summary["honest_participants_only"] is False
@@ -112,9 +113,11 @@ def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participant
     assert "noise                 continuous Gaussian after decoding" in result.output
     run = tmp_path / "run"
     report = (run / "privacy_report.md").read_text().splitlines()
-    top = report.index("# Privacy report")  # after the research-mode line (noise_seed is set)
-    assert top <= 2 and report[top + 2] == f"**{HONEST_ONLY}**"  # before the statement
-    assert report[top + 4] == "**Noise: continuous Gaussian after decoding.**"
+    top = report.index("# Privacy report")  # after the caveats (noise_seed is set)
+    # the caveats: the first line, research mode's statement, the honest-only warning, then the title
+    assert top == 6 and "private only against honest participants" in report[0]
+    assert report[4] == f"**{HONEST_ONLY}**"  # before the statement
+    assert report[top + 2].startswith("**Noise: continuous Gaussian after decoding; online binary tree")
     for name in ("privacy.json", "summary.json"):
         values = json.loads((run / name).read_text())
         assert values["honest_participants_only"] is True

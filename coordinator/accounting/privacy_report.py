@@ -101,6 +101,8 @@ def _statement(p: dict) -> str:
         return "No round ran, so nothing about any device was released (eps = 0)."
     if p["noise_multiplier"] == 0:
         return "None: the noise multiplier is 0, so the run is not differentially private (eps = inf)."
+    if not p.get("epsilon_is_a_guarantee", True):
+        return "None: this run states no DP guarantee (see the first lines)."
     declared = (f", AS DECLARED by the custom noise mechanism {p['mechanism']!r}: dpfleet converted "
                 "its declared sensitivity and cannot verify it" if not p["accounted_by_dpfleet"] else "")
     return (f"This training run satisfies rho-zCDP with rho = {p['zcdp']:.4g} (device-level, "
@@ -108,25 +110,12 @@ def _statement(p: dict) -> str:
             f"{p['epsilon']:.4g} at delta = {p['delta']:g}{declared}.")
 
 
-def _caveats(p: dict) -> list[str]:
-    """What holds the statement back, on the report's first lines (research mode, a generated
-    population, honest participants only)."""
-    lines = []
-    if p.get("noise_seed") is not None:
-        lines += [f"**{p['noise']}**", ""]
-    if p.get("generated_population"):
-        lines += [f"**{p['generated_population']['statement']}**", ""]
-    if p.get("honest_participants_only"):
-        lines += [f"**{p['honest_participants_only_statement']}**", ""]
-    return lines
-
-
 def render_privacy_report(p: dict) -> str:
     """Markdown in the shape of paper 002 App. C from the run's privacy summary."""
-    lines = [*_caveats(p), "# Privacy report", "",
+    lines = [*(line for c in p.get("caveats", []) for line in (f"**{c}**", "")), "# Privacy report", "",
              f"**Noise: {p['noise_mechanism']}; {p['mechanism_description']}.**", "",
              f"**Formal statement.** {_statement(p)}", ""]
-    if p["rounds"] == 0 or p["noise_multiplier"] == 0:
+    if p["rounds"] == 0 or p["noise_multiplier"] == 0 or not p.get("epsilon_is_a_guarantee", True):
         return "\n".join(lines + _not_covered_section(p))
     obs, enforced = p, p.get("timer_worst_case")
     lines += [

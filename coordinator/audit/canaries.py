@@ -53,7 +53,7 @@ from dpfleet.jsonio import dumps
 
 # deliberately broken runs, for the tests and benchmark that show the audit can fail
 BROKEN = {
-    "noise-off": "noise switched off (--debug-nonprivate): the accountant still reports the configured z",
+    "noise-off": "noise switched off (--break noise-off): the accountant still reports the configured z",
     "clipping": "clipping disabled (--break clipping): updates enter the sum at their full norm",
     "noise-div-10": "noise scaled down 10x (--break noise-div-10): the accountant still reports the "
                     "configured z",
@@ -158,6 +158,8 @@ class CanaryRun:
         self.theta0 = engine.server.theta.astype(np.float64)
         if self.settings.broken in NOISE_SCALE:
             engine.server.audit_noise_scale = NOISE_SCALE[self.settings.broken]
+        if self.settings.broken:  # the run then states no eps, and its checkpoint does not export
+            engine.audit_break = {"mode": self.settings.broken, "what": BROKEN[self.settings.broken]}
         self._make_secrets(engine.tokenizer, engine.cfg.data.seq_len)
 
     def clip_bound(self, plan) -> float:
@@ -468,7 +470,9 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries,
                      pretrain=pretrain)
         scores = canaries.score(participants(result.run_dir))
-        entry = summarise([scores], result.epsilon, run_cfg, settings, result.privacy)
+        # a broken run states no eps (caveats.py): the audit compares against what was accounted
+        epsilon = result.privacy.get("accounted_not_a_guarantee", {}).get("epsilon", result.epsilon)
+        entry = summarise([scores], epsilon, run_cfg, settings, result.privacy)
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),
                      accuracy=result.accuracy, stopped_early=result.stopped_early)
         atomic_write(result.run_dir / "audit.json", dumps(entry, indent=2))
@@ -476,7 +480,7 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
             f.write(report_section(entry))
         entries.append(entry)
         pooled.append(scores)
-        accounted.append(result.epsilon)
+        accounted.append(epsilon)
     if seeds == 1:
         return entries[0]
     top = summarise(pooled, max(accounted), cfg, settings, {"noise_mechanism": entries[0]["noise"]})

@@ -37,12 +37,12 @@ def _count(value: str, flag: str, minimum: int) -> int:
               help="Run directory (default: runs/<config name>-audit, or -2, -3, ...).")
 @click.option("--overwrite", is_flag=True, help="Reuse a non-empty run directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--debug-nonprivate", is_flag=True,
-              help="BROKEN ON PURPOSE: switch the DP noise off while the accountant still reports "
-                   "the configured noise, to see the audit fail. The model is not private.")
+@click.option("--debug-nonprivate", is_flag=True, hidden=True)  # the old spelling of --break noise-off
 @click.option("--break", "broken", default=None, metavar="WHAT",
-              help="BROKEN ON PURPOSE: 'clipping' (disabled) or 'noise-div-10' (noise scaled down "
-                   "10x, the accountant unchanged), to see the audit fail. The model is not private.")
+              help="BROKEN ON PURPOSE: 'noise-off' (no DP noise), 'clipping' (disabled) or "
+                   "'noise-div-10' (noise scaled down 10x), the accountant unchanged, to see the "
+                   "audit fail. The model is not private: the run states no eps and its "
+                   "checkpoint does not export.")
 def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidence: str,
           rounds: str | None, out: Path | None, overwrite: bool, quiet: bool, debug_nonprivate: bool,
           broken: str | None) -> None:
@@ -65,19 +65,18 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir
     from dpfleet.errors import DpfleetError
 
+    if debug_nonprivate:  # for simulate it means telemetry: here it never silently means noise off
+        raise DpfleetError("audit's --debug-nonprivate is now --break noise-off (it switches the DP "
+                           "noise off)")
     n, t, s = (_count(canaries, "--canaries", 1), _count(text_canaries, "--text-canaries", 0),
                _count(seeds, "--seeds", 1))
     try:
         c = float(confidence)
     except ValueError:
         raise DpfleetError(f"--confidence must be a number in (0.5, 1), got {confidence!r}") from None
-    if broken is not None and broken not in BROKEN or broken == "noise-off":
-        raise DpfleetError(f"--break must be 'clipping' or 'noise-div-10', got {broken!r} "
-                           "(noise off: --debug-nonprivate)")
-    if broken and debug_nonprivate:
-        raise DpfleetError("give one broken mode: --debug-nonprivate or --break, not both")
-    settings = AuditSettings(canaries=n, text_canaries=t, confidence=c,
-                             broken="noise-off" if debug_nonprivate else broken)
+    if broken is not None and broken not in BROKEN:
+        raise DpfleetError(f"--break must be one of {', '.join(map(repr, BROKEN))}, got {broken!r}")
+    settings = AuditSettings(canaries=n, text_canaries=t, confidence=c, broken=broken)
     settings.check()
     cfg = load_config(config)
     if rounds is not None:
@@ -85,7 +84,7 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     validate(cfg)
     if cfg.dp.noise_multiplier == 0 and cfg.dp.target_epsilon == 0:  # a planned run's z comes later
         raise DpfleetError("dp.noise_multiplier = 0 accounts eps = inf: there is nothing to audit "
-                           "(--debug-nonprivate switches the noise off under a finite accounted eps)")
+                           "(--break noise-off switches the noise off under a finite accounted eps)")
     out = out or fresh_run_dir(Path("runs") / f"{config.stem}-audit")
     a = run_audit(cfg, out, settings, seeds=s, overwrite=overwrite, progress=not quiet, log=click.echo,
                   pretrain=cli_pretrain())

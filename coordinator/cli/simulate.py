@@ -70,6 +70,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
                      log=click.echo, pretrain=cli_pretrain())  # the Python API's own path
     p = result.privacy
+    for line in p.get("caveats", []):  # first: a run that is not fully private says so (caveats.py)
+        click.echo(f"WARNING               {line}")
     click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
                f"{result.unigram_accuracy:.4f}")
     click.echo(f"perplexity            model {result.perplexity:.1f}   unigram baseline "
@@ -82,14 +84,10 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         f"MaxP {p['max_participation']}; see privacy_report.md)"
     )
     click.echo(f"noise                 {p['noise_mechanism']}")
-    if p.get("honest_participants_only"):
-        click.echo(f"WARNING               {p['honest_participants_only_statement']}")
     if "total_with_vocabulary" in p:
         t = p["total_with_vocabulary"]
         click.echo(f"with DP vocabulary    eps = {t['epsilon']:.2f} at delta = {t['delta']:.3g} "
                    "(vocabulary + training; see privacy_report.md)")
-    if p.get("generated_population"):
-        click.echo(f"WARNING               {p['generated_population']['statement']}")
     if p.get("debug_nonprivate_file"):
         click.echo("debug_nonprivate.jsonl holds un-noised client telemetry, outside the guarantee")
     if result.stopped_early:

@@ -15,15 +15,16 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.secagg.sums import AggregateResult
+from dpfleet.secagg.sums import AggregateResult, check_shapes
 
 
 class Aggregator(Protocol):
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
-                  bits: Sequence[int] | None = None, clip_norm: float | None = None
-                  ) -> AggregateResult:
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None,
+                  dim: int | None = None) -> AggregateResult:
         """Sum flattened float deltas (each already clipped to the round's `clip_norm`, None:
-        the configured one) and, with adaptive clipping, the devices' clipped bits
+        the configured one, and each of shape (`dim`,), the model's length, None: the first
+        delta's: `check_shapes`) and, with adaptive clipping, the devices' clipped bits
         (`clipped_count`, over the same survivors)."""
         ...
 
@@ -32,11 +33,9 @@ class PlainAggregator:
     """Adds the deltas in the clear: the fast path for research simulations."""
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
-                  bits: Sequence[int] | None = None, clip_norm: float | None = None
-                  ) -> AggregateResult:
-        if not deltas:
-            raise ValueError("no deltas to aggregate")
-        total = np.zeros(deltas[0].shape, dtype=np.float64)
+                  bits: Sequence[int] | None = None, clip_norm: float | None = None,
+                  dim: int | None = None) -> AggregateResult:
+        total = np.zeros(check_shapes(deltas, dim), dtype=np.float64)
         for d in deltas:
             total += d
         return AggregateResult(total=total, survivors=list(range(len(deltas))),

@@ -92,22 +92,27 @@ class ParticipationPolicy(Protocol):
 
 # --- the guards -------------------------------------------------------------------------------
 
-def check_clipped(updates: Sequence, bound: float, rule: object = None, round_idx: int = 0) -> None:
-    """Every clipped delta must have L2 norm <= `bound` (float64), the bound the noise is
-    calibrated to: else one `DpfleetError` naming the rule and the norm, before the round's sum
-    is formed, so nothing of the round is released. Runs for every rule, the built-in one too."""
+def check_clipped(updates: Sequence, bound: float, dim: int, rule: object = None,
+                  round_idx: int = 0) -> None:
+    """Every clipped delta must be one flat float32 vector of the model's length `dim` (numpy
+    would broadcast a `[C]` into every coordinate of the sum: C * sqrt(dim) from one device) with
+    L2 norm <= `bound` (float64), the bound the noise is calibrated to: else one `DpfleetError`
+    naming the rule and the shape or norm, before the round's sum is formed, so nothing of the
+    round is released. Runs for every rule, the built-in one too."""
+    name = (getattr(rule, "__qualname__", None) or type(rule).__name__) if rule else "clip_l2"
     for pos, update in enumerate(updates):
         delta = np.asarray(update.delta)
-        norm = norm64(delta.astype(np.float32, copy=False))  # the built-in clip's own norm
+        if delta.dtype != np.float32 or delta.shape != (dim,):
+            raise DpfleetError(
+                f"round {round_idx + 1}: the clipping rule {name} returned a delta of {delta.dtype} "
+                f"and shape {delta.shape} for client {pos} of the round; it must return one flat "
+                f"float32 vector of the model's shape ({dim},)")
+        norm = norm64(delta)  # the built-in clip's own norm
         if not norm <= bound:  # NaN fails too
-            name = (getattr(rule, "__qualname__", None) or type(rule).__name__) if rule else "clip_l2"
             raise DpfleetError(
                 f"round {round_idx + 1}: the clipping rule {name} returned a delta of L2 norm "
                 f"{norm:.9g} for client {pos} of the round, above the bound {bound:.9g} the noise is "
                 "calibrated to (each device must move the sum by at most the bound)")
-        if delta.dtype != np.float32 or delta.ndim != 1:
-            raise DpfleetError(f"round {round_idx + 1}: the clipping rule must return a flat float32 "
-                               f"vector, got {delta.dtype} of shape {delta.shape}")
 
 
 # --- wiring a run -------------------------------------------------------------------------------

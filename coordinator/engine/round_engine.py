@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
@@ -183,6 +184,7 @@ class RoundEngine:
             )
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
+        self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
         if resolve_noise(cfg) == "discrete":
             from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
 
@@ -373,11 +375,11 @@ class RoundEngine:
             accountant = accountant.fresh()
             for record in committed:
                 accountant.record(record["participants"], record["restart"])
-        return run_privacy(self.cfg, self.participation, accountant, len(self.users),
+        return with_caveats(run_privacy(self.cfg, self.participation, accountant, len(self.users),
                            model_noise_multiplier=self.z_model, stopped_early=stopped_early,
                            optimised_for=self.mechanism_optimised_for, vocabulary=self.vocabulary,
                            public_data=list(public_data), ring=self.ring,
-                           debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file())
+                           debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file()), self.audit_break)
 
     def finish(self, *, stopped_early: str | None, baseline: dict, public_data: Sequence[str] = (),
                started: float, extra: dict | None = None) -> tuple[dict, dict]:
@@ -386,7 +388,8 @@ class RoundEngine:
         into summary.json. Returns (final evaluation, privacy report)."""
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
-        save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer)
+        save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
+                        not_private=self.audit_break and broken_reason(self.audit_break))
         save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
                           self.estimator.state_dict(with_noise=False) if self.estimator else None,
                           with_noise=False)
@@ -394,9 +397,10 @@ class RoundEngine:
         self.run.write_json("privacy.json", privacy)
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
-                 if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP noise")
+                 if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP guarantee")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
         summary = {
+            **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
             "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,

@@ -300,6 +300,7 @@ def run_simulation(
                 f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
                 "fresh noise tree")
     stopped_early = None
+    dim = engine.server.theta.size  # every device's delta has exactly this shape (check_clipped)
     rounds = range(start, cfg.rounds)
     if progress:
         from tqdm import tqdm
@@ -314,11 +315,11 @@ def run_simulation(
         updates = (train_plan(cfg, trainer, population, plan) if audit is None
                    else audit.train_plan(cfg, trainer, population, plan))
         bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
-        check_clipped(updates, bound, ext.get("clipping"), plan.round)  # before any sum
+        check_clipped(updates, bound, dim, ext.get("clipping"), plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
         agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
-                                   bits=bits, clip_norm=plan.clip_norm)
+                                   bits=bits, clip_norm=plan.clip_norm, dim=dim)
         record = engine.close_round(plan, agg, updates)
         if progress and record["accuracy"] is not None:
             rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")
