@@ -125,7 +125,7 @@ def test_nonprivate_vocabulary_is_refused_without_the_flag():
         build_dp_vocabulary(population(20), 64, VocabularyDP(noise=50.0), bytes(32))
 
 
-def _tiny_run(tmp_path, **tokenizer):
+def _tiny_run(tmp_path, mechanism="tree", **tokenizer):
     data = tmp_path / "users.jsonl"
     lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120))]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -135,13 +135,16 @@ def _tiny_run(tmp_path, **tokenizer):
               "tokenizer": {"kind": "word", "vocab_size": 64, "dp_words_per_user": 8, **tokenizer},
               "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
                         "max_length": 8},
-              "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4}}
+              "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4, "mechanism": mechanism}}
     return run_simulation(parse_config(values), tmp_path / "run", progress=False,
                           log=lambda s: None)
 
 
-def test_report_composes_the_vocabulary_with_training(tmp_path):
-    result = _tiny_run(tmp_path)
+@pytest.mark.parametrize("mechanism", ["tree", "banded", "blt"])
+def test_report_composes_the_vocabulary_with_training(tmp_path, mechanism):
+    """Attack 3 of issue 31: a banded / BLT run composed the vocabulary with the TREE's zCDP
+    (5.5 instead of 2.48) and its report left the vocabulary out; now the run's own mechanism."""
+    result = _tiny_run(tmp_path, mechanism)
     total, vocab = result.privacy["total_with_vocabulary"], result.privacy["vocabulary"]
     assert vocab["zcdp"] == pytest.approx(0.5)  # sigma = 1, sensitivity 1
     assert total["zcdp"] == pytest.approx(result.privacy["zcdp"] + 0.5)

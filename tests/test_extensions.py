@@ -219,6 +219,9 @@ class ClaimsZero(Mechanism):
     def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
         return 0.0
 
+    def zcdp(self, noise_multiplier, rounds, min_separation, max_participation):
+        return 0.0  # the same claim in the protocol of dpfleet before issue 31
+
     def stream(self, dim, std, key, segment=0, purpose="model"):
         return TreeMechanism().stream(dim, 0.0, key, segment, purpose)
 

@@ -10,6 +10,8 @@ a second writer.
 
 from __future__ import annotations
 
+import math
+
 from dpfleet.coordinator.accounting.zcdp import (
     MIN_SEPARATION_CONVENTION,
 )
@@ -116,15 +118,17 @@ def render_privacy_report(p: dict) -> str:
              f"**Noise: {p['noise_mechanism']}; {p['mechanism_description']}.**", "",
              f"**Formal statement.** {_statement(p)}", ""]
     if p["rounds"] == 0 or p["noise_multiplier"] == 0 or not p.get("epsilon_is_a_guarantee", True):
-        return "\n".join(lines + _not_covered_section(p))
-    obs, enforced = p, p.get("timer_worst_case")
-    lines += [
-        *_vocabulary_statement(p),
-        "## 1. DP setting",
-        "",
-        "Central DP: the service provider is trusted to run the mechanism as specified "
-        "(clipping every update to the clip norm and adding DP-FTRL's noise).",
-    ]
+        return "\n".join(lines + _not_covered_section(p) + _audit_section(p))
+    return "\n".join(lines + _vocabulary_statement(p) + _setting_sections(p) + _accounting_section(p)
+                     + _vocabulary_section(p) + _not_covered_section(p) + _audit_section(p)
+                     + _parameters_section(p))
+
+
+def _setting_sections(p: dict) -> list[str]:
+    """App. C sections 1 and 2: who is trusted with what, and what the definition covers."""
+    lines = ["## 1. DP setting", "",
+             "Central DP: the service provider is trusted to run the mechanism as specified "
+             "(clipping every update to the clip norm and adding DP-FTRL's noise)."]
     if p["secagg"]:
         lines.append("Updates were summed with secure aggregation: the server sees only sums "
                      "over at least the report goal's devices. The DP guarantee does not rely "
@@ -132,8 +136,7 @@ def render_privacy_report(p: dict) -> str:
                                 p["noise_kind"] == "discrete" else ", but on every participant "
                                 "encoding honestly (the noise comes after decoding: see the warning "
                                 "above)."))
-    lines += _ring_lines(p)
-    lines += [
+    return lines + _ring_lines(p) + [
         "",
         "## 2. Instantiating the DP definition",
         "",
@@ -147,6 +150,13 @@ def render_privacy_report(p: dict) -> str:
         f"- (c) *Unit of privacy*: {UNITS['device']}",
         f"- (d) *Adjacency*: {ADJACENCY_TEXT['zero-out']}",
         "",
+    ]
+
+
+def _accounting_section(p: dict) -> list[str]:
+    """App. C section 3: the accounting, observed against what the config enforces."""
+    obs, enforced = p, p.get("timer_worst_case")
+    lines = [
         "## 3. Privacy accounting details",
         "",
         f"- (a) *Type of accounting*: {p['accounting']}.",
@@ -174,10 +184,13 @@ def render_privacy_report(p: dict) -> str:
         lines += [f"**Warning**: the observed MinS ({obs['min_separation']}) is below the "
                   f"enforced one ({enforced['min_separation']}): participation was not limited as "
                   "configured; the observed figures are the valid ones.", ""]
-    lines += _vocabulary_section(p) + _not_covered_section(p)
+    return lines
+
+
+def _parameters_section(p: dict) -> list[str]:
     adaptive = ("yes (clip norm adopted every round)" if p.get("adapts_every_round") else
                 "yes (clip norm adopted at restarts)") if p["adaptive_clipping"] else "no"
-    lines += [
+    return [
         "## Parameters",
         "",
         "| parameter | value |",
@@ -195,7 +208,6 @@ def render_privacy_report(p: dict) -> str:
         f"| accounting | zCDP; eps by {p['method']} |",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _vocabulary_statement(p: dict) -> list[str]:
@@ -249,3 +261,43 @@ def _not_covered_section(p: dict) -> list[str]:
         return []
     return ["## Not covered by the guarantee", "",
             *[f"- {item}" for item in p["not_covered"]], ""]
+
+
+def _audit_section(p: dict) -> list[str]:
+    """`dpfleet audit`'s canaries and estimates (`audit/canaries.py`), when the run was audited."""
+    a = p.get("audit")
+    if not a:
+        return []
+    fmt = lambda x: "inf" if x is None or not math.isfinite(x) else f"{x:.3f}"  # noqa: E731
+    lines = ["## Empirical audit (`dpfleet audit`)", ""]
+    if a["broken"]:
+        lines += [f"**{a['broken']['warning']}**: {a['broken']['what']}.", ""]
+    lo, hi = a["epsilon_estimate_interval"]
+    e, cn = a["exposure"], a["canaries"]
+    lines += [
+        f"- accounted: eps = {fmt(a['epsilon_accounted'])} at delta = {a['delta']:g} "
+        f"({a['mechanism']}, {a['noise']}, aggregation {a['aggregation']})",
+        f"- one-shot estimate (Andrew et al. 2024): eps = {fmt(a['epsilon_estimate'])}, "
+        f"{a['estimate_confidence']:g} interval [{fmt(lo)}, {fmt(hi)}]",
+        f"- all-rounds estimate (max over releases of the cosine with each round's change): eps = "
+        f"{fmt(a['all_rounds']['epsilon_estimate'])}, interval "
+        f"[{fmt(a['all_rounds']['epsilon_estimate_interval'][0])}, "
+        f"{fmt(a['all_rounds']['epsilon_estimate_interval'][1])}]",
+        f"- one-run lower bound (Steinke et al. 2023): eps >= {fmt(a['epsilon_lower_bound'])} at "
+        f"confidence {a['lower_bound_confidence']:g} ({a['lower_bound_correct']} of "
+        f"{a['lower_bound_guesses']} guesses correct)",
+        f"- gradient canaries: {cn['directions']} directions, {cn['inserted']} inserted "
+        f"({cn['inserted_in_sum']} reached a sum), {cn['unobserved']} unobserved; update "
+        f"{cn['update_norm_in_clip_norms']:g} clip norms before clipping",
+        f"- text canaries (Secret Sharer): {e['canaries']} ({cn['text_in_sum']} reached a sum), "
+        f"exposure median {fmt(e['median_bits'])} bits, max {fmt(e['max_bits'])} bits "
+        f"(never-inserted secrets: median {fmt(e['null_median_bits'])}); ranked among "
+        f"{e['reference_secrets']} random secrets",
+        f"- scored model: the release after round(s) {cn['scored_rounds']} (the last finite one)",
+        f"- verdict: {a['verdict']}",
+        "",
+        "An estimate is not a proof, and a lower bound under the accounted eps is consistent with "
+        "it, not a certificate: the audit sees one run and canaries of one shape.",
+        "",
+    ]
+    return lines

@@ -23,7 +23,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
 
 from dpfleet.coordinator.accounting.not_covered import not_covered
@@ -129,16 +128,6 @@ class RunAccountant:
             self._eps_rdp[s] = epsilon_from_zcdp(rho, self.delta, "rdp")
         return {"zcdp": rho, "epsilon": self._eps_rdp[s], "sensitivity_squared": s,
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
-
-    def event(self) -> dp_accounting.DpEvent:
-        """The training's privacy event so far: the mechanism's Gaussian at its effective noise
-        multiplier for the observed MinS / MaxP (a declared one: the zCDP it implies)."""
-        if self.declared:
-            s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
-                                         self.restarts)
-            return dp_accounting.ZCDpEvent(self.zcdp_of(s))
-        return self.mechanism.event(self.noise_multiplier, self.rounds, self.min_separation,
-                                    self.max_participation, self.restarts)
 
     def figures(self) -> dict:
         """The observed run's headline: sens^2, rho, eps (by `conversion`) and eps by RDP."""

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
@@ -412,48 +413,12 @@ def verdict(a: dict) -> str:
             "and a bound below the accounted eps is consistent with it, not a certificate)")
 
 
-def report_section(a: dict) -> str:
-    """The `## Empirical audit` section appended to privacy_report.md."""
-    fmt = lambda x: "inf" if x is None or not np.isfinite(x) else f"{x:.3f}"  # noqa: E731
-    lines = ["", "## Empirical audit (`dpfleet audit`)", ""]
-    if a["broken"]:
-        lines += [f"**{a['broken']['warning']}**: {a['broken']['what']}.", ""]
-    lo, hi = a["epsilon_estimate_interval"]
-    e, cn = a["exposure"], a["canaries"]
-    lines += [
-        f"- accounted: eps = {fmt(a['epsilon_accounted'])} at delta = {a['delta']:g} "
-        f"({a['mechanism']}, {a['noise']}, aggregation {a['aggregation']})",
-        f"- one-shot estimate (Andrew et al. 2024): eps = {fmt(a['epsilon_estimate'])}, "
-        f"{a['estimate_confidence']:g} interval [{fmt(lo)}, {fmt(hi)}]",
-        f"- all-rounds estimate (max over releases of the cosine with each round's change): eps = "
-        f"{fmt(a['all_rounds']['epsilon_estimate'])}, interval "
-        f"[{fmt(a['all_rounds']['epsilon_estimate_interval'][0])}, "
-        f"{fmt(a['all_rounds']['epsilon_estimate_interval'][1])}]",
-        f"- one-run lower bound (Steinke et al. 2023): eps >= {fmt(a['epsilon_lower_bound'])} at "
-        f"confidence {a['lower_bound_confidence']:g} ({a['lower_bound_correct']} of "
-        f"{a['lower_bound_guesses']} guesses correct)",
-        f"- gradient canaries: {cn['directions']} directions, {cn['inserted']} inserted "
-        f"({cn['inserted_in_sum']} reached a sum), {cn['unobserved']} unobserved; update "
-        f"{cn['update_norm_in_clip_norms']:g} clip norms before clipping",
-        f"- text canaries (Secret Sharer): {e['canaries']} ({cn['text_in_sum']} reached a sum), "
-        f"exposure median {fmt(e['median_bits'])} bits, max {fmt(e['max_bits'])} bits "
-        f"(never-inserted secrets: median {fmt(e['null_median_bits'])}); ranked among "
-        f"{e['reference_secrets']} random secrets",
-        f"- scored model: the release after round(s) {cn['scored_rounds']} (the last finite one)",
-        f"- verdict: {a['verdict']}",
-        "",
-        "An estimate is not a proof, and a lower bound under the accounted eps is consistent with "
-        "it, not a certificate: the audit sees one run and canaries of one shape.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwrite: bool = False,
               progress: bool = True, log: Callable[[str], None] = print, pretrain=None) -> dict:
     """Run `cfg` with canaries `seeds` times (seeds cfg.seed, cfg.seed + 1, ...; one run
     directory each under `out`, or `out` itself for one seed), write each run's audit.json and
-    privacy_report.md section, and with several seeds `out/audit.json` pooling them. `pretrain`:
+    its audit into privacy.json and the report (rendered again, with its audit section), and
+    with several seeds `out/audit.json` pooling them. `pretrain`:
     the public pretraining step of `[pretrain]` (`coordinator.run.run`)."""
     from dpfleet.coordinator.run import run
 
@@ -476,8 +441,9 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),
                      accuracy=result.accuracy, stopped_early=result.stopped_early)
         atomic_write(result.run_dir / "audit.json", dumps(entry, indent=2))
-        with open(result.run_dir / "privacy_report.md", "a") as f:
-            f.write(report_section(entry))
+        privacy = {**result.privacy, "audit": entry}  # the report renders its audit section
+        atomic_write(result.run_dir / "privacy.json", dumps(privacy, indent=2))
+        atomic_write(result.run_dir / "privacy_report.md", render_privacy_report(privacy))
         entries.append(entry)
         pooled.append(scores)
         accounted.append(epsilon)

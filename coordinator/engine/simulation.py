@@ -32,6 +32,7 @@ from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.engine.backends import make_trainer
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
+from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
 from dpfleet.coordinator.engine.population import generated_population_notice, open_population
 from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGGREGATION re-exported)
     DATA_DEPENDENT_AGGREGATION,
@@ -193,24 +194,12 @@ def run_simulation(
     (`dpfleet.public.public_init.pretrain_on_public`, which `dpfleet.simulate` and the CLI pass):
     handed in, since the coordinator does not import `dpfleet.public` (the layers).
     """
-    run = RunDir(out, overwrite=overwrite, resume=resume)
-    if resume:
-        check_resumable(run.path, cfg.resolved())
-    else:
-        discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
+    run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
-    if not planned:
-        run.write_config(cfg.resolved())
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
-
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
-    if not resume:  # nothing left over from an overwritten run
-        shutil.rmtree(vocabulary_folder, ignore_errors=True)
-        (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
-        if cfg.debug_nonprivate:
-            (run.path / DEBUG_NONPRIVATE).write_text("")
     custom_tokenizer = tokenizer is not None
     tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
     if model is not None:
@@ -225,52 +214,11 @@ def run_simulation(
     generated_notice = generated_population_notice(population)
     if generated_notice:
         log(generated_notice["warning"])
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    trainer_note = None
-    pretrained = None
-    if model is None:
-        model = build_model(model_cfg)
-        if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
-            if pretrain is None:
-                raise DpfleetError("[pretrain] needs the public pretraining step: pass pretrain="
-                                   "dpfleet.public.public_init.pretrain_on_public (dpfleet.simulate "
-                                   "and the dpfleet CLI do)")
-            pretrained = pretrain(cfg, model_cfg, model, tokenizer, log)
-            public_data = [*public_data, *(f"{c} (pretraining, {cfg.pretrain.steps} steps)"
-                                           for c in cfg.pretrain.corpus)]
-        runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
-        trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
-                               batch_size=cfg.client.batch_size, device=cfg.client.device,
-                               memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
-    else:  # a custom module: the cohort trainers' fused / torch.func paths assume a zoo model
-        if cfg.pretrain.corpus:  # said in the log and summary.json, not silently skipped
-            pretrained = {"skipped": "[pretrain] trains the config's zoo model; a custom model starts "
-                                     "from the weights it was passed with"}
-            log(pretrained["skipped"])
-        if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
-            raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
-                               f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
-        if cfg.client.trainer == "cohort":  # opt-in: torch.func over the module, checked once
-            trainer = custom_cohort_trainer(cfg, model_cfg, model)
-        else:
-            if cfg.client.trainer == "auto":
-                trainer_note = ("client.trainer = 'auto': a custom model trains with the sequential "
-                                "eager trainer (set 'cohort' for torch.func over your module)")
-                log(trainer_note)
-            trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
-                                                              model=copy.deepcopy(model)),
-                                   model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
-        model_cfg = None  # no zoo config rebuilds it: the checkpoint holds weights + tokenizer
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
-    from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
-
-    if "client_update" in ext or "clipping" in ext:
-        trainer, note = custom_trainer(cfg, trainer, model_cfg, model, ext.get("client_update"),
-                                       ext.get("clipping"))
-        trainer_note = note or trainer_note
+    setup = _setup_training(cfg, model, tokenizer, pretrain, ext, log)
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
-        cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
+        cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
         users=population.user_ids() if audit is None else audit.users(population.user_ids()),
         fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
                                      tokenizer,
@@ -279,7 +227,6 @@ def run_simulation(
         mechanism=noise_mechanism(cfg, ext.get("noise")),
     )
     install(engine, participation=ext.get("participation"))
-    aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
     if audit is not None:
         audit.engine_ready(engine)
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
@@ -288,34 +235,144 @@ def run_simulation(
         f"data: {len(population)} train clients, {len(data.test)} held-out clients "
         f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
         f"{len(baseline_clients)} fit the unigram baseline); model "
-        f"{type(model).__name__ if model_cfg is None else model_cfg.arch} with "
+        f"{type(setup.model).__name__ if setup.model_cfg is None else setup.model_cfg.arch} with "
         f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
-    start, lost = engine.start, engine.lost
+    _log_resume(cfg, engine, resume, log)
+    stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
+                                ext.get("clipping"), progress)
+    if stopped_early:
+        log(stopped_early)
+    public_data = [*public_data, *setup.public_data]
+    final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
+                                   public_data=public_data, started=t_start,
+                                   extra={"client_trainer": setup.trainer.name,  # cohort / sequential
+                                          **({"client_trainer_note": setup.trainer_note}
+                                             if setup.trainer_note else {}),
+                                          **({"data": "records given in Python"} if records is not None
+                                             else {}),
+                                          **({"public_pretraining": setup.pretrained}
+                                             if setup.pretrained else {}),
+                                          **({"generated_population": generated_notice}
+                                             if generated_notice else {})})
+    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def _open_run(cfg: SimulationConfig, out: Path, overwrite: bool, resume: bool) -> RunDir:
+    """The run directory: checked against the config on resume, else cleared of what an
+    overwritten run left (its resume point and key, vocabulary, telemetry) and given the config
+    (a planned run gets it once the plan is in it, `plan_run`)."""
+    run = RunDir(out, overwrite=overwrite, resume=resume)
     if resume:
-        log(f"resuming after round {start} of {cfg.rounds}" if start else
-            "no resume point was written yet: starting from round 1")
-        if lost:
-            log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
-                f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
-                "fresh noise tree")
-    stopped_early = None
+        check_resumable(run.path, cfg.resolved())
+        return run
+    discard_resume(run.path)  # an overwritten run's resume point (and key) is not this run's
+    if not cfg.dp.target_epsilon > 0:
+        run.write_config(cfg.resolved())
+    shutil.rmtree(run.path / "vocabulary", ignore_errors=True)
+    (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
+    if cfg.debug_nonprivate:
+        (run.path / DEBUG_NONPRIVATE).write_text("")
+    return run
+
+
+@dataclass
+class TrainingSetup:
+    """The model the run starts from and the trainer of its clients."""
+
+    model: torch.nn.Module
+    model_cfg: object  # the zoo config, None for a caller's module (the checkpoint holds it)
+    trainer: object
+    trainer_note: str | None = None  # said in the log and summary.json
+    pretrained: dict | None = None  # public pretraining's summary (or why it was skipped)
+    public_data: list[str] = dataclasses.field(default_factory=list)  # for the privacy report
+
+
+def _setup_training(cfg: SimulationConfig, model, tokenizer, pretrain: Pretrain | None, ext: dict,
+                    log: Callable[[str], None]) -> TrainingSetup:
+    """The zoo model (pretrained on public text with `[pretrain]`) and its trainer, or a caller's
+    module through the eager trainers; a caller's client update / clipping rule put in place."""
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    if model is None:
+        setup = TrainingSetup(build_model(model_cfg), model_cfg, None)
+        if cfg.pretrain.corpus:  # public text before the first private round (no privacy cost)
+            if pretrain is None:
+                raise DpfleetError("[pretrain] needs the public pretraining step: pass pretrain="
+                                   "dpfleet.public.public_init.pretrain_on_public (dpfleet.simulate "
+                                   "and the dpfleet CLI do)")
+            setup.pretrained = pretrain(cfg, model_cfg, setup.model, tokenizer, log)
+            setup.public_data = [f"{c} (pretraining, {cfg.pretrain.steps} steps)"
+                                 for c in cfg.pretrain.corpus]
+        runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
+        setup.trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
+                                     batch_size=cfg.client.batch_size, device=cfg.client.device,
+                                     memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+    else:
+        setup = _custom_module_setup(cfg, model, model_cfg, log)
+    if "client_update" in ext or "clipping" in ext:
+        setup.trainer, note = custom_trainer(cfg, setup.trainer, setup.model_cfg, setup.model,
+                                             ext.get("client_update"), ext.get("clipping"))
+        setup.trainer_note = note or setup.trainer_note
+    return setup
+
+
+def _custom_module_setup(cfg: SimulationConfig, model, model_cfg,
+                         log: Callable[[str], None]) -> TrainingSetup:
+    """A caller's module: the cohort trainers' fused / torch.func paths assume a zoo model."""
+    setup = TrainingSetup(model, None, None)
+    if cfg.pretrain.corpus:  # said in the log and summary.json, not silently skipped
+        setup.pretrained = {"skipped": "[pretrain] trains the config's zoo model; a custom model "
+                                       "starts from the weights it was passed with"}
+        log(setup.pretrained["skipped"])
+    if cfg.client.runtime != "eager" or cfg.backend.kind != "local":
+        raise DpfleetError("a custom model trains with client.runtime = 'eager' and backend.kind "
+                           f"= 'local', not {cfg.client.runtime!r} / {cfg.backend.kind!r}")
+    if cfg.client.trainer == "cohort":  # opt-in: torch.func over the module, checked once
+        setup.trainer = custom_cohort_trainer(cfg, model_cfg, model)
+        return setup
+    if cfg.client.trainer == "auto":
+        setup.trainer_note = ("client.trainer = 'auto': a custom model trains with the sequential "
+                              "eager trainer (set 'cohort' for torch.func over your module)")
+        log(setup.trainer_note)
+    setup.trainer = make_trainer("sequential", EagerRuntime(model_cfg, threads=cfg.client.threads,
+                                                            model=copy.deepcopy(model)),
+                                 model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size)
+    return setup
+
+
+def _log_resume(cfg: SimulationConfig, engine: RoundEngine, resume: bool,
+                log: Callable[[str], None]) -> None:
+    start, lost = engine.start, engine.lost
+    if not resume:
+        return
+    log(f"resuming after round {start} of {cfg.rounds}" if start else
+        "no resume point was written yet: starting from round 1")
+    if lost:
+        log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
+            f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
+            "fresh noise tree")
+
+
+def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population, before_round, audit,
+                clipping, progress: bool) -> str | None:
+    """The rounds: open (select, budget), train the plan's clients, check every clipped delta,
+    sum, close (DP step, release, accounting), resume points; returns why it stopped early."""
+    aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
     dim = engine.server.theta.size  # every device's delta has exactly this shape (check_clipped)
-    rounds = range(start, cfg.rounds)
+    rounds = range(engine.start, cfg.rounds)
     if progress:
         from tqdm import tqdm
 
-        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=start,
+        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
                       total=cfg.rounds)
     for r in rounds:
         plan = engine.open_round(before_round)
         if isinstance(plan, Stop):
-            stopped_early = plan.message
-            break
+            return plan.message
         updates = (train_plan(cfg, trainer, population, plan) if audit is None
                    else audit.train_plan(cfg, trainer, population, plan))
         bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
-        check_clipped(updates, bound, dim, ext.get("clipping"), plan.round)  # before any sum
+        check_clipped(updates, bound, dim, clipping, plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
         agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
@@ -325,20 +382,7 @@ def run_simulation(
             rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")
         if engine.resume_point_due():
             engine.save_resume_point()
-
-    if stopped_early:
-        log(stopped_early)
-    final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
-                                   public_data=public_data, started=t_start,
-                                   extra={"client_trainer": trainer.name,  # cohort / sequential
-                                          **({"client_trainer_note": trainer_note} if trainer_note
-                                             else {}),
-                                          **({"data": "records given in Python"} if records is not None
-                                             else {}),
-                                          **({"public_pretraining": pretrained} if pretrained else {}),
-                                          **({"generated_population": generated_notice}
-                                             if generated_notice else {})})
-    return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+    return None
 
 
 def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,

@@ -1,3 +1,5 @@
-"""DP-FTRL noise mechanisms: strategies (tree, banded, BLT), their sensitivity under the
-participation the coordinator enforces, and their secret noise streams (float and ring).
+"""DP-FTRL noise mechanisms, one object each (`base.Mechanism`): strategy and fingerprint,
+sensitivity under the participation the coordinator enforces, float and ring noise streams,
+resumable state and privacy event. `tree`, `matrix` (banded, BLT) and `independent` implement it and
+register themselves (`registry`); the rest is their math and their secret noise streams.
 """

@@ -77,12 +77,6 @@ class TreeNoise:
         self.stack.append((level, index, new))
         return residual
 
-    def current_noise(self) -> np.ndarray:
-        total = np.zeros(self.dim, dtype=self.stack[0][2].dtype if self.stack else np.float32)
-        for _, _, noise in self.stack:
-            total += noise
-        return total
-
     def state_dict(self) -> dict:
         """Position and live node vectors. The vectors are noise secrets: resume point only."""
         return {"dim": self.dim, "tree_id": self.tree_id, "t": self.t,

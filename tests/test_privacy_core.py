@@ -1,0 +1,77 @@
+"""The one mechanism interface (issue 31): every registered mechanism's privacy event is the
+Gaussian the run accountant converts, and the registry is the single list configs, the planner
+and `dpfleet account` see."""
+
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.mechanisms.registry import build, entries, names, rebuild
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["tree", "banded", "blt", "independent"]), z=st.floats(0.5, 8),
+       rounds=st.integers(2, 24), mins=st.integers(0, 5), maxp=st.integers(1, 4))
+def test_the_mechanisms_event_is_the_gaussian_the_accountant_converts(kind, z, rounds, mins, maxp):
+    """PLD of the event (dp_accounting) and the accountant's eps of rho = sens^2 / (2 z^2) agree."""
+    mechanism = build(kind, rounds, mins, maxp)
+    s = mechanism.sensitivity_squared(rounds, mins, maxp)
+    event = mechanism.event(z, rounds, mins, maxp)
+    assert isinstance(event, dp_accounting.GaussianDpEvent)
+    assert event.noise_multiplier == pytest.approx(z / math.sqrt(s), rel=1e-12)
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    pld.compose(event)
+    ours = epsilon_from_zcdp(s / (2 * z * z), 1e-6)
+    assert pld.get_epsilon(1e-6) == pytest.approx(ours, rel=2e-3, abs=2e-3)
+
+
+def test_no_participation_is_a_no_op_event_and_no_noise_is_non_private():
+    tree = build("tree", 8, 0, 1)
+    assert isinstance(tree.event(1.0, 8, None, 0), dp_accounting.NoOpDpEvent)
+    assert isinstance(tree.event(0.0, 8, None, 1), dp_accounting.NonPrivateDpEvent)
+
+
+@pytest.mark.parametrize("kind", ["tree", "banded", "blt", "independent"])
+def test_every_registered_mechanism_rebuilds_from_its_identity(kind):
+    """What a resume does: the same fingerprint from the recorded identity, and a changed strategy
+    a different one."""
+    mechanism = build(kind, 12, 2, 3)
+    again = rebuild(kind, mechanism.identity())
+    assert again.fingerprint() == mechanism.fingerprint() and built_in(again)
+    other = build(kind, 12, 5, 2)
+    assert (other.fingerprint() == mechanism.fingerprint()) == (kind in ("tree", "independent"))
+
+
+def test_the_registry_lists_every_mechanism_once_in_a_stable_order():
+    assert names()[:3] == ("tree", "banded", "blt") and "independent" in names()
+    assert len(set(names())) == len(names()) == len(entries())
+    assert all(issubclass(e.cls, Mechanism) for e in entries())
+
+
+class Mine(Mechanism):
+    name = "mine"
+
+    def identity(self):
+        return {}
+
+    def sensitivity_squared(self, rounds, min_separation, max_participation, restarts=()):
+        return float("nan") if max_participation else 0.0
+
+    def stream(self, dim, std, key, segment=0, purpose="model"):
+        raise AssertionError("not drawn")
+
+
+def test_a_callers_mechanism_is_declared_and_a_nan_sensitivity_is_refused():
+    from dpfleet.errors import DpfleetError
+
+    assert not built_in(Mine())
+    acc = RunAccountant(1.0, 1e-6, mechanism=Mine(), declared=True)
+    with pytest.raises(DpfleetError, match=r"'mine'.*returned nan"):
+        acc.record(["a"], False)
