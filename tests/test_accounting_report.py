@@ -50,7 +50,7 @@ def test_report_has_the_app_c_sections_and_the_log_accountants_numbers(tmp_path)
         assert heading in text
     assert f"rho = {p['zcdp']:.4g}" in text and f"eps = {p['epsilon']:.4g}" in text
     assert "| MinS | 3 | 3 |" in text and "| MaxP | 6 | 10 |" in text
-    assert "| restarts (fresh noise segments) | 16 | - |" in text
+    assert "| restarts (fresh noise segments) | 16 | 16 |" in text
     assert "| clip norm | 0.3 |" in text and "| population | 8 |" in text
     assert "online binary tree" in text and "Warning" not in text
 

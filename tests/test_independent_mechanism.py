@@ -92,3 +92,16 @@ def test_adaptive_clipping_runs_on_it(tmp_path):
     clips = [m["clip"] for m in result.metrics]
     assert len(set(clips)) > 1  # adopted every round (no restarts needed)
     assert result.epsilon == pytest.approx(result.privacy["epsilon"])
+
+
+def test_dpfleet_account_and_plan_name_it(capsys):
+    main(["account", "-z", "2", "-T", "60", "-P", "3", "-S", "10", "--mechanism", "independent", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["mechanism"] == "independent" and out["sensitivity_squared"] == 3
+    assert out["zcdp"] == zcdp_from_sensitivity(2.0, 3)
+    main(["plan", "-N", "1277", "-T", "60", "--target-epsilon", "8", "--delta", "1e-6",
+          "--mechanism", "independent", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    row = next(r for r in plan["mechanisms"] if r["mechanism"] == "independent")
+    assert plan["mechanism"] == "independent"
+    assert row["sensitivity_squared"] == plan["chosen"]["max_participation"]

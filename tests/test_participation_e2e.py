@@ -83,7 +83,7 @@ def test_privacy_report_has_the_observed_and_timer_numbers(timer_run):
     worst = p["timer_worst_case"]
     assert (worst["min_separation"], worst["max_participation"]) == (2, 4)
     assert "| MinS | 2 | 2 |" in text and "| MaxP | 4 | 4 |" in text
-    assert "| tree restarts | 4, 8 | 4, 8 |" in text
+    assert "| restarts (fresh noise segments) | 4, 8 | 4, 8 |" in text
     assert "0.5 h = 3 rounds of 10 min: nominal MinS 2; enforced MinS 2" in text
     assert "| adaptive clipping | yes" in text
 

@@ -171,7 +171,7 @@ def _accounting_section(p: dict) -> list[str]:
         f"| rounds | {_cell(obs, 'rounds')} | {_cell(enforced, 'rounds')} |",
         f"| MinS | {_cell(obs, 'min_separation')} | {_cell(enforced, 'min_separation')} |",
         f"| MaxP | {_cell(obs, 'max_participation')} | {_cell(enforced, 'max_participation')} |",
-        f"| restarts (fresh noise segments) | {_cell(obs, 'restarts')} | - |",
+        f"| restarts (fresh noise segments) | {_cell(obs, 'restarts')} | {_cell(enforced, 'restarts')} |",
         f"| sensitivity^2 (C^2) | {_cell(obs, 'sensitivity_squared', '{:.6g}')} | "
         f"{_cell(enforced, 'sensitivity_squared', '{:.6g}')} |",
         f"| zCDP rho | {_cell(obs, 'zcdp', '{:.4g}')} | {_cell(enforced, 'zcdp', '{:.4g}')} |",

@@ -143,7 +143,7 @@ class RunAccountant:
         was optimised for, `mechanism_binding.accounted_participation`), with the restarts so far."""
         s = self.sensitivity_squared(rounds, max_participation, min_separation, self.restarts)
         rho = self.zcdp_of(s)
-        return {"rounds": rounds, "min_separation": min_separation,
+        return {"rounds": rounds, "min_separation": min_separation, "restarts": list(self.restarts),
                 "max_participation": max_participation, "sensitivity_squared": s, "zcdp": rho,
                 "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion)}
 

@@ -18,7 +18,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     observe_participation_log,
 )
 from dpfleet.coordinator.mechanisms.base import Mechanism
-from dpfleet.coordinator.mechanisms.registry import as_mechanism, build, entries, names, rebuild
+from dpfleet.coordinator.mechanisms.registry import as_mechanism, build, entries, entry, names, rebuild
 from dpfleet.coordinator.mechanisms.spec import MechanismSpec
 from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.coordinator.mechanisms.tree_sensitivity import NODES
@@ -104,8 +104,38 @@ def _mechanism(kind: str, given: Mechanism | None, source: str, rounds: int,
     if kind == "tree":
         return TreeMechanism(tree_nodes), ""
     mins = 0 if mins is None else mins
-    return (build(kind, rounds, mins, max(maxp, 1)),
-            f"optimised for {rounds} rounds, MinS {mins}, MaxP {max(maxp, 1)}")
+    built = build(kind, rounds, mins, max(maxp, 1))
+    return built, (f"optimised for {rounds} rounds, MinS {mins}, MaxP {max(maxp, 1)}"
+                   if hasattr(built, "spec") else "nothing to optimise")
+
+
+def _participation(log: str | None, rounds: int | None, max_participation: int | None,
+                   min_separation: int | None, restarts: str | None) -> tuple:
+    """(rounds, MinS, MaxP) to account: the log's observed ones, or the ones given."""
+    if log is not None:
+        if max_participation is not None or min_separation is not None or restarts:
+            raise DpfleetError("with --participation-log, MaxP, MinS and restarts come from "
+                               "the log; drop --max-participation/--min-separation/--restarts")
+        obs = observe_participation_log(log, rounds)
+        return obs.rounds, obs.min_separation, obs.max_participation
+    if rounds is None:
+        raise DpfleetError("give --rounds (or --participation-log)")
+    return rounds, min_separation, 1 if max_participation is None else max_participation
+
+
+def _described(result: dict, built: Mechanism, kind: str, spec_source: str, noise: str,
+               rounds: int) -> dict:
+    """The result with the noise in words and, beside the tree, the strategy and its noise factor."""
+    discrete = RING_MF_MECHANISM if built.ring_is_rounded_gaussian else "discrete Gaussian in the SecAgg ring"
+    result.update(noise=noise, noise_mechanism=discrete if noise == "discrete" else "continuous Gaussian")
+    if kind != "tree":
+        matrix = hasattr(built, "spec")
+        result.update(mechanism_spec=built.identity(), spec_source=spec_source,
+                      family="matrix-factorization DP-FTRL" if matrix else "noise",
+                      strategy=_strategy(built.identity()) if matrix else built.describe(),
+                      noise_factor=math.sqrt(built.prefix_error(rounds)
+                                             / TreeMechanism().prefix_error(_covered(built, rounds))))
+    return result
 
 
 def _covered(mechanism: Mechanism, rounds: int) -> int:
@@ -124,9 +154,9 @@ def _format_mf(result: dict) -> str:
     mins = result["min_separation"]
     lines = [
         f"noise: {result['noise_mechanism']}",
-        f"{result['mechanism']} matrix-factorization DP-FTRL over {result['rounds']} rounds"
+        f"{result['mechanism']} {result['family']} over {result['rounds']} rounds"
         + (f", {result['noise_segments']} noise segments" if result["noise_segments"] > 1 else ""),
-        f"  strategy              {_strategy(result['mechanism_spec'])}",
+        f"  strategy              {result['strategy']}",
         f"  strategy from         {result['spec_source']}",
         f"  MaxP                  {result['max_participation']}",
         f"  MinS                  {'none' if mins is None else mins} ({MIN_SEPARATION_CONVENTION})",
@@ -245,26 +275,15 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
         raise DpfleetError(f"{source} holds a {given.name} strategy, not {mechanism}: account it "
                            f"with --mechanism {given.name}")
     # banded / blt in the ring are the continuous MF Gaussian, rounded (`mf_ring`): PLD holds
-    ring_mf = noise == "discrete" and mechanism in ("banded", "blt")
+    rounded = noise == "discrete" and mechanism != "all" and entry(mechanism).cls.ring_is_rounded_gaussian
     if method is None:
-        method = "rdp" if noise == "discrete" and not ring_mf else "pld"
-    if noise == "discrete" and method == "pld" and not ring_mf:
+        method = "rdp" if noise == "discrete" and not rounded else "pld"
+    if noise == "discrete" and method == "pld" and not rounded:
         raise DpfleetError("--noise discrete: the Gaussian PLD is not a proven bound for the "
                            "discrete Gaussian; use --method rdp (or zcdp_bound)")
-    if mechanism not in ("tree", "all") and tree_nodes != "all":
-        raise DpfleetError("--tree-nodes applies to the tree mechanism only")
-    if mechanism not in ("tree", "all") and restarts:
-        raise DpfleetError(f"--restarts are tree restarts; {mechanism} has none")
-    if participation_log is not None:
-        if max_participation is not None or min_separation is not None or restarts:
-            raise DpfleetError("with --participation-log, MaxP, MinS and restarts come from "
-                               "the log; drop --max-participation/--min-separation/--restarts")
-        obs = observe_participation_log(participation_log, rounds)
-        part = (obs.rounds, obs.min_separation, obs.max_participation)
-    elif rounds is None:
-        raise DpfleetError("give --rounds (or --participation-log)")
-    else:
-        part = (rounds, min_separation, 1 if max_participation is None else max_participation)
+    if mechanism not in ("tree", "all") and (tree_nodes != "all" or restarts):
+        raise DpfleetError("--tree-nodes and --restarts apply to the tree mechanism only")
+    part = _participation(participation_log, rounds, max_participation, min_separation, restarts)
     rows = []
     for kind in ([mechanism] if mechanism != "all" else ("tree", "banded", "blt")):
         built, spec_source = _mechanism(kind, given, source, *part, tree_nodes)
@@ -275,13 +294,7 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
             result = account_worst_case(noise_multiplier, part[0], part[2], part[1],
                                         parse_rounds_list(restarts), delta, method,
                                         adjacency=adjacency, mechanism=built)
-        discrete = "discrete Gaussian in the SecAgg ring" if kind == "tree" else RING_MF_MECHANISM
-        result.update(noise=noise, noise_mechanism=discrete if noise == "discrete" else "continuous Gaussian")
-        if kind != "tree":
-            result.update(mechanism_spec=built.identity(), spec_source=spec_source,
-                          noise_factor=math.sqrt(built.prefix_error(part[0])
-                                                 / TreeMechanism().prefix_error(_covered(built, part[0]))))
-        rows.append(result)
+        rows.append(_described(result, built, kind, spec_source, noise, part[0]))
     if mechanism != "all":
         result = rows[0]
         text = _format(result) if mechanism == "tree" else _format_mf(result)
