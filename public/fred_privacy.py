@@ -65,6 +65,18 @@ def dpftrl_zcdp(run_dir: Path) -> tuple[float, bool]:
     return float(rho), privacy.get("noise_kind", privacy.get("noise")) == "discrete"
 
 
+def fred_releases(fig: dict | None) -> list[dict]:
+    """The FreD statistics as releases the DP-FTRL run composes with its training
+    (`run_accountant.run_privacy`): one entry for a user-level release, none for a sample-level
+    one (it protects one sentence, not a device: never composed with device-level DP-FTRL)."""
+    if not fig or fig.get("level") != "user":
+        return []
+    rho = 0.5 / fig["z_mean"] ** 2 + 0.5 / fig["z_cov"] ** 2
+    return [{"name": "FreD statistics (paper 003)", "zcdp": rho, "delta": 0.0,
+             "what": f"two Gaussian sums of the same users' embeddings, z1 = {fig['z_mean']:.4g}, "
+                     f"z2 = {fig['z_cov']:.4g}"}]
+
+
 def privacy_figures(z_mean: float, z_cov: float, delta: float, level: str,
                     dpftrl_rho: float | None = None, *, dpftrl_discrete: bool = False) -> dict:
     """The numbers of the report (and of fred_stats.npz). `dpftrl_discrete`: the DP-FTRL run put

@@ -264,6 +264,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     to part of the pool (benchmarks/quality/lpub_kd.py).
     """
     from dpfleet.coordinator.engine.simulation import run_simulation
+    from dpfleet.public.fred_privacy import fred_releases
 
     out = Path(out)
     if (out / "summary.json").is_file() and not overwrite:
@@ -291,6 +292,10 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     if resume and stage_file.is_file():
         report.update(json.loads(stage_file.read_text()))
 
+    # the FreD statistics of the same users (a resumed stage's, or the stage's once it ran): the
+    # run composes them with its training (`run_accountant.run_privacy`)
+    other_releases: list[dict] = fred_releases(report.get("fred_privacy"))
+
     def public_training(r: int, theta: np.ndarray) -> np.ndarray | None:
         if r != switch or p.selection == "none":
             return None
@@ -309,6 +314,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
 
             chosen, fred_report = fred_select(Path(p.fred_stats), pool.texts, pool.sources, p.fraction)
             report.update(fred_report)
+            other_releases[:] = fred_releases(report.get("fred_privacy"))  # once, also on a resume
         else:
             chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
         corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
@@ -329,7 +335,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     started = (out / "simulation" / "config.json").is_file()
     result = run_simulation(sim, out / "simulation", overwrite=True, resume=resume and started,
                             progress=progress, log=log, before_round=public_training,
-                            public_data=public_data(cfg), pretrain=pretrain_on_public)
+                            public_data=public_data(cfg), pretrain=pretrain_on_public,
+                            other_releases=other_releases)
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,
@@ -341,22 +348,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         "stopped_early": result.stopped_early,
         "wall_seconds": time.perf_counter() - start,
     }
-    if p.selection == "fred" and "fred_privacy" in report:  # the same users' two FreD releases
-        from dpfleet.public.fred_privacy import privacy_figures
-
-        fig = report["fred_privacy"]
-        if fig["level"] == "user" and 0 < (result.privacy.get("zcdp") or 0) < float("inf"):
-            composed = privacy_figures(fig["z_mean"], fig["z_cov"], sim.dp.delta, "user",
-                                       result.privacy["zcdp"],
-                                       dpftrl_discrete=result.privacy.get("noise_kind") == "discrete")
-            summary["epsilon_with_fred"] = composed["composed_epsilon"]
-            report_md = out / "simulation" / "privacy_report.md"
-            if report_md.is_file():
-                atomic_write(report_md, report_md.read_text() + (
-                    f"\n## With the FreD statistics (paper 003)\n\nThe public pre-training set was chosen "
-                    f"with FreD statistics of the same users (two Gaussian releases, z1 = "
-                    f"{fig['z_mean']:.4g}, z2 = {fig['z_cov']:.4g}). DP-FTRL and FreD together: "
-                    f"({composed['composed_epsilon']:.4g}, {sim.dp.delta:g})-DP, rho-zCDP "
-                    f"{composed['composed_zcdp']:.4g} ({composed['composed_accounting']}).\n"))
+    if "total_with_releases" in result.privacy:  # DP-FTRL and the same users' FreD statistics
+        summary["epsilon_with_fred"] = result.privacy["total_with_releases"]["epsilon"]
     atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
     return summary

@@ -164,7 +164,14 @@ def test_pipeline_pretrains_on_the_fred_closest_source(files, tiny_teacher_vocab
     assert summary["sources"]["wikitext2"]["selected"] == 0
     assert summary["fred_by_source"]["shakespeare-collab"] < summary["fred_by_source"]["wikitext2"]
     assert summary["epsilon_with_fred"] > summary["epsilon"]
-    assert "With the FreD statistics" in (tmp_path / "run" / "simulation" / "privacy_report.md").read_text()
+    # composed by the run's one accountant, rendered by the one renderer (issue 31)
+    privacy = summary["privacy"]
+    fred = summary["fred_privacy"]
+    rho = 0.5 / fred["z_mean"] ** 2 + 0.5 / fred["z_cov"] ** 2
+    assert privacy["total_with_releases"]["zcdp"] == pytest.approx(privacy["zcdp"] + rho, rel=1e-12)
+    assert summary["epsilon_with_fred"] == privacy["total_with_releases"]["epsilon"]
+    report = (tmp_path / "run" / "simulation" / "privacy_report.md").read_text()
+    assert "## Other DP releases about the same devices" in report and "FreD statistics" in report
 
 
 def test_example_fred_config_is_valid():

@@ -120,7 +120,8 @@ def render_privacy_report(p: dict) -> str:
     if p["rounds"] == 0 or p["noise_multiplier"] == 0 or not p.get("epsilon_is_a_guarantee", True):
         return "\n".join(lines + _not_covered_section(p) + _audit_section(p))
     return "\n".join(lines + _vocabulary_statement(p) + _setting_sections(p) + _accounting_section(p)
-                     + _vocabulary_section(p) + _not_covered_section(p) + _audit_section(p)
+                     + _vocabulary_section(p) + _releases_section(p) + _not_covered_section(p)
+                     + _audit_section(p)
                      + _parameters_section(p))
 
 
@@ -254,6 +255,22 @@ def _vocabulary_section(p: dict) -> list[str]:
         "The per-round `epsilon` / `zcdp` in metrics.jsonl are the training part only.",
         "",
     ]
+
+
+def _releases_section(p: dict) -> list[str]:
+    """Other DP releases about the same devices (FreD statistics, ...), composed with training."""
+    total = p.get("total_with_releases")
+    if total is None:
+        return []
+    rows = [f"| {r['name']} | {r['zcdp']:.4g} | {r.get('delta', 0.0):g} | {r.get('what', '')} |"
+            for r in p["other_releases"]]
+    return ["## Other DP releases about the same devices", "",
+            "| release | zCDP rho | delta | what |", "|---|---|---|---|", *rows,
+            f"| DP-FTRL training | {p['zcdp']:.4g} | {p['delta']:g} | this run |", "",
+            f"**All together** (training{', the DP vocabulary' if p.get('vocabulary') else ''} and the "
+            f"releases above): rho = {total['zcdp']:.4g} zCDP, (eps, delta)-DP with eps = "
+            f"{total['epsilon']:.4g} at delta = {total['delta']:.4g} (Gaussian mechanisms compose by "
+            "adding zCDP; eps by " + p["method"] + ").", ""]
 
 
 def _not_covered_section(p: dict) -> list[str]:

@@ -148,14 +148,20 @@ class RunAccountant:
                 "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion)}
 
     def with_vocabulary(self, vocabulary: dict | None) -> dict | None:
-        """Training composed with the DP vocabulary: both are Gaussian mechanisms, so zCDP adds
-        (the PLD of the sum is exact) and the vocabulary's thresholding delta adds."""
+        """Training composed with the DP vocabulary (`compose`)."""
         if vocabulary is None:
             return None
-        rho = self.figures()["zcdp"] + vocabulary["zcdp"]
+        total = self.compose([{"zcdp": vocabulary["zcdp"], "delta": vocabulary["delta"]}])
+        return {**total, "vocabulary_epsilon": epsilon_from_zcdp(vocabulary["zcdp"], self.delta,
+                                                                 self.conversion)}
+
+    def compose(self, releases: Sequence[dict]) -> dict:
+        """Training composed with other releases about the same devices, each a Gaussian
+        mechanism given by its zCDP (a DP vocabulary, FreD statistics, ...): zCDP adds (the PLD
+        of the sum of Gaussians is exact) and each release's own delta (a threshold's) adds."""
+        rho = self.figures()["zcdp"] + sum(r["zcdp"] for r in releases)
         return {"zcdp": rho, "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
-                "delta": self.delta + vocabulary["delta"],
-                "vocabulary_epsilon": epsilon_from_zcdp(vocabulary["zcdp"], self.delta, self.conversion)}
+                "delta": self.delta + sum(r.get("delta", 0.0) for r in releases)}
 
 
 def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
@@ -248,7 +254,8 @@ def _accounting_words(accountant: RunAccountant, cfg: SimulationConfig) -> str:
 def run_privacy(cfg: SimulationConfig, participation: Participation, accountant: RunAccountant,
                 population: int, *, model_noise_multiplier: float, stopped_early: str | None,
                 optimised_for: dict, vocabulary: dict | None = None, public_data: Sequence[str] = (),
-                ring: RingPlan | None = None, debug_file: bool = False) -> dict:
+                ring: RingPlan | None = None, debug_file: bool = False,
+                releases: Sequence[dict] = ()) -> dict:
     """The run's privacy summary (privacy.json; `privacy_report.render_privacy_report` renders it)
     for any mechanism, from the accountant's observed participation. Writes nothing.
 
@@ -256,7 +263,8 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
     worst case over the planned rounds; `vocabulary`: the DP word vocabulary's summary
     (dp_vocabulary.py), composed with training; `public_data`: public data the caller trained on
     (listed, not accounted); `ring`: the ring noise's plan; `debug_file`: un-noised telemetry
-    was written (listed as not covered)."""
+    was written (listed as not covered); `releases`: other DP releases about the same devices
+    ({name, zcdp, delta, what}, e.g. FreD statistics), composed with training and the vocabulary."""
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
     mechanism = accountant.mechanism
@@ -306,4 +314,8 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
     total = accountant.with_vocabulary(vocabulary)
     if total is not None:
         privacy["total_with_vocabulary"] = total
+    if releases:
+        others = [*([{"name": "DP vocabulary", **vocabulary}] if vocabulary else []), *releases]
+        privacy["other_releases"] = list(releases)
+        privacy["total_with_releases"] = accountant.compose(others)
     return privacy

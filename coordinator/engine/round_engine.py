@@ -142,13 +142,15 @@ class RoundEngine:
                  users: Sequence[str], fingerprint: str, test_rows, sink: RunSink | None = None,
                  vocabulary: dict | None = None, resume: bool = False,
                  releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
-                 mechanism: Mechanism | None = None):
+                 mechanism: Mechanism | None = None, other_releases: list[dict] | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
         `releases` / `resume_source` replace the run directory's releases.jsonl and resume
         point (the SQLite state store, `state_store.open_engine`). `mechanism`: a caller's noise
-        mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`)."""
+        mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`). `other_releases`:
+        other DP releases about the same devices, which the caller may append to while the run goes
+        (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`)."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
@@ -156,6 +158,7 @@ class RoundEngine:
         self.users = list(users) if isinstance(users, list) or not isinstance(users, Sequence) else users
         self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary = vocabulary
+        self.other_releases = other_releases if other_releases is not None else []
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
@@ -379,7 +382,8 @@ class RoundEngine:
                            model_noise_multiplier=self.z_model, stopped_early=stopped_early,
                            optimised_for=self.mechanism_optimised_for, vocabulary=self.vocabulary,
                            public_data=list(public_data), ring=self.ring,
-                           debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file()), self.audit_break)
+                           debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file(),
+                           releases=self.other_releases), self.audit_break)
 
     def finish(self, *, stopped_early: str | None, baseline: dict, public_data: Sequence[str] = (),
                started: float, extra: dict | None = None) -> tuple[dict, dict]:

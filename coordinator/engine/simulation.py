@@ -171,6 +171,7 @@ def run_simulation(
     audit=None,
     extensions: dict | None = None,
     pretrain: Pretrain | None = None,
+    other_releases: list[dict] | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -193,6 +194,9 @@ def run_simulation(
     `pretrain` is the public pretraining step a config with `[pretrain]` needs
     (`dpfleet.public.public_init.pretrain_on_public`, which `dpfleet.simulate` and the CLI pass):
     handed in, since the coordinator does not import `dpfleet.public` (the layers).
+    `other_releases`: other DP releases about the same devices ({name, zcdp, delta, what}), which
+    the caller may append to during the run (the public pipeline's FreD statistics): the run's
+    privacy composes them (privacy.json `total_with_releases`, the report).
     """
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
@@ -224,7 +228,7 @@ def run_simulation(
                                      tokenizer,
                                      fingerprint_secret(run.path, create=not resume)),
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
-        mechanism=noise_mechanism(cfg, ext.get("noise")),
+        mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
     )
     install(engine, participation=ext.get("participation"))
     if audit is not None:
