@@ -75,3 +75,34 @@ def test_a_callers_mechanism_is_declared_and_a_nan_sensitivity_is_refused():
     acc = RunAccountant(1.0, 1e-6, mechanism=Mine(), declared=True)
     with pytest.raises(DpfleetError, match=r"'mine'.*returned nan"):
         acc.record(["a"], False)
+
+
+def test_an_installed_plugin_mechanism_is_nameable_from_a_config(monkeypatch, tmp_path):
+    """A package's `dpfleet.mechanisms` entry point registers its mechanism: the config (hence
+    `dpfleet simulate` and the service) can name it; a broken plugin is one clear error."""
+    import importlib.metadata
+    import sys
+
+    from dpfleet.coordinator.config import parse_config
+    from dpfleet.coordinator.mechanisms import registry
+    from dpfleet.errors import DpfleetError
+
+    (tmp_path / "my_noise.py").write_text(
+        "from dpfleet.coordinator.mechanisms.independent import IndependentMechanism\n"
+        "from dpfleet.coordinator.mechanisms.registry import register\n"
+        "class Mine(IndependentMechanism):\n    name = 'mine'\n"
+        "register('mine', Mine, lambda r, s, p: Mine(), lambda identity: Mine(), 'a plugin')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    point = importlib.metadata.EntryPoint("mine", "my_noise", registry.ENTRY_POINTS)
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [point] if group == registry.ENTRY_POINTS else [])
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    try:
+        assert "mine" in registry.names() and not built_in(build("mine", 4, 0, 1))
+        assert parse_config({"dp": {"mechanism": "mine"}}).dp.mechanism == "mine"
+        broken = importlib.metadata.EntryPoint("broken", "no_such_module_here", registry.ENTRY_POINTS)
+        monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
+        with pytest.raises(DpfleetError, match="plugin 'broken' .* does not load: ModuleNotFoundError"):
+            registry.names()
+    finally:
+        sys.modules.pop("my_noise", None)

@@ -1,5 +1,8 @@
-"""Which mechanisms a config, the CLI and the planner can name: every module of this package that
-calls `register` (so adding a mechanism is one file here plus its tests, nothing to wire).
+"""Which mechanisms a config, the CLI, the planner and the service can name: every module of this
+package that calls `register` (so adding a mechanism is one file here plus its tests, nothing to
+wire), and every module an installed package names under the entry-point group
+`dpfleet.mechanisms` (a user's mechanism, then usable from a config, `dpfleet simulate` and
+`dpfleet coordinator serve`, which cannot be handed a Python object).
 
 A registered factory builds the mechanism for a run once the participation the coordinator
 enforces is known: `build(name, rounds, min_separation, max_participation)` (banded / BLT optimise
@@ -9,6 +12,7 @@ their strategy for it; the tree and independent noise need nothing).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +47,20 @@ def register(name: str, cls: type[Mechanism], factory: Factory, rebuild: Rebuild
     _ENTRIES[name] = Entry(name, cls, factory, rebuild, description, planned)
 
 
+ENTRY_POINTS = "dpfleet.mechanisms"  # installed packages' modules that call `register`
+
+
 def _load() -> dict[str, Entry]:
-    """Import every module of the package once, so each registers itself."""
+    """Import every module of the package and every plugin module once (each registers itself)."""
     package = importlib.import_module(__name__.rpartition(".")[0])
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{info.name}")
+    for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        try:
+            point.load()
+        except Exception as exc:  # a broken plugin is named, not a traceback from deep inside
+            raise DpfleetError(f"the noise-mechanism plugin {point.name!r} ({point.value}) does not "
+                               f"load: {type(exc).__name__}: {exc}") from None
     return _ENTRIES
 
 
