@@ -232,8 +232,9 @@ def _format_all(rows: list[dict]) -> str:
               help="Account a run from its participation.jsonl: observed MaxP / MinS, "
                    "restarts and the worst actual device.")
 @click.option("--mechanism", type=click.Choice([*names(), "all"]), default=None,
-              help="The noise mechanism (see above): tree (default), banded, blt, or all "
-                   "(one row each at the same noise multiplier). With --participation-log: "
+              help="The noise mechanism (see above; any registered one): tree (default), banded, "
+                   "blt, independent, or all (tree, banded and BLT, one row each at the same noise "
+                   "multiplier). With --participation-log: "
                    "default the run's, from mechanism.json beside the log.")
 @click.option("--mechanism-spec", type=click.Path(dir_okay=False), default=None,
               help="A banded / BLT strategy as JSON (a run's mechanism.json or a spec) to "
