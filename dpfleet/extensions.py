@@ -6,25 +6,5 @@ must not import the front door). Pass your own to `dpfleet.simulate(config, clie
 clipping=..., noise=..., participation=...)`; see that module for what each protocol promises.
 """
 
-from dpfleet.coordinator.engine.extensions import (  # noqa: F401 (re-exported)
-    ClippingRule,
-    DisjointPolicy,
-    Eligible,
-    LocalSGD,
-    LocalUpdate,
-    MatrixMechanism,
-    Mechanism,
-    NoiseStream,
-    ParticipationPolicy,
-    TreeMechanism,
-    UniformPolicy,
-    check_clipped,
-    check_selection,
-    clip_l2,
-)
-
-__all__ = [
-    'ClippingRule', 'DisjointPolicy', 'Eligible', 'LocalSGD', 'LocalUpdate', 'MatrixMechanism',
-    'Mechanism', 'NoiseStream', 'ParticipationPolicy', 'TreeMechanism', 'UniformPolicy',
-    'check_clipped', 'check_selection', 'clip_l2'
-]
+from dpfleet.coordinator.engine.extensions import *  # noqa: F403 (the public face re-exports)
+from dpfleet.coordinator.engine.extensions import __all__  # noqa: F401 (one list, kept there)

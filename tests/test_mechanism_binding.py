@@ -143,3 +143,28 @@ def test_check_no_reuse_runs_on_every_resume(tmp_path, monkeypatch):
     (run / "releases.jsonl").write_text("\n".join([*lines, json.dumps(dup)]) + "\n")
     with pytest.raises(DpfleetError, match="noise reused"):
         simulation.run_simulation(parse_config(RUN), run, resume=True, **QUIET)
+
+
+def test_attack_stripping_every_fingerprint_is_refused_not_taken_for_an_old_run(tmp_path, monkeypatch):
+    """The edit of test_attack_an_edited_mechanism_json plus every fingerprint removed (the release
+    records', mechanism.json's, config.json's, the resume point's): what an old run looked like.
+    Taking it for one would account the edited strategy; a run without a binding is refused."""
+    banded = {**RUN, "dp": {**RUN["dp"], "mechanism": "banded"}}
+    run = crashed(tmp_path, monkeypatch, banded)
+    before = releases(run)
+    saved = edit_spec(run, 0.9)
+    for key in ("sha256", "identity", "custom", "name"):
+        saved.pop(key, None)
+    (run / "mechanism.json").write_text(json.dumps(saved))
+    config = json.loads((run / "config.json").read_text())
+    config.pop("mechanism")
+    (run / "config.json").write_text(json.dumps(config))
+    stripped = [{k: v for k, v in r.items() if k != "mechanism_sha256"} for r in before]
+    (run / "releases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stripped))
+    for state in run.glob("resume*/server_state.json"):
+        meta = json.loads(state.read_text())
+        meta.pop("mechanism")
+        state.write_text(json.dumps(meta))
+    with pytest.raises(DpfleetError, match="no mechanism fingerprint"):
+        simulation.run_simulation(parse_config(banded), run, resume=True, **QUIET)
+    assert [r["round"] for r in releases(run)] == [r["round"] for r in before]

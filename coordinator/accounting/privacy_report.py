@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 
-from dpfleet.coordinator.accounting.zcdp import (
-    MIN_SEPARATION_CONVENTION,
-)
+from dpfleet.coordinator.accounting.zcdp import MIN_SEPARATION_CONVENTION
+from dpfleet.coordinator.mechanisms.registry import ring_is_rounded
 
 HONEST_ONLY = ("PRIVATE ONLY AGAINST HONEST PARTICIPANTS: the noise is continuous Gaussian added "
                "after decoding the secure-aggregation sum (dp.noise = \"gaussian\" with "
@@ -29,10 +28,11 @@ RING_MF_MECHANISM = "matrix-factorization Gaussian, rounded, in the SecAgg ring"
 
 
 def noise_mechanism(noise: str, secagg: bool, mechanism: str = "tree") -> str:
-    """Where the noise was added, in the words every output uses (`mechanism` banded / blt in the
-    ring: the MF Gaussian rounded to integers, `mf_ring`)."""
+    """Where the noise was added, in the words every output uses. In the ring, a mechanism whose
+    ring form is its continuous Gaussian rounded (`Mechanism.ring_is_rounded_gaussian`: banded /
+    blt, `mf_ring`) says so; the others add a discrete Gaussian."""
     if noise == "discrete":
-        return RING_MF_MECHANISM if mechanism in ("banded", "blt") else "discrete Gaussian in the SecAgg ring"
+        return RING_MF_MECHANISM if ring_is_rounded(mechanism) else "discrete Gaussian in the SecAgg ring"
     return "continuous Gaussian after decoding" if secagg else "continuous Gaussian on the plain sum"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
+from dpfleet.coordinator.accounting.privacy_report import noise_mechanism
 from dpfleet.coordinator.accounting.zcdp import (
     ADJACENCY,
     METHODS,
@@ -18,7 +18,14 @@ from dpfleet.coordinator.accounting.zcdp import (
     observe_participation_log,
 )
 from dpfleet.coordinator.mechanisms.base import Mechanism
-from dpfleet.coordinator.mechanisms.registry import as_mechanism, build, entries, entry, names, rebuild
+from dpfleet.coordinator.mechanisms.registry import (
+    as_mechanism,
+    build,
+    entries,
+    names,
+    rebuild,
+    ring_is_rounded,
+)
 from dpfleet.coordinator.mechanisms.spec import MechanismSpec
 from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.coordinator.mechanisms.tree_sensitivity import NODES
@@ -126,8 +133,8 @@ def _participation(log: str | None, rounds: int | None, max_participation: int |
 def _described(result: dict, built: Mechanism, kind: str, spec_source: str, noise: str,
                rounds: int) -> dict:
     """The result with the noise in words and, beside the tree, the strategy and its noise factor."""
-    discrete = RING_MF_MECHANISM if built.ring_is_rounded_gaussian else "discrete Gaussian in the SecAgg ring"
-    result.update(noise=noise, noise_mechanism=discrete if noise == "discrete" else "continuous Gaussian")
+    words = noise_mechanism(noise, False, kind) if noise == "discrete" else "continuous Gaussian"
+    result.update(noise=noise, noise_mechanism=words)
     if kind != "tree":
         matrix = hasattr(built, "spec")
         result.update(mechanism_spec=built.identity(), spec_source=spec_source,
@@ -276,7 +283,7 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
         raise DpfleetError(f"{source} holds a {given.name} strategy, not {mechanism}: account it "
                            f"with --mechanism {given.name}")
     # banded / blt in the ring are the continuous MF Gaussian, rounded (`mf_ring`): PLD holds
-    rounded = noise == "discrete" and mechanism != "all" and entry(mechanism).cls.ring_is_rounded_gaussian
+    rounded = noise == "discrete" and ring_is_rounded(mechanism)
     if method is None:
         method = "rdp" if noise == "discrete" and not rounded else "pld"
     if noise == "discrete" and method == "pld" and not rounded:

@@ -85,6 +85,12 @@ def entry(name: str) -> Entry:
     return found[name]
 
 
+def ring_is_rounded(name: str) -> bool:
+    """Whether mechanism `name`'s ring noise is its continuous Gaussian rounded (the Gaussian PLD
+    bounds it); False for a name this dpfleet does not know (a caller's object, "auto")."""
+    return name in names() and entry(name).cls.ring_is_rounded_gaussian
+
+
 def build(name: str, rounds: int, min_separation: int, max_participation: int) -> Mechanism:
     return entry(name).factory(rounds, min_separation, max_participation)
 

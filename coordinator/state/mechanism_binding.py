@@ -47,8 +47,12 @@ def binding(mechanism: Mechanism) -> dict:
 
 
 def check_bound(mechanism: Mechanism, bound: dict | None, where: str) -> None:
-    """One line when `mechanism` is not the one `bound` (a `binding`, or None: nothing bound)."""
-    if bound is None or bound.get("sha256") == mechanism.fingerprint():
+    """One line when `mechanism` is not the one `bound` (a `binding`; None: `where` carries no
+    fingerprint, which a resumed run's files always do, so that is refused too)."""
+    if bound is None:
+        raise DpfleetError(f"{where} has no mechanism fingerprint (a run of a dpfleet before the "
+                           "binding, or an edited file): it cannot be resumed; start it again")
+    if bound.get("sha256") == mechanism.fingerprint():
         return
     raise DpfleetError(
         f"{where} was made with the noise mechanism {bound.get('name')!r} (fingerprint "
@@ -74,21 +78,23 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
     path = run_path / MECHANISM_FILE
     if resume and path.is_file():
         saved = json.loads(path.read_text())
-        if "sha256" not in saved:  # a run of an older dpfleet: banded / BLT only wrote the spec
-            saved = {"name": saved["spec"]["kind"], "identity": saved["spec"], "custom": False,
-                     "optimised_for": saved["optimised_for"]}
+        if not isinstance(saved, dict) or "sha256" not in saved:
+            raise DpfleetError(f"{path} has no mechanism fingerprint (a run of a dpfleet before the "
+                               "binding, or an edited file): it cannot be resumed with its noise "
+                               "accounted for sure; start it again")
         if saved.get("custom") and given is None:
             raise DpfleetError(f"{run_path} was started with the custom noise mechanism "
                                f"{saved.get('name')!r}: resume it with the same mechanism "
                                "(dpfleet.simulate(..., noise=...)), not with the config's")
         mechanism = given if given is not None else rebuild(saved["name"], saved["identity"])
-        if "sha256" in saved:
-            check_bound(mechanism, saved, str(path))
-        check_bound(mechanism, _config_binding(run_path), str(run_path / "config.json"))
+        check_bound(mechanism, saved, str(path))
+        if (run_path / "config.json").is_file():  # the service's state store keeps none
+            check_bound(mechanism, _config_binding(run_path), str(run_path / "config.json"))
         return mechanism, saved["optimised_for"]
     mins, maxp = accounted_participation(cfg, min_separation)
     mechanism = given if given is not None else build(cfg.dp.mechanism, cfg.rounds, mins, maxp)
-    check_bound(mechanism, getattr(cfg, "mechanism_binding", None), "the config's mechanism binding")
+    if getattr(cfg, "mechanism_binding", None) is not None:  # a run's config.json: its pin holds
+        check_bound(mechanism, cfg.mechanism_binding, "the config's mechanism binding")
     optimised_for = {"min_separation": mins, "max_participation": maxp,
                      "participation": cfg.participation.mode}
     atomic_write(path, dumps(_record(mechanism, not built_in(mechanism), optimised_for), indent=2))
@@ -102,8 +108,8 @@ def saved_config(run_path: Path) -> dict:
 
 
 def _config_binding(run_path: Path) -> dict | None:
-    path = run_path / "config.json"
-    return json.loads(path.read_text()).get("mechanism") if path.is_file() else None
+    """config.json's binding (None: it has none, which `check_bound` refuses)."""
+    return json.loads((run_path / "config.json").read_text()).get("mechanism")
 
 
 def _bind_config(run_path: Path, mechanism: Mechanism) -> None:

@@ -318,11 +318,10 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     (with `source`, the state store's, nothing is rewritten: its logs commit with the release)."""
     released = releases.released_rounds()
     check_no_reuse(released)  # the log replayed must never have put one noise position on two sums
-    for record in released:  # a run of an older dpfleet has no fingerprint in its records
-        if record.get("mechanism_sha256"):
-            check_bound(server.mechanism, {"name": record.get("mechanism", "tree"),
-                                           "sha256": record["mechanism_sha256"]},
-                        f"round {record['round']} of {releases.path}")
+    for record in released:  # every release names the mechanism its noise came from
+        bound = ({"name": record.get("mechanism", "tree"), "sha256": record["mechanism_sha256"]}
+                 if record.get("mechanism_sha256") else None)
+        check_bound(server.mechanism, bound, f"round {record['round']} of {releases.path}")
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")

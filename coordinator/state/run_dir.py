@@ -62,8 +62,12 @@ class RunDir:
             (self.path / name).write_text("")
 
     def write_config(self, resolved: dict) -> None:
+        """config.toml and config.json; a mechanism binding config.json already holds is kept (a
+        restarted service writes its config again: the run's fingerprint must survive it)."""
+        path = self.path / "config.json"
+        bound = json.loads(path.read_text()).get("mechanism") if path.is_file() else None
         atomic_write(self.path / "config.toml", to_toml(resolved))
-        atomic_write(self.path / "config.json", dumps(resolved, indent=2))
+        atomic_write(path, dumps({**resolved, **({"mechanism": bound} if bound else {})}, indent=2))
 
     def append(self, name: str, record: dict) -> None:
         with (self.path / name).open("a") as fh:
