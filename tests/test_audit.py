@@ -133,8 +133,18 @@ def test_honest_runs_lower_bound_stays_at_or_below_accounted(tmp_path):
         assert entry["epsilon_estimate_interval"][0] <= entry["epsilon_accounted"], entry
         assert entry["broken"] is None and not entry["verdict"].startswith("FAIL")
     assert a["canaries"]["directions"] == 2 * 512 and a["runs"] == 2
-    # the canaries went through the run's participation like any device: most reached a sum
-    assert a["canaries"]["inserted_in_sum"] >= 0.8 * a["canaries"]["inserted"]
+    # the canaries went through the run's participation like any device: disjoint participation
+    # fills rounds x report_goal slots from <= 40 real + 2 text + the inserted canary devices, so the
+    # canaries reached the sum about as often as a uniform draw gives (hypergeometric, 4 sd); the
+    # coins come from the audit's fresh key, so the inserted count differs from run to run
+    slots = CFG["rounds"] * CFG["dp"]["report_goal"]
+    for entry in a["seeds"]:
+        k = entry["canaries"]["inserted"]
+        n = CFG["data"]["max_clients"] + CANARIES.text_canaries + k
+        mean = slots * k / n
+        sd = np.sqrt(slots * (k / n) * (1 - k / n) * (n - slots) / (n - 1))
+        assert entry["canaries"]["inserted_in_sum"] >= mean - 4 * sd, entry["canaries"]
+    assert a["canaries"]["inserted_in_sum"] == sum(e["canaries"]["inserted_in_sum"] for e in a["seeds"])
     on_disk = json.loads((tmp_path / "honest" / "audit.json").read_text())
     assert on_disk["epsilon_lower_bound"] == a["epsilon_lower_bound"]
     assert [s["seed"] for s in on_disk["seeds"]] == [7, 8]
