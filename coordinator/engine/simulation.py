@@ -176,27 +176,16 @@ def run_simulation(
     """Run a whole simulation and write its run directory.
 
     `before_round(r, theta)` runs before each round's clients train; a returned array replaces
-    the server's theta (public training between private rounds: post-processing, so it costs no
-    privacy). The DP-FTRL tree, momentum and round counter continue, and the accounting covers
-    all rounds.
-
-    With `resume`, `out` is an interrupted run of this same config: it continues from the last
-    resume point (`checkpoint_every`), or from round 0 when none was written yet (`resume.py`).
-
-    `public_data` names public data the caller trained on, for the privacy report.
-    `records`, `model`, `tokenizer` replace the config's dataset, zoo model and tokenizer
-    (`dpfleet.simulate`); a custom model trains through the sequential eager trainer and is
-    checked on a dummy batch first (`check_custom_model`).
-    metrics.jsonl holds DP quantities and held-out evaluation only; un-noised client telemetry
-    goes to debug_nonprivate.jsonl, and only with `cfg.debug_nonprivate`.
-    `audit` (`dpfleet audit` only: `audit_run.CanaryRun`) adds canary devices to the fleet, sees
-    the engine once built and trains the canaries of each plan; None for every other run.
-    `pretrain` is the public pretraining step a config with `[pretrain]` needs
-    (`dpfleet.public.public_init.pretrain_on_public`, which `dpfleet.simulate` and the CLI pass):
-    handed in, since the coordinator does not import `dpfleet.public` (the layers).
-    `other_releases`: other DP releases about the same devices ({name, zcdp, delta, what}), which
-    the caller may append to during the run (the public pipeline's FreD statistics): the run's
-    privacy composes them (privacy.json `total_with_releases`, the report).
+    theta (public training between private rounds: post-processing, no privacy cost; the tree,
+    momentum, round counter and accounting continue). `resume`: continue the interrupted run in
+    `out` from its last resume point (`resume.py`). `public_data` names public data the caller
+    trained on (the report). `records`, `model`, `tokenizer` replace the config's dataset, zoo
+    model and tokenizer (`dpfleet.simulate`; a custom model is checked on a dummy batch first).
+    `audit` (`dpfleet audit` only) adds canary devices. `pretrain` is the public pretraining step
+    a `[pretrain]` config needs, handed in because the coordinator does not import
+    `dpfleet.public` (the layers). `other_releases`: other DP releases about the same devices
+    ({name, zcdp, delta, what}, appended to during the run, e.g. FreD), composed into the run's
+    privacy. metrics.jsonl holds DP quantities and held-out evaluation only.
     """
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
@@ -204,15 +193,7 @@ def run_simulation(
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
-    custom_tokenizer = tokenizer is not None
-    tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
-    if model is not None:
-        check_custom_model(model, tokenizer.vocab_size, cfg.data.seq_len, data)
-    elif custom_tokenizer and (top := largest_id(data)) >= tokenizer.vocab_size:
-        raise DpfleetError(f"vocabulary mismatch: the tokenizer gave token id {top} but its vocab_size "
-                           f"is {tokenizer.vocab_size} (the model's embedding size)")
-    population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
-    data.train = []  # from here on the clients are read through the store, a cohort at a time
+    tokenizer, data, population = _load_clients(cfg, vocabulary_folder, records, tokenizer, model)
     if planned:
         plan_run(cfg, run, len(population), resume, log)
     generated_notice = generated_population_notice(population)
@@ -250,16 +231,32 @@ def run_simulation(
     public_data = [*public_data, *setup.public_data]
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
-                                   extra={"client_trainer": setup.trainer.name,  # cohort / sequential
-                                          **({"client_trainer_note": setup.trainer_note}
-                                             if setup.trainer_note else {}),
-                                          **({"data": "records given in Python"} if records is not None
-                                             else {}),
-                                          **({"public_pretraining": setup.pretrained}
-                                             if setup.pretrained else {}),
-                                          **({"generated_population": generated_notice}
-                                             if generated_notice else {})})
+                                   extra=_summary_extra(setup, records is not None, generated_notice))
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, tokenizer, model):
+    """(tokenizer, held-out data, training population): a caller's model or tokenizer is checked
+    against the token ids before any round (a mismatch is one error, not an index error later)."""
+    custom_tokenizer = tokenizer is not None
+    tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
+    if model is not None:
+        check_custom_model(model, tokenizer.vocab_size, cfg.data.seq_len, data)
+    elif custom_tokenizer and (top := largest_id(data)) >= tokenizer.vocab_size:
+        raise DpfleetError(f"vocabulary mismatch: the tokenizer gave token id {top} but its vocab_size "
+                           f"is {tokenizer.vocab_size} (the model's embedding size)")
+    population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
+    data.train = []  # from here on the clients are read through the store, a cohort at a time
+    return tokenizer, data, population
+
+
+def _summary_extra(setup: TrainingSetup, records_given: bool, generated_notice: dict | None) -> dict:
+    """What summary.json says of how this run trained, beyond the engine's own figures."""
+    return {"client_trainer": setup.trainer.name,  # cohort / sequential
+            **({"client_trainer_note": setup.trainer_note} if setup.trainer_note else {}),
+            **({"data": "records given in Python"} if records_given else {}),
+            **({"public_pretraining": setup.pretrained} if setup.pretrained else {}),
+            **({"generated_population": generated_notice} if generated_notice else {})}
 
 
 def _open_run(cfg: SimulationConfig, out: Path, overwrite: bool, resume: bool) -> RunDir:
