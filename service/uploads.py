@@ -4,6 +4,11 @@ Why so strict: in plain aggregation the coordinator adds the uploads itself, so 
 the wrong length, a NaN, an Inf or a norm above the clip norm would change the sum by more than
 the sensitivity the DP noise is calibrated to (a NaN would erase everyone's contribution). Each
 refusal is decided on the bytes before anything is stored; refused uploads are never summed.
+
+The norm bound has no slack: an upload whose float64 norm is above C by any amount is refused.
+The norm is `clipping.norm64`, the very function the devices' clip (`clip_l2`) and the
+simulator's `check_clipped` use, and that clip keeps stepping toward zero until norm64 <= C: an
+honestly clipped float32 update always passes, bit for bit the same test on both sides.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NORM_SLACK = 1e-4  # relative: the device's float32 clip may land a few ulps above C
+from dpfleet.edge.clipping import norm64
 
 
 class UploadError(ValueError):
@@ -37,8 +42,8 @@ def parse_update(body: bytes, length: int, clip_norm: float) -> np.ndarray:
     delta = np.frombuffer(body, dtype="<f4").astype(np.float32)
     if not np.isfinite(delta).all():
         raise UploadError("update holds NaN or Inf")
-    norm = float(np.linalg.norm(delta.astype(np.float64)))
-    if norm > clip_norm * (1 + NORM_SLACK):
+    norm = norm64(delta)
+    if not norm <= clip_norm:  # exactly C at most: no slack
         raise UploadError(f"update norm {norm:.6g} exceeds the round's clip norm {clip_norm:.6g}")
     return delta
 

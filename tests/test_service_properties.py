@@ -10,11 +10,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpfleet.edge.clipping import norm64
 from dpfleet.secagg.errors import ProtocolViolationError
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.setup_wire import decode_setup, encode_setup
 from dpfleet.service.auth import AuthError, NonceCache, sign_request, verify_request
-from dpfleet.service.uploads import NORM_SLACK, UploadError, parse_update
+from dpfleet.service.uploads import UploadError, parse_update
 
 KEY = Ed25519PrivateKey.generate()
 PUB = KEY.public_key().public_bytes_raw()
@@ -66,8 +67,8 @@ def test_only_finite_in_norm_exact_length_uploads_are_accepted(vec, clip, length
     length = arr.size + length_delta
     body = arr.tobytes()
     with np.errstate(over="ignore", invalid="ignore"):
-        norm = float(np.linalg.norm(arr.astype(np.float64)))
-    ok = length_delta == 0 and bool(np.isfinite(arr).all()) and norm <= clip * (1 + NORM_SLACK)
+        norm = norm64(arr)
+    ok = length_delta == 0 and bool(np.isfinite(arr).all()) and norm <= clip
     if length < 1:
         return
     if ok:
