@@ -36,6 +36,9 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
           tls_cert: Path | None, tls_key: Path | None) -> None:
     """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
 
+    Refused: dp.noise_seed (research mode), and a non-loopback --listen without --fleet-public
+    (anyone could claim a device id). The state directory is 0700, its files 0600.
+
     Devices register their Ed25519 identity key, check in, download the plan and model by
     hash, and report (plain) or run signed SecAgg; each round commits durably before its model
     is served. The run directory files of `simulate` (metrics, participation, privacy report,
@@ -48,6 +51,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     from dpfleet.service.server import serve as run
 
     cfg = load_config(config)
+    check_secret_noise(cfg)
     if rounds is not None:
         if rounds < 1:
             raise DpfleetError("--rounds must be >= 1")
@@ -64,6 +68,17 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     click.echo(f"noise: {noise_line(cfg)}")
     if warning:
         click.echo(warning)
+
+
+def check_secret_noise(cfg) -> None:
+    """The service adds secret noise only: `dp.noise_seed` (research mode) lets anyone with the
+    seed rebuild the noise and subtract it from every release, so `serve` refuses it."""
+    from dpfleet.errors import DpfleetError
+
+    if cfg.dp.noise_seed >= 0:
+        raise DpfleetError(f"dp.noise_seed = {cfg.dp.noise_seed} is research mode (anyone with the "
+                           "seed can rebuild the noise and read the clients' sum); the service "
+                           "refuses it: remove dp.noise_seed from the config")
 
 
 def noise_line(cfg) -> str:

@@ -39,7 +39,7 @@ def _status(capsys, state) -> dict:
 def test_cli_operates_a_real_coordinator(capsys, tmp_path):
     # far more rounds than the test lets commit: `stop` must find the run going, whatever the
     # machine's speed (with 6 rounds a fast run had finished before the stop arrived)
-    cfg = tiny_cfg(rounds=200, eval_every=1)
+    cfg = tiny_cfg(rounds=200, eval_every=1, dp={"noise_seed": -1})  # serve: secret noise only
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(cfg.resolved()))
     state = tmp_path / "state"

@@ -62,7 +62,7 @@ def state_rows(state) -> dict:
         store.close()
 
 
-CFG = tiny_cfg(rounds=ROUNDS, eval_every=1,
+CFG = tiny_cfg(rounds=ROUNDS, eval_every=1, dp={"noise_seed": -1},  # serve: secret noise only
                service={"checkin_retry_s": 0.2, "report_deadline_s": 20.0})
 
 

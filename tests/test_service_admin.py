@@ -118,10 +118,11 @@ def test_stop_fails_the_open_round_and_a_restart_continues(tmp_path):
 
 def test_serve_errors_are_one_line(tmp_path, capsys):
     config = tmp_path / "c.toml"
-    config.write_text(to_toml(tiny_cfg(rounds=1).resolved()))
+    secret = {"noise_seed": -1}  # serve refuses research mode's seeded noise
+    config.write_text(to_toml(tiny_cfg(rounds=1, dp=secret).resolved()))
     dropout = tmp_path / "d.toml"
-    dropout.write_text(to_toml(tiny_cfg(rounds=1, aggregation={"kind": "secagg", "signed": True,
-                                                               "dropout": 0.2}).resolved()))
+    dropout.write_text(to_toml(tiny_cfg(rounds=1, dp=secret, aggregation={
+        "kind": "secagg", "signed": True, "dropout": 0.2}).resolved()))
     cases = {
         (str(config), "--listen", "0.0.0.0:0"): "needs --tls-cert",
         (str(config), "--listen", "localhost"): "HOST:PORT",

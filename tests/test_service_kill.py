@@ -6,6 +6,7 @@ on different sums, and the accounting equals a fresh account of the committed lo
 points come from the service's fault hook (`service/faults.py`, DPFLEET_SERVICE_FAULT)."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -45,6 +46,7 @@ async def serve_once(config, state, port, fault, started: dict | None = None):
 def kill_and_restart(tmp_path, faults, rounds, **sections):
     cfg = tiny_cfg(rounds=rounds, **{"service": {"checkin_retry_s": 0.2, "report_deadline_s": 20.0},
                                      **sections})
+    cfg = dataclasses.replace(cfg, dp=dataclasses.replace(cfg.dp, noise_seed=-1))  # serve: secret noise
     config = tmp_path / "config.toml"
     config.write_text(to_toml(cfg.resolved()))
     users, examples = fleet_data(cfg, tmp_path / "fleet")
