@@ -31,6 +31,7 @@ from dpfleet.service.servelog import ServiceLog
 
 ADMIN_FILE = "admin.json"
 SERVICE_LOG = "service.log"
+STATE_UMASK = 0o077  # every file the serving process creates: 0600, every folder 0700
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Running:
     task: asyncio.Task
     log: ServiceLog
     admin_file: Path
+    holds_umask: bool = False  # `shutdown` releases the process umask (`hold_umask`)
 
 
 def parse_listen(listen: str, tls: bool) -> tuple[str, int]:
@@ -58,6 +60,47 @@ def parse_listen(listen: str, tls: bool) -> tuple[str, int]:
     if not addr.is_loopback and not tls:
         raise DpfleetError(f"--listen {listen}: a non-loopback address needs --tls-cert/--tls-key")
     return host.strip("[]"), port_n
+
+
+_umask = {"users": 0, "saved": 0}
+
+
+def hold_umask() -> None:
+    """The process umask is STATE_UMASK while any coordinator of this process serves (`serve`
+    is one per process; in-process tests may run several): the first holder sets it, the last
+    `release_umask` puts the previous one back."""
+    if _umask["users"] == 0:
+        _umask["saved"] = os.umask(STATE_UMASK)
+    else:
+        os.umask(STATE_UMASK)
+    _umask["users"] += 1
+
+
+def release_umask() -> None:
+    _umask["users"] -= 1
+    if _umask["users"] == 0:
+        os.umask(_umask["saved"])
+
+
+def check_exposure(host: str, registry: dict | None) -> None:
+    """Off loopback no device id may be claimed without a credential: the fleet's key registry
+    (--fleet-public) is required there; on loopback (an emulation) registration may stay open."""
+    if registry is None and not ipaddress.ip_address(host).is_loopback:
+        raise DpfleetError(f"--listen {host}: off loopback anyone could claim a device id by "
+                           "registering first; give --fleet-public FILE (the fleet's key "
+                           "registry) so only the fleet's keys may register")
+
+
+def private_state(state: Path) -> None:
+    """STATE 0700 and everything in it 0600 (folders 0700), also what an older process left."""
+    state.chmod(0o700)
+    for root, dirs, files in os.walk(state):
+        for d in dirs:
+            Path(root, d).chmod(0o700)
+        for f in files:
+            path = Path(root, f)
+            if not path.is_symlink():
+                path.chmod(0o600)
 
 
 def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
@@ -79,7 +122,17 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     state = Path(state)
     ctx = tls_context(tls_cert, tls_key)
     host, port = parse_listen(listen, ctx is not None)
-    booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
+    check_exposure(host, registry)
+    hold_umask()  # the state's files (SQLite, its -wal and -shm, logs, rounds): 0600
+    try:
+        booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
+        private_state(state)
+    except BaseException:
+        release_umask()
+        raise
+    if registry is None:
+        log("registration is open: the first key to register a device id of this run claims it "
+            "(loopback emulation only; off loopback serve needs --fleet-public)")
     service_log = ServiceLog(state / SERVICE_LOG)
     driver = RoundDriver(booted, service_log, registry)
     token = new_admin_token()
@@ -91,6 +144,8 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     except OSError as exc:
         await runner.cleanup()
         booted.store.close()
+        service_log.close()
+        release_umask()
         raise DpfleetError(f"cannot listen on {listen}: {exc}") from None
     bound = runner.addresses[0][1]
     url = f"{'https' if ctx else 'http'}://{'[' + host + ']' if ':' in host else host}:{bound}"
@@ -99,9 +154,9 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     cert = str(Path(tls_cert).resolve()) if tls_cert else None  # not relative to our cwd
     write_secret(admin_file, json.dumps({"url": url, "token": token, "pid": os.getpid(),
                                          "tls_cert": cert}).encode())
-    service_log.event("listen", url=url)
+    service_log.event("listen", url=url, registration="registry" if registry else "open")
     task = asyncio.create_task(driver.run())
-    return Running(url, token, driver, runner, task, service_log, admin_file)
+    return Running(url, token, driver, runner, task, service_log, admin_file, True)
 
 
 async def shutdown(running: Running) -> None:
@@ -113,6 +168,9 @@ async def shutdown(running: Running) -> None:
         running.driver.store.close()
         running.log.close()
         running.admin_file.unlink(missing_ok=True)
+        if running.holds_umask:
+            running.holds_umask = False
+            release_umask()
 
 
 async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = None,
