@@ -13,15 +13,24 @@ need the bearer token and nothing else; public calls show only released aggregat
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import time
 
 from aiohttp import web
 
 from dpfleet.jsonio import dumps
-from dpfleet.service.auth import H_SIG, AuthError, NonceCache, Sessions, check_admin, verify_request
+from dpfleet.service.auth import (
+    H_SIG,
+    AuthError,
+    NonceCache,
+    Sessions,
+    check_admin,
+    verify_register,
+    verify_request,
+)
 from dpfleet.service.limits import RateLimiter
-from dpfleet.service.rounds import ApiError, RoundDriver
+from dpfleet.service.rounds import ApiError, RoundDriver, registration_refused
 from dpfleet.service.status_page import add_status_routes
 
 DRIVER = web.AppKey("driver", RoundDriver)
@@ -34,8 +43,13 @@ def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
                         headers=headers)
 
 
+LOG = logging.getLogger("dpfleet.service")
+
+
 @web.middleware
 async def errors(request: web.Request, handler):
+    """Every answer is JSON `{error, code}` (PROTOCOL.md); anything unexpected is one generic 500
+    whose traceback goes to the coordinator's own log, never to the client."""
     try:
         return await handler(request)
     except ApiError as exc:
@@ -44,22 +58,33 @@ async def errors(request: web.Request, handler):
         return _json({"error": str(exc), "code": exc.code}, 401)
     except web.HTTPRequestEntityTooLarge as exc:
         return _json({"error": f"request body too large ({exc.text})", "code": "too_large"}, 413)
+    except web.HTTPException:
+        raise  # aiohttp's own answers (404 no route, 405 wrong method, ...)
+    except Exception as exc:  # a bug: never a traceback to the client
+        LOG.error("internal error on %s %s", request.method, request.path, exc_info=True)
+        request.app[DRIVER].log.event("internal_error", path=request.path,
+                                      error=type(exc).__name__)
+        return _json({"error": "internal error", "code": "internal"}, 500)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(body: bytes):
+    """A request body's JSON, or ValueError: not UTF-8 JSON, NaN / Infinity, or nested deeper
+    than the parser's recursion allows (RecursionError would otherwise be a 500)."""
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 async def device(request: web.Request) -> tuple[str, bytes]:
     """(device id, body) of an authenticated, rate-allowed device request."""
     ctx = request.app[CONTEXT]
-    body = await request.read()
-    claimed = request.headers.get("X-Dpfleet-Device", "")
-    driver = request.app[DRIVER]
-    key = driver.keys.get(claimed)
-    if request.path == "/v1/register":  # proof of possession: signed by the key being registered
-        if H_SIG not in request.headers:  # a session MAC proves nothing about the key in the body
-            raise AuthError("register is proven with the Ed25519 signature of the key it registers")
-        try:
-            key = bytes.fromhex(json.loads(body)["public_key"])
-        except (ValueError, KeyError, TypeError):
-            raise ApiError(400, "bad_register", "register needs {device_id, public_key: hex}") from None
+    body = await request.read()  # bounded: client_max_size (413), read before any parsing
+    key = request.app[DRIVER].keys.get(request.headers.get("X-Dpfleet-Device", ""))
     device_id = verify_request(request.headers, request.method, request.raw_path, body, key,
                                ctx["nonces"], sessions=ctx["sessions"])
     wait = ctx["limiter"].take(device_id)
@@ -77,18 +102,41 @@ def _round_args(request: web.Request) -> tuple[int, int]:
 
 
 async def register(request: web.Request) -> web.Response:
-    device_id, body = await device(request)
-    payload = json.loads(body)
-    if payload.get("device_id") != device_id:
-        raise ApiError(400, "bad_register", "device_id differs from the signing header")
-    request.app[DRIVER].register(device_id, bytes.fromhex(payload["public_key"]))
+    """Proof of possession: signed by the key being registered, so the body is parsed first (it
+    names the key), but only for its shape (400s that say nothing about any device). Then every
+    refusal, whatever its reason (unknown or held-out id, not the registry's key, an id another
+    key holds, a bad signature, time or nonce), is ONE answer after the same work
+    (`registration_refused`, `auth.verify_register`): no membership oracle."""
+    ctx, driver = request.app[CONTEXT], request.app[DRIVER]
+    body = await request.read()
+    payload = _json_object(body, "bad_register", "register")
+    device_id, key_hex = payload.get("device_id"), payload.get("public_key")
+    try:
+        if not isinstance(device_id, str) or not isinstance(key_hex, str):
+            raise ValueError
+        key = bytes.fromhex(key_hex)
+        if len(key) != 32:
+            raise ValueError
+    except ValueError:
+        raise ApiError(400, "bad_register",
+                       "register needs {device_id: str, public_key: 32-byte hex}") from None
+    proven = verify_register(request.headers, request.method, request.raw_path, body, key,
+                             ctx["nonces"])
+    admissible = driver.may_register(device_id, key)  # looked up on every path, too
+    if proven != device_id or not admissible:
+        raise registration_refused()
+    wait = ctx["limiter"].take(device_id)
+    if wait:
+        raise ApiError(429, "rate_limited", "too many requests from this device",
+                       {"Retry-After": f"{max(1, round(wait))}"})
+    driver.register(device_id, key)
     return _json({"device_id": device_id, "registered": True})
 
 
 def _json_object(body: bytes, code: str, what: str) -> dict:
     """A request body that must be one JSON object; anything else is a 400 with `code`."""
     try:
-        payload = json.loads(body)
+        payload = parse_json(body)
     except ValueError:
         raise ApiError(400, code, f"{what} body must be JSON") from None
     if not isinstance(payload, dict):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -60,8 +61,15 @@ class AuthError(Exception):
 
 def signed_bytes(method: str, path_qs: str, time_s: str, nonce: str, body: bytes) -> bytes:
     """The exact bytes a device signs (PROTOCOL.md, request authentication)."""
-    return b"\n".join([LABEL, method.upper().encode(), path_qs.encode(), time_s.encode(),
-                       nonce.encode(), hashlib.sha256(body).hexdigest().encode()])
+    return b"\n".join([LABEL, _utf8(method.upper()), _utf8(path_qs), _utf8(time_s), _utf8(nonce),
+                       hashlib.sha256(body).hexdigest().encode()])
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 that never raises: a header or raw path a client sent as undecodable bytes reaches
+    us with surrogates, which then only fail the signature (never a 500); a well-formed string
+    encodes exactly as `str.encode()`, which is what devices sign."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def sign_request(key: Ed25519PrivateKey, device_id: str, method: str, path_qs: str, body: bytes,
@@ -76,7 +84,7 @@ def sign_request(key: Ed25519PrivateKey, device_id: str, method: str, path_qs: s
 def mac_bytes(session_id: str, method: str, path_qs: str, time_s: str, nonce: str,
               body: bytes) -> bytes:
     """The exact bytes a session request's HMAC covers (PROTOCOL.md, sessions)."""
-    return MAC_LABEL + b"\n" + session_id.encode() + b"\n" + signed_bytes(
+    return MAC_LABEL + b"\n" + _utf8(session_id) + b"\n" + signed_bytes(
         method, path_qs, time_s, nonce, body).split(b"\n", 1)[1]
 
 
@@ -202,13 +210,12 @@ def verify_request(headers, method: str, path_qs: str, body: bytes, public_key: 
         raise AuthError("request signed before this coordinator process started (sign it again)")
     if len(nonce) != 2 * NONCE_BYTES or not all(c in "0123456789abcdef" for c in nonce):
         raise AuthError("malformed nonce")
-    if public_key is None:
-        raise AuthError(f"unknown device {device!r}")
     if mac_mode:
         _check_mac(sessions, session_id, device, signature,
                    mac_bytes(session_id, method, path_qs, time_s, nonce, body))
-    else:
-        _check_signature(public_key, signature, signed_bytes(method, path_qs, time_s, nonce, body))
+    else:  # an unknown id costs the same verification and gets the same answer as a wrong key
+        _check_signature(public_key or _NOBODY, signature,
+                         signed_bytes(method, path_qs, time_s, nonce, body), public_key is not None)
     if not nonces.claim(nonce, now):
         raise AuthError("replayed request (nonce already used)")
     return device
@@ -225,11 +232,44 @@ def _check_mac(sessions: Sessions, session_id: str, device: str, mac: bytes, dat
         raise AuthError("bad request MAC")
 
 
-def _check_signature(public_key: bytes, signature: bytes, data: bytes) -> None:
+_NOBODY = Ed25519PrivateKey.generate().public_key().public_bytes_raw()  # nobody holds its key
+
+
+def _signature_ok(public_key: bytes, signature: bytes, data: bytes) -> bool:
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
     except (InvalidSignature, ValueError):
-        raise AuthError("bad request signature") from None
+        return False
+    return True
+
+
+def _check_signature(public_key: bytes, signature: bytes, data: bytes, known: bool = True) -> None:
+    if not _signature_ok(public_key, signature, data) or not known:
+        raise AuthError("bad request signature")
+
+
+def verify_register(headers, method: str, path_qs: str, body: bytes, public_key: bytes,
+                    nonces: NonceCache, now: float | None = None) -> str | None:
+    """The device id a register request proves possession of `public_key` for (the key it
+    registers signed it), or None. Every check runs whatever fails first, the Ed25519
+    verification always, so a refused register costs the same work whatever the reason (the
+    caller answers every refusal alike: no membership oracle, by answer or by time)."""
+    now = time.time() if now is None else now
+    device, time_s, nonce, sig = (str(headers.get(h, "")) for h in (H_DEVICE, H_TIME, H_NONCE,
+                                                                    H_SIG))
+    ok = H_SIG in headers and H_MAC not in headers  # a session MAC proves nothing about the key
+    try:
+        signature = bytes.fromhex(sig)
+    except ValueError:
+        signature, ok = bytes(64), False
+    try:
+        stamp = float(time_s)
+    except ValueError:
+        stamp, ok = math.nan, False
+    ok &= _signature_ok(public_key, signature, signed_bytes(method, path_qs, time_s, nonce, body))
+    ok &= abs(stamp - now) <= CLOCK_WINDOW_S and stamp >= nonces.not_before  # NaN fails both
+    ok &= len(nonce) == 2 * NONCE_BYTES and all(c in "0123456789abcdef" for c in nonce)
+    return device if ok and nonces.claim(nonce, now) else None
 
 
 def new_admin_token() -> str:

@@ -54,6 +54,13 @@ class ApiError(Exception):
         self.status, self.code, self.headers = status, code, headers or {}
 
 
+def registration_refused() -> ApiError:
+    """THE answer to every refused registration, whatever the reason: the same status, body
+    bytes and headers, so a register cannot tell whether an id is one of the run's devices, a
+    held-out client, in the registry or claimed already (PROTOCOL.md, registration)."""
+    return ApiError(403, "registration_refused", "registration refused")
+
+
 @dataclass
 class OpenRound:
     plan: RoundPlan
@@ -113,16 +120,23 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ device API
 
+    def may_register(self, device_id: str, public_key: bytes) -> bool:
+        """Whether `public_key` may hold `device_id`: one of the run's train clients, the fleet
+        registry's key for it (when there is a registry), not bound to another key. In memory
+        only, every lookup made whatever the first one says (the same work on every path)."""
+        known = device_id in self.index
+        listed = self.registry is None or self.registry.get(device_id) == public_key
+        free = self.keys.get(device_id, public_key) == public_key
+        return known & listed & free
+
     def register(self, device_id: str, public_key: bytes) -> bool:
-        if device_id not in self.index:
-            raise ApiError(403, "unknown_device", f"{device_id!r} is not a device of this run")
-        if self.registry is not None and self.registry.get(device_id) != public_key:
-            raise ApiError(403, "not_in_registry", "this key is not the fleet registry's key for "
-                                                   f"{device_id!r}")
+        """Bind the key (`may_register` said yes); any refusal is `registration_refused`."""
+        if not self.may_register(device_id, public_key):
+            raise registration_refused()
         try:
             new = self.store.bind_key(device_id, public_key)
-        except DpfleetError as exc:
-            raise ApiError(409, "key_conflict", str(exc)) from None
+        except DpfleetError:  # bound to another key in the store: the same single answer
+            raise registration_refused() from None
         self.keys[device_id] = public_key
         if new:
             self.log.event("register", device=device_id)
