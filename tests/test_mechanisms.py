@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dpfleet.coordinator.accounting.zcdp import account_worst_case, zcdp_from_noise
 from dpfleet.coordinator.mechanisms.blt import BLT, banded_toeplitz_matrix
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_optimize import optimize_blt, tree_loss
 from dpfleet.coordinator.mechanisms.mf_sensitivity import (
     brute_force_sensitivity_squared,
@@ -19,12 +20,12 @@ from dpfleet.coordinator.mechanisms.spec import (
     MAX_BANDS,
     MECHANISMS,
     MechanismSpec,
-    mechanism_zcdp,
     noise_factor,
     optimize_mechanism,
     relative_noise,
     sensitivity_squared,
 )
+from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.errors import DpfleetError
 
 positive = st.floats(0.01, 2.0, allow_nan=False)
@@ -90,9 +91,10 @@ def test_tree_path_is_the_accountant_exactly(rounds, mins, maxp, restarts, adjac
     acc = account_worst_case(z, rounds, maxp, mins, restarts, adjacency=adjacency)
     assert sensitivity_squared(spec, mins, maxp, restarts=restarts, adjacency=adjacency) \
         == acc["sensitivity_squared"]
-    rho = mechanism_zcdp(spec, z, mins, maxp, restarts=restarts, adjacency=adjacency)
+    rho = zcdp_from_noise(z, rounds, maxp, mins, restarts, adjacency=adjacency, mechanism=TreeMechanism())
     assert rho == acc["zcdp"] == zcdp_from_noise(z, rounds, maxp, mins, restarts, adjacency=adjacency)
-    assert mechanism_zcdp(spec, 0.0, mins, maxp) == math.inf
+    with pytest.raises(DpfleetError, match="positive"):  # no noise has no zCDP to state
+        zcdp_from_noise(0.0, rounds, maxp, mins)
 
 
 @given(specs(), st.integers(0, 4), st.integers(1, 12), st.floats(0.3, 20))
@@ -111,7 +113,8 @@ def test_mf_zcdp_is_brute_force_sensitivity_over_2z2(spec, mins, maxp, z):
         assert s == pytest.approx(brute, rel=1e-9)
     else:  # the majorant bound: never below the truth
         assert s >= brute * (1 - 1e-9)
-    assert mechanism_zcdp(spec, z, mins, maxp) == pytest.approx(s / (2 * z * z), rel=1e-12)
+    rho = zcdp_from_noise(z, spec.rounds, maxp, mins, mechanism=MatrixMechanism(spec))
+    assert rho == pytest.approx(s / (2 * z * z), rel=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["banded", "blt"])
@@ -154,7 +157,8 @@ def test_attack_accounting_with_a_larger_min_separation_than_enforced_understate
     # a pattern the enforced timer allows (every other round, from round 0), 5 participations
     attack = pattern_sensitivity_squared(c, [0, 2, 4, 6, 8])
     assert attack > wrong * 1.2 and attack <= honest * (1 + 1e-9)
-    rho_claimed, rho_enforced = (mechanism_zcdp(spec, 5.0, m, maxp) for m in (claimed, enforced))
+    rho_claimed, rho_enforced = (zcdp_from_noise(5.0, rounds, maxp, m, mechanism=MatrixMechanism(spec))
+                                 for m in (claimed, enforced))
     assert rho_claimed < attack / 50 <= rho_enforced * (1 + 1e-9)
 
 
@@ -169,4 +173,4 @@ def test_bad_inputs():
     with pytest.raises(DpfleetError, match="max_participation"):
         sensitivity_squared(spec, 1, 0)
     with pytest.raises(DpfleetError, match="positive"):
-        mechanism_zcdp(spec, -1.0, 1, 2)
+        zcdp_from_noise(-1.0, spec.rounds, 2, 1)

@@ -19,16 +19,16 @@ from crashes import Crash
 from test_mf_simulate import QUIET, ROUNDS, M, config, crash_before, fresh_z, released_theta, strategy
 
 import dpfleet.coordinator.engine.adaptive_clipping as adaptive_clipping
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, model_noise_multiplier
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_noise import MF_COUNT_DOMAIN
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, seeded_noise_key
 from dpfleet.coordinator.mechanisms.spec import (
     MechanismSpec,
-    mechanism_zcdp,
     optimize_mechanism,
     sensitivity_squared,
 )
@@ -104,7 +104,8 @@ def test_noise_is_scaled_by_each_rounds_clip_norm_and_the_clip_follows_the_estim
     sens = sensitivity_squared(spec, mins if maxp > 1 else ROUNDS - 1, maxp)
     composed = sens / (2 * z_delta**2) + sens * 0.25 / (2 * SIGMA_B**2)
     assert privacy["zcdp"] == pytest.approx(composed, rel=1e-9)
-    assert composed == pytest.approx(mechanism_zcdp(spec, Z, mins if maxp > 1 else ROUNDS - 1, maxp))
+    assert composed == pytest.approx(zcdp_from_noise(Z, ROUNDS, maxp, mins if maxp > 1 else ROUNDS - 1,
+                                                     mechanism=MatrixMechanism(spec)))
     assert privacy["epsilon"] == pytest.approx(epsilon_from_zcdp(composed, 1e-6, "pld"), rel=1e-9)
     assert privacy["model_noise_multiplier"] == pytest.approx(z_delta)
     assert "adaptive clipping" in privacy["accounting"] and privacy["restarts"] == []

@@ -29,14 +29,15 @@ import dpfleet.coordinator.engine.round_engine as round_engine
 import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
 from dpfleet.cli import main
 from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise, inverse_variance_factor, round_half_up
 from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
 from dpfleet.coordinator.mechanisms.ring_noise import noisy_ring, plan_ring, ring_distance
-from dpfleet.coordinator.mechanisms.spec import MechanismSpec, mechanism_zcdp, optimize_mechanism
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec, optimize_mechanism
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.secagg.encoding import Discretizer
@@ -192,7 +193,8 @@ def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_
     assert np.mean(noise == round_half_up(expected)) > 0.999
     # accounting: the plain MF figure (ring units cancel: sens Delta_s, noise z Delta_s), PLD
     mins, maxp = privacy["min_separation"], privacy["max_participation"]
-    rho = mechanism_zcdp(spec, 1.0, mins if maxp > 1 else ROUNDS - 1, maxp)
+    rho = zcdp_from_noise(1.0, ROUNDS, maxp, mins if maxp > 1 else ROUNDS - 1,
+                          mechanism=MatrixMechanism(spec))
     assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12)
     assert privacy["epsilon"] == pytest.approx(epsilon_from_zcdp(rho, 1e-6, "pld"), rel=1e-9)
     assert privacy["noise_mechanism"] == RING_MF_MECHANISM and not privacy["honest_participants_only"]

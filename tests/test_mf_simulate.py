@@ -21,15 +21,16 @@ from test_noise_secrecy import QUIET
 
 import dpfleet.coordinator.engine.round_engine as round_engine
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.coordinator.mechanisms.blt import banded_toeplitz_matrix
+from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_noise import MF_DOMAIN
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, key_id, seeded_noise_key
-from dpfleet.coordinator.mechanisms.spec import MechanismSpec, mechanism_zcdp, optimize_mechanism
+from dpfleet.coordinator.mechanisms.spec import MechanismSpec, optimize_mechanism
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.coordinator.state.run_dir import to_toml
@@ -42,6 +43,12 @@ ROUNDS, M = 6, 4
 CFG = {**SECRECY_CFG, "rounds": ROUNDS, "eval_every": ROUNDS,
        "participation": {"mode": "uniform", "min_separation": 1, "max_participation": 2}}
 assert CFG["dp"]["report_goal"] == M and CFG["dp"]["momentum"] == 0
+
+
+def mf_zcdp(spec: MechanismSpec, z: float, mins: int, maxp: int) -> float:
+    """The accountant's worst-case rho of the matrix mechanism `spec` (the one zCDP rule)."""
+    return zcdp_from_noise(z, spec.rounds, maxp, mins, mechanism=MatrixMechanism(spec))
+
 
 
 def config(kind, **dp):
@@ -99,7 +106,7 @@ def read_json(path):
 
 
 @pytest.mark.parametrize("kind", ["banded", "blt"])
-def test_noise_is_the_dense_c_inverse_z_and_eps_is_mechanism_zcdp(tmp_path, monkeypatch, kind):
+def test_noise_is_the_dense_c_inverse_z_and_eps_is_the_mechanisms_zcdp(tmp_path, monkeypatch, kind):
     run, _, noises, (key,) = spied_run(tmp_path, monkeypatch, kind, config(kind))
     path = run.run_dir
     saved = read_json(path / "mechanism.json")
@@ -119,7 +126,7 @@ def test_noise_is_the_dense_c_inverse_z_and_eps_is_mechanism_zcdp(tmp_path, monk
     privacy = read_json(path / "privacy.json")
     mins, maxp = observed(path)
     assert (privacy["min_separation"], privacy["max_participation"]) == (mins, maxp)
-    rho = mechanism_zcdp(spec, 1.0, mins if maxp > 1 else ROUNDS - 1, maxp)
+    rho = mf_zcdp(spec, 1.0, mins if maxp > 1 else ROUNDS - 1, maxp)
     assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12)
     assert privacy["epsilon"] == pytest.approx(epsilon_from_zcdp(rho, 1e-6, "pld"), rel=1e-9)
     assert privacy["mechanism"] == kind and privacy["mechanism_spec"] == spec.to_json()
@@ -141,7 +148,7 @@ def test_disjoint_participation_is_optimised_for_one_participation(tmp_path, mon
     privacy = read_json(run.run_dir / "privacy.json")
     spec = MechanismSpec.from_json(saved["spec"])
     assert privacy["max_participation"] == 1
-    assert privacy["zcdp"] == pytest.approx(mechanism_zcdp(spec, 1.0, ROUNDS - 1, 1))
+    assert privacy["zcdp"] == pytest.approx(mf_zcdp(spec, 1.0, ROUNDS - 1, 1))
 
 
 def released_theta(run_dir):
@@ -253,7 +260,7 @@ def test_crash_that_loses_released_rounds_goes_on_in_a_fresh_segment_and_pays_fo
     privacy = read_json(out / "privacy.json")
     assert privacy["rounds"] == ROUNDS and privacy["noise_segments"] == 2
     mins, maxp = observed(out)
-    rho = 2 * mechanism_zcdp(spec, 1.0, mins if maxp > 1 else ROUNDS - 1, maxp)
+    rho = 2 * mf_zcdp(spec, 1.0, mins if maxp > 1 else ROUNDS - 1, maxp)
     assert privacy["zcdp"] == pytest.approx(rho, rel=1e-12)
     assert resume_point(out) is None
 
@@ -273,8 +280,8 @@ def test_a_coordinator_that_breaks_min_separation_is_accounted_with_the_true_one
     mins, maxp = observed(run.run_dir)
     assert mins < 3 and maxp > 2  # the lie happened
     assert (privacy["min_separation"], privacy["max_participation"]) == (mins, maxp)
-    assert privacy["zcdp"] == pytest.approx(mechanism_zcdp(spec, 1.0, mins, maxp), rel=1e-12)
-    claimed = mechanism_zcdp(spec, 1.0, 3, 2)
+    assert privacy["zcdp"] == pytest.approx(mf_zcdp(spec, 1.0, mins, maxp), rel=1e-12)
+    claimed = mf_zcdp(spec, 1.0, 3, 2)
     assert privacy["zcdp"] > 1.5 * claimed  # paid for, not the claimed figure
     assert privacy["timer_worst_case"]["zcdp"] == pytest.approx(claimed)
 
@@ -303,8 +310,8 @@ def test_unknown_mechanism_is_refused_and_the_service_takes_each():
 def test_budget_stops_before_the_round_that_would_pass_it(tmp_path, monkeypatch):
     """The budget check asks the strategy's accountant, before the round, with its devices."""
     spec = optimize_mechanism("blt", ROUNDS, 1, 2)
-    eps_one = epsilon_from_zcdp(mechanism_zcdp(spec, 1.0, ROUNDS - 1, 1), 1e-6, "pld")
-    eps_two = epsilon_from_zcdp(mechanism_zcdp(spec, 1.0, 1, 2), 1e-6, "pld")
+    eps_one = epsilon_from_zcdp(mf_zcdp(spec, 1.0, ROUNDS - 1, 1), 1e-6, "pld")
+    eps_two = epsilon_from_zcdp(mf_zcdp(spec, 1.0, 1, 2), 1e-6, "pld")
     budget = (eps_one + eps_two) / 2  # every device's first round fits, no second one does
     run, _, _, _ = spied_run(tmp_path, monkeypatch, "budget", config("blt", budget_epsilon=budget))
     privacy = read_json(run.run_dir / "privacy.json")

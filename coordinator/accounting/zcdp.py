@@ -95,12 +95,21 @@ def noise_for_zcdp(target_zcdp: float, sensitivity_squared: float) -> float:
 
 def zcdp_from_noise(noise_multiplier: float, rounds: int, max_participation: int = 1,
                     min_separation: int | None = None, restarts: Sequence[int] | None = None,
-                    *, adjacency: str = "zero-out", nodes: str = "all") -> float:
-    """Worst-case rho-zCDP of DP-FTRL's tree given MaxP and MinS (`tree.TreeMechanism`)."""
-    factor = _adjacency_factor(adjacency)
-    s = TreeMechanism(nodes).sensitivity_squared(rounds, min_separation, max_participation,
-                                                 list(restarts or []))
-    return zcdp_from_sensitivity(noise_multiplier, s * factor)
+                    *, adjacency: str = "zero-out", nodes: str = "all",
+                    mechanism: Mechanism | None = None) -> float:
+    """Worst-case rho-zCDP given MaxP and MinS of `mechanism` (default the tree over `nodes`):
+    its sensitivity (the mechanism's own) over 2 z^2, the one rule every worst case uses."""
+    mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
+    s = _worst_sensitivity(mechanism, rounds, max_participation, min_separation,
+                           normalize_restarts(int(rounds), restarts), adjacency)
+    return zcdp_from_sensitivity(noise_multiplier, s)
+
+
+def _worst_sensitivity(mechanism: Mechanism, rounds: int, max_participation: int,
+                       min_separation: int | None, restarts: Sequence[int], adjacency: str) -> float:
+    """The mechanism's sens^2 under MaxP / MinS and restarts, times the adjacency's factor."""
+    s = mechanism.sensitivity_squared(rounds, min_separation, max_participation, list(restarts))
+    return s * _adjacency_factor(adjacency)
 
 
 def epsilon_from_zcdp(rho: float, delta: float, method: str = "pld") -> float:
@@ -167,8 +176,7 @@ def account_worst_case(noise_multiplier: float, rounds: int, max_participation: 
     check_int(max_participation, "max_participation", 1)
     mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
     restarts = list(normalize_restarts(int(rounds), restarts))  # MF: fresh segments after a crash
-    s = mechanism.sensitivity_squared(rounds, min_separation, max_participation, restarts)
-    s *= _adjacency_factor(adjacency)
+    s = _worst_sensitivity(mechanism, rounds, max_participation, min_separation, restarts, adjacency)
     rho = zcdp_from_sensitivity(noise_multiplier, s)
     return {
         "mechanism": mechanism.name,

@@ -27,10 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.signal import lfilter
 
-from dpfleet.coordinator.accounting.zcdp import (
-    ADJACENCY,
-    zcdp_from_sensitivity,
-)
+from dpfleet.coordinator.accounting.zcdp import ADJACENCY
 from dpfleet.coordinator.mechanisms.blt import BLT, prefix_error_per_round, tree_prefix_error_per_round
 from dpfleet.coordinator.mechanisms.mf_optimize import (
     banded_sensitivity_squared_toeplitz,
@@ -202,21 +199,6 @@ def _mf_sensitivity_squared(spec: MechanismSpec, gap: int, k: int) -> float:
     if spec.kind == "banded":  # exact if bands <= gap, else the Toeplitz majorant (upper) bound
         return banded_sensitivity_squared_toeplitz(np.asarray(spec.coefficients), spec.rounds, gap, k)
     return toeplitz_minsep_sensitivity_squared(spec.blt().coefs(spec.rounds), spec.rounds, gap, k)
-
-
-def mechanism_zcdp(spec: MechanismSpec, noise_multiplier: float, min_separation: int | None,
-                   max_participation: int | None, *, restarts: Sequence[int] | None = None,
-                   adjacency: str = "zero-out") -> float:
-    """rho = sens^2 / (2 z^2) (z = 0: infinite)."""
-    spec = _check_spec(spec)
-    try:
-        z = float(noise_multiplier)
-    except (TypeError, ValueError):
-        raise DpfleetError(f"noise multiplier must be a number, got {noise_multiplier!r}") from None
-    if z == 0:
-        return math.inf
-    return zcdp_from_sensitivity(z, sensitivity_squared(spec, min_separation, max_participation,
-                                                        restarts=restarts, adjacency=adjacency))
 
 
 @functools.lru_cache(maxsize=256)
