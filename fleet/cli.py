@@ -40,11 +40,19 @@ def _start_hour(value: float | None) -> float:
 @click.option("--coordinator", "url", required=True, help="The coordinator's URL (serve prints it).")
 @click.option("--devices", type=int, default=0, show_default=True, help=DEVICES_HELP)
 @click.option("--processes", type=int, default=2, show_default=True, help=PROCESSES_HELP)
-@click.option("--fleet-keys", type=click.Path(path_type=Path), default=Path("fleet_keys.json"),
-              show_default=True, help="The devices' private identity keys (0600); created if absent.")
+@click.option("--fleet-dir", type=click.Path(path_type=Path), default=None,
+              help="The fleet's own folder (mode 0700) for its keys and registry; default: "
+                   "runs/<CONFIG name>_fleet, the one `fleet run --state runs/<CONFIG name>` uses.")
+@click.option("--fleet-keys", type=click.Path(path_type=Path), default=None,
+              help="The devices' private identity keys (created 0600 if absent); default: "
+                   "fleet_keys.json in --fleet-dir.")
 @click.option("--registry", type=click.Path(path_type=Path), default=None,
               help="Where to write the PUBLIC key registry for `serve --fleet-public` "
                    "(default: fleet_public.json next to --fleet-keys).")
+@click.option("--coordinator-timeout", type=float, default=None,
+              help="Stop the fleet (exit 2, one error line) once the coordinator has not answered "
+                   "for this many seconds; 0: wait for it for ever (across coordinator restarts). "
+                   "[default: 5]")
 @click.option("--seed", type=int, default=None, help="Fleet seed for behaviour draws (default: config seed).")
 @click.option("--vocabulary", type=click.Path(path_type=Path), default=None,
               help="The coordinator's STATE/vocabulary folder (needed for a DP word vocabulary).")
@@ -62,27 +70,35 @@ def _start_hour(value: float | None) -> float:
               help=BACKEND_HELP)
 @click.option("--address", default="", help=ADDRESS_HELP)
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Path,
-            registry: Path | None, seed: int | None, vocabulary: Path | None, ca_file: Path | None,
+def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Path | None,
+            fleet_keys: Path | None, registry: Path | None, coordinator_timeout: float | None,
+            seed: int | None, vocabulary: Path | None, ca_file: Path | None,
             start_hour: float | None, summary: Path | None, bundle_key: Path | None,
             backend: str, address: str, progress: bool) -> None:
     """Run an emulated fleet of CONFIG's train clients against the coordinator at --coordinator
     until it says the run is done. A worker process (or Ray actor) that dies is restarted with
-    its devices."""
+    its devices. A coordinator that stops answering stops the fleet (--coordinator-timeout).
+
+    The devices' private keys live in --fleet-dir (never the current folder); rerunning the
+    same command reuses them. Ctrl-C stops the workers and exits 130."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.bundle_device import pinned_bundle_key
-    from dpfleet.fleet.emulate import Fleet, load_devices
+    from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
     from dpfleet.io import atomic_write
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
         raise DpfleetError("--address is a Ray cluster's address: give it with --backend ray")
+    timeout = GONE_AFTER_S if coordinator_timeout is None else coordinator_timeout
+    if timeout < 0:
+        raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
     cfg = load_config(config)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     pinned_bundle = pinned_bundle_key(cfg, bundle_key)
     ids, examples, params = load_devices(cfg, devices, vocabulary)
+    fleet_keys = fleet_keys or default_fleet_dir(config, fleet_dir) / FLEET_KEYS
     keys = read_keys(fleet_keys, len(ids))
     pins = public_registry(keys, ids)
     registry = registry or fleet_keys.with_name("fleet_public.json")
@@ -107,16 +123,27 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
 
         bar = tqdm(total=len(ids), desc="devices done", unit="dev", dynamic_ncols=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
+    watch = CoordinatorWatch(url, str(ca_file) if ca_file else None, timeout)
     runner.start()
     try:
         while not runner.done:
             runner.poll(0.5)
+            if watch.check():  # it finished its run and is gone: the devices asleep are done
+                break
             if bar is not None:
                 total = runner.total()
                 bar.n = total.get("done", 0)
                 bar.set_postfix(assigned=total.get("assigned", 0), reported=total.get(
                     "reported", 0) + total.get("secagg_done", 0), dropped=total.get("dropped", 0),
                     refused=sum(v for k, v in total.items() if k.startswith("refused")), refresh=True)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        runner.stop()
+        click.echo(f"\ninterrupted: the fleet stopped; rerun the same command to continue (the "
+                   f"devices keep their keys in {fleet_keys})", err=True)
+        raise click.exceptions.Abort() from None
     finally:
         if bar is not None:
             bar.close()
@@ -129,6 +156,19 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_keys: Pa
                f"{counts.get('reported', 0) + counts.get('secagg_done', 0)} updates sent, "
                f"{counts.get('dropped', 0)} dropped, {result['restarts']} worker restarts; "
                f"request latency p50 {_ms(result['latency_p50_s'])} p99 {_ms(result['latency_p99_s'])}")
+
+
+FLEET_KEYS = "fleet_keys.json"
+
+
+def default_fleet_dir(config: Path, fleet_dir: Path | None) -> Path:
+    """--fleet-dir, else runs/<config name>_fleet (what `fleet run --state runs/<config name>`
+    uses); created with mode 0700: it holds the devices' private keys."""
+    from dpfleet.fleet.supervisor import fleet_dir_of
+
+    folder = Path(fleet_dir) if fleet_dir is not None else fleet_dir_of(Path("runs") / config.stem)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
 
 
 def _ms(seconds: float | None) -> str:
@@ -156,13 +196,23 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     STATE_fleet/ beside it.
 
     Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
-    seconds); running the same command again continues the run.
+    seconds) and exits 130; running the same command again continues the run.
     """
-    from dpfleet.fleet.supervisor import run_fleet
+    from dpfleet.fleet.supervisor import FleetInterrupted, run_fleet
 
-    status = run_fleet(config, state, devices=devices, processes=processes, rounds=rounds,
-                       seed=seed, grace_s=grace, log=lambda s: click.echo(s, err=True),
-                       backend=backend, address=address)
+    try:
+        status = run_fleet(config, state, devices=devices, processes=processes, rounds=rounds,
+                           seed=seed, grace_s=grace, log=lambda s: click.echo(s, err=True),
+                           backend=backend, address=address)
+    except FleetInterrupted as stopped:
+        _status_line(stopped.status)
+        click.echo(f"interrupted; continue with: dpfleet fleet run {config} --state {state} "
+                   "(and the same options)", err=True)
+        raise click.exceptions.Abort() from None  # exit 130, as every command on Ctrl-C
+    _status_line(status)
+
+
+def _status_line(status: dict) -> None:
     if status:
         click.echo(f"{status.get('run_state')}: {status.get('rounds_committed')} of "
                    f"{status.get('rounds_planned')} rounds committed, "

@@ -10,13 +10,30 @@ Why the parent watches: a worker that dies (a crash, or `kill -9` in the fault t
 again with the same devices and their timers (each assignment is reported at once), as phones
 come back after a reboot; the round it was in completes from the survivors or fails cleanly at
 the coordinator, which is the coordinator's business, not the fleet's.
+
+Why the parent also watches the coordinator (`CoordinatorWatch`): the devices retry a lost
+coordinator with backoff for ever (a phone cannot tell a restart from a shutdown), so a fleet
+whose coordinator stopped would otherwise run silently until someone kills it. The parent asks
+the coordinator's public status once a second and stops the fleet with one error line once it
+has not answered for `gone_after_s` seconds (0: wait for ever, across restarts).
+
+Why the workers ignore SIGINT: a terminal's Ctrl-C reaches the whole process group; the parent
+alone handles it (stops its workers, says how to continue, exits 130), so the workers must not
+die with a KeyboardInterrupt traceback each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import multiprocessing as mp
+import signal
+import ssl
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +46,9 @@ from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, one_blas_thread,
 
 MAX_RESTARTS = 5  # per worker: a worker that keeps dying is a bug to report, not to hide
 RESTART_DELAY_S = 1.0
+GONE_AFTER_S = 5.0  # the coordinator silent this long: the fleet stops (`--coordinator-timeout`)
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 3.0
 
 
 def fleet_keys(path: Path, devices: int):
@@ -41,6 +61,86 @@ def fleet_keys(path: Path, devices: int):
         raise DpfleetError(f"fleet key file {path} holds {len(keys)} device keys but the fleet has "
                            f"{devices} devices; use a new --fleet-keys file")
     return {i: keys[i] for i in range(devices)}
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored while a worker process starts: a spawned Python that starts with SIGINT
+    ignored keeps ignoring it (no KeyboardInterrupt handler is installed), so a terminal's Ctrl-C
+    reaches only the parent (module docstring). Outside the main thread: unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class CoordinatorWatch:
+    """Asks `GET /v1/public/status` at most once per `PROBE_EVERY_S`; `check()` raises one
+    `DpfleetError` line once the coordinator has not answered for `gone_after_s` seconds
+    (connection refused, reset, no answer in time). Any HTTP answer counts as alive (a busy
+    coordinator's 503 too). A coordinator that said its run was finished and then went away
+    is the normal end: `check()` returns True then."""
+
+    def __init__(self, url: str, ca_file: str | None = None, gone_after_s: float = GONE_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.url, self.gone_after_s, self.clock = url.rstrip("/"), gone_after_s, clock
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self.answered = False  # it answered at least once
+        self.finished = False  # it said its run is finished
+        self.failing_since: float | None = None
+        self._next = 0.0
+
+    def probe(self) -> str | None:
+        """None if the coordinator answered, else why not (a few words)."""
+        try:
+            with urllib.request.urlopen(self.url + "/v1/public/status", timeout=PROBE_TIMEOUT_S,
+                                        context=self._ssl) as resp:
+                body = resp.read()
+            with contextlib.suppress(ValueError, AttributeError):
+                self.finished |= json.loads(body).get("run_state") == "finished"
+            return None
+        except urllib.error.HTTPError:
+            return None  # an answer: it is there
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+        except (OSError, ValueError) as exc:
+            reason = exc
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(reason, TimeoutError):
+            return f"no answer within {PROBE_TIMEOUT_S:g} s"
+        return (getattr(reason, "strerror", None) or str(reason) or type(reason).__name__).lower()
+
+    def check(self) -> bool:
+        """Probe when due; True when the coordinator finished its run and is gone; raises when it
+        is gone without finishing."""
+        now = self.clock()
+        if self.gone_after_s <= 0 or now < self._next:
+            return False
+        self._next = now + PROBE_EVERY_S
+        why = self.probe()
+        if why is None:
+            self.answered, self.failing_since = True, None
+            return False
+        if self.failing_since is None:
+            self.failing_since = now
+        if now - self.failing_since < self.gone_after_s:
+            return False
+        if self.finished:
+            return True
+        if self.answered:
+            raise DpfleetError(
+                f"the coordinator at {self.url} stopped answering ({why}); the fleet stopped. "
+                "Start the coordinator again on its --state and rerun this command to continue "
+                "(--coordinator-timeout 0 waits for it instead)")
+        raise DpfleetError(
+            f"no coordinator answers at {self.url} ({why}) after {self.gone_after_s:g} s; "
+            "start `dpfleet coordinator serve` first and pass the URL it prints "
+            "(--coordinator-timeout 0 waits for it instead)")
 
 
 def needs_coordinator_vocabulary(cfg: SimulationConfig) -> bool:
@@ -131,7 +231,7 @@ class Fleet:
         exitcode, terminate, kill)."""
         proc = self.ctx.Process(target=worker_main, args=(spec, self.events), daemon=True,
                                 name=f"dpfleet-fleet-worker-{spec.worker}")
-        with one_blas_thread():
+        with one_blas_thread(), sigint_ignored():
             proc.start()
         return proc
 

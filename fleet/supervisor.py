@@ -27,6 +27,15 @@ STARTUP_TIMEOUT_S = 600.0  # the coordinator prepares the data and the model bef
 FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check-ins end the fleet
 
 
+class FleetInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped `run_fleet` cleanly (coordinator first, then the fleet); `status`: the
+    coordinator's last status (empty if it never answered). The CLI exits 130."""
+
+    def __init__(self, status: dict):
+        super().__init__()
+        self.status = status
+
+
 def fleet_dir_of(state: Path) -> Path:
     """Where `fleet run` keeps the fleet's keys, registry and both programs' console logs."""
     return state.with_name(state.name + "_fleet")
@@ -77,7 +86,8 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
               rounds: int | None = None, seed: int | None = None, grace_s: float = 20.0,
               progress: bool = True, log=print, backend: str = "local", address: str = "") -> dict:
     """Run (or continue) a local coordinator + fleet to the end; the last admin status.
-    `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py)."""
+    `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py).
+    Ctrl-C stops both cleanly, then raises `FleetInterrupted` with the last status."""
     from dpfleet.coordinator.config import load_config
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
     from dpfleet.secagg.registry import public_registry, write_public_registry
@@ -136,7 +146,7 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     except KeyboardInterrupt:
         log("stopping: coordinator first (rerun the same command to continue)")
         status = _stop(client, procs, grace_s) or status
-        return status
+        raise FleetInterrupted(status) from None
     except BaseException:
         _stop(client, procs, grace_s)
         raise

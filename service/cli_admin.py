@@ -4,12 +4,19 @@ Standalone click commands; `add_admin_commands(group)` hangs them under the `coo
 (`service/cli.py`). Each reaches the coordinator through STATE/admin.json (`--state`, a
 coordinator on this machine) or `--url` + `--token-file` (anywhere), and prints a table for a
 person or, with `--json`, the coordinator's own JSON (which always has `rounds_committed`).
+
+`report --state` on a FINISHED run needs no coordinator: a finished run's report is final, so
+it is read from the state directory itself (its SQLite says finished; privacy_report.md and
+privacy.json are what the coordinator wrote at the end, and what its admin API would serve).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import math
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +28,43 @@ from dpfleet.service.admin_client import AdminClient, target_from_state, target_
 from dpfleet.service.status_page import format_duration
 
 
+def finished_run(state: Path) -> dict | None:
+    """A finished run in `state`, read from its files (no coordinator needed): {"report" (the
+    markdown), "rounds_committed", "rounds_failed", "epsilon", "delta", "run_state"}; None when
+    `state` holds no finished run (none at all, or one a coordinator can still continue)."""
+    from dpfleet.coordinator.state.state_store import DB_FILE
+
+    db_path = Path(state) / DB_FILE
+    if not db_path.is_file():
+        return None
+    try:  # read-only: a lingering coordinator may still hold it (WAL allows readers)
+        db = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            counts = dict(db.execute("SELECT status, COUNT(*) FROM rounds GROUP BY status").fetchall())
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise DpfleetError(f"{db_path} is not a readable coordinator state ({exc})") from None
+    if meta.get("finished") != "1":
+        return None
+    report_path, privacy_path = Path(state) / "privacy_report.md", Path(state) / "privacy.json"
+    try:
+        text = report_path.read_text()
+    except OSError as exc:
+        raise DpfleetError(f"{state} holds a finished run but its {report_path.name} is not "
+                           f"readable ({exc.strerror or exc})") from None
+    privacy: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        privacy = json.loads(privacy_path.read_text())
+    return {"run_state": "finished", "rounds_committed": counts.get("committed", 0),
+            "rounds_failed": counts.get("failed", 0), "epsilon": privacy.get("epsilon"),
+            "delta": privacy.get("delta"), "report": text}
+
+
 def _target_options(fn: Callable) -> Callable:
-    """The options every admin command shares, turned into one `client` argument."""
+    """The options every admin command shares, turned into one `client` argument (the `report`
+    command gets None instead when --state holds a finished run: `finished_run`)."""
 
     @click.option("--state", "state", type=click.Path(path_type=Path), default=None,
                   help="The coordinator's state directory on this machine: reads STATE/admin.json "
@@ -42,6 +84,10 @@ def _target_options(fn: Callable) -> Callable:
     def wrapper(state, url, token_file, tls_cert, as_json, timeout, **kwargs):
         if state is not None and (url or token_file or tls_cert):
             raise DpfleetError("give either --state DIR or --url URL --token-file FILE, not both")
+        if state is not None and getattr(fn, "reads_finished_state", False):
+            done = finished_run(state)
+            if done is not None:
+                return fn(None, as_json, finished=done, **kwargs)
         if state is not None:
             target = target_from_state(state)
         elif url and token_file:
@@ -129,14 +175,24 @@ resume = _control("resume")
 stop = _control("stop")
 
 
+def _reads_finished_state(fn: Callable) -> Callable:
+    """Mark an admin command that `_target_options` hands a finished run's files (`finished=`)
+    when --state holds one, instead of asking a coordinator."""
+    fn.reads_finished_state = True
+    return fn
+
+
 @click.command("report")
 @_target_options
+@_reads_finished_state
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Write the report (markdown) to this file instead of printing it.")
-def report(client: AdminClient, as_json: bool, out: Path | None) -> None:
+def report(client: AdminClient | None, as_json: bool, out: Path | None,
+           finished: dict | None = None) -> None:
     """The privacy report (markdown) that the coordinator writes from its own release log:
-    eps spent, MinS / MaxP observed, and what the guarantee does not cover."""
-    text = client.report()
+    eps spent, MinS / MaxP observed, and what the guarantee does not cover. With --state on a
+    finished run, read from that folder (no coordinator needs to run)."""
+    text = finished["report"] if finished is not None else client.report()
     if out is not None:
         from dpfleet.io import atomic_write
 
@@ -145,7 +201,7 @@ def report(client: AdminClient, as_json: bool, out: Path | None) -> None:
         except OSError as exc:
             raise DpfleetError(f"cannot write the report to {out} ({exc.strerror})") from None
     if as_json:
-        st = client.status()
+        st = finished if finished is not None else client.status()
         click.echo(dumps({"rounds_committed": st["rounds_committed"], "epsilon": st["epsilon"],
                           "delta": st["delta"], "report": text,
                           "out": None if out is None else str(out)}))

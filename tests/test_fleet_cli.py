@@ -139,8 +139,9 @@ def test_fleet_run_ctrl_c_stops_both_and_a_rerun_continues(tmp_path):
         proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
         rc = proc.wait(90)
     text = out.read_text()
-    assert rc == 0, text
+    assert rc == 130, text  # Ctrl-C exits 130, as in every command
     assert "stopping" in text and "Traceback" not in text
+    assert f"interrupted; continue with: dpfleet fleet run {config} --state {state}" in text
     pids = pids_in(text)
     assert len(pids) == 2 and all(gone(p) for p in pids), text  # coordinator and fleet both ended
     first = int(text.split(" of 5 rounds committed")[0].rsplit(" ", 1)[1])
