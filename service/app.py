@@ -150,6 +150,11 @@ async def session(request: web.Request) -> web.Response:
         raise AuthError("a session is opened with the device's Ed25519 signature only")
     device_id, body = await device(request)
     payload = _json_object(body, "bad_session", "session")
+    try:
+        if len(bytes.fromhex(payload["x25519"])) != 32:
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise ApiError(400, "bad_session", "session needs {x25519: 32-byte public key hex}") from None
     return _json(request.app[CONTEXT]["sessions"].open(device_id, payload))
 
 
