@@ -18,6 +18,7 @@ import struct
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from dpfleet.jsonio import dumps
 from dpfleet.service.auth import (
@@ -44,6 +45,26 @@ def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
 
 
 LOG = logging.getLogger("dpfleet.service")
+
+
+class _ClientMistakes(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header byte, a bad request line: its own
+    400) as an ERROR with a traceback; that is the client's mistake, not ours: one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 400) < 500:
+            first = (exc.message or type(exc).__name__).strip().splitlines()
+            HTTP_LOG.info("refused a malformed HTTP request (%s %s)", exc.code,
+                          first[0] if first else type(exc).__name__)
+            return False
+        return True
+
+
+# the HTTP server's own logger (web.AppRunner(logger=HTTP_LOG), server.py): client mistakes
+# are one line, bugs keep their traceback (server side only)
+HTTP_LOG = logging.getLogger("dpfleet.service.http")
+HTTP_LOG.addFilter(_ClientMistakes())
 
 
 @web.middleware

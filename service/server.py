@@ -23,7 +23,7 @@ from aiohttp import web
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.errors import DpfleetError
 from dpfleet.io import write_secret
-from dpfleet.service.app import POLL_S, make_app
+from dpfleet.service.app import HTTP_LOG, POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
 from dpfleet.service.boot import boot
 from dpfleet.service.rounds import RoundDriver
@@ -136,7 +136,8 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     service_log = ServiceLog(state / SERVICE_LOG)
     driver = RoundDriver(booted, service_log, registry)
     token = new_admin_token()
-    runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None)
+    runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None,
+                           logger=HTTP_LOG)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ctx)
     try:

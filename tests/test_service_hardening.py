@@ -317,11 +317,9 @@ def test_loopback_serve_says_registration_is_open_in_one_line(world):
 
 # ---------------------------------------------------------------------------- 2. bodies, fuzz
 
-class Errors(logging.Handler):
-    """Every WARNING+ record of aiohttp and dpfleet, from any thread."""
-
+class Records(logging.Handler):
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record):
@@ -330,15 +328,22 @@ class Errors(logging.Handler):
 
 @contextlib.contextmanager
 def logged_errors():
-    handler = Errors()
+    """The WARNING+ records and the records with a traceback that aiohttp and dpfleet log, at
+    any level, from any thread, while the block runs (their loggers at DEBUG meanwhile)."""
+    handler = Records()
     loggers = [logging.getLogger(n) for n in ("aiohttp", "dpfleet")]
+    levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    bad: list[logging.LogRecord] = []
     try:
-        yield handler.records
+        yield bad
     finally:
-        for lg in loggers:
+        for lg, level in zip(loggers, levels, strict=True):
             lg.removeHandler(handler)
+            lg.setLevel(level)
+        bad += [r for r in handler.records if r.levelno >= logging.WARNING or r.exc_info]
 
 
 @pytest.fixture(scope="module")
