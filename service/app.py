@@ -6,8 +6,11 @@ needed (aiohttp is both the server and the devices' client).
 
 Every device call is authenticated (`auth.verify_request`: an Ed25519 signature, or the HMAC
 of a session opened with one at POST /v1/session) on the exact raw path and body,
-rate-limited per device (`limits`), and bounded in size (`client_max_size`: 413). Admin calls
-need the bearer token and nothing else; public calls show only released aggregates and counts.
+rate-limited per device (`limits`), and bounded in size (`client_max_size`: 413) before its
+body is parsed (`parse_json`: malformed, NaN or too deeply nested JSON is a 400). Register is
+the exception that proves possession of the key in its body, and answers every refusal alike.
+Admin calls need the bearer token and nothing else; public calls show only released aggregates
+and counts. Anything unexpected is a generic 500 (`errors`), its traceback in our log only.
 """
 
 from __future__ import annotations

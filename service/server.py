@@ -2,9 +2,12 @@
 
 `start` is what `dpfleet coordinator serve` and the in-process tests share: boot the engine on
 the state directory, bind the site (port 0 picks a free one), write STATE/admin.json (0600:
-URL, admin token, pid, TLS certificate) and start the round driver. `serve` runs until the run
-finishes (then answers "done" a little longer so devices learn it) or a stop is asked for
-(admin stop, SIGINT, SIGTERM): an open round fails cleanly and a restart continues.
+URL, admin token, pid, TLS certificate) and start the round driver. While it serves, the
+process umask is 077 (STATE 0700, every file in it 0600, also SQLite's -wal / -shm); off
+loopback it refuses to start without the fleet's key registry (no id claimable without one).
+`serve` runs until the run finishes (then answers "done" a little longer so devices learn it)
+or a stop is asked for (admin stop, SIGINT, SIGTERM): an open round fails cleanly and a
+restart continues.
 """
 
 from __future__ import annotations
