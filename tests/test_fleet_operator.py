@@ -217,7 +217,7 @@ def test_ctrl_c_stops_fleet_run_with_130_and_the_resume_hint(tmp_path):
     text = out.read_text()
     assert rc == 130, text
     assert f"interrupted; continue with: dpfleet fleet run {config} --state {state}" in text
-    assert re.search(r"^stopped: \d+ of 200 rounds committed", text, re.M), text
+    assert re.search(r"^(stopping|stopped): \d+ of 200 rounds committed", text, re.M), text
     assert "Traceback" not in text
     pids = pids_in(text)
     assert len(pids) == 2 and all(gone(p) for p in pids), text
