@@ -5,9 +5,14 @@ accountant must not change what a run releases or claims. This runs a small grid
 blt x plain / secagg x fixed / adaptive clipping, in research mode (`dp.noise_seed`, so the noise
 is the same across code versions), and records for each run the hash of every released model (the
 release log's `released`), the final checkpoint's theta hash, and privacy.json's zCDP and eps.
-Run it on two commits and compare the JSON files:
+Run it on two commits ON ONE MACHINE (another CPU gives other float bits, and another optimised
+BLT strategy, on both sides alike) and compare the JSON files. An old commit runs from a worktree
+laid out as installed (the docs hook's `package_tree`), first on PYTHONPATH and as the cwd:
 
-    python3 benchmarks/privacy_core_parity.py --label before   # on the old commit
+    git worktree add --detach /tmp/old OLD_COMMIT
+    python3 -c "import runpy, pathlib; runpy.run_path('docs/_hooks/package_tree.py')['package_tree'](
+        pathlib.Path('/tmp/old'), pathlib.Path('/tmp/old_pkg'))"
+    (cd /tmp/old_pkg && PYTHONPATH=/tmp/old_pkg python3 "$OLDPWD/benchmarks/privacy_core_parity.py" --label before)
     python3 benchmarks/privacy_core_parity.py --label after
     python3 benchmarks/privacy_core_parity.py --compare before after
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import sys
 import tempfile
 import time
@@ -56,7 +62,11 @@ def run_one(cfg: dict, out: Path) -> dict:
     from safetensors.numpy import load_file
 
     from dpfleet.coordinator.config import parse_config
-    from dpfleet.coordinator.engine.simulation import run_simulation
+
+    try:
+        from dpfleet.coordinator.engine.simulation import run_simulation
+    except ImportError:  # a commit before coordinator/ had subpackages (the "before" side)
+        from dpfleet.coordinator.simulation import run_simulation
 
     result = run_simulation(parse_config(cfg), out, progress=False, log=lambda s: None)
     releases = [json.loads(line) for line in (out / "releases.jsonl").read_text().splitlines()
@@ -69,6 +79,16 @@ def run_one(cfg: dict, out: Path) -> dict:
             **{k: privacy.get(k) for k in FIELDS}}
 
 
+def machine() -> dict:
+    """Float bits (and an optimised BLT strategy) differ between CPUs: compare runs of one machine."""
+    import dpfleet.coordinator
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    return {"cpu": cpu, "code": str(Path(dpfleet.coordinator.__file__).parent)}
+
+
 def measure(label: str) -> Path:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +98,7 @@ def measure(label: str) -> Path:
             print(f"{name:28s} eps {rows[name]['epsilon']:.6g}  theta {rows[name]['final_theta_sha256'][:12]}"
                   f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
     path = RESULTS / f"privacy_core_parity_{label}.json"
-    path.write_text(json.dumps({"config": BASE, "runs": rows}, indent=1))
+    path.write_text(json.dumps({"config": BASE, "machine": machine(), "runs": rows}, indent=1))
     print(f"wrote {path}")
     return path
 
