@@ -12,7 +12,8 @@ laid out as installed (the docs hook's `package_tree`), first on PYTHONPATH and 
     git worktree add --detach /tmp/old OLD_COMMIT
     python3 -c "import runpy, pathlib; runpy.run_path('docs/_hooks/package_tree.py')['package_tree'](
         pathlib.Path('/tmp/old'), pathlib.Path('/tmp/old_pkg'))"
-    (cd /tmp/old_pkg && PYTHONPATH=/tmp/old_pkg python3 "$OLDPWD/benchmarks/privacy_core_parity.py" --label before)
+    cd /tmp/old_pkg && PYTHONPATH=$PWD python3 "$OLDPWD/benchmarks/privacy_core_parity.py" --label before
+    cd -
     python3 benchmarks/privacy_core_parity.py --label after
     python3 benchmarks/privacy_core_parity.py --compare before after
 
