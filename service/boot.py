@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
-from dpfleet.coordinator.engine.simulation import prepare_data, vocabulary_privacy
+from dpfleet.coordinator.engine.simulation import plan_run, prepare_data, vocabulary_privacy
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore, open_engine
@@ -38,12 +38,82 @@ def check_service_config(cfg: SimulationConfig) -> None:
     if cfg.data.generated_population:
         raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
                            "protects nobody, so the service refuses it: use `dpfleet simulate`")
-    if cfg.dp.target_epsilon:
-        raise DpfleetError("dp.target_epsilon is planned by `dpfleet simulate` only; for the service, "
-                           "run `dpfleet plan` and set dp.report_goal, dp.noise_multiplier and the "
-                           "participation limits it prints")
     if cfg.backend.kind != "local":
         raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
+
+
+def check_secret_noise(cfg: SimulationConfig) -> None:
+    """The service adds secret noise only: `dp.noise_seed` (research mode) lets anyone with the
+    seed rebuild the noise and subtract it from every release, so `serve` refuses it."""
+    if cfg.dp.noise_seed >= 0:
+        raise DpfleetError(f"dp.noise_seed = {cfg.dp.noise_seed} is research mode (anyone with the "
+                           "seed can rebuild the noise and read the clients' sum); the service "
+                           "refuses it: remove dp.noise_seed from the config")
+
+
+def check_serve_config(cfg: SimulationConfig) -> None:
+    """Everything `coordinator serve` refuses before it starts (`fleet run` asks it before it
+    starts anything): research-mode noise, and what `check_service_config` refuses."""
+    check_secret_noise(cfg)
+    check_service_config(cfg)
+
+
+PLAN_FILE = "plan.json"  # dp.target_epsilon: the plan of the first start, as `simulate` writes it
+PLAN_KEPT = ("target_epsilon", "delta", "rounds", "mechanism_choice")  # what the plan was made for
+
+
+def check_kept_plan(cfg: SimulationConfig, state: Path) -> None:
+    """A restart keeps the first start's plan (STATE/plan.json), so a config whose target differs
+    from it is refused in one line, before the state is opened.
+
+    Why refuse rather than ignore: ignoring would run a plan the config no longer states (the
+    config says one thing, the run does another), and re-planning mid-run would change the noise
+    and the participation limits under rounds already released with the old ones."""
+    path = Path(state) / PLAN_FILE
+    if not path.is_file():
+        return
+    record = json.loads(path.read_text())
+    now = {"target_epsilon": cfg.dp.target_epsilon, "delta": cfg.dp.delta, "rounds": cfg.rounds,
+           "mechanism_choice": cfg.dp.mechanism if cfg.dp.target_epsilon > 0 else None}
+    changed = [k for k in PLAN_KEPT if record.get(k) != now[k]]
+    if changed:
+        said = ", ".join(f"{k} {record.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise DpfleetError(f"{state} was planned at its first start for dp.target_epsilon = "
+                           f"{record.get('target_epsilon'):g} ({PLAN_FILE}); the config now differs "
+                           f"({said}): a restart never re-plans, so continue with the config it "
+                           "was started with, or choose a new --state")
+
+
+def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log) -> None:
+    """dp.target_epsilon: the first start plans for the service's training population exactly as
+    `simulate` does (`plan_run`: the planner's keys written into `cfg`, config.json and
+    plan.json); every restart applies that plan.json again, never a new plan."""
+    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
+
+    path = store.path / PLAN_FILE
+    if not path.is_file():
+        if store.last_committed():
+            raise DpfleetError(f"{store.path} has committed rounds but no {PLAN_FILE}: its plan is "
+                               "lost; choose a new --state")
+        plan_run(cfg, RunDir(store.path, resume=True), population, resume=False, log=log)
+        return
+    record = json.loads(path.read_text())
+    if record["population"] != population:
+        raise DpfleetError(f"{store.path} was planned for {record['population']} train clients, the "
+                           f"data now gives {population}: continue with the data it was started "
+                           "with, or choose a new --state")
+    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
+    validate(cfg)
+    log(plan_line(record))
+
+
+def plan_line(record: dict) -> str:
+    """The `plan:` line `simulate` prints (`plan_run`), for a kept plan.json."""
+    c = record["chosen"]
+    return (f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N "
+            f"{record['population']}, {record['rounds']} rounds -> report goal {c['report_goal']}, "
+            f"MinS {c['min_separation']}, MaxP {c['max_participation']}, {c['mechanism']} noise z "
+            f"{c['noise_multiplier']:.4g} (plan.json)")
 
 
 @dataclass
@@ -62,15 +132,16 @@ class Booted:
 
 def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
     """Open (or create) the state at `state` and the engine on it, continuing after its last
-    committed round."""
+    committed round. With dp.target_epsilon the store keeps the config as given (its target) and
+    the plan goes into `cfg`, config.json and plan.json (`plan_service`)."""
     check_service_config(cfg)
+    check_kept_plan(cfg, Path(state))
     started = time.perf_counter()
     store = StateStore(state, cfg.resolved())
     try:
         if store.finished:
             raise DpfleetError(f"{state} holds a finished run: nothing to continue (its results "
                                "are in that folder)")
-        RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(max(1, cfg.client.threads))
         fresh = store.last_committed() == 0
@@ -79,6 +150,9 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         model = build_model(model_cfg)
         test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
         users = [c.user for c in data.train]
+        if cfg.dp.target_epsilon > 0:
+            plan_service(cfg, store, len(users), log)
+        RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it
         fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
                                        fingerprint_secret(Path(state), create=fresh))
         engine = open_engine(store, cfg, users=users, networked=True, model=model, model_cfg=model_cfg,
@@ -93,9 +167,10 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         bundle = None
         if cfg.fleet.client == "bundle":
             bundle = run_bundle(cfg, Path(state), model, model_cfg, tokenizer, blobs, log)
+        where = (f"starting: round 1 of {cfg.rounds}" if fresh else
+                 f"continuing after round {store.last_committed()} of {cfg.rounds}")
         log(f"data: {len(users)} train clients; model {model_cfg.arch} with "
-            f"{engine.server.theta.size:,} parameters; continuing after round "
-            f"{store.last_committed()} of {cfg.rounds}")
+            f"{engine.server.theta.size:,} parameters; {where}")
         return Booted(cfg, store, engine, users, baseline, blobs, tokenizer_sha,
                       json.loads(json.dumps(dataclasses.asdict(model_cfg))), started, bundle)
     except BaseException:

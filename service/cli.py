@@ -39,6 +39,10 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     Refused: dp.noise_seed (research mode), and a non-loopback --listen without --fleet-public
     (anyone could claim a device id). The state directory is 0700, its files 0600.
 
+    dp.target_epsilon is planned at the first start for the config's training clients, as
+    `simulate` plans it (`plan:` line, STATE/plan.json); a restart keeps that plan and refuses a
+    config whose target, delta, rounds or mechanism differ.
+
     Devices register their Ed25519 identity key, check in, download the plan and model by
     hash, and report (plain) or run signed SecAgg; each round commits durably before its model
     is served. The run directory files of `simulate` (metrics, participation, privacy report,
@@ -48,6 +52,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     from dpfleet.errors import DpfleetError
     from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
+    from dpfleet.service.boot import check_secret_noise
     from dpfleet.service.server import serve as run
 
     cfg = load_config(config)
@@ -55,7 +60,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     if rounds is not None:
         if rounds < 1:
             raise DpfleetError("--rounds must be >= 1")
-        cfg = dataclasses.replace(cfg, rounds=rounds)
+        cfg = with_rounds(cfg, rounds)
         validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
     warning = noise_warning(cfg)
@@ -70,15 +75,14 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
         click.echo(warning)
 
 
-def check_secret_noise(cfg) -> None:
-    """The service adds secret noise only: `dp.noise_seed` (research mode) lets anyone with the
-    seed rebuild the noise and subtract it from every release, so `serve` refuses it."""
-    from dpfleet.errors import DpfleetError
-
-    if cfg.dp.noise_seed >= 0:
-        raise DpfleetError(f"dp.noise_seed = {cfg.dp.noise_seed} is research mode (anyone with the "
-                           "seed can rebuild the noise and read the clients' sum); the service "
-                           "refuses it: remove dp.noise_seed from the config")
+def with_rounds(cfg, rounds: int):
+    """`cfg` with `rounds`, keeping what the parser noted beside the fields (the planned keys the
+    config states, which dp.target_epsilon's plan must agree with; a mechanism binding)."""
+    out = dataclasses.replace(cfg, rounds=rounds)
+    for name in ("planned_given", "mechanism_binding"):
+        if hasattr(cfg, name):
+            setattr(out, name, getattr(cfg, name))
+    return out
 
 
 def noise_line(cfg) -> str:

@@ -1,0 +1,139 @@
+"""`coordinator serve` with dp.target_epsilon: the first start plans for the service's training
+clients exactly as `simulate` plans (same planner code, same plan.json, same `plan:` line),
+a restart applies the kept plan.json (never a new plan), and a restart whose config changes the
+target is refused in one line before the state is touched. Also boot's start line: `starting:
+round 1 of N` on a fresh state, `continuing after round k of N` on a restart after k rounds."""
+
+import asyncio
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from service_fleet import TINY, fleet_data, run_devices
+from test_service_admin import wait_for
+
+from dpfleet.cli import main
+from dpfleet.coordinator.accounting import config_plan
+from dpfleet.coordinator.accounting.config_plan import planned_values
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.errors import DpfleetError
+from dpfleet.service.boot import boot
+from dpfleet.service.server import shutdown, start
+
+ROUNDS = 3
+# TINY without the keys the planner chooses and without research-mode noise (serve refuses it)
+VALUES = {**TINY, "rounds": ROUNDS, "eval_every": ROUNDS,
+          "dp": {**{k: v for k, v in TINY["dp"].items()
+                    if k not in ("noise_multiplier", "report_goal", "noise_seed")},
+                 "target_epsilon": 8.0, "mechanism": "auto"},
+          "participation": {}}
+PLANNED = [("dp", "report_goal"), ("dp", "noise_multiplier"), ("dp", "mechanism"),
+           ("participation", "mode"), ("participation", "min_separation"),
+           ("participation", "max_participation")]
+
+
+def planned(values=VALUES):
+    return parse_config(json.loads(json.dumps(values)))
+
+
+def plan_lines(lines):
+    return [s for s in lines if s.startswith("plan:")]
+
+
+def booted_once(state, values=VALUES):
+    lines = []
+    booted = boot(planned(values), state, log=lines.append)
+    booted.store.close()
+    return booted, lines
+
+
+def test_serve_plans_what_simulate_plans(tmp_path):
+    sim_lines = []
+    simulation.run_simulation(planned(), tmp_path / "sim", progress=False, log=sim_lines.append)
+    booted, lines = booted_once(tmp_path / "state")
+    state = tmp_path / "state"
+
+    sim_plan = json.loads((tmp_path / "sim" / "plan.json").read_text())
+    served_plan = json.loads((state / "plan.json").read_text())
+    assert served_plan == sim_plan  # population, target, chosen goal / MinS / MaxP / mechanism / z
+    assert served_plan["population"] == len(booted.users) == 8
+    assert plan_lines(lines) == plan_lines(sim_lines) and len(plan_lines(lines)) == 1
+    # the engine runs the plan, and the state's config.json says so, as simulate's does
+    chosen = planned_values(served_plan)
+    sim_config = json.loads((tmp_path / "sim" / "config.json").read_text())
+    served_config = json.loads((state / "config.json").read_text())
+    for section, key in PLANNED:
+        value = getattr(getattr(booted.cfg, section), key)
+        assert value == chosen[f"{section}.{key}"] == served_config[section][key] \
+            == sim_config[section][key]
+    assert booted.cfg.dp.mechanism != "auto" and booted.cfg.participation.mode == "uniform"
+    assert lines[-1].endswith(f"; starting: round 1 of {ROUNDS}"), lines[-1]
+
+
+def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    cfg = planned()
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+    first_lines = []
+
+    async def first_start():
+        running = await start(cfg, state, log=first_lines.append)
+        stop = asyncio.Event()
+        devices = asyncio.create_task(run_devices(running.url, keys, examples, stop=stop))
+        await wait_for(lambda: running.driver.store.last_committed() >= 1)
+        running.driver.stop()
+        await asyncio.wait_for(asyncio.shield(running.task), 90)
+        committed = running.driver.store.last_committed()
+        await shutdown(running)
+        stop.set()
+        await asyncio.wait_for(devices, 90)
+        return committed
+
+    committed = asyncio.run(first_start())
+    assert 1 <= committed < ROUNDS
+    plan = (state / "plan.json").read_bytes()
+    config = (state / "config.json").read_bytes()
+
+    def no_new_plan(*args, **kwargs):
+        raise AssertionError("a restart planned again")
+
+    monkeypatch.setattr(config_plan, "make_run_plan", no_new_plan)
+    booted, lines = booted_once(state)
+    assert (state / "plan.json").read_bytes() == plan
+    assert (state / "config.json").read_bytes() == config
+    assert plan_lines(lines) == plan_lines(first_lines) and len(plan_lines(lines)) == 1
+    chosen = planned_values(json.loads(plan))
+    for section, key in PLANNED:
+        assert getattr(getattr(booted.cfg, section), key) == chosen[f"{section}.{key}"]
+    assert lines[-1].endswith(f"; continuing after round {committed} of {ROUNDS}"), lines[-1]
+    assert any(s.endswith(f"; starting: round 1 of {ROUNDS}") for s in first_lines)
+
+
+def test_a_restart_with_another_target_is_one_error(tmp_path, capsys):
+    state = tmp_path / "state"
+    booted_once(state)
+    plan = (state / "plan.json").read_bytes()
+    other = {**VALUES, "dp": {**VALUES["dp"], "target_epsilon": 4.0}}
+    with pytest.raises(DpfleetError, match="a restart never re-plans"):
+        boot(planned(other), state, log=lambda s: None)
+    config = tmp_path / "other.toml"
+    config.write_text(to_toml(other))
+    with pytest.raises(SystemExit) as exit_:
+        main(["coordinator", "serve", str(config), "--state", str(state)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "target_epsilon 8.0 -> 4.0" in err
+    assert (state / "plan.json").read_bytes() == plan  # nothing re-planned or rewritten
+    # dropping the target (stating values by hand) on a planned state is refused the same way
+    with pytest.raises(DpfleetError, match="a restart never re-plans"):
+        boot(parse_config({**TINY, "rounds": ROUNDS, "eval_every": ROUNDS}), state, log=lambda s: None)
+
+
+def test_a_stated_key_the_plan_contradicts_is_refused_at_the_first_start(tmp_path):
+    values = {**VALUES, "dp": {**VALUES["dp"], "report_goal": 1}}
+    with pytest.raises(DpfleetError, match="config states dp.report_goal = 1"):
+        boot(planned(values), tmp_path / "state", log=lambda s: None)
+    assert not (tmp_path / "state" / "plan.json").exists()
