@@ -56,6 +56,9 @@ def _start_hour(value: float | None) -> float:
 @click.option("--seed", type=int, default=None, help="Fleet seed for behaviour draws (default: config seed).")
 @click.option("--vocabulary", type=click.Path(path_type=Path), default=None,
               help="The coordinator's STATE/vocabulary folder (needed for a DP word vocabulary).")
+@click.option("--plan", "plan_file", type=click.Path(path_type=Path), default=None,
+              help="The coordinator's STATE/plan.json; needed with dp.target_epsilon: the devices "
+                   "follow the plan the coordinator made at its first start (report goal).")
 @click.option("--ca-file", type=click.Path(path_type=Path), default=None,
               help="Trust this PEM certificate for an https:// coordinator.")
 @click.option("--start-hour", type=float, default=None,
@@ -72,7 +75,7 @@ def _start_hour(value: float | None) -> float:
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Path | None,
             fleet_keys: Path | None, registry: Path | None, coordinator_timeout: float | None,
-            seed: int | None, vocabulary: Path | None, ca_file: Path | None,
+            seed: int | None, vocabulary: Path | None, plan_file: Path | None, ca_file: Path | None,
             start_hour: float | None, summary: Path | None, bundle_key: Path | None,
             backend: str, address: str, progress: bool) -> None:
     """Run an emulated fleet of CONFIG's train clients against the coordinator at --coordinator
@@ -95,6 +98,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     if timeout < 0:
         raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
     cfg = load_config(config)
+    follow_coordinator_plan(cfg, plan_file)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     pinned_bundle = pinned_bundle_key(cfg, bundle_key)
     ids, examples, params = load_devices(cfg, devices, vocabulary)
@@ -159,6 +163,25 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
 
 
 FLEET_KEYS = "fleet_keys.json"
+
+
+def follow_coordinator_plan(cfg, plan_file: Path | None) -> None:
+    """dp.target_epsilon: the coordinator plans at its first start (service/boot.py); the devices
+    take its plan.json (what a device demands of a SecAgg round follows the report goal), never a
+    plan of their own, which could differ (another population, another dpfleet)."""
+    from dpfleet.errors import DpfleetError
+    from dpfleet.service.boot import checked_plan, follow_plan
+
+    if cfg.dp.target_epsilon <= 0:
+        if plan_file is not None:
+            raise DpfleetError("--plan is the coordinator's plan of dp.target_epsilon, which this "
+                               "config does not set")
+        return
+    if plan_file is None:
+        raise DpfleetError("the config sets dp.target_epsilon, which the coordinator plans at its "
+                           "first start: give the devices its plan with --plan STATE/plan.json")
+    # not its rounds: `fleet run --rounds` gives them to the coordinator only, devices never count
+    follow_plan(cfg, checked_plan(cfg, plan_file, kept=("target_epsilon", "delta", "mechanism_choice")))
 
 
 def default_fleet_dir(config: Path, fleet_dir: Path | None) -> Path:

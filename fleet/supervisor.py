@@ -88,11 +88,22 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     """Run (or continue) a local coordinator + fleet to the end; the last admin status.
     `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py).
     Ctrl-C stops both cleanly, then raises `FleetInterrupted` with the last status."""
-    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.config import load_config, validate
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
     from dpfleet.secagg.registry import public_registry, write_public_registry
+    from dpfleet.service.boot import PLAN_FILE, check_kept_plan, check_serve_config
+    from dpfleet.service.cli import with_rounds
 
     cfg = load_config(config)  # a bad config fails here, before anything starts
+    if rounds is not None:
+        if rounds < 1:
+            raise DpfleetError("--rounds must be >= 1")
+        cfg = with_rounds(cfg, rounds)
+        validate(cfg)
+    # what `coordinator serve` would refuse, refused here in its words, before anything starts
+    # (else it fails inside the subprocess and shows only in serve.console.log)
+    check_serve_config(cfg)
+    check_kept_plan(cfg, Path(state))
     if needs_coordinator_vocabulary(cfg):
         raise DpfleetError("fleet run: the devices must tokenize with the coordinator's DP word "
                            "vocabulary; run `coordinator serve` and `fleet emulate --vocabulary "
@@ -128,6 +139,8 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
                                "--summary", fleet_dir / "summary.json")
         if seed is not None:
             emulate_cmd += ["--seed", str(seed)]
+        if cfg.dp.target_epsilon > 0:  # serve wrote it at boot, before admin.json
+            emulate_cmd += ["--plan", state / PLAN_FILE]
         if backend != "local":
             emulate_cmd += ["--backend", backend] + (["--address", address] if address else [])
         if admin.get("tls_cert"):

@@ -62,34 +62,40 @@ PLAN_FILE = "plan.json"  # dp.target_epsilon: the plan of the first start, as `s
 PLAN_KEPT = ("target_epsilon", "delta", "rounds", "mechanism_choice")  # what the plan was made for
 
 
-def check_kept_plan(cfg: SimulationConfig, state: Path) -> None:
+def check_kept_plan(cfg: SimulationConfig, state: Path) -> dict | None:
     """A restart keeps the first start's plan (STATE/plan.json), so a config whose target differs
-    from it is refused in one line, before the state is opened.
+    from it is refused in one line, before the state is opened; the kept plan (None: none yet).
 
     Why refuse rather than ignore: ignoring would run a plan the config no longer states (the
     config says one thing, the run does another), and re-planning mid-run would change the noise
     and the participation limits under rounds already released with the old ones."""
     path = Path(state) / PLAN_FILE
-    if not path.is_file():
-        return
-    record = json.loads(path.read_text())
+    return checked_plan(cfg, path) if path.is_file() else None
+
+
+def checked_plan(cfg: SimulationConfig, path: Path, kept: tuple[str, ...] = PLAN_KEPT) -> dict:
+    """The plan at `path` (a coordinator's plan.json) if `cfg` is the config it was made for (in
+    the `kept` fields)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise DpfleetError(f"cannot read the plan {path}: {exc}") from None
     now = {"target_epsilon": cfg.dp.target_epsilon, "delta": cfg.dp.delta, "rounds": cfg.rounds,
            "mechanism_choice": cfg.dp.mechanism if cfg.dp.target_epsilon > 0 else None}
-    changed = [k for k in PLAN_KEPT if record.get(k) != now[k]]
+    changed = [k for k in kept if record.get(k) != now[k]]
     if changed:
         said = ", ".join(f"{k} {record.get(k)!r} -> {now[k]!r}" for k in changed)
-        raise DpfleetError(f"{state} was planned at its first start for dp.target_epsilon = "
-                           f"{record.get('target_epsilon'):g} ({PLAN_FILE}); the config now differs "
+        raise DpfleetError(f"{Path(path).parent} was planned at its first start for dp.target_epsilon = "
+                           f"{record.get('target_epsilon'):g} ({Path(path).name}); the config now differs "
                            f"({said}): a restart never re-plans, so continue with the config it "
                            "was started with, or choose a new --state")
+    return record
 
 
 def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log) -> None:
     """dp.target_epsilon: the first start plans for the service's training population exactly as
     `simulate` does (`plan_run`: the planner's keys written into `cfg`, config.json and
     plan.json); every restart applies that plan.json again, never a new plan."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
-
     path = store.path / PLAN_FILE
     if not path.is_file():
         if store.last_committed():
@@ -102,9 +108,17 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
         raise DpfleetError(f"{store.path} was planned for {record['population']} train clients, the "
                            f"data now gives {population}: continue with the data it was started "
                            "with, or choose a new --state")
+    follow_plan(cfg, record)
+    log(plan_line(record))
+
+
+def follow_plan(cfg: SimulationConfig, record: dict) -> None:
+    """A kept plan's keys written into `cfg` (`apply_run_plan`: a planned key the config states
+    differently is one error), then the config checked as a whole."""
+    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
+
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
     validate(cfg)
-    log(plan_line(record))
 
 
 def plan_line(record: dict) -> str:

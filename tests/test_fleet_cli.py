@@ -160,3 +160,67 @@ def test_fleet_run_ctrl_c_stops_both_and_a_rerun_continues(tmp_path):
     summary = json.loads((fleet_dir / "summary.json").read_text())
     assert summary["counts"]["done"] == 8 and summary["restarts"] == 0
     assert os.path.getsize(fleet_dir / "serve.console.log") > 0
+
+
+def test_fleet_run_refuses_what_serve_refuses_before_it_starts_anything(tmp_path):
+    """Research-mode noise: `fleet run` says serve's own `error:` line, exit 2, and neither the
+    state nor the fleet folder exists (no coordinator, no fleet was started)."""
+    config = tiny_toml(tmp_path)
+    config.write_text(config.read_text().replace("[dp]\n", "[dp]\nnoise_seed = 5\n"))
+    state = tmp_path / "state"
+    served = run_cli("coordinator", "serve", str(config), "--state", str(tmp_path / "served"))
+    ran = run_cli("fleet", "run", str(config), "--state", str(state))
+    assert ran.returncode == 2 and served.returncode == 2
+    assert_clean_error(ran, "dp.noise_seed = 5 is research mode")
+    assert ran.stderr == served.stderr  # the same check, the same words
+    assert not state.exists() and not (tmp_path / "state_fleet").exists()
+
+
+def test_emulate_of_a_planned_config_needs_the_coordinators_plan(tmp_path):
+    config = tiny_toml(tmp_path)
+    text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")
+    config.write_text(text.replace("[dp]\n", "[dp]\ntarget_epsilon = 8.0\n"))
+    url = "http://127.0.0.1:9"
+    assert_clean_error(run_cli("fleet", "emulate", str(config), "--coordinator", url,
+                               "--fleet-dir", str(tmp_path / "f")), "--plan STATE/plan.json")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"target_epsilon": 4.0, "delta": 1e-6, "rounds": 3,
+                                "mechanism_choice": "tree"}))
+    assert_clean_error(run_cli("fleet", "emulate", str(config), "--coordinator", url, "--plan",
+                               str(plan), "--fleet-dir", str(tmp_path / "f")),
+                       "target_epsilon 4.0 -> 8.0")
+
+
+@pytest.mark.slow  # ~30-60 s: a coordinator and two spawned workers
+def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
+    """dp.target_epsilon through `fleet run`: serve plans at boot (plan.json), the fleet follows
+    it (--plan), the run finishes with the planned participation limits obeyed."""
+    from dpfleet.coordinator.accounting.config_plan import planned_values
+
+    config = tiny_toml(tmp_path, rounds=3)
+    text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")
+    config.write_text(text.replace("[dp]\n", "[dp]\ntarget_epsilon = 8.0\nmechanism = \"auto\"\n"))
+    state = tmp_path / "state"
+    done = run_cli("fleet", "run", str(config), "--state", str(state), "--processes", "2")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    plan = json.loads((state / "plan.json").read_text())
+    assert plan["population"] == 8 and plan["target_epsilon"] == 8.0
+    serve_log = (tmp_path / "state_fleet" / "serve.console.log").read_text()
+    assert sum(x.startswith("plan: eps 8 at delta 1e-06, N 8, 3 rounds") for x in serve_log.splitlines()) == 1
+    config_json = json.loads((state / "config.json").read_text())
+    for key, value in planned_values(plan).items():  # config.json holds the plan, as simulate's
+        section, name = key.split(".")
+        assert config_json[section][name] == value
+    chosen = plan["chosen"]
+    log = lines(state / "participation.jsonl")
+    assert [e["round"] for e in log] == [0, 1, 2]
+    assert all(len(e["devices"]) >= chosen["report_goal"] for e in log)
+    seen: dict[str, list[int]] = {}
+    for entry in log:
+        for device in entry["devices"]:
+            seen.setdefault(device, []).append(entry["round"])
+    assert all(len(r) <= chosen["max_participation"] for r in seen.values())
+    gaps = [b - a for r in seen.values() for a, b in zip(r, r[1:], strict=False)]
+    assert all(g > chosen["min_separation"] for g in gaps)
+    assert 0 < json.loads((state / "privacy.json").read_text())["epsilon"] <= 8.0
