@@ -210,7 +210,9 @@ def run(kills: int, rounds: int, devices: int, processes: int, seed: int, timed_
                         _dpfleet("fleet", "emulate", config, "--coordinator", url, "--devices",
                                  len(ids), "--processes", processes, "--fleet-keys", keys_path,
                                  "--registry", registry, "--no-progress", "--summary",
-                                 fleet_dir / "summary.json"),
+                                 fleet_dir / "summary.json",
+                                 # the coordinator is killed and restarted under the running fleet
+                                 "--coordinator-timeout", 0),
                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             life = {"life": len(lives), **(kill or {"kind": "none"})}
             limit = kill["after_s"] if kill is not None and kill["kind"] == "timed" else 90.0
