@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dpfleet.coordinator.accounting.config_plan import plan_line
 from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
@@ -92,10 +94,26 @@ def checked_plan(cfg: SimulationConfig, path: Path, kept: tuple[str, ...] = PLAN
     return record
 
 
+def planning_population(cfg: SimulationConfig, population: int) -> int:
+    """The population the service plans for: N / (1 + overselect). The planner sizes MinS / MaxP
+    for report_goal devices a round out of N; the service assigns report_goal (1 + overselect) a
+    round (`round_size`), so it plans as if for the fleet shrunk by the same factor, which keeps
+    devices per round over the population as planned (planned for all 200 phones at overselect
+    0.3, a fleet stopped at round 3 of 10: 43 eligible devices for a report goal of 46)."""
+    return math.floor(population / (1.0 + cfg.service.overselect) + 1e-9)
+
+
 def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log) -> None:
     """dp.target_epsilon: the first start plans for the service's training population exactly as
     `simulate` does (`plan_run`: the planner's keys written into `cfg`, config.json and
-    plan.json); every restart applies that plan.json again, never a new plan."""
+    plan.json), for `planning_population` devices; every restart applies that plan.json again,
+    never a new plan."""
+    if cfg.service.overselect > 0:
+        planned = planning_population(cfg, population)
+        log(f"plan: {population} train devices, over-selection {cfg.service.overselect:g}: "
+            f"planned for N = {planned} so that every round's {1 + cfg.service.overselect:g}x "
+            "assignment fits MinS / MaxP")
+        population = planned
     path = store.path / PLAN_FILE
     if not path.is_file():
         if store.last_committed():
@@ -119,15 +137,6 @@ def follow_plan(cfg: SimulationConfig, record: dict) -> None:
 
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
     validate(cfg)
-
-
-def plan_line(record: dict) -> str:
-    """The `plan:` line `simulate` prints (`plan_run`), for a kept plan.json."""
-    c = record["chosen"]
-    return (f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N "
-            f"{record['population']}, {record['rounds']} rounds -> report goal {c['report_goal']}, "
-            f"MinS {c['min_separation']}, MaxP {c['max_participation']}, {c['mechanism']} noise z "
-            f"{c['noise_multiplier']:.4g} (plan.json)")
 
 
 @dataclass

@@ -137,3 +137,20 @@ def test_a_stated_key_the_plan_contradicts_is_refused_at_the_first_start(tmp_pat
     with pytest.raises(DpfleetError, match="config states dp.report_goal = 1"):
         boot(planned(values), tmp_path / "state", log=lambda s: None)
     assert not (tmp_path / "state" / "plan.json").exists()
+
+
+def test_with_over_selection_serve_plans_for_the_fleet_shrunk_by_it(tmp_path):
+    """The service assigns report_goal (1 + overselect) devices a round, the planner sizes MinS /
+    MaxP for report_goal a round out of N: so it plans for N / (1 + overselect) devices (a fleet
+    planned for all its devices stopped at round 3 of 10 when over-selected rounds used them up)."""
+    values = {**VALUES, "service": {**VALUES.get("service", {}), "overselect": 0.3}}
+    booted, lines = booted_once(tmp_path / "state", values)
+    plan = json.loads((tmp_path / "state" / "plan.json").read_text())
+    assert len(booted.users) == 8 and plan["population"] == 6  # floor(8 / 1.3)
+    assert plan == config_plan.make_run_plan(planned(values), 6)
+    assert any("over-selection 0.3: planned for N = 6" in s for s in lines)
+    # a restart applies the kept plan for the same shrunk population, never a new one
+    again, lines = booted_once(tmp_path / "state", values)
+    again.store.close()
+    assert json.loads((tmp_path / "state" / "plan.json").read_text()) == plan
+    assert again.cfg.dp.report_goal == plan["chosen"]["report_goal"]

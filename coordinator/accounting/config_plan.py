@@ -56,6 +56,15 @@ def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
     }
 
 
+def plan_line(record: dict) -> str:
+    """The `plan:` line a planned run prints (simulate, and serve at every start)."""
+    c = record["chosen"]
+    return (f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N "
+            f"{record['population']}, {record['rounds']} rounds -> report goal {c['report_goal']}, "
+            f"MinS {c['min_separation']}, MaxP {c['max_participation']}, {c['mechanism']} noise z "
+            f"{c['noise_multiplier']:.4g} (plan.json)")
+
+
 def planned_values(record: dict) -> dict[str, Any]:
     c = record["chosen"]
     return {"dp.report_goal": c["report_goal"], "dp.noise_multiplier": c["noise_multiplier"],

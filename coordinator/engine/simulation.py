@@ -390,7 +390,7 @@ def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
              log: Callable[[str], None]) -> None:
     """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
     config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan, make_run_plan
+    from dpfleet.coordinator.accounting.config_plan import apply_run_plan, make_run_plan, plan_line
 
     record = make_run_plan(cfg, population)
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
@@ -398,10 +398,7 @@ def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
     if not resume:
         run.write_config(cfg.resolved())
         run.write_json("plan.json", record)
-    c = record["chosen"]
-    log(f"plan: eps {record['target_epsilon']:g} at delta {record['delta']:g}, N {population}, "
-        f"{record['rounds']} rounds -> report goal {c['report_goal']}, MinS {c['min_separation']}, "
-        f"MaxP {c['max_participation']}, {c['mechanism']} noise z {c['noise_multiplier']:.4g} (plan.json)")
+    log(plan_line(record))
 
 
 def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):
