@@ -24,7 +24,10 @@ the only device time is real training. Reported per run:
   missing from the committed participation (goal 0); failed attempts;
 * with `--baseline`, the same config through `simulate` in this process (sequential trainer,
   in-process SecAgg): its seconds per round are the training-time baseline.
-Two fleet sizes (`--devices` and `--small`) give the RSS comparison (goal: flat).
+Two fleet sizes (`--devices` and `--small`; `--small 0`: one run) give the RSS comparison (goal:
+flat). A fleet larger than Shakespeare's 1,277 (play, speaker) users gets its users from a
+`dataset = "jsonl"` file of the real speeches dealt round-robin (`speech_users`); issue 32's figure:
+`--devices 10000 --small 0 --rounds 6 --retry 20 --out results/fleet_load_10k.json`.
 Saves results/fleet_load.json with cores, torch threads, the event loop and the load averages
 before and after each run (2 cores: a quiet machine reads below 1; with other work on it CPU
 seconds inflate and wall times stretch, so compare CPU and critical-path seconds, not wall).
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -150,6 +154,23 @@ def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
 
 
+SHAKESPEARE_TRAIN_USERS = 1277  # (play, speaker) clients after the 10% held-out split
+
+
+def speech_users(path: Path, devices: int, test_fraction: float = 0.1) -> Path:
+    """A `dataset = "jsonl"` file with enough users for `devices` training phones: Shakespeare's
+    32,961 speeches dealt round-robin to synthetic users (~3 real speeches each), for a fleet larger
+    than the 1,277 (play, speaker) users. Real text and real devices; only the grouping is made up
+    (a load test measures the service, not what a user's text is)."""
+    from dpfleet.edge.datasets import load_shakespeare
+
+    users = math.ceil(devices / (1 - test_fraction)) + 64  # the held-out split takes ~10%
+    with path.open("w") as out:
+        for i, record in enumerate(load_shakespeare()):
+            out.write(json.dumps({"user": f"phone{i % users:06d}", "text": record.text}) + "\n")
+    return path
+
+
 def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float,
               work: Path, template: str = CONFIG) -> dict:
     """One run (see the module docstring); `template`: the config, CONFIG or a variant of it
@@ -163,7 +184,11 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
 
     work.mkdir(parents=True, exist_ok=True)
     config = work / "fleet_load.toml"
-    config.write_text(template.format(devices=devices, goal=goal, rounds=rounds, retry=retry))
+    text = template.format(devices=devices, goal=goal, rounds=rounds, retry=retry)
+    if devices > SHAKESPEARE_TRAIN_USERS:  # more phones than (play, speaker) users: real speeches
+        text = text.replace('dataset = "shakespeare"',
+                            f'dataset = "jsonl"\npath = "{speech_users(work / "users.jsonl", devices)}"')
+    config.write_text(text)
     cfg = load_config(config)
     ids, _, params = load_devices(cfg)
     keys = fleet_keys(work / "fleet_keys.json", len(ids))
