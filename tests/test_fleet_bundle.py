@@ -13,6 +13,7 @@ byte of it, no round commits and the model stays where it started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import numpy as np
@@ -59,13 +60,16 @@ async def _serve(cfg, root, keys, examples, *, pin: bytes | None = None, until=N
     outcomes = {d: per[d]["outcomes"] for d in keys}
     if until is None:
         await asyncio.wait_for(asyncio.shield(running.task), 120)
+        await asyncio.wait_for(devices, 60)
     else:
         for _ in range(600):
             if until(running.driver, outcomes):
                 break
             await asyncio.sleep(0.1)
-        stop.set()
-    await asyncio.wait_for(devices, 60)
+        stop.set()  # devices in a check-in long-poll would notice only when it returns (~25 s)
+        devices.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await devices
     status = running.driver.status()
     theta = running.driver.engine.server.theta.copy()
     model_cfg = ModelConfig(**running.driver.b.model_config)
