@@ -84,3 +84,9 @@ def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: 1.5 workers per core. Many tests wait (deadlines, long-polls, subprocesses that
+    start a coordinator) rather than compute, so a third worker on 2 cores fills the idle time."""
+    return max(1, (3 * (os.cpu_count() or 1)) // 2)
