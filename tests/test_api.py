@@ -93,6 +93,7 @@ def _seeded() -> TinyLM:
     return TinyLM()
 
 
+@pytest.mark.slow  # ~15 s in the default suite; test_extensions runs the custom parts by default
 def test_example_custom_model_runs_with_dp_and_secagg(tmp_path):
     spec = importlib.util.spec_from_file_location("custom_model", ROOT / "examples" / "custom_model.py")
     example = importlib.util.module_from_spec(spec)

@@ -165,6 +165,7 @@ def test_canaries_are_devices_not_users_in_accounting_or_evaluation(tmp_path):
     assert len(devices) == len(set(devices)) == 25  # disjoint: canaries obey MaxP 1 too
 
 
+@pytest.mark.slow  # ~15 s; the tree and MF audits and every --break mode stay in the default suite
 def test_audit_with_secure_aggregation(tmp_path):
     """SecAgg with discrete noise on the ring sum: the canaries are masked and summed like any
     device, and switching the ring noise off is still caught."""

@@ -46,6 +46,7 @@ def test_concurrent_requests_export_once(monkeypatch, tmp_path):
     assert len(calls) == 2  # a different model is a different program
 
 
+@pytest.mark.slow  # ~13 s: two simulations; the cache's keying is tested by default above
 def test_second_simulation_reuses_the_first_runs_program(monkeypatch, tmp_path):
     """`simulate` with an exported runtime writes its program to the user cache, not the run
     folder, so the next run (any run directory) and a bundle of its checkpoint load it without

@@ -85,6 +85,7 @@ def test_served_secagg_blt_with_adaptive_clipping_adds_the_rounded_stream_in_the
     assert privacy["noise_mechanism"] == RING_MF_MECHANISM and not privacy["honest_participants_only"]
 
 
+@pytest.mark.slow  # ~13 s; kill -9 of the tree run stays in the default suite (test_service_kill)
 def test_kill_9_after_a_commit_then_the_mf_run_continues_its_segment(tmp_path):
     cfg, codes = kill_and_restart(tmp_path, ["after_commit:1"], rounds=3,
                                   dp={"mechanism": "banded"})
