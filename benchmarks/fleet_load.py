@@ -249,6 +249,8 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
         return float(np.mean(xs)) if xs else None
     return result | {
         "devices": len(ids), "report_goal": goal, "rounds": rounds, "processes": processes,
+        # every 500 the service answered (its catch-all logs one `internal_error` event each)
+        "internal_errors_500": sum(e["event"] == "internal_error" for e in events),
         "parameters": params, "checkin_retry_s": retry,
         "coordinator_phase_seconds": status.get("phase_seconds"),
         "coordinator_peak_rss_mb": sampler.hwm_kb / 1024, "coordinator_cpu_s": sampler.cpu_s,
