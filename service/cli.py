@@ -36,6 +36,9 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
           tls_cert: Path | None, tls_key: Path | None) -> None:
     """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
 
+    Ctrl-C fails the open round cleanly, commits nothing half-done and exits 130; the same command
+    continues the run from its last committed round.
+
     Refused: dp.noise_seed (research mode), and a non-loopback --listen without --fleet-public
     (anyone could claim a device id). The state directory is 0700, its files 0600.
 
@@ -73,6 +76,10 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     click.echo(f"noise: {noise_line(cfg)}")
     if warning:
         click.echo(warning)
+    if status.get("stopped_by") == "SIGINT" and status["run_state"] != "finished":
+        click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}",
+                   err=True)
+        raise click.exceptions.Abort()  # exit 130, as every command on Ctrl-C
 
 
 def with_rounds(cfg, rounds: int):

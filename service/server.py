@@ -179,18 +179,25 @@ async def shutdown(running: Running) -> None:
 
 async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = None,
                 log=print, **kw) -> dict:
-    """Run a coordinator until its run finishes or it is stopped; returns its last status."""
+    """Run a coordinator until its run finishes or it is stopped; returns its last status
+    (with `stopped_by`: the signal's name, when SIGINT or SIGTERM stopped it)."""
     running = await start(cfg, state, log=log, **kw)
     log(f"coordinator listening on {running.url} (admin token in {running.admin_file})")
     loop = asyncio.get_running_loop()
+    signals: list[str] = []
+
+    def stop(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        running.driver.stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, running.driver.stop)
+        loop.add_signal_handler(sig, stop, sig)
     try:
         await asyncio.wait([running.task])
         if running.driver.run_state == "finished":  # let devices learn that the run is done
             await asyncio.sleep(linger_s if linger_s is not None
                                 else 3 * cfg.service.checkin_retry_s + 1.0)
-        status = running.driver.status()
+        status = running.driver.status() | ({"stopped_by": signals[0]} if signals else {})
     finally:
         await shutdown(running)
     running.task.result()  # re-raise what stopped the driver, if anything

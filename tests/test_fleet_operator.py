@@ -171,6 +171,28 @@ def test_a_watch_that_saw_the_run_finish_ends_quietly(tmp_path):
 # ------------------------------------------------------------------ 4. Ctrl-C exits 130
 
 
+def test_ctrl_c_stops_coordinator_serve_with_130_and_the_resume_hint(tmp_path):
+    """A real SIGINT to `coordinator serve` mid-run: exit 130 (before: 0), the status line, the
+    command that continues, no traceback; the same command then starts again on the state."""
+    config = tiny_toml(tmp_path, rounds=200)  # the run cannot finish before the signal
+    state = tmp_path / "state"
+    serve, _ = start_serve(config, state, tmp_path / "serve.log")
+    try:
+        serve.send_signal(signal.SIGINT)
+        rc = serve.wait(60)
+    finally:
+        stop(serve)
+    text = (tmp_path / "serve.log").read_text()
+    assert rc == 130, text
+    assert "0 of 200 rounds committed, 0 failed" in text, text
+    assert f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    again, _ = start_serve(config, state, tmp_path / "serve2.log")  # continues on the same state
+    stop(again)
+    second = (tmp_path / "serve2.log").read_text()
+    assert "coordinator listening on" in second and "error" not in second, second
+
+
 def test_ctrl_c_stops_fleet_emulate_and_its_workers_with_130(tmp_path):
     config = tiny_toml(tmp_path)
     out = tmp_path / "emulate.out"
