@@ -6,6 +6,7 @@ training programs come from the session's shared program cache instead of a fres
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,12 @@ def sentences(n: int, seed: int) -> list[str]:
 
 
 def program_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "dpfleet-programs"  # shared with the parity tests
+    """One export cache for the test run, shared by every module: under pytest-xdist the workers'
+    base temps share a parent made for this run, so a program one worker exported is read by the
+    others (the cache's file lock makes a second export of it wait, not repeat); run alone, the
+    run's own base temp (its parent outlives the run: a stale export must never be reused)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dpfleet-programs"
 
 
 # Bounds a trained test model must meet (asserted by `train_rows`): far above what the tiny

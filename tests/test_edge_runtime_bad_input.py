@@ -15,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from bundle_helpers import program_cache
 from edge_models import SEQ_LEN, tiny_config
 
 from dpfleet.edge.runtime import EagerRuntime
@@ -38,7 +39,7 @@ OTHER = ModelConfig(**{**CFG.to_dict(), "arch": "lstm"})
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     torch.set_num_threads(1)
-    return tmp_path_factory.getbasetemp() / "dpfleet-programs"  # shared with the parity tests
+    return program_cache(tmp_path_factory)  # one export per program for the whole run
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bundle_helpers import program_cache
 from edge_models import SEQ_LEN, tiny_config
 from numerics import scaled_bound
 
@@ -31,7 +32,7 @@ CONFIGS = {arch: tiny_config(arch) for arch in ("cifg", "lstm", "transformer")}
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     torch.set_num_threads(1)
-    return tmp_path_factory.getbasetemp() / "dpfleet-programs"  # shared across test modules
+    return program_cache(tmp_path_factory)  # one export per program for the whole run
 
 
 def examples(seed: int = 0, n: int = 11) -> np.ndarray:

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from bundle_helpers import program_cache
 from edge_models import SEQ_LEN, tiny_config
 
 from dpfleet.coordinator.config import parse_config
@@ -67,7 +68,7 @@ def test_tying_needs_matching_dims():
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "dpfleet-programs"
+    return program_cache(tmp_path_factory)  # one export per program for the whole run
 
 
 @pytest.mark.parametrize("runtime", ["onnx", pytest.param("executorch", marks=pytest.mark.slow)])
