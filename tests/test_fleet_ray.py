@@ -21,11 +21,6 @@ from dpfleet.errors import DpfleetError
 from dpfleet.fleet.emulate import fleet_keys, load_devices
 from dpfleet.secagg.registry import public_registry
 
-# one Ray cluster at a time: under pytest-xdist (--dist loadgroup, .ci/run) these tests share one
-# worker; two local clusters side by side on 2 cores starve each other's actors (an actor start
-# timed out at 120 s)
-pytestmark = pytest.mark.xdist_group("ray")
-
 
 def test_address_without_ray_backend_is_one_clean_line(tmp_path):
     proc = run_cli("fleet", "emulate", str(tiny_toml(tmp_path)), "--coordinator",

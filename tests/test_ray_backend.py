@@ -12,11 +12,6 @@ from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
 
-# one Ray cluster at a time: under pytest-xdist (--dist loadgroup, .ci/run) these tests share one
-# worker; two local clusters side by side on 2 cores starve each other's actors (an actor start
-# timed out at 120 s)
-pytestmark = pytest.mark.xdist_group("ray")
-
 
 def test_shards_cover_every_client_once_and_balance():
     steps = [5, 1, 1, 3, 2, 2, 8, 1]
