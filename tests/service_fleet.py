@@ -162,3 +162,15 @@ async def run_devices(url: str, keys: dict[str, Ed25519PrivateKey], examples: di
             t.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_to_end(cfg, state: Path, keys: dict[str, Ed25519PrivateKey], examples: dict,
+                       devices_s: float = 60.0) -> dict:
+    """Serve `cfg` on `state` until its run ends, every device taking part; its last status."""
+    running = await start(cfg, state, log=lambda s: None)
+    devices = asyncio.create_task(run_devices(running.url, keys, examples))
+    await asyncio.wait_for(asyncio.shield(running.task), 120)
+    await asyncio.wait_for(devices, devices_s)
+    status = running.driver.status()
+    await shutdown(running)
+    return status

@@ -251,24 +251,13 @@ def test_ctrl_c_stops_fleet_run_with_130_and_the_resume_hint(tmp_path):
 def finished_state(tmp_path) -> Path:
     """A coordinator state whose 1-round run finished (in-process service, real devices)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from service_fleet import fleet_data, run_devices, tiny_cfg
-
-    from dpfleet.service.server import shutdown, start
+    from service_fleet import fleet_data, serve_to_end, tiny_cfg
 
     cfg = tiny_cfg(rounds=1)
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
     state = tmp_path / "state"
-
-    async def main():
-        running = await start(cfg, state, log=lambda s: None)
-        devices = asyncio.create_task(run_devices(running.url, keys, examples))
-        await asyncio.wait_for(asyncio.shield(running.task), 120)
-        await asyncio.wait_for(devices, 30)
-        assert running.driver.status()["run_state"] == "finished"
-        await shutdown(running)
-
-    asyncio.run(main())
+    assert asyncio.run(serve_to_end(cfg, state, keys, examples, devices_s=30))["run_state"] == "finished"
     return state
 
 

@@ -16,11 +16,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from noise_spy import spied_noise
 from safetensors.numpy import load_file
-from service_fleet import fleet_data, run_devices, tiny_cfg
+from service_fleet import fleet_data, serve_to_end, tiny_cfg
 
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
 from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
-from dpfleet.service.server import shutdown, start
 
 ROUNDS = 3
 
@@ -32,15 +31,8 @@ def test_a_published_service_state_neither_holds_nor_rebuilds_the_noise(tmp_path
     device_keys = {u: Ed25519PrivateKey.generate() for u in users}
     state = tmp_path / "state"
 
-    async def main():
-        running = await start(cfg, state, log=lambda s: None)
-        devices = asyncio.create_task(run_devices(running.url, device_keys, examples))
-        await asyncio.wait_for(asyncio.shield(running.task), 120)
-        await asyncio.wait_for(devices, 60)
-        await shutdown(running)
-
     with spied_noise(monkeypatch) as (sums, start_theta, keys):
-        asyncio.run(main())
+        asyncio.run(serve_to_end(cfg, state, device_keys, examples))
     (key,) = keys
     assert len(sums) == ROUNDS
     theta0, true_sum = start_theta[0], np.sum(sums, axis=0)
