@@ -28,6 +28,7 @@ from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore, open_engine
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
+from dpfleet.io import sha256_file
 from dpfleet.service.blobs import BlobStore, folder_tar
 from dpfleet.service.run_bundle import RunBundle, run_bundle
 
@@ -120,7 +121,17 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
             raise DpfleetError(f"{store.path} has committed rounds but no {PLAN_FILE}: its plan is "
                                "lost; choose a new --state")
         plan_run(cfg, RunDir(store.path, resume=True), population, resume=False, log=log)
+        store.bind_plan(sha256_file(path))
         return
+    bound = store.bound_plan()
+    if bound is None and store.last_committed():
+        raise DpfleetError(f"{store.path} has committed rounds but no bound plan: its {PLAN_FILE} "
+                           "cannot be checked; choose a new --state")
+    if bound is not None and sha256_file(path) != bound:
+        raise DpfleetError(f"{path} is not the plan this state was started with (its sha256 "
+                           "differs): a restart runs the first plan only, since an edit would change "
+                           "the noise and the participation limits under rounds already released; "
+                           "restore it or choose a new --state")
     record = json.loads(path.read_text())
     if record["population"] != population:
         raise DpfleetError(f"{store.path} was planned for {record['population']} train clients, the "

@@ -72,7 +72,8 @@ def test_serve_plans_what_simulate_plans(tmp_path):
     assert lines[-1].endswith(f"; starting: round 1 of {ROUNDS}"), lines[-1]
 
 
-def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypatch):
+def served_some_rounds(tmp_path) -> tuple:
+    """A planned coordinator stopped after >= 1 committed round: (state, committed, its lines)."""
     state = tmp_path / "state"
     cfg = planned()
     users, examples = fleet_data(cfg, tmp_path / "fleet")
@@ -94,6 +95,11 @@ def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypa
 
     committed = asyncio.run(first_start())
     assert 1 <= committed < ROUNDS
+    return state, committed, first_lines
+
+
+def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypatch):
+    state, committed, first_lines = served_some_rounds(tmp_path)
     plan = (state / "plan.json").read_bytes()
     config = (state / "config.json").read_bytes()
 
@@ -110,6 +116,23 @@ def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypa
         assert getattr(getattr(booted.cfg, section), key) == chosen[f"{section}.{key}"]
     assert lines[-1].endswith(f"; continuing after round {committed} of {ROUNDS}"), lines[-1]
     assert any(s.endswith(f"; starting: round 1 of {ROUNDS}") for s in first_lines)
+
+
+@pytest.mark.parametrize("key,factor", [("noise_multiplier", 4.0), ("report_goal", 2),
+                                        ("max_participation", 2)])
+def test_attack_an_edited_plan_is_refused_on_restart(tmp_path, key, factor):
+    """The operator's edit between two starts: plan.json's noise multiplier raised (the rounds
+    already released had less noise, so the accountant would claim too little eps for them), or
+    its report goal / MaxP changed. The restart must not run (nor account) another plan."""
+    state, committed, _ = served_some_rounds(tmp_path)
+    record = json.loads((state / "plan.json").read_text())
+    before = record["chosen"][key]
+    record["chosen"][key] = before * factor
+    (state / "plan.json").write_text(json.dumps(record))
+    with pytest.raises(DpfleetError, match="plan"):
+        booted, _ = booted_once(state)
+        # had it booted, this is what it would run: the edited value, not the one released with
+        pytest.fail(f"restarted with {key} {getattr(booted.cfg.dp, key, None)} (released: {before})")
 
 
 def test_a_restart_with_another_target_is_one_error(tmp_path, capsys):

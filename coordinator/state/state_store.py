@@ -188,6 +188,16 @@ class StateStore:
                 ("schema_version", str(SCHEMA_VERSION)), ("config", dumps(resolved)),
                 ("created_at", repr(time.time())), ("finished", "0")])
 
+    def bind_plan(self, sha256: str) -> None:
+        """The sha256 of the plan (plan.json) this state runs, kept with its rounds: a restart
+        whose plan differs is refused (`bound_plan`), as an edit would change the noise and the
+        participation limits under rounds already released."""
+        with self._transaction():
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('plan_sha256', ?)", (sha256,))
+
+    def bound_plan(self) -> str | None:
+        return self._meta().get("plan_sha256")
+
     def _meta(self) -> dict[str, str]:
         return dict(self.db.execute("SELECT key, value FROM meta").fetchall())
 
