@@ -98,8 +98,9 @@ def private_state(state: Path) -> None:
     """STATE 0700 and everything in it 0600 (folders 0700), also what an older process left."""
     state.chmod(0o700)
     for root, dirs, files in os.walk(state):
-        for d in dirs:
-            Path(root, d).chmod(0o700)
+        for d in dirs:  # os.walk does not enter a linked folder; chmod would follow the link
+            if not Path(root, d).is_symlink():
+                Path(root, d).chmod(0o700)
         for f in files:
             path = Path(root, f)
             if not path.is_symlink():
