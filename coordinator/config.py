@@ -12,9 +12,11 @@ import difflib
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
@@ -344,8 +346,13 @@ def read_toml(path: Path, what: str = "config file") -> dict:
         raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
 
 
-def load_config(path: Path) -> SimulationConfig:
-    return parse_config(read_toml(path))
+def load_config(path: Path, overrides: Mapping[str, object] | None = None) -> SimulationConfig:
+    """The config file at `path`, with the command line's `--set` overrides ("section.key" ->
+    value, `config_overrides`) applied to its values before they are parsed and validated."""
+    values = read_toml(path)
+    if overrides:
+        values = apply_overrides(values, overrides, SimulationConfig)
+    return parse_config(values)
 
 
 def validate(cfg: SimulationConfig) -> None:
