@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 
 import click
 
+from dpfleet.coordinator.config_overrides import set_option
 from dpfleet.service.cli_admin import add_admin_commands
 
 
@@ -28,12 +30,13 @@ add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_
                    "STATE/admin.json). Non-loopback addresses need TLS.")
 @click.option("--rounds", type=int, default=None,
               help="Override the config's rounds (give the same value when continuing).")
+@set_option
 @click.option("--fleet-public", type=click.Path(path_type=Path), default=None,
               help="Fleet registry JSON of device public keys: only these keys may register.")
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key.")
-def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_public: Path | None,
-          tls_cert: Path | None, tls_key: Path | None) -> None:
+def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides: tuple[str, ...],
+          fleet_public: Path | None, tls_cert: Path | None, tls_key: Path | None) -> None:
     """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
 
     Ctrl-C fails the open round cleanly, commits nothing half-done and exits 130; the same command
@@ -52,13 +55,17 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     checkpoint, plot) end up in STATE, next to service.log.
     """
     from dpfleet.coordinator.config import load_config, validate
+    from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.errors import DpfleetError
     from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
     from dpfleet.service.boot import check_secret_noise
     from dpfleet.service.server import serve as run
 
-    cfg = load_config(config)
+    sets = parse_overrides(overrides)
+    cfg = load_config(config, sets)
+    if sets:
+        click.echo(f"overrides: {describe(sets)}", err=True)
     check_secret_noise(cfg)
     if rounds is not None:
         if rounds < 1:
@@ -77,8 +84,9 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, fleet_publ
     if warning:
         click.echo(warning)
     if status.get("stopped_by") == "SIGINT" and status["run_state"] != "finished":
-        click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}",
-                   err=True)
+        again = "".join(f" --set {shlex.quote(s)}" for s in overrides)
+        click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
+                   f"{again}", err=True)
         raise click.exceptions.Abort()  # exit 130, as every command on Ctrl-C
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from dpfleet.coordinator.config_overrides import set_option
+
 
 def _count(value: str, flag: str, minimum: int) -> int:
     """An integer flag, refused in one `error:` line (click's own message spans several)."""
@@ -33,6 +35,7 @@ def _count(value: str, flag: str, minimum: int) -> int:
 @click.option("--confidence", default="0.95", show_default=True,
               help="Confidence of the lower bound and of the estimate's interval, in (0.5, 1).")
 @click.option("--rounds", default=None, help="Override the config's number of rounds.")
+@set_option
 @click.option("--out", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
               help="Run directory (default: runs/<config name>-audit, or -2, -3, ...).")
 @click.option("--overwrite", is_flag=True, help="Reuse a non-empty run directory.")
@@ -44,8 +47,8 @@ def _count(value: str, flag: str, minimum: int) -> int:
                    "audit fail. The model is not private: the run states no eps and its "
                    "checkpoint does not export.")
 def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidence: str,
-          rounds: str | None, out: Path | None, overwrite: bool, quiet: bool, debug_nonprivate: bool,
-          broken: str | None) -> None:
+          rounds: str | None, overrides: tuple[str, ...], out: Path | None, overwrite: bool,
+          quiet: bool, debug_nonprivate: bool, broken: str | None) -> None:
     """Audit a run: train CONFIG with canary devices, estimate epsilon from the released model.
 
     The canaries are extra devices in the fleet, under the same participation policy and timers,
@@ -62,6 +65,7 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     """
     from dpfleet.coordinator.audit.canaries import BROKEN, AuditSettings, run_audit
     from dpfleet.coordinator.config import load_config, validate
+    from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir
     from dpfleet.errors import DpfleetError
 
@@ -78,7 +82,10 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
         raise DpfleetError(f"--break must be one of {', '.join(map(repr, BROKEN))}, got {broken!r}")
     settings = AuditSettings(canaries=n, text_canaries=t, confidence=c, broken=broken)
     settings.check()
-    cfg = load_config(config)
+    sets = parse_overrides(overrides)
+    cfg = load_config(config, sets)
+    if sets:
+        click.echo(f"overrides: {describe(sets)}")
     if rounds is not None:
         cfg.rounds = _count(rounds, "--rounds", 1)
     validate(cfg)

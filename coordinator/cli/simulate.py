@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from dpfleet.coordinator.config_overrides import set_option
+
 
 @click.command()
 @click.argument("config", type=click.Path(path_type=Path), required=False)
@@ -14,6 +16,7 @@ import click
 @click.option("--overwrite", is_flag=True, help="Reuse a non-empty run directory.")
 @click.option("--rounds", type=int, default=None, help="Override the config's number of rounds.")
 @click.option("--seed", type=int, default=None, help="Override the config's seed.")
+@set_option
 @click.option("--resume", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
               help="Continue an interrupted run from its last resume point (no CONFIG needed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -22,7 +25,8 @@ import click
                    "fraction) to debug_nonprivate.jsonl: NOT covered by the DP guarantee "
                    "(same as the config key debug_nonprivate = true).")
 def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int | None,
-             seed: int | None, resume: Path | None, quiet: bool, debug_nonprivate: bool) -> None:
+             seed: int | None, overrides: tuple[str, ...], resume: Path | None, quiet: bool,
+             debug_nonprivate: bool) -> None:
     """Simulate private federated training of an on-device LM.
 
     Reads CONFIG (TOML; see examples/shakespeare_cifg.toml for every key), builds the clients
@@ -43,22 +47,27 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     with and gives the same result, bit for bit, as an uninterrupted run.
     """
     from dpfleet.coordinator.config import load_config, parse_config, validate
+    from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, run
     from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.errors import DpfleetError, resume_hint
 
     if resume is not None:
         if (config is not None or out is not None or overwrite or rounds is not None
-                or seed is not None or debug_nonprivate):
+                or seed is not None or overrides or debug_nonprivate):
             raise DpfleetError("--resume RUN_DIR continues a run with its own config: give no CONFIG, "
-                               "--out, --overwrite, --rounds, --seed or --debug-nonprivate with it")
+                               "--out, --overwrite, --rounds, --seed, --set or --debug-nonprivate "
+                               "with it")
         if not (resume / "config.json").is_file():
             raise DpfleetError(f"{resume} is not a run directory (no config.json): nothing to resume")
         cfg, out = parse_config(saved_config(resume)), resume
     elif config is None:
         raise DpfleetError("give a CONFIG to start a run, or --resume RUN_DIR to continue one")
     else:
-        cfg = load_config(config)
+        sets = parse_overrides(overrides)
+        cfg = load_config(config, sets)
+        if sets:
+            click.echo(f"overrides: {describe(sets)}")
         if rounds is not None:
             cfg.rounds = rounds
         if seed is not None:
