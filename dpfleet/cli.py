@@ -16,6 +16,7 @@ from dpfleet.errors import DpfleetError
 
 # command name -> "module:attribute" of a click command or group
 COMMANDS: dict[str, str] = {
+    "init": "dpfleet.examples:init",
     "data": "dpfleet.edge.cli_data:data",
     "simulate": "dpfleet.coordinator.cli.simulate:simulate",
     "audit": "dpfleet.coordinator.cli.audit:audit",
