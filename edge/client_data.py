@@ -66,12 +66,17 @@ def group_by_user(records: Iterable[TextRecord]) -> dict[str, list[str]]:
     return dict(grouped)
 
 
+def held_out_count(users: int, test_fraction: float) -> int:
+    """How many of `users` users `split_users` holds out (whole users, rounded)."""
+    return round(users * test_fraction)
+
+
 def split_users(users: Sequence[str], test_fraction: float, seed: int) -> tuple[list, list]:
     """Seeded split of whole users into (train, test)."""
     if not 0.0 <= test_fraction < 1.0:
         raise DpfleetError("data.test_fraction must be in [0, 1)")
     ordered = sorted(users, key=lambda u: _stable_seed(seed, "split", u))
-    n_test = round(len(ordered) * test_fraction)
+    n_test = held_out_count(len(ordered), test_fraction)
     return sorted(ordered[n_test:]), sorted(ordered[:n_test])
 
 

@@ -182,7 +182,8 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         tokenizer, data = prepare_data(cfg, Path(state) / "vocabulary")
         model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
         model = build_model(model_cfg)
-        test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
+        test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
+                                                     cfg.data.test_fraction)
         users = [c.user for c in data.train]
         if cfg.dp.target_epsilon > 0:
             plan_service(cfg, store, len(users), log)

@@ -122,7 +122,7 @@ def test_baseline_clients_are_disjoint_from_the_evaluation_rows():
     assert set(np.unique(rows)) == {10, 11, 12} and [c.user for c in baseline] == ["h3", "h4"]
     rows, baseline = split_held_out(clients, 100)
     assert set(np.unique(rows)) == {10, 11, 12} and len(baseline) == 2
-    with pytest.raises(DpfleetError, match="held-out clients"):
+    with pytest.raises(DpfleetError, match="held-out users"):
         split_held_out(_clients([3]), None)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpfleet.edge.client_data import ClientData
+from dpfleet.edge.client_data import ClientData, held_out_count
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 
@@ -85,7 +85,38 @@ def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray) ->
     return {"accuracy": acc, "top_token": int(top), "loss": loss, "perplexity": float(np.exp(loss))}
 
 
-def split_held_out(test: Sequence[ClientData], limit: int | None) -> tuple[np.ndarray, list]:
+HELD_OUT_NEEDED = 2  # one held-out user to score, one to fit the unigram baseline on
+
+
+def fewest_users(test_fraction: float) -> int | None:
+    """The fewest users of which `test_fraction` holds out HELD_OUT_NEEDED and leaves one to train
+    (None when no number does: a fraction of 0)."""
+    if test_fraction <= 0:
+        return None
+    users = HELD_OUT_NEEDED + 1
+    while (held := held_out_count(users, test_fraction)) < HELD_OUT_NEEDED or held >= users:
+        users += 1
+    return users
+
+
+def too_few_held_out(held_out: int, test_fraction: float | None) -> str:
+    """The error for a run with fewer than HELD_OUT_NEEDED held-out users, with what would help:
+    held-out users are whole users, so it is more users (or a larger fraction), never fewer."""
+    head = (f"the held-out evaluation needs at least {HELD_OUT_NEEDED} held-out users with text (one "
+            f"to score, one to fit the unigram baseline on) and this run has {held_out}")
+    if test_fraction is None:
+        return head
+    fewest = fewest_users(test_fraction)
+    if fewest is None:
+        return (f"{head}: data.test_fraction = 0 holds out no user; set it above 0 (0.1 needs at "
+                f"least {fewest_users(0.1)} users)")
+    return (f"{head}: data.test_fraction = {test_fraction:g} holds out round(users x "
+            f"{test_fraction:g}) whole users, so give at least {fewest} users with text (with "
+            f"fewer, from {HELD_OUT_NEEDED + 1} up, a larger data.test_fraction holds out more of them)")
+
+
+def split_held_out(test: Sequence[ClientData], limit: int | None,
+                   test_fraction: float | None = None) -> tuple[np.ndarray, list]:
     """(evaluation rows, the held-out clients the unigram baseline is fitted on), from disjoint
     held-out users: the baseline must not be fitted on training clients (that is private data
     outside the guarantee) nor on the rows it is scored on.
@@ -93,11 +124,11 @@ def split_held_out(test: Sequence[ClientData], limit: int | None) -> tuple[np.nd
     The evaluation rows are the first `limit` rows of the held-out clients, in order (as
     before); the baseline uses the held-out clients none of whose rows are scored. When the
     evaluation takes every held-out client, the clients are split in two: the first half
-    (rounded up) is scored, the second half fits the baseline.
+    (rounded up) is scored, the second half fits the baseline. `test_fraction` (the config's)
+    makes the error for too few held-out users say how many users would do.
     """
-    if len(test) < 2:
-        raise DpfleetError("at least 2 held-out clients are needed (one to evaluate on, one for "
-                           "the unigram baseline); raise data.test_fraction")
+    if len(test) < HELD_OUT_NEEDED:
+        raise DpfleetError(too_few_held_out(len(test), test_fraction))
     sizes = np.cumsum([len(c.examples) for c in test])
     n_eval = int(np.searchsorted(sizes, limit) + 1) if limit else len(test)
     if n_eval >= len(test):

@@ -194,6 +194,9 @@ def run_simulation(
     t_start = time.perf_counter()
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
     tokenizer, data, population = _load_clients(cfg, vocabulary_folder, records, tokenizer, model)
+    # before planning and pretraining: too few held-out users is one error line, at once
+    test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
+                                                 cfg.data.test_fraction)
     if planned:
         plan_run(cfg, run, len(population), resume, log)
     generated_notice = generated_population_notice(population)
@@ -201,7 +204,6 @@ def run_simulation(
         log(generated_notice["warning"])
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
     setup = _setup_training(cfg, model, tokenizer, pretrain, ext, log)
-    test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None)
     engine = RoundEngine(
         cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
         users=population.user_ids() if audit is None else audit.users(population.user_ids()),
