@@ -18,6 +18,8 @@ from pathlib import Path
 
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
+from dpfleet.coordinator.state.tensorboard_log import INSTALL as TENSORBOARD_INSTALL
+from dpfleet.coordinator.state.tensorboard_log import available as tensorboard_available
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 
@@ -193,6 +195,9 @@ class SimulationConfig:
     # also write un-noised client telemetry (train loss, update norms, clipped fraction) to
     # debug_nonprivate.jsonl: outside the DP guarantee, for debugging only
     debug_nonprivate: bool = False
+    # also write each round's metrics record (DP quantities, held-out evaluation) as TensorBoard
+    # scalars to RUN_DIR/tensorboard/ as the run goes (pip install 'dpfleet[tensorboard]')
+    tensorboard: bool = False
     eval_every: int = 10
     seed: int = 0
     checkpoint_every: int = 10  # rounds between resume points (0: none; `simulate --resume`)
@@ -358,6 +363,8 @@ def load_config(path: Path, overrides: Mapping[str, object] | None = None) -> Si
 def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
+        (not cfg.tensorboard or tensorboard_available(),
+         f"tensorboard = true needs tensorboardX: {TENSORBOARD_INSTALL}"),
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
         (cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: no resume points)"),
         (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),

@@ -51,6 +51,7 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
+from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
@@ -212,6 +213,9 @@ class RoundEngine:
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
+        # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
+        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
+                        if cfg.tensorboard else None)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
@@ -347,6 +351,8 @@ class RoundEngine:
             mechanism=self.mechanism.name, mechanism_sha256=self.mechanism.fingerprint(),
         )
         self.metrics.append(record)
+        if self.scalars is not None:
+            self.scalars.round(logs)
         self.sink.participation(
             {"round": r, "devices": [self.users[i] for i in in_sum], "restart": restart})
         return record
@@ -417,6 +423,8 @@ class RoundEngine:
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)
+        if self.scalars is not None:
+            self.scalars.close()
         discard_resume(run_path)
         return final, privacy
 

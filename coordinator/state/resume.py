@@ -151,6 +151,7 @@ def _accounted(config: dict) -> dict:
     if isinstance(out.get("dp"), dict):  # a run saved before dp.mechanism existed used the tree
         out["dp"] = {"mechanism": "tree", **out["dp"]}
     out.pop("mechanism", None)  # the run's binding, checked on its own (`mechanism_binding`)
+    out.pop("tensorboard", None)  # how the run is watched, not what it computes (a restart may switch it)
     return out
 
 
