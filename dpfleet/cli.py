@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "data": "dpfleet.edge.cli_data:data",
     "simulate": "dpfleet.coordinator.cli.simulate:simulate",
     "audit": "dpfleet.coordinator.cli.audit:audit",
+    "compare": "dpfleet.coordinator.cli.compare:compare",
     "account": "dpfleet.coordinator.cli.account:account",
     "plan": "dpfleet.coordinator.cli.plan:plan",
     "secagg": "dpfleet.secagg.cli:secagg",
@@ -78,6 +79,7 @@ def pretrain_on_public(*args: object, **kwargs: object) -> dict:
 EXTRAS = {
     "executorch": "edge", "onnx": "edge", "onnxruntime": "edge", "onnxscript": "edge",
     "transformers": "public", "gguf": "public", "accelerate": "public", "google": "public",
+    "tensorboardX": "tensorboard",
 }
 
 

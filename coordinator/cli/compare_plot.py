@@ -1,0 +1,58 @@
+"""The figure of `dpfleet compare`: held-out accuracy and eps per round, one line per run, and
+each finished run's wall time. Drawn from the records the runs committed (metrics.jsonl), with
+the headless Agg backend, so it works over SSH and in CI."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dpfleet.coordinator.state.run_record import RunRecord
+from dpfleet.errors import DpfleetError
+
+
+def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
+    """Write the three panels to `out` (its suffix picks the format: .png, .pdf, .svg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (acc, eps, wall) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=110)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (record, label) in enumerate(zip(records, labels, strict=True)):
+        color = colors[i % len(colors)]
+        points = [(m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
+        if points:
+            acc.plot(*zip(*points, strict=True), marker="o", color=color, label=label)
+        baseline = (record.summary or {}).get("unigram_baseline", {}).get("accuracy")
+        if baseline is not None:
+            acc.axhline(baseline, color=color, linestyle="--", linewidth=1)
+        points = [(m["round"], m["epsilon"]) for m in record.metrics if m.get("epsilon") is not None]
+        if points:
+            eps.plot(*zip(*points, strict=True), color=color, label=label)
+        seconds = (record.summary or {}).get("wall_seconds")
+        wall.barh(i, seconds or 0, color=color)
+        if seconds is None:
+            wall.text(0, i, " unfinished", va="center")
+    acc.set(xlabel="round", ylabel="held-out next-token accuracy",
+            title="accuracy (dashed: unigram baseline)")
+    eps.set(xlabel="round", ylabel="eps so far (metrics.jsonl)", title="privacy spent")
+    wall.set(xlabel="seconds", title="wall time", yticks=range(len(labels)), yticklabels=labels)
+    wall.invert_yaxis()
+    for ax in (acc, eps):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # a run with no round yet draws no line
+            ax.legend(fontsize="small")
+    wall.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    try:
+        fig.savefig(out)
+    except (OSError, ValueError) as exc:  # unwritable, missing folder, unknown format
+        raise DpfleetError(f"cannot write the plot {out}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+    finally:
+        plt.close(fig)
+    return Path(out)

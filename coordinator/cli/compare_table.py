@@ -1,0 +1,146 @@
+"""The comparison of runs `dpfleet compare` prints: one column per run, the figures people compare
+(accuracy against the unigram baseline, eps, rounds, wall time, noise) and then the config keys
+that differ between the runs, which is usually why they were run. Pure functions of `RunRecord`s.
+
+A finished run's figures are its summary.json and privacy.json; an unfinished run's are the last
+metrics records it committed (accuracy of its last evaluated round, eps so far), marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from dpfleet.coordinator.state.run_record import RunRecord
+
+_MISSING = object()
+
+
+def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
+    """{"dp": {"clip_norm": 1}} as {"dp.clip_norm": 1}."""
+    out: dict[str, object] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differing_keys(records: Sequence[RunRecord]) -> list[str]:
+    """The config keys (dotted) whose value is not the same in every run, in the config's order."""
+    flat = [flatten(r.config) for r in records]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    return [k for k in keys if len({json.dumps(f.get(k, _MISSING), default=str) for f in flat}) > 1]
+
+
+def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict:
+    """One run's figures (the JSON form of a column); None where the run has no such figure."""
+    s, p = record.summary or {}, record.privacy or {}
+    accuracy, perplexity = record.last("accuracy"), record.last("perplexity")
+    eps = record.last("epsilon")
+    flat = flatten(record.config)
+    figures = {
+        "run": label, "path": str(record.path), "finished": record.finished,
+        "stopped_early": s.get("stopped_early"),
+        "accuracy": s["final"]["accuracy"] if s else accuracy and accuracy[1],
+        "accuracy_round": None if s or not accuracy else accuracy[0],
+        "unigram_accuracy": s.get("unigram_baseline", {}).get("accuracy"),
+        "perplexity": s["final"]["perplexity"] if s else perplexity and perplexity[1],
+        # finished: privacy.json's (None where it is no guarantee); else the last round's so far
+        "epsilon": p.get("epsilon") if record.finished else eps and eps[1],
+        "epsilon_so_far": not record.finished,
+        "delta": p.get("delta", flat.get("dp.delta")),
+        "rounds_completed": s.get("rounds_completed", len(record.metrics)),
+        "rounds_planned": record.rounds_planned,
+        "wall_seconds": s.get("wall_seconds"),
+        "noise_mechanism": s.get("noise_mechanism", p.get("noise_mechanism")),
+        "fully_private": s.get("fully_private", p.get("fully_private")),
+        "caveats": s.get("caveats", p.get("caveats", [])),
+        "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
+    }
+    return figures
+
+
+def comparison(records: Sequence[RunRecord], labels: Sequence[str]) -> dict:
+    """What `dpfleet compare --json` prints: each run's figures and the keys that differ."""
+    keys = differing_keys(records)
+    return {"runs": [run_figures(r, label, keys) for r, label in zip(records, labels, strict=True)],
+            "differing_keys": keys}
+
+
+def wall_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(round(seconds), 60)
+    return f"{minutes} min {sec:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _status(f: dict) -> str:
+    if not f["finished"]:
+        return "unfinished"
+    return "stopped early" if f["stopped_early"] else "finished"
+
+
+def _accuracy(f: dict) -> str:
+    text = _number(f["accuracy"], ".4f")
+    return f"{text} (round {f['accuracy_round']})" if f["accuracy_round"] else text
+
+
+def _epsilon(f: dict) -> str:
+    if f["epsilon"] is None:
+        return "none (see caveats)" if f["finished"] else "-"
+    text = f"{f['epsilon']:.2f} at delta {f['delta']:g}"
+    return f"{text}, so far" if f["epsilon_so_far"] else text
+
+
+def _private(f: dict) -> str:
+    if f["fully_private"] is None:
+        return "-"
+    return "yes" if f["fully_private"] else f"NO ({len(f['caveats'])} caveats)"
+
+
+ROWS = (
+    ("status", _status),
+    ("accuracy", _accuracy),
+    ("unigram baseline", lambda f: _number(f["unigram_accuracy"], ".4f")),
+    ("perplexity", lambda f: _number(f["perplexity"], ".1f")),
+    ("eps", _epsilon),
+    ("rounds done", lambda f: f"{f['rounds_completed']} of {f['rounds_planned']}"),
+    ("wall time", lambda f: wall_time(f["wall_seconds"])),
+    ("noise", lambda f: f["noise_mechanism"] or "-"),
+    ("fully private", _private),
+)
+
+
+def _value(v: object) -> str:
+    if v is _MISSING:
+        return "-"  # a key the run's config does not have (an older dpfleet's run)
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def render(result: Mapping) -> str:
+    """The comparison as a text table: a row per figure, then a row per differing config key."""
+    runs = result["runs"]
+    rows = [("", [f["run"] for f in runs])]
+    rows += [(name, [cell(f) for f in runs]) for name, cell in ROWS]
+    if result["differing_keys"]:
+        rows.append(("config that differs:", [""] * len(runs)))
+        rows += [(f"  {k}", [_value(f["config"].get(k, _MISSING)) for f in runs])
+                 for k in result["differing_keys"]]
+    else:
+        rows.append(("config", ["the same in every run"] + [""] * (len(runs) - 1)))
+    widths = [max(len(name) for name, _ in rows)] + [
+        max(len(cells[i]) for _, cells in rows) for i in range(len(runs))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip([name, *cells], widths, strict=True)).rstrip()
+             for name, cells in rows]
+    if any(f["epsilon_so_far"] for f in runs):
+        lines.append("(an unfinished run: accuracy of its last evaluated round, eps after its last "
+                     "round from metrics.jsonl)")
+    return "\n".join(lines)

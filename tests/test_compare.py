@@ -1,0 +1,137 @@
+"""`dpfleet compare RUN_DIR...`: two real tiny runs (the second with `--set` overrides), and an
+unfinished copy; the table's and the JSON's figures are the runs' own summary.json / privacy.json
+(metrics.jsonl for the unfinished one), the config keys that differ are exactly the overridden
+ones, a plot is written, and a folder that is no run is one `error:` line."""
+
+import json
+import re
+import shutil
+
+import pytest
+from test_noise_secrecy import CFG as TINY
+
+from dpfleet.cli import main
+from dpfleet.coordinator.cli.compare_table import differing_keys, wall_time
+from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.coordinator.state.run_record import RunRecord
+
+CONFIG = {**TINY, "rounds": 2, "eval_every": 1, "checkpoint_every": 0}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """base: the config; more: `--set dp.noise_multiplier=2 --set rounds=3`; cut: `more` as an
+    interrupted run leaves it after round 2 (no summary / privacy, its metrics so far)."""
+    root = tmp_path_factory.mktemp("compare")
+    config = root / "tiny.toml"
+    config.write_text(to_toml(CONFIG))
+    main(["simulate", str(config), "--out", str(root / "base"), "--quiet"])
+    main(["simulate", str(config), "--out", str(root / "more"), "--quiet",
+          "--set", "dp.noise_multiplier=2", "--set", "rounds=3"])
+    shutil.copytree(root / "more", root / "cut")
+    for name in ("summary.json", "privacy.json"):
+        (root / "cut" / name).unlink()
+    metrics = (root / "cut" / "metrics.jsonl").read_text().splitlines()
+    (root / "cut" / "metrics.jsonl").write_text("\n".join(metrics[:2]) + "\n")
+    return root
+
+
+def read(run, name):
+    return json.loads((run / name).read_text())
+
+
+def compare(capsys, *args):
+    main(["compare", *map(str, args)])
+    return capsys.readouterr()
+
+
+def test_the_figures_are_the_runs_own_and_the_differing_keys_are_the_overrides(runs, capsys, tmp_path):
+    out = compare(capsys, runs / "base", runs / "more", "--json", "--plot", tmp_path / "p.png")
+    result = json.loads(out.out)
+    assert result["differing_keys"] == ["rounds", "dp.noise_multiplier"]
+    for figures, name in zip(result["runs"], ("base", "more"), strict=True):
+        summary, privacy = read(runs / name, "summary.json"), read(runs / name, "privacy.json")
+        assert figures["run"] == str(runs / name) and figures["finished"] is True
+        assert figures["accuracy"] == summary["final"]["accuracy"]
+        assert figures["unigram_accuracy"] == summary["unigram_baseline"]["accuracy"]
+        assert figures["perplexity"] == summary["final"]["perplexity"]
+        assert figures["epsilon"] == privacy["epsilon"] and figures["delta"] == privacy["delta"]
+        assert figures["wall_seconds"] == summary["wall_seconds"]
+        assert figures["rounds_completed"] == summary["rounds_completed"] == figures["rounds_planned"]
+        assert figures["noise_mechanism"] == summary["noise_mechanism"]
+        config = read(runs / name, "config.json")
+        assert figures["config"] == {"rounds": config["rounds"],
+                                     "dp.noise_multiplier": config["dp"]["noise_multiplier"]}
+    assert [f["config"]["dp.noise_multiplier"] for f in result["runs"]] == [1.0, 2.0]
+    assert result["runs"][0]["epsilon"] > result["runs"][1]["epsilon"]  # more noise, less eps
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_table_shows_each_runs_figures_in_its_column(runs, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the plot's default place: compare.png here
+    out = compare(capsys, runs / "base", runs / "more").out.splitlines()
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in out)}
+    assert rows[str(runs / "base")] == [str(runs / "more")]  # the header: one column per run
+    for i, name in enumerate(("base", "more")):
+        s, p = read(runs / name, "summary.json"), read(runs / name, "privacy.json")
+        assert rows["accuracy"][i] == f"{s['final']['accuracy']:.4f}"
+        assert rows["unigram baseline"][i] == f"{s['unigram_baseline']['accuracy']:.4f}"
+        assert rows["eps"][i] == f"{p['epsilon']:.2f} at delta 1e-06"
+        assert rows["rounds done"][i] == f"{s['rounds_completed']} of {s['rounds_completed']}"
+        assert rows["wall time"][i] == wall_time(s["wall_seconds"])
+        assert rows["fully private"][i] == "yes" and rows["status"][i] == "finished"
+    assert rows["dp.noise_multiplier"] == ["1.0", "2.0"] and rows["rounds"] == ["2", "3"]
+    assert out[-1] == "plot: compare.png" and (tmp_path / "compare.png").is_file()
+
+
+def test_an_unfinished_run_is_shown_as_such_from_its_metrics(runs, capsys):
+    result = json.loads(compare(capsys, runs / "cut", runs / "more", "--json", "--no-plot").out)
+    cut = result["runs"][0]
+    metrics = [json.loads(line) for line in (runs / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert cut["finished"] is False and cut["rounds_completed"] == 2 and cut["rounds_planned"] == 3
+    assert cut["accuracy"] == metrics[-1]["accuracy"] and cut["accuracy_round"] == 2
+    assert cut["epsilon"] == metrics[-1]["epsilon"] and cut["epsilon_so_far"] is True
+    assert cut["wall_seconds"] is None and result["differing_keys"] == []
+    table = compare(capsys, runs / "cut", runs / "base", "--no-plot").out
+    assert "unfinished" in table and f"{metrics[-1]['accuracy']:.4f} (round 2)" in table
+    assert f"{metrics[-1]['epsilon']:.2f} at delta 1e-06, so far" in table
+    assert "(an unfinished run: " in table
+
+
+def test_tensorboard_export_of_each_run(runs, capsys, tmp_path):
+    from test_tensorboard import read_events
+
+    out = compare(capsys, runs / "base", runs / "more", "--no-plot", "--tensorboard", tmp_path / "tb").out
+    for name in ("base", "more"):
+        steps = {step for step, *_ in read_events(tmp_path / "tb" / name)}
+        assert steps == set(range(1, read(runs / name, "config.json")["rounds"] + 1))
+        assert f"tensorboard: {tmp_path / 'tb' / name}" in out
+
+
+def _error(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", *map(str, args)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_a_folder_that_is_no_run_is_one_line(runs, capsys, tmp_path):
+    assert f"{tmp_path / 'nope'}: no such run directory" in _error(capsys, tmp_path / "nope", runs / "base")
+    assert "is not a run directory (no config.json)" in _error(capsys, tmp_path, "--no-plot")
+    assert "a run's checkpoint/ is inside its run directory" in _error(
+        capsys, runs / "base" / "checkpoint", "--no-plot")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert "bad/config.json is not valid JSON" in _error(capsys, tmp_path / "bad", "--no-plot")
+    assert "cannot write the plot" in _error(capsys, runs / "base", "--plot", tmp_path / "no" / "p.png")
+
+
+def test_differing_keys_counts_a_key_one_run_lacks():
+    def record(config):
+        return RunRecord(path=None, config=config, metrics=[], summary=None, privacy=None)
+
+    a = record({"rounds": 2, "dp": {"clip_norm": 1.0, "delta": 1e-6}})
+    b = record({"rounds": 2, "dp": {"clip_norm": 1.0, "delta": 1e-5}, "tensorboard": False})
+    assert differing_keys([a, b]) == ["dp.delta", "tensorboard"] and differing_keys([a, a]) == []
+    assert [wall_time(s) for s in (None, 3.25, 65, 3725)] == ["-", "3.2 s", "1 min 05 s", "1 h 02 min"]
