@@ -132,6 +132,8 @@ def test_differing_keys_counts_a_key_one_run_lacks():
         return RunRecord(path=None, config=config, metrics=[], summary=None, privacy=None)
 
     a = record({"rounds": 2, "dp": {"clip_norm": 1.0, "delta": 1e-6}})
-    b = record({"rounds": 2, "dp": {"clip_norm": 1.0, "delta": 1e-5}, "tensorboard": False})
-    assert differing_keys([a, b]) == ["dp.delta", "tensorboard"] and differing_keys([a, a]) == []
+    b = record({"rounds": 2, "dp": {"clip_norm": 1.0, "delta": 1e-5}, "debug_nonprivate": False})
+    assert differing_keys([a, b]) == ["dp.delta", "debug_nonprivate"] and differing_keys([a, a]) == []
+    watched = record({**a.config, "tensorboard": True})  # how a run is watched: no difference
+    assert differing_keys([a, watched]) == []
     assert [wall_time(s) for s in (None, 3.25, 65, 3725)] == ["-", "3.2 s", "1 min 05 s", "1 h 02 min"]

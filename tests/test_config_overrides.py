@@ -32,13 +32,14 @@ def test_values_are_read_as_toml_and_a_bare_word_is_a_string(text, value):
 
 def test_overrides_reach_every_kind_of_key_and_the_file_is_the_rest(config):
     sets = parse_overrides(["rounds=7", "dp.noise_multiplier=2", "participation.mode=uniform",
-                            "dp.restart_rounds=[2, 3]", "model.tie_embeddings=true",
-                            "model.projection_dim=96", "data.path=users.jsonl", "rounds=9"])
+                            "dp.restart_rounds=[2, 3]", "debug_nonprivate=true",
+                            "model.hidden_dim=40", "data.path=users.jsonl", "rounds=9"])
     cfg = load_config(config, sets)
     assert cfg.rounds == 9  # the later --set of a key wins
     assert cfg.dp.noise_multiplier == 2.0 and isinstance(cfg.dp.noise_multiplier, float)
     assert cfg.participation.mode == "uniform" and cfg.dp.restart_rounds == [2, 3]
-    assert cfg.model.tie_embeddings is True and cfg.data.path == "users.jsonl"
+    assert cfg.debug_nonprivate is True and cfg.model.hidden_dim == 40
+    assert cfg.data.path.endswith("users.jsonl")
     assert cfg.seed == 1 and cfg.dp.clip_norm == 0.5 and cfg.data.max_clients == 20  # untouched
     assert load_config(config).resolved() != cfg.resolved()
 

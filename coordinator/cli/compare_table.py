@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dpfleet.coordinator.state.run_record import RunRecord
 
 _MISSING = object()
+# config keys that say how a run is watched, not what it computes: never a difference worth a row
+WATCHING = {"tensorboard"}
 
 
 def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
@@ -30,7 +32,7 @@ def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
 def differing_keys(records: Sequence[RunRecord]) -> list[str]:
     """The config keys (dotted) whose value is not the same in every run, in the config's order."""
     flat = [flatten(r.config) for r in records]
-    keys = list(dict.fromkeys(k for f in flat for k in f))
+    keys = [k for k in dict.fromkeys(k for f in flat for k in f) if k not in WATCHING]
     return [k for k in keys if len({json.dumps(f.get(k, _MISSING), default=str) for f in flat}) > 1]
 
 
