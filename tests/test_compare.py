@@ -11,7 +11,7 @@ import pytest
 from test_noise_secrecy import CFG as TINY
 
 from dpfleet.cli import main
-from dpfleet.coordinator.cli.compare_table import differing_keys, wall_time
+from dpfleet.coordinator.cli.compare_table import comparison, differing_keys, render, wall_time
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.run_record import RunRecord
 
@@ -80,6 +80,9 @@ def test_the_table_shows_each_runs_figures_in_its_column(runs, capsys, tmp_path,
         assert rows["rounds done"][i] == f"{s['rounds_completed']} of {s['rounds_completed']}"
         assert rows["wall time"][i] == wall_time(s["wall_seconds"])
         assert rows["fully private"][i] == "yes" and rows["status"][i] == "finished"
+        warned = s.get("warnings")  # the summary's own words, up to each warning's colon
+        assert rows["warnings"][i] == ("-" if warned is None else
+                                       "; ".join(w.split(":")[0] for w in warned) or "none")
     assert rows["dp.noise_multiplier"] == ["1.0", "2.0"] and rows["rounds"] == ["2", "3"]
     assert out[-1] == "plot: compare.png" and (tmp_path / "compare.png").is_file()
 
@@ -137,3 +140,21 @@ def test_differing_keys_counts_a_key_one_run_lacks():
     watched = record({**a.config, "tensorboard": True})  # how a run is watched: no difference
     assert differing_keys([a, watched]) == []
     assert [wall_time(s) for s in (None, 3.25, 65, 3725)] == ["-", "3.2 s", "1 min 05 s", "1 h 02 min"]
+
+
+def test_a_runs_warnings_and_caveats_are_named_in_the_table():
+    summary = {"final": {"accuracy": 0.05, "perplexity": 400.0}, "unigram_baseline": {"accuracy": 0.07},
+               "rounds_completed": 3, "wall_seconds": 2.0, "fully_private": False,
+               "caveats": ["NOT FULLY PRIVATE: research mode", "the longer statement"],
+               "warnings": ["below the unigram baseline: held-out accuracy 0.0500 <= 0.0700, ...",
+                            "eps above dp.warn_epsilon: eps = 55.00 at delta = 1e-06 > 10, ..."]}
+    record = RunRecord(path="r", config={"rounds": 3, "dp": {"delta": 1e-6}}, metrics=[],
+                       summary=summary, privacy={"epsilon": 55.0, "delta": 1e-6})
+    older = RunRecord(path="o", config={"rounds": 3}, metrics=[],
+                      summary={k: v for k, v in summary.items() if k != "warnings"}, privacy={})
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in
+                                              render(comparison([record, older], ["r", "o"])).splitlines())}
+    assert rows["warnings"] == ["below the unigram baseline; eps above dp.warn_epsilon", "-"]
+    assert rows["fully private"] == ["NO (2 caveats)", "NO (2 caveats)"]
+    assert rows["eps"] == ["55.00 at delta 1e-06", "none (see caveats)"]
+    assert rows["accuracy"] == ["0.0500", "0.0500"] and rows["wall time"] == ["2.0 s", "2.0 s"]

@@ -59,6 +59,7 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "noise_mechanism": s.get("noise_mechanism", p.get("noise_mechanism")),
         "fully_private": s.get("fully_private", p.get("fully_private")),
         "caveats": s.get("caveats", p.get("caveats", [])),
+        "warnings": s.get("warnings"),  # a result that means nothing (None: not recorded)
         "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
     }
     return figures
@@ -108,6 +109,12 @@ def _private(f: dict) -> str:
     return "yes" if f["fully_private"] else f"NO ({len(f['caveats'])} caveats)"
 
 
+def _warnings(f: dict) -> str:
+    if f["warnings"] is None:
+        return "-"
+    return "; ".join(w.split(":")[0] for w in f["warnings"]) or "none"  # each opens with its name
+
+
 ROWS = (
     ("status", _status),
     ("accuracy", _accuracy),
@@ -118,6 +125,7 @@ ROWS = (
     ("wall time", lambda f: wall_time(f["wall_seconds"])),
     ("noise", lambda f: f["noise_mechanism"] or "-"),
     ("fully private", _private),
+    ("warnings", _warnings),
 )
 
 
