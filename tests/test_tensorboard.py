@@ -134,3 +134,22 @@ def test_switching_tensorboard_is_no_other_config_for_a_resume_or_a_restart():
     saved = {k: v for k, v in cfg.items() if k != "tensorboard"}
     assert differing_keys(saved, cfg) == [] and differing_keys({**cfg, "tensorboard": False}, cfg) == []
     assert differing_keys({**cfg, "seed": 99}, cfg) == ["seed"]
+
+
+@pytest.mark.slow  # a coordinator and its devices over loopback: ~15 s
+def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
+    """`coordinator serve` with tensorboard = true: STATE/tensorboard/ is STATE/metrics.jsonl."""
+    import asyncio
+
+    from service_fleet import device_keys, fleet_data, serve_to_end, tiny_cfg
+
+    cfg = tiny_cfg(rounds=2, tensorboard=True)
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    state = tmp_path / "state"
+    status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
+    assert status["run_state"] == "finished"
+    metrics = lines(state / "metrics.jsonl")
+    events = read_events(state / TENSORBOARD)
+    assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
+    assert np.array_equal([v for *_, v in events], np.float32([v for m in metrics for _, v in scalars(m)]))
+    assert {s for s, *_ in events} == {1, 2}
