@@ -23,10 +23,9 @@ import click
 
 from dpfleet.errors import DpfleetError
 
-SET_HELP = ("Override a config key for this run: SECTION.KEY=VALUE (dp.noise_multiplier=2, "
-            "participation.mode=uniform) or a top-level KEY=VALUE (rounds=5). VALUE is TOML "
-            "(true, 3, 0.5, [1, 2], \"text\"); a bare word is a string. Repeatable; checked like the "
-            "file's own keys.")
+SET_HELP = ("Change a config key for this run: dp.noise_multiplier=2, participation.mode=uniform, "
+            "rounds=5 (a top-level key), tensorboard=true. VALUE is TOML (true, 3, 0.5, [1, 2], "
+            "\"text\"); a bare word is a string. Repeatable; checked like the file's own keys.")
 
 
 def set_option(f: Callable) -> Callable:
