@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 import types
 import typing
@@ -26,97 +27,147 @@ from dpfleet.export.models import ModelConfig
 
 @dataclass
 class DataSection:
+    """The private users' text: which dataset, and how it is cut into clients' training rows."""
+
     dataset: str = "shakespeare"
-    path: str = ""  # the user's file, for dataset = "jsonl"
+    """A built-in dataset (`dpfleet data list`), or "jsonl": your own users' text from `path`."""
+    path: str = ""
+    """dataset = "jsonl": your file, one `{"user": ..., "text": ...}` object per line."""
     seq_len: int = 20
+    """Tokens per training example (paper 000 App. C)."""
     max_examples: int = 256
+    """Examples per client, at most (paper 000 App. C)."""
     test_fraction: float = 0.1
-    max_clients: int = 0  # 0 = every training client
-    eval_examples: int = 3000  # held-out rows scored at each evaluation (0 = all)
-    # > 0: a GENERATED population of this many clients cycled from the real ones, for speed and
-    # memory tests only (users repeat: the run's epsilon is no guarantee for real people)
+    """Share of the users held out, whole, for evaluation."""
+    max_clients: int = 0
+    """Train on the first this many training clients only; 0: every one."""
+    eval_examples: int = 3000
+    """Held-out rows scored at each evaluation; 0: all."""
     generated_population: int = 0
+    """> 0: a GENERATED population of this many clients cycled from the real ones, for speed and
+    memory tests only (users repeat: the run's epsilon is no guarantee for real people)."""
 
 
 @dataclass
 class TokenizerSection:
-    kind: str = "sentencepiece"  # "sentencepiece" (public) or "word" (private clients' words)
-    vocab_size: int = 4096
-    corpus: str = "wikitext2"  # public corpus the SentencePiece model is trained on
-    path: str = ""  # an existing tokenizer folder (overrides kind/corpus)
-    # kind = "word": the vocabulary is chosen with user-level DP (coordinator/mechanisms/dp_vocabulary.py),
-    # unless allow_nonprivate_vocabulary (top words of the private clients, outside the guarantee)
+    """The vocabulary: a public SentencePiece model, or the private clients' words chosen with DP."""
+
+    kind: str = "sentencepiece"
+    """"sentencepiece" (trained on the public `corpus`) or "word" (the private clients' words,
+    chosen with user-level DP: coordinator/mechanisms/dp_vocabulary.py)."""
+    vocab_size: int = 1024
+    """Tokens in the vocabulary, so the model's embedding rows."""
+    corpus: str = "wikitext2"
+    """The public corpus the SentencePiece model is trained on (cached after the first run)."""
+    path: str = ""
+    """An existing tokenizer folder, used instead of building one (overrides kind and corpus)."""
     allow_nonprivate_vocabulary: bool = False
-    dp_noise: float = 1.0  # sigma on each word's count of users (each user's L2 weight <= 1)
-    dp_words_per_user: int = 128  # k: distinct words one user contributes at most
-    dp_delta: float = 1e-7  # chance a word held by one user alone is kept; adds to dp.delta
+    """kind = "word" without DP: the private clients' top words, outside the guarantee (the
+    privacy report says so)."""
+    dp_noise: float = 1.0
+    """kind = "word": sigma on each word's count of users (each user's L2 weight <= 1)."""
+    dp_words_per_user: int = 128
+    """kind = "word": k, the distinct words one user contributes at most."""
+    dp_delta: float = 1e-7
+    """kind = "word": the chance a word held by one user alone is kept; adds to dp.delta."""
 
 
 @dataclass
 class ClientSection:
-    lr: float = 0.5
+    """A device's local training: one epoch of SGD over its examples, and what runs it."""
+
+    lr: float = 1.0
+    """Local SGD learning rate."""
     batch_size: int = 16
-    runtime: str = "eager"  # "eager" | "executorch" | "onnx"
+    """Local SGD batch size."""
+    runtime: str = "eager"
+    """"eager" (torch), or the exported phone training programs: "executorch" | "onnx"."""
     threads: int = 1
-    # who trains a round's clients: "auto" (cohort when runtime = "eager") | "sequential" | "cohort"
+    """Torch threads; the cohort trainer runs this many worker processes (results depend on
+    this number, not on how many cores the machine has)."""
     trainer: str = "auto"
-    device: str = "auto"  # cohort trainer: "auto" (CUDA when present) | "cpu" | "cuda"
-    cohort_memory_mb: int = 160  # cohort chunk budget on CPU (edge/cohort.py: chunk_size)
+    """Who trains a round's clients: "auto" (all at once, cohort, when runtime = "eager"; else
+    sequential) | "sequential" | "cohort". summary.json says which ran."""
+    device: str = "auto"
+    """The cohort trainer's device: "auto" (CUDA when present) | "cpu" | "cuda"."""
+    cohort_memory_mb: int = 160
+    """Cohort chunk budget on CPU: clients per chunk = this / one client's working memory."""
 
 
 @dataclass
 class DPSection:
+    """DP-FTRL: clipping, noise, the server's update, and the privacy target or budget."""
+
     noise_multiplier: float = 1.0
-    clip_norm: float = 0.3
+    """z: the noise's standard deviation over the clip norm (the planner's with target_epsilon)."""
+    clip_norm: float = 2.0
+    """The L2 bound on each client's update (with adaptive clipping: the initial C^0)."""
     report_goal: int = 20
+    """Clients summed per round (the planner's with target_epsilon)."""
     server_lr: float = 1.0
-    momentum: float = 0.9
+    """The server's learning rate on the noised mean update."""
+    momentum: float = 0.5
+    """Server momentum. It also amplifies the noise: 0.9 hurt at Shakespeare's population."""
     restart_rounds: list[int] = field(default_factory=list)
+    """Rounds (0-based) at which a fresh noise tree starts (mechanisms with restarts)."""
     delta: float = 1e-6
-    budget_epsilon: float = 0.0  # stop before a round that would pass this eps (PLD at delta); 0: none
-    # adaptive clipping (paper 002 Alg. 1): clip_norm is the initial C^0, the estimate is adopted
-    # at tree restarts (restart_rounds, default 128 + 1024 i) and noise_multiplier stays the
-    # accounted z (the model gets the inflated z_delta of App. A)
+    """The delta of the (eps, delta) guarantee."""
+    budget_epsilon: float = 0.0
+    """Stop before a round that would pass this eps (PLD at delta); 0: no budget."""
     adaptive_clipping: bool = False
+    """Adaptive clipping (paper 002 Alg. 1): clip_norm is the initial C^0, the estimate is adopted
+    at tree restarts (restart_rounds, default 128 + 1024 i); noise_multiplier stays the accounted
+    z (the model gets the inflated z_delta of App. A)."""
     target_quantile: float = 0.5
+    """Adaptive clipping: the share of clients whose update the clip should not shrink."""
     clip_lr: float = 0.2
-    clip_count_stddev: float = -1.0  # sigma_b on the clipped counts; -1: report_goal / 20
-    # -1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
-    # derived from this seed and the DP guarantee does not hold against anyone who knows it
+    """Adaptive clipping: the learning rate of the clip estimate's geometric update."""
+    clip_count_stddev: float = -1.0
+    """Adaptive clipping: sigma_b on the clipped counts; -1: report_goal / 20."""
     noise_seed: int = -1
-    # where the noise goes. "discrete": a discrete Gaussian (tree; banded / blt: their Gaussian
-    # rounded to integers, coordinator/mechanisms/mf_ring.py) added to secure aggregation's
-    # integer ring sum before decoding (coordinator/mechanisms/ring_noise.py; needs aggregation.kind =
-    # "secagg"), so one device moves the released ring value by at most its bound even when a
-    # dishonest co-participant parks the sum at the ring's wrap. "gaussian": continuous noise on
-    # the decoded sum (with secagg: private only against honest participants). "auto" (default):
-    # "discrete" with secagg and dp.noise_multiplier > 0, else "gaussian"; the run's
-    # config.toml holds the resolved value (`resolve_noise`)
+    """-1: secret noise from a fresh 256-bit key per run. >= 0: research mode, the noise key is
+    derived from this seed and the guarantee does not hold against anyone who knows it."""
     noise: str = "auto"
-    # the DP-FTRL noise: "tree" (online binary tree), or a matrix-factorization strategy optimised
-    # at run start for the enforced participation (coordinator/mechanisms/mf_noise.py): "banded" (BandMF,
-    # Choquette-Choo et al. 2023) or "blt" (buffered linear Toeplitz, McMahan et al. 2024)
+    """Where the noise goes. "discrete": a discrete Gaussian (banded / blt: their Gaussian rounded
+    to integers) added to secure aggregation's integer ring sum before decoding (needs
+    aggregation.kind = "secagg"), so one device moves the released ring value by at most its bound
+    even when a dishonest co-participant parks the sum at the ring's wrap. "gaussian": continuous
+    noise on the decoded sum (with secagg: private only against honest participants). "auto":
+    "discrete" with secagg and noise_multiplier > 0, else "gaussian" (config.toml of a run holds
+    the resolved value)."""
     mechanism: str = "tree"
-    # > 0: the planner chooses report_goal, noise_multiplier, the participation limits (uniform,
-    # largest MinS, worst-case MaxP) and, with mechanism = "auto", the mechanism for this eps at
-    # delta over `rounds` and the training population (coordinator/accounting/config_plan.py; plan.json in
-    # the run directory). A planned key the config also states must agree with the plan.
+    """The DP-FTRL noise: "tree" (online binary tree), or a matrix factorization optimised at run
+    start for the enforced participation: "banded" (BandMF) | "blt" (buffered linear Toeplitz);
+    "independent": fresh noise each round (the DP-SGD-style baseline); "auto": the planner's
+    pick (least model noise at target_epsilon)."""
     target_epsilon: float = 0.0
+    """> 0: the planner chooses report_goal, noise_multiplier, [participation] (uniform, largest
+    MinS, worst-case MaxP) and, with mechanism = "auto", the mechanism for this eps at delta over
+    `rounds` and the training population (plan.json). A planned key the config also states must
+    agree with the plan. 0: no plan, you choose them."""
 
 
 @dataclass
 class ParticipationSection:
     """Who takes part when (see coordinator/engine/participation.py)."""
 
-    mode: str = "disjoint"  # "disjoint" (each device at most once) | "uniform" | "timer"
-    timer_period: float = 24.0  # hours a device stays away after taking part (timer mode)
-    round_minutes: float = 10.0  # simulated duration of a round, and of a retry when too few check in
-    availability: float = 1.0  # chance that a device is charging, idle and unmetered at a check-in
-    diurnal_amplitude: float = 0.0  # 0: flat; up to 1: availability peaks at 2 am
-    # the coordinator refuses a device with fewer rounds strictly between two participations
-    # (-1: what the timer nominally gives, ceil(timer_period / round duration) - 1; 0 otherwise)
+    mode: str = "disjoint"
+    """"disjoint" (each device at most once) | "uniform" (any eligible device each round) |
+    "timer" (a device checks in when available and its timer since the last round ran out)."""
+    timer_period: float = 24.0
+    """Timer mode: hours a device stays away after taking part."""
+    round_minutes: float = 10.0
+    """Simulated duration of a round, and of a retry when too few devices check in."""
+    availability: float = 1.0
+    """Timer mode: the chance that a device is charging, idle and unmetered at a check-in."""
+    diurnal_amplitude: float = 0.0
+    """Timer mode: 0, flat availability; up to 1, availability peaks at 2 am."""
     min_separation: int = -1
-    max_participation: int = 0  # the coordinator refuses devices past this many rounds; 0: no cap
+    """MinS: the coordinator refuses a device with fewer rounds strictly between two
+    participations (-1: what the timer nominally gives, ceil(timer_period / round duration) - 1;
+    0 otherwise)."""
+    max_participation: int = 0
+    """MaxP: the coordinator refuses a device past this many rounds; 0: no cap."""
 
 
 @dataclass
@@ -124,97 +175,185 @@ class PretrainSection:
     """Central training on public text before the first private round (public/public_init.py):
     public data only, so no privacy cost; refused when a corpus overlaps the private dataset."""
 
-    corpus: list[str] = field(default_factory=list)  # e.g. ["wikitext2", "kjv"]; empty: no pretraining
-    steps: int = 0  # Adam steps on the public rows
+    corpus: list[str] = field(default_factory=list)
+    """Public corpora to train on, e.g. ["kjv"] or ["wikitext2", "kjv"]; empty: no pretraining."""
+    steps: int = 0
+    """Adam steps on the public rows (the result is cached in $DPFLEET_CACHE/pretrain)."""
     batch_size: int = 32
+    """Public rows per step."""
     lr: float = 3e-3
-    seed: int = 0  # the public model's init and batches (shared by every seed of the private run)
+    """Adam's learning rate."""
+    seed: int = 0
+    """The public model's init and batches (shared by every seed of the private run)."""
 
 
 @dataclass
 class AggregationSection:
-    kind: str = "plain"  # "plain" | "secagg" (pairwise-mask secure aggregation, in-process)
-    bits: int = 32  # secagg ring Z_(2^bits)
-    graph: str = "harary"  # secagg masking graph: "harary" (SecAgg+) | "complete" (SecAgg)
-    dropout: float = 0.0  # secagg: fraction of clients simulated to drop after sharing keys
-    signed: bool = False  # secagg: malicious-server mode (signatures, consistency, pinned keys)
-    corruption: float = 0.05  # secagg threat model: fraction of colluding clients t must beat
-    fleet_keys: str = ""  # secagg signed mode: fleet key file of the devices' identity keys
+    """How a round's clipped updates are summed: in the clear, or by secure aggregation."""
+
+    kind: str = "plain"
+    """"plain" | "secagg" (pairwise-mask secure aggregation: the server sees only the sum)."""
+    bits: int = 32
+    """SecAgg: the ring Z_(2^bits)."""
+    graph: str = "harary"
+    """SecAgg: the masking graph, "harary" (SecAgg+) | "complete" (SecAgg)."""
+    dropout: float = 0.0
+    """SecAgg: the fraction of clients simulated to drop after sharing keys."""
+    signed: bool = False
+    """SecAgg: malicious-server mode (signatures, consistency checks, pinned keys)."""
+    corruption: float = 0.05
+    """SecAgg threat model: the fraction of colluding clients the threshold must beat."""
+    fleet_keys: str = ""
+    """SecAgg signed mode: the fleet key file of the devices' identity keys."""
 
 
 @dataclass
 class BackendSection:
     """Where a round's clients train (coordinator/engine/ray_backend.py)."""
 
-    kind: str = "local"  # "local" | "ray" (cohort sharded over Ray workers)
-    address: str = ""  # Ray cluster address (`ray start --head`); "": a private local instance
-    workers: int = 2  # Ray actors, one CPU each
+    kind: str = "local"
+    """"local" | "ray" (a round's cohort sharded over Ray workers; the `ray` extra)."""
+    address: str = ""
+    """The Ray cluster's address (`ray start --head`); "": a private local instance."""
+    workers: int = 2
+    """Ray actors, one CPU each."""
 
 
 @dataclass
 class FleetSection:
     """The emulated devices' behaviour (`dpfleet fleet emulate`, fleet/behaviour.py); times simulated."""
 
-    charging_hours: float = 24.0  # length of each device's nightly charging window (24: always)
-    charging_start: float = 22.0  # mean local hour the window starts (each device: +- 1.5 h)
-    timezone_spread: float = 0.0  # devices' local clocks spread uniformly over this many hours
-    idle: float = 1.0  # chance the phone is idle, per condition slot, while charging
-    unmetered: float = 1.0  # chance of an unmetered network, per condition slot
-    condition_minutes: float = 15.0  # how long one draw of idle / unmetered lasts
-    speed_sigma: float = 0.3  # training time multiplier ~ LogNormal(0, sigma) (median 1)
-    bandwidth_mbps: float = 20.0  # median link bandwidth (LogNormal, sigma link_sigma)
-    latency_ms: float = 50.0  # median one-way latency added around each transfer
+    charging_hours: float = 24.0
+    """Length of each device's nightly charging window (24: always charging)."""
+    charging_start: float = 22.0
+    """Mean local hour the window starts (each device: +- 1.5 h)."""
+    timezone_spread: float = 0.0
+    """Devices' local clocks spread uniformly over this many hours."""
+    idle: float = 1.0
+    """The chance the phone is idle, per condition slot, while charging."""
+    unmetered: float = 1.0
+    """The chance of an unmetered network, per condition slot."""
+    condition_minutes: float = 15.0
+    """How long one draw of idle / unmetered lasts."""
+    speed_sigma: float = 0.3
+    """Training time multiplier ~ LogNormal(0, speed_sigma) (median 1)."""
+    bandwidth_mbps: float = 20.0
+    """Median link bandwidth (LogNormal, sigma link_sigma)."""
+    latency_ms: float = 50.0
+    """Median one-way latency added around each transfer (LogNormal, sigma link_sigma)."""
     link_sigma: float = 0.5
-    dropout_download: float = 0.0  # chance a device vanishes in each phase of a round
+    """The spread of each device's bandwidth and latency around their medians."""
+    dropout_download: float = 0.0
+    """The chance a device vanishes while downloading the round's model."""
     dropout_train: float = 0.0
+    """The chance a device vanishes while training."""
     dropout_report: float = 0.0
-    dropout_secagg: float = 0.0  # per SecAgg phase
-    # "dpfleet": devices train with dpfleet's own runtime; "bundle": the coordinator publishes one
-    # signed phone bundle per run and devices train with its reference client (edge/device_client)
+    """The chance a device vanishes while reporting its update."""
+    dropout_secagg: float = 0.0
+    """The chance a device vanishes in each SecAgg phase."""
     client: str = "dpfleet"
+    """"dpfleet": devices train with dpfleet's own runtime; "bundle": the coordinator publishes
+    one signed phone bundle per run and devices train with its reference client."""
 
 
 @dataclass
 class ServiceSection:
     """The networked coordinator (`dpfleet coordinator serve`, service/PROTOCOL.md)."""
 
-    time_scale: float = 1.0  # simulated seconds per wall second, shared with the devices
-    overselect: float = 0.0  # assign ceil(report_goal * (1 + overselect)) devices per round
-    report_deadline_s: float = 120.0  # wall seconds from assignment to the last accepted report
-    secagg_phase_deadline_s: float = 30.0  # wall seconds per SecAgg phase before close_phase
-    checkin_retry_s: float = 1.0  # "come back after" when no round has room
-    checkin_window_s: float = 2.0  # wait this long for over-selection before opening with fewer
-    max_body_mb: float = 64.0  # request bodies above this are refused (413)
-    rate_per_s: float = 50.0  # per-device requests per second (token bucket; 429 beyond)
+    time_scale: float = 1.0
+    """Simulated seconds per wall second, shared with the devices."""
+    overselect: float = 0.0
+    """Assign ceil(report_goal * (1 + overselect)) devices per round."""
+    report_deadline_s: float = 120.0
+    """Wall seconds from assignment to the last accepted report."""
+    secagg_phase_deadline_s: float = 30.0
+    """Wall seconds per SecAgg phase before the phase closes with whoever answered."""
+    checkin_retry_s: float = 1.0
+    """The "come back after" a device is told when no round has room."""
+    checkin_window_s: float = 2.0
+    """Wait this long for over-selection before opening a round with fewer devices."""
+    max_body_mb: float = 64.0
+    """Request bodies above this are refused (413)."""
+    rate_per_s: float = 50.0
+    """Per-device requests per second (token bucket; 429 beyond)."""
     rate_burst: int = 100
+    """The token bucket's size: requests a device may send at once."""
+
+
+def main_job_model() -> ModelConfig:
+    """The config's default `[model]`: the main job's CIFG (81k parameters at 1,024 tokens), sized
+    for 2 laptop cores. `ModelConfig()` itself stays Gboard's size, for exports of a model alone."""
+    return ModelConfig(vocab_size=TokenizerSection.vocab_size, embedding_dim=32, hidden_dim=64,
+                       projection_dim=32)
 
 
 @dataclass
 class SimulationConfig:
-    rounds: int = 50
-    # also write un-noised client telemetry (train loss, update norms, clipped fraction) to
-    # debug_nonprivate.jsonl: outside the DP guarantee, for debugging only
+    """A run's config: the top-level keys, then one table per section.
+
+    One source of defaults: a key a TOML file or a dict leaves out gets the value here, which is
+    the main job's (examples/shakespeare_cifg.toml) except the choices that job states on top
+    (`MAIN_JOB_CHOICES`). The docs' config reference is generated from these dataclasses."""
+
+    rounds: int = 20
+    """DP-FTRL rounds."""
     debug_nonprivate: bool = False
-    # also write each round's metrics record (DP quantities, held-out evaluation) as TensorBoard
-    # scalars to RUN_DIR/tensorboard/ as the run goes (pip install 'dpfleet[tensorboard]')
+    """Also write un-noised client telemetry (train loss, update norms, clipped fraction) to
+    debug_nonprivate.jsonl: outside the DP guarantee, for debugging only."""
     tensorboard: bool = False
+    """Also write each round's metrics record (DP quantities, held-out evaluation) as TensorBoard
+    scalars to RUN_DIR/tensorboard/ as the run goes (pip install 'dpfleet[tensorboard]')."""
     eval_every: int = 10
+    """Rounds between held-out evaluations (the last round is always evaluated)."""
     seed: int = 0
-    checkpoint_every: int = 10  # rounds between resume points (0: none; `simulate --resume`)
+    """Client selection, batching and the initial model; never the DP noise (dp.noise_seed)."""
+    checkpoint_every: int = 10
+    """Rounds between resume points (`dpfleet simulate --resume RUN_DIR`); 0: none."""
     data: DataSection = field(default_factory=DataSection)
+    """The private users' text."""
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    """The vocabulary."""
+    model: ModelConfig = field(default_factory=main_job_model)
+    """The zoo model that is trained (unused when you pass your own module to `dpfleet.simulate`)."""
     client: ClientSection = field(default_factory=ClientSection)
+    """A device's local training."""
     dp: DPSection = field(default_factory=DPSection)
+    """DP-FTRL's clipping and noise, and the privacy target or budget."""
     participation: ParticipationSection = field(default_factory=ParticipationSection)
+    """Who takes part in which round."""
     pretrain: PretrainSection = field(default_factory=PretrainSection)
+    """Central training on public text before the first private round."""
     aggregation: AggregationSection = field(default_factory=AggregationSection)
+    """How a round's updates are summed."""
     backend: BackendSection = field(default_factory=BackendSection)
+    """Where a round's clients train."""
     fleet: FleetSection = field(default_factory=FleetSection)
+    """The emulated devices (`dpfleet fleet`)."""
     service: ServiceSection = field(default_factory=ServiceSection)
+    """The networked coordinator (`dpfleet coordinator serve`)."""
 
     def resolved(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# What the main job (examples/shakespeare_cifg.toml) states on top of the defaults, and why. The
+# config reference lists them, and tests/test_config_reference.py holds every other key the
+# example states to its default.
+MAIN_JOB_CHOICES: dict[str, str] = {
+    "client.threads": "2 worker processes, for the 2-core machine its figures come from; the "
+                      "default trains in one process on any machine",
+    "dp.target_epsilon": "8: it states a privacy target and the planner chooses the report goal, "
+                         "the noise and [participation]; without a target you set those yourself",
+    "dp.mechanism": '"auto": the planner picks the mechanism, which needs a target',
+    "pretrain.corpus": '["kjv"]: public pretraining (about 3 min on the first run, then cached); '
+                       "off by default because it trains the zoo model on a corpus you name",
+    "pretrain.steps": "3000, for pretrain.corpus",
+}
+
+# Config keys that name a file or folder. In a config file a relative one is read from the file's
+# folder (the config and its data move together); in a dict or a --set value, from the working
+# folder.
+PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("aggregation", "fleet_keys"))
 
 
 _CHOICES = {
@@ -230,7 +369,7 @@ _CHOICES = {
     "fleet.client": ("dpfleet", "bundle"),
 }
 
-def _choices(key: str) -> tuple | None:
+def key_choices(key: str) -> tuple | None:
     """A key's allowed values; dp.mechanism's are the registered mechanisms' (`registry`)."""
     if key == "dp.mechanism":
         from dpfleet.coordinator.mechanisms.registry import names
@@ -257,7 +396,10 @@ def _check_type(key: str, value: object, annotation: object) -> object:
     return value
 
 
-def build_section(cls: type, values: dict, prefix: str) -> object:
+def build_section(cls: type, values: dict, prefix: str, default: object | None = None) -> object:
+    """`cls` from a table: every key checked (name, type, choices); the keys left out keep
+    `default`'s values (default: `cls`'s own), so a nested section's defaults are its field's in
+    the parent (the config's [model] is `main_job_model()`)."""
     if not isinstance(values, dict):
         raise DpfleetError(f"config section {prefix.rstrip('.')!r} must be a table")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -272,15 +414,31 @@ def build_section(cls: type, values: dict, prefix: str) -> object:
             raise DpfleetError(f"invalid config key '{prefix}{key}'{hint}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = build_section(hint, value, f"{prefix}{key}.")
+            kwargs[key] = build_section(hint, value, f"{prefix}{key}.", _field_default(fields[key]))
         else:
             if isinstance(hint, types.UnionType):
                 hint = typing.get_args(hint)[0]
             kwargs[key] = _check_type(prefix + key, value, hint)
-            choices = _choices(prefix + key)
+            choices = key_choices(prefix + key)
             if choices and value not in choices:
                 raise DpfleetError(f"config key '{prefix}{key}' must be one of {choices}")
-    return cls(**kwargs)
+    return cls(**kwargs) if default is None else dataclasses.replace(default, **kwargs)
+
+
+def _field_default(f: dataclasses.Field) -> object | None:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def paths_against(values: dict, folder: Path) -> dict:
+    """Raw config values with each relative `PATH_KEYS` value made absolute against `folder`."""
+    out = dict(values)
+    for section, key in PATH_KEYS:
+        table = out.get(section)
+        if isinstance(table, dict) and isinstance(table.get(key), str) and table[key]:
+            out[section] = {**table, key: os.path.abspath(folder / Path(table[key]).expanduser())}
+    return out
 
 
 # the keys dp.target_epsilon plans (coordinator/accounting/config_plan.py), as (section, key)
@@ -353,8 +511,10 @@ def read_toml(path: Path, what: str = "config file") -> dict:
 
 def load_config(path: Path, overrides: Mapping[str, object] | None = None) -> SimulationConfig:
     """The config file at `path`, with the command line's `--set` overrides ("section.key" ->
-    value, `config_overrides`) applied to its values before they are parsed and validated."""
-    values = read_toml(path)
+    value, `config_overrides`) applied to its values before they are parsed and validated. The
+    file's relative `PATH_KEYS` are read from its folder (made absolute, so the run directory's
+    config.toml still finds them)."""
+    values = paths_against(read_toml(path), Path(path).parent)
     if overrides:
         values = apply_overrides(values, overrides, SimulationConfig)
     return parse_config(values)

@@ -31,16 +31,24 @@ class ModelConfig:
     """Architecture and sizes. Defaults are Gboard's CIFG (paper 002 Sec. 1, untied)."""
 
     arch: str = "cifg"
+    """"cifg" (coupled input-forget gate LSTM, Gboard's) | "lstm" | "transformer"."""
     vocab_size: int = 10_000
+    """Output classes; a run sets it from its tokenizer's vocab_size."""
     embedding_dim: int = 96
+    """The input embedding's width."""
     hidden_dim: int = 670
-    projection_dim: int = 96  # recurrent models project the hidden state back to this size
+    """Recurrent models: the cell's hidden state; the transformer: its MLP's width."""
+    projection_dim: int = 96
+    """Recurrent models project the hidden state back to this size."""
     num_layers: int = 1
-    num_heads: int = 4  # transformer only
-    max_length: int = 32  # transformer positional table; sequences are <= 20 tokens + bos
-    # logits = h @ embed^T + bias (one vocab x dim table instead of two); recurrent models need
-    # projection_dim == embedding_dim
+    """Stacked recurrent cells or transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (transformer only)."""
+    max_length: int = 32
+    """The transformer's positional table; sequences are <= data.seq_len tokens + bos."""
     tie_embeddings: bool = False
+    """logits = h @ embed^T + bias: one vocab x dim table instead of two (recurrent models need
+    projection_dim == embedding_dim)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:

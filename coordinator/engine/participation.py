@@ -158,8 +158,9 @@ class Participation:
         if section.mode == "disjoint" and rounds * report_goal > size:
             raise DpfleetError(
                 f"disjoint participation needs rounds * report_goal = {rounds * report_goal} "
-                f"clients but there are {size}; lower rounds or dp.report_goal, or set "
-                "participation.mode = 'uniform' or 'timer'"
+                f"clients but there are {size}; lower rounds or dp.report_goal, set "
+                "participation.mode = 'uniform' or 'timer', or state dp.target_epsilon and let "
+                "the planner choose"
             )
         self.section, self.size, self.report_goal, self.seed = section, size, report_goal, seed
         self.fleet = fleet
