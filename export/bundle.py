@@ -39,8 +39,9 @@ from dpfleet.edge.bundle_format import (
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 from dpfleet.export.bundle_serial import next_serial
-from dpfleet.export.checkpoint import load_checkpoint
+from dpfleet.export.checkpoint import CustomModelCheckpoint, load_checkpoint, python_export_hint
 from dpfleet.export.models import ModelConfig, count_parameters
+from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
 from dpfleet.export.training import (
@@ -266,14 +267,22 @@ class BundleExport:
     serial: int | None = None  # bundle_serial; default: next of the key's counter (export/bundle_serial.py)
 
     def run(self) -> dict:
-        """Write, sign and self-verify the bundle; returns the JSON summary."""
+        """Write, sign and self-verify the bundle; returns the JSON summary, whose `log` is the
+        exporters' output file (`<bundle>.export.log`; None when they wrote nothing)."""
         for rt in self.runtimes:
             if rt not in BUNDLE_RUNTIMES:
                 raise DpfleetError(f"unknown bundle runtime {rt!r}; choose from {BUNDLE_RUNTIMES}")
         out = Path(self.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise DpfleetError(f"bundle folder {out} is not empty")
-        cfg, model, tokenizer = load_checkpoint(self.checkpoint)
+        try:
+            cfg, model, tokenizer = load_checkpoint(self.checkpoint)
+        except CustomModelCheckpoint as exc:
+            raise DpfleetError(
+                f"{exc.folder} holds a custom model ({exc.model_class}); a phone bundle's training "
+                "programs are generated from a zoo [model] config, so on-device training needs a zoo "
+                f"model; for the inference program, {python_export_hint(exc.folder, exc.model_class)}"
+            ) from None
         self._lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
 
@@ -302,20 +311,21 @@ class BundleExport:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
         os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the bundle from the app's build user
-        try:
-            (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
-            manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
-            manifest["bundle_serial"] = serial
-            blob, signature = sign_manifest(manifest, key)
-            atomic_write(staging / MANIFEST, blob)
-            atomic_write(staging / SIGNATURE, signature)
-            verify_bundle(staging, key.public_key())  # the bundle as a phone will see it
-            if out.exists():
-                out.rmdir()
-            os.replace(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        with capture(log_path(out)) as log:
+            try:
+                (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
+                manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
+                manifest["bundle_serial"] = serial
+                blob, signature = sign_manifest(manifest, key)
+                atomic_write(staging / MANIFEST, blob)
+                atomic_write(staging / SIGNATURE, signature)
+                verify_bundle(staging, key.public_key())  # the bundle as a phone will see it
+                if out.exists():
+                    out.rmdir()
+                os.replace(staging, out)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
         files = {name: entry["bytes"] for name, entry in manifest["files"].items()}
         return {
             "bundle": str(out),
@@ -327,6 +337,7 @@ class BundleExport:
             "signing_key": str(key_path),
             "signing_key_generated": generated,
             "measured": manifest["measured"],
+            "log": None if log is None or log.path is None else str(log.path),
         }
 
     def _write(self, folder: Path, cfg: ModelConfig, model, tokenizer, client: dict, seq_len: int,
@@ -343,7 +354,7 @@ class BundleExport:
         cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
         layout = ParamLayout.of(model)
         stages = 3 + ("executorch" in self.runtimes)
-        bar = tqdm(total=stages, desc="bundle", unit="stage", disable=None)
+        bar = tqdm(total=stages, desc="bundle", unit="stage", disable=None, file=terminal())
         flat = get_flat(model).astype("<f4")
         (folder / WEIGHTS).write_bytes(flat.tobytes())
         tokenizer.save(folder / TOKENIZER_DIR)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from dpfleet.edge.tokenizer import SentencePieceTokenizer, WordTokenizer, load_tokenizer
@@ -20,6 +21,28 @@ WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
 TOKENIZER = "tokenizer"
 NOT_PRIVATE = "not_private.json"  # present: the weights must not ship (`save_checkpoint`)
+CUSTOM = "custom_model.json"  # a module from outside the zoo: its class, so errors can name it
+
+
+class CustomModelCheckpoint(DpfleetError):
+    """A checkpoint of a custom module (`dpfleet.simulate(model=...)`): weights and tokenizer,
+    no zoo config, so nothing here can rebuild the module; the message says what to do."""
+
+    def __init__(self, folder: Path, model_class: str):
+        self.folder, self.model_class = folder, model_class
+        super().__init__(f"{folder} holds a custom model ({model_class}, trained with "
+                         f"dpfleet.simulate(model=...)) and no {CONFIG}, so dpfleet cannot rebuild its "
+                         f"module from the folder: {python_export_hint(folder, model_class)}")
+
+
+def python_export_hint(folder: Path, model_class: str) -> str:
+    """How to export a custom model's inference program from Python, given its class."""
+    folder = Path(folder)
+    if (folder.parent / "summary.json").is_file():  # a run's checkpoint: the Result's method
+        return (f"export it from Python, dpfleet.Result.load('{folder.parent}', model={model_class}(...))"
+                ".export('OUT', format='onnx')")
+    return (f"export it from Python, dpfleet.export.phone.PhoneExport('{folder}', 'onnx', 'OUT', "
+            f"model={model_class}(...)).run()")
 
 
 def save_checkpoint(
@@ -46,6 +69,11 @@ def save_checkpoint(
     save_file(tensors, str(folder / WEIGHTS))
     if cfg is not None:
         (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+        (folder / CUSTOM).unlink(missing_ok=True)
+    else:
+        (folder / CUSTOM).write_text(json.dumps({"class": type(model).__qualname__,
+                                                 "module": type(model).__module__,
+                                                 "parameters": sum(t.numel() for t in tensors.values())}))
     tokenizer.save(folder / TOKENIZER)
     return folder
 
@@ -54,13 +82,12 @@ def load_checkpoint(
     folder: Path,
 ) -> tuple[ModelConfig, nn.Module, SentencePieceTokenizer | WordTokenizer]:
     """(config, model in eval mode, tokenizer); every defect is one clear DpfleetError."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DpfleetError(f"checkpoint folder not found: {folder}")
     check_private(folder)
+    if not (folder / CONFIG).exists() and (folder / WEIGHTS).exists():
+        raise CustomModelCheckpoint(folder, custom_model_class(folder))
     for name in (WEIGHTS, CONFIG, TOKENIZER):
         if not (folder / name).exists():
             raise DpfleetError(f"{folder} is not a checkpoint: missing {name}")
@@ -68,33 +95,48 @@ def load_checkpoint(
         cfg = ModelConfig(**json.loads((folder / CONFIG).read_text()))
     except (ValueError, TypeError) as exc:
         raise DpfleetError(f"{folder / CONFIG}: invalid model config ({exc})") from exc
-    try:
-        tensors = load_file(str(folder / WEIGHTS))
-    except (SafetensorError, OSError) as exc:
-        raise DpfleetError(f"{folder / WEIGHTS}: unreadable weights ({exc})") from exc
-    model = build_model(cfg)
-    expected = dict(model.named_parameters())
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        raise DpfleetError(
-            f"{folder / WEIGHTS}: weights do not match the config (missing "
-            f"{missing[:3]}, unexpected {extra[:3]})"
-        )
-    for name, p in expected.items():
-        if tensors[name].shape != p.shape:
-            raise DpfleetError(
-                f"{folder / WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}, "
-                f"config says {tuple(p.shape)}"
-            )
-    model.load_state_dict(tensors, strict=False)  # non-persistent buffers are rebuilt by the model
-    model.eval()
+    model = load_weights(folder, build_model(cfg), "the config")
     tokenizer = load_tokenizer(folder / TOKENIZER)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise DpfleetError(
             f"{folder}: tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.vocab_size}"
         )
     return cfg, model, tokenizer
+
+
+def load_weights(folder: Path, model: nn.Module, what: str = "your model") -> nn.Module:
+    """`model` (in eval mode) holding the checkpoint's weights, which must be exactly its
+    parameters (names and shapes; `what` names the model in the error)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise DpfleetError(f"{path}: unreadable weights ({exc})") from exc
+    expected = dict(model.named_parameters())
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        raise DpfleetError(f"{path}: weights do not match {what} (missing {missing[:3]}, unexpected "
+                           f"{extra[:3]})")
+    for name, p in expected.items():
+        if tensors[name].shape != p.shape:
+            raise DpfleetError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, {what} says "
+                               f"{tuple(p.shape)}")
+    with torch.no_grad():  # into the module's own tensors (its device and dtype)
+        for name, p in expected.items():
+            p.copy_(tensors[name])
+    return model.eval()
+
+
+def custom_model_class(folder: Path) -> str:
+    """The class name `save_checkpoint` recorded for a custom module ("your model" if none)."""
+    try:
+        return str(json.loads((Path(folder) / CUSTOM).read_text())["class"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "YourModel"
 
 
 def check_private(folder: Path) -> None:

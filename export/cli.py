@@ -10,6 +10,7 @@ import click
 
 from dpfleet.errors import DpfleetError
 from dpfleet.export.phone import MIN_TOP1, PHONE_FORMATS, QUANTIZE, TARGETS
+from dpfleet.io import check_writable
 from dpfleet.jsonio import dumps
 
 
@@ -129,6 +130,12 @@ def export(
 
     With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
     client) and prints its files, sizes and the public key to pin in the app.
+
+    The exporters' own output (torch.export, ONNX, ExecuTorch warnings and logs) goes to
+    OUT.export.log (or BUNDLE.export.log) beside the output folder, named in one line;
+    DPFLEET_EXPORT_DEBUG=1 lets it through to the terminal. A model an exporter refuses is one
+    error line with its reason. A checkpoint of a custom module (dpfleet.simulate(model=...))
+    has no config to rebuild it from: the error says how to export it from Python.
     """
     from dpfleet.export.checkpoint import check_private
 
@@ -138,9 +145,10 @@ def export(
             raise DpfleetError("--bundle takes no --format/--out/--quantize")
         from dpfleet.export.bundle import BundleExport
 
+        check_writable(bundle)  # before the checkpoint loads: an unwritable folder is one line
         summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
                                batch_size, threads, heldout=heldout, serial=serial).run()
-        click.echo(dumps(summary, indent=2))
+        _report(summary)
         return
     if fmt is None or out is None:
         raise DpfleetError("pass --format and --out (an inference program) or --bundle DIR")
@@ -148,6 +156,14 @@ def export(
         raise DpfleetError("--runtime, --signing-key, --batch-size and --serial apply to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
+    check_writable(out)
     summary = PhoneExport(checkpoint, fmt, out, quantize, seq_len or 20, threads, heldout, target, min_top1,
                           accept_int8_drop).run()
+    _report(summary)
+
+
+def _report(summary: dict) -> None:
+    """The JSON summary on stdout; where the exporters' own output went, one line on stderr."""
     click.echo(dumps(summary, indent=2))
+    if summary.get("log"):
+        click.echo(f"exporter output (warnings, logs): {summary['log']}", err=True)

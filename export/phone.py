@@ -35,7 +35,8 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.export.manifest import write_manifest
 from dpfleet.export.models import ModelConfig
-from dpfleet.export.training import quiet_export, tool_versions
+from dpfleet.export.noise import capture, exporter_step, log_path, terminal
+from dpfleet.export.training import tool_versions
 
 PHONE_FORMATS = ("pte", "onnx")
 QUANTIZE = ("int8",)
@@ -46,6 +47,16 @@ MIN_TOP1 = 0.98
 
 def _window(seq_len: int, batch: int = 1) -> torch.Tensor:
     return torch.full((batch, seq_len), BOS, dtype=torch.int64)
+
+
+def _tied(model: nn.Module) -> bool:
+    """Whether the input table is also the output matmul's weight (a zoo config says; a custom
+    module shares the Parameter)."""
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg.tie_embeddings
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return any(id(m.weight) in tables for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def quantize_embedding_table(model: nn.Module) -> nn.Module:
@@ -74,7 +85,7 @@ def pte_program(
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     args = (_window(seq_len),)
-    with quiet_export():
+    with exporter_step("ExecuTorch export"):
         if quantize == "int8":
             import executorch.kernels.quantized  # noqa: F401  (registers embedding_byte for export)
             from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
@@ -83,7 +94,7 @@ def pte_program(
             )
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-            if quantize_embedding and not model.cfg.tie_embeddings:
+            if quantize_embedding and not _tied(model):
                 model = quantize_embedding_table(model)
             config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
             graph = torch.export.export(model, args).module()
@@ -103,7 +114,7 @@ def onnx_program(
     7-bit weights for x86 AVX2/VNNI-less CPUs; False for ARM)."""
     args = (_window(seq_len, batch=2),)
     batch = torch.export.Dim("batch", min=1, max=4096)
-    with quiet_export():
+    with exporter_step("ONNX export"):
         program = torch.onnx.export(
             model,
             args,
@@ -123,7 +134,7 @@ def onnx_program(
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = Path(tmp) / "fp32.onnx"
         onnx.save(gemm_to_matmul(program.model_proto), fp32)
-        with quiet_export():
+        with exporter_step("ONNX int8 quantization"):
             quantize_dynamic(fp32, path, weight_type=QuantType.QInt8, reduce_range=reduce_range)
 
 
@@ -217,9 +228,11 @@ def text_windows(tokenizer, lines: list[str], seq_len: int) -> tuple[np.ndarray,
     return np.asarray(rows, dtype=np.int64), np.asarray(lengths)
 
 
-def random_windows(cfg: ModelConfig, seq_len: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def random_windows(cfg: ModelConfig | int, seq_len: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """`n` windows of random non-special token ids below the vocabulary (a config or its size)."""
+    vocab = cfg if isinstance(cfg, int) else cfg.vocab_size
     rng = np.random.default_rng(0)
-    rows = rng.integers(4, cfg.vocab_size, (n, seq_len), dtype=np.int64)
+    rows = rng.integers(4, vocab, (n, seq_len), dtype=np.int64)
     rows[:, 0] = BOS
     return rows, np.full(n, seq_len)
 
@@ -256,6 +269,12 @@ def latency_ms(program: InferenceProgram, seq_len: int, repeats: int = 30) -> di
 
 @dataclass
 class PhoneExport:
+    """The inference program of a checkpoint folder, its tokenizer and manifest, checked against
+    eager. `model` / `tokenizer`: a custom module (`dpfleet.simulate(model=...)`), whose checkpoint
+    has weights but no zoo config to rebuild it from, and the run's tokenizer when the folder's
+    cannot be loaded (a caller's own); the folder is still checked (`check_private`) and its
+    tokenizer files are shipped. The exporters' output goes to `<out>.export.log` (`noise.py`)."""
+
     checkpoint: Path
     fmt: str
     out: Path
@@ -267,16 +286,20 @@ class PhoneExport:
     min_top1: float = MIN_TOP1
     accept_int8_drop: bool = False
     pte_int8_embedding: bool = True  # False: the fp32 table of earlier exports (benchmarks compare)
+    model: nn.Module | None = None
+    tokenizer: object | None = None
 
     def run(self) -> dict:
-        """Export, write tokenizer + manifest, measure; returns the JSON summary."""
+        """Export, write tokenizer + manifest, measure; returns the JSON summary, whose `log` is
+        the exporters' output file (None when they wrote nothing)."""
         if self.fmt not in PHONE_FORMATS:
             raise DpfleetError(f"unknown format {self.fmt!r}; choose from {PHONE_FORMATS}")
         if self.quantize not in (None, *QUANTIZE):
             raise DpfleetError(f"unknown quantization {self.quantize!r}; choose from {QUANTIZE}")
-        cfg, model, tokenizer = load_checkpoint(self.checkpoint)
-        if self.seq_len < 1 or (cfg.arch == "transformer" and self.seq_len > cfg.max_length):
-            raise DpfleetError(f"--seq-len must lie in 1..{cfg.max_length} for this model")
+        cfg, model, tokenizer = self._load()
+        longest = cfg.max_length if cfg is not None and cfg.arch == "transformer" else None
+        if self.seq_len < 1 or (longest is not None and self.seq_len > longest):
+            raise DpfleetError(f"--seq-len must lie in 1..{longest or 'any'} for this model")
         lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         if self.target not in TARGETS:
             raise DpfleetError(f"unknown target {self.target!r}; choose from {TARGETS}")
@@ -289,18 +312,37 @@ class PhoneExport:
             raise DpfleetError(f"output folder {self.out} is not empty")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(self.threads)
-        try:
-            return self._export(cfg, model, tokenizer, lines)
-        except BaseException:
-            shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
-            raise
+        with capture(log_path(self.out)) as log:
+            try:
+                summary = self._export(cfg, model, tokenizer, lines)
+            except BaseException:
+                shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
+                raise
+        return {**summary, "log": None if log is None or log.path is None else str(log.path)}
 
-    def _int8_table(self, cfg: ModelConfig) -> bool:
-        return self.fmt == "pte" and self.pte_int8_embedding and not cfg.tie_embeddings
+    def _load(self) -> tuple[ModelConfig | None, nn.Module, object]:
+        if self.model is None:
+            return load_checkpoint(self.checkpoint)
+        from dpfleet.edge.tokenizer import load_tokenizer
+        from dpfleet.export.checkpoint import TOKENIZER, check_private
 
-    def _export(self, cfg: ModelConfig, model: nn.Module, tokenizer, lines: list[str] | None) -> dict:
-        bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None)
+        check_private(self.checkpoint)
+        if not isinstance(self.model, nn.Module):
+            raise DpfleetError(f"model must be a torch.nn.Module, not {type(self.model).__name__}")
+        if not (Path(self.checkpoint) / TOKENIZER).is_dir():
+            raise DpfleetError(f"{self.checkpoint} is not a checkpoint: missing {TOKENIZER}")
+        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(
+            Path(self.checkpoint) / TOKENIZER)
+        return None, self.model.eval(), tokenizer
+
+    def _int8_table(self, model: nn.Module) -> bool:
+        return self.fmt == "pte" and self.pte_int8_embedding and not _tied(model)
+
+    def _export(self, cfg: ModelConfig | None, model: nn.Module, tokenizer, lines: list[str] | None) -> dict:
+        bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None, file=terminal())
         program_path = self.out / PROGRAM_FILE[self.fmt]
+        with torch.no_grad():
+            vocab = int(model(_window(self.seq_len)).shape[-1])
         start = time.perf_counter()
         if self.fmt == "pte":
             program_path.write_bytes(pte_program(model, self.seq_len, self.quantize, self.pte_int8_embedding))
@@ -315,7 +357,7 @@ class PhoneExport:
             rows, lengths = text_windows(tokenizer, lines, self.seq_len)
             source = str(self.heldout)
         else:
-            rows, lengths = random_windows(cfg, self.seq_len)
+            rows, lengths = random_windows(vocab, self.seq_len)
             source = "random tokens (pass --heldout for text)"
         latency = {**latency_ms(program, self.seq_len), "threads": self.threads}
         agree = {**agreement(model, program, rows, lengths), "text": source}
@@ -332,6 +374,8 @@ class PhoneExport:
                         "export fp32, or pass --accept-int8-drop to write it anyway"
                     )
                 check["accepted_below_threshold"] = True
+        architecture = cfg.to_dict() if cfg is not None else {
+            "custom": type(model).__qualname__, "parameters": sum(p.numel() for p in model.parameters())}
         manifest = write_manifest(
             self.out,
             {
@@ -340,14 +384,14 @@ class PhoneExport:
                 "target": self.target,
                 "quantization": None if not self.quantize else {
                     "scheme": "dynamic int8 matmul weights" + (
-                        " + int8 embedding table (embedding_byte)" if self._int8_table(cfg) else ""),
+                        " + int8 embedding table (embedding_byte)" if self._int8_table(model) else ""),
                     "reduce_range": self.fmt == "onnx" and self.target == "x86",
                     "int8_check": check,
                 },
                 "program": program_path.name,
-                "architecture": cfg.to_dict(),
+                "architecture": architecture,
                 "vocabulary": {
-                    "kind": tokenizer.kind,
+                    "kind": getattr(tokenizer, "kind", "custom"),
                     "size": tokenizer.vocab_size,
                     "pad_id": PAD,
                     "bos_id": BOS,
@@ -359,7 +403,7 @@ class PhoneExport:
                 },
                 "outputs": {
                     "logits": {
-                        "shape": [1 if self.fmt == "pte" else "batch", self.seq_len, cfg.vocab_size],
+                        "shape": [1 if self.fmt == "pte" else "batch", self.seq_len, vocab],
                         "dtype": "float32",
                     }
                 },
@@ -375,7 +419,7 @@ class PhoneExport:
             "out": str(self.out),
             "format": self.fmt,
             "quantize": self.quantize,
-            "architecture": cfg.arch,
+            "architecture": cfg.arch if cfg is not None else type(model).__qualname__,
             "seq_len": self.seq_len,
             "files": files,
             "total_bytes": sum(files.values()),

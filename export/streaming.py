@@ -17,7 +17,7 @@ from torch import nn
 
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, RecurrentLM, output_logits
-from dpfleet.export.training import quiet_export
+from dpfleet.export.noise import exporter_step
 from dpfleet.export.weight_inputs import export_with_weight_inputs
 
 STEP_INPUTS = ("token", "state_h", "state_c")
@@ -63,7 +63,7 @@ def step_program(model: RecurrentLM, path: Path, weight_inputs: bool = True) -> 
         export_with_weight_inputs(step, model, args, list(STEP_INPUTS), list(STEP_OUTPUTS), shapes, path,
                                   prefix="model.")
         return
-    with quiet_export():
+    with exporter_step("ONNX export"):
         program = torch.onnx.export(step, args, dynamo=True, input_names=list(STEP_INPUTS),
                                     output_names=list(STEP_OUTPUTS), dynamic_shapes=shapes, optimize=True,
                                     verbose=False)

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
-import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.graph_passes import dedup_nodes, split_addmm
 from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.export.noise import capture, exporter_step, terminal
 from dpfleet.export.params import ParamLayout
 from dpfleet.io import atomic_write, sha256_hex
 
@@ -113,22 +111,6 @@ class LossModule(nn.Module):
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         nll = torch.logsumexp(logits, dim=-1) - picked
         return (nll * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-@contextlib.contextmanager
-def quiet_export():
-    """Silence the exporters' progress prints and warnings (they would drown CLI output)."""
-    loggers = [logging.getLogger(n) for n in ("", "torch", "executorch", "torchao", "onnxscript")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def example_batch(spec: ProgramSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,14 +221,15 @@ def export_training_program(spec: ProgramSpec) -> bytes:
     """Export the training program of `spec` (slow: seconds for ONNX, minutes for a Gboard-size
     `.pte`), with a progress bar over its stages (joint graph, lowering, serialization)."""
     desc = f"export {spec.fmt} training program ({spec.cfg.arch}, L={spec.seq_len})"
-    with tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False) as bar:
+    what = "ExecuTorch export" if spec.fmt == "pte" else "ONNX export"
+    with capture(), tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False, file=terminal()) as bar:
         bar.set_postfix_str("joint forward-backward graph")
 
         def step(stage: str) -> None:
             bar.update()
             bar.set_postfix_str(stage)
 
-        with quiet_export():
+        with exporter_step(what):
             data = _pte_bytes(spec, step) if spec.fmt == "pte" else _onnx_bytes(spec, step)
         bar.update()
     return data

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dpfleet.export.training import onnx_param_name, quiet_export
+from dpfleet.export.noise import exporter_step
+from dpfleet.export.training import onnx_param_name
 
 
 class WeightInputs(nn.Module):
@@ -48,7 +49,7 @@ def export_with_weight_inputs(
     names = [n for n, _ in params_of.named_parameters()]
     params = tuple(p.detach() for p in params_of.parameters())
     wrapper = WeightInputs(module, params_of, prefix).eval()
-    with quiet_export():
+    with exporter_step("ONNX export"):
         ep = torch.export.export(wrapper, (*args, *params),
                                  dynamic_shapes=((*dynamic_shapes, *(None for _ in params)),))
         program = torch.onnx.export(ep, (*args, *params), dynamo=True,

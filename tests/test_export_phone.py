@@ -60,7 +60,11 @@ def run_export(capsys, checkpoint, out, *extra):
             *extra,
         ]
     )
-    return json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    # the exporters' own output (torch.export, ONNX, ExecuTorch's C++ lines) went to the log
+    assert captured.err.splitlines() in ([], [f"exporter output (warnings, logs): {summary['log']}"])
+    return summary
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +83,8 @@ def exports(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "pte"])
-def test_float_export_matches_eager(fmt, exports, capsys):
-    out, summary = exports(capsys, fmt)
+def test_float_export_matches_eager(fmt, exports, capfd):
+    out, summary = exports(capfd, fmt)  # capfd: C-level writes to fds 1 and 2 count too
     program = {"onnx": "model.onnx", "pte": "model.pte"}[fmt]
     assert set(summary["files"]) == {program, "tokenizer/tokenizer.json"}
     assert summary["files"][program] == (out / program).stat().st_size > 0
@@ -92,8 +96,8 @@ def test_float_export_matches_eager(fmt, exports, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["onnx", pytest.param("pte", marks=pytest.mark.slow)])
-def test_int8_export_keeps_top1(fmt, exports, capsys):
-    out, summary = exports(capsys, fmt, "int8")
+def test_int8_export_keeps_top1(fmt, exports, capfd):
+    out, summary = exports(capfd, fmt, "int8")
     assert summary["quantize"] == "int8"
     assert summary["agreement"]["top1"] >= 0.98
     assert summary["agreement"]["max_abs_err"] > 0  # it really is quantized
