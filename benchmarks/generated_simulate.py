@@ -32,7 +32,7 @@ CFG = {
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
     "client": {"lr": 1.0, "batch_size": 16},
-    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 50},
+    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 50, "momentum": 0.9},
     "participation": {"mode": "uniform", "min_separation": 1},
 }
 

@@ -71,7 +71,7 @@ MAIN_JOB = {
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024, "corpus": "wikitext2"},
     "model": {"arch": "cifg", "embedding_dim": 32, "hidden_dim": 64, "projection_dim": 32},
     "client": {"lr": 5.0, "batch_size": 16},
-    "dp": {"noise_multiplier": 0.7, "clip_norm": 2.0, "report_goal": 20},
+    "dp": {"noise_multiplier": 0.7, "clip_norm": 2.0, "report_goal": 20, "momentum": 0.9},
 }
 
 

@@ -40,7 +40,7 @@ BASE = {
     "client": {"lr": 1.0, "batch_size": 8},
     "participation": {"mode": "uniform", "min_separation": 1, "max_participation": 2},
     "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 4, "noise_seed": 11,
-           "clip_count_stddev": 2.0},
+           "clip_count_stddev": 2.0, "momentum": 0.9},
 }
 FIELDS = ("zcdp", "epsilon", "epsilon_rdp", "sensitivity_squared", "min_separation",
           "max_participation", "noise_mechanism")

@@ -51,7 +51,7 @@ PEER = {
     "tokenizer": {"kind": "word", "vocab_size": 4096, "allow_nonprivate_vocabulary": True},
     "model": {"arch": "lstm", "embedding_dim": 96, "hidden_dim": 256, "projection_dim": 96},
     "client": {"lr": 0.5, "batch_size": 16},
-    "dp": {"noise_multiplier": 0.0, "clip_norm": 1e6, "report_goal": 50},
+    "dp": {"noise_multiplier": 0.0, "clip_norm": 1e6, "report_goal": 50, "momentum": 0.9},
 }
 
 
