@@ -29,7 +29,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
              debug_nonprivate: bool) -> None:
     """Simulate private federated training of an on-device LM.
 
-    Reads CONFIG (TOML; see examples/shakespeare_cifg.toml for every key), builds the clients
+    Reads CONFIG (TOML: `dpfleet init` writes the main job's; every key, its default and
+    meaning: the docs' config reference; relative paths are read from CONFIG's folder), builds the clients
     from the dataset, trains with DP-FTRL (tree noise, clipping, momentum) and writes a run
     directory: config.toml, metrics.jsonl (one line per round), participation.jsonl,
     checkpoint/ (safetensors + tokenizer), accuracy.png, privacy_report.md, privacy.json and
