@@ -13,6 +13,9 @@ returns a `Result`:
 What you may bring, each optional:
 
 * `config`: a TOML file, or a dict with the same sections and keys (unknown keys are errors).
+  A key either leaves out gets the same default, the main job's value (the docs' config
+  reference lists every key); a relative path is read from the TOML file's folder, or for a dict
+  from the working folder.
 * `users`: your per-user text. It is split into training and held-out users, cut into rows and
   capped per user exactly as the built-in datasets are (`edge.client_data.build_federated`).
 * `tokenizer`: anything with `encode(str) -> list[int]` and `vocab_size`. Ids 0-3 are the
@@ -70,7 +73,8 @@ def simulate(
     """Train a model with DP-FTRL over a simulated fleet and return its `Result`.
 
     Args:
-        config: a TOML file's path, or a dict with the same sections and keys.
+        config: a TOML file's path, or a dict with the same sections and keys; keys left out
+            get the defaults of `dpfleet.coordinator.config` (the main job's values).
         model: a `torch.nn.Module` from int64 token ids [batch, time] to logits [batch, time,
             vocab]; default the config's `[model]`. Checked with one forward on a dummy batch
             before training; trained by the sequential trainer unless client.trainer = "cohort".
