@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import click
 from torch import nn
@@ -26,7 +26,9 @@ from dpfleet.coordinator.engine.extensions import (
     ParticipationPolicy,
 )
 from dpfleet.coordinator.engine.simulation import Pretrain, run_simulation
+from dpfleet.coordinator.result_methods import ResultMethods
 from dpfleet.edge.datasets import TextRecord
+from dpfleet.edge.tokenizer import load_tokenizer
 from dpfleet.errors import DpfleetError
 
 __all__ = ["Result", "TokenizerLike", "cli_pretrain", "fresh_run_dir", "run", "user_records"]
@@ -42,9 +44,12 @@ class TokenizerLike(Protocol):
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(ResultMethods):
     """A finished run. Every figure is also in the run directory (summary.json, privacy.json,
-    metrics.jsonl), which stays the record; this is its summary in Python.
+    metrics.jsonl), which stays the record; this is its summary in Python. Its model answers
+    `suggest(text, k)` (keyboard words), `predict(text, k)` (next tokens with probabilities) and
+    `probabilities(text)`, exports with `export(out, format)`, and `Result.load(run_dir)` reads a
+    finished run back (`coordinator/result_methods.py`).
 
     Attributes:
         accuracy: held-out next-token accuracy of the final model (PAD and special targets unscored).
@@ -57,6 +62,7 @@ class Result:
             `privacy["total_with_vocabulary"]`).
         run_dir: the run directory.
         model: the trained module (yours, or the zoo's), holding the last released, noised weights.
+        tokenizer: the run's tokenizer: yours, or the config's (SentencePiece or DP words).
         metrics: one dict per round, as in metrics.jsonl.
         privacy: privacy.json: the accounting, mechanism and what is not covered.
         stopped_early: why the run ended before its planned rounds (a budget), or None.
@@ -71,6 +77,7 @@ class Result:
     delta: float
     run_dir: Path
     model: nn.Module
+    tokenizer: Any
     metrics: list[dict]
     privacy: dict
     stopped_early: str | None
@@ -118,6 +125,7 @@ def run(
         perplexity=out.final["perplexity"], unigram_perplexity=out.baseline["perplexity"],
         epsilon=out.privacy["epsilon"], delta=out.privacy["delta"], run_dir=out.run_dir,
         model=out.model, metrics=out.metrics, privacy=out.privacy, stopped_early=out.stopped_early,
+        tokenizer=tokenizer or load_tokenizer(out.run_dir / "checkpoint" / "tokenizer"),
         client_trainer=summary.get("client_trainer", ""),
     )
 

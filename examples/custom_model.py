@@ -11,7 +11,8 @@ vocabulary trained on WikiText-2). Secure aggregation works with any model: it s
 flat weight deltas, whatever module they came from, and the DP noise goes into its integer ring
 (dp.noise = "auto" -> "discrete"). The model trains with the sequential eager client trainer,
 the reference; client.trainer = "cohort" would train each round's clients at once with
-torch.func over this module instead.
+torch.func over this module instead. The `Result` keeps the run's tokenizer, so the trained GRU
+suggests words (`result.suggest`); `examples/export_custom_model.py` exports it for a phone.
 
 Sized for seconds on 2 cores: 15 rounds of 20 of ~400 training users. At that size DP costs a
 lot (eps ~ 56 at delta 1e-6, and the GRU only reaches about the unigram baseline's accuracy,
@@ -80,6 +81,8 @@ def main(run_dir: Path, progress: bool = True, config: dict | None = None,
     print(f"{len(users)} users; held-out accuracy {result.accuracy:.4f} (unigram "
           f"{result.unigram_accuracy:.4f}); eps = {result.epsilon:.2f} at delta = {result.delta:g}; "
           f"trainer {result.client_trainer}; run directory {result.run_dir}")
+    # the trained GRU as a keyboard sees it: whole words after a text (SentencePiece pieces joined)
+    print(f"suggestions after 'My good ': {result.suggest('My good ')}")
     return result
 
 
