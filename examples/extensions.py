@@ -6,8 +6,8 @@
 * clipping rule: `PerLayerClip`, each parameter tensor clipped to its share of the bound;
 * noise mechanism: `DenseStrategy`, matrix-factorization noise from a strategy matrix you give
   (here a two-band Toeplitz C), with its sensitivity declared (an upper bound);
-* participation policy: `CyclicPolicy`, devices in fixed groups that take turns (the cyclic
-  participation of the matrix-factorization papers).
+* participation policy: `CyclicPolicy`, users in fixed groups (by their user key) that take
+  turns (the cyclic participation of the matrix-factorization papers).
 
 The model and the users are `examples/custom_model.py`'s (a GRU over Shakespeare's speakers).
 The docs page docs/extending.md shows the four classes from this file; tests/test_extensions.py
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -143,15 +144,18 @@ class DenseStrategy(Mechanism):
 
 # --8<-- [start:participation]
 class CyclicPolicy:
-    """`ParticipationPolicy`: device i belongs to group i mod `groups`; round r draws from group
-    r mod `groups` only, so a device can take part at most once every `groups` rounds."""
+    """`ParticipationPolicy`: each user belongs to group crc32(user key) mod `groups`, by the key
+    given in `users` (not by position, so a user keeps their group when others join); round r
+    draws from group r mod `groups` only, so a device takes part at most once every `groups`
+    rounds."""
 
     def __init__(self, groups: int, seed: int = 0):
         self.groups, self.seed = groups, seed
 
     def select(self, round_idx: int, eligible: Eligible, count: int) -> np.ndarray:
         devices = eligible.at(np.arange(eligible.count))
-        group = devices[devices % self.groups == round_idx % self.groups]
+        groups = np.array([zlib.crc32(key.encode()) % self.groups for key in eligible.keys(devices)])
+        group = devices[groups == round_idx % self.groups]
         if group.size < count:
             raise DpfleetError(f"group {round_idx % self.groups} has {group.size} eligible devices, "
                                f"the round needs {count}")

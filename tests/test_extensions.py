@@ -192,6 +192,34 @@ def test_attack_a_policy_that_picks_a_refused_device_is_refused(tmp_path):
     assert [r["round"] for r in _released(tmp_path / "run")] == [1]  # round 1 only
 
 
+class ByName:
+    """Chooses the eligible users whose keys sort first, and keeps the keys it was shown."""
+
+    def __init__(self):
+        self.shown: list[list[str]] = []
+
+    def select(self, round_idx, eligible, count):
+        devices = eligible.at(np.arange(eligible.count))
+        keys = eligible.keys(devices)
+        self.shown.append(keys)
+        return devices[sorted(range(len(keys)), key=keys.__getitem__)[:count]]
+
+
+def test_a_policy_sees_the_users_keys_and_may_choose_by_them(tmp_path):
+    policy = ByName()
+    result = _run(tmp_path, participation=policy)
+    log = [json.loads(x) for x in (result.run_dir / "participation.jsonl").read_text().splitlines()]
+    assert len(policy.shown) == len(log) == UNIFORM["rounds"]
+    for keys, entry in zip(policy.shown, log, strict=True):
+        assert set(keys) <= set(USERS) and len(keys) > UNIFORM["dp"]["report_goal"]  # the caller's keys
+        # who took part (the accountant's record) is who the policy chose by name
+        assert sorted(entry["devices"]) == sorted(keys)[: UNIFORM["dp"]["report_goal"]]
+    assert set(policy.shown[1]).isdisjoint(log[0]["devices"])  # the guard's MinS 1 still applies
+    from dpfleet.extensions import Eligible
+
+    assert Eligible(4, np.array([1]), users=None).keys([0, 2]) == ["0", "2"]  # no keys: the index
+
+
 @settings(max_examples=200, deadline=None)
 @given(size=st.integers(1, 40), data=st.data())
 def test_check_selection_accepts_exactly_the_valid_choices(size, data):

@@ -84,8 +84,10 @@ class ClippingRule(Protocol):
 @runtime_checkable
 class ParticipationPolicy(Protocol):
     """Choose `count` distinct devices of round `round_idx` from `eligible` (the devices the
-    guard allows, ascending; `eligible.count` of them, `eligible.at(positions)` gives them).
-    Return their indices. Seed any randomness from the round, so a rerun selects the same."""
+    guard allows, ascending; `eligible.count` of them, `eligible.at(positions)` gives them;
+    `eligible.keys(devices)` their user keys, the ones given to `simulate(users=...)` or the
+    dataset's user ids). Return their indices. Seed any randomness from the round, so a rerun
+    selects the same."""
 
     def select(self, round_idx: int, eligible: Eligible, count: int) -> Sequence[int] | np.ndarray: ...
 

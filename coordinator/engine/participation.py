@@ -19,6 +19,7 @@ the participation log, never this module's state, so a bug here cannot hide a pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,18 +106,47 @@ class Selection:
 
 class Eligible:
     """The devices the guard allows in one round, in ascending order, without materialising them
-    (a million-device fleet): what a `dpfleet.extensions.ParticipationPolicy` chooses from."""
+    (a million-device fleet): what a `dpfleet.extensions.ParticipationPolicy` chooses from.
 
-    def __init__(self, size: int, blocked: np.ndarray, pool: np.ndarray | None = None):
+    Devices are indices into the population; `users[i]` (or `keys(devices)`) is device i's user
+    key: the key you gave in `dpfleet.simulate(users=...)`, or the dataset's user id (e.g. a
+    Shakespeare play and speaker). A policy may choose by key; the guard still checks every
+    choice and the accountant reads who took part, so a name never changes the guarantee."""
+
+    def __init__(self, size: int, blocked: np.ndarray, pool: np.ndarray | None = None,
+                 users: Sequence[str] | None = None):
         """`blocked`: sorted devices the guard refuses; `pool`: the devices that checked in and are
-        not blocked (None: every device not blocked)."""
+        not blocked (None: every device not blocked); `users`: each device's user key (None: the
+        index as a string)."""
         self.blocked, self.pool = blocked, pool
         self.count = size - blocked.size if pool is None else pool.size
+        self.users: Sequence[str] = users if users is not None else _IndexKeys(size)
+
+    def keys(self, devices: Sequence[int] | np.ndarray) -> list[str]:
+        """The user keys of `devices` (indices, e.g. from `at`), in the same order."""
+        return [self.users[int(d)] for d in np.asarray(devices).reshape(-1)]
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The eligible devices at `positions` (0 <= position < count) of the ascending list."""
         positions = np.asarray(positions, dtype=np.int64)
         return self.pool[positions] if self.pool is not None else nth_unblocked(self.blocked, positions)
+
+
+class _IndexKeys(Sequence[str]):
+    """Device i's key when no user keys were given: "i"."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [str(j) for j in range(self.size)[i]]
+        if not -self.size <= i < self.size:
+            raise IndexError(i)
+        return str(i % self.size)
 
 
 class UniformPolicy:
@@ -147,9 +177,11 @@ class Participation:
     """Selects each round's devices under the configured mode and enforces the guard."""
 
     def __init__(self, section: ParticipationSection, size: int, report_goal: int, rounds: int,
-                 seed: int, fleet: EmulatedFleet | None = None, policy=None):
+                 seed: int, fleet: EmulatedFleet | None = None, policy=None,
+                 users: Sequence[str] | None = None):
         """`policy`: a caller's `dpfleet.extensions.ParticipationPolicy` in place of the mode's
-        built-in draw (uniform mode only); its choice is checked against the guard every round."""
+        built-in draw (uniform mode only); its choice is checked against the guard every round.
+        `users`: each device's user key, which the policy sees (`Eligible.users`)."""
         if policy is not None and section.mode != "uniform":
             raise DpfleetError(f"a custom participation policy runs with participation.mode = "
                                f"'uniform' (its guard's MinS / MaxP apply), not {section.mode!r}")
@@ -163,7 +195,7 @@ class Participation:
                 "the planner choose"
             )
         self.section, self.size, self.report_goal, self.seed = section, size, report_goal, seed
-        self.fleet = fleet
+        self.fleet, self.users = fleet, users
         if section.mode == "timer" and fleet is None:
             self.fleet = EmulatedFleet(
                 size, section.timer_period, section.round_minutes,
@@ -212,7 +244,7 @@ class Participation:
         # the pool array did (numpy draws positions either way)
         policy = self._timer_draw if mode == "timer" else self.policy
         count = m if mode == "disjoint" else min(m + extra, n_allowed)
-        chosen = policy.select(round_idx, Eligible(self.size, blocked, pool), count)
+        chosen = policy.select(round_idx, Eligible(self.size, blocked, pool, self.users), count)
         devices = check_selection(chosen, count, self.size, blocked, pool, round_idx)  # every policy
         return Selection(round_idx, devices, self.slot, 0, 0)
 

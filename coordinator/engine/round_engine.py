@@ -161,7 +161,7 @@ class RoundEngine:
         self.vocabulary = vocabulary
         self.other_releases = other_releases if other_releases is not None else []
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
-                                           cfg.rounds, cfg.seed)
+                                           cfg.rounds, cfg.seed, users=self.users)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
         # participation), bound to the run directory (`mechanism_binding`)
         self.mechanism, self.mechanism_optimised_for = run_mechanism(
