@@ -1,7 +1,8 @@
 """`dp.target_epsilon`: a run config that states its privacy target and lets the planner choose.
 
 Why: the noise, cohort size and participation limits that meet an epsilon are not something a
-user should hand-tune (README "What privacy costs here"); `dpfleet plan` already chooses them.
+user should hand-tune (docs/benchmarks/main-job.md, "What privacy costs here"); `dpfleet plan`
+already chooses them.
 With `dp.target_epsilon > 0` the simulation plans once the training population N is known:
 report goal and the largest MinS / worst-case MaxP it allows (`make_plan`), each mechanism
 optimised for them with the z that meets the target (`mechanism_rows`), and `dp.mechanism =
