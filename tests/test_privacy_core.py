@@ -2,6 +2,7 @@
 Gaussian the run accountant converts, and the registry is the single list configs, the planner
 and `dpfleet account` see."""
 
+import functools
 import math
 
 import dp_accounting
@@ -16,19 +17,29 @@ from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.registry import build, entries, names, rebuild
 
 
+@functools.lru_cache(maxsize=None)
+def _built(kind, rounds, mins, maxp):
+    """One mechanism per shape: BLT's optimisation is most of a build's cost and the property
+    below varies z freely over each shape."""
+    return build(kind, rounds, mins, maxp)
+
+
 @settings(max_examples=25, deadline=None)
 @given(kind=st.sampled_from(["tree", "banded", "blt", "independent"]), z=st.floats(0.5, 8),
-       rounds=st.integers(2, 24), mins=st.integers(0, 5), maxp=st.integers(1, 4))
+       rounds=st.sampled_from([2, 5, 13, 24]), mins=st.sampled_from([0, 1, 5]),
+       maxp=st.sampled_from([1, 2, 4]))
 def test_the_mechanisms_event_is_the_gaussian_the_accountant_converts(kind, z, rounds, mins, maxp):
     """PLD of the event (dp_accounting) and the accountant's eps of rho = sens^2 / (2 z^2) agree."""
-    mechanism = build(kind, rounds, mins, maxp)
+    mechanism = _built(kind, rounds, mins, maxp)
     s = mechanism.sensitivity_squared(rounds, mins, maxp)
     event = mechanism.event(z, rounds, mins, maxp)
     assert isinstance(event, dp_accounting.GaussianDpEvent)
     assert event.noise_multiplier == pytest.approx(z / math.sqrt(s), rel=1e-12)
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-    pld.compose(event)
     ours = epsilon_from_zcdp(s / (2 * z * z), 1e-6)
+    # a grid relative to eps: the loss range grows with eps, so an absolute 1e-4 grid cost seconds
+    # per large-eps example while the comparison is relative
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4 * max(1.0, ours))
+    pld.compose(event)
     assert pld.get_epsilon(1e-6) == pytest.approx(ours, rel=2e-3, abs=2e-3)
 
 
