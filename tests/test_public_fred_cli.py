@@ -1,11 +1,10 @@
 """`dpfleet public fred-stats` / `fred-rank` end to end on real text (GloVe-50), and their errors."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from cli_helpers import run_here
 from click.testing import CliRunner
 
 from dpfleet.edge.datasets import load_records
@@ -104,11 +103,6 @@ def test_composition_with_a_dpftrl_run(files):
     assert "RDP" in (files["root"] / "ring" / "fred_privacy.md").read_text()
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dpfleet", *args], capture_output=True, text=True,
-                          timeout=300)
-
-
 def assert_clean_error(proc, needle):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -118,17 +112,17 @@ def assert_clean_error(proc, needle):
 def test_user_mistakes_are_one_line_errors(files, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[fred]\ncohort = 10\n")
-    assert_clean_error(run_cli("public", "fred-stats", str(bad), "--out", str(tmp_path / "o")),
+    assert_clean_error(run_here("public", "fred-stats", str(bad), "--out", str(tmp_path / "o")),
                        "invalid config key 'fred.cohort'; did you mean 'fred.cohort_size'?")
-    assert_clean_error(run_cli("public", "fred-stats", str(_config(files, cohort_size=500)), "--out",
+    assert_clean_error(run_here("public", "fred-stats", str(_config(files, cohort_size=500)), "--out",
                                str(tmp_path / "o")), "needs at least that many")
-    assert_clean_error(run_cli("public", "fred-stats", str(_config(files, level="sample",
+    assert_clean_error(run_here("public", "fred-stats", str(_config(files, level="sample",
                                                                    dpftrl_run="x")),
                                "--out", str(tmp_path / "o")), "fred.level = 'user'")
-    assert_clean_error(run_cli("public", "fred-rank", "--stats", str(tmp_path / "none.npz"),
+    assert_clean_error(run_here("public", "fred-rank", "--stats", str(tmp_path / "none.npz"),
                                "--candidates", "kjv"), "FreD statistics not found")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    assert_clean_error(run_cli("public", "fred-rank", "--stats", str(tmp_path / "junk.npz"),
+    assert_clean_error(run_here("public", "fred-rank", "--stats", str(tmp_path / "junk.npz"),
                                "--candidates", "kjv"), "not a FreD statistics file")
 
 
