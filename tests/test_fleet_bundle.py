@@ -191,17 +191,18 @@ def bundle_toml(tmp_path, runtime="onnx", rounds=2):
 
 
 def test_bundle_config_and_missing_key_are_one_clean_line(tmp_path):
-    from test_cli_errors import assert_clean_error, run_cli
+    from cli_helpers import run_here
+    from test_cli_errors import assert_clean_error
 
     cfg = bundle_toml(tmp_path, runtime="eager")
-    assert_clean_error(run_cli("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+    assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
                        "set client.runtime = 'onnx' or 'executorch'")
     cfg = bundle_toml(tmp_path)
-    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
+    assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
                        "needs --bundle-key FILE")
     bad = tmp_path / "bad.pub"
     bad.write_text("not a key")
-    assert_clean_error(run_cli("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9",
+    assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9",
                                "--bundle-key", str(bad)), "not an Ed25519 public key")
 
 
