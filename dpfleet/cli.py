@@ -2,12 +2,14 @@
 
 Subcommands live next to the code they drive (`coordinator/cli/simulate.py`, `secagg/cli.py`,
 ...) and are imported lazily, so `dpfleet account --help` does not pay for importing torch.
-Every user mistake is raised as `DpfleetError` and printed as one line with exit code 2.
+Every user mistake is raised as `DpfleetError` and printed as one line with exit code 2; so is
+an OSError (an unwritable or full disk), with its path (`DPFLEET_DEBUG=1`: the traceback).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -84,11 +86,15 @@ EXTRAS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning user errors into one clean line."""
+    """Entry point: run the CLI, turning user errors and OS errors (a folder that cannot be
+    written, a full disk, a file in the way) into one clean line, exit 2. `DPFLEET_DEBUG=1`
+    lets them through with their traceback, for a developer."""
     try:
         cli.main(args=argv, standalone_mode=False)
-    except DpfleetError as exc:
-        click.echo(f"error: {exc}", err=True)
+    except (DpfleetError, OSError) as exc:
+        if os.environ.get("DPFLEET_DEBUG"):
+            raise
+        click.echo(f"error: {exc if isinstance(exc, DpfleetError) else os_error_line(exc)}", err=True)
         sys.exit(2)
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
@@ -105,3 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+
+
+def os_error_line(exc: OSError) -> str:
+    """An OSError as `main` prints it: the path (both, for a rename) and the system's reason.
+    One without a path is an OSError that escaped the floor's writers: it says how to see where."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return f"{reason} (DPFLEET_DEBUG=1 shows where)"
+    paths = str(exc.filename) + ("" if exc.filename2 is None else f" -> {exc.filename2}")
+    return f"{paths}: {reason}"

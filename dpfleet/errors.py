@@ -1,6 +1,6 @@
 """User-facing errors: the CLI prints them as one line and exits non-zero, never a traceback."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -9,13 +9,15 @@ class DpfleetError(Exception):
 
 
 @contextmanager
-def resume_hint(command: str) -> Iterator[None]:
+def resume_hint(command: str, kept: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """On Ctrl-C, say how to continue (then the CLI's usual `aborted`, exit 130): long jobs
-    keep resume points, so an interruption loses at most the work since the last one."""
+    keep resume points, so an interruption loses at most the work since the last one. `kept()`
+    false: the job was interrupted before it kept anything (nothing to resume; run it again)."""
     try:
         yield
     except KeyboardInterrupt:
         import click
 
-        click.echo(f"\ninterrupted; continue with: {command}", err=True)
+        click.echo(f"\ninterrupted; continue with: {command}" if kept() else
+                   "\ninterrupted before anything was kept; run the same command again", err=True)
         raise click.exceptions.Abort() from None
