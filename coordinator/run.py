@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -27,11 +28,14 @@ from dpfleet.coordinator.engine.extensions import (
 )
 from dpfleet.coordinator.engine.simulation import Pretrain, run_simulation
 from dpfleet.coordinator.result_methods import ResultMethods
+from dpfleet.coordinator.state.release_log import RELEASES
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.edge.tokenizer import load_tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.io import removed_on_failure
 
-__all__ = ["Result", "TokenizerLike", "cli_pretrain", "fresh_run_dir", "run", "user_records"]
+__all__ = ["Result", "TokenizerLike", "cli_pretrain", "fresh_run_dir", "released_any", "run",
+           "user_records"]
 
 
 @runtime_checkable
@@ -114,11 +118,14 @@ def run(
     records = None if users is None else user_records(users)
     tok = None if tokenizer is None else _UserTokenizer(tokenizer)
 
-    out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress, log=log,
-                         records=records, model=model, tokenizer=tok, audit=audit,
-                         extensions={"client_update": client_update, "clipping": clipping,
-                                     "noise": noise, "participation": participation},
-                         pretrain=pretrain)
+    # a new run that fails before its first release (a config its data cannot satisfy, Ctrl-C
+    # while loading) leaves no half-written run directory behind: the rerun can use the same one
+    with nullcontext() if resume else removed_on_failure(run_dir, kept=lambda: released_any(run_dir)):
+        out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress,
+                             log=log, records=records, model=model, tokenizer=tok, audit=audit,
+                             extensions={"client_update": client_update, "clipping": clipping,
+                                         "noise": noise, "participation": participation},
+                             pretrain=pretrain)
     summary = json.loads((out.run_dir / "summary.json").read_text())
     return Result(
         accuracy=out.final["accuracy"], unigram_accuracy=out.baseline["accuracy"],
@@ -200,6 +207,13 @@ def fresh_run_dir(base: Path) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def released_any(run_dir: Path) -> bool:
+    """Whether a run directory's release log holds a round: from then on it is a run to resume
+    (`--resume`), never removed."""
+    log = Path(run_dir) / RELEASES
+    return log.is_file() and log.stat().st_size > 0
 
 
 def cli_pretrain() -> Pretrain | None:

@@ -89,7 +89,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.io import atomic_write
+    from dpfleet.io import atomic_write, check_writable
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
@@ -99,6 +99,10 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
         raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
     cfg = load_config(config)
     follow_coordinator_plan(cfg, plan_file)
+    for destination, folder in ((fleet_dir, True), (summary, False), (registry, False),
+                                (fleet_keys, False)):  # before any work: one line, at once
+        if destination is not None:
+            check_writable(destination, folder)
     log = lambda s: click.echo(s, err=True)  # noqa: E731
     pinned_bundle = pinned_bundle_key(cfg, bundle_key)
     ids, examples, params = load_devices(cfg, devices, vocabulary)

@@ -46,6 +46,9 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
     byte pieces are kept so no text is out of vocabulary, and pad/bos/eos/unk get ids 0-3.
     Writes spm.model, tokenizer.json, idmap.npz (student <-> teacher ids) and teacher.json.
     """
+    from dpfleet.io import check_writable
+
+    check_writable(out)  # before the teacher loads: an unwritable --out is one line, at once
     from dpfleet.public.teacher import resolve_teacher
     from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
 
@@ -91,6 +94,9 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     vocabulary. Stores 4 x K bytes per token (40 for K = 10); the throughput in
     tokens/s is printed and saved in manifest.json.
     """
+    from dpfleet.io import check_writable
+
+    check_writable(out)
     from dpfleet.public.teacher import load_teacher
     from dpfleet.public.teacher_tokenizer import TeacherVocab
     from dpfleet.public.topk import TopKExtractor, build_corpus, student_sequences
@@ -149,6 +155,9 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     The training state is saved every --save-every steps; after an interruption, the same
     command with --resume continues where it stopped, with the same result.
     """
+    from dpfleet.io import check_writable
+
+    check_writable(out)
     from dpfleet.edge.tokenizer import load_tokenizer
     from dpfleet.errors import DpfleetError, resume_hint
     from dpfleet.export.checkpoint import WEIGHTS, save_checkpoint
@@ -221,11 +230,19 @@ def pipeline(config, out, overwrite, resume, quiet) -> None:
     continues with --resume: DP-FTRL from its last resume point ([simulation]
     checkpoint_every), and a finished public stage is not redone.
     """
+    from dpfleet.coordinator.run import released_any
     from dpfleet.errors import resume_hint
+    from dpfleet.io import check_writable, removed_on_failure
     from dpfleet.public.pipeline import load_pipeline, run_pipeline
 
-    with resume_hint(f"dpfleet public pipeline {config} --out {out} --resume"):
-        summary = run_pipeline(load_pipeline(config), out, overwrite=overwrite, resume=resume,
+    def kept() -> bool:  # a released DP round makes it a pipeline to resume; before, nothing is kept
+        return released_any(Path(out) / "simulation")
+
+    pipeline_cfg = load_pipeline(config)
+    check_writable(out)
+    with resume_hint(f"dpfleet public pipeline {config} --out {out} --resume", kept=kept), \
+            removed_on_failure(out, kept=kept):
+        summary = run_pipeline(pipeline_cfg, out, overwrite=overwrite, resume=resume,
                                progress=not quiet, log=click.echo)
     keys = ("selection", "switch_round", "selected", "sources", "accuracy_before_public_training",
             "final", "epsilon")

@@ -25,9 +25,12 @@ def fred_stats(config, out, quiet) -> None:
     when given). Prints the privacy figures and the d this cohort supports (the covariance's
     noise-to-signal ratio per d on a public spectrum; set pca_dim accordingly).
     """
+    from dpfleet.io import check_writable
     from dpfleet.public.fred_job import load_fred_config, run_fred_stats
 
-    summary = run_fred_stats(load_fred_config(config), out, progress=not quiet, log=click.echo)
+    fred_cfg = load_fred_config(config)
+    check_writable(out)  # before the private query: its release must not be lost to the disk
+    summary = run_fred_stats(fred_cfg, out, progress=not quiet, log=click.echo)
     keys = ("embedder", "d", "level", "cohort", "noise_std_mean", "noise_std_cov_diag",
             "covariance_noise_to_signal", "recommended_pca_dim", "noise_to_signal_by_d")
     click.echo(dumps({**{k: summary[k] for k in keys}, "privacy": summary["privacy"]},
@@ -54,12 +57,17 @@ def fred_rank(stats_file, candidates, max_records, seed, plot, json_out, more) -
     distance to the DP mean / covariance is printed, closest first, with a bar plot.
     """
     from dpfleet.errors import DpfleetError
-    from dpfleet.public.embedders import load_embedder
-    from dpfleet.public.fred_job import load_release, plot_ranking, rank_candidates
+    from dpfleet.io import check_writable
 
     specs = [s for part in (candidates, *more) for s in part.replace(",", " ").split()]
     if not specs:
         raise DpfleetError("--candidates names no candidate")
+    plot = Path(plot or Path(stats_file).with_name("fred_rank.png"))
+    for destination in (plot, *([json_out] if json_out else [])):  # before the embedding work
+        check_writable(destination, folder=False)
+    from dpfleet.public.embedders import load_embedder
+    from dpfleet.public.fred_job import load_release, plot_ranking, rank_candidates
+
     release = load_release(stats_file)
     s = release.summary
     rows = rank_candidates(release, specs, load_embedder(s["embedder"]), max_records, seed)
@@ -70,7 +78,7 @@ def fred_rank(stats_file, candidates, max_records, seed, plot, json_out, more) -
     eps = s["privacy"]["epsilon"]
     title = (f"FreD ({s['level']}-level, eps {eps:.3g}, delta {s['privacy']['delta']:g}; "
              f"{s['embedder']}, d = {s['d']})")
-    path = plot_ranking(rows, title, Path(plot or Path(stats_file).with_name("fred_rank.png")))
+    path = plot_ranking(rows, title, plot)
     click.echo(f"plot: {path}")
     if json_out:
         Path(json_out).write_text(dumps({"stats": str(stats_file), "rows": rows}, indent=2))

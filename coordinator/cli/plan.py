@@ -20,6 +20,7 @@ from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
 from dpfleet.coordinator.mechanisms.registry import names
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write, check_writable, removed_on_failure
 from dpfleet.jsonio import dumps
 
 
@@ -113,6 +114,8 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
     """
     if (target_zcdp is None) == (target_epsilon is None):
         raise DpfleetError("give exactly one of --target-zcdp and --target-epsilon")
+    if out is not None:
+        check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
     if target_epsilon is not None:
         if delta is None:
             raise DpfleetError("--target-epsilon needs --delta")
@@ -130,7 +133,8 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
                + format_mechanisms(result, rows, picked, how))
     if out is not None:
         out_dir = Path(out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "plan.json").write_text(dumps(record, indent=1) + "\n")
-        figure = plot_plan(result, out_dir / "plan.png")
+        with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
+            figure = plot_plan(result, out_dir / "plan.png")
         click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")

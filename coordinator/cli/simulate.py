@@ -49,7 +49,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     """
     from dpfleet.coordinator.config import load_config, parse_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
-    from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, run
+    from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, released_any, run
     from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.errors import DpfleetError, resume_hint
 
@@ -76,7 +76,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         cfg.debug_nonprivate = cfg.debug_nonprivate or debug_nonprivate
         out = out or fresh_run_dir(Path("runs") / config.stem)
     validate(cfg)
-    with resume_hint(f"dpfleet simulate --resume {out}"):
+    with resume_hint(f"dpfleet simulate --resume {out}", kept=lambda: released_any(out)):
         result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
                      log=click.echo, pretrain=cli_pretrain())  # the Python API's own path
     p = result.privacy
