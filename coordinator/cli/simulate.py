@@ -43,9 +43,14 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     "sequential" forces the reference path), optionally sharded over Ray ([backend] kind = "ray");
     summary.json's client_trainer says which ran.
 
-    Every `checkpoint_every` rounds the run directory gets a resume point; after a crash or
-    Ctrl-C, `dpfleet simulate --resume RUN_DIR` continues it with the config it was started
-    with and gives the same result, bit for bit, as an uninterrupted run.
+    Resume: Ctrl-C (or SIGTERM) first saves a resume point for the last released round, then
+    exits 130; `dpfleet simulate --resume RUN_DIR` continues with the config the run was started
+    with and ends with the weights and eps the uninterrupted run would have had, bit for bit (a
+    round whose devices were training is run again, on the same noise). A kill with no chance to
+    save (SIGKILL, power loss) loses the rounds released since the last resume point, written
+    every `checkpoint_every` rounds: they stay released and accounted, the run goes on from
+    that point on fresh noise, and its weights and eps differ. A new run stopped or refused
+    before its first release leaves no run directory.
     """
     from dpfleet.coordinator.config import load_config, parse_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides

@@ -21,7 +21,8 @@ release log is replayed and released rounds are never recomputed (`release_log`,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,9 +42,11 @@ from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
 from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
+from dpfleet.coordinator.state.interrupts import interrupts_deferred, sigterm_interrupts
 from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
 from dpfleet.coordinator.state.resume import (
+    Frozen,
     ResumeSource,
     discard_resume,
     resume_run,
@@ -213,6 +216,11 @@ class RoundEngine:
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
+        # the server and estimator as the last release left them, while a round is open (what
+        # Ctrl-C saves: `save_interrupted`), and the rounds the resume point on disk holds
+        self._before_open: tuple[int, Frozen, Frozen | None] | None = None
+        self._saved_at = self.start
+        self._run_dir_points = releases is None  # not the state store's (it commits every round)
         # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
         self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
                         if cfg.tensorboard else None)
@@ -241,6 +249,8 @@ class RoundEngine:
             return Stop("budget", f"stopped before round {r + 1}: it would pass the privacy budget "
                                   f"eps = {cfg.dp.budget_epsilon:g} at delta = {cfg.dp.delta:g}")
         server, estimator = self.server, self.estimator
+        if self._before_open is None:  # before this round moves anything (a restart, public theta)
+            self._before_open = (r, *self._frozen())
         if restart and estimator is not None and server.tree.t > 0:  # estimate -> clip norm
             server.restart(estimator.estimate)
             estimator.restart()
@@ -288,10 +298,17 @@ class RoundEngine:
                     client_stats: Sequence[ClientStats]) -> dict:
         """Step, account, build the round's metrics record (evaluating when due), then commit
         release + records in one step (fsynced before this returns), then the participation log.
+        A Ctrl-C meanwhile acts once all of it is done (`interrupts`): the live state never
+        moves past the release log.
 
         `client_stats[i]` is the report of `plan.devices[i]`; `aggregate.survivors` are the
         positions whose deltas are in the sum (dropped devices contributed nothing).
         """
+        with interrupts_deferred():
+            return self._close_round(plan, aggregate, client_stats)
+
+    def _close_round(self, plan: RoundPlan, aggregate: AggregateResult,
+                     client_stats: Sequence[ClientStats]) -> dict:
         self._check_close(plan, aggregate, client_stats)
         cfg, server, estimator = self.cfg, self.server, self.estimator
         r, restart, chosen = plan.round, plan.restart, plan.devices
@@ -350,6 +367,7 @@ class RoundEngine:
             data_sha256=self.fingerprint, logs=logs,
             mechanism=self.mechanism.name, mechanism_sha256=self.mechanism.fingerprint(),
         )
+        self._before_open = None  # released: the live state is the last release's
         self.metrics.append(record)
         if self.scalars is not None:
             self.scalars.round(logs)
@@ -367,7 +385,50 @@ class RoundEngine:
         if self._open is not None:
             raise RoundStateError(f"round {self._open.round + 1} is open: a resume point is taken "
                                   "between rounds")
-        save_resume(self.run_path, self.next_round, self.server, self.estimator)
+        with interrupts_deferred():
+            save_resume(self.run_path, self.next_round, self.server, self.estimator)
+            self._saved_at = self.next_round
+
+    def _frozen(self) -> tuple[Frozen, Frozen | None]:
+        """The server and estimator now, for a resume point written later: copies of theta and
+        momentum (a round's step changes them in place); the live noise nodes are never changed
+        in place (a tree pushes and pops them), so they are shared."""
+        state = self.server.state_dict()
+        state = {**state, "theta": state["theta"].copy(), "momentum": state["momentum"].copy()}
+        server = Frozen(state, self.server.mechanism, self.server.noise_key)
+        return server, None if self.estimator is None else Frozen(self.estimator.state_dict())
+
+    def save_interrupted(self) -> int | None:
+        """After Ctrl-C / SIGTERM: make the resume point hold the last released round, so a
+        resumed run loses nothing. A round that was open had released nothing: the point is
+        the state before it opened, and the resumed run opens it again (same devices, same
+        noise). Returns the rounds the point holds now, or None when it was already current."""
+        if not self._run_dir_points:
+            return None
+        released = len(self.releases.released_rounds())
+        if released <= self._saved_at:  # nothing released since the point on disk (or since a
+            return None  # resume that lost rounds: its point and log already say what to redo)
+        if self._before_open is not None and self._before_open[0] == released:
+            server, estimator = self._before_open[1:]
+        elif self._before_open is None and self._open is None and self.next_round == released:
+            server, estimator = self.server, self.estimator
+        else:  # cannot happen while close_round defers interrupts; never save a mixed state
+            return None
+        with interrupts_deferred():  # a second Ctrl-C does not cut the point in two
+            save_resume(self.run_path, released, server, estimator)
+            self._saved_at = released
+        return released
+
+    @contextmanager
+    def resume_point_on_interrupt(self) -> Iterator[None]:
+        """Around a driver's rounds: Ctrl-C or SIGTERM (`interrupts`) first brings the resume
+        point to the last released round (`save_interrupted`), then goes on as KeyboardInterrupt."""
+        with sigterm_interrupts():
+            try:
+                yield
+            except KeyboardInterrupt:
+                self.save_interrupted()
+                raise
 
     def evaluate(self) -> dict:
         """Held-out accuracy / loss / perplexity of the current (released) model."""
@@ -395,7 +456,14 @@ class RoundEngine:
                started: float, extra: dict | None = None) -> tuple[dict, dict]:
         """Final evaluation, checkpoint, privacy report, plot and summary; drops the resume point
         (and with it the key). `started` is the run's `time.perf_counter()` start; `extra` goes
-        into summary.json. Returns (final evaluation, privacy report)."""
+        into summary.json. Returns (final evaluation, privacy report). Ctrl-C meanwhile leaves a
+        resume point after the last round (`resume_point_on_interrupt`): `--resume` finishes."""
+        with self.resume_point_on_interrupt():
+            return self._finish(stopped_early=stopped_early, baseline=baseline,
+                                public_data=public_data, started=started, extra=extra)
+
+    def _finish(self, *, stopped_early: str | None, baseline: dict, public_data: Sequence[str],
+                started: float, extra: dict | None) -> tuple[dict, dict]:
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
         save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,

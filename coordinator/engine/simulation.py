@@ -226,8 +226,9 @@ def run_simulation(
         f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
     _log_resume(cfg, engine, resume, log)
-    stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
-                                ext.get("clipping"), progress)
+    with engine.resume_point_on_interrupt():  # Ctrl-C / SIGTERM: --resume loses no released round
+        stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
+                                    ext.get("clipping"), progress)
     if stopped_early:
         log(stopped_early)
     public_data = [*public_data, *setup.public_data]

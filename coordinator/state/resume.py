@@ -1,13 +1,14 @@
 """Resuming an interrupted simulation from its run directory.
 
-Only what cannot be recomputed is saved, every `checkpoint_every` rounds and atomically: the
-DP-FTRL server (theta, momentum, the live noise nodes of the tree), the adaptive clip estimator,
-the number of rounds done, and the run's secret noise key. Participation (the guard, the device
-timers, the simulated clock) and the running accountant are *replayed* from the release log
-(`release_log`), the same records participation.jsonl and the privacy report come from: a
-resumed run cannot account differently from what it released, and a config or dataset that no
-longer reproduces the logged selections is refused. Every random draw of a round except the noise
-is keyed by (seed, round, client); the noise by (secret key, tree, node).
+Only what cannot be recomputed is saved, atomically, every `checkpoint_every` rounds and on Ctrl-C
+/ SIGTERM for the last released round (`RoundEngine.save_interrupted`): the DP-FTRL server (theta,
+momentum, the live noise nodes of the tree), the adaptive clip estimator, the number of rounds
+done, and the run's secret noise key. Participation (the guard, the device timers, the simulated
+clock) and the running accountant are *replayed* from the release log (`release_log`), the same
+records participation.jsonl and the privacy report come from: a resumed run cannot account
+differently from what it released, and a config or dataset that no longer reproduces the logged
+selections is refused. Every random draw of a round except the noise is keyed by (seed, round,
+client); the noise by (secret key, tree, node).
 
 Secrets: `resume/noise_key` holds the 32-byte noise key in its own file, mode 0600, and
 `resume/server_state.safetensors` the live tree-node vectors (noise secrets too: with the model
@@ -19,8 +20,9 @@ tree: a continuation has to start a fresh tree.)
 Privacy rules after a crash (`release_log` has the full design): a round that was released (it is
 in the release log) is never computed again. Resuming from a point older than the last release
 continues at the round after it, on a fresh tree; the lost rounds stay in the logs and the
-accounting. If nothing was lost, the run continues bit for bit as an uninterrupted run would (the
-key is restored). Resuming with other training data (`data_fingerprint`) is refused.
+accounting. If nothing was lost (always, after a Ctrl-C), the run continues bit for bit as an
+uninterrupted run would (the key is restored). Resuming with other training data
+(`data_fingerprint`) is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
+from safetensors.numpy import save as numpy_bytes
 
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
@@ -48,6 +50,7 @@ from dpfleet.coordinator.state.mechanism_binding import binding, check_bound, sa
 from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.errors import DpfleetError
+from dpfleet.io import fsync_path
 from dpfleet.jsonio import dumps
 
 RESUME = "resume"  # folder in the run directory; gone once the run has finished
@@ -112,7 +115,7 @@ def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict |
     arrays = {"theta": s["theta"], "momentum": s["momentum"]}
     if with_noise:
         arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
-    save_numpy(arrays, str(folder / "server_state.safetensors"))
+    atomic_write(folder / "server_state.safetensors", numpy_bytes(arrays))
     meta = {k: v for k, v in tree.items() if k != "noise"}
     atomic_write(folder / "server_state.json", json.dumps(
         {"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
@@ -178,11 +181,12 @@ def check_resumable(path: Path, resolved: dict) -> None:
 
 def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
                 estimator: QuantileClipEstimator | None) -> None:
-    """Replace the run's resume point with the state after `rounds_done` rounds.
+    """Replace the run's resume point with the state after `rounds_done` rounds (`server` and
+    `estimator` may be `Frozen` states of theirs).
 
-    Written to resume.tmp, then swapped in, so a crash at any moment leaves one whole resume
-    point (`resume/`, or `resume.old/` if the crash fell between the two renames). The noise
-    key goes to its own 0600 file.
+    Written to resume.tmp (every file fsynced), then swapped in, so a crash at any moment leaves
+    one whole resume point (`resume/`, or `resume.old/` if the crash fell between the two
+    renames). The noise key goes to its own 0600 file.
     """
     tmp, final, old = (run_path / f"{RESUME}{s}" for s in (".tmp", "", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -194,7 +198,22 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     if final.exists():
         final.rename(old)
     tmp.rename(final)
+    fsync_path(run_path)  # the swap is durable before the point is said to be there
     shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A server's (or clip estimator's) state as it was at one moment, saved by `save_resume` in
+    place of the live object: Ctrl-C during a round saves the state the last release left, which
+    the open round has moved on from (`RoundEngine.save_interrupted`)."""
+
+    state: dict
+    mechanism: object = None  # the server's, for its binding
+    noise_key: bytes = b""  # the server's
+
+    def state_dict(self) -> dict:
+        return self.state
 
 
 def resume_point(run_path: Path) -> Path | None:
