@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpfleet.coordinator.state.run_record import read_run
 from dpfleet.edge.suggest import Predictor
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import CONFIG, TOKENIZER, custom_model_class, load_weights
@@ -36,7 +37,7 @@ class ResultMethods:
 
     @cached_property
     def _predictor(self) -> Predictor:
-        return Predictor(self.model, self.tokenizer, _run_config(self.run_dir).get("data", {}).get("seq_len"))
+        return Predictor(self.model, self.tokenizer, _seq_len(self.run_dir))
 
     def suggest(self, text: str, k: int = 3) -> list[str]:
         """Up to `k` words a keyboard would offer after `text`, likeliest first: the next word when
@@ -67,7 +68,7 @@ class ResultMethods:
 
         checkpoint = Path(self.run_dir) / CHECKPOINT
         zoo = (checkpoint / CONFIG).is_file()  # the zoo's model: the CLI's path, its config in the manifest
-        window = seq_len or _run_config(self.run_dir).get("data", {}).get("seq_len") or 20
+        window = seq_len or _seq_len(self.run_dir) or 20
         training = self.model.training
         try:
             return PhoneExport(checkpoint, format, Path(out), quantize, int(window), threads,
@@ -83,7 +84,11 @@ class ResultMethods:
         is rebuilt from the checkpoint; a custom one needs `model`, an instance of its class, which
         gets the checkpoint's weights; a run with your own tokenizer needs `tokenizer`."""
         run_dir = Path(run_dir)
-        summary, privacy = _read_json(run_dir / "summary.json"), _read_json(run_dir / "privacy.json")
+        record = read_run(run_dir)
+        if record.summary is None or record.privacy is None:
+            raise DpfleetError(f"{run_dir} is not a finished run (no summary.json / privacy.json): "
+                               "resume it with dpfleet simulate --resume first")
+        summary, privacy = record.summary, record.privacy
         checkpoint = run_dir / CHECKPOINT
         if model is None:
             if not (checkpoint / CONFIG).is_file():
@@ -91,23 +96,20 @@ class ResultMethods:
                 raise DpfleetError(f"{run_dir} trained a custom model ({name}) that no config can rebuild: "
                                    f"pass model=, e.g. Result.load('{run_dir}', model={name}(...))")
             try:
-                cfg = ModelConfig(**_read_json(checkpoint / CONFIG))
-            except TypeError as exc:
+                cfg = ModelConfig(**json.loads((checkpoint / CONFIG).read_text()))
+            except (OSError, ValueError, TypeError) as exc:
                 raise DpfleetError(f"{checkpoint / CONFIG}: invalid model config ({exc})") from exc
             model = load_weights(checkpoint, build_model(cfg), "the config")
         elif not isinstance(model, nn.Module):
             raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         else:
             model = load_weights(checkpoint, model, f"the given {type(model).__name__}")
-        metrics_file = run_dir / "metrics.jsonl"
-        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
-            if metrics_file.is_file() else []
         final, baseline = summary.get("final") or {}, summary.get("unigram_baseline") or {}
         values = dict(
             accuracy=final.get("accuracy"), unigram_accuracy=baseline.get("accuracy"),
             perplexity=final.get("perplexity"), unigram_perplexity=baseline.get("perplexity"),
             epsilon=privacy.get("epsilon"), delta=privacy.get("delta"), run_dir=run_dir, model=model,
-            tokenizer=_run_tokenizer(checkpoint, tokenizer), metrics=metrics, privacy=privacy,
+            tokenizer=_run_tokenizer(checkpoint, tokenizer), metrics=record.metrics, privacy=privacy,
             stopped_early=summary.get("stopped_early"), client_trainer=summary.get("client_trainer", ""))
         names = {f.name for f in dataclasses.fields(cls)}  # the other fields read summary.json's keys
         values.update({n: tuple(summary[n]) if isinstance(summary[n], list) else summary[n]
@@ -121,25 +123,17 @@ def _run_tokenizer(checkpoint: Path, tokenizer: Any) -> Any:
         return tokenizer
     from dpfleet.edge.tokenizer import load_tokenizer
 
-    meta = _read_json(checkpoint / TOKENIZER / "tokenizer.json")
-    if meta.get("kind") not in ("sentencepiece", "word"):
-        raise DpfleetError(f"{checkpoint.parent} was trained with your own tokenizer "
-                           f"({meta.get('class', meta.get('kind'))}): pass tokenizer=")
+    try:
+        meta = json.loads((checkpoint / TOKENIZER / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return load_tokenizer(checkpoint / TOKENIZER)  # it names what is wrong
+    if not isinstance(meta, dict) or meta.get("kind") not in ("sentencepiece", "word"):
+        name = meta.get("class", "saved by its own save()") if isinstance(meta, dict) else "unknown"
+        raise DpfleetError(f"{checkpoint.parent} was trained with your own tokenizer ({name}): pass "
+                           "tokenizer=")
     return load_tokenizer(checkpoint / TOKENIZER)
 
 
-def _run_config(run_dir: Path) -> dict:
-    path = Path(run_dir) / "config.json"
-    return _read_json(path) if path.is_file() else {}
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise DpfleetError(f"{path} not found: not a finished run directory") from exc
-    except (OSError, ValueError) as exc:
-        raise DpfleetError(f"{path}: unreadable ({exc})") from exc
-    if not isinstance(value, dict):
-        raise DpfleetError(f"{path}: not a JSON object")
-    return value
+def _seq_len(run_dir: Path) -> int | None:
+    """The run's training window (data.seq_len of its config.json)."""
+    return read_run(run_dir).config.get("data", {}).get("seq_len")

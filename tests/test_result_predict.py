@@ -55,5 +55,5 @@ def test_load_reads_a_finished_run_back(zoo_run):
 
 
 def test_load_of_a_folder_that_is_no_finished_run_says_so(tmp_path):
-    with pytest.raises(DpfleetError, match="summary.json not found: not a finished run directory"):
+    with pytest.raises(DpfleetError, match=r"is not a run directory \(no config.json\)"):
         dpfleet.Result.load(tmp_path)
