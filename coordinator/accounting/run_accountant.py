@@ -3,9 +3,12 @@
 The round engine tells the accountant who contributed to each round (the same records it writes
 to participation.jsonl). After each round the accountant gives the zCDP of the worst case over
 every participation pattern with the MinS / MaxP observed so far (the exact tree sensitivity, as
-the headline of `accounting.account_participation_log`) and its eps by RDP: fast, cached by the
-integer sensitivity S, and in disjoint mode exactly paper 000's single-participation figures.
-The run's final report converts with PLD (tighter) through `privacy_report`.
+the headline of `accounting.account_participation_log`) and its eps by the run's conversion, the
+one the final report uses (PLD for Gaussian noise, RDP for discrete or a caller's): so the progress
+bar, metrics.jsonl and privacy.json state one figure, and the last round's is the report's. A PLD
+conversion costs ~40 ms, so it is cached by rho: a run's sensitivity takes few distinct values
+(5 in the main job's 20 rounds), and a replay of the log (resume, the service's live report)
+converts each once.
 
 Budget: `would_exceed` is asked *before* a round, with the devices selected for it, whether the
 worst case after that round would pass the budget. The budget is an eps at delta by PLD (the
@@ -19,6 +22,7 @@ and privacy.json with the same numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -69,7 +73,6 @@ class RunAccountant:
         self.count: dict[str, int] = {}
         self.min_separation: int | None = None  # observed; None until a device took part twice
         self.max_participation = 0
-        self._eps_rdp: dict[float, float] = {}
 
     def fresh(self) -> RunAccountant:
         """The same accountant before any round (to replay a log of committed rounds)."""
@@ -113,7 +116,8 @@ class RunAccountant:
         return self.zcdp_after(devices, restart) > self.rho_budget
 
     def record(self, devices: Sequence[str], restart: bool) -> dict:
-        """Add one round; returns the privacy after it (zcdp, eps by RDP, observed MinS/MaxP)."""
+        """Add one round; returns the privacy after it (zcdp, eps as privacy.json converts it,
+        observed MinS / MaxP)."""
         self.max_participation, self.min_separation = self._observed_after(devices)
         if restart and self.rounds > 0:
             self.restarts.append(self.rounds)
@@ -124,18 +128,36 @@ class RunAccountant:
         s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
                                      self.restarts)
         rho = self.zcdp_of(s)
-        if s not in self._eps_rdp:
-            self._eps_rdp[s] = epsilon_from_zcdp(rho, self.delta, "rdp")
-        return {"zcdp": rho, "epsilon": self._eps_rdp[s], "sensitivity_squared": s,
+        return {"zcdp": rho, "epsilon": self.epsilon_of(rho), "sensitivity_squared": s,
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
+
+    def epsilon_of(self, rho: float) -> float:
+        """eps at the run's delta by the run's conversion: the figure privacy.json states."""
+        return _epsilon(rho, self.delta, self.conversion)
+
+    def check_first_round(self) -> None:
+        """A budget that no round fits is an error before any round, not a run of 0 rounds: the
+        first round's worst case (one participation, whoever takes part) plus what was spent
+        before training (a DP vocabulary) against `budget_epsilon`."""
+        if not self.budget_epsilon or self.rounds:
+            return
+        first = self.zcdp_of(self.sensitivity_squared(1, 1, None, []))
+        if first <= self.rho_budget:
+            return
+        eps = self.epsilon_of(first + self.spent_zcdp)
+        vocabulary = " with the DP vocabulary's share" if self.spent_zcdp else ""
+        raise DpfleetError(
+            f"dp.budget_epsilon = {self.budget_epsilon:g} stops the run before round 1: one round "
+            f"already costs eps {eps:.3g} at delta {self.delta:g}{vocabulary} (noise multiplier "
+            f"{self.noise_multiplier:g}, {self.mechanism.name} noise); raise dp.budget_epsilon or "
+            "dp.noise_multiplier")
 
     def figures(self) -> dict:
         """The observed run's headline: sens^2, rho, eps (by `conversion`) and eps by RDP."""
         s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
                                      self.restarts)
         rho = self.zcdp_of(s)
-        return {"sensitivity_squared": s, "zcdp": rho,
-                "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
+        return {"sensitivity_squared": s, "zcdp": rho, "epsilon": self.epsilon_of(rho),
                 "epsilon_rdp": epsilon_from_zcdp(rho, self.delta, "rdp")}
 
     def enforced_figures(self, rounds: int, min_separation: int, max_participation: int) -> dict:
@@ -162,6 +184,12 @@ class RunAccountant:
         rho = self.figures()["zcdp"] + sum(r["zcdp"] for r in releases)
         return {"zcdp": rho, "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
                 "delta": self.delta + sum(r.get("delta", 0.0) for r in releases)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(rho: float, delta: float, conversion: str) -> float:
+    """`epsilon_from_zcdp`, cached: a pure function of its arguments (PLD ~40 ms a call)."""
+    return epsilon_from_zcdp(rho, delta, conversion)
 
 
 def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:

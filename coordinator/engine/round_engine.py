@@ -179,6 +179,7 @@ class RoundEngine:
             conversion="rdp" if custom or (resolve_noise(cfg) == "discrete"
                                            and not self.mechanism.ring_is_rounded_gaussian) else "pld",
             declared=custom)
+        self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
         self.restarts = restart_rounds(cfg, self.mechanism)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
         noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
@@ -328,7 +329,8 @@ class RoundEngine:
             "clients": len(in_sum),
             "clip": clip,
             "noise_std": server.noise_std,
-            "epsilon": spent["epsilon"],  # RDP, worst case over the observed MinS / MaxP so far
+            "epsilon": spent["epsilon"],  # privacy.json's conversion (PLD for Gaussian noise), worst
+            # case over the observed MinS / MaxP so far: the last round's is the report's eps
             "zcdp": spent["zcdp"],
             "min_separation": spent["min_separation"],
             "max_participation": spent["max_participation"],

@@ -369,6 +369,7 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
 
         rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
                       total=cfg.rounds)
+        acc = "n/a"  # until the first evaluation (eval_every)
     for r in rounds:
         plan = engine.open_round(before_round)
         if isinstance(plan, Stop):
@@ -382,8 +383,9 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
         agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
                                    bits=bits, clip_norm=plan.clip_norm, dim=dim)
         record = engine.close_round(plan, agg, updates)
-        if progress and record["accuracy"] is not None:
-            rounds.set_postfix(acc=f"{record['accuracy']:.4f}", eps=f"{record['epsilon']:.2f}")
+        if progress:  # eps so far, every round: privacy.json's figure (one conversion, PLD)
+            acc = acc if record["accuracy"] is None else f"{record['accuracy']:.4f}"
+            rounds.set_postfix(acc=acc, eps=f"{record['epsilon']:.2f}")
         if engine.resume_point_due():
             engine.save_resume_point()
     return None
