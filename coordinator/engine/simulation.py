@@ -133,8 +133,8 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
 
 DP_VOCABULARY = "dp_vocabulary.json"
 
-# The public pretraining step of `[pretrain]`: (cfg, model_cfg, model, tokenizer, log) -> what the
-# privacy report records (`dpfleet.public.public_init.pretrain_on_public`).
+# The public pretraining step of `[pretrain]`: (cfg, model_cfg, model, tokenizer, log, progress=)
+# -> what the privacy report records (`dpfleet.public.public_init.pretrain_on_public`).
 Pretrain = Callable[..., dict]
 
 
@@ -193,6 +193,8 @@ def run_simulation(
     torch.set_num_threads(max(1, cfg.client.threads))
     t_start = time.perf_counter()
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
+    log(f"loading data: {'the users given' if records is not None else cfg.data.dataset}, tokenized by "
+        f"{'the tokenizer given' if tokenizer is not None else cfg.tokenizer.kind} ...")
     tokenizer, data, population = _load_clients(cfg, vocabulary_folder, records, tokenizer, model)
     # before planning and pretraining: too few held-out users is one error line, at once
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
@@ -232,6 +234,7 @@ def run_simulation(
     if stopped_early:
         log(stopped_early)
     public_data = [*public_data, *setup.public_data]
+    log(f"finishing: final evaluation ({len(test_rows):,} held-out rows), checkpoint, privacy report ...")
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
                                    extra=_summary_extra(setup, records is not None, generated_notice))
@@ -293,9 +296,10 @@ class TrainingSetup:
 
 
 def _setup_training(cfg: SimulationConfig, model, tokenizer, pretrain: Pretrain | None, ext: dict,
-                    log: Callable[[str], None]) -> TrainingSetup:
-    """The zoo model (pretrained on public text with `[pretrain]`) and its trainer, or a caller's
-    module through the eager trainers; a caller's client update / clipping rule put in place."""
+                    log: Callable[[str], None], progress: bool = True) -> TrainingSetup:
+    """The zoo model (pretrained on public text with `[pretrain]`, with a progress bar unless
+    `progress` is off) and its trainer, or a caller's module through the eager trainers; a
+    caller's client update / clipping rule put in place."""
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     if model is None:
         setup = TrainingSetup(build_model(model_cfg), model_cfg, None)
@@ -304,7 +308,7 @@ def _setup_training(cfg: SimulationConfig, model, tokenizer, pretrain: Pretrain 
                 raise DpfleetError("[pretrain] needs the public pretraining step: pass pretrain="
                                    "dpfleet.public.public_init.pretrain_on_public (dpfleet.simulate "
                                    "and the dpfleet CLI do)")
-            setup.pretrained = pretrain(cfg, model_cfg, setup.model, tokenizer, log)
+            setup.pretrained = pretrain(cfg, model_cfg, setup.model, tokenizer, log, progress=progress)
             setup.public_data = [f"{c} (pretraining, {cfg.pretrain.steps} steps)"
                                  for c in cfg.pretrain.corpus]
         runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
