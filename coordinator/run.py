@@ -71,6 +71,9 @@ class Result(ResultMethods):
         privacy: privacy.json: the accounting, mechanism and what is not covered.
         stopped_early: why the run ended before its planned rounds (a budget), or None.
         client_trainer: "cohort" or "sequential": which trainer ran the clients.
+        warnings: one line for each way the result means nothing (summary.json's `warnings`,
+            `coordinator/accounting/result_warnings.py`): a model at or below the unigram baseline,
+            eps above dp.warn_epsilon, noise that drowns every update; () when there is none.
     """
 
     accuracy: float
@@ -86,6 +89,7 @@ class Result(ResultMethods):
     privacy: dict
     stopped_early: str | None
     client_trainer: str
+    warnings: tuple[str, ...] = ()
 
 
 def run(
@@ -133,7 +137,7 @@ def run(
         epsilon=out.privacy["epsilon"], delta=out.privacy["delta"], run_dir=out.run_dir,
         model=out.model, metrics=out.metrics, privacy=out.privacy, stopped_early=out.stopped_early,
         tokenizer=tokenizer or load_tokenizer(out.run_dir / "checkpoint" / "tokenizer"),
-        client_trainer=summary.get("client_trainer", ""),
+        client_trainer=summary.get("client_trainer", ""), warnings=tuple(summary.get("warnings", ())),
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dpfleet.coordinator.accounting.config_plan import plan_line
+from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
@@ -187,6 +188,8 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         users = [c.user for c in data.train]
         if cfg.dp.target_epsilon > 0:
             plan_service(cfg, store, len(users), log)
+        for warning in plan_warnings(cfg):  # noise that drowns every update, before any round
+            log(f"warning: {warning}")
         RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it
         fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
                                        fingerprint_secret(Path(state), create=fresh))

@@ -98,9 +98,12 @@ def test_the_cli_summary_opens_with_the_caveat(tmp_path, capsys):
     main(["simulate", str(config), "--out", str(tmp_path / "run"), "--quiet"])
     lines = capsys.readouterr().out.splitlines()
     caveats = json.loads((tmp_path / "run" / "privacy.json").read_text())["caveats"]
+    warnings = json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"]
     first = lines.index("WARNING               " + caveats[0])
-    summary = lines[first:]
-    assert [x.startswith("next-token accuracy") for x in summary].index(True) == len(caveats)
+    summary = lines[first:]  # the caveats, then the result's own warnings (result_warnings.py)
+    assert summary[:len(caveats) + len(warnings)] == [f"WARNING               {w}"
+                                                       for w in (*caveats, *warnings)]
+    assert [x.startswith("next-token accuracy") for x in summary].index(True) == len(caveats) + len(warnings)
     assert not any(x.startswith(("next-token", "privacy ", "perplexity")) for x in lines[:first])
 
 

@@ -87,6 +87,8 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     p = result.privacy
     for line in p.get("caveats", []):  # first: a run that is not fully private says so (caveats.py)
         click.echo(f"WARNING               {line}")
+    for line in result.warnings:  # then a result that means nothing (result_warnings.py)
+        click.echo(f"WARNING               {line}")
     click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
                f"{result.unigram_accuracy:.4f}")
     click.echo(f"perplexity            model {result.perplexity:.1f}   unigram baseline "

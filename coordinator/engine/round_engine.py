@@ -30,6 +30,7 @@ import numpy as np
 
 from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
+from dpfleet.coordinator.accounting.result_warnings import result_warnings
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
@@ -481,6 +482,7 @@ class RoundEngine:
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
         summary = {
             **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
+            "warnings": result_warnings(cfg, final, baseline, privacy),  # a result that means nothing
             "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,

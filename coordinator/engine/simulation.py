@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
@@ -201,11 +202,13 @@ def run_simulation(
                                                  cfg.data.test_fraction)
     if planned:
         plan_run(cfg, run, len(population), resume, log)
+    for warning in plan_warnings(cfg):  # before any training: noise that drowns every update
+        log(f"warning: {warning}")
     generated_notice = generated_population_notice(population)
     if generated_notice:
         log(generated_notice["warning"])
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
-    setup = _setup_training(cfg, model, tokenizer, pretrain, ext, log)
+    setup = _setup_training(cfg, model, tokenizer, pretrain, ext, log, progress)
     engine = RoundEngine(
         cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
         users=population.user_ids() if audit is None else audit.users(population.user_ids()),
