@@ -114,11 +114,11 @@ class DPSection:
     """The delta of the (eps, delta) guarantee."""
     budget_epsilon: float = 0.0
     """Stop before a round that would pass this eps (PLD at delta); 0: no budget."""
-    # a finished run whose eps is above this gets a warning line (summary, summary.json, Result):
-    # 10 is where a guarantee stops meaning much: the "reasonable" tier of Ponomareva et al. 2023
-    # (How to DP-fy ML) ends there, and Gboard's launched models (paper 002, rho 0.25-1.86) are at
-    # eps 3.3-10.5 at delta 1e-6; 0: never warn (coordinator/accounting/result_warnings.py)
     warn_epsilon: float = 10.0
+    """A finished run whose eps is above this gets a warning line (summary, summary.json, Result);
+    0: never warn. 10 is where a guarantee stops meaning much: the "reasonable" tier of Ponomareva
+    et al. 2023 (How to DP-fy ML) ends there, and Gboard's launched models (paper 002, rho
+    0.25-1.86) are at eps 3.3-10.5 at delta 1e-6."""
     adaptive_clipping: bool = False
     """Adaptive clipping (paper 002 Alg. 1): clip_norm is the initial C^0, the estimate is adopted
     at tree restarts (restart_rounds, default 128 + 1024 i); noise_multiplier stays the accounted
