@@ -17,7 +17,7 @@ from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.registry import build, entries, names, rebuild
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(kind, rounds, mins, maxp):
     """One mechanism per shape: BLT's optimisation is most of a build's cost and the property
     below varies z freely over each shape."""
