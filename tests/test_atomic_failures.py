@@ -1,7 +1,8 @@
 """Failures are atomic and said in one line, for every command that writes.
 
 * A destination that cannot be written (a file in the way of a folder, a read-only file system, a
-  file whose folder is missing) is one `error:` line, exit 2, no traceback, before any work.
+  file whose folder is missing) is one `error:` line, the last printed, exit 2, no traceback,
+  before any work.
 * A config that fails validation only once its data is loaded, and a disk that fills up while the
   first files are written, leave no half-written run or state directory behind.
 
@@ -65,12 +66,14 @@ def write_config(path: Path, values: dict) -> Path:
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
-    """(exit code, the stderr lines) of one in-process `dpfleet` command that must fail."""
+    """(exit code, the `error:` lines) of one in-process `dpfleet` command that must fail: it
+    ends with its error line (warnings a run prints first, e.g. about its noise, may precede it)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main(argv)
-    err = capsys.readouterr().err
-    return exc.value.code, [line for line in err.splitlines() if line.strip()]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err and err[-1].startswith("error: ") and "Traceback" not in "\n".join(err), err
+    return exc.value.code, [line for line in err if line.startswith("error")]
 
 
 def argv_for(name: str, dest: Path, tmp_path: Path, monkeypatch) -> list[str]:
