@@ -28,6 +28,7 @@ from dpfleet.coordinator.engine.extensions import (
 )
 from dpfleet.coordinator.engine.simulation import Pretrain, run_simulation
 from dpfleet.coordinator.result_methods import ResultMethods
+from dpfleet.coordinator.state.interrupts import sigterm_interrupts
 from dpfleet.coordinator.state.release_log import RELEASES
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.edge.tokenizer import load_tokenizer
@@ -123,8 +124,10 @@ def run(
     tok = None if tokenizer is None else _UserTokenizer(tokenizer)
 
     # a new run that fails before its first release (a config its data cannot satisfy, Ctrl-C
-    # while loading) leaves no half-written run directory behind: the rerun can use the same one
-    with nullcontext() if resume else removed_on_failure(run_dir, kept=lambda: released_any(run_dir)):
+    # or SIGTERM while loading) leaves no half-written run directory behind: the rerun can use
+    # the same one
+    with sigterm_interrupts(), (nullcontext() if resume else
+                                removed_on_failure(run_dir, kept=lambda: released_any(run_dir))):
         out = run_simulation(cfg, run_dir, overwrite=overwrite, resume=resume, progress=progress,
                              log=log, records=records, model=model, tokenizer=tok, audit=audit,
                              extensions={"client_update": client_update, "clipping": clipping,
