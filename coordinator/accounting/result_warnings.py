@@ -27,12 +27,13 @@ import math
 from dpfleet.coordinator.config import SimulationConfig
 
 # z / M from which a run learns nothing. Measured on the main job with only dp.target_epsilon
-# changed (benchmarks/noise_limit.py: M stays 319, z grows; one seed each, unigram 0.073):
-#   z / M   0.0062 (eps 8)  0.021 (2)  0.040 (1)  0.056 (0.7)  0.076 (0.5)  0.12 (0.3)  1.06 (0.03)
-#   acc.    0.200           0.171      0.114      0.054        0.002        0.002       0.001
-# below the unigram baseline from 0.056 on, the pretrained model wrecked (perplexity 6e10 to
-# e^50) from 0.076. The limit sits between the last point that learned and the first that did
-# not; a larger clip norm or server lr only moves the noise on the weights up.
+# changed (benchmarks/noise_limit.py, results/noise_limit.json: M stays 319, z grows; unigram 0.073):
+#   eps     8       2      1      0.7    0.5     0.3     0.1     0.03
+#   z / M   0.0062  0.021  0.040  0.056  0.076   0.12    0.34    1.06
+#   acc.    0.200   0.167  0.123  0.058  0.0025  0.0022  0.0013  0.0005
+# (a second seed of 1 / 0.7 / 0.5: 0.114 / 0.054 / 0.002). Below the unigram baseline from 0.056
+# on, the pretrained model wrecked (perplexity 6e10 to e^50) from 0.076: the limit sits between
+# the last z / M that learned and the first that did not.
 NOISE_PER_REPORT_LIMIT = 0.05
 
 
