@@ -146,7 +146,8 @@ def kd_train(
             history.append({"step": step + 1, "loss": ema[0], "lm": ema[1], "kd": ema[2]})
         if progress:
             bar.update()
-            bar.set_postfix(lm=f"{ema[1]:.3f}", kd=f"{ema[2]:.3f}", refresh=False)
+            kd = {"kd": f"{ema[2]:.3f}"} if cfg.beta > 0 else {}  # beta 0: plain LM, no teacher
+            bar.set_postfix(lm=f"{ema[1]:.3f}", **kd, refresh=False)
         if state_file is not None and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
             _save_state(Path(state_file), fingerprint, step + 1, model, opt, rng, ema, history)
     if progress:
