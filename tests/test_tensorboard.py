@@ -136,6 +136,16 @@ def test_switching_tensorboard_is_no_other_config_for_a_resume_or_a_restart():
     assert differing_keys({**cfg, "seed": 99}, cfg) == ["seed"]
 
 
+def test_the_warning_threshold_is_no_other_config_for_a_resume_but_the_noise_is():
+    """dp.warn_epsilon only says when the summary warns: a run saved before the key existed
+    resumes; a changed dp key that the noise depends on still refuses it."""
+    cfg = parse_config(copy.deepcopy(TB)).resolved()
+    older = {**cfg, "dp": {k: v for k, v in cfg["dp"].items() if k != "warn_epsilon"}}
+    assert differing_keys(older, cfg) == []
+    assert differing_keys({**cfg, "dp": {**cfg["dp"], "warn_epsilon": 3.0}}, cfg) == []
+    assert differing_keys({**cfg, "dp": {**cfg["dp"], "clip_norm": 9.0}}, cfg) == ["dp"]
+
+
 @pytest.mark.slow  # a coordinator and its devices over loopback: ~15 s
 def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
     """`coordinator serve` with tensorboard = true: STATE/tensorboard/ is STATE/metrics.jsonl."""

@@ -153,6 +153,7 @@ def _accounted(config: dict) -> dict:
             out[section] = {k: v for k, v in out[section].items() if k in kept}
     if isinstance(out.get("dp"), dict):  # a run saved before dp.mechanism existed used the tree
         out["dp"] = {"mechanism": "tree", **out["dp"]}
+        out["dp"].pop("warn_epsilon", None)  # when the summary warns, not what the run computes
     out.pop("mechanism", None)  # the run's binding, checked on its own (`mechanism_binding`)
     out.pop("tensorboard", None)  # how the run is watched, not what it computes (a restart may switch it)
     return out
