@@ -58,12 +58,14 @@ def assert_close_to_eager(rt, cfg, theta0, rows, lr=0.5, seed=3):
     assert np.abs(d_got - d_ref).max() <= 1e-6 + 1e-4 * np.abs(d_ref).max()
 
 
-# LSTM shares CIFG's code path (one flag): its exports run in the slow set to keep this file fast.
-ARCHS = ["cifg", pytest.param("lstm", marks=pytest.mark.slow), "transformer"]
+# LSTM shares CIFG's code path (one flag), and the transformer's ExecuTorch program its ONNX twin's
+# graph: their exports run in the slow set (in CI) to keep the default suite fast.
+PAIRS = [("cifg", "executorch"), ("cifg", "onnx"), ("transformer", "onnx"),
+         *(pytest.param(a, r, marks=pytest.mark.slow)
+           for a, r in [("lstm", "executorch"), ("lstm", "onnx"), ("transformer", "executorch")])]
 
 
-@pytest.mark.parametrize("runtime", ["executorch", "onnx"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "runtime"), PAIRS)
 def test_one_epoch_matches_eager(arch, runtime, cache_dir):
     cfg = CONFIGS[arch]
     rt = make_runtime(runtime, cfg, SEQ_LEN, 1, cache_dir)

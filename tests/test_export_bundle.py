@@ -295,6 +295,7 @@ def test_kv_step_byte_flips_are_refused_before_loading(kv_bundle, no_native_load
     flip_is_refused(bundle, summary["public_key"], "kv_step.onnx", bytes(data))
 
 
+@pytest.mark.slow  # ~20 s: a second transformer bundle to take its KV step from
 def test_kv_step_from_another_bundle_is_caught(kv_bundle, tmp_path_factory):
     """A KV step of another cache size (another bundle's) swapped in: caught by its signed sha256."""
     bundle, summary = kv_bundle

@@ -77,6 +77,7 @@ async def _serve(cfg, root, keys, examples, *, pin: bytes | None = None, until=N
     return status, sums, outcomes, model_cfg, theta0, theta
 
 
+@pytest.mark.slow  # ~15 s: a served run of bundle devices next to its simulation
 def test_bundle_devices_commit_the_eager_sum_and_simulates_run(tmp_path, monkeypatch):
     cfg = bundle_cfg(service={"report_deadline_s": 120.0})
     users, examples = fleet_data(cfg, tmp_path / "fleet")
@@ -227,6 +228,7 @@ def test_fleet_run_with_bundle_devices(tmp_path):
     assert oct((state / KEY_FILE).stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.slow  # ~14 s: signed SecAgg rounds of bundle devices over loopback
 def test_signed_secagg_rounds_with_bundle_devices(tmp_path, monkeypatch):
     """Through signed SecAgg+ too: each committed sum is its survivors' bundle-trained updates
     (within the encoding's bound), and each of those updates is the eager one within tolerance."""

@@ -189,6 +189,7 @@ def test_every_refused_registration_is_one_identical_answer(world, registry_mode
     assert bound == {u: k.public_key().public_bytes_raw() for u, k in keys.items()}
 
 
+@pytest.mark.slow  # ~15 s: 1,000 timed tries of each kind
 def test_refused_registrations_take_the_same_time(world):
     """1,000 tries of each refusal kind, interleaved at random over one keep-alive connection:
     the medians of all kinds differ by less than 5% of the overall median (or 25 us; skipping

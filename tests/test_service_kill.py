@@ -108,6 +108,8 @@ def check_run(cfg, state):
     assert len(logged) == len(set(logged)) and set(logged) <= {r["round"] for r in releases}
 
 
+@pytest.mark.slow  # ~20 s: two killed coordinators and a restart (the default suite keeps
+# test_kill_each_commit_point's after_commit)
 def test_kill_9_at_open_and_mid_commit_then_the_run_completes(tmp_path):
     faults = ["opened:1", "device_counters:1"]
     cfg, codes = kill_and_restart(tmp_path, faults, rounds=2)

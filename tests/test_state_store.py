@@ -171,7 +171,7 @@ KILLER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("step", [s if s in ("files_fsynced", "device_counters", "committed")
+@pytest.mark.parametrize("step", [s if s == "committed"
                                   else pytest.param(s, marks=pytest.mark.slow) for s in STEPS])
 def test_a_killed_process_leaves_all_or_nothing(tmp_path, step):
     state = tmp_path / "state"

@@ -72,8 +72,9 @@ def cache_dir(tmp_path_factory):
     return program_cache(tmp_path_factory)  # one export per program for the whole run
 
 
-@pytest.mark.parametrize("runtime", ["onnx", pytest.param("executorch", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("arch", ["cifg", pytest.param("transformer", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~13 s an export (the default suite keeps test_tied_bundle_round_trip)
+@pytest.mark.parametrize("runtime", ["onnx", "executorch"])
+@pytest.mark.parametrize("arch", ["cifg", "transformer"])
 def test_tied_training_matches_eager(arch, runtime, cache_dir):
     pytest.importorskip("onnxruntime")
     if runtime == "executorch":
