@@ -178,6 +178,7 @@ def test_audit_with_secure_aggregation(tmp_path):
     assert broken["epsilon_estimate_interval"][0] > broken["epsilon_accounted"]
 
 
+@pytest.mark.slow  # ~15 s: two audited runs of a matrix mechanism (the tree's stay in the default suite)
 def test_audit_with_a_matrix_factorization_mechanism(tmp_path):
     values = with_("dp", mechanism="blt")
     honest = audit(tmp_path, "blt", values)

@@ -119,6 +119,7 @@ def test_a_signed_secagg_round_over_http_commits_with_its_survivors_sum(tmp_path
         assert calls["poll"] >= 5 * parts, calls
 
 
+@pytest.mark.slow  # ~16 s, most of it waiting out SecAgg phase deadlines
 def test_dropout_after_key_sharing_commits_from_survivors_and_too_few_fail_cleanly(tmp_path):
     from dpfleet.fleet.participant import DropOut
 
