@@ -89,7 +89,10 @@ def check_run(cfg, state):
         committed = [r for (r,) in store.db.execute(
             "SELECT round FROM rounds WHERE status = 'committed' ORDER BY round")]
         assert committed == [r["round"] for r in releases]
-        fresh = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta)
+        # the run's own conversion (PLD; RDP for the discrete Gaussian in a SecAgg ring), which its
+        # metrics and privacy.json state
+        method = json.loads((state / "privacy.json").read_text()).get("method", "pld")
+        fresh = RunAccountant(cfg.dp.noise_multiplier, cfg.dp.delta, conversion=method)
         for r in releases:
             spent = fresh.record(r["participants"], r["restart"])
         metrics = store.log("metrics")
