@@ -28,7 +28,8 @@ class Example:
 
 EXAMPLES: dict[str, Example] = {
     "shakespeare": Example("shakespeare_cifg.toml", "dpfleet simulate {file}",
-                           "the main job: Shakespeare, eps 8, public pretraining (~40 s)"),
+                           "the main job: Shakespeare, eps 8, public pretraining (~40 s; ~2 min "
+                           "the first time: downloads and pretraining)"),
     "tiny": Example("tiny.toml", "dpfleet simulate {file}",
                     "the main job's shape, 3 rounds of 100 clients (seconds)"),
     "fleet": Example("fleet.toml", "dpfleet fleet run {file} --state runs/fleet",
