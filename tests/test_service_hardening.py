@@ -733,3 +733,20 @@ def test_serve_refuses_a_noise_seed_in_one_line(tmp_path, capsys):
     assert captured.err.startswith("error: dp.noise_seed = 11 is research mode")
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert not (tmp_path / "state").exists()
+
+
+def test_attack_a_noise_seed_slipped_in_by_set_is_refused_like_one_in_the_file(tmp_path, capsys):
+    """`--set dp.noise_seed=...` on a secret-noise config: the override is applied before the
+    research-mode check, so it cannot give the fleet noise whose seed the operator knows."""
+    from dpfleet.cli import main
+    from dpfleet.coordinator.state.run_dir import to_toml
+
+    config = tmp_path / "secret.toml"
+    config.write_text(to_toml(tiny_cfg(rounds=1).resolved()))
+    with pytest.raises(SystemExit) as exit_:
+        main(["coordinator", "serve", str(config), "--state", str(tmp_path / "state"),
+              "--set", "dp.noise_seed=11"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "error: dp.noise_seed = 11 is research mode" in err and "Traceback" not in err
+    assert not (tmp_path / "state").exists()
