@@ -1,11 +1,18 @@
 """Shared fixtures. Tests run on 1 torch thread so results are deterministic and cores are shared."""
 
 import os
+import signal
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Ctrl-C as in a terminal, however pytest was started: a non-interactive shell starts a background
+# job (`pytest ... &`) with SIGINT ignored, Python then installs no KeyboardInterrupt handler, and
+# every process the tests start inherits the ignored signal, so the Ctrl-C tests (a SIGINT to the
+# run itself, or to a `dpfleet` child) would test nothing but the launcher.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 if torch.cuda.is_available():  # bit-exact resume checks hold on CUDA only with deterministic kernels
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first CUDA call
     torch.use_deterministic_algorithms(True)  # docs/offline_gpu_server.md, "Devices and determinism"
