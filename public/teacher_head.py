@@ -62,13 +62,15 @@ def micro_batches(lengths: np.ndarray, body_tokens: int) -> list[slice]:
 @torch.inference_mode()
 def reduce_batch(teacher: Teacher, inputs: np.ndarray, mask: np.ndarray,
                  reduce: Callable[..., tuple], body_tokens: int,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *extra: np.ndarray) -> tuple:
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *extra: np.ndarray,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple:
     """`reduce(logits_chunk, *extra_chunk)` over every kept (`mask`) position of a right-padded
     numpy batch, in row-major order, its outputs concatenated along rows.
 
     `extra` arrays have the batch's shape and travel in the same single copy as the ids and
     the mask. The body sees at most `body_tokens` padded positions at a time (micro-batches of
     whole sequences, each trimmed to its own longest), the head at most `chunk_tokens` rows.
+    `head` replaces `teacher.head` (the int8 screen hands `reduce` the hidden rows themselves).
     """
     lengths = mask.sum(1)
     both = to_device(np.stack([inputs, mask.astype(np.int64), *extra]), teacher.device)
@@ -77,23 +79,26 @@ def reduce_batch(teacher: Teacher, inputs: np.ndarray, mask: np.ndarray,
         block = both[:, rows, : int(lengths[rows].max())]
         kept = block[1].bool()
         hidden = teacher.body(block[0], block[1])[kept]
-        parts.append(reduce_head(teacher, hidden, reduce, chunk_tokens, *(e[kept] for e in block[2:])))
+        parts.append(reduce_head(teacher, hidden, reduce, chunk_tokens,
+                                 *(e[kept] for e in block[2:]), head=head))
         del hidden, block, kept  # the next micro-batch reuses this memory
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
 @torch.inference_mode()
 def reduce_head(teacher: Teacher, hidden: torch.Tensor, reduce: Callable[..., tuple],
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *extra: torch.Tensor) -> tuple:
-    """Apply `reduce(logits_chunk, *extra_chunk)` to the head over `chunk_tokens` rows at a
-    time and concatenate each of its outputs along rows. `extra` tensors are row-aligned
-    with `hidden` and sliced like it."""
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *extra: torch.Tensor,
+                head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple:
+    """Apply `reduce(head(hidden_chunk), *extra_chunk)` over `chunk_tokens` rows at a time
+    (`head`: the teacher's float32 head unless given) and concatenate each of its outputs along
+    rows. `extra` tensors are row-aligned with `hidden` and sliced like it."""
+    head = teacher.head if head is None else head
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be positive")
     parts = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
-        parts.append(reduce(teacher.head(hidden[start:stop]), *(e[start:stop] for e in extra)))
+        parts.append(reduce(head(hidden[start:stop]), *(e[start:stop] for e in extra)))
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 

@@ -93,7 +93,8 @@ def test_the_head_never_sees_more_than_a_chunk(teacher, tiny_teacher_vocab, sequ
     monkeypatch.setattr(teacher, "head", lambda h: seen.append(h.shape[0]) or head(h))
     monkeypatch.setattr(teacher, "logits", lambda *a: pytest.fail("full logits built"))
     for targets in ("teacher", "student"):
-        TopKExtractor(teacher, tiny_teacher_vocab, 5, targets, chunk_tokens=13).rows(sequences)
+        TopKExtractor(teacher, tiny_teacher_vocab, 5, targets, chunk_tokens=13,
+                      head="float32").rows(sequences)
     teacher_logprobs(TopKExtractor(teacher, tiny_teacher_vocab, 5, chunk_tokens=13),
                      tiny_teacher_vocab.tokenizer, sequences, batch_tokens=10_000, progress=False)
     assert max(seen) == 13 and len(seen) > 2 * math.ceil(sum(map(len, sequences)) / 13)
