@@ -29,16 +29,30 @@ Shard layout (`shard-NNNNN.npz`, uncompressed numpy arrays; N tokens in the shar
 The best logit is not stored: softmax over the top-k is shift-invariant, so it is 0 by
 definition. That is 2 + 2k + 2(k - 1) = 4k bytes per token (40 for k = 10) with sequence
 boundaries inside the token array (student vocabularies are capped at 32,768 ids).
-`manifest.json` holds the settings, the shard list and the measured throughput; shards are
-written atomically and skipped when present, so an interrupted job resumes where it stopped.
+`manifest.json` holds the settings, each finished shard's SHA-256 and token count
+(`shard_files`), and, once every shard is done, the shard list (`shards`) and the measured
+throughput.
+
+Resumed, verified. Labelling the main job's public text takes hours on a CPU, so a kill must
+not lose them: each shard is written atomically, then the manifest (also atomically) records
+its hash, so after a kill the manifest names exactly the shards that are whole. A rerun with
+the same settings keeps each shard whose file matches its recorded hash and recomputes the rest
+(a missing, truncated, corrupt or unrecorded file; one line says which and why); the bar starts
+from the tokens already labelled. `TopKCorpus` checks every shard against its hash on load and
+refuses a corrupt corpus in one line naming the shard. A corpus written before hashes were
+recorded (no `shard_files`) still loads, unverified; a rerun over it recomputes its shards,
+there being nothing to verify them against. Cached corpora, shared by every job that asks for
+the same labels: public/topk_cache.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
-from collections.abc import Iterable, Sequence
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +62,7 @@ from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
+from dpfleet.io import atomic_write, sha256_file, sha256_hex
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -186,6 +200,27 @@ def _fingerprint(sequences: Sequence[Sequence[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
+def read_manifest(path: Path) -> dict:
+    """A corpus's manifest.json; a damaged one is one error line, not a traceback."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DpfleetError(f"{path} is not a manifest ({exc}); delete its folder to rebuild the "
+                           "corpus") from exc
+
+
+def _stale(path: Path, record: dict | None) -> str | None:
+    """Why the shard file at `path` must be computed ("": never written), or None when it is
+    whole: present and matching the SHA-256 recorded for it."""
+    if not path.is_file():
+        return "missing" if record else ""
+    if record is None:
+        return "present but not recorded in manifest.json"
+    if sha256_file(path) != record.get("sha256"):
+        return "SHA-256 differs from manifest.json's (truncated, corrupt or another corpus's)"
+    return None
+
+
 def build_corpus(
     extractor: TopKExtractor,
     sequences: Sequence[Sequence[int]],
@@ -193,9 +228,14 @@ def build_corpus(
     shard_sequences: int = 4096,
     batch_tokens: int = 0,
     progress: bool = True,
+    log: Callable[[str], None] = print,
 ) -> dict:
     """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
 
+    Resumes and verifies as the module docstring says: shards whose file matches the SHA-256
+    in manifest.json are kept, every other one is computed, and the manifest records each new
+    shard as soon as it is written, so a kill at any moment loses at most the shard in hand.
+    `log` gets the lines about the resumption and each shard recomputed for a reason.
     `batch_tokens` (0: automatic) is what one host copy carries; memory is bounded by the
     extractor's `body_tokens` and `chunk_tokens`, not by it."""
     batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
@@ -204,8 +244,15 @@ def build_corpus(
         raise DpfleetError("no sequences to distill")
     if any(max(s) >= MAX_STUDENT_VOCAB for s in sequences):
         raise DpfleetError(f"token ids must be below {MAX_STUDENT_VOCAB}")
+    if any(max(s) >= extractor.student_vocab for s in sequences):  # another tokenizer's ids
+        raise DpfleetError(f"token ids must be below the student vocabulary's size "
+                           f"({extractor.student_vocab}): were the sequences encoded with "
+                           "another tokenizer?")
+    if shard_sequences < 1:
+        raise DpfleetError("shard_sequences must be positive")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    head_mode = getattr(extractor, "head_mode", "float32")
     settings = {
         "format": "dpfleet-topk-v1",
         "k": extractor.k,
@@ -215,45 +262,80 @@ def build_corpus(
         "shard_sequences": shard_sequences,
         "fingerprint": _fingerprint(sequences),
     }
-    if extractor.targets != "teacher":  # corpora from before the option keep their settings
+    # options added later are recorded only when not at their default, so older corpora match
+    if extractor.targets != "teacher":
         settings["targets"] = extractor.targets
+    if head_mode != "float32":
+        settings["head_mode"] = head_mode
     manifest_file = out / "manifest.json"
+    old: dict = {}
     if manifest_file.is_file():
-        old = json.loads(manifest_file.read_text())
+        old = read_manifest(manifest_file)
         if ({key: old.get(key) for key in settings} != settings
-                or old.get("targets", "teacher") != extractor.targets):
+                or old.get("targets", "teacher") != extractor.targets
+                or old.get("head_mode", "float32") != head_mode):
             raise DpfleetError(f"{out} holds a corpus built with other settings or sequences")
-    manifest_file.write_text(json.dumps(settings, indent=2))
 
-    shards = []
-    done_tokens, seconds = 0, 0.0
-    bar = tqdm(total=settings["tokens"], unit="tok", desc="top-k", disable=not progress)
+    recorded: dict[str, dict] = dict(old.get("shard_files", {}))
+    shards, todo, reasons = [], [], []
+    done_tokens = 0
     for first in range(0, len(sequences), shard_sequences):
-        chunk = sequences[first : first + shard_sequences]
         name = f"shard-{first // shard_sequences:05d}.npz"
+        chunk = sequences[first : first + shard_sequences]
         shards.append(name)
-        n_tokens = sum(map(len, chunk))
-        if (out / name).is_file():
-            bar.update(n_tokens)
+        reason = _stale(out / name, recorded.get(name))
+        if reason is None:
+            done_tokens += sum(map(len, chunk))
             continue
+        recorded.pop(name, None)
+        todo.append((name, chunk))
+        if reason:
+            reasons.append(f"top-k shard {out / name}: {reason}; recomputing it")
+
+    def write_manifest(extra: dict) -> None:
+        body = {**settings, "shard_files": dict(sorted(recorded.items())), **extra}
+        atomic_write(manifest_file, json.dumps(body, indent=2))
+
+    if todo:
+        write_manifest({})  # without the shard list, and without any record found stale
+        if len(todo) < len(shards):
+            log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already labelled "
+                f"({done_tokens:,} of {settings['tokens']:,} tokens) in {out}")
+    for line in reasons:
+        log(line)
+
+    new_tokens, seconds = 0, 0.0
+    bar = tqdm(total=settings["tokens"], initial=done_tokens, unit="tok", desc="top-k",
+               disable=not progress or not todo)
+    for name, chunk in todo:
         start = time.perf_counter()
         parts = [extractor.rows(batch) for batch in token_batches(chunk, batch_tokens)]
         arrays = _pack(chunk, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-        atomic_write(out / name, lambda f, arrays=arrays: np.savez(f, **arrays))
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        data = buffer.getvalue()
+        atomic_write(out / name, data)
+        n_tokens = len(arrays["tokens"])
+        recorded[name] = {"sha256": sha256_hex(data), "tokens": n_tokens}
+        write_manifest({})  # the shard is whole on disk before its record names it
         seconds += time.perf_counter() - start
-        done_tokens += n_tokens
+        new_tokens += n_tokens
         bar.update(n_tokens)
-        bar.set_postfix(tok_s=f"{done_tokens / seconds:.0f}")
+        bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
     bar.close()
     size = sum((out / name).stat().st_size for name in shards)
     manifest = {
         **settings,
+        "shard_files": dict(sorted(recorded.items())),
         "shards": shards,
         "bytes_per_token": size / settings["tokens"],
-        "tokens_per_s": done_tokens / seconds if seconds else None,
-        "device": str(extractor.teacher.device),
+        # a run that computed nothing keeps the throughput and device of the one that did
+        "tokens_per_s": new_tokens / seconds if seconds else old.get("tokens_per_s"),
+        "device": old.get("device") if not seconds and "device" in old
+        else str(extractor.teacher.device),
     }
-    manifest_file.write_text(json.dumps(manifest, indent=2))
+    if manifest != old:
+        atomic_write(manifest_file, json.dumps(manifest, indent=2))
     return manifest
 
 
@@ -268,23 +350,39 @@ class KDBatch:
 
 
 class TopKCorpus:
-    """A distillation corpus read back from its shards (all in memory: 40 bytes/token)."""
+    """A distillation corpus read back from its shards (all in memory: 40 bytes/token).
+
+    Every shard is checked against the SHA-256 its manifest records, so a corrupt corpus is
+    refused in one line that names the shard, rather than training on damaged labels. A corpus
+    written before the hashes were recorded (no `shard_files` in manifest.json) loads unverified.
+    """
 
     def __init__(self, folder: Path):
         folder = Path(folder)
         manifest_file = folder / "manifest.json"
         if not manifest_file.is_file():
             raise DpfleetError(f"no distillation corpus in {folder} (manifest.json missing)")
-        self.manifest = json.loads(manifest_file.read_text())
+        self.manifest = read_manifest(manifest_file)
+        repair = (f"rerun the `dpfleet public distill-corpus` that built it (same settings, "
+                  f"--out {folder}) to recompute it")
         missing = [s for s in self.manifest.get("shards", []) if not (folder / s).is_file()]
         if "shards" not in self.manifest or missing:
-            raise DpfleetError(f"{folder} is incomplete; rerun `dpfleet public distill-corpus`")
+            raise DpfleetError(f"{folder} is incomplete; {repair}")
+        records = self.manifest.get("shard_files")
         tokens, ids, rel = [], [], []
         for name in self.manifest["shards"]:
-            with np.load(folder / name) as z:
-                tokens.append(z["tokens"])
-                ids.append(z["topk_ids"])
-                rel.append(z["topk_logits"])
+            data = (folder / name).read_bytes()
+            if records is not None and sha256_hex(data) != records.get(name, {}).get("sha256"):
+                raise DpfleetError(f"top-k shard {folder / name} is corrupt (its SHA-256 is not "
+                                   f"the one manifest.json records); {repair}")
+            try:
+                with np.load(io.BytesIO(data)) as z:
+                    tokens.append(z["tokens"])
+                    ids.append(z["topk_ids"])
+                    rel.append(z["topk_logits"])
+            except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+                raise DpfleetError(f"top-k shard {folder / name} is unreadable ({exc}); "
+                                   f"{repair}") from exc
         raw = np.concatenate(tokens)
         self.starts = np.flatnonzero(raw & _START)
         self.ends = np.append(self.starts[1:], len(raw))
