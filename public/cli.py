@@ -62,7 +62,9 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
 @click.option("--teacher", default="gemma3-270m", show_default=True, help=TEACHER_HELP)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), required=True,
               help="folder written by `dpfleet public teacher-tokenizer` for this teacher")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="corpus folder")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="corpus folder; without it, dpfleet's cache ($DPFLEET_CACHE/topk/), where a "
+                   "second run with the same inputs finds the labels done")
 @_corpus_options
 @click.option("--k", type=click.IntRange(1, 64), default=10, show_default=True,
               help="teacher logits kept per position")
@@ -92,23 +94,43 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
 
     The teacher reads the on-device tokenization; its top-K ids are mapped into the on-device
     vocabulary. Stores 4 x K bytes per token (40 for K = 10); the throughput in
-    tokens/s is printed and saved in manifest.json.
+    tokens/s is printed and saved in manifest.json, with the corpus folder.
+
+    Resumed: killed or interrupted, the same command continues from the last finished shard
+    (the bar starts at the tokens already labelled). Verified: manifest.json records each
+    shard's SHA-256; a rerun recomputes any shard that does not match it, and loading the
+    corpus (pretrain --kd-corpus) refuses a corrupt one. Cached: without --out the corpus goes
+    to dpfleet's cache under a digest of the teacher's files, the vocabulary, K, --targets and
+    the text, and a later run with the same inputs returns its folder without running the
+    teacher.
     """
     from dpfleet.io import check_writable
 
-    check_writable(out)
+    def note(line: str) -> None:
+        click.echo(line, err=True)  # stdout holds the summary only
+
+    if out is not None:
+        check_writable(out)
     from dpfleet.public.teacher import load_teacher
     from dpfleet.public.teacher_tokenizer import TeacherVocab
-    from dpfleet.public.topk import TopKExtractor, build_corpus, student_sequences
+    from dpfleet.public.topk import TopKExtractor, build_corpus, read_manifest, student_sequences
+    from dpfleet.public.topk_cache import cached_topk_corpus, topk_cache_root
 
+    if out is None:
+        check_writable(topk_cache_root())
     vocab = TeacherVocab.load(tokenizer_dir)
     texts = _public_texts(dataset, split, path, max_records)
     sequences = student_sequences(texts, vocab.tokenizer, seq_len)
     extractor = TopKExtractor(load_teacher(teacher, device), vocab, k, targets, chunk_tokens,
                               body_tokens)
-    manifest = build_corpus(extractor, sequences, out, shard_sequences, batch_tokens)
-    summary = {key: manifest[key] for key in
-               ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}
+    if out is None:
+        out = cached_topk_corpus(extractor, sequences, shard_sequences=shard_sequences,
+                                 batch_tokens=batch_tokens, log=note)
+        manifest = read_manifest(out / "manifest.json")
+    else:
+        manifest = build_corpus(extractor, sequences, out, shard_sequences, batch_tokens, log=note)
+    summary = {"corpus": str(out), **{key: manifest[key] for key in
+               ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "device")}}
     click.echo(dumps(summary, indent=2))
 
 

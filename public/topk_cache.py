@@ -1,0 +1,130 @@
+"""The teacher's top-k labels of a corpus, computed once per machine and reused by every job.
+
+Labelling is the slow part of distillation (hours of CPU for the main job's public text), while
+its inputs rarely change, so `cached_topk_corpus` keeps each corpus (public/topk.py's format)
+under `$DPFLEET_CACHE/topk/<digest>/`, the digest taken over everything the labels depend on:
+
+  teacher     its name and the SHA-256 of its config.json and of each weights file
+  device      the device type (the body runs in bfloat16 on CUDA, float32 elsewhere)
+  head        the extractor's `head_mode` (an int8-screened head's labels are not float32's)
+  vocabulary  the SHA-256 of the student <-> teacher id maps (idmap.npz's content)
+  k, targets  how many entries per position, and in which vocabulary the top-k is taken
+  sequences   the fingerprint of the student token sequences
+
+Names, sizes and modification times do not identify weights (a re-converted teacher keeps
+them), so the weights are hashed; a sidecar (`file-sha256.json`) keeps each file's hash under its
+path, size and mtime, so a 1 GB teacher is read once, not on every call. The shard size and the
+batch sizes change how the work is cut, not the labels, so they are not in the digest: a corpus
+left half-done resumes with the shard size it was started with. `key.json` in each folder lists
+the digest's inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write, sha256_file
+from dpfleet.public.topk import TopKExtractor, _fingerprint, _stale, build_corpus, read_manifest
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SIDECAR = "file-sha256.json"
+
+
+def topk_cache_root() -> Path:
+    """`$DPFLEET_CACHE/topk`, created on first use."""
+    root = cache_dir() / "topk"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def cached_sha256(paths: Sequence[Path], sidecar: Path) -> dict[str, str]:
+    """SHA-256 of each file, by name, reusing the hash `sidecar` holds for the same path, size
+    and mtime (a file rewritten in place changes its mtime, so it is hashed again)."""
+    try:
+        known = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        known = {}  # a damaged sidecar only costs a re-hash
+    out, changed = {}, False
+    for path in paths:
+        stat = path.stat()
+        key = str(path.resolve())
+        entry = known.get(key)
+        if not entry or entry.get("size") != stat.st_size or entry.get("mtime_ns") != stat.st_mtime_ns:
+            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
+            known[key], changed = entry, True
+        out[path.name] = entry["sha256"]
+    if changed:
+        atomic_write(sidecar, json.dumps(known, indent=1, sort_keys=True))
+    return out
+
+
+def teacher_digest(folder: Path, sidecar: Path) -> dict[str, str]:
+    """The SHA-256 of a Hugging Face teacher folder's config.json and weights file(s)."""
+    folder = Path(folder)
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    if not (folder / "config.json").is_file() or not weights:
+        raise DpfleetError(f"teacher folder {folder} has no config.json or no weights file to "
+                           "identify its labels by")
+    return cached_sha256([folder / "config.json", *weights], sidecar)
+
+
+def labels_key(extractor: TopKExtractor, sequences: Sequence[Sequence[int]]) -> dict:
+    """Everything the extractor's labels of `sequences` depend on (module docstring)."""
+    root = topk_cache_root()
+    maps = hashlib.sha256()
+    for array in (extractor.s2t_np, extractor.t2s.cpu().numpy()):
+        maps.update(np.ascontiguousarray(array, dtype=np.int64).tobytes() + b"|")
+    key = {
+        "format": "dpfleet-topk-v1",
+        "teacher": extractor.teacher.name,
+        "teacher_files": teacher_digest(extractor.teacher.path, root / _SIDECAR),
+        "device": extractor.teacher.device.type,
+        "head_mode": getattr(extractor, "head_mode", "float32"),
+        "vocabulary": maps.hexdigest(),
+        "student_vocab_size": extractor.student_vocab,
+        "k": extractor.k,
+        "targets": extractor.targets,
+        "fingerprint": _fingerprint([s for s in sequences if len(s) > 0]),
+    }
+    return key
+
+
+def cached_topk_corpus(
+    extractor: TopKExtractor,
+    sequences: Sequence[Sequence[int]],
+    *,
+    shard_sequences: int = 4096,
+    batch_tokens: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """The folder of the top-k corpus of `sequences` in the cache, labelled now if needed.
+
+    A finished corpus whose shards match their hashes returns at once (no teacher forward, one
+    line "top-k labels: cached in PATH"); a missing, half-done or damaged one is built, resumed
+    or repaired by `build_corpus` (whole shards kept). Load it with `TopKCorpus`."""
+    key = labels_key(extractor, sequences)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    folder = topk_cache_root() / digest
+    manifest_file = folder / "manifest.json"
+    manifest = read_manifest(manifest_file) if manifest_file.is_file() else {}
+    records = manifest.get("shard_files", {})
+    if "shards" in manifest and all(_stale(folder / name, records.get(name)) is None
+                                    for name in manifest["shards"]):
+        log(f"top-k labels: cached in {folder}")
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "key.json").is_file():
+        atomic_write(folder / "key.json", json.dumps(key, indent=2))
+    log(f"top-k labels: labelling into {folder} (once: later jobs with the same teacher, "
+        "vocabulary, k, targets and text reuse them)")
+    build_corpus(extractor, sequences, folder, manifest.get("shard_sequences", shard_sequences),
+                 batch_tokens, progress, log)
+    return folder

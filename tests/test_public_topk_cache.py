@@ -1,0 +1,264 @@
+"""Top-k labelling survives a kill, verifies its shards, and is cached across jobs.
+
+On a tiny random Llama teacher (conftest.build_tiny_teacher) with a trimmed vocabulary; the
+real Gemma is never loaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dpfleet.public.topk_cache as topk_cache
+from dpfleet.cli import main
+from dpfleet.errors import DpfleetError
+from dpfleet.public.teacher import load_teacher
+from dpfleet.public.teacher_tokenizer import TeacherVocab, build_teacher_vocab, load_teacher_spm
+from dpfleet.public.topk import TopKCorpus, TopKExtractor, build_corpus, student_sequences
+from dpfleet.public.topk_cache import cached_topk_corpus, teacher_digest
+
+_WORDS = [
+    "the", "of", "and", "to", "in", "a", "is", "was", "for", "on", "as", "with", "by", "he",
+    "at", "from", "his", "an", "were", "are", "which", "this", "be", "had", "not", "or", "but",
+    "its", "first", "new", "one", "their", "after", "been", "two", "they", "has", "also", "who",
+    "all", "she", "her", "other", "into", "more", "than", "time", "city", "when", "only", "most",
+    "there", "some", "would", "about", "up", "over",
+]
+
+
+def _lines(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + " ."
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_teacher_builder) -> Path:
+    return tiny_teacher_builder(tmp_path_factory.mktemp("teacher"), _lines(800, 0), 400)
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(teacher_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vocab")
+    build_teacher_vocab(load_teacher_spm(teacher_dir), _lines(400, 1), 330, out, "tiny")
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocab(vocab_dir) -> TeacherVocab:
+    return TeacherVocab.load(vocab_dir)
+
+
+@pytest.fixture(scope="module")
+def teacher(teacher_dir):
+    return load_teacher(str(teacher_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sequences(vocab) -> list[list[int]]:
+    return student_sequences(_lines(15, 2), vocab.tokenizer, seq_len=12)[:15]  # 5 shards of 3
+
+
+def _counting(extractor: TopKExtractor) -> list:
+    """Record every teacher batch the extractor runs (one per shard at these sizes)."""
+    calls, rows = [], extractor.rows
+
+    def counted(batch):
+        calls.append(len(batch))
+        return rows(batch)
+
+    extractor.rows = counted
+    return calls
+
+
+def _arrays(folder: Path) -> list[bytes]:
+    corpus = TopKCorpus(folder)
+    return [a.tobytes() for a in (corpus.tokens, corpus.starts, corpus.topk_ids, corpus.topk_logits)]
+
+
+def test_kill_mid_labelling_resumes_from_the_manifest(teacher, vocab, vocab_dir, teacher_dir,
+                                                      sequences, tmp_path):
+    (tmp_path / "seqs.json").write_text(json.dumps(sequences))
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("topk_labeller.py")), str(teacher_dir),
+         str(vocab_dir), str(tmp_path / "seqs.json"), str(killed), "3", "1.0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest_file, deadline = killed / "manifest.json", time.monotonic() + 120
+    try:
+        while not (manifest_file.is_file()
+                   and json.loads(manifest_file.read_text()).get("shard_files")):
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "no shard recorded within 120 s"
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    at_kill = json.loads(manifest_file.read_text())
+    recorded = set(at_kill["shard_files"])
+    total = -(-len(sequences) // 3)
+    assert "shards" not in at_kill and 1 <= len(recorded) < total  # killed mid-job
+    stamps = {name: (killed / name).stat().st_mtime_ns for name in recorded}
+
+    extractor = TopKExtractor(teacher, vocab, 4)
+    calls, lines = _counting(extractor), []
+    build_corpus(extractor, sequences, killed, 3, progress=False, log=lines.append)
+    assert len(calls) == total - len(recorded)  # the recorded shards ran no teacher batch
+    assert {name: (killed / name).stat().st_mtime_ns for name in recorded} == stamps
+    assert lines[0] == (f"resuming: {len(recorded)} of {total} shards already labelled "
+                        f"({sum(r['tokens'] for r in at_kill['shard_files'].values()):,} of "
+                        f"{sum(map(len, sequences)):,} tokens) in {killed}")
+
+    whole = tmp_path / "whole"
+    build_corpus(TopKExtractor(teacher, vocab, 4), sequences, whole, 3, progress=False)
+    assert _arrays(killed) == _arrays(whole)
+
+
+def test_corrupt_truncated_and_unrecorded_shards_are_refused_then_recomputed(
+        teacher, vocab, sequences, tmp_path, capsys):
+    extractor = TopKExtractor(teacher, vocab, 4)
+    build_corpus(extractor, sequences, tmp_path, 3, progress=False)
+    before = _arrays(tmp_path)
+    flipped = bytearray((tmp_path / "shard-00001.npz").read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    (tmp_path / "shard-00001.npz").write_bytes(bytes(flipped))
+    with pytest.raises(DpfleetError) as err:
+        TopKCorpus(tmp_path)
+    message = str(err.value)
+    assert "shard-00001.npz is corrupt" in message and "distill-corpus" in message
+    assert str(tmp_path) in message and "\n" not in message
+
+    shard2 = tmp_path / "shard-00002.npz"
+    shard2.write_bytes(shard2.read_bytes()[:100])  # truncated
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shard_files"]["shard-00003.npz"]  # written, then killed before its record
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    calls, lines = _counting(extractor), []
+    capsys.readouterr()
+    build_corpus(extractor, sequences, tmp_path, 3, progress=True, log=lines.append)
+    assert len(calls) == 3
+    done = sum(map(len, sequences[:3])) + sum(map(len, sequences[12:]))
+    assert lines[0].startswith(f"resuming: 2 of 5 shards already labelled ({done:,} of ")
+    differs = "SHA-256 differs from manifest.json's (truncated, corrupt or another corpus's)"
+    assert lines[1:] == [
+        f"top-k shard {tmp_path / 'shard-00001.npz'}: {differs}; recomputing it",
+        f"top-k shard {tmp_path / 'shard-00002.npz'}: {differs}; recomputing it",
+        f"top-k shard {tmp_path / 'shard-00003.npz'}: present but not recorded in manifest.json; "
+        "recomputing it"]
+    assert f"{done}/{sum(map(len, sequences))}" in capsys.readouterr().err  # the bar's start
+    assert _arrays(tmp_path) == before
+
+
+def test_a_corpus_without_hashes_still_loads_unverified(teacher, vocab, sequences, tmp_path):
+    build_corpus(TopKExtractor(teacher, vocab, 4), sequences, tmp_path, 8, progress=False)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shard_files"]  # as written before the hashes were recorded
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert len(TopKCorpus(tmp_path)) == len(sequences)
+    (tmp_path / "shard-00000.npz").write_bytes(b"garbage")
+    with pytest.raises(DpfleetError, match=r"shard-00000.npz is unreadable .*distill-corpus"):
+        TopKCorpus(tmp_path)
+
+
+def test_cache_returns_at_once_and_every_input_gets_its_own_entry(
+        teacher, vocab, teacher_dir, sequences, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    lines = []
+
+    def cached(extractor, seqs=sequences):
+        return cached_topk_corpus(extractor, seqs, shard_sequences=8, progress=False,
+                                  log=lines.append)
+
+    first = cached(TopKExtractor(teacher, vocab, 4))
+    assert first.parent == tmp_path / "cache" / "topk"
+    assert lines[0].startswith(f"top-k labels: labelling into {first}")
+    again = TopKExtractor(teacher, vocab, 4)
+    calls = _counting(again)
+    lines.clear()
+    assert cached(again) == first and calls == []  # no teacher forward at all
+    assert lines == [f"top-k labels: cached in {first}"]
+    assert len(TopKCorpus(first)) == len(sequences)
+    (first / "shard-00001.npz").write_bytes(b"damaged")  # a damaged entry is repaired, not served
+    lines.clear()
+    assert cached(again) == first and len(calls) == 1 and len(TopKCorpus(first)) == len(sequences)
+    assert "shard-00001.npz: SHA-256 differs" in lines[-1]
+
+    # as large, trimmed on other text: the same ids stand for other pieces
+    other_vocab = build_teacher_vocab(load_teacher_spm(teacher_dir), _lines(400, 3), 330,
+                                      tmp_path / "vocab2", "tiny")
+    assert not np.array_equal(other_vocab.student_to_teacher, vocab.student_to_teacher)
+    other_head = TopKExtractor(teacher, vocab, 4)
+    # an int8-screened head's labels are not the float32 head's (only the recorded mode counts here)
+    other_head.head_mode = "float32" if getattr(other_head, "head_mode", "") == "int8" else "int8"
+    variants = {
+        "k": cached(TopKExtractor(teacher, vocab, 3)),
+        "targets": cached(TopKExtractor(teacher, vocab, 4, targets="student")),
+        "vocabulary": cached(TopKExtractor(teacher, other_vocab, 4)),
+        "sequences": cached(TopKExtractor(teacher, vocab, 4), sequences[:-1]),
+        "head": cached(other_head),
+    }
+    assert len({first, *variants.values()}) == 6, variants
+    head_manifest = json.loads((variants["head"] / "manifest.json").read_text())
+    assert head_manifest.get("head_mode", "float32") == other_head.head_mode
+    assert json.loads((variants["k"] / "key.json").read_text())["k"] == 3
+
+
+def test_teacher_identity_is_its_files_hashes_computed_once(teacher_dir, tmp_path, monkeypatch):
+    copy = shutil.copytree(teacher_dir, tmp_path / "teacher")
+    sidecar, hashed = tmp_path / "sidecar.json", []
+    real = topk_cache.sha256_file
+    monkeypatch.setattr(topk_cache, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    first = teacher_digest(copy, sidecar)
+    assert sorted(first) == ["config.json", "model.safetensors"] and len(hashed) == 2
+    assert teacher_digest(copy, sidecar) == first and len(hashed) == 2  # from the sidecar
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 2  # another model, same file names
+    (copy / "config.json").write_text(json.dumps(config))
+    second = teacher_digest(copy, sidecar)
+    assert hashed[2:] == ["config.json"] and second["config.json"] != first["config.json"]
+    assert second["model.safetensors"] == first["model.safetensors"]
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(DpfleetError, match="no weights file"):
+        teacher_digest(copy, sidecar)
+
+
+def test_cli_without_out_labels_into_the_cache_then_finds_it(teacher_dir, vocab_dir, tmp_path,
+                                                             monkeypatch, capsys):
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    records = tmp_path / "public.jsonl"
+    records.write_text("\n".join(json.dumps({"user": f"u{i}", "text": t})
+                                 for i, t in enumerate(_lines(12, 9))))
+    args = ["public", "distill-corpus", "--teacher", str(teacher_dir), "--tokenizer",
+            str(vocab_dir), "--dataset", "jsonl", "--path", str(records), "--k", "4",
+            "--device", "cpu", "--shard-sequences", "5"]
+    main(args)
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    folder = Path(summary["corpus"])
+    assert folder.parent == tmp_path / "cache" / "topk" and "labelling into" in out.err
+    assert len(TopKCorpus(folder)) == summary["sequences"]
+    stamp = (folder / "manifest.json").stat().st_mtime_ns
+    main(args)
+    again = capsys.readouterr()
+    assert json.loads(again.out) == summary
+    assert f"top-k labels: cached in {folder}" in again.err
+    assert (folder / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_distill_corpus_help_says_what_is_resumed_verified_and_cached(capsys):
+    main(["public", "distill-corpus", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in ("Resumed:", "Verified:", "Cached:", "SHA-256", "$DPFLEET_CACHE/topk/"):
+        assert phrase in text
+
