@@ -73,6 +73,7 @@ from dpfleet.public.teacher_head import (
     right_padded,
     student_space_reduce,
 )
+from dpfleet.public.teacher_screen import SCREEN_CHUNK_TOKENS, resolve_head, screen_for
 from dpfleet.public.teacher_tokenizer import MAX_STUDENT_VOCAB, TeacherVocab
 
 _START = np.uint16(1 << 15)
@@ -120,12 +121,15 @@ class TopKExtractor:
     so mass of trimmed continuations outside the teacher's top-k is kept. The body runs over
     at most `body_tokens` padded positions at a time (0: from free accelerator memory, 1,024 on
     CPU) and the head over `chunk_tokens`; each chunk is mapped and merged at once, so memory
-    does not grow with the batch a caller hands to `rows`.
+    does not grow with the batch a caller hands to `rows`. `head` ("auto", "float32", "int8")
+    picks the LM head: "int8" screens the whole vocabulary with an int8 GEMM and scores the
+    best 32 ids in float32 (public/teacher_screen.py; CPU, teacher-space targets; chunks of at
+    most 256 rows); `head_mode` says which ran, and labels from the two heads never share a cache.
     """
 
     def __init__(self, teacher: Teacher, vocab: TeacherVocab, k: int = 10,
                  targets: str = "teacher", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 body_tokens: int = 0):
+                 body_tokens: int = 0, head: str = "auto"):
         if vocab.tokenizer.vocab_size > MAX_STUDENT_VOCAB:
             raise DpfleetError(f"student vocabulary exceeds {MAX_STUDENT_VOCAB} ids")
         if len(vocab.teacher_to_student) != teacher.vocab_size:
@@ -153,14 +157,24 @@ class TopKExtractor:
         self.teacher_bos = int(vocab.student_to_teacher[BOS])
         if self.teacher_bos < 0:
             raise DpfleetError("the teacher vocabulary has no bos token")
+        self.head_mode, self._head = resolve_head(head, teacher, targets), None
         if targets == "student":
             self._reduce = student_space_reduce(self.t2s, self.student_vocab, k)
+        elif self.head_mode == "int8":
+            screen = screen_for(teacher)
+            self._reduce, self._head = self._screened, lambda hidden: hidden
+            self._screen, self.chunk_tokens = screen, min(chunk_tokens, SCREEN_CHUNK_TOKENS)
         else:
             self._reduce = self._teacher_space
 
     def _teacher_space(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One head chunk: teacher-space top-k, mapped and merged in student ids."""
         values, indices = logits.topk(self.k, dim=-1)
+        return merge_mapped(self.t2s[indices], values)
+
+    def _screened(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of hidden rows: the int8-screened teacher-space top-k, mapped and merged."""
+        values, indices = self._screen.topk(hidden, self.k)
         return merge_mapped(self.t2s[indices], values)
 
     def rows(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +186,7 @@ class TopKExtractor:
         inputs = np.full(ids.shape, self.teacher_bos, dtype=np.int64)
         inputs[:, 1:] = np.where(mask[:, 1:], mapped, self.teacher_bos)
         return reduce_batch(self.teacher, inputs, mask, self._reduce, self.body_tokens,
-                            self.chunk_tokens)
+                            self.chunk_tokens, head=self._head)
 
 
 def _pack(sequences: Sequence[Sequence[int]], ids: torch.Tensor, logits: torch.Tensor) -> dict:
