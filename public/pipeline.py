@@ -220,15 +220,17 @@ class TeacherWork:
         return self._extractor
 
     def corpus(self):
-        from dpfleet.public.topk import TopKCorpus, build_corpus
+        """The pool's top-k labels from the machine's label cache (public/topk_cache.py), which
+        every job with the same teacher, vocabulary, k, targets, head and text shares."""
+        from dpfleet.public.topk import TopKCorpus
+        from dpfleet.public.topk_cache import cached_topk_corpus
 
-        if not (self.folder / "topk" / "manifest.json").is_file() or "shards" not in json.loads(
-                (self.folder / "topk" / "manifest.json").read_text()):
-            build_corpus(self.extractor(), self.pool.sequences, self.folder / "topk",
-                         batch_tokens=self.cfg.public.batch_tokens, progress=self.progress)
-        corpus = TopKCorpus(self.folder / "topk")
+        folder = cached_topk_corpus(self.extractor(), self.pool.sequences,
+                                    batch_tokens=self.cfg.public.batch_tokens,
+                                    progress=self.progress, log=lambda line: None)
+        corpus = TopKCorpus(folder)
         if len(corpus) != len(self.pool.sequences):
-            raise DpfleetError(f"{self.folder / 'topk'} does not match the pool; delete it")
+            raise DpfleetError(f"{folder} does not match the pool; delete it")
         return corpus
 
     def logprobs(self) -> np.ndarray:
