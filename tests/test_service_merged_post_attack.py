@@ -12,7 +12,7 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import checkin_all, fleet_data, serving
-from test_service_secagg import first_messages, secagg_cfg
+from test_service_secagg import HELD_DEADLINE_S, first_messages, secagg_cfg
 
 from dpfleet.fleet.link import LinkError
 
@@ -22,7 +22,7 @@ POLL_S = 3.0
 def test_a_cursor_neither_holds_a_replay_nor_reads_beyond_the_own_mailbox(tmp_path):
     from dpfleet.secagg.messages import decode
 
-    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": HELD_DEADLINE_S})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 

@@ -29,6 +29,13 @@ SECAGG = {"aggregation": {"kind": "secagg", "signed": True, "graph": "harary"},
           "service": {"overselect": 0.6, "report_deadline_s": 6.0, "secagg_phase_deadline_s": 3.0}}
 
 
+# A phase deadline for tests whose devices act only after `checkin_all` returns: the unselected
+# devices' check-ins are held 2 s (min(CHECKIN_HOLD_S, checkin_window_s + 1)) after the round
+# opened, so the commit phase must outlast 2 s, with 3x margin; the service's shutdown waits out
+# the open phase, so each test takes about this long plus 2 s.
+HELD_DEADLINE_S = 6.0
+
+
 def secagg_cfg(**over):
     return tiny_cfg(**{**SECAGG, **over})
 
@@ -257,7 +264,7 @@ def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_p
     from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.setup_wire import decode_setup
 
-    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": HELD_DEADLINE_S})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
@@ -301,7 +308,7 @@ def test_a_merged_post_returns_only_the_senders_mail_and_a_bad_cursor_takes_noth
     from dpfleet.fleet.link import LinkError
     from dpfleet.secagg.messages import decode
 
-    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 10.0})
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": HELD_DEADLINE_S})
     users, _ = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
 
