@@ -126,8 +126,37 @@ def test_a_broken_run_is_caught_above_its_accounted_epsilon(tmp_path, broken):
     assert "## Empirical audit" in report and "DELIBERATELY BROKEN" in report
 
 
-def test_honest_runs_lower_bound_stays_at_or_below_accounted(tmp_path):
-    a = audit(tmp_path, "honest", seeds=2)
+@pytest.fixture(scope="module")
+def honest_cli(tmp_path_factory):
+    """One honest audit through the CLI, two seeds, shared by the tests that only read it (the
+    honest bounds, the CLI's files and lines, the published directory's secrecy): the canary
+    keys and coins each seed's CanaryRun drew are recorded as it is built."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("honest-cli")
+    cfg = root / "tiny.toml"
+    cfg.write_text(to_toml(CFG))
+    keys: list[bytes] = []
+    coins: list[np.ndarray] = []
+    init = CanaryRun.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        keys.append(self.key)
+        coins.append(self.inserted.copy())
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(CanaryRun, "__init__", spy)
+        main(["audit", str(cfg), "--out", str(root / "run"), "--quiet", "--canaries", "256",
+              "--text-canaries", str(CANARIES.text_canaries), "--seeds", "2"])
+    return SimpleNamespace(run=root / "run", out=out.getvalue(), keys=keys, coins=coins,
+                           audit=json.loads((root / "run" / "audit.json").read_text()))
+
+
+def test_honest_runs_lower_bound_stays_at_or_below_accounted(honest_cli):
+    a = honest_cli.audit
     for entry in (*a["seeds"], a):  # each seed, and both pooled
         assert entry["epsilon_lower_bound"] <= entry["epsilon_accounted"], entry
         assert entry["epsilon_estimate_interval"][0] <= entry["epsilon_accounted"], entry
@@ -145,9 +174,49 @@ def test_honest_runs_lower_bound_stays_at_or_below_accounted(tmp_path):
         sd = np.sqrt(slots * (k / n) * (1 - k / n) * (n - slots) / (n - 1))
         assert entry["canaries"]["inserted_in_sum"] >= mean - 4 * sd, entry["canaries"]
     assert a["canaries"]["inserted_in_sum"] == sum(e["canaries"]["inserted_in_sum"] for e in a["seeds"])
-    on_disk = json.loads((tmp_path / "honest" / "audit.json").read_text())
-    assert on_disk["epsilon_lower_bound"] == a["epsilon_lower_bound"]
-    assert [s["seed"] for s in on_disk["seeds"]] == [7, 8]
+    assert [s["seed"] for s in a["seeds"]] == [7, 8]
+    for entry in a["seeds"]:  # each seed's own audit.json in its run directory
+        assert json.loads((honest_cli.run / f"seed-{entry['seed']}" / "audit.json").read_text()) == entry
+
+
+def test_cli_writes_audit_json_and_report_section(honest_cli):
+    a, out = honest_cli.audit, honest_cli.out
+    for key in ("epsilon_accounted", "delta", "epsilon_estimate", "epsilon_estimate_interval",
+                "epsilon_lower_bound", "lower_bound_confidence", "exposure", "canaries", "mechanism",
+                "aggregation", "broken"):
+        assert key in a
+    text = CANARIES.text_canaries
+    assert a["canaries"]["text"] == a["exposure"]["canaries"] == 2 * text  # pooled: both seeds'
+    assert all(e["canaries"]["text"] == e["exposure"]["canaries"] == text for e in a["seeds"])
+    assert np.isfinite(a["exposure"]["median_bits"]) and a["exposure"]["max_bits"] >= 0
+    assert f"eps = {a['epsilon_accounted']:.3f}" in out and "one-run lower bound" in out
+    assert f"eps >= {a['epsilon_lower_bound']:.3f}" in out  # the pooled figures, as on disk
+    for seed in (7, 8):
+        assert "## Empirical audit" in (honest_cli.run / f"seed-{seed}" / "privacy_report.md").read_text()
+
+
+def test_the_run_directory_does_not_give_away_the_canaries_key(honest_cli):
+    """Attack: whoever reads the published run directory (audit.json, logs, checkpoint) looks for
+    the audit's key, from which the directions, coins and secrets derive; with it they could plant
+    canary-shaped updates or fake a clean audit. No file holds it raw, hex or base64, and the coins
+    rebuilt from a key guessed from the directory's own bytes do not match the real ones."""
+    import base64
+
+    keys, coins = honest_cli.keys, honest_cli.coins
+    assert len(keys) == 2 and keys[0] != keys[1]  # one fresh key per seed
+    blobs = [p.read_bytes() for p in honest_cli.run.rglob("*") if p.is_file()]
+    assert blobs
+    for key in keys:
+        for form in (key, key.hex().encode(), base64.b64encode(key), base64.urlsafe_b64encode(key)):
+            assert not any(form in blob for blob in blobs)
+    # the attacker's best guesses: every 32-byte window of every published file as the key
+    settings = AuditSettings(**CANARIES.__dict__)
+    guesses = {blob[i:i + 32] for blob in blobs for i in range(0, max(len(blob) - 31, 1), 997)}
+    for guess in list(guesses)[:200]:
+        rebuilt = object.__new__(CanaryRun)
+        CanaryRun.__init__(rebuilt, settings, key=guess.ljust(32, b"\0"))
+        for real in coins:
+            assert float(np.mean(rebuilt.inserted == real)) < 0.65  # chance is 0.5 over 512 coins
 
 
 def test_canaries_are_devices_not_users_in_accounting_or_evaluation(tmp_path):
@@ -186,23 +255,6 @@ def test_audit_with_a_matrix_factorization_mechanism(tmp_path):
     assert honest["epsilon_lower_bound"] <= honest["epsilon_accounted"]
     broken = audit(tmp_path, "blt-div-10", values, broken="noise-div-10")
     assert broken["epsilon_estimate_interval"][0] > broken["epsilon_accounted"]
-
-
-def test_cli_writes_audit_json_and_report_section(tmp_path, capsys):
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(to_toml(CFG))
-    main(["audit", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--canaries", "256",
-          "--text-canaries", "1"])
-    out = capsys.readouterr().out
-    a = json.loads((tmp_path / "run" / "audit.json").read_text())
-    for key in ("epsilon_accounted", "delta", "epsilon_estimate", "epsilon_estimate_interval",
-                "epsilon_lower_bound", "lower_bound_confidence", "exposure", "canaries", "mechanism",
-                "aggregation", "broken"):
-        assert key in a
-    assert a["canaries"]["text"] == 1 and a["exposure"]["canaries"] == 1
-    assert np.isfinite(a["exposure"]["median_bits"]) and a["exposure"]["max_bits"] >= 0
-    assert f"eps = {a['epsilon_accounted']:.3f}" in out and "one-run lower bound" in out
-    assert "## Empirical audit" in (tmp_path / "run" / "privacy_report.md").read_text()
 
 
 def test_cli_audits_a_planned_config(tmp_path, capsys):
@@ -260,37 +312,3 @@ def test_false_alarm_rate_over_seeds_is_what_the_confidence_implies(tmp_path):
     alarms = sum(e["epsilon_lower_bound"] > e["epsilon_accounted"] for e in a["seeds"])
     assert alarms <= 9, [e["epsilon_lower_bound"] for e in a["seeds"]]
     assert a["epsilon_lower_bound"] <= a["epsilon_accounted"]
-
-
-def test_the_run_directory_does_not_give_away_the_canaries_key(tmp_path, monkeypatch):
-    """Attack: whoever reads the published run directory (audit.json, logs, checkpoint) looks for
-    the audit's key, from which the directions, coins and secrets derive; with it they could plant
-    canary-shaped updates or fake a clean audit. No file holds it raw, hex or base64, and the coins
-    rebuilt from a key guessed from the directory's own bytes do not match the real ones."""
-    import base64
-
-    keys: list[bytes] = []
-    coins: list[np.ndarray] = []
-    init = CanaryRun.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        keys.append(self.key)
-        coins.append(self.inserted.copy())
-
-    monkeypatch.setattr(CanaryRun, "__init__", spy)
-    audit(tmp_path, "published", {**CFG, "rounds": 2})
-    assert len(keys) == 1
-    key = keys[0]
-    blobs = [p.read_bytes() for p in (tmp_path / "published").rglob("*") if p.is_file()]
-    assert blobs
-    for form in (key, key.hex().encode(), base64.b64encode(key), base64.urlsafe_b64encode(key)):
-        assert not any(form in blob for blob in blobs)
-    # the attacker's best guesses: every 32-byte window of every published file as the key
-    settings = AuditSettings(**CANARIES.__dict__)
-    guesses = {blob[i:i + 32] for blob in blobs for i in range(0, max(len(blob) - 31, 1), 997)}
-    for guess in list(guesses)[:200]:
-        rebuilt = object.__new__(CanaryRun)
-        init(rebuilt, settings, key=guess.ljust(32, b"\0"))  # the unpatched constructor
-        agree = float(np.mean(rebuilt.inserted == coins[0]))
-        assert agree < 0.65  # chance is 0.5 over 512 coins
