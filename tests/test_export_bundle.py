@@ -19,7 +19,7 @@ from bundle_helpers import make_bundle, program_cache, sentences, spm_checkpoint
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from edge_models import SEQ_LEN
+from edge_models import SEQ_LEN, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numerics import scaled_bound
@@ -149,13 +149,18 @@ def test_tampering_without_resigning_is_caught(spm_bundle, tmp_path):
 
 
 def test_files_from_another_bundle_are_caught(spm_bundle, tmp_path_factory):
+    from dpfleet.export.training import ProgramSpec, training_program
+
     bundle, summary = spm_bundle
     root = tmp_path_factory.mktemp("other")
-    folder, _ = word_checkpoint(root / "ckpt", "cifg")
-    make_bundle(folder, root / "bundle", program_cache(tmp_path_factory))
+    # another model's bundle's train.onnx: the bytes BundleExport writes for the edge tests' word
+    # CIFG, its cached training program (not a whole second bundle: its inference exports)
+    other = training_program(ProgramSpec(tiny_config("cifg"), SEQ_LEN, None, "onnx"),
+                             program_cache(tmp_path_factory)).read_verified()
+    assert other != (bundle / "train.onnx").read_bytes()
     mixed = root / "mixed"
     shutil.copytree(bundle, mixed)
-    shutil.copy(root / "bundle" / "train.onnx", mixed / "train.onnx")
+    (mixed / "train.onnx").write_bytes(other)
     with pytest.raises(BundleError, match="train.onnx"):
         verify_bundle(mixed, summary["public_key"])
 
