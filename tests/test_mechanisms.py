@@ -117,8 +117,12 @@ def test_mf_zcdp_is_brute_force_sensitivity_over_2z2(spec, mins, maxp, z):
     assert rho == pytest.approx(s / (2 * z * z), rel=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["banded", "blt"])
-@pytest.mark.parametrize("rounds,mins,maxp", [(12, 2, 4), (10, 0, None), (14, 4, 2)])
+@pytest.mark.parametrize("kind,rounds,mins,maxp", [
+    (kind, *shape) for shape in [(12, 2, 4), (10, 0, None)] for kind in ("banded", "blt")
+] + [("banded", 14, 4, 2),
+     # ~8 s (two BLT optimisations); [blt-12-2-4] runs the same path (a 2-buffer BLT with
+     # min separation and a participation cap) in the default suite
+     pytest.param("blt", 14, 4, 2, marks=pytest.mark.slow)])
 def test_optimised_specs_sensitivity_is_brute_force_and_deterministic(kind, rounds, mins, maxp):
     spec = optimize_mechanism(kind, rounds, mins, maxp)
     optimize_mechanism.cache_clear()
