@@ -31,8 +31,14 @@ def planned_run(tmp_path, values=CFG, name="run"):
     return simulation.run_simulation(parse_config(values), tmp_path / name, **QUIET)
 
 
-def test_run_takes_the_planners_choice_and_keeps_it(tmp_path):
-    result = planned_run(tmp_path)
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One planned run of CFG, read by the tests that only look at its plan, config and logs."""
+    return planned_run(tmp_path_factory.mktemp("planned"))
+
+
+def test_run_takes_the_planners_choice_and_keeps_it(planned):
+    result = planned
     plan = json.loads((result.run_dir / "plan.json").read_text())
     n = plan["population"]
     rho = zcdp_for_epsilon(TARGET, 1e-6)  # dp.delta's default
@@ -60,19 +66,8 @@ def test_run_takes_the_planners_choice_and_keeps_it(tmp_path):
     assert result.privacy["epsilon"] > 0.5 * TARGET  # the plan spends the budget, not a sliver
 
 
-def test_a_stated_key_must_agree_with_the_plan(tmp_path, capsys):
-    path = tmp_path / "c.toml"
-    path.write_text(to_toml({**CFG, "dp": {**CFG["dp"], "report_goal": 5}}))
-    with pytest.raises(SystemExit) as exc:
-        main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2 and len(err) == 1
-    assert "dp.report_goal = 5" in err[0] and "dp.target_epsilon = 8" in err[0]
-    assert not (tmp_path / "run" / "summary.json").exists()
-
-
-def test_stating_the_planned_values_runs_and_resume_replans_the_same(tmp_path):
-    first = planned_run(tmp_path, name="a")
+def test_stating_the_planned_values_runs_and_resume_replans_the_same(planned, tmp_path):
+    first = planned
     config = json.loads((first.run_dir / "config.json").read_text())
     stated = {**CFG, "dp": {**CFG["dp"], "report_goal": config["dp"]["report_goal"],
                             "noise_multiplier": config["dp"]["noise_multiplier"],
@@ -85,6 +80,17 @@ def test_stating_the_planned_values_runs_and_resume_replans_the_same(tmp_path):
     # the run's own config.json (the plan written in) parses and re-plans to itself
     again = parse_config(config)
     assert again.planned_given["dp.report_goal"] == config["dp"]["report_goal"]
+
+
+def test_a_stated_key_must_agree_with_the_plan(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml({**CFG, "dp": {**CFG["dp"], "report_goal": 5}}))
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1
+    assert "dp.report_goal = 5" in err[0] and "dp.target_epsilon = 8" in err[0]
+    assert not (tmp_path / "run" / "summary.json").exists()
 
 
 @pytest.mark.parametrize("values, message", [
