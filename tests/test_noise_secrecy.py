@@ -10,6 +10,7 @@ is still denoised exactly: the attack works whenever the key is known."""
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -71,8 +72,28 @@ def denoising_error(run, true_sum, theta0, guess) -> tuple[float, float]:
             float(np.linalg.norm(noisy_sum - true_sum)))
 
 
-def test_noise_cannot_be_rebuilt_from_the_run_directory(tmp_path, monkeypatch):
-    run, true_sum, theta0, _ = spied_run(tmp_path, monkeypatch, "secret")
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two finished, spied runs of CFG (`spied_run`: result, true sum, theta0, noise keys) and
+    the tokenizer and training examples the first one was given: the tests below only read them."""
+    root = tmp_path_factory.mktemp("secrecy")
+    seen = {}
+    real_prepare = simulation.prepare_data
+
+    def prepare(cfg, *args):
+        tokenizer, data = real_prepare(cfg, *args)
+        if not seen:
+            seen.update(tokenizer=tokenizer, examples=[c.examples.copy() for c in data.train])
+        return tokenizer, data
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(simulation, "prepare_data", prepare)
+        runs = [spied_run(root, mp, name) for name in ("a", "b")]
+    return SimpleNamespace(runs=runs, seen=seen)
+
+
+def test_noise_cannot_be_rebuilt_from_the_run_directory(two_runs):
+    run, true_sum, theta0, _ = two_runs.runs[0]
     config = json.loads((run.run_dir / "config.json").read_text())
     seed, std, dim = config["seed"], run.metrics[-1]["noise_std"], theta0.size
     state = (run.run_dir / "checkpoint" / "server_state.json").read_bytes()
@@ -94,6 +115,62 @@ def test_noise_cannot_be_rebuilt_from_the_run_directory(tmp_path, monkeypatch):
         assert error > 1.2 * noise, (name, error, noise)
 
 
+def test_same_config_reruns_get_independent_noise_unless_noise_seed(two_runs, tmp_path):
+    noises = []
+    for run, true_sum, theta0, keys in two_runs.runs:
+        noises.append((released_theta(run.run_dir) - theta0) * CFG["dp"]["report_goal"] - true_sum)
+        assert len(keys) == 1  # each run drew its own key
+    corr = np.corrcoef(noises[0], noises[1])[0, 1]
+    assert abs(corr) < 0.05, corr  # independent (d = 37k: sd of corr ~ 0.005)
+    assert (two_runs.runs[0][0].run_dir / "privacy_report.md").read_text().startswith("# Privacy report")
+    research = dict(CFG, dp=dict(CFG["dp"], noise_seed=3))
+    thetas = [released_theta(simulation.run_simulation(parse_config(research), tmp_path / n, **QUIET)
+                             .run_dir) for n in ("c", "d")]
+    np.testing.assert_array_equal(thetas[0], thetas[1])
+
+
+def test_no_key_and_no_node_vector_next_to_released_artifacts(two_runs):
+    run, _, theta0, keys = two_runs.runs[0]
+    (key,) = keys
+    std = run.metrics[-1]["noise_std"]
+    releases = [json.loads(x) for x in (run.run_dir / "releases.jsonl").read_text().splitlines()]
+    nodes = GaussianNodes(key, std, theta0.size)
+    vectors = [nodes(r["tree_id"], lv, ix).tobytes()[:64] for r in releases for lv, ix in r["nodes"]]
+    assert resume_point(run.run_dir) is None
+    for path in _files(run.run_dir):  # checkpoint/, config.toml/json, logs: the whole run dir
+        data = path.read_bytes()
+        assert key not in data and key.hex().encode() not in data, path
+        assert not any(v in data for v in vectors), path
+    assert "tree_node_0" not in load_file(str(run.run_dir / "checkpoint" / "server_state.safetensors"))
+
+
+def test_release_log_fingerprint_cannot_test_a_guess_of_one_clients_data(two_runs):
+    """The attacker knows every training client's tokens exactly and has two guesses for one
+    client's (the truth and a one-token edit). A plain hash of the data in releases.jsonl would
+    tell them apart; the run's keyed fingerprint matches neither hash, under no key the run
+    directory holds, and its key is gone once the run finishes."""
+    run, seen = two_runs.runs[0][0], two_runs.seen
+    logged = {json.loads(line)["data_sha256"] for line in (run.run_dir / "releases.jsonl").open()}
+    assert len(logged) == 1
+
+    def plain_hash(examples):  # what the release log held before: sha256 of the tokenized data
+        digest = hashlib.sha256()
+        for rows in examples:
+            rows = np.ascontiguousarray(rows, dtype=np.int32)
+            digest.update(repr(rows.shape).encode())
+            digest.update(rows.tobytes())
+        return digest.hexdigest()
+
+    edited = [e.copy() for e in seen["examples"]]
+    edited[0][0, 1] = (edited[0][0, 1] + 1) % seen["tokenizer"].vocab_size
+    guesses = {plain_hash(seen["examples"]), plain_hash(edited)}
+    for f in _files(run.run_dir):  # every file of the published run directory as a candidate key
+        for guess in (seen["examples"], edited):
+            guesses.add(resume.data_fingerprint(guess, seen["tokenizer"], f.read_bytes()))
+    assert logged.isdisjoint(guesses)
+    assert not (run.run_dir / resume.FINGERPRINT_KEY).exists()
+
+
 def test_research_mode_noise_is_rebuilt_exactly_so_the_attack_is_real(tmp_path, monkeypatch):
     values = dict(CFG, dp=dict(CFG["dp"], noise_seed=7))
     run, true_sum, theta0, keys = spied_run(tmp_path, monkeypatch, "research", values)
@@ -109,38 +186,8 @@ def test_research_mode_noise_is_rebuilt_exactly_so_the_attack_is_real(tmp_path, 
     assert privacy["noise_seed"] == 7 and privacy["guarantee_holds_against_seed_holders"] is False
 
 
-def test_same_config_reruns_get_independent_noise_unless_noise_seed(tmp_path, monkeypatch):
-    noises = []
-    for name in ("a", "b"):
-        run, true_sum, theta0, keys = spied_run(tmp_path, monkeypatch, name)
-        noises.append((released_theta(run.run_dir) - theta0) * CFG["dp"]["report_goal"] - true_sum)
-    assert len(keys) == 1  # each run drew its own key
-    corr = np.corrcoef(noises[0], noises[1])[0, 1]
-    assert abs(corr) < 0.05, corr  # independent (d = 37k: sd of corr ~ 0.005)
-    assert (run.run_dir.parent / "a" / "privacy_report.md").read_text().startswith("# Privacy report")
-    research = dict(CFG, dp=dict(CFG["dp"], noise_seed=3))
-    thetas = [released_theta(simulation.run_simulation(parse_config(research), tmp_path / n, **QUIET)
-                             .run_dir) for n in ("c", "d")]
-    np.testing.assert_array_equal(thetas[0], thetas[1])
-
-
 def _files(folder):
     return [p for p in folder.rglob("*") if p.is_file()]
-
-
-def test_no_key_and_no_node_vector_next_to_released_artifacts(tmp_path, monkeypatch):
-    run, _, theta0, keys = spied_run(tmp_path, monkeypatch, "finished")
-    (key,) = keys
-    std = run.metrics[-1]["noise_std"]
-    releases = [json.loads(x) for x in (run.run_dir / "releases.jsonl").read_text().splitlines()]
-    nodes = GaussianNodes(key, std, theta0.size)
-    vectors = [nodes(r["tree_id"], lv, ix).tobytes()[:64] for r in releases for lv, ix in r["nodes"]]
-    assert resume_point(run.run_dir) is None
-    for path in _files(run.run_dir):  # checkpoint/, config.toml/json, logs: the whole run dir
-        data = path.read_bytes()
-        assert key not in data and key.hex().encode() not in data, path
-        assert not any(v in data for v in vectors), path
-    assert "tree_node_0" not in load_file(str(run.run_dir / "checkpoint" / "server_state.safetensors"))
 
 
 def test_an_unfinished_run_keeps_its_key_only_in_a_0600_file(tmp_path, monkeypatch):
@@ -161,42 +208,6 @@ def test_an_unfinished_run_keeps_its_key_only_in_a_0600_file(tmp_path, monkeypat
     for path in _files(out):
         if path != key_file:
             assert keys[0] not in path.read_bytes(), path
-
-
-def test_release_log_fingerprint_cannot_test_a_guess_of_one_clients_data(tmp_path, monkeypatch):
-    """The attacker knows every training client's tokens exactly and has two guesses for one
-    client's (the truth and a one-token edit). A plain hash of the data in releases.jsonl would
-    tell them apart; the run's keyed fingerprint matches neither hash, under no key the run
-    directory holds, and its key is gone once the run finishes."""
-    seen = {}
-    real_prepare = simulation.prepare_data
-
-    def prepare(cfg, *args):
-        tokenizer, data = real_prepare(cfg, *args)
-        seen.update(tokenizer=tokenizer, examples=[c.examples.copy() for c in data.train])
-        return tokenizer, data
-
-    monkeypatch.setattr(simulation, "prepare_data", prepare)
-    run, *_ = spied_run(tmp_path, monkeypatch, "run")
-    logged = {json.loads(line)["data_sha256"] for line in (run.run_dir / "releases.jsonl").open()}
-    assert len(logged) == 1
-
-    def plain_hash(examples):  # what the release log held before: sha256 of the tokenized data
-        digest = hashlib.sha256()
-        for rows in examples:
-            rows = np.ascontiguousarray(rows, dtype=np.int32)
-            digest.update(repr(rows.shape).encode())
-            digest.update(rows.tobytes())
-        return digest.hexdigest()
-
-    edited = [e.copy() for e in seen["examples"]]
-    edited[0][0, 1] = (edited[0][0, 1] + 1) % seen["tokenizer"].vocab_size
-    guesses = {plain_hash(seen["examples"]), plain_hash(edited)}
-    for f in _files(run.run_dir):  # every file of the published run directory as a candidate key
-        for guess in (seen["examples"], edited):
-            guesses.add(resume.data_fingerprint(guess, seen["tokenizer"], f.read_bytes()))
-    assert logged.isdisjoint(guesses)
-    assert not (run.run_dir / resume.FINGERPRINT_KEY).exists()
 
 
 def test_resume_without_the_fingerprint_key_is_refused(tmp_path):
