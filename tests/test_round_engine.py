@@ -87,9 +87,14 @@ def engine_parts(cfg, out):
                                                                   tokenizer, secret)
 
 
-def test_engine_by_hand_gives_the_simulation_bit_for_bit(tmp_path):
-    cfg = cfg_with()
-    sim = run_simulation(cfg, tmp_path / "sim", **QUIET)
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """The simulation of CFG (noise seed 11), read by the by-hand and the other-seed tests."""
+    return run_simulation(cfg_with(), tmp_path_factory.mktemp("sim") / "sim", **QUIET)
+
+
+def test_engine_by_hand_gives_the_simulation_bit_for_bit(simulated, tmp_path):
+    cfg, sim = cfg_with(), simulated
     engine, train_and_sum = by_hand(cfg, tmp_path / "hand")
     while not isinstance(plan := engine.open_round(), Stop):
         assert plan.theta_sha256 == release_hash(plan.theta)  # what devices download, by hash
@@ -99,26 +104,27 @@ def test_engine_by_hand_gives_the_simulation_bit_for_bit(tmp_path):
     assert plan.reason == "done"
     engine.finish(stopped_early=None, baseline={"accuracy": 0.0}, started=0.0)
     for name in LOGS:  # participation, releases (model hashes, tree positions), DP metrics: exact
-        hand, ref = (tmp_path / "hand" / name).read_text(), (tmp_path / "sim" / name).read_text()
+        hand, ref = (tmp_path / "hand" / name).read_text(), (sim.run_dir / name).read_text()
         if name == RELEASES:  # all but the data fingerprint, a MAC under each run's own secret
             hand, ref = ([{k: v for k, v in json.loads(line).items() if k != "data_sha256"}
                           for line in text.splitlines()] for text in (hand, ref))
         assert hand == ref, name
-    fingerprints = {r["data_sha256"] for d in ("hand", "sim")
-                    for r in ReleaseLog(tmp_path / d / RELEASES).released_rounds()}
+    fingerprints = {r["data_sha256"] for d in (tmp_path / "hand", sim.run_dir)
+                    for r in ReleaseLog(d / RELEASES).released_rounds()}
     assert len(fingerprints) == 2  # one per run: independent secrets
-    released = [r["participants"] for r in ReleaseLog(tmp_path / "sim" / RELEASES).released_rounds()]
+    released = [r["participants"] for r in ReleaseLog(sim.run_dir / RELEASES).released_rounds()]
     assert len(released) == ROUNDS and any(r["restart"] for r in sim.metrics[1:])
     assert len({tuple(p) for p in released}) > 1  # the timer really rotated devices
     hand = load_file(str(tmp_path / "hand" / "checkpoint" / "server_state.safetensors"))
-    ref = load_file(str(tmp_path / "sim" / "checkpoint" / "server_state.safetensors"))
+    ref = load_file(str(sim.run_dir / "checkpoint" / "server_state.safetensors"))
     assert hand.keys() == ref.keys() and all(np.array_equal(hand[k], ref[k]) for k in ref)
     assert json.loads((tmp_path / "hand" / "privacy.json").read_text())["epsilon"] == sim.privacy["epsilon"]
 
 
-def test_a_different_noise_seed_changes_the_released_models(tmp_path):
+def test_a_different_noise_seed_changes_the_released_models(simulated, tmp_path):
     """The equality above is not vacuous: the release hashes do depend on the noise."""
-    a = run_simulation(cfg_with(noise_seed=11), tmp_path / "a", **QUIET).run_dir / RELEASES
+    assert CFG["dp"]["noise_seed"] == 11
+    a = simulated.run_dir / RELEASES
     b = run_simulation(cfg_with(noise_seed=12), tmp_path / "b", **QUIET).run_dir / RELEASES
     ra, rb = ReleaseLog(a).released_rounds(), ReleaseLog(b).released_rounds()
     assert [r["participants"] for r in ra] == [r["participants"] for r in rb]
