@@ -6,6 +6,7 @@ mixed. The crash-point property test is in test_release_log.py."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,13 +140,20 @@ def test_resume_point_survives_a_crash_between_its_two_renames(tmp_path, referen
     assert outputs(run_simulation(parse_config(CFG), out, resume=True, **QUIET)) == reference
 
 
-@pytest.fixture
-def interrupted(tmp_path):
-    """Crashed right after the resume point of round 6: nothing released was lost."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def interrupted_once(tmp_path_factory):
+    out = tmp_path_factory.mktemp("interrupted") / "run"
     with pytest.raises(Crash):
         run_simulation(parse_config(CFG), out, before_round=crash_before(6), **QUIET)
     return out
+
+
+@pytest.fixture
+def interrupted(interrupted_once, tmp_path):
+    """Crashed right after the resume point of round 6: nothing released was lost. Each test gets
+    its own copy (modes kept: the 0600 key files) of one crashed run, which the tests edit or
+    resume; the copy resumes exactly like the original (test_cli_resume: equal to `reference`)."""
+    return Path(shutil.copytree(interrupted_once, tmp_path / "run", symlinks=True))
 
 
 def test_resume_refuses_another_config(interrupted):
