@@ -6,6 +6,8 @@ round 1 of N` on a fresh state, `continuing after round k of N` on a restart aft
 
 import asyncio
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -98,8 +100,21 @@ def served_some_rounds(tmp_path) -> tuple:
     return state, committed, first_lines
 
 
-def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypatch):
-    state, committed, first_lines = served_some_rounds(tmp_path)
+@pytest.fixture(scope="module")
+def served_once(tmp_path_factory):
+    return served_some_rounds(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture
+def served(served_once, tmp_path):
+    """`served_some_rounds`, once for the module: each test restarts (or edits) its own copy of
+    the stopped coordinator's state directory (modes kept)."""
+    state, committed, first_lines = served_once
+    return Path(shutil.copytree(state, tmp_path / "state", symlinks=True)), committed, list(first_lines)
+
+
+def test_a_restart_keeps_the_plan_and_says_where_it_continues(served, monkeypatch):
+    state, committed, first_lines = served
     plan = (state / "plan.json").read_bytes()
     config = (state / "config.json").read_bytes()
 
@@ -120,11 +135,11 @@ def test_a_restart_keeps_the_plan_and_says_where_it_continues(tmp_path, monkeypa
 
 @pytest.mark.parametrize("key,factor", [("noise_multiplier", 4.0), ("report_goal", 2),
                                         ("max_participation", 2)])
-def test_attack_an_edited_plan_is_refused_on_restart(tmp_path, key, factor):
+def test_attack_an_edited_plan_is_refused_on_restart(served, key, factor):
     """The operator's edit between two starts: plan.json's noise multiplier raised (the rounds
     already released had less noise, so the accountant would claim too little eps for them), or
     its report goal / MaxP changed. The restart must not run (nor account) another plan."""
-    state, committed, _ = served_some_rounds(tmp_path)
+    state, committed, _ = served
     record = json.loads((state / "plan.json").read_text())
     before = record["chosen"][key]
     record["chosen"][key] = before * factor
