@@ -18,27 +18,6 @@ if torch.cuda.is_available():  # bit-exact resume checks hold on CUDA only with 
     torch.use_deterministic_algorithms(True)  # docs/offline_gpu_server.md, "Devices and determinism"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _parsed_plays_are_shared():
-    """Every in-process run (simulate, audit, service, resume: hundreds in the default suite)
-    loads the Shakespeare dataset, which re-parses the 38 plays' markdown each time (~0.25
-    CPU-s). `parse_play` is a pure function of its two arguments, so each worker parses a play
-    once and returns a copy of the same frozen records after; a test that feeds other markdown
-    (its own play, a patched wheel) is a different key and parsed for real."""
-    from dpfleet.edge import datasets
-
-    parse, parsed = datasets.parse_play, {}
-
-    def parse_play(markdown: str, play: str):
-        if (play, markdown) not in parsed:
-            parsed[play, markdown] = parse(markdown, play)
-        return list(parsed[play, markdown])
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets, "parse_play", parse_play)
-        yield
-
-
 @pytest.fixture(scope="session")
 def shakespeare_records():
     from dpfleet.edge.datasets import load_records
