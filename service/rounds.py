@@ -112,6 +112,7 @@ class RoundDriver:
         self.refused_timer: set[int] = set()
         self.phase_seconds: dict[str, list[float]] = {}
         self.wake = asyncio.Event()
+        self.stopping = asyncio.Event()  # set once by stop(): ends any wait on devices at once
         self.held = Wakeups()  # held check-ins, woken by device (wakeups.py)
         self.started_at = time.time()
         self.finished = asyncio.Event()
@@ -293,6 +294,7 @@ class RoundDriver:
             self.stop_requested, self.run_state = True, "stopping"
             self.log.event("stop")
             self.wake.set()
+            self.stopping.set()
             self.held.wake_all()
             if self.current is not None:
                 self.current.done.set()
@@ -476,12 +478,25 @@ class RoundDriver:
             stats = [NO_STATS] * len(cur.plan.devices)
         await self._commit(cur, agg, stats)
 
+    async def _phase_change_or_stop(self, sa, phase: str, limit: float) -> None:
+        """Wait for the SecAgg phase to move on, its deadline, or a stop: Ctrl-C, SIGTERM or an
+        operator's stop must not sit out a phase deadline (30 s by default, the masked phase's
+        report deadline 120 s) before the service can save and exit."""
+        changed = asyncio.ensure_future(sa.wait_phase_change(phase, limit))
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (changed, stopped):
+                task.cancel()
+            await asyncio.gather(changed, stopped, return_exceptions=True)
+
     async def _run_secagg(self, cur: OpenRound) -> AggregateResult | None:
         sa, svc = cur.secagg, self.svc
         while not sa.finished and not self.stop_requested:
             phase, began = sa.phase, time.monotonic()
             limit = svc.report_deadline_s if phase == "masked" else svc.secagg_phase_deadline_s
-            await sa.wait_phase_change(phase, limit)
+            await self._phase_change_or_stop(sa, phase, limit)
             if self.stop_requested:
                 return None
             if sa.phase == phase:  # the deadline passed: go on with whoever answered

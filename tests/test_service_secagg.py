@@ -7,6 +7,7 @@ fleet registry and send nothing for it."""
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -31,8 +32,8 @@ SECAGG = {"aggregation": {"kind": "secagg", "signed": True, "graph": "harary"},
 
 # A phase deadline for tests whose devices act only after `checkin_all` returns: the unselected
 # devices' check-ins are held 2 s (min(CHECKIN_HOLD_S, checkin_window_s + 1)) after the round
-# opened, so the commit phase must outlast 2 s, with 3x margin; the service's shutdown waits out
-# the open phase, so each test takes about this long plus 2 s.
+# opened, so the commit phase must outlast 2 s, with 3x margin (a stop ends an open phase at once,
+# so the deadline costs a test nothing unless the test waits for it).
 HELD_DEADLINE_S = 6.0
 
 
@@ -334,3 +335,28 @@ def test_a_merged_post_returns_only_the_senders_mail_and_a_bad_cursor_takes_noth
     for position, (messages, cursor, phase) in mail.items():
         assert messages and cursor == len(messages) and phase == "keys"
         assert {decode(m).recipient for m in messages} == {position}  # its own mail only
+
+
+def test_a_stop_during_a_secagg_phase_does_not_wait_out_its_deadline(tmp_path):
+    """Ctrl-C, SIGTERM or an operator's stop while devices are silent in a SecAgg phase: the
+    service stops at once (before, it sat out the phase deadline: 30 s by default, here 120 s),
+    and the round is not released."""
+    cfg = secagg_cfg(rounds=1, service={"overselect": 0.0, "secagg_phase_deadline_s": 120.0,
+                                        "report_deadline_s": 120.0})
+    users, _ = fleet_data(cfg, tmp_path / "fleet")
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None, poll_s=1.0)
+        links = await register_all(running.url, {u: Ed25519PrivateKey.generate() for u in users})
+        try:
+            replies = await checkin_all(links)  # the round opens; no device answers its setup
+            assert any(r["kind"] == "assignment" for r in replies.values())
+            assert running.driver.current is not None and running.driver.current.secagg is not None
+            began = time.monotonic()
+            await asyncio.wait_for(shutdown(running), 20)
+            return time.monotonic() - began, running.driver.engine.next_round
+        finally:
+            await close_all(links)
+
+    seconds, next_round = asyncio.run(main())
+    assert seconds < 20 and next_round == 0
