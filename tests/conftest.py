@@ -85,6 +85,20 @@ def tiny_teacher_vocab(tiny_teacher_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def wide_tiny_teacher(tiny_teacher_dir):
+    """The tiny teacher loaded on CPU with a wide output layer, so top-k lists have no near-ties."""
+    import torch
+
+    from dpfleet.public.teacher import load_teacher
+
+    t = load_teacher(str(tiny_teacher_dir), device="cpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        t.model.lm_head.weight.normal_(0.0, 0.5)
+    return t
+
+
+@pytest.fixture(scope="module")
 def ray_local():
     """A private 2-CPU Ray instance for one test module (skipped where Ray is not installed)."""
     ray = pytest.importorskip("ray")

@@ -20,7 +20,6 @@ from dpfleet.edge.tokenizer import BOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 from dpfleet.public.kd import kd_loss
 from dpfleet.public.matching import teacher_logprobs
-from dpfleet.public.teacher import load_teacher
 from dpfleet.public.teacher_head import reduce_head, student_space_reduce
 from dpfleet.public.topk import (
     TopKCorpus,
@@ -36,13 +35,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_teacher_dir):
-    """The tiny teacher with a wide output layer, so top-k lists have no near-ties."""
-    t = load_teacher(str(tiny_teacher_dir), device="cpu")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        t.model.lm_head.weight.normal_(0.0, 0.5)
-    return t
+def teacher(wide_tiny_teacher):
+    return wide_tiny_teacher
 
 
 @pytest.fixture(scope="module")

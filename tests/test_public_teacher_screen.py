@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.errors import DpfleetError
-from dpfleet.public.teacher import Teacher, load_teacher
+from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_screen import Int8Screen, int8_gemm_available, resolve_head
 from dpfleet.public.topk import TopKExtractor
 
@@ -76,12 +76,8 @@ def test_padding_ids_past_the_vocabulary_are_never_candidates():
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_teacher_dir):
-    t = load_teacher(str(tiny_teacher_dir), device="cpu")
-    torch.manual_seed(1)
-    with torch.no_grad():
-        t.model.lm_head.weight.normal_(0.0, 0.5)
-    return t
+def teacher(wide_tiny_teacher):
+    return wide_tiny_teacher
 
 
 def test_the_extractor_rows_of_both_heads_agree(teacher, tiny_teacher_vocab):
