@@ -1,9 +1,14 @@
 """Distillation-corpus throughput: the teacher's top-k extraction in tokens/s and bytes/token.
 
-Builds the trimmed teacher vocabulary on WikiText-2 train (timed), cuts WikiText-2 valid into
-`--seq-len`-token sequences and stores the teacher's top-k for `--sequences` of them with the
-real job (`public.topk.build_corpus`). Default teacher: the packaged Gemma 3 270M on whatever
-device `load_teacher` picks (cuda when present). Saves results/public_topk.json.
+Builds the trimmed teacher vocabulary on WikiText-2 train (the main job's 1,024 pieces; timed),
+cuts the King James Bible (the main job's public corpus) into `--seq-len`-token rows and stores
+the teacher's top-k for `--sequences` of them with the real job (`public.topk.build_corpus`),
+once per LM head in `--heads`: the int8 screen (public/teacher_screen.py) and the float32 head.
+It records each head's tokens/s and achieved GFLOP/s, this CPU's GEMM speed at the teacher's
+own shapes (float32 body and head, int8 head) with the roofline tokens/s they allow, and how the
+int8 labels agree with the float32 ones (top-1, top-k sets, KL of the stored top-k
+distributions). Default teacher: the packaged Gemma 3 270M on whatever device `load_teacher`
+picks (cuda when present: the float32/TF32 head only). Saves results/public_topk.json.
 
 `--scaling` instead measures how the teacher's memory and speed scale with the batch size (the
 tokens one loader batch hands over): teacher tokens/s and peak memory of top-k extraction
@@ -47,14 +52,18 @@ from dpfleet.edge.datasets import load_records
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.public.teacher import PACKAGED, load_teacher, resolve_teacher
 from dpfleet.public.teacher_tokenizer import build_teacher_vocab, load_teacher_spm
-from dpfleet.public.topk import TopKExtractor, build_corpus, student_sequences
+from dpfleet.public.topk import TopKCorpus, TopKExtractor, build_corpus, student_sequences
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--teacher", default="gemma3-270m")
-    parser.add_argument("--vocab-size", type=int, default=16_384)
-    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--vocab-size", type=int, default=1024, help="the main job's")
+    parser.add_argument("--sequences", type=int, default=600,
+                        help="KJV rows labelled by each head (600: ~10,000 positions)")
+    parser.add_argument("--dataset", default="kjv", help="the text labelled")
+    parser.add_argument("--heads", default="int8,float32",
+                        help="LM heads to run (public/teacher_screen.py); both: the agreement")
     parser.add_argument("--seq-len", type=int, default=None, help="default 20 CPU, 128 CUDA")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--batch-tokens", type=int, default=0)
@@ -74,9 +83,12 @@ def main() -> None:
     parser.add_argument("--teacher-vocab", type=int, default=16_384)
     parser.add_argument("--modes", default="topk,topk-student,lpub",
                         help="what the sweep measures; a subset is saved under its own name")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads; default 2 for labelling, 1 for --scaling")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = parser.parse_args()
+    if args.threads is None:
+        args.threads = 1 if args.scaling else 2
     if args.point:
         print(json.dumps(_point(**json.loads(args.point))))
         return
@@ -84,6 +96,12 @@ def main() -> None:
         _scaling(args)
         return
 
+    _labelling(args)
+
+
+def _labelling(args) -> None:
+    """Label `--sequences` KJV rows with each head; record speed, agreement and the roofline."""
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     teacher = load_teacher(args.teacher, args.device)
     load_s = time.perf_counter() - start
@@ -95,34 +113,128 @@ def main() -> None:
             args.vocab_size, Path(tmp) / "tok", args.teacher,
         )
         vocab_s = time.perf_counter() - start
-        texts = [r.text for r in load_records("wikitext2", "valid")]
-        sequences = student_sequences(texts, vocab.tokenizer, args.seq_len or 20)[: args.sequences]
-        manifest = build_corpus(
-            TopKExtractor(teacher, vocab, args.k), sequences, Path(tmp) / "corpus",
-            batch_tokens=args.batch_tokens,
-        )
+        texts = [r.text for r in load_records(args.dataset, "train")]
+        sequences = student_sequences(texts, vocab.tokenizer, args.seq_len or 20)
+        sequences = [s for s in sequences if len(s) >= 4][: args.sequences]
+        runs = {}
+        for head in args.heads.split(","):
+            extractor = TopKExtractor(teacher, vocab, args.k, head=head)
+            manifest = build_corpus(extractor, sequences, Path(tmp) / f"corpus-{head}",
+                                    batch_tokens=args.batch_tokens)
+            runs[extractor.head_mode] = (manifest, TopKCorpus(Path(tmp) / f"corpus-{head}"))
+    tokens = runs[next(iter(runs))][0]["tokens"]
+    flops = teacher_flops(teacher.model.config, args.seq_len or 20)
+    roof = gemm_roofline(teacher, args.threads)
     result = {
-        "teacher": args.teacher,
-        "device": manifest["device"],
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "k": args.k,
-        "vocab_size": vocab.meta["vocab_size"],
+        **_machine(str(teacher.device)),
+        "cpu_model": _cpu_model(), "cpu_int8_bf16_flags": _cpu_flags(),
+        "teacher": args.teacher, "torch_threads": torch.get_num_threads(),
+        "load_1min_before": os.getloadavg()[0],
+        "k": args.k, "vocab_size": vocab.meta["vocab_size"],
         "teacher_vocab_size": vocab.meta["teacher_vocab_size"],
-        "token_coverage_wikitext_train": round(vocab.meta["token_coverage"], 4),
-        "sequences": manifest["sequences"],
-        "tokens": manifest["tokens"],
-        "batch_tokens": args.batch_tokens,
-        "tokens_per_s": round(manifest["tokens_per_s"], 1),
-        "bytes_per_token": round(manifest["bytes_per_token"], 2),
-        "array_bytes_per_token": 4 * args.k,
-        "teacher_load_s": round(load_s, 2),
-        "vocab_build_s": round(vocab_s, 2),
+        "dataset": args.dataset, "sequences": len(sequences), "tokens": tokens,
+        "flops_per_token": flops,
+        "heads": {mode: {"tokens_per_s": round(m["tokens_per_s"], 1),
+                         "achieved_gflop_s": round(m["tokens_per_s"] * flops["total"] / 1e9, 1),
+                         "bytes_per_token": round(m["bytes_per_token"], 2)}
+                  for mode, (m, _) in runs.items()},
+        "gemm": roof,
+        "roofline_tokens_per_s": {
+            "float32": round(1e9 / (flops["total"] / roof["float32_head_gflop_s"]), 1),
+            "int8_head": round(1e9 / (flops["body"] / roof["float32_body_gflop_s"]
+                                      + flops["head"] / roof["int8_head_gop_s"]), 1),
+        },
+        "teacher_load_s": round(load_s, 2), "vocab_build_s": round(vocab_s, 2),
     }
+    if {"int8", "float32"} <= runs.keys():
+        result["agreement"] = label_agreement(runs["float32"][1], runs["int8"][1])
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "public_topk.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _cpu_model() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
+def _cpu_flags() -> list[str]:
+    """The int8 / bf16 instructions the CPU reports (what decides the screen's speed)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                      if line.startswith("flags")), []))
+    return sorted(f for f in flags if "vnni" in f or "bf16" in f or f.startswith("amx"))
+
+
+def teacher_flops(config, seq_len: int) -> dict:
+    """Multiply-adds x 2 per token: the body's projections and MLP, its attention over a
+    `seq_len` context (half of it on average, causal), and the LM head."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    d, inner, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", d // cfg.num_attention_heads)
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    projections = d * (2 * q + 2 * kv) + 3 * d * inner
+    attention = 2 * cfg.num_attention_heads * head_dim * seq_len / 2
+    body = 2 * layers * (projections + attention)
+    head = 2 * d * cfg.vocab_size
+    return {"body": body, "head": head, "total": body + head}
+
+
+def gemm_roofline(teacher, threads: int) -> dict:
+    """This CPU's GEMM speed at the teacher's own shapes: float32 for the body's MLP and the head,
+    int8 (oneDNN u8s8, bf16 out) for the head as the screen runs it."""
+    from dpfleet.public.teacher_screen import SCREEN_CHUNK_TOKENS, Int8Screen
+
+    torch.set_num_threads(threads)
+    cfg = getattr(teacher.model.config, "get_text_config", lambda: teacher.model.config)()
+    d, inner, vocab = cfg.hidden_size, cfg.intermediate_size, teacher.vocab_size
+
+    def rate(fn, ops: float) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return ops / best / 1e9
+
+    x = torch.randn(1024, d)
+    w_mlp = torch.randn(inner, d)
+    rows = torch.randn(SCREEN_CHUNK_TOKENS, d)
+    w = teacher.head_weight
+    screen = Int8Screen(w)
+    return {
+        "float32_body_gflop_s": round(rate(lambda: x @ w_mlp.T, 2 * 1024 * d * inner), 1),
+        "float32_head_gflop_s": round(rate(lambda: rows @ w.T, 2 * len(rows) * d * vocab), 1),
+        "int8_head_gop_s": round(rate(lambda: screen.approximate(rows),
+                                      2 * len(rows) * d * vocab), 1),
+        "bf16_matmul": "no AVX512-BF16 / AMX on this CPU: bfloat16 GEMM is emulated "
+                       "(57 GFLOP/s at the head's shape), slower than float32",
+        "shapes": {"body_mlp": [1024, d, inner], "head": [len(rows), d, vocab]},
+    }
+
+
+def label_agreement(reference, fast) -> dict:
+    """How the int8-screened labels compare with the float32 head's on the same positions: top-1
+    id equal, the stored top-k sets equal, and KL(float32 || int8) of the softmax over the stored
+    top-k (the distribution L_KD trains on; an id missing from one side has probability 0 there)."""
+    import numpy as np
+
+    ids_r, ids_f = reference.topk_ids, fast.topk_ids
+    log_r = torch.log_softmax(torch.from_numpy(reference.topk_logits).double(), -1).numpy()
+    log_f = torch.log_softmax(torch.from_numpy(fast.topk_logits).double(), -1).numpy()
+    kl = np.zeros(len(ids_r))
+    for j in range(ids_r.shape[1]):
+        p = np.exp(log_r[:, j])
+        match = ids_f == ids_r[:, j : j + 1]
+        q_log = np.where(match.any(1), (np.where(match, log_f, 0.0)).sum(1), -np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            kl += np.where(p > 0, p * (log_r[:, j] - q_log), 0.0)
+    same_sets = (np.sort(ids_r, 1) == np.sort(ids_f, 1)).all(1)
+    return {"positions": int(len(ids_r)),
+            "top1_equal": float((ids_r[:, 0] == ids_f[:, 0]).mean()),
+            "topk_sets_equal": float(same_sets.mean()),
+            "mean_kl_topk": float(kl.mean()), "max_kl_topk": float(kl.max())}
 
 
 def _synthetic_teacher(folder: Path, teacher_vocab: int) -> Path:
