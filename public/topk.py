@@ -207,7 +207,8 @@ def token_batches(sequences: Sequence[Sequence[int]], batch_tokens: int) -> Iter
         yield list(sequences[span])
 
 
-def _fingerprint(sequences: Sequence[Sequence[int]]) -> str:
+def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
+    """A short digest of the token sequences: what a corpus's labels were computed for."""
     digest = hashlib.sha256()
     for seq in sequences:
         digest.update(np.asarray(seq, dtype=np.uint16).tobytes() + b"\xff\xff")
@@ -223,7 +224,7 @@ def read_manifest(path: Path) -> dict:
                            "corpus") from exc
 
 
-def _stale(path: Path, record: dict | None) -> str | None:
+def shard_problem(path: Path, record: dict | None) -> str | None:
     """Why the shard file at `path` must be computed ("": never written), or None when it is
     whole: present and matching the SHA-256 recorded for it."""
     if not path.is_file():
@@ -274,7 +275,7 @@ def build_corpus(
         "sequences": len(sequences),
         "tokens": sum(map(len, sequences)),
         "shard_sequences": shard_sequences,
-        "fingerprint": _fingerprint(sequences),
+        "fingerprint": sequences_fingerprint(sequences),
     }
     # options added later are recorded only when not at their default, so older corpora match
     if extractor.targets != "teacher":
@@ -297,7 +298,7 @@ def build_corpus(
         name = f"shard-{first // shard_sequences:05d}.npz"
         chunk = sequences[first : first + shard_sequences]
         shards.append(name)
-        reason = _stale(out / name, recorded.get(name))
+        reason = shard_problem(out / name, recorded.get(name))
         if reason is None:
             done_tokens += sum(map(len, chunk))
             continue

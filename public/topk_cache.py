@@ -31,7 +31,13 @@ import numpy as np
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, sha256_file
-from dpfleet.public.topk import TopKExtractor, _fingerprint, _stale, build_corpus, read_manifest
+from dpfleet.public.topk import (
+    TopKExtractor,
+    build_corpus,
+    read_manifest,
+    sequences_fingerprint,
+    shard_problem,
+)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SIDECAR = "file-sha256.json"
@@ -91,7 +97,7 @@ def labels_key(extractor: TopKExtractor, sequences: Sequence[Sequence[int]]) -> 
         "student_vocab_size": extractor.student_vocab,
         "k": extractor.k,
         "targets": extractor.targets,
-        "fingerprint": _fingerprint([s for s in sequences if len(s) > 0]),
+        "fingerprint": sequences_fingerprint([s for s in sequences if len(s) > 0]),
     }
     return key
 
@@ -116,7 +122,7 @@ def cached_topk_corpus(
     manifest_file = folder / "manifest.json"
     manifest = read_manifest(manifest_file) if manifest_file.is_file() else {}
     records = manifest.get("shard_files", {})
-    if "shards" in manifest and all(_stale(folder / name, records.get(name)) is None
+    if "shards" in manifest and all(shard_problem(folder / name, records.get(name)) is None
                                     for name in manifest["shards"]):
         log(f"top-k labels: cached in {folder}")
         return folder
