@@ -84,3 +84,22 @@ def test_topk_rows_are_aligned_with_the_next_token(folder, vocab, wikitext, tmp_
     print(f"\nteacher top-1 {top1:.3f}, target in top-k {in_topk:.3f}, shifted {shifted:.3f}")
     # 20-token windows without earlier context: Gemma's canonical top-1 is about 0.27 there
     assert top1 > 0.15 and in_topk > 0.4 and shifted.item() < top1 / 3
+
+
+def test_the_int8_screened_head_labels_as_the_float32_head(folder, vocab, wikitext):
+    """The real teacher on real text: the screen's stored top-k rows are the float32 head's
+    (issue 34 asks top-1 equal on >= 99% of positions; the screen rescores in float32, so its
+    values differ only by summation order)."""
+    from dpfleet.public.teacher_screen import int8_gemm_available
+
+    if not int8_gemm_available():
+        pytest.skip("no oneDNN quantized linear in this torch")
+    teacher = load_teacher("gemma3-270m", "cpu")
+    sequences = student_sequences(wikitext["valid"][:60], vocab.tokenizer, 20)[:60]
+    fast_ids, fast_v = TopKExtractor(teacher, vocab, 10, head="int8").rows(sequences)
+    ref_ids, ref_v = TopKExtractor(teacher, vocab, 10, head="float32").rows(sequences)
+    assert len(ref_ids) > 800
+    assert (fast_ids[:, 0] == ref_ids[:, 0]).float().mean() >= 0.99
+    same = (fast_ids == ref_ids).all(1)
+    assert same.float().mean() >= 0.99
+    assert torch.allclose(fast_v[same], ref_v[same], atol=1e-3)
