@@ -160,10 +160,9 @@ class TopKExtractor:
         self.head_mode, self._head = resolve_head(head, teacher, targets), None
         if targets == "student":
             self._reduce = student_space_reduce(self.t2s, self.student_vocab, k)
-        elif self.head_mode == "int8":
-            screen = screen_for(teacher)
+        elif self.head_mode == "int8":  # the screen takes the hidden rows, not logits
+            self._screen, self.chunk_tokens = screen_for(teacher), min(chunk_tokens, SCREEN_CHUNK_TOKENS)
             self._reduce, self._head = self._screened, lambda hidden: hidden
-            self._screen, self.chunk_tokens = screen, min(chunk_tokens, SCREEN_CHUNK_TOKENS)
         else:
             self._reduce = self._teacher_space
 
@@ -257,9 +256,7 @@ def build_corpus(
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:
         raise DpfleetError("no sequences to distill")
-    if any(max(s) >= MAX_STUDENT_VOCAB for s in sequences):
-        raise DpfleetError(f"token ids must be below {MAX_STUDENT_VOCAB}")
-    if any(max(s) >= extractor.student_vocab for s in sequences):  # another tokenizer's ids
+    if any(max(s) >= extractor.student_vocab for s in sequences):  # (a vocabulary <= 32,768 ids)
         raise DpfleetError(f"token ids must be below the student vocabulary's size "
                            f"({extractor.student_vocab}): were the sequences encoded with "
                            "another tokenizer?")
@@ -267,7 +264,7 @@ def build_corpus(
         raise DpfleetError("shard_sequences must be positive")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    head_mode = getattr(extractor, "head_mode", "float32")
+    head_mode = extractor.head_mode
     settings = {
         "format": "dpfleet-topk-v1",
         "k": extractor.k,

@@ -92,7 +92,7 @@ def labels_key(extractor: TopKExtractor, sequences: Sequence[Sequence[int]]) -> 
         "teacher": extractor.teacher.name,
         "teacher_files": teacher_digest(extractor.teacher.path, root / _SIDECAR),
         "device": extractor.teacher.device.type,
-        "head_mode": getattr(extractor, "head_mode", "float32"),
+        "head_mode": extractor.head_mode,
         "vocabulary": maps.hexdigest(),
         "student_vocab_size": extractor.student_vocab,
         "k": extractor.k,

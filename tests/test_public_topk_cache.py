@@ -200,7 +200,7 @@ def test_cache_returns_at_once_and_every_input_gets_its_own_entry(
     assert not np.array_equal(other_vocab.student_to_teacher, vocab.student_to_teacher)
     other_head = TopKExtractor(teacher, vocab, 4)
     # an int8-screened head's labels are not the float32 head's (only the recorded mode counts here)
-    other_head.head_mode = "float32" if getattr(other_head, "head_mode", "") == "int8" else "int8"
+    other_head.head_mode = "float32" if other_head.head_mode == "int8" else "int8"
     variants = {
         "k": cached(TopKExtractor(teacher, vocab, 3)),
         "targets": cached(TopKExtractor(teacher, vocab, 4, targets="student")),
