@@ -39,16 +39,29 @@ PIN_ENV = "DPFLEET_STAGED_SHA256"
 _DIGESTS: dict[tuple, str] = {}
 
 
+def file_stamps(path: Path) -> tuple:
+    """A file's identity and change stamps (path, device, inode, size, mtime_ns, ctime_ns): equal
+    stamps mean the same bytes, unless the file changed within RACY_NS of being hashed."""
+    st = Path(path).stat()
+    return (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns)
+
+
+def hashed_with_stamps(path: Path) -> tuple[str, tuple, bool]:
+    """(SHA-256, the stamps taken before hashing, whether a cache may keep the digest under them:
+    not when the file changed less than RACY_NS before the hash began)."""
+    stamps = file_stamps(path)
+    began = time.time_ns()
+    return sha256_file(path), stamps, began - stamps[-1] > RACY_NS
+
+
 def file_sha256(path: Path) -> str:
     """The file's SHA-256, hashed once per process while its stamps stay the same."""
-    st = Path(path).stat()
-    key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-           st.st_ctime_ns)
+    key = file_stamps(path)
     if key in _DIGESTS:
         return _DIGESTS[key]
-    began = time.time_ns()
-    digest = sha256_file(path)
-    if began - st.st_ctime_ns > RACY_NS:  # see the module docstring
+    digest, stamps, keep = hashed_with_stamps(path)
+    if keep and stamps == key:  # see the module docstring
         _DIGESTS[key] = digest
     return digest
 

@@ -13,7 +13,8 @@ under `$DPFLEET_CACHE/topk/<digest>/`, the digest taken over everything the labe
 
 Names, sizes and modification times do not identify weights (a re-converted teacher keeps
 them), so the weights are hashed; a sidecar (`file-sha256.json`) keeps each file's hash under its
-path, size and mtime, so a 1 GB teacher is read once, not on every call. The shard size and the
+stamps (edge/staged.py: inode, size, mtime and ctime), so a 1 GB teacher is read once, not on
+every call. The shard size and the
 batch sizes change how the work is cut, not the labels, so they are not in the digest: a corpus
 left half-done resumes with the shard size it was started with. `key.json` in each folder lists
 the digest's inputs.
@@ -28,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.edge.staged import file_stamps, hashed_with_stamps
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, sha256_file
+from dpfleet.io import atomic_write
 from dpfleet.public.topk import (
     TopKExtractor,
     build_corpus,
@@ -51,20 +53,22 @@ def topk_cache_root() -> Path:
 
 
 def cached_sha256(paths: Sequence[Path], sidecar: Path) -> dict[str, str]:
-    """SHA-256 of each file, by name, reusing the hash `sidecar` holds for the same path, size
-    and mtime (a file rewritten in place changes its mtime, so it is hashed again)."""
+    """SHA-256 of each file, by name, reusing the hash `sidecar` holds for the same stamps
+    (edge/staged.py's: inode, size, mtime and ctime; a rewrite changes ctime, which user space
+    cannot set back, so a file rewritten since, even with its mtime restored, is hashed again)."""
     try:
         known = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         known = {}  # a damaged sidecar only costs a re-hash
     out, changed = {}, False
     for path in paths:
-        stat = path.stat()
-        key = str(path.resolve())
+        key, stamps = str(path.resolve()), list(file_stamps(path))
         entry = known.get(key)
-        if not entry or entry.get("size") != stat.st_size or entry.get("mtime_ns") != stat.st_mtime_ns:
-            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
-            known[key], changed = entry, True
+        if not entry or entry.get("stamps") != stamps:
+            digest, taken, keep = hashed_with_stamps(path)
+            entry = {"stamps": list(taken), "sha256": digest}
+            if keep:
+                known[key], changed = entry, True
         out[path.name] = entry["sha256"]
     if changed:
         atomic_write(sidecar, json.dumps(known, indent=1, sort_keys=True))

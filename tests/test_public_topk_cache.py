@@ -6,6 +6,7 @@ real Gemma is never loaded here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dpfleet.public.topk_cache as topk_cache
+import dpfleet.edge.staged as staged
 from dpfleet.cli import main
 from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import load_teacher
@@ -217,8 +218,9 @@ def test_cache_returns_at_once_and_every_input_gets_its_own_entry(
 def test_teacher_identity_is_its_files_hashes_computed_once(teacher_dir, tmp_path, monkeypatch):
     copy = shutil.copytree(teacher_dir, tmp_path / "teacher")
     sidecar, hashed = tmp_path / "sidecar.json", []
-    real = topk_cache.sha256_file
-    monkeypatch.setattr(topk_cache, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    real = staged.sha256_file
+    monkeypatch.setattr(staged, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    monkeypatch.setattr(staged, "RACY_NS", -10**18)  # the copy is new: keep its digests anyway
     first = teacher_digest(copy, sidecar)
     assert sorted(first) == ["config.json", "model.safetensors"] and len(hashed) == 2
     assert teacher_digest(copy, sidecar) == first and len(hashed) == 2  # from the sidecar
@@ -262,3 +264,25 @@ def test_distill_corpus_help_says_what_is_resumed_verified_and_cached(capsys):
     for phrase in ("Resumed:", "Verified:", "Cached:", "SHA-256", "$DPFLEET_CACHE/topk/"):
         assert phrase in text
 
+
+
+def test_attack_weights_rewritten_with_size_and_mtime_restored_get_their_own_digest(
+        teacher_dir, tmp_path, monkeypatch):
+    """Another teacher's bytes put in place of the cached one's, same size, mtime set back with
+    utime (what `cp -p` or rsync of a re-conversion does): the cache must not hand out the old
+    teacher's labels, so the digest must be the new bytes'. ctime, which user space cannot set,
+    is in the sidecar's stamps."""
+    copy = shutil.copytree(teacher_dir, tmp_path / "teacher")
+    monkeypatch.setattr(staged, "RACY_NS", -10**18)
+    sidecar, weights = tmp_path / "sidecar.json", copy / "model.safetensors"
+    first = teacher_digest(copy, sidecar)["model.safetensors"]
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last weight: another model, same size
+    time.sleep(0.01)
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size,
+                                                                     before.st_mtime_ns)
+    second = teacher_digest(copy, sidecar)["model.safetensors"]
+    assert second == hashlib.sha256(bytes(data)).hexdigest() != first
