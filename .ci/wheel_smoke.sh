@@ -15,6 +15,14 @@ wheel=$(ls "$work"/dist/dpfleet-*.whl)
 python3 -m venv "$work/venv"
 pip_quiet "$work/venv/bin/python" -m pip install -q "$wheel"
 mkdir "$work/empty" && cd "$work/empty"
+# the first commands a user types: every --help (and bare `dpfleet`) exits 0 from the wheel,
+# and the public modules import (an editable install imports importlib.util for us; a wheel not)
+"$work/venv/bin/python" -c "import dpfleet, dpfleet.extensions, dpfleet.api"
+"$work/venv/bin/dpfleet" >/dev/null
+"$work/venv/bin/dpfleet" --help >/dev/null
+for cmd in $("$work/venv/bin/python" -c "from dpfleet.cli import COMMANDS; print(*COMMANDS)"); do
+    "$work/venv/bin/dpfleet" "$cmd" --help >/dev/null || { echo "dpfleet $cmd --help failed" >&2; exit 1; }
+done
 "$work/venv/bin/dpfleet" init --example tiny
 "$work/venv/bin/dpfleet" simulate tiny.toml --quiet
 "$work/venv/bin/python" - <<'PY'

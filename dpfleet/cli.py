@@ -8,7 +8,9 @@ an OSError (an unwritable or full disk), with its path (`DPFLEET_DEBUG=1`: the t
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -52,12 +54,22 @@ class LazyGroup(click.Group):
             raise
         return getattr(module, attr)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """Click's lookup, with the nearest command named when a typo finds none."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            near = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            hint = f" Did you mean '{near[0]}'?" if near else ""
+            ctx.fail(f"No such command '{name}'.{hint}")
+        return super().resolve_command(ctx, args)
+
 
 def _resolvable(target: str) -> bool:
     return importlib.util.find_spec(target.split(":")[0]) is not None
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dpfleet")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
@@ -66,6 +78,9 @@ def cli(ctx: click.Context) -> None:
     Emulate a fleet of phones, train next-word models with DP-FTRL and user-level
     differential privacy, account the guarantee, and export the result for phones.
     """
+    if ctx.invoked_subcommand is None:  # bare `dpfleet`: the help, as a success (click says exit 2)
+        click.echo(ctx.get_help())
+        ctx.exit(0)
     ctx.obj = {"pretrain": pretrain_on_public}  # for the commands that run a config (simulate, audit)
 
 

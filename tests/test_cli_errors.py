@@ -86,3 +86,18 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(cli.cli, "main", broken)
     with pytest.raises(ModuleNotFoundError):  # our own bugs are not disguised as user errors
         cli.main(["export", "x"])
+
+
+def test_typo_in_a_command_names_the_nearest_one():
+    proc = run_cli("simulat", "x.toml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "No such command 'simulat'. Did you mean 'simulate'?" in proc.stderr
+    proc = run_cli("zzzz")
+    assert proc.returncode == 2 and "Did you mean" not in proc.stderr
+
+
+
+def test_bare_dpfleet_prints_help_and_succeeds():
+    proc = run_cli()
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout and "simulate" in proc.stdout
