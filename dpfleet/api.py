@@ -22,7 +22,9 @@ What you may bring, each optional:
   toolkit's PAD / BOS / EOS / UNK (PAD targets are not scored), so a tokenizer should not give
   real words those ids. Default: the config's tokenizer.
 * `model`: any `torch.nn.Module` mapping int64 token ids [batch, time] to float logits
-  [batch, time, vocab]. With client.trainer = "auto" (the default) or "sequential" it trains
+  [batch, time, vocab], as a tensor or as `.logits` (a Hugging Face causal LM as it is); other
+  embeddings (learned positions, segments) are its own business: the vocabulary check looks at
+  the embedding the token ids index. With client.trainer = "auto" (the default) or "sequential" it trains
   through the sequential eager client trainer, the reference (summary.json notes the fallback
   from "auto"); "cohort" trains a round's clients at once with torch.func over your module,
   after one trial step (a module vmap cannot batch, e.g. one with random dropout, is an error).
@@ -76,7 +78,7 @@ def simulate(
         config: a TOML file's path, or a dict with the same sections and keys; keys left out
             get the defaults of `dpfleet.coordinator.config` (the main job's values).
         model: a `torch.nn.Module` from int64 token ids [batch, time] to logits [batch, time,
-            vocab]; default the config's `[model]`. Checked with one forward on a dummy batch
+            vocab] (a tensor, or an output with `.logits`); default the config's `[model]`. Checked with one forward on a dummy batch
             before training; trained by the sequential trainer unless client.trainer = "cohort".
         users: a mapping user id -> that user's texts, or an iterable of (user id, text);
             default the config's `[data]` dataset.

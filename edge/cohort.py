@@ -37,6 +37,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from dpfleet.edge.client_update import ClientUpdate, finish_update
 from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
 from dpfleet.edge.cohort_pool import discard_pool, shared_pool
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -197,7 +198,7 @@ class CohortTrainer:
             self.chunk = chunk or max(1, memory_mb * 2**20 // per_client)
 
         def loss(params: dict, rows: torch.Tensor) -> torch.Tensor:
-            logits = functional_call(self.model, params, (rows[:, :-1],))
+            logits = logits_of(functional_call(self.model, params, (rows[:, :-1],)))
             return next_token_loss(logits, rows[:, 1:], PAD)
 
         self._step = vmap(grad_and_value(loss))

@@ -18,6 +18,7 @@ from dpfleet.edge.minibatch import (  # noqa: F401  (re-exported: runtimes and t
     check_examples,
     fixed_shape_batches,
 )
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model, next_token_loss
@@ -77,7 +78,7 @@ class LocalSGD:
         losses = []
         for idx in batches(len(rows), batch_size, seed):
             batch = rows[idx]
-            loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:], PAD)
+            loss = next_token_loss(logits_of(model(batch[:, :-1])), batch[:, 1:], PAD)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

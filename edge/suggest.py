@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 
@@ -134,7 +135,7 @@ class Predictor:
         windows = torch.tensor([[BOS, *(c[-keep:] if keep and len(c) > keep else c)] for c in contexts],
                                dtype=torch.int64)
         with _inference(self.model) as device:
-            logits = self.model(windows.to(device))
+            logits = logits_of(self.model(windows.to(device)))
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != windows.shape:
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise DpfleetError(f"the model must map ids [batch, time] to logits [batch, time, vocab]; "

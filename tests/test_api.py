@@ -110,7 +110,7 @@ def test_example_custom_model_runs_with_dp_and_secagg(tmp_path):
 @pytest.mark.parametrize("model, message", [
     (Flat(), r"wrong shape: .* \[2, 8, 64\], got \[2, 64\]"),
     (TinyLM(out=VOCAB - 1), r"vocabulary mismatch: .*\[2, 8, 64\], got \[2, 8, 63\]"),
-    (TinyLM(embed_rows=32), r"vocabulary mismatch: the model's embedding has 32 rows"),
+    (TinyLM(embed_rows=32), r"vocabulary mismatch: the model's token embedding has 32 rows"),
     ("not a module", r"model must be a torch.nn.Module, not str"),
 ])
 def test_bad_model_is_one_clear_error_before_training(tmp_path, model, message):

@@ -47,6 +47,7 @@ from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
 from dpfleet.edge.clipping import clip_l2
+from dpfleet.edge.model_output import logits_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
 from dpfleet.io import atomic_write
@@ -293,7 +294,7 @@ def log_perplexity(model: torch.nn.Module, prefix: list[int], secrets: np.ndarra
         for start in range(0, n, batch):
             part = secrets[start:start + batch].astype(np.int64)
             ids = torch.from_numpy(np.concatenate([np.tile(head, (len(part), 1)), part], axis=1))
-            logp = torch.log_softmax(model(ids[:, :-1]).double(), -1)
+            logp = torch.log_softmax(logits_of(model(ids[:, :-1])).double(), -1)
             targets = ids[:, len(head):]
             picked = logp[:, len(head) - 1:, :].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             out[start:start + len(part)] = -picked.sum(1).numpy()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dpfleet.edge.client_data import ClientData, held_out_count
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 
@@ -47,7 +48,7 @@ def evaluate(model: nn.Module, rows: np.ndarray, batch_size: int = 256) -> dict:
     for start in range(0, len(rows), batch_size):
         batch = torch.from_numpy(rows[start : start + batch_size].astype(np.int64))
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
+        logits = logits_of(model(inputs))
         c, s = accuracy_counts(logits, targets)
         correct, scored = correct + c, scored + s
         nonpad = targets != PAD

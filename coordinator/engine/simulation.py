@@ -21,6 +21,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.edge.client_data import build_federated, group_by_user, split_users
 from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import TextRecord, load_records
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
 from dpfleet.errors import DpfleetError
@@ -435,35 +437,65 @@ def largest_id(data) -> int:
     return max((int(c.examples.max()) for c in (*data.train, *data.test) if c.examples.size), default=0)
 
 
+class _ShortEmbedding(Exception):
+    """Raised by `_token_embedding_guard` before a too-small embedding looks the ids up."""
+
+    def __init__(self, module: torch.nn.Embedding):
+        self.module = module
+
+
+@contextmanager
+def _token_embedding_guard(model: torch.nn.Module, ids: torch.Tensor, rows_needed: int):
+    """While active, an `nn.Embedding` that is handed the token ids themselves (not positions or
+    segment ids, which a transformer embeds too) with fewer than `rows_needed` rows raises
+    `_ShortEmbedding`: the vocabulary check looks at what the ids index."""
+
+    def check(module: torch.nn.Embedding, inputs: tuple) -> None:
+        seen = inputs[0] if inputs else None
+        if (isinstance(seen, torch.Tensor) and seen.shape == ids.shape and torch.equal(seen, ids)
+                and module.num_embeddings < rows_needed):
+            raise _ShortEmbedding(module)
+
+    hooks = [m.register_forward_pre_hook(check) for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def check_custom_model(model: torch.nn.Module, vocab_size: int, seq_len: int, data) -> None:
     """One forward on a dummy batch before any training: a custom model must map int64 token ids
-    [batch, time] to logits [batch, time, vocab_size], and its embedding must hold every token id
-    in the data, so a mismatch is one clear error instead of a traceback rounds later."""
+    [batch, time] to logits [batch, time, vocab_size] (a tensor, or `.logits` as Hugging Face
+    models return), and the embedding the ids index must hold every token id in the data, so a
+    mismatch is one clear error instead of a traceback rounds later."""
     top = largest_id(data)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and module.num_embeddings < max(vocab_size, top + 1):
-            raise DpfleetError(f"vocabulary mismatch: the model's embedding has {module.num_embeddings} "
-                               f"rows but token ids reach {max(vocab_size, top + 1) - 1} (tokenizer "
-                               f"vocab_size {vocab_size}, largest id in the data {top})")
-    dummy = torch.arange(2 * seq_len, dtype=torch.int64).reshape(2, seq_len) % vocab_size
+    need = max(vocab_size, top + 1)
+    # not 0..n-1: a positional embedding's input must not look like the token ids
+    dummy = (torch.arange(2 * seq_len, dtype=torch.int64).reshape(2, seq_len) * 7 + 5) % vocab_size
     training = model.training
     model.eval()  # no dropout: the check draws nothing from torch's seeded generator
     try:
-        with torch.no_grad():
-            out = model(dummy)
+        with torch.no_grad(), _token_embedding_guard(model, dummy, need):
+            out = logits_of(model(dummy))
+    except _ShortEmbedding as short:
+        raise DpfleetError(f"vocabulary mismatch: the model's token embedding has "
+                           f"{short.module.num_embeddings} rows but token ids reach {need - 1} "
+                           f"(tokenizer vocab_size {vocab_size}, largest id in the data {top})") from None
+    except DpfleetError:
+        raise
     except Exception as exc:  # the user's module: any failure is their input's
         raise DpfleetError(f"the model failed on a dummy batch of token ids [2, {seq_len}] (int64, "
                            f"ids < {vocab_size}): {type(exc).__name__}: {exc}") from None
     finally:
         model.train(training)
     expected = (2, seq_len, vocab_size)
-    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    got = tuple(out.shape)
     if got != expected:
         what = ("vocabulary mismatch: the model's output vocabulary differs from the tokenizer's "
-                "vocab_size" if isinstance(got, tuple) and got[:2] == expected[:2] else
-                "the model's output has the wrong shape")
+                "vocab_size" if got[:2] == expected[:2] else "the model's output has the wrong shape")
         raise DpfleetError(f"{what}: token ids [2, {seq_len}] must give logits [batch, time, vocab] "
-                           f"= {list(expected)}, got {list(got) if isinstance(got, tuple) else got}")
+                           f"= {list(expected)}, got {list(got)}")
     if not out.is_floating_point():
         raise DpfleetError(f"the model's output must be float logits, got {out.dtype}")
 
