@@ -80,6 +80,7 @@ class Predictor:
         case-insensitively; "I will" completes "will", "I will " gives the next word). A word is
         built from up to `max_pieces` tokens."""
         k, max_pieces = _positive(k, "k"), _positive(max_pieces, "max_pieces")
+        _text(text)
         texts = self._token_texts()
         typed = _TYPED.search(text).group()
         context = self._encode(text[: len(text) - len(typed)])
@@ -105,9 +106,7 @@ class Predictor:
         return search.best()
 
     def _encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise DpfleetError(f"text must be a str, not {type(text).__name__}")
-        return [int(i) for i in self.tokenizer.encode(text)]
+        return [int(i) for i in self.tokenizer.encode(_text(text))]
 
     def _decoder(self):
         decode = getattr(self.tokenizer, "decode", None)
@@ -227,6 +226,12 @@ def _appended(decode, ids: list[int], token: int, base: str) -> str:
     a SentencePiece word start shows its space only after other text."""
     full = decode([*ids, token])
     return full[len(base):] if full.startswith(base) else decode([token])
+
+
+def _text(text: object) -> str:
+    if not isinstance(text, str):
+        raise DpfleetError(f"text must be a str, not {type(text).__name__}")
+    return text
 
 
 def _positive(value: int, name: str) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from dpfleet.errors import DpfleetError
-from dpfleet.export.phone import MIN_TOP1, PHONE_FORMATS, QUANTIZE, TARGETS
+from dpfleet.export.phone import FORMAT_NAMES, MIN_TOP1, PHONE_FORMATS, QUANTIZE, TARGETS
 from dpfleet.io import check_writable
 from dpfleet.jsonio import dumps
 
@@ -19,9 +19,10 @@ from dpfleet.jsonio import dumps
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(PHONE_FORMATS),
+    type=click.Choice([*PHONE_FORMATS, *FORMAT_NAMES]),
     default=None,
-    help="pte: ExecuTorch with the XNNPACK delegate; onnx: ONNX for ONNX Runtime (with --out).",
+    help="pte (or executorch): ExecuTorch with the XNNPACK delegate; onnx: ONNX for ONNX Runtime "
+    "(with --out).",
 )
 @click.option(
     "--quantize",

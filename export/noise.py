@@ -171,6 +171,10 @@ def exporter_step(what: str) -> Iterator[None]:
         except DpfleetError:
             raise
         except Exception as exc:
+            missing = missing_edge_package(exc)
+            if missing:
+                raise DpfleetError(f"{what} needs the package {missing!r}, which the edge extra "
+                                   "installs: pip install 'dpfleet[edge]'") from None
             if cap is None:  # DPFLEET_EXPORT_DEBUG: the traceback is the point
                 raise
             cap.text.write(f"\n{what} refused the model:\n")
@@ -178,6 +182,20 @@ def exporter_step(what: str) -> Iterator[None]:
             cap.keep = True
             raise ExportRefused(f"{what} refused this model: {reason(exc)}; the exporter's full "
                                 f"output: {cap.final_path}") from exc
+
+
+# the edge extra's packages (pyproject.toml); an exporter imports some of them only when it runs
+EDGE_PACKAGES = ("executorch", "onnx", "onnxruntime", "onnxscript")
+
+
+def missing_edge_package(exc: BaseException) -> str | None:
+    """The edge-extra package whose absence `exc` (or an exception it wraps) reports, if any:
+    not the exporter refusing the model but an install to make."""
+    while exc is not None:
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EDGE_PACKAGES:
+            return exc.name.split(".")[0]
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def reason(exc: BaseException) -> str:

@@ -39,6 +39,7 @@ from dpfleet.export.noise import capture, exporter_step, log_path, terminal
 from dpfleet.export.training import tool_versions
 
 PHONE_FORMATS = ("pte", "onnx")
+FORMAT_NAMES = {"executorch": "pte"}  # what users also call a format: the runtime's name
 QUANTIZE = ("int8",)
 PROGRAM_FILE = {"pte": "model.pte", "onnx": "model.onnx"}
 TARGETS = ("x86", "arm")
@@ -292,8 +293,10 @@ class PhoneExport:
     def run(self) -> dict:
         """Export, write tokenizer + manifest, measure; returns the JSON summary, whose `log` is
         the exporters' output file (None when they wrote nothing)."""
+        self.fmt = FORMAT_NAMES.get(self.fmt, self.fmt)
         if self.fmt not in PHONE_FORMATS:
-            raise DpfleetError(f"unknown format {self.fmt!r}; choose from {PHONE_FORMATS}")
+            raise DpfleetError(f"unknown format {self.fmt!r}; choose from {', '.join(PHONE_FORMATS)} "
+                               "(pte is ExecuTorch's program, also accepted as 'executorch')")
         if self.quantize not in (None, *QUANTIZE):
             raise DpfleetError(f"unknown quantization {self.quantize!r}; choose from {QUANTIZE}")
         cfg, model, tokenizer = self._load()

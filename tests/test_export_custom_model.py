@@ -136,3 +136,26 @@ def test_example_trains_then_exports_both_formats(tmp_path):
     assert all(len(words) == 3 for words in report["suggest"].values())
     assert json.loads((tmp_path / "export_report.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "phone" / "onnx" / "tokenizer").is_dir()
+
+
+def test_executorch_is_a_name_of_the_pte_format(tmp_path):
+    pytest.importorskip("executorch")
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(checkpoint, ValueBranch(), None, WordTokenizer(["a", "b"]))
+    with pytest.raises(ExportRefused, match=r"^ExecuTorch export refused this model"):
+        PhoneExport(checkpoint, "executorch", tmp_path / "out", seq_len=8, model=ValueBranch()).run()
+    with pytest.raises(DpfleetError, match=r"unknown format 'tflite'; choose from pte, onnx"):
+        PhoneExport(checkpoint, "tflite", tmp_path / "out", seq_len=8, model=ValueBranch()).run()
+
+
+def test_a_missing_edge_package_is_named_with_its_install_line(custom_run, tmp_path, monkeypatch):
+    """Without onnxscript (the edge extra) the ONNX exporter fails on its import: that is an
+    install to make, not the exporter refusing the model."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # `import onnxscript` now fails
+    with pytest.raises(DpfleetError) as missing:
+        custom_run.export(tmp_path / "onnx", "onnx")
+    assert str(missing.value) == ("ONNX export needs the package 'onnxscript', which the edge extra "
+                                  "installs: pip install 'dpfleet[edge]'")
+    assert not (tmp_path / "onnx").exists()

@@ -152,6 +152,8 @@ def test_mistakes_are_one_clear_error():
         Predictor(Bigram(), Pieces()).suggest("see", k=0)
     with pytest.raises(DpfleetError, match="text must be a str"):
         Predictor(Bigram(), Pieces()).predict(["see"])
+    with pytest.raises(DpfleetError, match="text must be a str, not int"):  # was a raw TypeError
+        Predictor(Bigram(), Pieces()).suggest(123)
 
     class Flat(nn.Module):
         def forward(self, ids):
