@@ -78,8 +78,9 @@ def simulate(
         config: a TOML file's path, or a dict with the same sections and keys; keys left out
             get the defaults of `dpfleet.coordinator.config` (the main job's values).
         model: a `torch.nn.Module` from int64 token ids [batch, time] to logits [batch, time,
-            vocab] (a tensor, or an output with `.logits`); default the config's `[model]`. Checked with one forward on a dummy batch
-            before training; trained by the sequential trainer unless client.trainer = "cohort".
+            vocab] (a tensor, or an output with `.logits`); default the config's `[model]`.
+            Checked with one forward on a dummy batch before training; trained by the
+            sequential trainer unless client.trainer = "cohort".
         users: a mapping user id -> that user's texts, or an iterable of (user id, text);
             default the config's `[data]` dataset.
         tokenizer: anything with `encode(str) -> list[int]` and `vocab_size`; default the
