@@ -320,7 +320,8 @@ class BundleClient:
         """Up to k words that complete the word being typed (or, after a space, the next word).
 
         The top word-starting pieces consistent with the typed part are each extended greedily
-        with continuation pieces until a new word (or end) is likelier; all candidates run as one
+        with continuation pieces until a new word (or end) is likelier, and only words of the
+        tokenizer's lexicon are offered (fewer than k rather than a non-word); all candidates run as one
         batch per piece, through the step program when the bundle has one (the context's state
         is kept between calls) and through the window program otherwise.
         """
@@ -342,7 +343,7 @@ class BundleClient:
                 if len(starts) == k:
                     break
         if self.tokenizer.kind == "word" or not starts:
-            return [t for _, t in starts if t.startswith(partial)]
+            return self._words([t for _, t in starts if t.startswith(partial)], k)
         done: list[str] = []
         live = [text for _, text in starts]
         logits, handles = self._extend([root] * len(starts), [i for i, _ in starts])
@@ -368,7 +369,13 @@ class BundleClient:
                 break
             logits, handles = self._extend(nxt_handles, feed)
         done += [t for t in live if t.startswith(partial)]
-        return list(dict.fromkeys(done))[:k]
+        return self._words(done, k)
+
+    def _words(self, found: list[str], k: int) -> list[str]:
+        """The first `k` distinct spellings the tokenizer's lexicon (shipped in the bundle's
+        tokenizer folder) holds: fewer than k rather than a non-word."""
+        lexicon = getattr(self.tokenizer, "lexicon", None)
+        return [w for w in dict.fromkeys(found) if lexicon is None or w in lexicon][:k]
 
     def _ends(self, row: np.ndarray) -> list[int]:
         """The ids that end a word: EOS and the best word-starting piece."""

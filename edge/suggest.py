@@ -78,14 +78,16 @@ class Predictor:
         """Up to `k` words a keyboard would offer after `text`, likeliest first: the next word when
         `text` ends in a space or punctuation, else completions of the word being typed (matched
         case-insensitively; "I will" completes "will", "I will " gives the next word). A word is
-        built from up to `max_pieces` tokens."""
+        built from up to `max_pieces` tokens. With a tokenizer that has a `lexicon` (dpfleet's do:
+        the public corpus's words), only its words are offered, fewer than `k` rather than a
+        spelling nobody types."""
         k, max_pieces = _positive(k, "k"), _positive(max_pieces, "max_pieces")
         _text(text)
         texts = self._token_texts()
         typed = _TYPED.search(text).group()
         context = self._encode(text[: len(text) - len(typed)])
         head = self._decoder()(context)
-        search = _WordSearch(typed.casefold(), k, texts)
+        search = _WordSearch(typed.casefold(), k, texts, getattr(self.tokenizer, "lexicon", None))
         # at the very start a word needs no space (the token texts are read after an anchor word)
         beams = [_Beam((), "", not head or not head[-1].isspace(), 0.0)]
         for _ in range(max_pieces):
@@ -144,10 +146,11 @@ class Predictor:
 
 class _WordSearch:
     """The words found so far (probabilities summed over the token paths and boundaries that spell
-    them) and the rules that grow a beam by one token (`texts`: what each token appends)."""
+    them) and the rules that grow a beam by one token (`texts`: what each token appends). With a
+    `lexicon` (`edge.lexicon`), a spelling outside it is never a word found."""
 
-    def __init__(self, typed: str, k: int, texts: list[str]):
-        self.typed, self.k, self.texts = typed, k, texts
+    def __init__(self, typed: str, k: int, texts: list[str], lexicon=None):
+        self.typed, self.k, self.texts, self.lexicon = typed, k, texts, lexicon
         self.width, self.beams = max(4 * k, 16), max(2 * k, 4)  # tokens tried per beam, beams kept
         self.found: dict[str, float] = {}
 
@@ -163,7 +166,7 @@ class _WordSearch:
         return [t for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True) if v > -math.inf]
 
     def finish(self, word: str, logp: float) -> None:
-        if word and word.casefold().startswith(self.typed):
+        if word and word.casefold().startswith(self.typed) and (self.lexicon is None or word in self.lexicon):
             old = self.found.get(word, -math.inf)
             self.found[word] = max(old, logp) + math.log1p(math.exp(-abs(old - logp)))
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
+from dpfleet.edge.lexicon import LEXICON_FILE, Lexicon, is_word
 from dpfleet.errors import DpfleetError
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -51,11 +52,14 @@ class SentencePieceTokenizer(_SpecialIds):
 
     kind = "sentencepiece"
 
-    def __init__(self, model_file: Path | None = None, *, model_proto: bytes | None = None):
+    def __init__(self, model_file: Path | None = None, *, model_proto: bytes | None = None,
+                 lexicon: Lexicon | None = None):
         """From a `.model` file, or from its bytes (`model_proto`: bytes the caller has already
-        verified, so nothing is re-read from disk)."""
+        verified, so nothing is re-read from disk). `lexicon`: the words suggestions are kept to
+        (`edge.lexicon`; the public corpus's words), saved and shipped with the model."""
         import sentencepiece as spm
 
+        self.lexicon = lexicon
         self.model_file = None if model_file is None else Path(model_file)
         self._proto = model_proto
         origin = self.model_file or "SentencePiece model"
@@ -91,6 +95,9 @@ class SentencePieceTokenizer(_SpecialIds):
         if self.model_file is None or target.resolve() != self.model_file.resolve():
             target.write_bytes(self._sp.serialized_model_proto())
         meta = {"kind": self.kind, "model_file": "spm.model", "vocab_size": self.vocab_size}
+        if self.lexicon is not None:
+            (folder / LEXICON_FILE).write_text(self.lexicon.to_text())
+            meta["lexicon"] = LEXICON_FILE
         (folder / "tokenizer.json").write_text(json.dumps(meta, indent=2))
         return folder
 
@@ -143,6 +150,7 @@ class WordTokenizer(_SpecialIds):
         self.words = ["<pad>", "<s>", "</s>", "<unk>", *words]
         self._index = {w: i for i, w in enumerate(self.words)}
         self.vocab_size = len(self.words)
+        self.lexicon = Lexicon(w for w in words if is_word(w))  # its words, not its punctuation
 
     @classmethod
     def build(cls, texts: Iterable[str], vocab_size: int) -> WordTokenizer:
@@ -194,7 +202,16 @@ def tokenizer_from_bytes(
         name = info.get("model_file")
         if not isinstance(name, str):
             raise DpfleetError(f"{origin}: model_file must name the SentencePiece model")
-        return SentencePieceTokenizer(model_proto=read(name))
+        words = info.get("lexicon")
+        if words is not None and not isinstance(words, str):
+            raise DpfleetError(f"{origin}: lexicon must name the word list file")
+        lexicon = None
+        if words is not None:
+            try:
+                lexicon = Lexicon.from_text(read(words).decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise DpfleetError(f"{origin}: the word list {words!r} is not UTF-8 text") from exc
+        return SentencePieceTokenizer(model_proto=read(name), lexicon=lexicon)
     if kind == "word":
         words = info.get("words")
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):

@@ -161,3 +161,32 @@ def test_mistakes_are_one_clear_error():
 
     with pytest.raises(DpfleetError, match=r"logits \[batch, time, vocab\]"):
         Predictor(Flat(), Pieces()).probabilities("see")
+
+
+def test_only_the_lexicons_words_are_offered_fewer_rather_than_non_words():
+    """"noon" is the model's second word after "at": with a lexicon that lacks it (as a public
+    corpus's word list would lack "brotheron"), the strip keeps the words it has, in the same
+    order, and shows fewer than k rather than fill a slot with a spelling nobody types."""
+    from dpfleet.edge.lexicon import Lexicon
+
+    class WithLexicon(Pieces):
+        lexicon = Lexicon(["the", "now", "North"])  # matched without regard to case
+
+    predictor = Predictor(Bigram(), WithLexicon())
+    assert Predictor(Bigram(), Pieces()).suggest("see you at ", k=3) == ["the", "noon", "now"]
+    assert predictor.suggest("see you at ", k=3) == ["the", "now", "north"]
+    assert predictor.suggest("see you at ", k=5) == ["the", "now", "north"]  # 3 words, not 5
+    assert predictor.suggest("see you at noo", k=3) == []
+
+
+def test_a_lexicon_counts_a_corpus_words_and_travels_with_the_tokenizer(tmp_path):
+    from dpfleet.edge.lexicon import Lexicon
+    from dpfleet.edge.tokenizer import load_tokenizer
+
+    lexicon = Lexicon.from_texts(["The brother's house, the Brother brother", "Wikipedia 's 2 x-ray x-ray",
+                                  "a house of the state-of-the-art ab1"], min_count=2)
+    assert lexicon.words == ["the", "brother", "house", "x-ray"]  # counts 3, 2 (case folded), 2, 2
+    assert "The" in lexicon and "s" not in lexicon and "2" not in lexicon and "brother's" not in lexicon
+    word = WordTokenizer(["the", ",", "house", "'s"])
+    assert word.lexicon.words == ["the", "house"]  # a word tokenizer's words, not its punctuation
+    assert load_tokenizer(word.save(tmp_path / "w")).lexicon.words == ["the", "house"]
