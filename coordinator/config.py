@@ -514,14 +514,15 @@ def read_toml(path: Path, what: str = "config file") -> dict:
         raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
 
 
-def load_config(path: Path, overrides: Mapping[str, object] | None = None) -> SimulationConfig:
+def load_config(path: Path, overrides: Mapping[str, object] | None = None,
+                python: bool = False) -> SimulationConfig:
     """The config file at `path`, with the command line's `--set` overrides ("section.key" ->
     value, `config_overrides`) applied to its values before they are parsed and validated. The
     file's relative `PATH_KEYS` are read from its folder (made absolute, so the run directory's
-    config.toml still finds them)."""
+    config.toml still finds them). `python`: the overrides came from Python (`apply_overrides`)."""
     values = paths_against(read_toml(path), Path(path).parent)
     if overrides:
-        values = apply_overrides(values, overrides, SimulationConfig)
+        values = apply_overrides(values, overrides, SimulationConfig, python)
     return parse_config(values)
 
 

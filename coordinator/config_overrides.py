@@ -67,33 +67,45 @@ def _fields(cls: type) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _unknown(key: str, name: str, known: Sequence[str], where: str) -> DpfleetError:
+def override_name(key: str, python: bool = False) -> str:
+    """How an error names an override: the CLI's `--set KEY`, or Python's `overrides['KEY']`."""
+    return f"overrides[{key!r}]" if python else f"--set {key}"
+
+
+def _unknown(key: str, name: str, known: Sequence[str], where: str, python: bool) -> DpfleetError:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return DpfleetError(f"--set {key}: {where} has no key {name!r}; {hint}its keys: {', '.join(known)}")
+    return DpfleetError(f"{override_name(key, python)}: {where} has no key {name!r}; {hint}its keys: "
+                        f"{', '.join(known)}")
 
 
-def apply_overrides(values: dict, overrides: Mapping[str, object], schema: type) -> dict:
+def apply_overrides(values: dict, overrides: Mapping[str, object], schema: type,
+                    python: bool = False) -> dict:
     """A copy of the raw config `values` with `overrides` ("section.key" -> value) set, each key
     checked against `schema` (the config dataclass) first: an unknown key, or a section given a
     plain value, is one error naming the key and what the section holds. Value types and ranges
-    are the parser's to check, as for a key written in the file."""
+    are the parser's to check, as for a key written in the file. `python`: the overrides came
+    from `dpfleet.simulate(overrides=...)`, and the errors name them so."""
     out = copy.deepcopy(values)
     for key, value in overrides.items():
+        if not isinstance(key, str) or not all(part.strip() for part in key.split(".")):
+            raise DpfleetError(f"{override_name(str(key), python)}: give keys as 'SECTION.KEY' (e.g. "
+                               "'dp.noise_multiplier') or 'KEY' for a top-level key (e.g. 'rounds')")
+        named = override_name(key, python)
         cls, table, parts = schema, out, key.split(".")
         for depth, name in enumerate(parts):
             fields = _fields(cls)
             where = "the config" if depth == 0 else f"[{'.'.join(parts[:depth])}]"
             if name not in fields:
-                raise _unknown(key, name, list(fields), where)
+                raise _unknown(key, name, list(fields), where, python)
             section = dataclasses.is_dataclass(fields[name])
             last = depth == len(parts) - 1
             if last and section:
                 keys = ", ".join(_fields(fields[name]))
-                raise DpfleetError(f"--set {key}: [{'.'.join(parts)}] is a section; set one of its "
-                                   f"keys, {'.'.join(parts)}.KEY=VALUE ({keys})")
+                raise DpfleetError(f"{named}: [{'.'.join(parts)}] is a section; set one of its "
+                                   f"keys, {'.'.join(parts)}.KEY{'' if python else '=VALUE'} ({keys})")
             if not last and not section:
-                raise DpfleetError(f"--set {key}: {'.'.join(parts[:depth + 1])} is a key, not a section")
+                raise DpfleetError(f"{named}: {'.'.join(parts[:depth + 1])} is a key, not a section")
             if last:
                 table[name] = value
                 break

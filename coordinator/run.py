@@ -110,13 +110,15 @@ def run(
     noise: Mechanism | None = None,
     participation: ParticipationPolicy | None = None,
     pretrain: Pretrain | None = None,
+    on_round: Callable[[dict], None] | None = None,
 ) -> Result:
     """`simulate` for a parsed config (what the CLI calls): checks the inputs, runs, and reads
     the `Result` off the run. `resume` continues an interrupted run directory. `audit`: `dpfleet
     audit`'s canaries (`coordinator.audit_run`), the same run with canary devices added. The
     four extension points (`dpfleet.extensions`) default to the built-in parts. `pretrain`: the
     public pretraining step of a config with `[pretrain]` (`run_simulation`), handed down by the
-    front door (`dpfleet.api`, `dpfleet.cli`): the coordinator does not import `dpfleet.public`."""
+    front door (`dpfleet.api`, `dpfleet.cli`): the coordinator does not import `dpfleet.public`.
+    `on_round(record)`: each committed round's metrics record (a copy), as it commits."""
     validate(cfg)
     if model is not None and not isinstance(model, nn.Module):
         raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -132,7 +134,7 @@ def run(
                              log=log, records=records, model=model, tokenizer=tok, audit=audit,
                              extensions={"client_update": client_update, "clipping": clipping,
                                          "noise": noise, "participation": participation},
-                             pretrain=pretrain)
+                             pretrain=pretrain, on_round=on_round)
     summary = json.loads((out.run_dir / "summary.json").read_text())
     return Result(
         accuracy=out.final["accuracy"], unigram_accuracy=out.baseline["accuracy"],

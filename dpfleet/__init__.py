@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dpfleet.errors import DpfleetError
+from dpfleet.errors import DpfleetError, DpfleetWarning
 
 __version__ = "0.1.0"
-__all__ = ["DpfleetError", "Result", "TokenizerLike", "__version__", "simulate"]
+__all__ = ["DpfleetError", "DpfleetWarning", "Result", "TokenizerLike", "__version__", "simulate"]
 
 if TYPE_CHECKING:
     from dpfleet.api import Result, TokenizerLike, simulate

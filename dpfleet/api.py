@@ -42,7 +42,8 @@ Mistakes in these inputs are one `DpfleetError` naming the problem, raised befor
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,9 @@ from torch import nn
 
 from dpfleet.coordinator import run as coordinator_run
 from dpfleet.coordinator.config import SimulationConfig, load_config, parse_config
+from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.run import Result, TokenizerLike, fresh_run_dir, user_records  # noqa: F401
-from dpfleet.errors import DpfleetError
+from dpfleet.errors import DpfleetError, DpfleetWarning
 from dpfleet.extensions import ClippingRule, LocalUpdate, Mechanism, ParticipationPolicy
 from dpfleet.public.public_init import pretrain_on_public
 
@@ -71,8 +73,14 @@ def simulate(
     clipping: ClippingRule | None = None,
     noise: Mechanism | None = None,
     participation: ParticipationPolicy | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    on_round: Callable[[dict], None] | None = None,
 ) -> Result:
     """Train a model with DP-FTRL over a simulated fleet and return its `Result`.
+
+    A result that is not fully private, or that means nothing (a model at or below the unigram
+    baseline, noise that drowns the updates), is also said as a `DpfleetWarning` through
+    `warnings.warn`, one per line of `Result.privacy["caveats"]` and `Result.warnings`.
 
     Args:
         config: a TOML file's path, or a dict with the same sections and keys; keys left out
@@ -98,21 +106,36 @@ def simulate(
         participation: your choice among the eligible devices
             (`dpfleet.extensions.ParticipationPolicy`, participation.mode = "uniform"); default
             the config's mode.
+        overrides: config keys to change for this run, as the CLI's `--set`:
+            {"dp.noise_multiplier": 2.0, "rounds": 5}; checked like the config's own keys.
+        on_round: called with each round's metrics record (a dict: round, accuracy when
+            evaluated, epsilon so far, ...) once the round is committed; an exception it raises
+            stops the run after that round (resume it with `dpfleet simulate --resume`).
 
     Raises:
         DpfleetError: a bad config, users, tokenizer or model, named in one line.
     """
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise DpfleetError(f"overrides must be a dict of config keys, not {type(overrides).__name__}")
+    if on_round is not None and not callable(on_round):
+        raise DpfleetError(f"on_round must be callable, not {type(on_round).__name__}")
     if isinstance(config, Mapping):
-        cfg, name = parse_config(copy.deepcopy(dict(config))), "python"
+        values = copy.deepcopy(dict(config))
+        if overrides:
+            values = apply_overrides(values, overrides, SimulationConfig, python=True)
+        cfg, name = parse_config(values), "python"
     elif isinstance(config, str | Path):
-        cfg, name = load_config(Path(config)), Path(config).stem
+        cfg, name = load_config(Path(config), overrides, python=True), Path(config).stem
     else:
         raise DpfleetError(f"config must be a TOML path or a dict, not {type(config).__name__}")
     if run_dir is None:
         run_dir = fresh_run_dir(Path("runs") / name)
-    return run(cfg, Path(run_dir), model=model, users=users, tokenizer=tokenizer, progress=progress,
-               overwrite=overwrite, log=(print if progress else _quiet), client_update=client_update,
-               clipping=clipping, noise=noise, participation=participation)
+    result = run(cfg, Path(run_dir), model=model, users=users, tokenizer=tokenizer, progress=progress,
+                 overwrite=overwrite, log=(print if progress else _quiet), client_update=client_update,
+                 clipping=clipping, noise=noise, participation=participation, on_round=on_round)
+    for line in (*result.privacy.get("caveats", ()), *result.warnings):
+        warnings.warn(line, DpfleetWarning, stacklevel=2)
+    return result
 
 
 def run(cfg: SimulationConfig, run_dir: Path, **options: Any) -> Result:

@@ -8,6 +8,11 @@ class DpfleetError(Exception):
     """A mistake in the user's input or environment that the user can fix."""
 
 
+class DpfleetWarning(UserWarning):
+    """A result that is not fully private or means nothing: said to Python callers through
+    `warnings.warn` (the CLI prints the same lines as WARNING)."""
+
+
 @contextmanager
 def resume_hint(command: str, kept: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """On Ctrl-C, say how to continue (then the CLI's usual `aborted`, exit 130): long jobs

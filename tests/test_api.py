@@ -239,3 +239,27 @@ def test_cohort_with_a_custom_model_runs_and_dropout_is_a_clear_error(tmp_path):
 
     with pytest.raises(DpfleetError, match=r"client.trainer = 'cohort' cannot batch this model"):
         run(tmp_path / "bad", config=config, model=Dropping())
+
+
+def test_overrides_callback_and_warnings_reach_python_callers(tmp_path):
+    seen = []
+    with pytest.warns(dpfleet.DpfleetWarning) as caught:
+        result = run(tmp_path, config={**CONFIG, "rounds": 3},
+                     overrides={"rounds": 2, "dp.noise_multiplier": 0.0}, on_round=seen.append)
+    assert [m["round"] for m in seen] == [1, 2] and seen == result.metrics  # each committed round
+    assert json.loads((result.run_dir / "config.json").read_text())["dp"]["noise_multiplier"] == 0.0
+    said = [str(w.message) for w in caught]
+    assert said == [*result.privacy["caveats"], *result.warnings] and any("NOT PRIVATE" in s for s in said)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"dp.noise_multiplyer": 1.0},
+     r"^overrides\['dp.noise_multiplyer'\]: \[dp\] has no key 'noise_multiplyer'; "
+     r"did you mean 'noise_multiplier'\?"),
+    ({"dp": 3}, r"^overrides\['dp'\]: \[dp\] is a section; set one of its keys, dp.KEY \("),
+    (["rounds=2"], r"^overrides must be a dict of config keys, not list"),
+])
+def test_python_errors_name_python_arguments(tmp_path, overrides, message):
+    with pytest.raises(DpfleetError, match=message) as raised:
+        run(tmp_path, overrides=overrides)
+    assert "--set" not in str(raised.value)

@@ -175,6 +175,7 @@ def run_simulation(
     extensions: dict | None = None,
     pretrain: Pretrain | None = None,
     other_releases: list[dict] | None = None,
+    on_round: Callable[[dict], None] | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -188,7 +189,8 @@ def run_simulation(
     a `[pretrain]` config needs, handed in because the coordinator does not import
     `dpfleet.public` (the layers). `other_releases`: other DP releases about the same devices
     ({name, zcdp, delta, what}, appended to during the run, e.g. FreD), composed into the run's
-    privacy. metrics.jsonl holds DP quantities and held-out evaluation only.
+    privacy. metrics.jsonl holds DP quantities and held-out evaluation only. `on_round(record)`
+    gets a copy of each round's metrics record once the round is committed.
     """
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
@@ -235,7 +237,7 @@ def run_simulation(
     _log_resume(cfg, engine, resume, log)
     with engine.resume_point_on_interrupt():  # Ctrl-C / SIGTERM: --resume loses no released round
         stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
-                                    ext.get("clipping"), progress)
+                                    ext.get("clipping"), progress, on_round)
     if stopped_early:
         log(stopped_early)
     public_data = [*public_data, *setup.public_data]
@@ -367,7 +369,7 @@ def _log_resume(cfg: SimulationConfig, engine: RoundEngine, resume: bool,
 
 
 def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population, before_round, audit,
-                clipping, progress: bool) -> str | None:
+                clipping, progress: bool, on_round: Callable[[dict], None] | None = None) -> str | None:
     """The rounds: open (select, budget), train the plan's clients, check every clipped delta,
     sum, close (DP step, release, accounting), resume points; returns why it stopped early."""
     aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
@@ -397,6 +399,8 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
             rounds.set_postfix(acc=acc, eps=f"{record['epsilon']:.2f}")
         if engine.resume_point_due():
             engine.save_resume_point()
+        if on_round is not None:  # after the resume point: a callback that raises loses nothing
+            on_round(copy.deepcopy(record))
     return None
 
 
