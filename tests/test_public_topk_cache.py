@@ -370,3 +370,29 @@ def test_attack_a_shard_swapped_with_its_manifest_updated_is_refused_and_recompu
     assert calls and _arrays(entry) == truth and _rows_differing(entry, fresh) == 0
     refused = _refusals(capsys.readouterr().err)
     assert len(refused) == 1 and str(entry) in refused[0], refused
+
+
+def test_a_cache_entry_killed_mid_labelling_resumes_sealed(teacher, vocab, sequences, tmp_path,
+                                                           monkeypatch, capsys):
+    """Every manifest a cached job writes is sealed, so a half-done entry is this cache's own:
+    the rerun keeps its finished shard (no refusal, one teacher batch) and ends with A's labels."""
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    dying = TopKExtractor(teacher, vocab, 4)
+    rows = dying.rows
+
+    def killed_on_the_second_shard(batch, calls=[]):  # noqa: B006 (the count of this extractor)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rows(batch)
+
+    dying.rows = killed_on_the_second_shard
+    with pytest.raises(KeyboardInterrupt):
+        _label_cached(dying, sequences)
+    again = TopKExtractor(teacher, vocab, 4)
+    calls = _counting(again)
+    capsys.readouterr()
+    entry = _label_cached(again, sequences)
+    assert len(calls) == 1 and not _refusals(capsys.readouterr().err)
+    build_corpus(TopKExtractor(teacher, vocab, 4), sequences, tmp_path / "whole", 8, progress=False)
+    assert _arrays(entry) == _arrays(tmp_path / "whole")
