@@ -129,6 +129,17 @@ async def _hook(hook: Hook | None, phase: str) -> None:
             await result
 
 
+def device_plan(plan_bytes: bytes, assignment: dict) -> dict:
+    """The round's plan as this device trains with it: the plan blob, which every device of the
+    attempt shares and anyone may fetch (so it names nobody), with the device's client seed from
+    its own assignment, which only it receives (PROTOCOL.md, "Who learns who takes part"). A
+    coordinator of before that change put the seed in a per-device blob: it is taken from there."""
+    plan = json.loads(plan_bytes)
+    if "client_seed" in assignment:
+        plan["client_seed"] = int(assignment["client_seed"])
+    return plan
+
+
 async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,
                 threads: int = 1, bundle_key=None, cpu: CpuClock | None = None,
                 received: tuple[dict, bytes] | None = None) -> tuple[dict, ClientUpdate, float]:
@@ -138,7 +149,7 @@ async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *
     model a SecAgg setup was checked against (None: downloaded here)."""
     cpu = cpu or CpuClock()
     if received is None:
-        received = (json.loads(await link.blob(assignment["plan_sha256"])),
+        received = (device_plan(await link.blob(assignment["plan_sha256"]), assignment),
                     await link.blob(assignment["model_sha256"]))
     plan, model = received
     theta = np.frombuffer(model, dtype="<f4").astype(np.float32)
@@ -236,7 +247,7 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
     model = await link.blob(assignment["model_sha256"])
     try:
         with cpu("setup"):
-            plan = json.loads(plan_bytes)
+            plan = device_plan(plan_bytes, assignment)
             setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
             disc = Discretizer(**assignment["secagg"]["discretizer"])
             threshold = assignment["secagg"].get("count_threshold")  # adaptive clipping's C^t

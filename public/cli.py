@@ -107,7 +107,8 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     corpus (pretrain --kd-corpus) refuses a corrupt one. Cached: without --out the corpus goes
     to dpfleet's cache under a digest of the teacher's files, the vocabulary, K, --targets and
     the text, and a later run with the same inputs returns its folder without running the
-    teacher.
+    teacher; an entry the cache did not seal for these inputs (a MAC under its secret) is
+    refused in one line and labelled again.
     """
     from dpfleet.io import check_writable
 

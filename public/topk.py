@@ -243,6 +243,7 @@ def build_corpus(
     batch_tokens: int = 0,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    seal: Callable[[dict], str] | None = None,
 ) -> dict:
     """Write the top-k shards for `sequences` to `out` (resuming) and return the manifest.
 
@@ -251,7 +252,9 @@ def build_corpus(
     shard as soon as it is written, so a kill at any moment loses at most the shard in hand.
     `log` gets the lines about the resumption and each shard recomputed for a reason.
     `batch_tokens` (0: automatic) is what one host copy carries; memory is bounded by the
-    extractor's `body_tokens` and `chunk_tokens`, not by it."""
+    extractor's `body_tokens` and `chunk_tokens`, not by it. `seal` (the label cache's,
+    public/topk_cache.py) gives every manifest written its `cache_mac`, so that a half-done
+    cache entry resumes as well as a finished one is reused."""
     batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
     sequences = [list(s) for s in sequences if len(s) > 0]
     if not sequences:
@@ -304,9 +307,12 @@ def build_corpus(
         if reason:
             reasons.append(f"top-k shard {out / name}: {reason}; recomputing it")
 
+    def sealed(body: dict) -> dict:
+        return {**body, "cache_mac": seal(body)} if seal is not None else body
+
     def write_manifest(extra: dict) -> None:
         body = {**settings, "shard_files": dict(sorted(recorded.items())), **extra}
-        atomic_write(manifest_file, json.dumps(body, indent=2))
+        atomic_write(manifest_file, json.dumps(sealed(body), indent=2))
 
     if todo:
         write_manifest({})  # without the shard list, and without any record found stale
@@ -338,7 +344,7 @@ def build_corpus(
         bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
     bar.close()
     size = sum((out / name).stat().st_size for name in shards)
-    manifest = {
+    manifest = sealed({
         **settings,
         "shard_files": dict(sorted(recorded.items())),
         "shards": shards,
@@ -347,7 +353,7 @@ def build_corpus(
         "tokens_per_s": new_tokens / seconds if seconds else old.get("tokens_per_s"),
         "device": old.get("device") if not seconds and "device" in old
         else str(extractor.teacher.device),
-    }
+    })
     if manifest != old:
         atomic_write(manifest_file, json.dumps(manifest, indent=2))
     return manifest

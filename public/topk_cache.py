@@ -18,12 +18,27 @@ every call. The shard size and the
 batch sizes change how the work is cut, not the labels, so they are not in the digest: a corpus
 left half-done resumes with the shard size it was started with. `key.json` in each folder lists
 the digest's inputs.
+
+Only this cache's own entry for these labels is served. A folder's name is a digest anyone can
+compute, and a shard only has to match its own manifest, so a folder copied or moved over
+another's (teacher A's labels under teacher B's digest), or a shard swapped with its hash
+written into manifest.json, would be served with no teacher forward. So an entry is used (or
+resumed) only when its `key.json` equals the key computed now and its manifest carries
+`cache_mac`: HMAC-SHA256 under the cache's secret (`cache-secret`, 32 random bytes, mode 0600,
+made on first use) over the key's full SHA-256 and every shard's name and SHA-256. Anything
+else is refused in one line on stderr and labelled again (its manifest is dropped, so no shard
+of it is kept). Who can read the secret can forge entries: it is the cache owner's, like the
+folder. Entries from before the MAC are refused once in the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
 import json
+import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,7 +47,7 @@ import numpy as np
 from dpfleet.edge.staged import file_stamps, hashed_with_stamps
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
+from dpfleet.io import atomic_write, write_secret
 from dpfleet.public.topk import (
     TopKExtractor,
     build_corpus,
@@ -43,6 +58,8 @@ from dpfleet.public.topk import (
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SIDECAR = "file-sha256.json"
+_SECRET = "cache-secret"
+_MAC_LABEL = b"dpfleet-topk-cache-v1\n"
 
 
 def topk_cache_root() -> Path:
@@ -106,6 +123,51 @@ def labels_key(extractor: TopKExtractor, sequences: Sequence[Sequence[int]]) -> 
     return key
 
 
+def cache_secret(root: Path) -> bytes:
+    """The cache's MAC secret, `root/cache-secret` (made now, mode 0600, if there is none)."""
+    path = Path(root) / _SECRET
+    with contextlib.suppress(FileExistsError):  # made by an earlier (or a concurrent) job
+        write_secret(path, os.urandom(32))
+    secret = path.read_bytes()
+    if len(secret) != 32:
+        raise DpfleetError(f"{path} is not a top-k cache secret (32 bytes); delete it (the "
+                           "cached labels are then computed again)")
+    return secret
+
+
+def manifest_mac(secret: bytes, key_sha256: str, manifest: dict) -> str:
+    """HMAC-SHA256 binding a manifest's shards (each name and SHA-256, and the finished list)
+    to the labels' key: what `build_corpus(seal=)` records as `cache_mac`."""
+    shards = {name: record.get("sha256") for name, record in manifest.get("shard_files", {}).items()}
+    text = json.dumps({"key_sha256": key_sha256, "shard_files": shards,
+                       "shards": manifest.get("shards")}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret, _MAC_LABEL + text.encode(), hashlib.sha256).hexdigest()
+
+
+def _entry_problem(folder: Path, key: dict, manifest: dict | None, mac) -> str | None:
+    """Why the entry at `folder` is not this cache's for `key` (None: it is, or it is empty).
+    `manifest`: its manifest.json (None: none there); `mac`: manifest -> its expected MAC."""
+    key_file = folder / "key.json"
+    if key_file.is_file():
+        try:
+            recorded = json.loads(key_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "its key.json is not JSON"
+        if recorded != key:
+            return "its key.json names other labels (another teacher, vocabulary, k or text)"
+    elif manifest is not None:
+        return "it has a manifest.json but no key.json"
+    if manifest is None:
+        return None
+    try:
+        expected = mac(manifest)
+    except (AttributeError, TypeError):  # shard_files or a record of the wrong type
+        expected = ""
+    if not expected or not hmac.compare_digest(str(manifest.get("cache_mac", "")), expected):
+        return "its manifest.json is not sealed by this cache for these labels"
+    return None
+
+
 def cached_topk_corpus(
     extractor: TopKExtractor,
     sequences: Sequence[Sequence[int]],
@@ -121,10 +183,26 @@ def cached_topk_corpus(
     line "top-k labels: cached in PATH"); a missing, half-done or damaged one is built, resumed
     or repaired by `build_corpus` (whole shards kept). Load it with `TopKCorpus`."""
     key = labels_key(extractor, sequences)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    folder = topk_cache_root() / digest
+    key_sha256 = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    root = topk_cache_root()
+    secret = cache_secret(root)
+
+    def seal(body: dict) -> str:
+        return manifest_mac(secret, key_sha256, body)
+
+    folder = root / key_sha256[:24]
     manifest_file = folder / "manifest.json"
-    manifest = read_manifest(manifest_file) if manifest_file.is_file() else {}
+    try:
+        manifest = read_manifest(manifest_file) if manifest_file.is_file() else None
+    except DpfleetError:
+        manifest = {}  # not JSON: no MAC either, refused below
+    problem = _entry_problem(folder, key, manifest, seal)
+    if problem is not None:  # never served, never resumed: every shard is labelled again
+        print(f"top-k labels: refused the cached entry {folder}: {problem}; labelling it again",
+              file=sys.stderr)
+        manifest_file.unlink(missing_ok=True)
+        atomic_write(folder / "key.json", json.dumps(key, indent=2))
+    manifest = {} if problem is not None or manifest is None else manifest
     records = manifest.get("shard_files", {})
     if "shards" in manifest and all(shard_problem(folder / name, records.get(name)) is None
                                     for name in manifest["shards"]):
@@ -136,5 +214,5 @@ def cached_topk_corpus(
     log(f"top-k labels: labelling into {folder} (once: later jobs with the same teacher, "
         "vocabulary, k, targets and text reuse them)")
     build_corpus(extractor, sequences, folder, manifest.get("shard_sequences", shard_sequences),
-                 batch_tokens, progress, log)
+                 batch_tokens, progress, log, seal=seal)
     return folder

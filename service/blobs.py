@@ -3,7 +3,9 @@
 Why content addressing: a device checks what it got against the hash in its (signed-channel)
 assignment, so a cache, a proxy or a slow mirror can serve blobs without being trusted, and a
 blob never changes under a name (`Cache-Control: immutable`). Only blobs of current and recent
-plans are kept: old models are dropped once no open round can ask for them.
+plans are kept: old models are dropped once no open round can ask for them. Blobs are served
+without credentials, so none may name a device (a hash anyone can compute would answer "is X in
+this round?"): plans are shared by a round's devices, per-device fields go in assignments.
 """
 
 from __future__ import annotations

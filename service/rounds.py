@@ -27,7 +27,7 @@ from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
+from dpfleet.io import atomic_write, sha256_hex
 from dpfleet.jsonio import dumps
 from dpfleet.secagg.sums import AggregateResult, RingSum
 from dpfleet.service.boot import Booted
@@ -377,17 +377,21 @@ class RoundDriver:
                   "model": b.model_config, "runtime": cfg.client.runtime,
                   "tokenizer_sha256": b.tokenizer_sha256, "aggregation": cfg.aggregation.kind,
                   "noise": resolve_noise(cfg), "noise_multiplier": cfg.dp.noise_multiplier}
-        plan_sha = b.blobs.put(dumps(common).encode())
-        self.store.open_round(number, plan_sha)
+        self.store.open_round(number, sha256_hex(dumps(common).encode()))
         attempt = int(self.store.round(number)["attempts"])
         self.fault("opened")
         n = len(plan.devices)
         now = time.time()
         cur = OpenRound(plan, number, attempt, {d: u for u, d in enumerate(plan.devices)}, {},
                         time.monotonic())
+        # ONE plan blob per attempt, the same for every device: blobs are served to anyone
+        # (content addressing), so none may name a device. Its id and client seed go in its own
+        # assignment, over its authenticated channel (PROTOCOL.md, "Who learns who takes part")
+        shared_plan = {**common, "attempt": attempt}
+        plan_sha = b.blobs.put(dumps(shared_plan).encode())  # every device's: names nobody
         secagg_json = None
         if cfg.aggregation.kind == "secagg":
-            secagg_json = self._secagg_setup(cur, model_sha, {**common, "attempt": attempt})
+            secagg_json = self._secagg_setup(cur, model_sha, shared_plan)
             phase_dl = self.svc.secagg_phase_deadline_s
             t, deadlines = now, {}
             for phase in ("commit", "keys", "shares", "masked", "consistency", "unmask"):
@@ -398,16 +402,15 @@ class RoundDriver:
             deadlines = {"report": now + self.svc.report_deadline_s}
         keep = {model_sha, plan_sha}
         for u, d in enumerate(plan.devices):
-            device_plan = {**common, "attempt": attempt, "device_id": b.users[d],
-                           "client_seed": derive_seed(cfg.seed, plan.round, d)}
-            sha = b.blobs.put(dumps(device_plan).encode())
-            keep.add(sha)
             cur.assignments[u] = {
                 "kind": "assignment", "round": number, "attempt": attempt, "position": u,
-                "devices": plan.device_ids, "model_sha256": model_sha, "plan_sha256": sha,
+                "model_sha256": model_sha, "plan_sha256": plan_sha,
+                "client_seed": derive_seed(cfg.seed, plan.round, d),
                 "aggregation": cfg.aggregation.kind, "secagg": secagg_json,
                 "deadlines": deadlines, "time_scale": self.svc.time_scale,
             }
+            if secagg_json is not None:  # SecAgg's design: each device pins its peers' keys
+                cur.assignments[u]["devices"] = plan.device_ids
             if b.bundle is not None:  # the signed program the device trains with (PROTOCOL.md)
                 cur.assignments[u]["bundle"] = b.bundle.assignment_field()
         b.blobs.retain(keep)

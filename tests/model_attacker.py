@@ -64,7 +64,8 @@ def _crafting(seen: dict):
         model = crafted.astype("<f4").tobytes()
         sha = self.b.blobs.put(model, pinned=True)
         job = cur.assignments[VICTIM]
-        device_plan = json.loads(self.b.blobs.get(job["plan_sha256"]))
+        device_plan = {**json.loads(self.b.blobs.get(job["plan_sha256"])),  # as the device reads it
+                       "client_seed": job["client_seed"]}
         secagg = dict(job["secagg"])
         if round_terms is not None:  # give it the setup its own check expects for this model
             from dpfleet.secagg.count_bit import terms_digest

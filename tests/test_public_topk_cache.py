@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import dpfleet.edge.staged as staged
 from dpfleet.cli import main
@@ -286,3 +287,112 @@ def test_attack_weights_rewritten_with_size_and_mtime_restored_get_their_own_dig
                                                                      before.st_mtime_ns)
     second = teacher_digest(copy, sidecar)["model.safetensors"]
     assert second == hashlib.sha256(bytes(data)).hexdigest() != first
+
+
+@pytest.fixture(scope="module")
+def other_teacher(teacher_dir, tmp_path_factory):
+    """Teacher B: teacher A's folder with another output layer (same vocabulary, other labels)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("teacher-b")
+    for path in teacher_dir.iterdir():
+        shutil.copy(path, folder / path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(teacher_dir))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return load_teacher(str(folder), device="cpu")
+
+
+def _label_cached(extractor, sequences) -> Path:
+    return cached_topk_corpus(extractor, sequences, shard_sequences=8, progress=False,
+                              log=lambda line: None)
+
+
+def _rows_differing(a: Path, b: Path) -> int:
+    x, y = TopKCorpus(a), TopKCorpus(b)
+    return int((x.topk_ids != y.topk_ids).any(axis=1).sum())
+
+
+def _refusals(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "refused" in line]
+
+
+@pytest.mark.parametrize("swapped", ["whole entry", "manifest and shards"])
+def test_attack_another_teachers_cache_entry_is_refused_and_relabelled(
+        teacher, other_teacher, vocab, sequences, tmp_path, monkeypatch, capsys, swapped):
+    """Teacher A's labels copied over teacher B's cache entry (with A's key.json, or keeping
+    B's): B must get its own labels, from its own teacher, never A's with no forward."""
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    entry_b = _label_cached(TopKExtractor(other_teacher, vocab, 4), sequences)
+    truth_b = _arrays(entry_b)
+    entry_a = _label_cached(TopKExtractor(teacher, vocab, 4), sequences)
+    assert entry_a != entry_b
+    for path in entry_a.iterdir():
+        if swapped == "whole entry" or path.name != "key.json":
+            shutil.copy(path, entry_b / path.name)
+    assert _rows_differing(entry_a, entry_b) == 0 and _arrays(entry_b) != truth_b  # poisoned
+    again = TopKExtractor(other_teacher, vocab, 4)
+    calls = _counting(again)
+    capsys.readouterr()
+    assert _label_cached(again, sequences) == entry_b
+    assert len(calls) == 2  # both shards labelled again by teacher B
+    assert _arrays(entry_b) == truth_b  # B's labels, as a fresh labelling made them
+    refused = _refusals(capsys.readouterr().err)
+    assert len(refused) == 1 and str(entry_b) in refused[0], refused
+    secret = tmp_path / "cache" / "topk" / "cache-secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+
+
+def test_attack_a_shard_swapped_with_its_manifest_updated_is_refused_and_recomputed(
+        teacher, other_teacher, vocab, sequences, tmp_path, monkeypatch, capsys):
+    """One shard of A's entry replaced by B's labels of the same sequences, its hash written
+    into manifest.json: every shard matches its record, but the records are not the cache's."""
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    entry = _label_cached(TopKExtractor(teacher, vocab, 4), sequences)
+    truth = _arrays(entry)
+    fresh = tmp_path / "fresh"
+    shutil.copytree(entry, fresh)
+    build_corpus(TopKExtractor(other_teacher, vocab, 4), sequences, tmp_path / "b", 8,
+                 progress=False)
+    shutil.copy(tmp_path / "b" / "shard-00001.npz", entry / "shard-00001.npz")
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["shard_files"]["shard-00001.npz"]["sha256"] = hashlib.sha256(
+        (entry / "shard-00001.npz").read_bytes()).hexdigest()
+    (entry / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    wrong = _rows_differing(entry, fresh)
+    assert wrong > 0  # the poisoned entry loads (it verifies against its manifest) and is wrong
+    again = TopKExtractor(teacher, vocab, 4)
+    calls = _counting(again)
+    capsys.readouterr()
+    assert _label_cached(again, sequences) == entry
+    assert calls and _arrays(entry) == truth and _rows_differing(entry, fresh) == 0
+    refused = _refusals(capsys.readouterr().err)
+    assert len(refused) == 1 and str(entry) in refused[0], refused
+
+
+def test_a_cache_entry_killed_mid_labelling_resumes_sealed(teacher, vocab, sequences, tmp_path,
+                                                           monkeypatch, capsys):
+    """Every manifest a cached job writes is sealed, so a half-done entry is this cache's own:
+    the rerun keeps its finished shard (no refusal, one teacher batch) and ends with A's labels."""
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    dying = TopKExtractor(teacher, vocab, 4)
+    rows = dying.rows
+
+    def killed_on_the_second_shard(batch, calls=[]):  # noqa: B006 (the count of this extractor)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rows(batch)
+
+    dying.rows = killed_on_the_second_shard
+    with pytest.raises(KeyboardInterrupt):
+        _label_cached(dying, sequences)
+    again = TopKExtractor(teacher, vocab, 4)
+    calls = _counting(again)
+    capsys.readouterr()
+    entry = _label_cached(again, sequences)
+    assert len(calls) == 1 and not _refusals(capsys.readouterr().err)
+    build_corpus(TopKExtractor(teacher, vocab, 4), sequences, tmp_path / "whole", 8, progress=False)
+    assert _arrays(entry) == _arrays(tmp_path / "whole")

@@ -166,10 +166,11 @@ def test_credentials_do_not_cross_and_no_device_reads_another_devices_data(world
 
     ok, as_device, with_token, wrong, takeover, replies, job, public = asyncio.run(main())
     assert (ok, as_device, with_token, wrong, takeover) == (200, 401, 401, 401, 403)
-    for reply in replies.values():  # an assignment names round devices, no one's data
+    for reply in replies.values():  # a plain assignment names no other device, no one's data
         if reply["kind"] == "assignment":
-            assert set(reply) == {"kind", "round", "attempt", "position", "devices", "model_sha256",
-                                  "plan_sha256", "aggregation", "secagg", "deadlines", "time_scale"}
+            assert set(reply) == {"kind", "round", "attempt", "position", "model_sha256",
+                                  "plan_sha256", "client_seed", "aggregation", "secagg",
+                                  "deadlines", "time_scale"}
     assert not any(u in json.dumps(public) for u in users)  # the public page names no device
 
 
