@@ -1,4 +1,4 @@
-"""Issue 23's evidence: the main job at the planner's choice, per mechanism, epsilon and seed.
+"""Accuracy against epsilon per mechanism: the main job at the planner's choice, per mechanism, epsilon, seed.
 
 Each cell runs examples/shakespeare_cifg.toml with dp.target_epsilon = EPS and dp.mechanism = KIND:
 the planner (coordinator/accounting/config_plan.py) gives the report goal, the largest MinS, the worst-case
@@ -263,7 +263,7 @@ def plot(cells: dict, path: Path) -> None:
                     label=label, **style)
     if unigram:
         ax.axhline(sum(unigram) / len(unigram), color="grey", ls=":", label="unigram baseline")
-    ax.axhline(0.12, color="k", ls="--", lw=0.8, label="issue 23 goal (0.12)")
+    ax.axhline(0.12, color="k", ls="--", lw=0.8, label="main job's accuracy goal (0.12)")
     ax.set(xscale="log", xlabel="epsilon (delta 1e-6)", ylabel="next-token accuracy (held out)",
            title="main job, planner's choice per epsilon")
     ax.set_xticks([2, 4, 8, 16], ["2", "4", "8", "16"])

@@ -16,10 +16,10 @@ import numpy as np
 def norm64(vec: np.ndarray) -> float:
     """L2 norm accumulated in float64 by numpy's pairwise sum: no thread pool is woken.
 
-    np.linalg.norm wakes OpenBLAS's threads, which spin against torch's on a small machine (issue
-    15's profile); torch.linalg.vector_norm(dtype=float64) at 2 torch threads took 3-5 ms for an
-    81k vector with the other core busy, 70x its 1-thread time (issue 26's profile: 1.5 s of a
-    4.4 s main-job round); this takes 0.08-0.12 ms either way."""
+    np.linalg.norm wakes OpenBLAS's threads, which spin against torch's on a small machine (a
+    profile of the peers' workload); torch.linalg.vector_norm(dtype=float64) at 2 torch threads took
+    3-5 ms for an 81k vector with the other core busy, 70x its 1-thread time (the main job's profile:
+    1.5 s of a 4.4 s main-job round); this takes 0.08-0.12 ms either way."""
     v = vec.astype(np.float64)
     return float(np.sqrt(np.sum(v * v)))
 

@@ -2,7 +2,7 @@
 
 Why processes, not threads. A fused chunk's step is hundreds of ~10 us ops (per time step, 16
 rows a client), and the interpreter between them serializes Python threads: on the peers
-workload (issue 26; CIFG 32/64/32, two 10-client chunks of one round, 1 torch thread each, quiet
+workload (`benchmarks/peers.py`; CIFG 32/64/32, two 10-client chunks of one round, 1 torch thread each, quiet
 2-core machine) the chunks took 1.87 s and 1.90 s alone, 2.79 s together on two Python threads
 (1.35x) and 1.98 s together in two processes (1.90x).
 

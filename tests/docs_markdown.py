@@ -119,6 +119,25 @@ def paragraphs(page: Path) -> list[tuple[int, str]]:
     return found
 
 
+def runs(page: Path) -> list[tuple[int, str]]:
+    """(first line, text) of every run of non-blank prose lines outside tables and headings: what
+    the site renders as one block with no gap in it. A tight list (no blank line between its items)
+    is one run, however many items it has."""
+    found: list[tuple[int, str]] = []
+    current: list[str] = []
+    start = 0
+    for number, line in enumerate([*prose(page), ""], 1):
+        if not line.strip() or line.lstrip().startswith(("|", "#")):
+            if current:
+                found.append((start, " ".join(current)))
+                current = []
+            continue
+        if not current:
+            start = number
+        current.append(line)
+    return found
+
+
 def words(text: str) -> int:
     return len([w for w in re.split(r"[\s|]+", text) if re.search(r"\w", w)])
 

@@ -1,4 +1,4 @@
-"""Empirical privacy of one training run, from canaries: pure estimators (issue 25).
+"""Empirical privacy of one training run, from canaries: pure estimators.
 
 The accountant proves an epsilon from arithmetic; these functions measure what a finished run
 actually leaks, so a bug in clipping, noise or participation shows up as an estimate or bound

@@ -6,7 +6,7 @@ sensitivity of the average is C / m), fed to server SGD with momentum:
     mbar_t = beta * mbar_{t-1} + noisy_avg_t,   theta_{t+1} = theta_t + eta_s * mbar_t.
 Because the released prefix sums are the tree-noised ones, this is post-processing of the tree
 mechanism. At a restart round the tree is replaced by a fresh one (the old tree's noise stays in
-the model); the clip norm may change only there (adaptive clipping, issue 3). Matrix-
+the model); the clip norm may change only there (adaptive clipping). Matrix-
 factorization noise (`mechanism`) takes a new clip norm C_t every round instead: its noise is
 scaled by C_t / C_0, i.e. x_t / C_t + z (C^-1 z)_t is released (`adaptive_clipping`).
 

@@ -1,6 +1,6 @@
 """A DP-FTRL noise mechanism as ONE object: strategy, sensitivity, noise streams, state, event.
 
-Why one object: before issue 31 a mechanism's noise was built in three places and its privacy
+Why one object: before it, a mechanism's noise was built in three places and its privacy
 computed in about eight, and the seams leaked (a resumed run accounted as the tree for noise it
 never added; a banded run's vocabulary total from the tree's zCDP). Everything that needs noise or
 a sensitivity now asks a `Mechanism`: the model noise and adaptive clipping's clipped-count noise

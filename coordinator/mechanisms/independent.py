@@ -12,7 +12,7 @@ domains (b"indep" model, b"indepcount" counts, b"dindep" ring), so it never shar
 another mechanism's noise under the same key; the stream is a pure function of (key, s, t), and a
 resume replays its position (the base class's `resume`).
 
-Added with issue 31 to show what a mechanism costs now: this file and its tests.
+Added with `Mechanism` to show what a new mechanism costs: this file and its tests.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The run's noise mechanism, bound to the run: built once, recorded, and checked on every resume.
 
 Why: a mechanism's noise and its accounting must be the same object for the whole run. Before
-issue 31 a run with a custom mechanism resumed without it was re-accounted as the tree (eps 16.86
+this binding, a run with a custom mechanism resumed without it was re-accounted as the tree (eps 16.86
 for rounds that had no noise), and a `mechanism.json` edited between a crash and the resume was
 taken as the strategy (sens^2 6.02 reported where the noise used needs >= 7.07). Now the
 mechanism's fingerprint (`Mechanism.fingerprint`: a hash of its name and strategy) is written to
