@@ -111,6 +111,7 @@ def test_attack_a_raised_noise_multiplier_is_refused_not_accounted(run):
     """The filed attack, on the value: resumed with z 5, the run claimed far less than what its
     three released rounds at z 0.5 cost. Now the resume is refused before anything runs."""
     cost = released_cost(run, 0.5)
+    original = (run / "config.json").read_bytes()
     edit_config(run, {"dp.noise_multiplier": 5.0})
     before = snapshot(run)
     code, _, err = cli("simulate", "--resume", str(run), "--quiet")
@@ -121,6 +122,12 @@ def test_attack_a_raised_noise_multiplier_is_refused_not_accounted(run):
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "dp.noise_multiplier (0.5 -> 5.0)" in err, err
     assert snapshot(run) == before
+    # the config put back, the run resumes and its report pays for every released round
+    (run / "config.json").write_bytes(original)
+    code, out, err = cli("simulate", "--resume", str(run), "--quiet")
+    assert code == 0, err
+    claimed = json.loads((run / "privacy.json").read_text())["epsilon"]
+    assert claimed >= cost and released_cost(run, 0.5) >= cost
 
 
 @pytest.mark.parametrize("edits, names", [
@@ -255,3 +262,28 @@ def test_attack_a_coordinator_state_whose_config_was_edited_is_refused_on_restar
     assert store.last_committed() == 2 and (state / KEY_FILE).read_bytes() == key
     assert all(r["guarantee"]["inputs"]["dp.noise_multiplier"] == 1.0 for r in store.releases())
     store.close()
+
+
+def test_a_planned_run_binds_the_noise_the_planner_chose(tmp_path):
+    """With dp.target_epsilon the planner picks z: the records bind the z the rounds ran with
+    (plan.json's), and a resume whose target was edited (a re-plan would pick another z) is
+    refused in one line before anything is written."""
+    planned = {**RUN, "rounds": 4, "dp": {**{k: v for k, v in RUN["dp"].items()
+                                             if k not in ("noise_multiplier", "report_goal")},
+                                          "adaptive_clipping": False, "target_epsilon": 8.0},
+               "participation": {}}
+    config = tmp_path / "planned.toml"
+    config.write_text(to_toml(planned))
+    run = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        failing_on_round(mp, 3, KeyboardInterrupt)
+        code, _, err = cli("simulate", str(config), "--out", str(run), "--quiet")
+    assert code == 130, err
+    chosen = json.loads((run / "plan.json").read_text())["chosen"]["noise_multiplier"]
+    records = [json.loads(line) for line in (run / "releases.jsonl").read_text().splitlines()]
+    assert [r["guarantee"]["inputs"]["dp.noise_multiplier"] for r in records] == [chosen, chosen]
+    edit_config(run, {"dp.target_epsilon": 30.0})
+    before = snapshot(run)
+    code, _, err = cli("simulate", "--resume", str(run), "--quiet")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert snapshot(run) == before

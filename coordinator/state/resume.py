@@ -23,6 +23,12 @@ continues at the round after it, on a fresh tree; the lost rounds stay in the lo
 accounting. If nothing was lost (always, after a Ctrl-C), the run continues bit for bit as an
 uninterrupted run would (the key is restored). Resuming with other training data
 (`data_fingerprint`) is refused.
+
+The config is bound to the releases: the resume point (server_state.json's `guarantee`) and every
+release record carry the run's guarantee digest (`guarantee`), and `resume_run` / `restore`
+refuse a resume whose recomputed digest differs from any of them, naming the settings, before
+anything is written. (`check_resumable` alone compared config.json with itself: the resume reads
+its config from there.) A point or record without a digest is refused too.
 """
 
 from __future__ import annotations
