@@ -43,6 +43,7 @@ from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
 from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
+from dpfleet.coordinator.state.guarantee import guarantee, guarantee_inputs
 from dpfleet.coordinator.state.interrupts import interrupts_deferred, sigterm_interrupts
 from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
@@ -191,6 +192,11 @@ class RoundEngine:
                 learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
                 noise_key=noise_key, mechanism=self.mechanism,
             )
+        # what every release and resume point is bound to, and a resume checked against
+        # (`guarantee`): the config as it runs (the planner's z in it), with what was derived
+        self.guarantee = guarantee(guarantee_inputs(
+            cfg, mechanism=self.mechanism, population=len(self.users), restarts=self.restarts,
+            model_noise_multiplier=self.z_model, vocabulary=vocabulary))
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
         self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
@@ -213,7 +219,7 @@ class RoundEngine:
         if resume:  # released rounds are never redone (`release_log`)
             resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
                                  self.participation, self.accountant, self.users, fingerprint,
-                                 resume_source)
+                                 resume_source, guarantee=self.guarantee)
             self.start, self.metrics = resumed.start, resumed.metrics
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next
@@ -369,6 +375,7 @@ class RoundEngine:
             released=release_hash(server.theta, estimator.estimate if estimator else None),
             data_sha256=self.fingerprint, logs=logs,
             mechanism=self.mechanism.name, mechanism_sha256=self.mechanism.fingerprint(),
+            guarantee=self.guarantee,
         )
         self._before_open = None  # released: the live state is the last release's
         self.metrics.append(record)
@@ -389,7 +396,7 @@ class RoundEngine:
             raise RoundStateError(f"round {self._open.round + 1} is open: a resume point is taken "
                                   "between rounds")
         with interrupts_deferred():
-            save_resume(self.run_path, self.next_round, self.server, self.estimator)
+            save_resume(self.run_path, self.next_round, self.server, self.estimator, self.guarantee)
             self._saved_at = self.next_round
 
     def _frozen(self) -> tuple[Frozen, Frozen | None]:
@@ -418,7 +425,7 @@ class RoundEngine:
         else:  # cannot happen while close_round defers interrupts; never save a mixed state
             return None
         with interrupts_deferred():  # a second Ctrl-C does not cut the point in two
-            save_resume(self.run_path, released, server, estimator)
+            save_resume(self.run_path, released, server, estimator, self.guarantee)
             self._saved_at = released
         return released
 

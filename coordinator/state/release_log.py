@@ -20,6 +20,10 @@ checkpoint here; the broadcast of the new model in a networked fleet). A record 
                   (release t's noise is made of the segment's draws 1..t)
     mechanism_sha256  the run's mechanism (`Mechanism.fingerprint`): a resume with another
                   mechanism or strategy is refused (`mechanism_binding`)
+    guarantee     {"sha256", "inputs"}: the digest of everything the round's guarantee depends
+                  on (z, C, rounds, MinS / MaxP, delta, mechanism, noise kind, population,
+                  vocabulary source) and those plain values (`guarantee`): a resume whose config
+                  differs in any of them is refused, naming them
 
 Rules (transport-free; a SQLite-backed service applies the same ones):
 1. Release only after the record is durable. A torn last line is a round that was not released
@@ -71,13 +75,14 @@ def release_hash(theta: np.ndarray, clip_estimate: float | None = None) -> str:
 
 def release_record(*, round: int, tree_id: int, t: int, key_id: str, participants: Sequence[str],
                    restart: bool, clip_norm: float, released: str, data_sha256: str,
-                   mechanism: str = "tree", mechanism_sha256: str = "") -> dict:
+                   mechanism: str = "tree", mechanism_sha256: str = "",
+                   guarantee: dict | None = None) -> dict:
     """One round's release record (the fields of the module docstring), as every log stores it."""
     record = {"round": round, "tree_id": tree_id, "t": t,
               "nodes": prefix_nodes(t) if mechanism == "tree" else [],
               "key_id": key_id, "participants": list(participants), "restart": restart,
               "clip_norm": clip_norm, "released": released, "data_sha256": data_sha256,
-              "mechanism_sha256": mechanism_sha256}
+              "mechanism_sha256": mechanism_sha256, "guarantee": guarantee}
     if mechanism != "tree":
         record["mechanism"] = mechanism
     return record
@@ -160,14 +165,15 @@ class ReleaseLog:
     def record_release(self, *, round: int, tree_id: int, t: int, key_id: str,
                        participants: Sequence[str], restart: bool, clip_norm: float, released: str,
                        data_sha256: str, logs: Mapping[str, dict] | None = None,
-                       mechanism: str = "tree", mechanism_sha256: str = "") -> dict:
+                       mechanism: str = "tree", mechanism_sha256: str = "",
+                       guarantee: dict | None = None) -> dict:
         """Append one round and fsync: call it before anything of the round is released.
         `logs` (name -> the round's record: "metrics", "debug_nonprivate") are committed with it
         (rule 4); the engine always passes its metrics."""
         record = release_record(round=round, tree_id=tree_id, t=t, key_id=key_id,
                                 participants=participants, restart=restart, clip_norm=clip_norm,
                                 released=released, data_sha256=data_sha256, mechanism=mechanism,
-                                mechanism_sha256=mechanism_sha256)
+                                mechanism_sha256=mechanism_sha256, guarantee=guarantee)
         if logs:
             check_logs(round, logs)
             self.pending.unlink(missing_ok=True)

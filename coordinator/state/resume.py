@@ -23,6 +23,12 @@ continues at the round after it, on a fresh tree; the lost rounds stay in the lo
 accounting. If nothing was lost (always, after a Ctrl-C), the run continues bit for bit as an
 uninterrupted run would (the key is restored). Resuming with other training data
 (`data_fingerprint`) is refused.
+
+The config is bound to the releases: the resume point (server_state.json's `guarantee`) and every
+release record carry the run's guarantee digest (`guarantee`), and `resume_run` / `restore`
+refuse a resume whose recomputed digest differs from any of them, naming the settings, before
+anything is written. (`check_resumable` alone compared config.json with itself: the resume reads
+its config from there.) A point or record without a digest is refused too.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.mechanisms.noise_stream import KEY_BYTES, key_id
+from dpfleet.coordinator.state.guarantee import check_guarantee
 from dpfleet.coordinator.state.mechanism_binding import binding, check_bound, saved_config
 from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
@@ -181,9 +188,10 @@ def check_resumable(path: Path, resolved: dict) -> None:
 
 
 def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
-                estimator: QuantileClipEstimator | None) -> None:
+                estimator: QuantileClipEstimator | None, guarantee: dict | None = None) -> None:
     """Replace the run's resume point with the state after `rounds_done` rounds (`server` and
-    `estimator` may be `Frozen` states of theirs).
+    `estimator` may be `Frozen` states of theirs), with the run's `guarantee` (`guarantee.py`:
+    a resume that would run under another one is refused, `restore`).
 
     Written to resume.tmp (every file fsynced), then swapped in, so a crash at any moment leaves
     one whole resume point (`resume/`, or `resume.old/` if the crash fell between the two
@@ -193,7 +201,7 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_server_state(tmp, server, estimator.state_dict() if estimator else None,
-                      {"rounds_done": rounds_done})
+                      {"rounds_done": rounds_done, "guarantee": guarantee})
     write_key(tmp, server.noise_key)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -244,8 +252,9 @@ class ResumeSource:
 
 
 def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
-            source: ResumeSource | None = None) -> int:
-    """Load the resume point into `server` / `estimator`; returns the number of rounds done."""
+            source: ResumeSource | None = None, *, guarantee: dict) -> int:
+    """Load the resume point into `server` / `estimator`; returns the number of rounds done.
+    The point must have been saved under `guarantee`, the one this resume runs with."""
     folder = resume_point(run_path) if source is None else source.point
     if folder is None:
         return 0
@@ -254,6 +263,7 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
         raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
                            f"builds {server.theta.size}: it belongs to another run")
     check_bound(server.mechanism, meta.get("mechanism"), f"the resume point {folder}")
+    check_guarantee(guarantee, meta.get("guarantee"), f"the resume point {folder}")
     server.noise_key = read_key(folder if source is None else source.key_folder)
     server.load_state(state)
     if estimator is not None:
@@ -332,21 +342,25 @@ def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[d
 
 def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
                releases: ReleaseLog, participation: Participation, accountant: RunAccountant,
-               users: Sequence[str], fingerprint: str, source: ResumeSource | None = None
-               ) -> Resumed:
+               users: Sequence[str], fingerprint: str, source: ResumeSource | None = None,
+               *, guarantee: dict) -> Resumed:
     """Restore the resume point, replay every released round, and start a fresh tree when
     released rounds were lost (module docstring); rewrites metrics/participation logs to match
-    (with `source`, the state store's, nothing is rewritten: its logs commit with the release)."""
+    (with `source`, the state store's, nothing is rewritten: its logs commit with the release).
+    `guarantee` is what this resume would run under (`guarantee.py`): every release record and
+    the resume point must carry it, checked before anything is written."""
     released = releases.released_rounds()
     check_no_reuse(released)  # the log replayed must never have put one noise position on two sums
     for record in released:  # every release names the mechanism its noise came from
         bound = ({"name": record.get("mechanism", "tree"), "sha256": record["mechanism_sha256"]}
                  if record.get("mechanism_sha256") else None)
         check_bound(server.mechanism, bound, f"round {record['round']} of {releases.path}")
+    for record in released:  # and the guarantee it was released under: this config's
+        check_guarantee(guarantee, record.get("guarantee"), f"round {record['round']} of {releases.path}")
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")
-    done = restore(run_path, server, estimator, source)
+    done = restore(run_path, server, estimator, source, guarantee=guarantee)
     if len(released) < done:
         raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
                            f"point has {done}: the release log was edited")

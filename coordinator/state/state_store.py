@@ -23,10 +23,13 @@ Tables and the invariant each one carries (WHY):
                             failed (nothing of it was released); it may be opened again under the
                             same number, because round numbers count releases. committed is final.
     releases(round, tree_id, t, nodes, key_id, participants, restart, clip_norm, released,
-             data_sha256)   the fields of releases.jsonl (`release_log`), one row per released
+             data_sha256, mechanism, mechanism_sha256, guarantee)
+                            the fields of releases.jsonl (`release_log`), one row per released
                             round. Append-only (triggers refuse UPDATE / DELETE: a released round
                             is never recomputed) and UNIQUE(key_id, tree_id, t): one sum per
-                            noise position, enforced by the database itself.
+                            noise position, enforced by the database itself. `guarantee` (JSON)
+                            binds the config the round was released under: meta's config edited
+                            between two starts is refused by the restart (`guarantee`).
     participation(round, device)   whose clipped update is in round's sum: what the accountant
                             and the MinS / MaxP guard replay on reopening.
     metrics(round, record), debug_nonprivate(round, record)   the engine's per-round logs (JSON),
@@ -74,7 +77,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, fsync_path
 from dpfleet.jsonio import dumps
 
-SCHEMA_VERSION = 2  # 2: releases carry the mechanism and its fingerprint (issue 31)
+SCHEMA_VERSION = 3  # 2: releases carry the mechanism and its fingerprint; 3: and the guarantee
 DB_FILE = "state.sqlite"
 ROUNDS_DIR = "rounds"
 LOCK_FILE = "lock"  # flock: one coordinator process per state directory
@@ -111,6 +114,7 @@ CREATE TABLE releases (
     data_sha256 TEXT NOT NULL,
     mechanism TEXT NOT NULL,
     mechanism_sha256 TEXT NOT NULL,
+    guarantee TEXT,
     UNIQUE (key_id, tree_id, t)
 );
 CREATE TRIGGER releases_never_updated BEFORE UPDATE ON releases
@@ -126,7 +130,8 @@ CREATE TABLE metrics (round INTEGER PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE debug_nonprivate (round INTEGER PRIMARY KEY, record TEXT NOT NULL);
 """
 RELEASE_FIELDS = ("round", "tree_id", "t", "nodes", "key_id", "participants", "restart",
-                  "clip_norm", "released", "data_sha256", "mechanism", "mechanism_sha256")
+                  "clip_norm", "released", "data_sha256", "mechanism", "mechanism_sha256", "guarantee")
+JSON_FIELDS = ("nodes", "participants", "guarantee")  # stored as JSON text
 
 
 def _no_fault(point: str) -> None:
@@ -345,7 +350,7 @@ class StateStore:
         try:
             with self._transaction():
                 self.db.execute(f"INSERT INTO releases VALUES ({', '.join('?' * len(RELEASE_FIELDS))})",
-                                [json.dumps(release[k]) if k in ("nodes", "participants")
+                                [json.dumps(release.get(k)) if k in JSON_FIELDS
                                  else release.get(k, "tree") if k == "mechanism"
                                  else release[k] for k in RELEASE_FIELDS])
                 self.fault("release_row")
@@ -379,8 +384,7 @@ class StateStore:
         out = []
         for row in rows:
             record = dict(zip(RELEASE_FIELDS, row, strict=True))
-            record.update(nodes=json.loads(record["nodes"]), participants=json.loads(record["participants"]),
-                          restart=bool(record["restart"]))
+            record.update({k: json.loads(record[k]) for k in JSON_FIELDS}, restart=bool(record["restart"]))
             if record["mechanism"] == "tree":  # as releases.jsonl writes it (`release_record`)
                 del record["mechanism"]
             out.append(record)
@@ -492,7 +496,7 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool
     def write_state(folder: Path) -> None:
         est = engine.estimator
         save_server_state(folder, engine.server, est.state_dict() if est else None,
-                          {"rounds_done": engine.next_round})
+                          {"rounds_done": engine.next_round, "guarantee": engine.guarantee})
 
     def model_sha256() -> str:
         return release_hash(engine.server.theta)
