@@ -44,16 +44,23 @@ PRIVATE_FILE = 0o600  # every file dpfleet writes
 PRIVATE_UMASK = 0o077  # what `private_umask` holds: library-written files 0600, folders 0700
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder by path (a folder: the names in it, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
+@contextmanager
+def _opened(path: Path, flags: int, mode: int = PRIVATE_FILE) -> Iterator[int]:
+    """A file descriptor of `path`, closed after the block; an OSError in it names `path`."""
+    fd = os.open(path, flags, mode)
     try:
-        os.fsync(fd)
+        yield fd
     except OSError as exc:
         _name(exc, path)
         raise
     finally:
         os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder by path (a folder: the names in it, e.g. after a rename)."""
+    with _opened(path, os.O_RDONLY) as fd:
+        os.fsync(fd)
 
 
 def _name(exc: OSError, path: Path) -> None:
@@ -103,16 +110,10 @@ def write_secret(path: Path, secret: bytes) -> None:
     """`secret` alone in a new file, created with mode 0600 (never readable by others, not even
     for a moment) and never over an existing one; fsynced with its folder."""
     path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
+    with _opened(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as fd:
+        os.fchmod(fd, PRIVATE_FILE)  # whatever the umask
         _write_all(fd, secret)
         os.fsync(fd)
-    except OSError as exc:
-        _name(exc, path)
-        raise
-    finally:
-        os.close(fd)
     fsync_path(path.parent)
 
 
@@ -121,17 +122,11 @@ def append_text(path: Path, text: str, fsync: bool = False) -> None:
     whatever the umask), in one write; with `fsync`, durable before this returns (a commit
     point). An empty `text` creates the file (0600) and writes nothing."""
     path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
-    try:
+    with _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as fd:
         os.fchmod(fd, PRIVATE_FILE)
         _write_all(fd, text.encode())
         if fsync:
             os.fsync(fd)
-    except OSError as exc:
-        _name(exc, path)
-        raise
-    finally:
-        os.close(fd)
 
 
 def private_mkdir(path: Path) -> Path:
