@@ -33,7 +33,7 @@ from dpfleet.coordinator.state.release_log import RELEASES
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.edge.tokenizer import load_tokenizer
 from dpfleet.errors import DpfleetError
-from dpfleet.io import removed_on_failure
+from dpfleet.io import atomic_write, private_mkdir, removed_on_failure
 
 __all__ = ["Result", "TokenizerLike", "cli_pretrain", "fresh_run_dir", "released_any", "run",
            "user_records"]
@@ -200,11 +200,11 @@ class _UserTokenizer:
 
     def save(self, folder: Path) -> Path:
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        private_mkdir(folder)
         if callable(getattr(self.inner, "save", None)):
             self.inner.save(folder)
         else:
-            (folder / "tokenizer.json").write_text(json.dumps(
+            atomic_write(folder / "tokenizer.json", json.dumps(
                 {"kind": self.kind, "class": type(self.inner).__qualname__, "vocab_size": self.vocab_size}))
         return folder
 

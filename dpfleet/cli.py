@@ -17,6 +17,7 @@ import sys
 import click
 
 from dpfleet.errors import DpfleetError
+from dpfleet.io import hold_private_umask, release_private_umask
 
 # command name -> "module:attribute" of a click command or group
 COMMANDS: dict[str, str] = {
@@ -82,6 +83,10 @@ def cli(ctx: click.Context) -> None:
         click.echo(ctx.get_help())
         ctx.exit(0)
     ctx.obj = {"pretrain": pretrain_on_public}  # for the commands that run a config (simulate, audit)
+    # the permission rule (dpfleet/io.py) also for what libraries write: a command owns its
+    # process's umask while it runs (and puts it back: CliRunner runs commands in-process)
+    hold_private_umask()
+    ctx.call_on_close(release_private_umask)
 
 
 def pretrain_on_public(*args: object, **kwargs: object) -> dict:

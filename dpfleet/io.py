@@ -6,12 +6,23 @@ never leaves a half-written file" and "a key is never readable by others" are im
 * `atomic_write`: the bytes go to a fresh temporary file in the same folder, are flushed and
   fsynced, the file is renamed over `path` (atomic on POSIX) and the folder is fsynced, so after a
   crash `path` holds the old content or the new one, never a mix, and the rename is durable.
+  The file is 0600 (the permission rule below).
 * `write_secret`: a new file created with mode 0600 in the open call itself (never readable by
   others, not even for a moment, whatever the umask), never over an existing file, fsynced.
 * `fsync_path`: fsync a file or folder by path (what a rename of a folder needs).
 * `sha256_hex` / `sha256_file`: hex digests of bytes and of a file (read in 1 MiB chunks).
+* `append_text`: text appended to a log (created 0600), optionally fsynced.
+* `private_mkdir`: a folder (and the parents it needs) created 0700.
+* `private_umask`: umask 077 for a block, for what libraries write (a CLI command's, a server's).
 * `check_writable`: before any work, the OSError that creating a folder or file would raise.
 * `removed_on_failure`: what a failed setup created at a path is removed again, nothing else.
+
+The permission rule, one for every writer (runs, service state, audit and export outputs, the
+caches): folders dpfleet creates are 0700 and files it writes 0600, whatever the umask. Why: a
+run's files are read together (a resume point with config.json, a log with a model); no one but
+the user who ran it should read any of them. Files a library writes itself (matplotlib, SQLite,
+tensorboardX, a tokenizer's save) land in those 0700 folders; the CLI and the service also hold
+`private_umask` so they are 0600 too. Library code never changes a caller's process umask.
 
 An OSError raised here names the path it is about, so the CLI can say it in one line.
 """
@@ -28,17 +39,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+PRIVATE_DIR = 0o700  # every folder dpfleet creates
+PRIVATE_FILE = 0o600  # every file dpfleet writes
+PRIVATE_UMASK = 0o077  # what `private_umask` holds: library-written files 0600, folders 0700
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder by path (a folder: the names in it, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
+
+@contextmanager
+def _opened(path: Path, flags: int, mode: int = PRIVATE_FILE) -> Iterator[int]:
+    """A file descriptor of `path`, closed after the block; an OSError in it names `path`."""
+    fd = os.open(path, flags, mode)
     try:
-        os.fsync(fd)
+        yield fd
     except OSError as exc:
         _name(exc, path)
         raise
     finally:
         os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder by path (a folder: the names in it, e.g. after a rename)."""
+    with _opened(path, os.O_RDONLY) as fd:
+        os.fsync(fd)
 
 
 def _name(exc: OSError, path: Path) -> None:
@@ -60,15 +82,15 @@ def atomic_write(path: Path, data: bytes | str | Callable[[BinaryIO], object],
 
     `data`: bytes, a str (UTF-8 encoded), or a function that writes the content into the binary
     file it is given (`lambda f: np.save(f, x)`: nothing is held twice in memory; if it raises,
-    `path` is left as it was). The file gets `mode` when given (e.g. 0o644 for a cache other
-    users read), otherwise what a plain new file gets (0666 less the umask)."""
+    `path` is left as it was). The file is 0600 (the permission rule) unless `mode` says
+    otherwise."""
     path = Path(path)
+    mode = PRIVATE_FILE if mode is None else mode
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # one per writer: no clashes
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & PRIVATE_FILE)
     try:
         with os.fdopen(fd, "wb") as fh:
-            if mode is not None:
-                os.fchmod(fd, mode)  # whatever the umask
+            os.fchmod(fd, mode)  # whatever the umask
             if callable(data):
                 data(fh)
             else:
@@ -88,17 +110,80 @@ def write_secret(path: Path, secret: bytes) -> None:
     """`secret` alone in a new file, created with mode 0600 (never readable by others, not even
     for a moment) and never over an existing one; fsynced with its folder."""
     path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
+    with _opened(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL) as fd:
+        os.fchmod(fd, PRIVATE_FILE)  # whatever the umask
         _write_all(fd, secret)
         os.fsync(fd)
-    except OSError as exc:
-        _name(exc, path)
-        raise
-    finally:
-        os.close(fd)
     fsync_path(path.parent)
+
+
+def append_text(path: Path, text: str, fsync: bool = False) -> None:
+    """`text` appended to the log `path` (created 0600 if missing: never readable by others,
+    whatever the umask), in one write; with `fsync`, durable before this returns (a commit
+    point). An empty `text` creates the file (0600) and writes nothing."""
+    path = Path(path)
+    with _opened(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as fd:
+        os.fchmod(fd, PRIVATE_FILE)
+        _write_all(fd, text.encode())
+        if fsync:
+            os.fsync(fd)
+
+
+def private_mkdir(path: Path) -> Path:
+    """`path` as a folder of the permission rule: the missing ones (it and its parents) created
+    0700 whatever the umask, and `path` itself, if it existed and is ours, made 0700 (a run
+    directory the user created empty, a cache root from an older dpfleet). Returns `path`."""
+    path = Path(path)
+    missing = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(PRIVATE_DIR)
+        except FileExistsError:  # made meanwhile by another writer
+            pass
+        except OSError as exc:
+            _name(exc, folder)
+            raise
+    if path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid():
+        path.chmod(PRIVATE_DIR)  # a mkdir gets 0700 less the umask; an old folder its own mode
+    elif not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    return path
+
+
+_umask_holders = {"count": 0, "saved": 0}
+
+
+def hold_private_umask() -> None:
+    """Umask 077 until the matching `release_private_umask` (`private_umask` says when)."""
+    if _umask_holders["count"] == 0:
+        _umask_holders["saved"] = os.umask(PRIVATE_UMASK)
+    else:
+        os.umask(PRIVATE_UMASK)
+    _umask_holders["count"] += 1
+
+
+def release_private_umask() -> None:
+    _umask_holders["count"] -= 1
+    if _umask_holders["count"] == 0:
+        os.umask(_umask_holders["saved"])
+
+
+@contextmanager
+def private_umask() -> Iterator[None]:
+    """Umask 077 inside the block, so what libraries write themselves (SQLite and its -wal /
+    -shm, tensorboardX events, a tokenizer's files) follows the permission rule too. For a
+    command or a server that owns the process (the CLI, `coordinator serve`), never library
+    code: a user's Python process keeps its umask. Nested and concurrent holders share it; the
+    last one out puts the previous umask back."""
+    hold_private_umask()
+    try:
+        yield
+    finally:
+        release_private_umask()
 
 
 def sha256_hex(data: bytes) -> str:

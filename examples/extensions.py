@@ -136,7 +136,7 @@ class DenseStrategy(Mechanism):
                 return y.astype(np.float32)
 
             def state_dict(self):
-                return {"tree_id": self.tree_id, "t": self.t, "nodes": [], "noise": []}
+                return {"tree_id": self.tree_id, "t": self.t}  # position only: resume replays
 
         return Stream()
 # --8<-- [end:noise]

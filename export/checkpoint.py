@@ -16,6 +16,7 @@ from torch import nn
 from dpfleet.edge.tokenizer import SentencePieceTokenizer, WordTokenizer, load_tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.io import atomic_write, private_mkdir
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
@@ -57,23 +58,23 @@ def save_checkpoint(
     are not private (a deliberately broken audit run): written to `not_private.json` before the
     weights, so `load_checkpoint` (and with it `dpfleet export`) refuses them; a stale mark from
     an earlier run in the same folder is removed otherwise."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    private_mkdir(folder)
     if not_private:
-        (folder / NOT_PRIVATE).write_text(json.dumps({"private": False, "why": not_private}, indent=2))
+        atomic_write(folder / NOT_PRIVATE, json.dumps({"private": False, "why": not_private}, indent=2))
     else:
         (folder / NOT_PRIVATE).unlink(missing_ok=True)
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
-    save_file(tensors, str(folder / WEIGHTS))
+    atomic_write(folder / WEIGHTS, save(tensors))  # 0600 (dpfleet/io.py)
     if cfg is not None:
-        (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+        atomic_write(folder / CONFIG, json.dumps(cfg.to_dict(), indent=2))
         (folder / CUSTOM).unlink(missing_ok=True)
     else:
-        (folder / CUSTOM).write_text(json.dumps({"class": type(model).__qualname__,
-                                                 "module": type(model).__module__,
-                                                 "parameters": sum(t.numel() for t in tensors.values())}))
+        atomic_write(folder / CUSTOM, json.dumps({"class": type(model).__qualname__,
+                                                  "module": type(model).__module__,
+                                                  "parameters": sum(t.numel() for t in tensors.values())}))
     tokenizer.save(folder / TOKENIZER)
     return folder
 

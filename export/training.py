@@ -35,7 +35,7 @@ from dpfleet.export.graph_passes import dedup_nodes, split_addmm
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.noise import capture, exporter_step, terminal
 from dpfleet.export.params import ParamLayout
-from dpfleet.io import atomic_write, sha256_hex
+from dpfleet.io import atomic_write, private_mkdir, sha256_hex
 
 FORMATS = ("pte", "onnx")
 # Bump when the program contents change for the same spec (graph passes, signature, ...).
@@ -278,10 +278,9 @@ def write_program(path: Path, spec: ProgramSpec, data: bytes) -> ProgramFile:
         "program_version": PROGRAM_VERSION,
         "tools": tool_versions(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # 0644: a plain temporary file's 0600 would hide a shared cache from other users
-    atomic_write(path, data, mode=0o644)
-    atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode(), mode=0o644)
+    private_mkdir(path.parent)  # the permission rule (dpfleet/io.py): the cache is the user's
+    atomic_write(path, data)
+    atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode())
     return read_program_file(path)
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.errors import DpfleetError
-from dpfleet.io import removed_on_failure, write_secret
+from dpfleet.io import hold_private_umask, release_private_umask, removed_on_failure, write_secret
 from dpfleet.service.app import HTTP_LOG, POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
 from dpfleet.service.boot import boot
@@ -34,7 +34,6 @@ from dpfleet.service.servelog import ServiceLog
 
 ADMIN_FILE = "admin.json"
 SERVICE_LOG = "service.log"
-STATE_UMASK = 0o077  # every file the serving process creates: 0600, every folder 0700
 
 
 @dataclass
@@ -65,24 +64,9 @@ def parse_listen(listen: str, tls: bool) -> tuple[str, int]:
     return host.strip("[]"), port_n
 
 
-_umask = {"users": 0, "saved": 0}
-
-
-def hold_umask() -> None:
-    """The process umask is STATE_UMASK while any coordinator of this process serves (`serve`
-    is one per process; in-process tests may run several): the first holder sets it, the last
-    `release_umask` puts the previous one back."""
-    if _umask["users"] == 0:
-        _umask["saved"] = os.umask(STATE_UMASK)
-    else:
-        os.umask(STATE_UMASK)
-    _umask["users"] += 1
-
-
-def release_umask() -> None:
-    _umask["users"] -= 1
-    if _umask["users"] == 0:
-        os.umask(_umask["saved"])
+# the process umask is 077 while any coordinator of this process serves (`serve` is one per
+# process; in-process tests may run several): the floor's holder, shared with the CLI's
+hold_umask, release_umask = hold_private_umask, release_private_umask
 
 
 def check_exposure(host: str, registry: dict | None) -> None:

@@ -241,3 +241,28 @@ def test_ctrl_c_says_how_to_resume_and_resume_finishes(tmp_path, capsys, monkeyp
     monkeypatch.setattr(simulation, "make_trainer", real_make)
     main(["simulate", "--resume", str(out), "--quiet"])
     assert (out / "metrics.jsonl").read_text() == reference["metrics"]
+
+
+def test_a_resume_point_of_the_old_format_resumes_and_its_node_vectors_are_never_read(interrupted, reference):
+    """An older dpfleet saved the live tree nodes (tree_node_i arrays, the count nodes in the
+    JSON). They are ignored: replaced by garbage here, the run still resumes bit for bit."""
+    from safetensors.numpy import save_file
+
+    point = interrupted / "resume"
+    arrays = load_file(str(point / "server_state.safetensors"))
+    state = json.loads((point / "server_state.json").read_text())
+    live = len(state["tree"]["nodes"])
+    save_file({**arrays, **{f"tree_node_{i}": np.full_like(arrays["theta"], 1e6) for i in range(live)}},
+              str(point / "server_state.safetensors"))
+    state["clip_estimator"]["tree"]["noise"] = [1e6] * len(state["clip_estimator"]["tree"]["nodes"])
+    (point / "server_state.json").write_text(json.dumps(state))
+    assert outputs(run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)) == reference
+
+
+def test_a_resume_point_whose_tree_positions_were_edited_is_refused(interrupted):
+    path = interrupted / "resume" / "server_state.json"
+    state = json.loads(path.read_text())
+    state["tree"]["nodes"] = [[3, 0]]  # a node no live tree of 1 round has
+    path.write_text(json.dumps(state))
+    with pytest.raises(DpfleetError, match="lists the live nodes .* the resume point was edited"):
+        run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)

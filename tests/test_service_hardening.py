@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_fleet import checkin_all, close_all, device_keys, register_all, run_devices, tiny_cfg
 
+import dpfleet.io as dpfleet_io
 from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.clipping import clip_l2, norm64
 from dpfleet.errors import DpfleetError
@@ -688,10 +689,9 @@ def test_state_is_0700_and_every_file_0600_after_a_real_serve(tmp_path):
     finally:
         os.umask(previous)
     after = modes()
-    from dpfleet.service import server
 
     # shutdown put the process umask back (unless another coordinator of this process serves)
-    assert umask_after == (0o077 if server._umask["users"] else 0o022)
+    assert umask_after == (0o077 if dpfleet_io._umask_holders["count"] else 0o022)
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     for name in ("state.sqlite", "state.sqlite-wal", "state.sqlite-shm", "service.log",
                  "metrics.jsonl"):

@@ -50,7 +50,7 @@ from dpfleet.edge.clipping import clip_l2
 from dpfleet.edge.model_output import logits_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
-from dpfleet.io import atomic_write
+from dpfleet.io import atomic_write, private_mkdir
 from dpfleet.jsonio import dumps
 
 # deliberately broken runs, for the tests and benchmark that show the audit can fail
@@ -452,6 +452,6 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         return entries[0]
     top = summarise(pooled, max(accounted), cfg, settings, {"noise_mechanism": entries[0]["noise"]})
     top["seeds"] = entries
-    out.mkdir(parents=True, exist_ok=True)
+    private_mkdir(out)
     atomic_write(out / "audit.json", dumps(top, indent=2))
     return top

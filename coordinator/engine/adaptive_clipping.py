@@ -148,9 +148,8 @@ class QuantileClipEstimator:
         segment = self.tree.tree_id + 1 if tree_id is None else tree_id
         self.tree = self.mechanism.stream(1, self.count_stddev, self.key, segment, "count")
 
-    def state_dict(self, with_noise: bool = True) -> dict:
-        """With `with_noise`, the live count-noise nodes (noise secrets: resume point only)."""
-        tree = self.tree.state_dict()
-        tree["noise"] = [float(v[0]) for v in tree["noise"]] if with_noise else None
+    def state_dict(self) -> dict:
+        """The estimate and the count stream's position (its `state_dict`: never a noise value,
+        which with `noised_prefix` would give the clipped counts away; a resume rebuilds it)."""
         return {"estimate": self.estimate, "base": self.base, "noised_prefix": self.noised_prefix,
-                "tree": tree}
+                "tree": self.tree.state_dict()}

@@ -478,9 +478,8 @@ class RoundEngine:
         final = self.evaluate()
         save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
                         not_private=self.audit_break and broken_reason(self.audit_break))
-        save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
-                          self.estimator.state_dict(with_noise=False) if self.estimator else None,
-                          with_noise=False)
+        save_server_state(run_path / "checkpoint", self.server,  # positions only, no key
+                          self.estimator.state_dict() if self.estimator else None)
         privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         self.run.write_json("privacy.json", privacy)
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))

@@ -286,7 +286,7 @@ def _open_run(cfg: SimulationConfig, out: Path, overwrite: bool, resume: bool) -
     shutil.rmtree(run.path / "vocabulary", ignore_errors=True)
     (run.path / DEBUG_NONPRIVATE).unlink(missing_ok=True)
     if cfg.debug_nonprivate:
-        (run.path / DEBUG_NONPRIVATE).write_text("")
+        atomic_write(run.path / DEBUG_NONPRIVATE, "")
     return run
 
 

@@ -12,6 +12,11 @@ MatrixMechanism` (banded, BLT); `independent.IndependentMechanism` shows what ad
 Contract of a stream (`NoiseStream`): `next_residual()` is round t's noise (t = 1, 2, ... within
 its segment), added to round t's sum; `t` and `tree_id` (the segment) say where it stands; a pure
 function of (key, purpose, segment, t), so a resume rebuilds it and no two segments share noise.
+`state_dict()` returns its position as a JSON object: at least {"t": t, "tree_id": segment}, plus
+any other JSON numbers, strings or lists `resume` needs, and never a noise value (the resume
+point stores it as it is, next to the model; an array is refused). `Mechanism.resume(state, ...)`
+gets that dict back and rebuilds the stream from the key: the default replays t rounds, the tree
+recomputes its live nodes.
 
 Identity: `identity()` is the strategy's parameters as JSON; `fingerprint()` hashes it with the
 name. The run binds it (config.json's `mechanism`, every release record, the resume point), so a
@@ -44,7 +49,9 @@ class NoiseStream(Protocol):
 
     def next_residual(self) -> np.ndarray: ...
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """The position, as JSON: {"t": t, "tree_id": segment, ...}, never a noise value."""
+        ...
 
 
 class Mechanism(abc.ABC):

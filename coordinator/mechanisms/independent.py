@@ -41,7 +41,7 @@ class IndependentStream:
 
     def state_dict(self) -> dict:
         """Position only (the noise is rebuilt from the key)."""
-        return {"tree_id": self.tree_id, "t": self.t, "nodes": [], "noise": [], "mechanism": "independent"}
+        return {"tree_id": self.tree_id, "t": self.t, "mechanism": "independent"}
 
 
 class IndependentMechanism(Mechanism):

@@ -67,8 +67,7 @@ class MFNoise:
 
     def state_dict(self) -> dict:
         """Position only: the state is rebuilt from the key (no noise vector is ever saved)."""
-        return {"dim": self.dim, "tree_id": self.tree_id, "t": self.t, "nodes": [], "noise": [],
-                "mechanism": self.spec.kind}
+        return {"dim": self.dim, "tree_id": self.tree_id, "t": self.t, "mechanism": self.spec.kind}
 
     @classmethod
     def from_state(cls, state: dict, spec: MechanismSpec, key: bytes, std: float,

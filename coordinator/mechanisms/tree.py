@@ -3,10 +3,10 @@
 Noise: `tree_noise.TreeNoise` over node vectors that are pure functions of (key, domain, tree,
 level, index): `noise_stream.GaussianNodes` on the float path (domains b"gauss" for the model,
 b"count" for adaptive clipping's counts) and `ring_noise.ring_nodes` (int64 discrete Gaussians,
-b"dgauss") in the SecAgg ring. A resume point holds the live stack of node vectors (0600, deleted
-at the end). Sensitivity: the exact worst case over every participation pattern with the MinS /
-MaxP given and the restarts (`tree_sensitivity`, every dyadic node). Restarts start a fresh tree
-(a new tree id) and keep the accounting exact.
+b"dgauss") in the SecAgg ring. A resume point holds the tree's position only; `resume` recomputes
+the live nodes from the key (O(log t) of them). Sensitivity: the exact worst case over every
+participation pattern with the MinS / MaxP given and the restarts (`tree_sensitivity`, every
+dyadic node). Restarts start a fresh tree (a new tree id) and keep the accounting exact.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class TreeMechanism(Mechanism):
         return TreeNoise(dim, self._nodes(dim, std, key, purpose), segment)
 
     def resume(self, state: dict, dim: int, std: float, key: bytes, purpose: str = "model") -> TreeNoise:
-        """From the saved live node vectors (no replay: O(log t) nodes, not t)."""
+        """The live nodes recomputed from the key (no replay: O(log t) nodes, not t)."""
         return TreeNoise.from_state(state, self._nodes(dim, std, key, purpose))
 
     def ring_stream(self, plan, key: bytes, segment: int = 0) -> TreeNoise:

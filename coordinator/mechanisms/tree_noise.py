@@ -13,7 +13,9 @@ The tree does not draw noise itself: `nodes(tree_id, level, index)` returns a no
 (float32 `noise_stream.GaussianNodes`, keyed by the run's secret noise key; int64 for the discrete
 Gaussian), and the residual and prefix arithmetic run in that dtype. Nodes are pure functions of
 their position, so the streaming residual and a direct recomputation of a prefix's noise agree
-exactly (the tests check it) and a resumed tree can be rebuilt. Only the live stack is state.
+exactly (the tests check it) and a resumed tree is rebuilt from the key. The live stack is state
+in memory only: `state_dict` keeps its positions, never a vector (with the released model, the
+vectors' sum would let anyone without the key subtract the noise).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
+from dpfleet.errors import DpfleetError
 
 
 def prefix_nodes(t: int) -> list[tuple[int, int]]:
@@ -78,14 +82,20 @@ class TreeNoise:
         return residual
 
     def state_dict(self) -> dict:
-        """Position and live node vectors. The vectors are noise secrets: resume point only."""
+        """Positions only (JSON): never a node vector, which is noise (`from_state` rebuilds them
+        from the key). The live (level, index) pairs are those of `prefix_nodes(t)`."""
         return {"dim": self.dim, "tree_id": self.tree_id, "t": self.t,
-                "nodes": [(lv, ix) for lv, ix, _ in self.stack],
-                "noise": [n for _, _, n in self.stack]}
+                "nodes": [[lv, ix] for lv, ix, _ in self.stack]}
 
     @classmethod
     def from_state(cls, state: dict, nodes: NodeFn) -> TreeNoise:
-        tree = cls(state["dim"], nodes, state["tree_id"])
-        tree.t = state["t"]
-        tree.stack = [(lv, ix, n) for (lv, ix), n in zip(state["nodes"], state["noise"], strict=True)]
+        """The tree `state_dict` describes, its live nodes recomputed by `nodes` (O(log t) of
+        them). A resume point of an older dpfleet also held their vectors: they are ignored."""
+        tree = cls(int(state["dim"]), nodes, int(state["tree_id"]))
+        tree.t = int(state["t"])
+        live = prefix_nodes(tree.t) if tree.t else []
+        if "nodes" in state and [tuple(n) for n in state["nodes"]] != live:
+            raise DpfleetError(f"a saved noise tree at t = {tree.t} lists the live nodes {state['nodes']}, "
+                               f"not {[list(n) for n in live]}: the resume point was edited")
+        tree.stack = [(lv, ix, tree.node_noise(lv, ix)) for lv, ix in live]
         return tree

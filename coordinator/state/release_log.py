@@ -59,6 +59,7 @@ import numpy as np
 
 from dpfleet.coordinator.mechanisms.tree_noise import prefix_nodes
 from dpfleet.errors import DpfleetError
+from dpfleet.io import append_text
 from dpfleet.jsonio import dumps
 
 RELEASES = "releases.jsonl"
@@ -89,10 +90,7 @@ def release_record(*, round: int, tree_id: int, t: int, key_id: str, participant
 
 
 def _fsync_append(path: Path, text: str) -> None:
-    with path.open("a") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_text(path, text, fsync=True)  # 0600, like every file of the run
 
 
 def _logged_rounds(path: Path) -> set[int]:

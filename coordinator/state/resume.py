@@ -2,7 +2,7 @@
 
 Only what cannot be recomputed is saved, atomically, every `checkpoint_every` rounds and on Ctrl-C
 / SIGTERM for the last released round (`RoundEngine.save_interrupted`): the DP-FTRL server (theta,
-momentum, the live noise nodes of the tree), the adaptive clip estimator, the number of rounds
+momentum, the position of its noise stream), the adaptive clip estimator, the number of rounds
 done, and the run's secret noise key. Participation (the guard, the device timers, the simulated
 clock) and the running accountant are *replayed* from the release log (`release_log`), the same
 records participation.jsonl and the privacy report come from: a resumed run cannot account
@@ -10,12 +10,15 @@ differently from what it released, and a config or dataset that no longer reprod
 selections is refused. Every random draw of a round except the noise is keyed by (seed, round,
 client); the noise by (secret key, tree, node).
 
-Secrets: `resume/noise_key` holds the 32-byte noise key in its own file, mode 0600, and
-`resume/server_state.safetensors` the live tree-node vectors (noise secrets too: with the model
-they would let one subtract the noise). Both exist only while the run is unfinished; the finished
-run's `checkpoint/server_state.*` keeps theta, momentum, the clip norm and the trees' positions,
-never node vectors or the key, and the resume folder is deleted. (A finished run cannot extend its
-tree: a continuation has to start a fresh tree.)
+Secrets: a resume point holds no noise. A noise stream is saved as its `state_dict()`, a JSON
+position (`NoiseStream` in `mechanisms/base.py`), and `Mechanism.resume` rebuilds it from the key:
+the tree recomputes its live nodes, matrix factorization replays. Why: with theta and theta_0
+(rebuilt from config.json) the live tree nodes, whose sum is the whole noise, gave the clipped sum
+of the clients' updates back to anyone who could read the folder. A resume point of an older
+dpfleet (tree_node_i arrays) still resumes: the arrays are never read. `resume/noise_key` holds
+the 32-byte key in its own 0600 file; it exists only while the run is unfinished, and the finished
+run's `checkpoint/server_state.*` keeps theta, momentum, the clip norm and the streams' positions.
+(A finished run cannot extend its tree: a continuation has to start a fresh tree.)
 
 Privacy rules after a crash (`release_log` has the full design): a round that was released (it is
 in the release log) is never computed again. Resuming from a point older than the last release
@@ -57,7 +60,7 @@ from dpfleet.coordinator.state.mechanism_binding import binding, check_bound, sa
 from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
 from dpfleet.errors import DpfleetError
-from dpfleet.io import fsync_path
+from dpfleet.io import fsync_path, private_mkdir
 from dpfleet.jsonio import dumps
 
 RESUME = "resume"  # folder in the run directory; gone once the run has finished
@@ -114,37 +117,52 @@ def read_key(folder: Path) -> bytes:
 
 
 def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict | None,
-                      extra: dict | None = None, with_noise: bool = True) -> None:
-    """server_state.safetensors (theta, momentum, and with `with_noise` the live tree nodes, noise
-    secrets for a resume point only) and server_state.json (the rest)."""
+                      extra: dict | None = None) -> None:
+    """server_state.safetensors (theta, momentum) and server_state.json (the rest: the noise
+    streams' `state_dict()`s as they are, JSON positions, never a noise value)."""
     s = server.state_dict()
-    tree = s["tree"]
     arrays = {"theta": s["theta"], "momentum": s["momentum"]}
-    if with_noise:
-        arrays.update({f"tree_node_{i}": n for i, n in enumerate(tree["noise"])})
     atomic_write(folder / "server_state.safetensors", numpy_bytes(arrays))
-    meta = {k: v for k, v in tree.items() if k != "noise"}
     atomic_write(folder / "server_state.json", json.dumps(
-        {"round": s["round"], "clip_norm": s["clip_norm"], "tree": meta,
-         "clip_estimator": clip_estimator, "mechanism": binding(server.mechanism), **(extra or {})},
+        {"round": s["round"], "clip_norm": s["clip_norm"],
+         "tree": _stream_state(server.mechanism, s["tree"]),
+         "clip_estimator": None if clip_estimator is None else dict(
+             clip_estimator, tree=_stream_state(server.mechanism, clip_estimator["tree"])),
+         "mechanism": binding(server.mechanism), **(extra or {})},
         indent=2))
 
 
+def _stream_state(mechanism, state: object) -> dict:
+    """A noise stream's `state_dict()`, checked to be what the `NoiseStream` contract asks: a
+    JSON object (its position). Anything else (a noise array above all) is refused in one line
+    before anything is written: a resume point never holds noise."""
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(type(state).__name__)
+        return json.loads(json.dumps(state, allow_nan=False))
+    except (TypeError, ValueError):
+        raise DpfleetError(f"noise mechanism {getattr(mechanism, 'name', '?')!r}: its stream's state_dict() "
+                           f"must be a JSON object of numbers, strings and lists (its position, e.g. "
+                           f"{{'t': 3, 'tree_id': 0}}), got {type(state).__name__} {str(state)[:80]!r}"
+                           ) from None
+
+
 def load_server_state(folder: Path) -> tuple[dict, dict]:
-    """(the server's state_dict, the rest of server_state.json) saved by `save_server_state`."""
+    """(the server's state_dict, the rest of server_state.json) saved by `save_server_state`.
+    The noise streams are rebuilt from the key by `Mechanism.resume`; a resume point of an older
+    dpfleet also held the live tree nodes (tree_node_i arrays, clip_estimator.tree.noise): they
+    are never read."""
     meta = json.loads((folder / "server_state.json").read_text())
     arrays = load_numpy(str(folder / "server_state.safetensors"))
-    tree = dict(meta["tree"], noise=[arrays[f"tree_node_{i}"] for i in range(len(meta["tree"]["nodes"]))])
     state = {"theta": arrays["theta"], "momentum": arrays["momentum"], "round": meta["round"],
-             "clip_norm": meta["clip_norm"], "tree": tree}
+             "clip_norm": meta["clip_norm"], "tree": meta["tree"]}
     return state, meta
 
 
 def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
     estimator.estimate, estimator.base = float(state["estimate"]), float(state["base"])
     estimator.noised_prefix = float(state["noised_prefix"])
-    tree = dict(state["tree"], noise=[np.array([v], dtype=np.float32) for v in state["tree"]["noise"]])
-    estimator.load_tree(tree)
+    estimator.load_tree(state["tree"])
 
 
 # [service] settings an operator may change between restarts of a coordinator: deadlines, rate
@@ -199,7 +217,7 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     """
     tmp, final, old = (run_path / f"{RESUME}{s}" for s in (".tmp", "", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    private_mkdir(tmp)
     save_server_state(tmp, server, estimator.state_dict() if estimator else None,
                       {"rounds_done": rounds_done, "guarantee": guarantee})
     write_key(tmp, server.noise_key)

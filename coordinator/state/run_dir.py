@@ -1,7 +1,8 @@
 """A run directory: config, per-round metrics, participation log, checkpoint, plots, privacy.
 
-Layout (every file is written atomically, by `dpfleet.io.atomic_write`: a crash never leaves a
-half-written file):
+Every file is written by the floor's helpers (`dpfleet.io`): atomically (a crash never leaves a
+half-written file) and under its permission rule, the folder 0700 and every file 0600 (a resume
+point next to config.json and the model is one reader's business). Layout:
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
     debug_nonprivate.jsonl      un-noised client telemetry, only with debug_nonprivate (not DP)
@@ -23,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.io import atomic_write, write_secret  # noqa: F401 (the run directory's writers: the floor's)
+from dpfleet.io import (  # noqa: F401 (the run directory's writers: the floor's)
+    append_text,
+    atomic_write,
+    private_mkdir,
+    write_secret,
+)
 from dpfleet.jsonio import dumps
 
 
@@ -57,9 +63,9 @@ class RunDir:
             raise DpfleetError(
                 f"run directory {self.path} is not empty; pass --overwrite or choose another --out"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.path)
         for name in ("metrics.jsonl", "participation.jsonl", "releases.jsonl"):
-            (self.path / name).write_text("")
+            atomic_write(self.path / name, "")
 
     def write_config(self, resolved: dict) -> None:
         """config.toml and config.json; a mechanism binding config.json already holds is kept (a
@@ -70,9 +76,7 @@ class RunDir:
         atomic_write(path, dumps({**resolved, **({"mechanism": bound} if bound else {})}, indent=2))
 
     def append(self, name: str, record: dict) -> None:
-        with (self.path / name).open("a") as fh:
-            fh.write(dumps(record) + "\n")
-            fh.flush()
+        append_text(self.path / name, dumps(record) + "\n")
 
     def write_json(self, name: str, obj: dict) -> Path:
         atomic_write(self.path / name, dumps(obj, indent=2))
@@ -97,6 +101,6 @@ def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str) -
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    atomic_write(out, lambda fh: fig.savefig(fh, format="png"))  # 0600, never half-written
     plt.close(fig)
     return out

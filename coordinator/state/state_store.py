@@ -74,7 +74,7 @@ from dpfleet.coordinator.state.resume import (
 )
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, fsync_path
+from dpfleet.io import append_text, atomic_write, fsync_path, private_mkdir
 from dpfleet.jsonio import dumps
 
 SCHEMA_VERSION = 3  # 2: releases carry the mechanism and its fingerprint; 3: and the guarantee
@@ -153,7 +153,8 @@ class StateStore:
             raise DpfleetError(f"{self.path} is not empty and has no {DB_FILE}: not a coordinator "
                                "state directory; choose an empty or new --state")
         fresh = not self.db_path.is_file()
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.path)
+        append_text(self.path / LOCK_FILE, "")  # 0600, like the database created next to it
         self._lock = (self.path / LOCK_FILE).open("a")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -168,8 +169,9 @@ class StateStore:
             raise
 
     def _open(self, resolved: dict, fresh: bool) -> None:
-        (self.path / ROUNDS_DIR).mkdir(mode=0o700, exist_ok=True)
+        private_mkdir(self.path / ROUNDS_DIR)
         try:
+            append_text(self.db_path, "")  # 0600 before SQLite opens it: its -wal / -shm copy the mode
             self.db = sqlite3.connect(self.db_path, isolation_level=None)  # explicit transactions
             self.db.execute("PRAGMA foreign_keys = ON")
             if self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
@@ -323,7 +325,7 @@ class StateStore:
     def _write_files(self, round: int, write_state: Callable[[Path], None]) -> None:
         tmp, final = self.round_folder(round).with_suffix(".tmp"), self.round_folder(round)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
+        private_mkdir(tmp)
         write_state(tmp)
         self.fault("files_written")
         for f in tmp.iterdir():
