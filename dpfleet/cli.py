@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "dpfleet.coordinator.cli.simulate:simulate",
     "audit": "dpfleet.coordinator.cli.audit:audit",
     "compare": "dpfleet.coordinator.cli.compare:compare",
+    "sweep": "dpfleet.coordinator.cli.sweep:sweep",
     "account": "dpfleet.coordinator.cli.account:account",
     "plan": "dpfleet.coordinator.cli.plan:plan",
     "secagg": "dpfleet.secagg.cli:secagg",
