@@ -97,7 +97,8 @@ def test_ctrl_c_then_the_same_command_continues_bit_for_bit(reference, tmp_path,
 
 def test_another_sweep_or_a_users_folder_is_refused(reference, tmp_path):
     out, _ = reference
-    other = CliRunner().invoke(cli, ["sweep", str(TINY), "--grid", "dp.target_epsilon=2,4", "--out", str(out)])
+    other = CliRunner().invoke(cli, ["sweep", str(TINY), "--grid", "dp.target_epsilon=2,4",
+                                     "--out", str(out)])
     assert isinstance(other.exception, DpfleetError)  # the CLI prints it as one error: line
     assert "holds another sweep (it differs in grid, overrides, runs)" in str(other.exception)
     mine = tmp_path / "mine"
