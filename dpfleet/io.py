@@ -154,6 +154,21 @@ def private_mkdir(path: Path) -> Path:
     return path
 
 
+def make_private(tree: Path) -> Path:
+    """Every folder in `tree` (itself included) 0700 and every file 0600, links left alone: for an
+    output a job assembles with libraries' writers too (an exported program, a phone bundle),
+    before it is moved into place. Returns `tree`."""
+    tree = Path(tree)
+    for root, folders, files in os.walk(tree):
+        os.chmod(root, PRIVATE_DIR)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, PRIVATE_FILE)
+        folders[:] = [f for f in folders if not os.path.islink(os.path.join(root, f))]
+    return tree
+
+
 _umask_holders = {"count": 0, "saved": 0}
 
 

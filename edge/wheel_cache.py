@@ -17,13 +17,12 @@ from pathlib import Path
 from dpfleet.edge.notices import slow_step
 from dpfleet.edge.staged import verify_staged_wheel
 from dpfleet.errors import DpfleetError
+from dpfleet.io import private_mkdir
 
 
 def cache_dir() -> Path:
     root = os.environ.get("DPFLEET_CACHE") or Path.home() / ".cache" / "dpfleet"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_mkdir(Path(root))  # 0700: labels, models and data of the user's jobs
 
 
 def _find_wheel(folder: Path, package: str, suffix: str = ".whl") -> Path | None:

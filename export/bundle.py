@@ -51,7 +51,7 @@ from dpfleet.export.training import (
     tool_versions,
     training_program,
 )
-from dpfleet.io import atomic_write, sha256_hex, write_secret
+from dpfleet.io import atomic_write, make_private, sha256_hex, write_secret
 
 BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"
@@ -310,7 +310,6 @@ class BundleExport:
         serial = next_serial(key_path, self.serial)  # before the work: a bad --serial fails fast
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the bundle from the app's build user
         with capture(log_path(out)) as log:
             try:
                 (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
@@ -320,6 +319,7 @@ class BundleExport:
                 atomic_write(staging / MANIFEST, blob)
                 atomic_write(staging / SIGNATURE, signature)
                 verify_bundle(staging, key.public_key())  # the bundle as a phone will see it
+                make_private(staging)  # the permission rule (dpfleet.io); hand it on with chmod/cp
                 if out.exists():
                     out.rmdir()
                 os.replace(staging, out)

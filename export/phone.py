@@ -17,8 +17,6 @@ manifest, and an int8 export below `--min-top1` (default 98%) is refused unless
 `--accept-int8-drop` is given.
 """
 
-from __future__ import annotations
-
 import shutil
 import tempfile
 import time
@@ -37,6 +35,7 @@ from dpfleet.export.manifest import write_manifest
 from dpfleet.export.models import ModelConfig
 from dpfleet.export.noise import capture, exporter_step, log_path, terminal
 from dpfleet.export.training import tool_versions
+from dpfleet.io import make_private, private_mkdir
 
 PHONE_FORMATS = ("pte", "onnx")
 FORMAT_NAMES = {"executorch": "pte"}  # what users also call a format: the runtime's name
@@ -313,11 +312,13 @@ class PhoneExport:
             )
         if self.out.exists() and any(self.out.iterdir()):
             raise DpfleetError(f"output folder {self.out} is not empty")
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.out)
         torch.set_num_threads(self.threads)
         with capture(log_path(self.out)) as log:
             try:
                 summary = self._export(cfg, model, tokenizer, lines)
+                make_private(self.out)  # the permission rule (dpfleet.io), exporters' files too
             except BaseException:
                 shutil.rmtree(self.out, ignore_errors=True)  # no half-written export is left behind
                 raise

@@ -403,3 +403,16 @@ def test_bad_run_config_is_one_error_line(spm_bundle, tmp_path, capsys):
     (run / "config.json").write_text("{not json")
     code, err = run_cli(["export", str(run / "checkpoint"), "--bundle", str(tmp_path / "b")], capsys)
     assert code == 2 and "config.json: unreadable" in err
+
+
+def test_a_bundle_follows_the_permission_rule_under_a_permissive_umask(spm_bundle):
+    """Exported from Python under the test process's umask (022): every folder of the bundle is
+    0700 and every file 0600, the exporters' and tokenizer's own files too (dpfleet.io's rule;
+    a user hands a bundle on with chmod or cp)."""
+    import stat
+
+    bundle, _ = spm_bundle
+    modes = {str(p.relative_to(bundle)): stat.S_IMODE(p.lstat().st_mode) for p in bundle.rglob("*")}
+    modes["."] = stat.S_IMODE(bundle.stat().st_mode)
+    assert {"manifest.json", "tokenizer/spm.model"} <= set(modes)
+    assert {name: m for name, m in modes.items() if m != (0o700 if (bundle / name).is_dir() else 0o600)} == {}

@@ -159,3 +159,17 @@ def test_a_missing_edge_package_is_named_with_its_install_line(custom_run, tmp_p
     assert str(missing.value) == ("ONNX export needs the package 'onnxscript', which the edge extra "
                                   "installs: pip install 'dpfleet[edge]'")
     assert not (tmp_path / "onnx").exists()
+
+
+def test_a_phone_export_follows_the_permission_rule(custom_run, tmp_path):
+    import os
+    import stat
+
+    before = os.umask(0o022)
+    try:
+        custom_run.export(tmp_path / "onnx", "onnx")
+    finally:
+        os.umask(before)
+    out = tmp_path / "onnx"
+    modes = {p: stat.S_IMODE(p.lstat().st_mode) for p in [out, *out.rglob("*")]}
+    assert len(modes) > 3 and {p: m for p, m in modes.items() if m != (0o700 if p.is_dir() else 0o600)} == {}

@@ -20,7 +20,7 @@ from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
 from dpfleet.coordinator.mechanisms.registry import names
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, check_writable, removed_on_failure
+from dpfleet.io import atomic_write, check_writable, private_mkdir, removed_on_failure
 from dpfleet.jsonio import dumps
 
 
@@ -134,7 +134,7 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
     if out is not None:
         out_dir = Path(out)
         with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
-            out_dir.mkdir(parents=True, exist_ok=True)
+            private_mkdir(out_dir)
             atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
             figure = plot_plan(result, out_dir / "plan.png")
         click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")
