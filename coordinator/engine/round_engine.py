@@ -31,7 +31,7 @@ import numpy as np
 from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.result_warnings import result_warnings
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
@@ -175,11 +175,7 @@ class RoundEngine:
         self.accountant = RunAccountant(
             cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
             spent_zcdp=(vocabulary or {}).get("zcdp", 0), mechanism=self.mechanism,
-            # discrete Gaussian ring noise, or a caller's noise dpfleet cannot see is Gaussian:
-            # eps by RDP of the zCDP; the Gaussian PLD where it is a (rounded) Gaussian
-            conversion="rdp" if custom or (resolve_noise(cfg) == "discrete"
-                                           and not self.mechanism.ring_is_rounded_gaussian) else "pld",
-            declared=custom)
+            conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
         self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
         self.restarts = restart_rounds(cfg, self.mechanism)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
