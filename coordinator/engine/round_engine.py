@@ -465,12 +465,13 @@ class RoundEngine:
                 started: float, extra: dict | None) -> tuple[dict, dict]:
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
+        privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
-                        not_private=self.audit_break and broken_reason(self.audit_break))
+                        not_private=self.audit_break and broken_reason(self.audit_break),
+                        caveats=privacy["caveats"])  # they travel with the weights (export's gate)
         save_server_state(run_path / "checkpoint", self.server,  # no node vectors, no key
                           self.estimator.state_dict(with_noise=False) if self.estimator else None,
                           with_noise=False)
-        privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         self.run.write_json("privacy.json", privacy)
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
