@@ -190,9 +190,9 @@ def test_attack_the_service_status_declares_a_plugin_mechanism(tmp_path, plugin)
 
 
 TARGET = 6.0
+UNPLANNED = {k: v for k, v in SECRECY_CFG["dp"].items() if k not in ("noise_multiplier", "report_goal")}
 PLANNED = {**SECRECY_CFG, "rounds": 4, "eval_every": 4, "checkpoint_every": 0,
-           "dp": {**{k: v for k, v in SECRECY_CFG["dp"].items() if k not in ("noise_multiplier", "report_goal")},
-                  "target_epsilon": TARGET, "mechanism": "auto"}}
+           "dp": {**UNPLANNED, "target_epsilon": TARGET, "mechanism": "auto"}}
 
 
 def _mechanism(result):

@@ -100,10 +100,9 @@ def config_facts(cfg) -> dict:
     from dpfleet.coordinator.mechanisms.registry import source
 
     mechanism = cfg.dp.mechanism
-    if mechanism == "auto":  # not yet planned: a plugin only if dp.auto_plugins (then said, to be safe)
-        kind = "plugin" if cfg.dp.auto_plugins else "built-in"
-    else:
-        kind = source(mechanism)
+    # "auto" not yet planned: a plugin only with dp.auto_plugins (then said, to be safe)
+    auto = "plugin" if cfg.dp.auto_plugins else "built-in"
+    kind = auto if mechanism == "auto" else source(mechanism)
     facts = {**noise_fields(cfg), "noise": noise_statement(cfg),
              "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
              "mechanism": mechanism, "mechanism_source": kind, "accounted_by_dpfleet": kind == "built-in",

@@ -306,7 +306,6 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
     mechanism = accountant.mechanism
-    tok = cfg.tokenizer
     privacy = {
         "accounting": _accounting_words(accountant, cfg),
         "participation": cfg.participation.mode,
