@@ -145,6 +145,11 @@ class DPSection:
     start for the enforced participation: "banded" (BandMF) | "blt" (buffered linear Toeplitz);
     "independent": fresh noise each round (the DP-SGD-style baseline); "auto": the planner's
     pick (least model noise at target_epsilon)."""
+    auto_plugins: bool = False
+    """mechanism = "auto" also weighs installed plugin mechanisms (entry point group
+    dpfleet.mechanisms); false: only the mechanisms dpfleet ships. A plugin's sensitivity is
+    declared, not verified by dpfleet: the run says so in its caveats, and its z is planned to
+    meet target_epsilon as such a run is accounted (by RDP)."""
     target_epsilon: float = 0.0
     """> 0: the planner chooses report_goal, noise_multiplier, [participation] (uniform, largest
     MinS, worst-case MaxP) and, with mechanism = "auto", the mechanism for this eps at delta over

@@ -39,7 +39,13 @@ from dpfleet.edge.bundle_format import (
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 from dpfleet.export.bundle_serial import next_serial
-from dpfleet.export.checkpoint import CustomModelCheckpoint, load_checkpoint, python_export_hint
+from dpfleet.export.checkpoint import (
+    CustomModelCheckpoint,
+    checkpoint_caveats,
+    load_checkpoint,
+    python_export_hint,
+    require_accepted,
+)
 from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
@@ -265,6 +271,10 @@ class BundleExport:
     cache_dir: Path | None = None
     heldout: Path | None = None  # held-out text lines for the window's agreement (else random ids)
     serial: int | None = None  # bundle_serial; default: next of the key's counter (export/bundle_serial.py)
+    # the run's caveats (default: the checkpoint's, `checkpoint_caveats`): a bundle of a run that
+    # is not fully private is refused unless accept_caveats; the manifest records them either way
+    caveats: list[str] | None = None
+    accept_caveats: bool = False
 
     def run(self) -> dict:
         """Write, sign and self-verify the bundle; returns the JSON summary, whose `log` is the
@@ -275,6 +285,9 @@ class BundleExport:
         out = Path(self.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise DpfleetError(f"bundle folder {out} is not empty")
+        self._caveats = require_accepted(
+            checkpoint_caveats(self.checkpoint) if self.caveats is None else self.caveats,
+            self.accept_caveats, Path(self.checkpoint))
         try:
             cfg, model, tokenizer = load_checkpoint(self.checkpoint)
         except CustomModelCheckpoint as exc:
@@ -431,6 +444,8 @@ class BundleExport:
                          "ort_reduced_build_config": ORT_OPS_CONFIG},
             "measured": measured,
             "privacy": _run_json(Path(self.checkpoint), "privacy.json"),
+            # what the run's guarantee lacks, as accepted at export (coordinator's caveats.py)
+            "fully_private": not self._caveats, "caveats": self._caveats,
         }
         manifest["files"] = {
             p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,

@@ -22,6 +22,7 @@ WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
 TOKENIZER = "tokenizer"
 NOT_PRIVATE = "not_private.json"  # present: the weights must not ship (`save_checkpoint`)
+CAVEATS = "caveats.json"  # present: the run is not fully private; exports need the caveats accepted
 CUSTOM = "custom_model.json"  # a module from outside the zoo: its class, so errors can name it
 
 
@@ -52,12 +53,15 @@ def save_checkpoint(
     cfg: ModelConfig | None,
     tokenizer: SentencePieceTokenizer | WordTokenizer,
     not_private: str | None = None,
+    caveats: list[str] | None = None,
 ) -> Path:
     """`cfg` None: a model from outside the zoo (`dpfleet.simulate(model=...)`); only its weights
     and tokenizer are written, since no config can rebuild it. `not_private`: why these weights
     are not private (a deliberately broken audit run): written to `not_private.json` before the
     weights, so `load_checkpoint` (and with it `dpfleet export`) refuses them; a stale mark from
-    an earlier run in the same folder is removed otherwise."""
+    an earlier run in the same folder is removed otherwise. `caveats`: the run's caveats
+    (`coordinator/accounting/caveats.py`), written to caveats.json, so an export of the folder,
+    wherever it is copied, must accept them (`checkpoint_caveats`); none: a stale file is removed."""
     from safetensors.torch import save
 
     folder = Path(folder)
@@ -66,6 +70,11 @@ def save_checkpoint(
         atomic_write(folder / NOT_PRIVATE, json.dumps({"private": False, "why": not_private}, indent=2))
     else:
         (folder / NOT_PRIVATE).unlink(missing_ok=True)
+    if caveats:
+        atomic_write(folder / CAVEATS, json.dumps({"fully_private": False, "caveats": list(caveats)},
+                                                  indent=2))
+    else:
+        (folder / CAVEATS).unlink(missing_ok=True)
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     atomic_write(folder / WEIGHTS, save(tensors))  # 0600 (dpfleet/io.py)
     if cfg is not None:
@@ -151,3 +160,32 @@ def check_private(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, OSError):
         why = f"marked by {path.name}"
     raise DpfleetError(f"{folder} is not private and must not be exported or shipped: {why}")
+
+
+def checkpoint_caveats(folder: Path) -> list[str]:
+    """What keeps the checkpoint's run from being fully private, first line first: its
+    caveats.json, else (a checkpoint saved before the file existed) the `caveats` of its run's
+    privacy.json beside it; [] for a fully private run. Unreadable: one DpfleetError."""
+    folder = Path(folder)
+    for path, key in ((folder / CAVEATS, "caveats"), (folder.parent / "privacy.json", "caveats")):
+        if not path.is_file():
+            continue
+        try:
+            caveats = json.loads(path.read_text()).get(key, [])
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DpfleetError(f"{path}: unreadable caveats ({exc}); it says whether the run is "
+                               "fully private, so the checkpoint cannot be exported without it") from None
+        if not isinstance(caveats, list) or not all(isinstance(c, str) for c in caveats):
+            raise DpfleetError(f"{path}: `{key}` must be a list of strings")
+        return caveats
+    return []
+
+
+def require_accepted(caveats: list[str], accepted: bool, where: Path) -> list[str]:
+    """`caveats`, or a DpfleetError naming them and --accept-caveats unless `accepted`: an export
+    of a run that is not fully private ships only when its user chose that (the manifest then
+    records the caveats it was exported with)."""
+    if caveats and not accepted:
+        raise DpfleetError(f"{where}: {caveats[0]}; pass --accept-caveats to export it anyway (the "
+                           "manifest records the caveats)")
+    return list(caveats)

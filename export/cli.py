@@ -104,6 +104,13 @@ from dpfleet.jsonio import dumps
     "accepted from the key). Default: one above the last this key signed (<key>.serial), and never "
     "below the unix time; a given serial must be above that last one.",
 )
+@click.option(
+    "--accept-caveats",
+    is_flag=True,
+    help="Bundle: export a run that is not fully private (a non-private vocabulary, research noise "
+    "seed, debug telemetry, a declared plugin or custom mechanism...); the manifest records its "
+    "caveats. Without it such a bundle is refused, naming them.",
+)
 def export(
     checkpoint: Path,
     fmt: str | None,
@@ -120,6 +127,7 @@ def export(
     accept_int8_drop: bool,
     threads: int,
     serial: int | None,
+    accept_caveats: bool,
 ) -> None:
     """Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.
 
@@ -130,7 +138,8 @@ def export(
     --min-top1 unless --accept-int8-drop.
 
     With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
-    client) and prints its files, sizes and the public key to pin in the app.
+    client) and prints its files, sizes and the public key to pin in the app. A run that is not
+    fully private (its caveats) is refused unless --accept-caveats; the manifest records them.
 
     The exporters' own output (torch.export, ONNX, ExecuTorch warnings and logs) goes to
     OUT.export.log (or BUNDLE.export.log) beside the output folder, named in one line;
@@ -148,13 +157,15 @@ def export(
 
         check_writable(bundle)  # before the checkpoint loads: an unwritable folder is one line
         summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
-                               batch_size, threads, heldout=heldout, serial=serial).run()
+                               batch_size, threads, heldout=heldout, serial=serial,
+                               accept_caveats=accept_caveats).run()
         _report(summary)
         return
     if fmt is None or out is None:
         raise DpfleetError("pass --format and --out (an inference program) or --bundle DIR")
-    if runtimes or signing_key or batch_size or serial is not None:
-        raise DpfleetError("--runtime, --signing-key, --batch-size and --serial apply to --bundle only")
+    if runtimes or signing_key or batch_size or serial is not None or accept_caveats:
+        raise DpfleetError("--runtime, --signing-key, --batch-size, --serial and --accept-caveats apply "
+                           "to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
     check_writable(out)

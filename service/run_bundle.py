@@ -20,6 +20,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.bundle_format import (
     MANIFEST,
@@ -73,6 +74,12 @@ def _runtimes(cfg: SimulationConfig) -> tuple[str, ...]:
     return ("onnx", "executorch") if cfg.client.runtime == "executorch" else ("onnx",)
 
 
+def _caveats(cfg: SimulationConfig) -> list[str]:
+    """The run's caveats from its config (what the status page shows), for the bundle's manifest:
+    the operator chose them in the config, so the service's own bundle accepts them."""
+    return run_caveats(config_facts(cfg))[0]
+
+
 def _fits(manifest: dict, cfg: SimulationConfig, model_cfg: dict) -> bool:
     """Whether a bundle left in STATE was built for this run's model and client settings."""
     try:
@@ -83,7 +90,8 @@ def _fits(manifest: dict, cfg: SimulationConfig, model_cfg: dict) -> bool:
                 and examples["max_examples"] == cfg.data.max_examples
                 and client["lr"] == cfg.client.lr and client["batch_size"] == cfg.client.batch_size
                 and client["clip_norm"] == cfg.dp.clip_norm
-                and ("pte" in manifest["training"]) == want_pte)
+                and ("pte" in manifest["training"]) == want_pte
+                and manifest.get("caveats") == _caveats(cfg))
     except (KeyError, TypeError):
         return False
 
@@ -113,7 +121,8 @@ def build_run_bundle(cfg: SimulationConfig, state: Path, model, model_cfg, token
         # BundleExport reads lr, batch size, clip norm, seq_len, max_examples from here
         atomic_write(Path(tmp) / "config.json", json.dumps(cfg.resolved()))
         BundleExport(checkpoint, folder, runtimes=_runtimes(cfg), signing_key=state / KEY_FILE,
-                     seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size).run()
+                     seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
+                     caveats=_caveats(cfg), accept_caveats=True).run()
     return verify_bundle(folder, key.public_key())
 
 

@@ -11,8 +11,10 @@ lacks.
 Whether the stated eps is a guarantee at all:
 
 * kept, caveat first: research mode (it holds against everyone without the seed), honest-only
-  noise (it holds when every participant is honest), a custom mechanism's declared sensitivity
-  (dpfleet converts it but cannot verify it; a mechanism that declares none is refused);
+  noise (it holds when every participant is honest), a custom or plugin mechanism's declared
+  sensitivity (dpfleet converts it but cannot verify it; a mechanism that declares none is
+  refused), a word vocabulary chosen without DP and un-noised debug telemetry (eps covers the
+  model's training, not these: they ship or sit beside it);
 * none: a deliberately broken audit run (`dpfleet audit --break`: its noise or clipping is not
   what the accountant assumes), a generated population (users repeat, each copy accounted as a
   different person), noise multiplier 0.
@@ -42,10 +44,17 @@ def run_caveats(facts: dict) -> tuple[list[str], bool]:
                                           "Its model is not private (audit only) and its checkpoint "
                                           "does not export."))
     if facts.get("accounted_by_dpfleet") is False:
-        keeping.append(("eps as declared by the custom mechanism, not verified by dpfleet",
-                        f"DECLARED ACCOUNTING: the custom noise mechanism {facts.get('mechanism')!r} "
-                        "declared its sensitivity; dpfleet converted it to eps (by RDP) and cannot "
-                        "verify it."))
+        name = facts.get("mechanism")
+        if facts.get("mechanism_source") == "plugin":
+            keeping.append((f"eps as declared by the plugin {name!r}, not verified by dpfleet",
+                            f"DECLARED ACCOUNTING: the noise mechanism {name!r} is an installed plugin "
+                            f"(entry point group 'dpfleet.mechanisms'), not one dpfleet ships: it "
+                            "declared its sensitivity; dpfleet converted it to eps (by RDP) and "
+                            "cannot verify it."))
+        else:
+            keeping.append(("eps as declared by the custom mechanism, not verified by dpfleet",
+                            f"DECLARED ACCOUNTING: the custom noise mechanism {name!r} declared its "
+                            "sensitivity; dpfleet converted it to eps (by RDP) and cannot verify it."))
     if facts.get("generated_population"):
         voiding.append(("generated population (real users repeat as several clients)",
                         facts["generated_population"]["statement"]))
@@ -55,6 +64,17 @@ def run_caveats(facts: dict) -> tuple[list[str], bool]:
                         "private (eps = inf)."))
     if facts.get("noise_seed") is not None:
         keeping.append((f"research mode (dp.noise_seed = {facts['noise_seed']})", facts["noise"]))
+    if facts.get("nonprivate_vocabulary"):
+        keeping.append(("non-private vocabulary (tokenizer.allow_nonprivate_vocabulary = true)",
+                        "NON-PRIVATE VOCABULARY: the word vocabulary was chosen from the training "
+                        "clients' text without DP. A word only one client wrote can be in it, and it "
+                        "ships with the checkpoint and every export; eps covers the model's training "
+                        "only."))
+    if facts.get("debug_nonprivate_file"):
+        keeping.append(("un-noised debug telemetry (debug_nonprivate = true)",
+                        "UN-NOISED TELEMETRY: debug_nonprivate.jsonl holds each round's mean train "
+                        "loss, update norm and clipped fraction of its few clients without noise; "
+                        "eps does not cover it: never publish it."))
     if facts.get("honest_participants_only"):
         keeping.append(("private only against honest participants",
                         facts["honest_participants_only_statement"]))
@@ -69,15 +89,25 @@ def run_caveats(facts: dict) -> tuple[list[str], bool]:
 
 def config_facts(cfg) -> dict:
     """The facts a config alone gives (what privacy.json would say of them), for a service that
-    shows a run before it has a privacy.json."""
+    shows a run before it has a privacy.json. Its mechanism is known by name: a plugin's (not one
+    dpfleet ships) is declared."""
+    from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary
     from dpfleet.coordinator.accounting.run_accountant import (
         generated_population_statement,
         noise_fields,
         noise_statement,
     )
+    from dpfleet.coordinator.mechanisms.registry import source
 
+    mechanism = cfg.dp.mechanism
+    # "auto" not yet planned: a plugin only with dp.auto_plugins (then said, to be safe)
+    auto = "plugin" if cfg.dp.auto_plugins else "built-in"
+    kind = auto if mechanism == "auto" else source(mechanism)
     facts = {**noise_fields(cfg), "noise": noise_statement(cfg),
-             "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None}
+             "noise_seed": cfg.dp.noise_seed if cfg.dp.noise_seed >= 0 else None,
+             "mechanism": mechanism, "mechanism_source": kind, "accounted_by_dpfleet": kind == "built-in",
+             "nonprivate_vocabulary": nonprivate_vocabulary(cfg),
+             "debug_nonprivate_file": bool(cfg.debug_nonprivate)}
     if not cfg.dp.target_epsilon:  # a planned run's multiplier is chosen later, never 0
         facts["noise_multiplier"] = cfg.dp.noise_multiplier
     if cfg.data.generated_population:

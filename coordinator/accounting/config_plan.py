@@ -22,8 +22,10 @@ from dataclasses import asdict
 from typing import Any
 
 from dpfleet.coordinator.accounting.planner import candidates, make_plan, mechanism_rows, pick_mechanism
+from dpfleet.coordinator.accounting.run_accountant import conversion_for
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.mechanisms.registry import entry, source
 from dpfleet.errors import DpfleetError
 
 Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's within this
@@ -35,8 +37,11 @@ def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
     rho = zcdp_for_epsilon(target, cfg.dp.delta)
     plan = make_plan(population, cfg.rounds, rho, delta=cfg.dp.delta)
     asked = cfg.dp.mechanism
-    # auto: with dp.restart_rounds only mechanisms that restart (config.mechanism_checks)
-    rows = mechanism_rows(plan.chosen, cfg.rounds, rho, candidates(asked, bool(cfg.dp.restart_rounds)))
+    # auto: with dp.restart_rounds only mechanisms that restart (config.mechanism_checks); plugins
+    # only with dp.auto_plugins
+    kinds = candidates(asked, bool(cfg.dp.restart_rounds), cfg.dp.auto_plugins)
+    rows = [row for kind in kinds
+            for row in mechanism_rows(plan.chosen, cfg.rounds, _target_zcdp(cfg, kind, rho), (kind,))]
     picked = pick_mechanism(rows) if asked == "auto" else next(r for r in rows if r.mechanism == asked)
     c = plan.chosen
     return {
@@ -55,6 +60,14 @@ def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
                "largest it allows (N // M - 1); MaxP: ceil(T / (MinS + 1)); mechanism: "
                + ("least model noise at the target" if asked == "auto" else "as the config asks"),
     }
+
+
+def _target_zcdp(cfg: SimulationConfig, kind: str, rho: float) -> float:
+    """The zCDP that meets the target as a run of `kind` converts it (`conversion_for`): `rho`
+    (by PLD), or less where the run accounts by RDP (a plugin's declared noise, discrete ring
+    noise), so the run's claimed eps is within the target, never above it."""
+    conversion = conversion_for(cfg, entry(kind).cls, source(kind) != "built-in")
+    return rho if conversion == "pld" else zcdp_for_epsilon(cfg.dp.target_epsilon, cfg.dp.delta, conversion)
 
 
 def plan_line(record: dict) -> str:

@@ -28,6 +28,12 @@ CLIENT_UNIT["shakespeare-solo"] = CLIENT_UNIT["shakespeare"]
 CLIENT_UNIT["shakespeare-collab"] = CLIENT_UNIT["shakespeare"]
 
 
+def nonprivate_vocabulary(cfg: SimulationConfig) -> bool:
+    """The run's word vocabulary is chosen from the training clients without DP (a caveat)."""
+    tok = cfg.tokenizer
+    return tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary
+
+
 def not_covered(cfg: SimulationConfig, *, public_data: Sequence[str] = (),
                 debug_file: bool = False) -> list[str]:
     """Markdown bullet texts, most important first."""
@@ -38,7 +44,7 @@ def not_covered(cfg: SimulationConfig, *, public_data: Sequence[str] = (),
                      f"{data.generated_population:,}). Real users are cycled to that size, so each "
                      "one's data is in several clients, each accounted as a different person: the "
                      "epsilon of this run protects no real person.")
-    if tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary:
+    if nonprivate_vocabulary(cfg):
         items.append("**The word vocabulary** (`checkpoint/tokenizer/tokenizer.json`): the top "
                      f"{tok.vocab_size - 4} words of every training client's text, chosen without "
                      "DP (tokenizer.allow_nonprivate_vocabulary = true). A word only one client "

@@ -168,11 +168,12 @@ class MechanismRow:
     model_noise_per_report: float  # / M: on the averaged update
 
 
-def candidates(asked: str, restarts: bool = False) -> tuple[str, ...]:
-    """The mechanisms to plan: `auto`'s (every planned one; with restarts only those that take
-    them), or the tree (the reference) and the one asked for."""
+def candidates(asked: str, restarts: bool = False, plugins: bool = False) -> tuple[str, ...]:
+    """The mechanisms to plan: `auto`'s (every planned built-in, and planned plugins only with
+    `plugins`; with restarts only those that take them), or the tree (the reference) and the one
+    asked for."""
     if asked == "auto":
-        return tuple(k for k in planned_names() if not restarts or entry(k).cls.supports_restarts)
+        return tuple(k for k in planned_names(plugins) if not restarts or entry(k).cls.supports_restarts)
     return tuple(dict.fromkeys(("tree", asked)))
 
 

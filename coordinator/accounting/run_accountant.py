@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.not_covered import not_covered
+from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, not_covered
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
@@ -42,7 +42,7 @@ from dpfleet.coordinator.accounting.zcdp import (
 from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, resolve_noise
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.base import Mechanism
-from dpfleet.coordinator.mechanisms.registry import as_mechanism
+from dpfleet.coordinator.mechanisms.registry import as_mechanism, source
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
@@ -186,6 +186,16 @@ class RunAccountant:
                 "delta": self.delta + sum(r.get("delta", 0.0) for r in releases)}
 
 
+def conversion_for(cfg: SimulationConfig, cls: type[Mechanism], declared: bool) -> str:
+    """How a run of mechanism class `cls` converts zCDP to eps: by RDP (valid for any rho-zCDP
+    mechanism) for discrete ring noise that is no rounded Gaussian, and for a declared mechanism,
+    whose noise dpfleet cannot see is Gaussian; else by the Gaussian's PLD. The run's accountant
+    and the planner use this one rule, so a plan's z meets its target as the run accounts it."""
+    if declared or (resolve_noise(cfg) == "discrete" and not cls.ring_is_rounded_gaussian):
+        return "rdp"
+    return "pld"
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon(rho: float, delta: float, conversion: str) -> float:
     """`epsilon_from_zcdp`, cached: a pure function of its arguments (PLD ~40 ms a call)."""
@@ -296,7 +306,6 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
     mechanism = accountant.mechanism
-    tok = cfg.tokenizer
     privacy = {
         "accounting": _accounting_words(accountant, cfg),
         "participation": cfg.participation.mode,
@@ -310,11 +319,12 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
         "method": accountant.conversion,
         "not_covered": not_covered(cfg, public_data=_public_data(cfg, public_data), debug_file=debug_file),
         "vocabulary": vocabulary,
-        "nonprivate_vocabulary": tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary,
+        "nonprivate_vocabulary": nonprivate_vocabulary(cfg),
         "mechanism": mechanism.name, "mechanism_sha256": mechanism.fingerprint(),
         "mechanism_identity": mechanism.identity(), "mechanism_description": mechanism.describe(),
         "mechanism_optimised_for": optimised_for, "adapts_every_round": mechanism.adapts_every_round,
         "accounted_by_dpfleet": not accountant.declared,
+        "mechanism_source": source(mechanism),  # built-in, plugin or custom (caveats.py)
         "rounds": accountant.rounds,
         "min_separation": accountant.min_separation,
         "max_participation": accountant.max_participation,

@@ -31,7 +31,7 @@ import numpy as np
 from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.result_warnings import result_warnings
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
 from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
@@ -176,11 +176,7 @@ class RoundEngine:
         self.accountant = RunAccountant(
             cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
             spent_zcdp=(vocabulary or {}).get("zcdp", 0), mechanism=self.mechanism,
-            # discrete Gaussian ring noise, or a caller's noise dpfleet cannot see is Gaussian:
-            # eps by RDP of the zCDP; the Gaussian PLD where it is a (rounded) Gaussian
-            conversion="rdp" if custom or (resolve_noise(cfg) == "discrete"
-                                           and not self.mechanism.ring_is_rounded_gaussian) else "pld",
-            declared=custom)
+            conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
         self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
         self.restarts = restart_rounds(cfg, self.mechanism)
         self.z_model, self.estimator = cfg.dp.noise_multiplier, None
@@ -476,11 +472,12 @@ class RoundEngine:
                 started: float, extra: dict | None) -> tuple[dict, dict]:
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
+        privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
-                        not_private=self.audit_break and broken_reason(self.audit_break))
+                        not_private=self.audit_break and broken_reason(self.audit_break),
+                        caveats=privacy["caveats"])  # they travel with the weights (export's gate)
         save_server_state(run_path / "checkpoint", self.server,  # positions only, no key
                           self.estimator.state_dict() if self.estimator else None)
-        privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         self.run.write_json("privacy.json", privacy)
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"

@@ -144,6 +144,9 @@ def check_purpose(purpose: str) -> str:
 
 
 def built_in(mechanism: Mechanism) -> bool:
-    """Defined in this package (accounted by dpfleet); a caller's mechanism declares its
-    sensitivity, which dpfleet converts but cannot verify."""
-    return type(mechanism).__module__.startswith(__name__.rpartition(".")[0] + ".")
+    """One of the classes this package ships (accounted by dpfleet), by class identity
+    (`registry.is_built_in`); a caller's or a plugin's mechanism declares its sensitivity, which
+    dpfleet converts but cannot verify."""
+    from dpfleet.coordinator.mechanisms.registry import is_built_in
+
+    return is_built_in(mechanism)

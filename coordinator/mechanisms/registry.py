@@ -4,6 +4,12 @@ wire), and every module an installed package names under the entry-point group
 `dpfleet.mechanisms` (a user's mechanism, then usable from a config, `dpfleet simulate` and
 `dpfleet coordinator serve`, which cannot be handed a Python object).
 
+The built-ins are the classes this package registers under `SHIPPED`, told apart by class identity
+(`is_built_in`), never by a module name a class can set. Everything else registered is a plugin:
+its sensitivity is declared (a caveat wherever the run is shown), `dp.mechanism = "auto"` considers
+it only with `dp.auto_plugins = true`, and a resume rebuilds it from the registry when the same
+plugin is installed.
+
 A registered factory builds the mechanism for a run once the participation the coordinator
 enforces is known: `build(name, rounds, min_separation, max_participation)` (banded / BLT optimise
 their strategy for it; the tree and independent noise need nothing).
@@ -36,6 +42,7 @@ class Entry:
 
 _ENTRIES: dict[str, Entry] = {}
 _ORDER = ("tree", "banded", "blt")  # the built-ins first, simplest first (ties in `auto`)
+SHIPPED = (*_ORDER, "independent")  # the mechanisms this package defines (its modules register them)
 
 
 def register(name: str, cls: type[Mechanism], factory: Factory, rebuild: Rebuild, description: str,
@@ -74,8 +81,29 @@ def names() -> tuple[str, ...]:
     return tuple(e.name for e in entries())
 
 
-def planned_names() -> tuple[str, ...]:
-    return tuple(e.name for e in entries() if e.planned)
+def planned_names(plugins: bool = False) -> tuple[str, ...]:
+    """`auto`'s candidates: the planned built-ins, and planned plugins only when `plugins`."""
+    return tuple(e.name for e in entries() if e.planned and (plugins or e.name in SHIPPED))
+
+
+def is_built_in(mechanism: Mechanism) -> bool:
+    """Whether `mechanism` is exactly a class this package ships (a subclass or a class naming a
+    dpfleet module in `__module__` is not: dpfleet derived only its own classes' sensitivity)."""
+    found = _load()
+    return any(type(mechanism) is found[n].cls for n in SHIPPED if n in found)
+
+
+def source(mechanism: Mechanism | str) -> str:
+    """"built-in", "plugin" (a registered class dpfleet does not ship, or its name) or "custom"
+    (a caller's object of a class nobody registered)."""
+    found = _load()
+    if isinstance(mechanism, str):
+        return "built-in" if mechanism in SHIPPED else "plugin" if mechanism in found else "custom"
+    if is_built_in(mechanism):
+        return "built-in"
+    if any(type(mechanism) is e.cls for n, e in found.items() if n not in SHIPPED):
+        return "plugin"
+    return "custom"
 
 
 def entry(name: str) -> Entry:
@@ -100,7 +128,8 @@ def rebuild(name: str, identity: dict) -> Mechanism:
     found = _load()
     if name not in found:
         raise DpfleetError(f"the run's noise mechanism {name!r} is not one this dpfleet knows "
-                           f"({', '.join(names())})")
+                           f"({', '.join(names())}): install the plugin that registers it (entry "
+                           f"point group {ENTRY_POINTS!r}) to resume")
     return found[name].rebuild(identity)
 
 

@@ -8,8 +8,10 @@ mechanism's fingerprint (`Mechanism.fingerprint`: a hash of its name and strateg
 `mechanism.json` and `config.json` at the start, into every release record and into the resume
 point; a resume whose mechanism differs from any of them is refused with one line.
 
-mechanism.json: {"name", "sha256", "identity", "custom", "optimised_for", and for banded / BLT
-"spec" (what `dpfleet account --mechanism-spec` reads)}.
+mechanism.json: {"name", "sha256", "identity", "custom", "source" (built-in, plugin or custom:
+`registry.source`), "optimised_for", and for banded / BLT "spec" (what `dpfleet account
+--mechanism-spec` reads)}. A plugin's run resumes from the registry when the same plugin is
+installed; a caller's object (custom) must be handed in again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.mf_sensitivity import gap_from_min_separation, true_max_participations
-from dpfleet.coordinator.mechanisms.registry import build, rebuild
+from dpfleet.coordinator.mechanisms.registry import build, rebuild, source
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
@@ -63,7 +65,7 @@ def check_bound(mechanism: Mechanism, bound: dict | None, where: str) -> None:
 
 def _record(mechanism: Mechanism, custom: bool, optimised_for: dict) -> dict:
     out = {**binding(mechanism), "identity": mechanism.identity(), "custom": custom,
-           "optimised_for": optimised_for}
+           "source": source(mechanism), "optimised_for": optimised_for}
     if mechanism.name in ("banded", "blt") and not custom:
         out["spec"] = mechanism.identity()
     return out
@@ -82,10 +84,11 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
             raise DpfleetError(f"{path} has no mechanism fingerprint (a run of a dpfleet before the "
                                "binding, or an edited file): it cannot be resumed with its noise "
                                "accounted for sure; start it again")
-        if saved.get("custom") and given is None:
+        if saved.get("custom") and saved.get("source") != "plugin" and given is None:
             raise DpfleetError(f"{run_path} was started with the custom noise mechanism "
                                f"{saved.get('name')!r}: resume it with the same mechanism "
                                "(dpfleet.simulate(..., noise=...)), not with the config's")
+        # a plugin (or built-in) from the registry: the same installed plugin rebuilds it
         mechanism = given if given is not None else rebuild(saved["name"], saved["identity"])
         check_bound(mechanism, saved, str(path))
         if (run_path / "config.json").is_file():  # the service's state store keeps none
