@@ -10,6 +10,7 @@ aggregation.
 
 import copy
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -312,3 +313,14 @@ def test_false_alarm_rate_over_seeds_is_what_the_confidence_implies(tmp_path):
     alarms = sum(e["epsilon_lower_bound"] > e["epsilon_accounted"] for e in a["seeds"])
     assert alarms <= 9, [e["epsilon_lower_bound"] for e in a["seeds"]]
     assert a["epsilon_lower_bound"] <= a["epsilon_accounted"]
+
+
+def test_an_audit_leaves_nothing_readable_by_others(honest_cli):
+    """The permission rule (dpfleet.io) for what `dpfleet audit` leaves: every folder 0700, every
+    file 0600, the seeds' run directories, plots and reports included."""
+    import stat
+
+    paths = [honest_cli.run, *honest_cli.run.rglob("*")]
+    assert any(p.name == "audit.json" for p in paths) and any(p.suffix == ".png" for p in paths)
+    modes = {str(p): stat.S_IMODE(p.lstat().st_mode) for p in paths}
+    assert {p: m for p, m in modes.items() if m != (0o700 if Path(p).is_dir() else 0o600)} == {}

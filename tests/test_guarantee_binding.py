@@ -212,7 +212,7 @@ def test_any_changed_input_is_refused_and_named(inputs, data):
     edited = {k: v for k, v in inputs.items() if k != key}
     if value is not _MISSING:
         edited[key] = value
-    if edited == inputs or json.dumps(edited, sort_keys=True) == json.dumps(inputs, sort_keys=True):
+    if json.dumps(edited, sort_keys=True) == json.dumps(inputs, sort_keys=True):  # False is not 0 here
         check_guarantee(guarantee(edited), bound, "here")
         return
     with pytest.raises(DpfleetError, match=re.escape(f"{key} (")):

@@ -79,6 +79,10 @@ def guarantee(inputs: dict) -> dict:
 _MISSING = object()
 
 
+def _canonical(value: object) -> str | None:
+    return None if value is _MISSING else dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _shown(value: object) -> str:
     return "unset" if value is _MISSING else json.dumps(value)
 
@@ -96,7 +100,8 @@ def check_guarantee(current: dict, bound: object, where: str) -> None:
     if bound["sha256"] == current["sha256"]:
         return
     saved, now = bound["inputs"], current["inputs"]
-    changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k, _MISSING) != now.get(k, _MISSING)]
+    changed = [k for k in sorted(set(saved) | set(now))  # as JSON: false is not 0, 1.0 is not 1
+               if _canonical(saved.get(k, _MISSING)) != _canonical(now.get(k, _MISSING))]
     if digest(saved) != bound["sha256"] or not changed:
         raise DpfleetError(f"{where}: its guarantee digest does not match its own values (an edited "
                            "record): it cannot be resumed")
