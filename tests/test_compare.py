@@ -69,9 +69,10 @@ def test_the_figures_are_the_runs_own_and_the_differing_keys_are_the_overrides(r
 
 def test_the_table_shows_each_runs_figures_in_its_column(runs, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the plot's default place: compare.png here
+    monkeypatch.setenv("COLUMNS", "200")  # both runs side by side (narrower: blocks, tested below)
     out = compare(capsys, runs / "base", runs / "more").out.splitlines()
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in out)}
-    assert rows[str(runs / "base")] == [str(runs / "more")]  # the header: one column per run
+    assert rows["base"] == ["more"]  # the header: one column per run, by folder name
     for i, name in enumerate(("base", "more")):
         s, p = read(runs / name, "summary.json"), read(runs / name, "privacy.json")
         assert rows["accuracy"][i] == f"{s['final']['accuracy']:.4f}"
@@ -158,3 +159,20 @@ def test_a_runs_warnings_and_caveats_are_named_in_the_table():
     assert rows["fully private"] == ["NO (2 caveats)", "NO (2 caveats)"]
     assert rows["eps"] == ["55.00 at delta 1e-06", "none (see caveats)"]
     assert rows["accuracy"] == ["0.0500", "0.0500"] and rows["wall time"] == ["2.0 s", "2.0 s"]
+
+
+def test_many_runs_fit_a_terminal_in_blocks_of_columns(runs):
+    """Four runs side by side were over 200 columns: the runs are headed by their folder names and
+    go on in a second block below when the terminal is narrow, every figure still shown."""
+    from dpfleet.coordinator.state.run_record import read_run
+
+    paths = [runs / "base", runs / "more", runs / "cut", runs / "base"]
+    result = comparison([read_run(p) for p in paths], [str(p) for p in paths])
+    text = render(result, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    blocks = text.split("\n\n")
+    assert len(blocks) >= 2 and all("accuracy" in b and "eps" in b for b in blocks)
+    heads = " ".join(b.splitlines()[0] for b in blocks).split()
+    assert heads == ["1:base", "2:more", "3:cut", "4:base"]  # a name repeated: numbered
+    wide = render(comparison([read_run(p) for p in paths[:3]], [str(p) for p in paths[:3]]), width=400)
+    assert "\n\n" not in wide and wide.splitlines()[0].split() == ["base", "more", "cut"]

@@ -9,7 +9,9 @@ metrics records it committed (accuracy of its last evaluated round, eps so far),
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from dpfleet.coordinator.state.run_record import RunRecord
 
@@ -135,10 +137,35 @@ def _value(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def render(result: Mapping) -> str:
-    """The comparison as a text table: a row per figure, then a row per differing config key."""
+CELL = 56  # the widest a cell is shown; longer text ends in "..." (--json has it whole)
+
+
+def _fit(text: str) -> str:
+    return text if len(text) <= CELL else text[: CELL - 3] + "..."
+
+
+def _blocks(widths: Sequence[int], room: int) -> list[list[int]]:
+    """The runs' column indices cut into consecutive blocks that each fit in `room` characters."""
+    blocks: list[list[int]] = [[]]
+    used = 0
+    for i, w in enumerate(widths):
+        if blocks[-1] and used + 2 + w > room:
+            blocks.append([])
+            used = 0
+        blocks[-1].append(i)
+        used += 2 + w
+    return blocks
+
+
+def render(result: Mapping, width: int | None = None) -> str:
+    """The comparison as a text table: a row per figure, then a row per differing config key, a
+    column per run (headed by its folder's name; numbered when two names are alike). Runs that
+    would not fit in `width` (default: the terminal's) go on in a second block of columns below,
+    the row names repeated."""
     runs = result["runs"]
-    rows = [("", [f["run"] for f in runs])]
+    names = [Path(f["path"]).name or f["run"] for f in runs]
+    heads = names if len(set(names)) == len(names) else [f"{i}:{n}" for i, n in enumerate(names, 1)]
+    rows = [("", heads)]
     rows += [(name, [cell(f) for f in runs]) for name, cell in ROWS]
     if result["differing_keys"]:
         rows.append(("config that differs:", [""] * len(runs)))
@@ -146,11 +173,17 @@ def render(result: Mapping) -> str:
                  for k in result["differing_keys"]]
     else:
         rows.append(("config", ["the same in every run"] + [""] * (len(runs) - 1)))
-    widths = [max(len(name) for name, _ in rows)] + [
-        max(len(cells[i]) for _, cells in rows) for i in range(len(runs))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip([name, *cells], widths, strict=True)).rstrip()
-             for name, cells in rows]
+    rows = [(name, [_fit(c) for c in cells]) for name, cells in rows]
+    label = max(len(name) for name, _ in rows)
+    widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(runs))]
+    room = (width or shutil.get_terminal_size((100, 24)).columns) - label
+    lines: list[str] = []
+    for block in _blocks(widths, room):
+        if lines:
+            lines.append("")
+        lines += ["  ".join([name.ljust(label), *(cells[i].ljust(widths[i]) for i in block)]).rstrip()
+                  for name, cells in rows]
     if any(f["epsilon_so_far"] for f in runs):
-        lines.append("(an unfinished run: accuracy of its last evaluated round, eps after its last "
-                     "round from metrics.jsonl)")
+        lines += ["(an unfinished run: accuracy of its last evaluated round,",
+                  " eps after its last round, from metrics.jsonl)"]
     return "\n".join(lines)
