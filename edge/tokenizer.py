@@ -157,6 +157,12 @@ def split_words(text: str, split: str = "words") -> list[str]:
     return _WORD_RE.findall(text.lower())
 
 
+def oov_ids_of(tokenizer: object) -> tuple[int, ...]:
+    """The ids a tokenizer gives unknown text: its OOV buckets, else unk alone (SentencePiece's
+    byte fallback and a caller's own tokenizer)."""
+    return tuple(getattr(tokenizer, "oov_ids", (UNK,)))
+
+
 def oov_bucket(word: str, buckets: int) -> int:
     """The OOV bucket of `word`, TFF's way: `tf.lookup.StaticVocabularyTable` hashes an unknown
     key with `tf.strings.to_hash_bucket_fast`, FarmHash Fingerprint64 of its UTF-8 bytes modulo

@@ -1,12 +1,15 @@
 """Vocabularies the field's way: top words of a public word-count file or list with TFF's OOV
 buckets, and TFF Shakespeare's character set; where the vocabulary came from in privacy.json."""
 
+import json
+
 import pytest
 
 from dpfleet.coordinator.accounting.not_covered import vocabulary_source
 from dpfleet.coordinator.accounting.privacy_report import _vocabulary_source_line
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.simulation import make_tokenizer
+from dpfleet.coordinator.engine.field_metrics import TFF_ACCURACIES
+from dpfleet.coordinator.engine.simulation import make_tokenizer, run_simulation
 from dpfleet.edge.tokenizer import (
     UNK,
     CharTokenizer,
@@ -92,3 +95,35 @@ def test_config_refuses_word_file_with_another_kind(counts):
         parse_config({"tokenizer": {"kind": "sentencepiece", "words": str(counts)}})
     with pytest.raises(DpfleetError, match="set one"):
         parse_config({"tokenizer": {"kind": "word", "words": str(counts), "word_counts": str(counts)}})
+
+
+def test_run_with_a_public_vocabulary_reports_tffs_metrics(tmp_path, counts):
+    """A tiny run on a public word-count vocabulary with two OOV buckets: metrics.jsonl and the
+    summary carry TFF's three accuracies, the baselines are scored the same way, privacy.json
+    names the public file as the vocabulary's source, and the checkpoint carries the buckets."""
+    data = tmp_path / "users.jsonl"
+    words = ["the", "to", "of", "and", "cat", "dog"]
+    lines = [{"user": f"u{i}", "text": " ".join(words[(i + j) % 6] for j in range(7))} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    values = {"rounds": 2, "eval_every": 1, "checkpoint_every": 0,
+              "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
+                       "test_fraction": 0.2},
+              "tokenizer": {"kind": "word", "word_counts": str(counts), "vocab_size": 8,
+                            "oov_buckets": 2},
+              "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
+                        "max_length": 8},
+              "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4}}
+    result = run_simulation(parse_config(values), tmp_path / "run", progress=False, log=lambda s: None)
+    run = result.run_dir
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    summary = json.loads((run / "summary.json").read_text())
+    for name in TFF_ACCURACIES:
+        assert all(0 <= m[f"tff_{name}"] <= 1 for m in metrics)
+        assert summary["final"][f"tff_{name}"] == metrics[-1][f"tff_{name}"]
+        assert 0 <= summary["unigram_baseline"]["tff"]["most_frequent_word"][name] <= 1
+    assert summary["unigram_baseline"]["tff"]["unigram"]["token"] in (2, 3, 4, 5, 6, 7)
+    privacy = json.loads((run / "privacy.json").read_text())
+    assert privacy["vocabulary_source"]["covered"] is True and privacy["vocabulary"] is None
+    assert f"{counts}, for the word vocabulary" in privacy["public_data"]
+    assert f"the public word-count file {counts}" in (run / "privacy_report.md").read_text()
+    assert load_tokenizer(run / "checkpoint" / "tokenizer").oov_ids == (3, 4)

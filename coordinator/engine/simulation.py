@@ -56,7 +56,7 @@ from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
-from dpfleet.edge.tokenizer import CharTokenizer, WordTokenizer, load_tokenizer
+from dpfleet.edge.tokenizer import CharTokenizer, WordTokenizer, load_tokenizer, oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
@@ -235,7 +235,7 @@ def run_simulation(
     install(engine, participation=ext.get("participation"))
     if audit is not None:
         audit.engine_ready(engine)
-    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
+    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows, oov_ids_of(tokenizer))
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
         f"data: {len(population)} train clients, {len(data.test)} held-out clients "
