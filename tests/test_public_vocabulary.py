@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dpfleet.coordinator.accounting.not_covered import vocabulary_source
+from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, vocabulary_source
 from dpfleet.coordinator.accounting.privacy_report import _vocabulary_source_line
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.field_metrics import TFF_ACCURACIES
@@ -18,6 +18,7 @@ from dpfleet.edge.tokenizer import (
     oov_bucket,
 )
 from dpfleet.errors import DpfleetError
+from dpfleet.fleet.emulate import needs_coordinator_vocabulary
 
 
 def test_oov_buckets_hash_as_tensorflow_does():
@@ -83,6 +84,10 @@ def test_config_builds_public_vocabulary_and_reports_it(counts):
     assert "none" in source["privacy_cost"]
     assert _vocabulary_source_line({"vocabulary_source": source})[0].startswith(
         f"**Vocabulary:** the public word-count file {counts}")
+    assert not needs_coordinator_vocabulary(cfg)  # no noise drawn: every device builds the same
+    flagged = parse_config({"tokenizer": {"kind": "word", "word_counts": str(counts),
+                                          "allow_nonprivate_vocabulary": True}})
+    assert not nonprivate_vocabulary(flagged) and vocabulary_source(flagged)["covered"] is True
     private = vocabulary_source(parse_config({"tokenizer": {"kind": "word",
                                                             "allow_nonprivate_vocabulary": True}}))
     assert private["covered"] is False

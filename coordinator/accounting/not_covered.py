@@ -31,7 +31,7 @@ CLIENT_UNIT["shakespeare-collab"] = CLIENT_UNIT["shakespeare"]
 def nonprivate_vocabulary(cfg: SimulationConfig) -> bool:
     """The run's word vocabulary is chosen from the training clients without DP (a caveat)."""
     tok = cfg.tokenizer
-    return tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary
+    return tok.kind == "word" and not tok.path and not public_words(tok) and tok.allow_nonprivate_vocabulary
 
 
 def vocabulary_source(cfg: SimulationConfig) -> dict:
