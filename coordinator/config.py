@@ -50,11 +50,14 @@ class DataSection:
 
 @dataclass
 class TokenizerSection:
-    """The vocabulary: a public SentencePiece model, or the private clients' words chosen with DP."""
+    """The vocabulary: a public SentencePiece model, public words (TFF's way), TFF's characters, or
+    the private clients' words chosen with DP."""
 
     kind: str = "sentencepiece"
-    """"sentencepiece" (trained on the public `corpus`) or "word" (the private clients' words,
-    chosen with user-level DP: coordinator/mechanisms/dp_vocabulary.py)."""
+    """"sentencepiece" (trained on the public `corpus`), "word" (the words of `word_counts` or
+    `words` when one is set, else the private clients' words, chosen with user-level DP:
+    coordinator/mechanisms/dp_vocabulary.py) or "char" (TFF Shakespeare's 86 characters + OOV;
+    vocab_size is then 90 whatever is set)."""
     vocab_size: int = 1024
     """Tokens in the vocabulary, so the model's embedding rows."""
     corpus: str = "wikitext2"
@@ -64,12 +67,28 @@ class TokenizerSection:
     allow_nonprivate_vocabulary: bool = False
     """kind = "word" without DP: the private clients' top words, outside the guarantee (the
     privacy report says so)."""
+    word_counts: str = ""
+    """kind = "word": a PUBLIC word-count file in TFF's format (`word count` a line, as TFF's
+    `stackoverflow.word_count`); the most frequent words fill vocab_size (outside the private data,
+    so no privacy cost)."""
+    words: str = ""
+    """kind = "word": a PUBLIC word list, one a line, likeliest first (instead of word_counts)."""
+    oov_buckets: int = 1
+    """kind = "word" from a public file: OOV hash buckets, as TFF's num_out_of_vocab_buckets."""
+    split: str = "tff"
+    """kind = "word" from a public file: "tff" (lower-case, split on spaces: TFF StackOverflow's
+    pre-tokenized text) or "words" (words and punctuation marks, like the private word kind)."""
     dp_noise: float = 1.0
     """kind = "word": sigma on each word's count of users (each user's L2 weight <= 1)."""
     dp_words_per_user: int = 128
     """kind = "word": k, the distinct words one user contributes at most."""
     dp_delta: float = 1e-7
     """kind = "word": the chance a word held by one user alone is kept; adds to dp.delta."""
+
+
+def public_words(tok: TokenizerSection) -> str:
+    """The public word file a word vocabulary is built from ("" when none)."""
+    return tok.word_counts or tok.words
 
 
 @dataclass
@@ -363,11 +382,13 @@ MAIN_JOB_CHOICES: dict[str, str] = {
 # Config keys that name a file or folder. In a config file a relative one is read from the file's
 # folder (the config and its data move together); in a dict or a --set value, from the working
 # folder.
-PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("aggregation", "fleet_keys"))
+PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("tokenizer", "word_counts"), ("tokenizer", "words"),
+             ("aggregation", "fleet_keys"))
 
 
 _CHOICES = {
-    "tokenizer.kind": ("sentencepiece", "word"),
+    "tokenizer.kind": ("sentencepiece", "word", "char"),
+    "tokenizer.split": ("tff", "words"),
     "client.runtime": ("eager", "executorch", "onnx"),
     "client.trainer": ("auto", "sequential", "cohort"),
     "client.device": ("auto", "cpu", "cuda"),
@@ -551,11 +572,16 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
         (cfg.tokenizer.dp_noise >= 0, "tokenizer.dp_noise must be >= 0"),
         (cfg.tokenizer.kind != "word" or cfg.tokenizer.path or cfg.tokenizer.dp_noise > 0
-         or cfg.tokenizer.allow_nonprivate_vocabulary,
+         or cfg.tokenizer.allow_nonprivate_vocabulary or public_words(cfg.tokenizer),
          "tokenizer.dp_noise = 0 would build the word vocabulary from the private clients without "
          "DP; set tokenizer.allow_nonprivate_vocabulary = true to accept that it is outside the "
          "guarantee"),
         (cfg.tokenizer.dp_words_per_user >= 1, "tokenizer.dp_words_per_user must be >= 1"),
+        (cfg.tokenizer.oov_buckets >= 1, "tokenizer.oov_buckets must be >= 1"),
+        (not (cfg.tokenizer.word_counts and cfg.tokenizer.words),
+         "tokenizer.word_counts and tokenizer.words both name the public words; set one"),
+        (cfg.tokenizer.kind == "word" or not public_words(cfg.tokenizer),
+         "tokenizer.word_counts / tokenizer.words need tokenizer.kind = \"word\""),
         (0 < cfg.tokenizer.dp_delta < 1, "tokenizer.dp_delta must be in (0, 1)"),
         (cfg.model.max_length >= cfg.data.seq_len, "model.max_length must be >= data.seq_len"),
         (cfg.dp.budget_epsilon >= 0, "dp.budget_epsilon must be >= 0 (0: no budget)"),

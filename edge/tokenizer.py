@@ -3,9 +3,15 @@
 * `SentencePieceTokenizer`: a public subword model (trained on public text, or taken from a public
   LLM teacher). Byte fallback means no out-of-vocabulary token ever appears.
 * `WordTokenizer`: the papers' baseline, the top-k words of the *private* data plus an OOV token
-  (building it from private data is itself a privacy cost the public tokenizer avoids).
+  (building it from private data is itself a privacy cost the public tokenizer avoids), or, as
+  TFF's StackOverflow task builds it, the top words of a *public* word-count file or a word list
+  the user gives (`from_word_counts`, `from_word_list`), with any number of OOV hash buckets.
+* `CharTokenizer`: TFF Shakespeare's next-character vocabulary (its 86 characters + OOV).
 
-Both reserve ids 0..3 for pad / bos / eos / unk so models, losses and metrics can treat them alike.
+All reserve ids 0..3 for pad / bos / eos / unk so models, losses and metrics can treat them alike.
+A word vocabulary with N OOV buckets uses ids 3 .. 3+N-1 for them (`oov_ids`; bucket 0 is unk),
+and its words follow. TFF numbers the same tokens differently (pad 0, words from 1, then the OOV
+buckets, BOS, EOS); the sets, the hashing and so the metrics are the same.
 A tokenizer is saved as a folder holding `tokenizer.json` (kind + metadata) and its model file.
 """
 
@@ -23,6 +29,11 @@ from dpfleet.errors import DpfleetError
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 _WORD_RE = re.compile(r"[\w']+|[^\w\s]")
+SPLITS = ("words", "tff")
+# TFF Shakespeare's character set (char_prediction_preprocessing.CHAR_VOCAB, from the "Federated
+# Learning for Text Generation" tutorial), in TFF's order
+TFF_CHARS = ('dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]!%)-159'
+             '\r')
 
 
 class Tokenizer(Protocol):
@@ -136,19 +147,54 @@ def _train(spm, lines: Iterable[str], out_prefix: Path, vocab_size: int, model_t
     )
 
 
-def split_words(text: str) -> list[str]:
-    """Lower-cased words and punctuation marks: the word-level baseline's units."""
+def split_words(text: str, split: str = "words") -> list[str]:
+    """A text's units. "words": lower-cased words and punctuation marks (dpfleet's word-level
+    baseline). "tff": TFF StackOverflow's way, lower-cased and split on single spaces (its
+    `tokens` field is already tokenized, so `tf.strings.split(sep=' ')` is all it does; two
+    spaces make an empty word, which is OOV, as in TFF)."""
+    if split == "tff":
+        return text.lower().split(" ") if text else []
     return _WORD_RE.findall(text.lower())
 
 
+def oov_ids_of(tokenizer: object) -> tuple[int, ...]:
+    """The ids a tokenizer gives unknown text: its OOV buckets, else unk alone (SentencePiece's
+    byte fallback and a caller's own tokenizer)."""
+    return tuple(getattr(tokenizer, "oov_ids", (UNK,)))
+
+
+def oov_bucket(word: str, buckets: int) -> int:
+    """The OOV bucket of `word`, TFF's way: `tf.lookup.StaticVocabularyTable` hashes an unknown
+    key with `tf.strings.to_hash_bucket_fast`, FarmHash Fingerprint64 of its UTF-8 bytes modulo
+    the number of buckets (so a word falls in the same bucket as in a TFF run)."""
+    if buckets == 1:
+        return 0
+    import farmhash  # pyfarmhash: Google's FarmHash, the Fingerprint64 TensorFlow uses
+
+    return farmhash.fingerprint64(word) % buckets
+
+
 class WordTokenizer(_SpecialIds):
-    """Top-k words of a corpus plus OOV (paper 000's private word-level baseline)."""
+    """Top-k words plus OOV bucket(s): of the private clients (paper 000's word-level baseline,
+    chosen with DP or outside the guarantee), or of a public word-count file or word list."""
 
     kind = "word"
 
-    def __init__(self, words: list[str]):
-        self.words = ["<pad>", "<s>", "</s>", "<unk>", *words]
-        self._index = {w: i for i, w in enumerate(self.words)}
+    def __init__(self, words: list[str], oov_buckets: int = 1, split: str = "words",
+                 source: str = ""):
+        """`oov_buckets` N: unknown words are hashed into ids 3 .. 3+N-1 (`oov_bucket`). `split`:
+        how text becomes words (`split_words`). `source`: where the words came from, for the
+        privacy report ("" when they are the private clients')."""
+        if oov_buckets < 1:
+            raise DpfleetError(f"oov_buckets must be >= 1, got {oov_buckets}")
+        if split not in SPLITS:
+            raise DpfleetError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        self.oov_buckets, self.split, self.source = oov_buckets, split, source
+        self.oov_ids = tuple(range(UNK, UNK + oov_buckets))
+        extra = [f"<unk{b}>" for b in range(1, oov_buckets)]
+        self.words = ["<pad>", "<s>", "</s>", "<unk>", *extra, *words]
+        self._first = UNK + oov_buckets  # the first word's id
+        self._index = {w: i for i, w in enumerate(words, self._first)}
         self.vocab_size = len(self.words)
         self.lexicon = Lexicon(w for w in words if is_word(w))  # its words, not its punctuation
 
@@ -158,8 +204,46 @@ class WordTokenizer(_SpecialIds):
         top = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
         return cls(top[: max(0, vocab_size - 4)])
 
+    @classmethod
+    def from_word_counts(cls, path: Path, vocab_size: int, oov_buckets: int = 1,
+                         split: str = "tff") -> WordTokenizer:
+        """The most frequent words of a public word-count file in TFF's format (`word count` per
+        line, as `stackoverflow.word_count`), enough to fill `vocab_size` ids with the special
+        tokens and OOV buckets. Ties keep the file's order (TFF takes the file's first lines,
+        which that file sorts by count)."""
+        rows = []
+        for number, line in _lines(path):
+            parts = line.split()
+            if len(parts) != 2 or not parts[1].isdigit():
+                raise DpfleetError(f"{path}, line {number}: expected 'word count' (a word, a space, "
+                                   f"a whole number), got {line[:60]!r}")
+            rows.append((parts[0], int(parts[1])))
+        ranked = [w for w, _ in sorted(rows, key=lambda wc: -wc[1])]
+        return cls._public(ranked, path, vocab_size, oov_buckets, split, "word counts")
+
+    @classmethod
+    def from_word_list(cls, path: Path, vocab_size: int, oov_buckets: int = 1,
+                       split: str = "tff") -> WordTokenizer:
+        """The first words of a public list, one a line, likeliest first."""
+        words = [line.strip() for _, line in _lines(path)]
+        return cls._public(words, path, vocab_size, oov_buckets, split, "word list")
+
+    @classmethod
+    def _public(cls, ranked: list[str], path: Path, vocab_size: int, oov_buckets: int, split: str,
+                what: str) -> WordTokenizer:
+        room = vocab_size - 3 - oov_buckets
+        if room < 1:
+            raise DpfleetError(f"vocab_size {vocab_size} leaves no room for words after pad, bos, eos "
+                               f"and {oov_buckets} OOV bucket(s)")
+        words = list(dict.fromkeys(ranked))[:room]
+        return cls(words, oov_buckets, split, source=f"public {what} {Path(path).name}")
+
+    def token_id(self, word: str) -> int:
+        i = self._index.get(word)
+        return UNK + oov_bucket(word, self.oov_buckets) if i is None else i
+
     def encode(self, text: str) -> list[int]:
-        return [self._index.get(w, UNK) for w in split_words(text)]
+        return [self.token_id(w) for w in split_words(text, self.split)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return " ".join(self.words[int(i)] for i in ids)
@@ -167,12 +251,59 @@ class WordTokenizer(_SpecialIds):
     def save(self, folder: Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"kind": self.kind, "vocab_size": self.vocab_size, "words": self.words[4:]}
+        meta = {"kind": self.kind, "vocab_size": self.vocab_size, "words": self.words[self._first:]}
+        if self.oov_buckets != 1 or self.split != "words" or self.source:  # older files stay as they were
+            meta.update(oov_buckets=self.oov_buckets, split=self.split, source=self.source)
         (folder / "tokenizer.json").write_text(json.dumps(meta))
         return folder
 
 
-def load_tokenizer(folder: Path) -> SentencePieceTokenizer | WordTokenizer:
+def _lines(path: Path) -> list[tuple[int, str]]:
+    """(1-based number, text) of a UTF-8 file's non-blank lines; a missing or binary file is one
+    DpfleetError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DpfleetError(f"word file not found: {path}") from None
+    except (UnicodeDecodeError, IsADirectoryError) as exc:
+        raise DpfleetError(f"{path}: not a UTF-8 text file ({exc})") from exc
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise DpfleetError(f"{path}: no words in the file")
+    return lines
+
+
+class CharTokenizer(_SpecialIds):
+    """TFF Shakespeare's next-character vocabulary: its 86 characters (`TFF_CHARS`) and one OOV.
+    Text is split into UTF-8 bytes as TFF's `tf.strings.bytes_split` does, so a non-ASCII
+    character is one OOV per byte, as in TFF; no lexicon (suggestions are characters)."""
+
+    kind = "char"
+    lexicon = None
+    oov_ids = (UNK,)
+    source = "TFF Shakespeare's character set"
+
+    def __init__(self, chars: str = TFF_CHARS):
+        self.chars = chars
+        self._index = {c.encode("utf-8"): i for i, c in enumerate(chars, UNK + 1)}
+        self.vocab_size = UNK + 1 + len(chars)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._index.get(bytes([b]), UNK) for b in text.encode("utf-8")]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i - UNK - 1] if i > UNK else ("\ufffd" if i == UNK else "")
+                       for i in map(int, ids))
+
+    def save(self, folder: Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"kind": self.kind, "vocab_size": self.vocab_size, "chars": self.chars}
+        (folder / "tokenizer.json").write_text(json.dumps(meta))
+        return folder
+
+
+def load_tokenizer(folder: Path) -> SentencePieceTokenizer | WordTokenizer | CharTokenizer:
     """Load a tokenizer saved with `save`; a damaged or malformed folder is a DpfleetError."""
     folder = Path(folder)
     meta_file = folder / "tokenizer.json"
@@ -190,7 +321,7 @@ def load_tokenizer(folder: Path) -> SentencePieceTokenizer | WordTokenizer:
 
 def tokenizer_from_bytes(
     meta: bytes, read: Callable[[str], bytes], origin: str = "tokenizer.json"
-) -> SentencePieceTokenizer | WordTokenizer:
+) -> SentencePieceTokenizer | WordTokenizer | CharTokenizer:
     """A tokenizer from its `tokenizer.json` bytes; `read(name)` returns the bytes of the model
     file it names. Malformed metadata is one DpfleetError naming `origin`, never a traceback."""
     try:
@@ -216,5 +347,17 @@ def tokenizer_from_bytes(
         words = info.get("words")
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
             raise DpfleetError(f"{origin}: words must be a list of strings")
-        return WordTokenizer(words)
+        buckets, split = info.get("oov_buckets", 1), info.get("split", "words")
+        source = info.get("source", "")
+        if not isinstance(buckets, int) or isinstance(buckets, bool) or not isinstance(source, str):
+            raise DpfleetError(f"{origin}: oov_buckets must be a whole number and source a string")
+        try:
+            return WordTokenizer(words, buckets, split, source)
+        except DpfleetError as exc:
+            raise DpfleetError(f"{origin}: {exc}") from None
+    if kind == "char":
+        chars = info.get("chars")
+        if not isinstance(chars, str) or not chars:
+            raise DpfleetError(f"{origin}: chars must be a string of characters")
+        return CharTokenizer(chars)
     raise DpfleetError(f"{origin}: unknown tokenizer kind {kind!r}")

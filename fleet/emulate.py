@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, public_words
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.clock import read_time_scale
 from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, one_blas_thread, worker_main
@@ -146,7 +146,8 @@ class CoordinatorWatch:
 def needs_coordinator_vocabulary(cfg: SimulationConfig) -> bool:
     """A DP word vocabulary is drawn with fresh noise: the fleet must use the coordinator's."""
     tok = cfg.tokenizer
-    return tok.kind == "word" and not tok.path and not tok.allow_nonprivate_vocabulary
+    return (tok.kind == "word" and not tok.path and not public_words(tok)
+            and not tok.allow_nonprivate_vocabulary)
 
 
 def load_devices(cfg: SimulationConfig, devices: int = 0, vocabulary: Path | None = None

@@ -43,3 +43,24 @@ def test_unigram_baseline_predicts_most_frequent_scored_token():
     out = unigram_baseline(train, test)
     assert out["top_token"] == 4  # UNK is more frequent but never scored
     assert out["accuracy"] == pytest.approx(1 / 3)
+
+
+def test_evaluate_adds_tffs_three_accuracies():
+    # Fixed predicts 5 everywhere; targets 5, 5, 6, EOS | 5, UNK, 4(OOV bucket), PAD
+    rows = np.array([[BOS, 5, 5, 6, EOS], [BOS, 5, UNK, 4, PAD]])
+    out = evaluate(Fixed(), rows, oov_ids=(UNK, 4))
+    assert out["tff_accuracy"] == pytest.approx(3 / 7)  # 7 non-PAD targets, three 5s
+    assert out["tff_accuracy_without_out_of_vocab"] == pytest.approx(3 / 5)
+    assert out["tff_accuracy_without_out_of_vocab_or_end_of_sentence"] == pytest.approx(3 / 4)
+    assert out["accuracy"] == pytest.approx(3 / 4)  # dpfleet's own, unchanged beside them
+
+
+def test_unigram_baseline_adds_tffs_constant_baselines():
+    train = [np.array([[BOS, 4, 4, 4, 9], [BOS, UNK, UNK, UNK, UNK]])]
+    test = np.array([[BOS, 4, 9, 9, UNK]])
+    out = unigram_baseline(train, test)
+    # unigram argmax: UNK (4 of 8 targets); most frequent word: 4
+    assert out["tff"]["unigram"]["token"] == UNK
+    assert out["tff"]["unigram"]["accuracy"] == pytest.approx(1 / 4)
+    assert out["tff"]["unigram"]["accuracy_without_out_of_vocab"] == 0
+    assert out["tff"]["most_frequent_word"]["accuracy_without_out_of_vocab"] == pytest.approx(1 / 3)

@@ -132,10 +132,10 @@ def test_run_baseline_is_fitted_on_held_out_clients_only(tmp_path, monkeypatch):
     seen = {}
     real = simulation.unigram_baseline
 
-    def spy(rows, test_rows):
+    def spy(rows, test_rows, *args, **kwargs):
         rows = list(rows)
         seen["rows"], seen["test"] = rows, test_rows
-        return real(rows, test_rows)
+        return real(rows, test_rows, *args, **kwargs)
 
     monkeypatch.setattr(simulation, "unigram_baseline", spy)
     result = run_simulation(parse_config(_values(tmp_path)), tmp_path / "run", progress=False,

@@ -163,3 +163,10 @@ def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events], np.float32([v for m in metrics for _, v in scalars(m)]))
     assert {s for s, *_ in events} == {1, 2}
+
+
+def test_tffs_accuracies_are_eval_scalars():
+    record = {"round": 2, "tff_accuracy": 0.25,
+              "tff_accuracy_without_out_of_vocab_or_end_of_sentence": 0.5}
+    assert dict(scalars(record)) == {
+        "eval/tff_accuracy": 0.25, "eval/tff_accuracy_without_out_of_vocab_or_end_of_sentence": 0.5}

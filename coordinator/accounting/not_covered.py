@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import SimulationConfig, public_words
 
 # what one client (the unit of the guarantee) is in each dataset
 CLIENT_UNIT = {
@@ -31,7 +31,33 @@ CLIENT_UNIT["shakespeare-collab"] = CLIENT_UNIT["shakespeare"]
 def nonprivate_vocabulary(cfg: SimulationConfig) -> bool:
     """The run's word vocabulary is chosen from the training clients without DP (a caveat)."""
     tok = cfg.tokenizer
-    return tok.kind == "word" and not tok.path and tok.allow_nonprivate_vocabulary
+    return tok.kind == "word" and not tok.path and not public_words(tok) and tok.allow_nonprivate_vocabulary
+
+
+def vocabulary_source(cfg: SimulationConfig) -> dict:
+    """Where the run's vocabulary came from and whether the guarantee covers it (privacy.json's
+    `vocabulary_source`; the report's vocabulary line). A public file or fixed character set
+    reads no private data, so it is covered at no privacy cost."""
+    tok = cfg.tokenizer
+    if tok.path:
+        return {"kind": "folder", "source": f"the tokenizer folder {tok.path}", "covered": None,
+                "privacy_cost": "unknown: covered only if it was built from public data"}
+    if tok.kind == "char":
+        return {"kind": "char", "source": "TFF Shakespeare's fixed character set (86 characters + OOV)",
+                "covered": True, "privacy_cost": "none: no data is read"}
+    if tok.kind == "sentencepiece":
+        return {"kind": "sentencepiece", "source": f"the public corpus {tok.corpus}", "covered": True,
+                "privacy_cost": "none: public text outside the private data"}
+    if public := public_words(tok):
+        what = "word-count file" if tok.word_counts else "word list"
+        return {"kind": "word", "source": f"the public {what} {public} (top words, "
+                f"{tok.oov_buckets} OOV bucket(s))", "covered": True,
+                "privacy_cost": "none: a public file outside the private data"}
+    if tok.allow_nonprivate_vocabulary:
+        return {"kind": "word", "source": "the private training clients' top words, without DP",
+                "covered": False, "privacy_cost": "not accounted: outside the guarantee"}
+    return {"kind": "word", "source": "the private training clients' words, chosen with user-level DP",
+            "covered": True, "privacy_cost": "accounted: composed with training (see Vocabulary)"}
 
 
 def not_covered(cfg: SimulationConfig, *, public_data: Sequence[str] = (),

@@ -119,7 +119,8 @@ def render_privacy_report(p: dict) -> str:
              f"**Formal statement.** {_statement(p)}", ""]
     if p["rounds"] == 0 or p["noise_multiplier"] == 0 or not p.get("epsilon_is_a_guarantee", True):
         return "\n".join(lines + _not_covered_section(p) + _audit_section(p))
-    return "\n".join(lines + _vocabulary_statement(p) + _setting_sections(p) + _accounting_section(p)
+    return "\n".join(lines + _vocabulary_source_line(p) + _vocabulary_statement(p) + _setting_sections(p)
+                     + _accounting_section(p)
                      + _vocabulary_section(p) + _releases_section(p) + _not_covered_section(p)
                      + _audit_section(p)
                      + _parameters_section(p))
@@ -209,6 +210,15 @@ def _parameters_section(p: dict) -> list[str]:
         f"| accounting | zCDP; eps by {p['method']} |",
         "",
     ]
+
+
+def _vocabulary_source_line(p: dict) -> list[str]:
+    """One line: where the vocabulary came from and whether the statement covers it."""
+    v = p.get("vocabulary_source")
+    if not v:  # a privacy.json written before the field existed
+        return []
+    covered = {True: "covered", False: "NOT covered", None: "covered only if it was public"}[v["covered"]]
+    return [f"**Vocabulary:** {v['source']}; {covered} (privacy cost: {v['privacy_cost']}).", ""]
 
 
 def _vocabulary_statement(p: dict) -> list[str]:

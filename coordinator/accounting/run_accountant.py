@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, not_covered
+from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, not_covered, vocabulary_source
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
@@ -39,7 +39,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     zcdp_for_epsilon,
     zcdp_from_sensitivity,
 )
-from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, resolve_noise
+from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, public_words, resolve_noise
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.registry import as_mechanism, source
@@ -203,9 +203,13 @@ def _epsilon(rho: float, delta: float, conversion: str) -> float:
 
 
 def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
-    """Every public input of the run: the SentencePiece corpus and the caller's."""
-    spm = cfg.tokenizer.kind == "sentencepiece" and not cfg.tokenizer.path
-    return [f"{cfg.tokenizer.corpus}, for the SentencePiece vocabulary"] * spm + list(public_data)
+    """Every public input of the run: the SentencePiece corpus or public word file, and the
+    caller's."""
+    tok = cfg.tokenizer
+    spm = tok.kind == "sentencepiece" and not tok.path
+    words = tok.kind == "word" and not tok.path and public_words(tok)
+    return ([f"{tok.corpus}, for the SentencePiece vocabulary"] * spm
+            + [f"{public_words(tok)}, for the word vocabulary"] * bool(words) + list(public_data))
 
 
 def _report_setting(cfg: SimulationConfig, participation: Participation, rounds: int,
@@ -320,6 +324,7 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
         "not_covered": not_covered(cfg, public_data=_public_data(cfg, public_data), debug_file=debug_file),
         "vocabulary": vocabulary,
         "nonprivate_vocabulary": nonprivate_vocabulary(cfg),
+        "vocabulary_source": vocabulary_source(cfg),
         "mechanism": mechanism.name, "mechanism_sha256": mechanism.fingerprint(),
         "mechanism_identity": mechanism.identity(), "mechanism_description": mechanism.describe(),
         "mechanism_optimised_for": optimised_for, "adapts_every_round": mechanism.adapts_every_round,

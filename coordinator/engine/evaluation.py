@@ -3,10 +3,16 @@
 Accuracy follows paper 000 Sec. 3.1, "in-vocabulary next token prediction accuracy":
     accuracy = #{positions whose target is a real in-vocabulary token and argmax(logits) == target}
                / #{positions whose target is a real in-vocabulary token}
-where "real in-vocabulary" excludes PAD, BOS, EOS and UNK (the word baseline's OOV token). A
+where "real in-vocabulary" excludes PAD, BOS, EOS and UNK (the word baseline's OOV token, and
+the other OOV buckets of a vocabulary that has several). A
 prediction *of* a special token counts as wrong. With a byte-fallback SentencePiece vocabulary
 there is no OOV, so every non-pad target counts. Loss / perplexity average the cross-entropy over
 all non-pad targets (OOV included: the model must still assign it probability).
+
+Beside it, additively, TFF's three next-word accuracies (`tff_accuracy`,
+`tff_accuracy_without_out_of_vocab`, `tff_accuracy_without_out_of_vocab_or_end_of_sentence`:
+field_metrics.py), comparable to the StackOverflow papers' numbers with a word vocabulary, and the
+unigram / most-frequent-word baselines scored the same way (`unigram_baseline(...)["tff"]`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpfleet.coordinator.engine.field_metrics import constant_baselines, tff_accuracies, tff_counts
 from dpfleet.edge.client_data import ClientData, held_out_count
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
@@ -25,32 +32,38 @@ from dpfleet.errors import DpfleetError
 SPECIAL_IDS = (PAD, BOS, EOS, UNK)
 
 
-def scored_mask(targets: torch.Tensor) -> torch.Tensor:
+def scored_mask(targets: torch.Tensor, oov_ids: Sequence[int] = (UNK,)) -> torch.Tensor:
+    """The real in-vocabulary targets: not PAD, BOS, EOS nor any OOV bucket."""
     mask = torch.ones_like(targets, dtype=torch.bool)
-    for sid in SPECIAL_IDS:
+    for sid in {*SPECIAL_IDS, *oov_ids}:
         mask &= targets != sid
     return mask
 
 
-def accuracy_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+def accuracy_counts(logits: torch.Tensor, targets: torch.Tensor,
+                    oov_ids: Sequence[int] = (UNK,)) -> tuple[int, int]:
     """(correct, scored) next-token counts for one batch (see module docstring)."""
-    mask = scored_mask(targets)
+    mask = scored_mask(targets, oov_ids)
     correct = (logits.argmax(-1) == targets) & mask
     return int(correct.sum()), int(mask.sum())
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, rows: np.ndarray, batch_size: int = 256) -> dict:
-    """Accuracy, loss and perplexity of `model` on example rows [n, L+1]."""
+def evaluate(model: nn.Module, rows: np.ndarray, batch_size: int = 256,
+             oov_ids: Sequence[int] = (UNK,)) -> dict:
+    """Accuracy, loss and perplexity of `model` on example rows [n, L+1], and TFF's three
+    accuracies with `oov_ids` (the tokenizer's OOV buckets) masked as TFF masks them."""
     model.eval()
     correct = scored = 0
+    tff = np.zeros((3, 2), dtype=np.int64)
     nll_sum, nll_count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         batch = torch.from_numpy(rows[start : start + batch_size].astype(np.int64))
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = logits_of(model(inputs))
-        c, s = accuracy_counts(logits, targets)
+        c, s = accuracy_counts(logits, targets, oov_ids)
         correct, scored = correct + c, scored + s
+        tff += tff_counts(logits.argmax(-1).cpu().numpy(), targets.numpy(), oov_ids)
         nonpad = targets != PAD
         logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         nll_sum += float(-(logp * nonpad).sum())
@@ -61,21 +74,28 @@ def evaluate(model: nn.Module, rows: np.ndarray, batch_size: int = 256) -> dict:
         "loss": loss,
         "perplexity": float(np.exp(min(loss, 50.0))),
         "scored_tokens": scored,
+        **tff_accuracies(tff),
     }
 
 
-def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray) -> dict:
+def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray,
+                     oov_ids: Sequence[int] = (UNK,)) -> dict:
     """Always predict the most frequent scored training token; its test accuracy and the
-    perplexity of the add-one unigram distribution: the bar any real model must clear."""
+    perplexity of the add-one unigram distribution: the bar any real model must clear. `tff`:
+    TFF's three accuracies of the unigram argmax and of the most frequent word
+    (`field_metrics.constant_baselines`)."""
     counts: dict[int, int] = {}
+    seen = []
     for rows in train_rows:
+        seen.append(rows[:, 1:])
         ids, n = np.unique(rows[:, 1:], return_counts=True)
         for i, c in zip(ids.tolist(), n.tolist(), strict=True):
             counts[i] = counts.get(i, 0) + c
-    scored = {i: c for i, c in counts.items() if i not in SPECIAL_IDS}
+    special = [*SPECIAL_IDS, *oov_ids]
+    scored = {i: c for i, c in counts.items() if i not in special}
     top = max(scored, key=scored.get)
     targets = test_rows[:, 1:]
-    mask = ~np.isin(targets, SPECIAL_IDS)
+    mask = ~np.isin(targets, special)
     acc = float(((targets == top) & mask).sum() / max(mask.sum(), 1))
     nonpad_counts = {i: c for i, c in counts.items() if i != PAD}
     total = sum(nonpad_counts.values())
@@ -83,7 +103,8 @@ def unigram_baseline(train_rows: Iterable[np.ndarray], test_rows: np.ndarray) ->
     test_ids = targets[targets != PAD]
     probs = np.array([(nonpad_counts.get(int(i), 0) + 1) / (total + vocab) for i in test_ids])
     loss = float(-np.log(probs).mean()) if len(probs) else float("nan")
-    return {"accuracy": acc, "top_token": int(top), "loss": loss, "perplexity": float(np.exp(loss))}
+    return {"accuracy": acc, "top_token": int(top), "loss": loss, "perplexity": float(np.exp(loss)),
+            "tff": constant_baselines(seen, targets, oov_ids)}
 
 
 HELD_OUT_NEEDED = 2  # one held-out user to score, one to fit the unigram baseline on

@@ -57,6 +57,7 @@ from dpfleet.coordinator.state.resume import (
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
+from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
@@ -353,7 +354,8 @@ class RoundEngine:
             }
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:  # in-process: nothing leaves
             ev = self.evaluate()
-            record.update(accuracy=ev["accuracy"], loss=ev["loss"], perplexity=ev["perplexity"])
+            record.update(accuracy=ev["accuracy"], loss=ev["loss"], perplexity=ev["perplexity"],
+                          **{k: v for k, v in ev.items() if k.startswith("tff_")})
         logs = {"metrics": record}
         if cfg.debug_nonprivate:  # un-noised, over this round's few clients: not DP
             logs["debug_nonprivate"] = {
@@ -439,7 +441,7 @@ class RoundEngine:
     def evaluate(self) -> dict:
         """Held-out accuracy / loss / perplexity of the current (released) model."""
         set_flat(self.model, self.server.theta)
-        return evaluate(self.model, self.test_rows)
+        return evaluate(self.model, self.test_rows, oov_ids=oov_ids_of(self.tokenizer))
 
     def privacy(self, *, stopped_early: str | None = None, public_data: Sequence[str] = (),
                 committed: Sequence[dict] | None = None) -> dict:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dpfleet.coordinator.accounting.result_warnings import plan_warnings
-from dpfleet.coordinator.config import SimulationConfig, validate
+from dpfleet.coordinator.config import SimulationConfig, public_words, validate
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.engine.backends import make_trainer
@@ -56,7 +56,7 @@ from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
-from dpfleet.edge.tokenizer import WordTokenizer, load_tokenizer
+from dpfleet.edge.tokenizer import CharTokenizer, WordTokenizer, load_tokenizer, oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
@@ -66,12 +66,22 @@ from dpfleet.io import atomic_write
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
                    folder: Path | None = None):
-    """The run's tokenizer. A `word` vocabulary is chosen with user-level DP (dp_vocabulary.py)
-    unless tokenizer.allow_nonprivate_vocabulary; a DP one is saved to `folder` with its privacy
-    summary and loaded from there on resume, so it is released (and paid for) once."""
+    """The run's tokenizer. A `word` vocabulary comes from a public word file when one is named
+    (TFF's way: no privacy cost), else is chosen with user-level DP (dp_vocabulary.py) unless
+    tokenizer.allow_nonprivate_vocabulary; a DP one is saved to `folder` with its privacy
+    summary and loaded from there on resume, so it is released (and paid for) once. `char` is
+    TFF Shakespeare's fixed character set."""
     tok = cfg.tokenizer
     if tok.path:
         return load_tokenizer(Path(tok.path))
+    if tok.kind == "char":
+        return CharTokenizer()
+    if tok.kind == "word" and (public := public_words(tok)):
+        if cfg.data.path and Path(public).resolve() == Path(cfg.data.path).resolve():
+            raise DpfleetError(f"tokenizer word file {public!r} is the private data.path; a public "
+                               "vocabulary must come from other (public) text")
+        build = WordTokenizer.from_word_counts if tok.word_counts else WordTokenizer.from_word_list
+        return build(Path(public), tok.vocab_size, tok.oov_buckets, tok.split)
     if tok.kind == "word" and tok.allow_nonprivate_vocabulary:  # outside the guarantee
         return WordTokenizer.build((t for texts in train_by_user for t in texts), tok.vocab_size)
     if tok.kind == "word":
@@ -225,7 +235,7 @@ def run_simulation(
     install(engine, participation=ext.get("participation"))
     if audit is not None:
         audit.engine_ready(engine)
-    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
+    baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows, oov_ids_of(tokenizer))
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
     log(
         f"data: {len(population)} train clients, {len(data.test)} held-out clients "

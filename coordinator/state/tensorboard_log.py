@@ -30,6 +30,9 @@ INSTALL = "pip install 'dpfleet[tensorboard]'"
 # a metrics record's key -> its tag group in TensorBoard (a key not listed goes to "round/")
 GROUPS = {
     "accuracy": "eval", "loss": "eval", "perplexity": "eval",
+    # TFF's three next-word accuracies (engine/field_metrics.py)
+    "tff_accuracy": "eval", "tff_accuracy_without_out_of_vocab": "eval",
+    "tff_accuracy_without_out_of_vocab_or_end_of_sentence": "eval",
     "epsilon": "privacy", "zcdp": "privacy", "min_separation": "privacy",
     "max_participation": "privacy",
     "clip": "dp", "noise_std": "dp", "clip_estimate": "dp", "restart": "dp",

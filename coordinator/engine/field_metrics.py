@@ -1,0 +1,126 @@
+"""The field's next-word metrics, computed the field's way, so a result can sit next to a paper's.
+
+* TFF's three next-word-prediction accuracies (TFF `simulation/baselines/stackoverflow/
+  word_prediction_tasks.py`, `keras_metrics.MaskedCategoricalAccuracy`): the fraction of target
+  positions whose argmax prediction equals the target, over the positions left after masking
+  targets that are PAD (`accuracy`), PAD or any OOV bucket (`accuracy_without_out_of_vocab`), or
+  PAD, any OOV bucket or EOS (`accuracy_without_out_of_vocab_or_end_of_sentence`, what the DP-FTRL
+  and matrix-factorization papers report). BOS is never a target in TFF's rows, so none masks it.
+  Predicting an OOV id or EOS is simply a wrong prediction in the last two.
+* Top-1 / top-3 recall of a three-slot suggestion strip (Hard et al. 2018, "Federated Learning
+  for Mobile Keyboard Prediction"): over held-out words, the fraction that is the strip's first
+  word / any of its words when the strip is shown after the words before it.
+* Keystroke savings: the fraction of the held-out words' characters a user need not type when
+  they tap the word as soon as it appears in the strip (shown after the previous words, then
+  after each typed prefix). Tapping is not counted as a keystroke, nor are spaces.
+
+Every count is kept as (correct, scored) so batches and clients add up before one division.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from dpfleet.edge.lexicon import is_word
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
+
+TFF_ACCURACIES = ("accuracy", "accuracy_without_out_of_vocab",
+                  "accuracy_without_out_of_vocab_or_end_of_sentence")
+STRIP_SLOTS = 3  # a keyboard's suggestion strip
+
+
+def tff_masks(targets: np.ndarray, oov_ids: Sequence[int] = (UNK,)) -> np.ndarray:
+    """[3, *targets.shape] booleans: the positions each of TFF's three accuracies scores."""
+    targets = np.asarray(targets)
+    nonpad = targets != PAD
+    in_vocab = nonpad & ~np.isin(targets, list(oov_ids))
+    return np.stack([nonpad, in_vocab, in_vocab & (targets != EOS)])
+
+
+def tff_counts(predictions: np.ndarray, targets: np.ndarray,
+               oov_ids: Sequence[int] = (UNK,)) -> np.ndarray:
+    """[3, 2] int64: (correct, scored) of TFF's three accuracies for argmax `predictions`."""
+    masks = tff_masks(targets, oov_ids)
+    hits = masks & (np.asarray(predictions) == np.asarray(targets))
+    return np.stack([hits.reshape(3, -1).sum(1), masks.reshape(3, -1).sum(1)], axis=1).astype(np.int64)
+
+
+def tff_accuracies(counts: np.ndarray, prefix: str = "tff_") -> dict[str, float | None]:
+    """{prefix + name: correct / scored} of `tff_counts` (None when nothing was scored)."""
+    return {prefix + name: (int(c) / int(s) if s else None)
+            for name, (c, s) in zip(TFF_ACCURACIES, np.asarray(counts), strict=True)}
+
+
+def constant_baselines(train_targets: Iterable[np.ndarray], test_targets: np.ndarray,
+                       oov_ids: Sequence[int] = (UNK,)) -> dict[str, dict]:
+    """TFF's three accuracies of the two baselines that always predict one token:
+    `unigram`, the most frequent non-PAD training target (the argmax of the unigram model, which
+    may be EOS or an OOV bucket), and `most_frequent_word`, the most frequent training target
+    that is a word (not PAD, BOS, EOS nor OOV). Ties go to the smaller id."""
+    counts: dict[int, int] = {}
+    for targets in train_targets:
+        ids, n = np.unique(np.asarray(targets), return_counts=True)
+        for i, c in zip(ids.tolist(), n.tolist(), strict=True):
+            counts[i] = counts.get(i, 0) + c
+    special = {PAD, BOS, EOS, *oov_ids}
+    out = {}
+    rules = (("unigram", lambda i: i != PAD), ("most_frequent_word", lambda i: i not in special))
+    for name, allowed in rules:
+        pool = {i: c for i, c in counts.items() if allowed(i)}
+        if not pool:
+            continue
+        token = min(pool, key=lambda i: (-pool[i], i))
+        predictions = np.full_like(np.asarray(test_targets), token)
+        out[name] = {"token": int(token),
+                     **tff_accuracies(tff_counts(predictions, test_targets, oov_ids), prefix="")}
+    return out
+
+
+def strip_recall(cases: Iterable[tuple[str, str]], suggest: Callable[[str], list[str]],
+                 slots: int = STRIP_SLOTS) -> dict[str, float | int | None]:
+    """Top-1 and top-`slots` recall of the strip `suggest(context)` over (context, word) cases:
+    the context is the text before the word (ending in a space, or empty), the word what the user
+    typed next. Words are compared without regard to case."""
+    top1 = topk = words = 0
+    for context, word in cases:
+        strip = [s.casefold() for s in suggest(context)[:slots]]
+        words += 1
+        top1 += bool(strip) and strip[0] == word.casefold()
+        topk += word.casefold() in strip
+    return {"top1_recall": top1 / words if words else None,
+            f"top{slots}_recall": topk / words if words else None, "words": words}
+
+
+def keystroke_savings(cases: Iterable[tuple[str, str]], suggest: Callable[[str], list[str]],
+                      slots: int = STRIP_SLOTS) -> dict[str, float | int | None]:
+    """The fraction of the words' characters saved when each word is tapped as soon as the strip
+    offers it: the strip is asked after `context`, then after each prefix of the word typed so
+    far; a word first offered after i typed characters saves len(word) - i, one never offered
+    saves 0."""
+    saved = typed = 0
+    for context, word in cases:
+        typed += len(word)
+        target = word.casefold()
+        for i in range(len(word)):
+            if target in (s.casefold() for s in suggest(context + word[:i])[:slots]):
+                saved += len(word) - i
+                break
+    return {"keystroke_savings": saved / typed if typed else None, "characters": typed,
+            "characters_saved": saved}
+
+
+def word_cases(texts: Iterable[str], split: Callable[[str], list[str]], limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (context, word) cases from held-out texts: each word (punctuation is not one:
+    a strip offers words) with the units before it in its text joined by spaces (so a word-level
+    suggest sees the same units it encodes)."""
+    cases: list[tuple[str, str]] = []
+    for text in texts:
+        words = split(text)
+        for n, word in enumerate(words):
+            if len(cases) >= limit:
+                return cases
+            if is_word(word):
+                    cases.append(("".join(f"{w} " for w in words[:n]), word))
+    return cases
