@@ -224,8 +224,8 @@ class RoundEngine:
         self._saved_at = self.start
         self._run_dir_points = releases is None  # not the state store's (it commits every round)
         # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
-        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
-                        if cfg.tensorboard else None)
+        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics),
+                                       in_run=True) if cfg.tensorboard else None)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
