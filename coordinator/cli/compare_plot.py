@@ -17,6 +17,12 @@ def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"text.parse_math": False}):  # labels are paths: `$` is no mathtext
+        return _draw(plt, records, labels, out)
+
+
+def _draw(plt: object, records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     fig, (acc, eps, wall) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=110)

@@ -55,13 +55,17 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
-from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
+from dpfleet.coordinator.state.tensorboard_log import (
+    DEBUG_NONPRIVATE,
+    TENSORBOARD,
+    TensorBoardLog,
+    run_backlog,
+)
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
 from dpfleet.secagg.sums import AggregateResult
 
-DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
 DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from dpfleet.errors import DpfleetError
 
 TENSORBOARD = "tensorboard"  # the folder in a run directory
+DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"  # a run's un-noised telemetry, only when it asked
 DEBUG_GROUP = "debug_nonprivate_NOT_DP"  # the tag group of un-noised telemetry (outside the guarantee)
 INSTALL = "pip install 'dpfleet[tensorboard]'"
 MARKER = ".dpfleet-tensorboard"  # in every folder dpfleet creates for events: it may replace them
@@ -115,21 +116,24 @@ def claim(folder: Path, *, in_run: bool = False) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines log (metrics.jsonl); a missing file is empty, a torn last line is left out."""
+    """A JSON-lines log (metrics.jsonl); a missing file is empty, a torn last line is left out
+    (a line cut inside a character too); a line nested too deep to parse is one DpfleetError."""
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except RecursionError:
+            raise DpfleetError(f"{path}: a line nests too deep to be a run's record") from None
+        except ValueError:  # not JSON, not UTF-8
             break  # a killed append: nothing after it was committed
     return out
 
 
 def run_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
     """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines."""
-    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / "debug_nonprivate.jsonl")}
+    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / DEBUG_NONPRIVATE)}
     return [{"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
             for m in metrics]
 
