@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 import types
@@ -387,11 +388,19 @@ _MOVED = {"dp.sampling": "participation.mode"}
 
 
 def _check_type(key: str, value: object, annotation: object) -> object:
+    """`value` as the key's type; a float must be finite (TOML and --set take inf and nan, which no
+    setting means and which overflow a run's clock or noise rounds later)."""
     base = typing.get_origin(annotation) or annotation
     if isinstance(annotation, str):
         base = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation, object)
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if base is float and isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float range
+            value = math.inf
+        if not math.isfinite(value):
+            raise DpfleetError(f"config key {key!r} must be a finite number, got {value}")
+        return value
     if base is list and isinstance(value, list):
         return value
     if isinstance(base, type) and base is not object and not isinstance(value, base):
@@ -525,6 +534,9 @@ def load_config(path: Path, overrides: Mapping[str, object] | None = None) -> Si
     return parse_config(values)
 
 
+YEAR_MINUTES = 525_600  # the longest round or device timer a config may state
+
+
 def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
@@ -571,8 +583,14 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.noise = 'discrete' needs dp.noise_multiplier > 0"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
          "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),
-        (cfg.participation.timer_period >= 0, "participation.timer_period must be >= 0 hours"),
-        (cfg.participation.round_minutes > 0, "participation.round_minutes must be > 0"),
+        (0 <= cfg.participation.timer_period <= YEAR_MINUTES / 60,
+         f"participation.timer_period must be in [0, {YEAR_MINUTES // 60}] hours (a year), got "
+         f"{cfg.participation.timer_period:g}"),
+        # slots of the clock are counted in round durations: 1e-300 minutes overflowed them
+        (1 / 60 <= cfg.participation.round_minutes <= YEAR_MINUTES,
+         f"participation.round_minutes must be between 1/60 (a second) and {YEAR_MINUTES} (a year), "
+         f"got {cfg.participation.round_minutes:g}"),
+        (1 <= cfg.aggregation.bits <= 32, f"aggregation.bits must be in 1..32, got {cfg.aggregation.bits}"),
         (0 < cfg.participation.availability <= 1, "participation.availability must be in (0, 1]"),
         (0 <= cfg.participation.diurnal_amplitude <= 1,
          "participation.diurnal_amplitude must be in [0, 1]"),
@@ -634,6 +652,16 @@ def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
         *((0 <= getattr(f, k) <= 1, f"fleet.{k} must be a probability in [0, 1]")
           for k in probabilities),
     ]
+
+
+def check_delta(delta: float, population: int) -> None:
+    """Refuse dp.delta >= 1/N for N users. Why refuse rather than warn: an (eps, delta) guarantee
+    with delta >= 1/N is met by a mechanism that publishes one random user's data in the clear,
+    so such a run is no privacy at all; the usual rule is delta well below 1/N."""
+    if population > 0 and delta >= 1 / population:
+        raise DpfleetError(f"dp.delta = {delta:g} is not below 1/N = 1/{population} for the run's "
+                           f"{population} users: at that delta a run may publish one user's data "
+                           f"and keep its promise; choose dp.delta well below 1/N (e.g. 1e-6)")
 
 
 def round_size(cfg: SimulationConfig) -> int:

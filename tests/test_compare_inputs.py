@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def base(tmp_path_factory) -> Path:
     return root / "base"
 
 
-def edit_json(name: str, change) -> callable:
+def edit_json(name: str, change) -> Callable[[Path], None]:
     """A crafting step: `change(obj)` applied to the run's `name` (it may return a new object)."""
     def craft(run: Path) -> None:
         obj = json.loads((run / name).read_text())
@@ -41,7 +42,7 @@ def edit_json(name: str, change) -> callable:
     return craft
 
 
-def edit_metrics(change) -> callable:
+def edit_metrics(change) -> Callable[[Path], None]:
     def craft(run: Path) -> None:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         change(records)
@@ -49,13 +50,13 @@ def edit_metrics(change) -> callable:
     return craft
 
 
-def write(name: str, data: bytes | str) -> callable:
+def write(name: str, data: bytes | str) -> Callable[[Path], None]:
     def craft(run: Path) -> None:
         (run / name).write_bytes(data if isinstance(data, bytes) else data.encode())
     return craft
 
 
-def remove(name: str) -> callable:
+def remove(name: str) -> Callable[[Path], None]:
     return lambda run: (run / name).unlink()
 
 
@@ -81,7 +82,8 @@ CRAFTED = [
     ("summary wall time infinite", edit_json("summary.json", lambda s: s.update(wall_seconds=float("inf"))),
      "summary.json"),
     ("summary caveats a string", edit_json("summary.json", lambda s: s.update(caveats="none")), "caveats"),
-    ("summary warnings of numbers", edit_json("summary.json", lambda s: s.update(warnings=[1, 2])), "warnings"),
+    ("summary warnings of numbers", edit_json("summary.json", lambda s: s.update(warnings=[1, 2])),
+     "warnings"),
     ("summary baseline a list", edit_json("summary.json", lambda s: s.update(unigram_baseline=[0.1])),
      "unigram_baseline"),
     ("summary without final", edit_json("summary.json", lambda s: s.pop("final")), None),
@@ -100,8 +102,8 @@ CRAFTED = [
     ("metrics epsilon infinite", edit_metrics(lambda m: m[1].update(epsilon=float("inf"))), "metrics.jsonl"),
     ("metrics huge integer", edit_metrics(lambda m: m[1].update(clients=10 ** 400)), "metrics.jsonl"),
     ("metrics nested deep", write("metrics.jsonl", DEEP + "\n"), "metrics.jsonl"),
-    ("metrics torn last line", lambda run: write("metrics.jsonl", (run / "metrics.jsonl").read_text()[:-30])(run),
-     None),
+    ("metrics torn last line",
+     lambda run: write("metrics.jsonl", (run / "metrics.jsonl").read_text()[:-30])(run), None),
     # a killed append may cut a character in two: read as a torn line, so the rounds before it
     ("metrics not UTF-8", write("metrics.jsonl", b'{"round": 1, "x": "\xff"}\n'), None),
     ("debug lines are lists", write("debug_nonprivate.jsonl", "[1]\n[2]\n"), "debug_nonprivate.jsonl"),

@@ -32,7 +32,13 @@ from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields,
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.result_warnings import result_warnings
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
-from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
+from dpfleet.coordinator.config import (
+    SimulationConfig,
+    check_delta,
+    clip_count_stddev,
+    resolve_noise,
+    round_size,
+)
 from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
     default_restart_rounds,
@@ -168,6 +174,7 @@ class RoundEngine:
         self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary = vocabulary
         self.other_releases = other_releases if other_releases is not None else []
+        check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed, users=self.users)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
