@@ -112,7 +112,8 @@ class DPSection:
     restart_rounds: list[int] = field(default_factory=list)
     """Rounds (0-based) at which a fresh noise tree starts (mechanisms with restarts)."""
     delta: float = 1e-6
-    """The delta of the (eps, delta) guarantee."""
+    """The delta of the (eps, delta) guarantee; below 1/N for N users (a run is refused otherwise:
+    at delta >= 1/N a mechanism that publishes one user's data outright meets the promise)."""
     budget_epsilon: float = 0.0
     """Stop before a round that would pass this eps (PLD at delta); 0: no budget."""
     warn_epsilon: float = 10.0
@@ -161,9 +162,10 @@ class ParticipationSection:
     """"disjoint" (each device at most once) | "uniform" (any eligible device each round) |
     "timer" (a device checks in when available and its timer since the last round ran out)."""
     timer_period: float = 24.0
-    """Timer mode: hours a device stays away after taking part."""
+    """Timer mode: hours a device stays away after taking part (at most a year, 8760)."""
     round_minutes: float = 10.0
-    """Simulated duration of a round, and of a retry when too few devices check in."""
+    """Simulated duration of a round, and of a retry when too few devices check in; between 1/60
+    (a second) and 525600 (a year)."""
     availability: float = 1.0
     """Timer mode: the chance that a device is charging, idle and unmetered at a check-in."""
     diurnal_amplitude: float = 0.0
@@ -200,7 +202,7 @@ class AggregationSection:
     kind: str = "plain"
     """"plain" | "secagg" (pairwise-mask secure aggregation: the server sees only the sum)."""
     bits: int = 32
-    """SecAgg: the ring Z_(2^bits)."""
+    """SecAgg: the ring Z_(2^bits), 1..32 bits."""
     graph: str = "harary"
     """SecAgg: the masking graph, "harary" (SecAgg+) | "complete" (SecAgg)."""
     dropout: float = 0.0
