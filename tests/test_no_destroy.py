@@ -17,6 +17,7 @@ from test_tensorboard import read_events
 
 from dpfleet.coordinator.state import tensorboard_log
 from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.errors import DpfleetError
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +92,35 @@ def test_simulate_overwrite_keeps_a_folder_that_is_no_run(runs, tmp_path):
     line = one_error(run_here("simulate", str(runs.parent / "tiny.toml"), "--out", str(folder),
                               "--overwrite", "--quiet"))
     assert "not a run directory" in line and snapshot(folder) == before
+
+
+def test_the_plot_replaces_only_a_plot_of_compare(runs, tmp_path):
+    """`--plot` at a user's file, or at the run's own accuracy.png: refused, bytes kept. The
+    default compare.png of an earlier compare is replaced (drawn again, valid PNG)."""
+    mine = tmp_path / "figure.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a user's figure")
+    for target in (mine, runs / "base" / "accuracy.png"):
+        before = target.read_bytes()
+        line = one_error(run_here("compare", str(runs / "base"), "--plot", str(target)))
+        assert "is not a plot of dpfleet compare" in line and target.read_bytes() == before
+    for _ in range(2):
+        proc = run_here("compare", str(runs / "base"), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.png", "figure.png"]  # no temp left
+
+
+def test_a_legacy_tensorboard_folder_of_a_run_is_adopted_and_no_other(tmp_path):
+    """A run's tensorboard/ that an older dpfleet wrote (event files only, no marker) is the run's
+    own; the same folder outside a run (`in_run` false), or with any other file, is refused."""
+    folder = tmp_path / "tensorboard"
+    folder.mkdir()
+    (folder / "events.out.tfevents.1.old").write_bytes(b"old events")
+    with pytest.raises(DpfleetError, match="not a TensorBoard folder dpfleet wrote"):
+        tensorboard_log.claim(folder)
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(DpfleetError, match="not a TensorBoard folder dpfleet wrote"):
+        tensorboard_log.claim(folder, in_run=True)
+    (folder / "notes.txt").unlink()
+    tensorboard_log.claim(folder, in_run=True)
+    assert sorted(p.name for p in folder.iterdir()) == [tensorboard_log.MARKER]

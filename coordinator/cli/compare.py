@@ -10,7 +10,8 @@ import click
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR...")
 @click.option("--plot", type=click.Path(path_type=Path), default=Path("compare.png"), show_default=True,
-              help="Where the plot goes (.png, .pdf or .svg).")
+              help="Where the plot goes (.png, .pdf or .svg); an existing file is replaced only if "
+                   "an earlier compare drew it.")
 @click.option("--no-plot", is_flag=True, help="Print the table only.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the comparison as JSON (each run's figures, the differing config keys) "
