@@ -124,3 +124,25 @@ def test_a_legacy_tensorboard_folder_of_a_run_is_adopted_and_no_other(tmp_path):
     (folder / "notes.txt").unlink()
     tensorboard_log.claim(folder, in_run=True)
     assert sorted(p.name for p in folder.iterdir()) == [tensorboard_log.MARKER]
+
+
+def test_offline_stage_replaces_only_a_teacher_it_staged(tmp_path):
+    """`public offline-stage --out OUT --teacher FOLDER`: OUT/teachers/<name> that holds a user's
+    files (not listed in OUT's staged.json) is refused and kept; one it staged is replaced."""
+    teacher = tmp_path / "my-teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text('{"model_type": "tiny"}')
+    out = tmp_path / "cache"
+    mine = out / "teachers" / "my-teacher"
+    mine.mkdir(parents=True)
+    (mine / "weights.bin").write_bytes(b"the user's own weights")
+    before = snapshot(out)
+    args = ("public", "offline-stage", "--out", str(out), "--teacher", str(teacher))
+    line = one_error(run_here(*args))
+    assert "was not staged by dpfleet" in line and snapshot(out) == before
+    (mine / "weights.bin").unlink()
+    mine.rmdir()
+    for _ in range(2):  # staged, then staged again over its own copy
+        proc = run_here(*args)
+        assert proc.returncode == 0, proc.stderr
+    assert (mine / "config.json").read_text() == '{"model_type": "tiny"}'
