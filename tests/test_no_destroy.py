@@ -8,6 +8,7 @@ itself (a marked TensorBoard folder, a run directory) it may still replace."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,15 @@ def test_offline_stage_replaces_only_a_teacher_it_staged(tmp_path):
         proc = run_here(*args)
         assert proc.returncode == 0, proc.stderr
     assert (mine / "config.json").read_text() == '{"model_type": "tiny"}'
+
+
+def test_plan_out_refuses_a_run_directory(runs, tmp_path):
+    """`plan --out RUN`: a planned run keeps its plan.json in its run directory (the plan it ran);
+    writing another plan over it is refused, and nothing is added to the run."""
+    run = tmp_path / "planned"
+    shutil.copytree(runs / "base", run)
+    (run / "plan.json").write_text('{"the plan": "this run ran"}\n')
+    before = snapshot(run)
+    line = one_error(run_here("plan", "-N", "1277", "-T", "60", "--target-epsilon", "8", "--delta", "1e-6",
+                              "--out", str(run)))
+    assert "is a run directory" in line and snapshot(run) == before

@@ -62,14 +62,13 @@ def export_tensorboard(runs: tuple[Path, ...], out: Path) -> list[Path]:
     """Each run's metrics as TensorBoard scalars in out/<run folder name> (-2, -3 if repeated).
     A run directory as `out` is refused (its runs' folders would land among the run's files), and
     so is an existing out/<name> without an earlier export's marker (`tensorboard_log.claim`)."""
-    from dpfleet.coordinator.state.run_dir import is_run_dir
+    from dpfleet.coordinator.state.run_dir import check_not_a_run
     from dpfleet.coordinator.state.tensorboard_log import INSTALL, available, export
     from dpfleet.errors import DpfleetError
 
     if not available():
         raise DpfleetError(f"--tensorboard needs tensorboardX: {INSTALL}")
-    if is_run_dir(out) or (out / "config.json").is_file():
-        raise DpfleetError(f"--tensorboard {out} is a run directory: give a folder of its own")
+    check_not_a_run(out, "--tensorboard")
     folders: list[Path] = []
     for path in runs:
         name, n = path.resolve().name, 1

@@ -55,6 +55,16 @@ def is_run_dir(path: Path) -> bool:
     return all((Path(path) / name).is_file() for name in RUN_LOGS)
 
 
+def check_not_a_run(path: Path, option: str) -> None:
+    """Refuse `path` as the folder of `option`'s output when it is a run directory or a
+    coordinator's state (a run's layout, or its config.json): a run's files are not another
+    command's to add to or replace."""
+    from dpfleet.errors import DpfleetError
+
+    if is_run_dir(path) or (Path(path) / "config.json").is_file():
+        raise DpfleetError(f"{option} {path} is a run directory: give a folder of its own")
+
+
 class RunDir:
     def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
         """`overwrite`: reuse a non-empty folder, only if it is a run directory (`is_run_dir`):
