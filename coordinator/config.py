@@ -588,10 +588,8 @@ def validate(cfg: SimulationConfig) -> None:
         (0 <= cfg.participation.timer_period <= YEAR_MINUTES / 60,
          f"participation.timer_period must be in [0, {YEAR_MINUTES // 60}] hours (a year), got "
          f"{cfg.participation.timer_period:g}"),
-        # slots of the clock are counted in round durations: 1e-300 minutes overflowed them
-        (1 / 60 <= cfg.participation.round_minutes <= YEAR_MINUTES,
-         f"participation.round_minutes must be between 1/60 (a second) and {YEAR_MINUTES} (a year), "
-         f"got {cfg.participation.round_minutes:g}"),
+        (not round_minutes_error(cfg.participation.round_minutes),
+         round_minutes_error(cfg.participation.round_minutes)),
         (1 <= cfg.aggregation.bits <= 32, f"aggregation.bits must be in 1..32, got {cfg.aggregation.bits}"),
         (0 < cfg.participation.availability <= 1, "participation.availability must be in (0, 1]"),
         (0 <= cfg.participation.diurnal_amplitude <= 1,
@@ -656,14 +654,23 @@ def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
     ]
 
 
-def check_delta(delta: float, population: int) -> None:
-    """Refuse dp.delta >= 1/N for N users. Why refuse rather than warn: an (eps, delta) guarantee
-    with delta >= 1/N is met by a mechanism that publishes one random user's data in the clear,
-    so such a run is no privacy at all; the usual rule is delta well below 1/N."""
+def check_delta(delta: float, population: int, name: str = "dp.delta") -> None:
+    """Refuse delta >= 1/N for N users (`name`: the setting, for the message). Why refuse rather
+    than warn: an (eps, delta) guarantee with delta >= 1/N is met by a mechanism that publishes
+    one random user's data in the clear, so such a run is no privacy at all; the usual rule is
+    delta well below 1/N."""
     if population > 0 and delta >= 1 / population:
-        raise DpfleetError(f"dp.delta = {delta:g} is not below 1/N = 1/{population} for the run's "
+        raise DpfleetError(f"{name} = {delta:g} is not below 1/N = 1/{population} for the run's "
                            f"{population} users: at that delta a run may publish one user's data "
-                           f"and keep its promise; choose dp.delta well below 1/N (e.g. 1e-6)")
+                           f"and keep its promise; choose {name} well below 1/N (e.g. 1e-6)")
+
+
+def round_minutes_error(minutes: float, name: str = "participation.round_minutes") -> str | None:
+    """What is wrong with a round duration (None: nothing). The clock counts slots of it, so
+    1e-300 minutes overflowed them; a second to a year covers any fleet."""
+    if 1 / 60 <= minutes <= YEAR_MINUTES:
+        return None
+    return f"{name} must be between 1/60 (a second) and {YEAR_MINUTES} (a year), got {minutes:g}"
 
 
 def round_size(cfg: SimulationConfig) -> int:

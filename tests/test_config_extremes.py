@@ -99,3 +99,22 @@ def test_an_extreme_number_anywhere_is_refused_or_finite_after_validation(key, v
     for part in path:
         cfg = getattr(cfg, part)
     assert math.isfinite(cfg), (path, value)
+
+
+PLAN = ("plan", "-N", "1277", "-T", "60", "--target-epsilon", "8")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    ((*PLAN, "--delta", "0.5"), "--delta = 0.5 is not below 1/N = 1/1277"),  # planned at 0.5
+    ((*PLAN, "--delta", "1e-6", "--round-minutes", "1e-300"), "--round-minutes must be between"),
+    (("plan", "-N", str(10 ** 22), "-T", "60", "--target-zcdp", "1"), "population"),  # numpy TypeError
+    (("account", "-z", "1e-300", "-T", "10", "--delta", "1e-6"), "noise multiplier"),  # ZeroDivisionError
+])
+def test_the_accounting_commands_refuse_extremes_in_one_line(args, needle):
+    """`plan` and `account` take the same kind of numbers on the command line: a delta at or
+    above 1/N, a round of 1e-300 minutes, a population beyond numpy's integers, a noise
+    multiplier whose square is 0."""
+    proc = run_here(*args)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in proc.stderr and proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]

@@ -18,6 +18,7 @@ from dpfleet.coordinator.accounting.planner import (
 )
 from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
+from dpfleet.coordinator.config import check_delta, round_minutes_error
 from dpfleet.coordinator.mechanisms.registry import names
 from dpfleet.coordinator.state.run_dir import check_not_a_run
 from dpfleet.errors import DpfleetError
@@ -118,6 +119,10 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
     if out is not None:
         check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
         check_not_a_run(Path(out), "--out")  # a planned run's plan.json is the plan it ran
+    if round_minutes is not None and (problem := round_minutes_error(round_minutes, "--round-minutes")):
+        raise DpfleetError(problem)
+    if delta is not None and population >= 1:
+        check_delta(delta, population, "--delta")
     if target_epsilon is not None:
         if delta is None:
             raise DpfleetError("--target-epsilon needs --delta")
