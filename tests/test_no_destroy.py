@@ -159,3 +159,13 @@ def test_plan_out_refuses_a_run_directory(runs, tmp_path):
     line = one_error(run_here("plan", "-N", "1277", "-T", "60", "--target-epsilon", "8", "--delta", "1e-6",
                               "--out", str(run)))
     assert "is a run directory" in line and snapshot(run) == before
+
+
+def test_pretrain_overwrite_refuses_a_runs_checkpoint(runs):
+    """`public pretrain --out RUN/checkpoint --overwrite` would replace the run's released model
+    with a public one (its privacy.json still describing the private one): refused, bytes kept."""
+    before = snapshot(runs / "base")
+    line = one_error(run_here("public", "pretrain", "--out", str(runs / "base" / "checkpoint"),
+                              "--tokenizer", str(runs / "base" / "checkpoint" / "tokenizer"),
+                              "--overwrite", "--steps", "1", "--max-records", "50"))
+    assert "is a run directory or inside one" in line and snapshot(runs / "base") == before

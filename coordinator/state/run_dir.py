@@ -56,13 +56,14 @@ def is_run_dir(path: Path) -> bool:
 
 
 def check_not_a_run(path: Path, option: str) -> None:
-    """Refuse `path` as the folder of `option`'s output when it is a run directory or a
-    coordinator's state (a run's layout, or its config.json): a run's files are not another
-    command's to add to or replace."""
+    """Refuse `path` as the folder of `option`'s output when it is, or is directly inside, a run
+    directory or a coordinator's state (a run's layout, or its config.json): a run's files (its
+    checkpoint/ too) are not another command's to add to or replace."""
     from dpfleet.errors import DpfleetError
 
-    if is_run_dir(path) or (Path(path) / "config.json").is_file():
-        raise DpfleetError(f"{option} {path} is a run directory: give a folder of its own")
+    path = Path(path)
+    if any(is_run_dir(p) or (p / "config.json").is_file() for p in (path, path.absolute().parent)):
+        raise DpfleetError(f"{option} {path} is a run directory or inside one: give a folder of its own")
 
 
 class RunDir:
