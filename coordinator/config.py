@@ -391,7 +391,7 @@ _MOVED = {"dp.sampling": "participation.mode"}
 
 def _check_type(key: str, value: object, annotation: object) -> object:
     """`value` as the key's type; a float must be finite (TOML and --set take inf and nan, which no
-    setting means and which overflow a run's clock or noise rounds later)."""
+    setting means and which overflow a run's clock or noise rounds later), an int within int64."""
     base = typing.get_origin(annotation) or annotation
     if isinstance(annotation, str):
         base = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation, object)
@@ -409,6 +409,8 @@ def _check_type(key: str, value: object, annotation: object) -> object:
         raise DpfleetError(f"config key {key!r} must be {base.__name__}, got {value!r}")
     if base is int and isinstance(value, bool):
         raise DpfleetError(f"config key {key!r} must be int, got {value!r}")
+    if base is int and not -(2 ** 63) < value < 2 ** 63:  # numpy's int64 holds every count a run makes
+        raise DpfleetError(f"config key {key!r} must be an integer within +-2^63, got {value}")
     return value
 
 
