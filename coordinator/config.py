@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 import types
@@ -130,7 +131,8 @@ class DPSection:
     restart_rounds: list[int] = field(default_factory=list)
     """Rounds (0-based) at which a fresh noise tree starts (mechanisms with restarts)."""
     delta: float = 1e-6
-    """The delta of the (eps, delta) guarantee."""
+    """The delta of the (eps, delta) guarantee; below 1/N for N users (a run is refused otherwise:
+    at delta >= 1/N a mechanism that publishes one user's data outright meets the promise)."""
     budget_epsilon: float = 0.0
     """Stop before a round that would pass this eps (PLD at delta); 0: no budget."""
     warn_epsilon: float = 10.0
@@ -184,9 +186,10 @@ class ParticipationSection:
     """"disjoint" (each device at most once) | "uniform" (any eligible device each round) |
     "timer" (a device checks in when available and its timer since the last round ran out)."""
     timer_period: float = 24.0
-    """Timer mode: hours a device stays away after taking part."""
+    """Timer mode: hours a device stays away after taking part (at most a year, 8760)."""
     round_minutes: float = 10.0
-    """Simulated duration of a round, and of a retry when too few devices check in."""
+    """Simulated duration of a round, and of a retry when too few devices check in; between 1/60
+    (a second) and 525600 (a year)."""
     availability: float = 1.0
     """Timer mode: the chance that a device is charging, idle and unmetered at a check-in."""
     diurnal_amplitude: float = 0.0
@@ -223,7 +226,7 @@ class AggregationSection:
     kind: str = "plain"
     """"plain" | "secagg" (pairwise-mask secure aggregation: the server sees only the sum)."""
     bits: int = 32
-    """SecAgg: the ring Z_(2^bits)."""
+    """SecAgg: the ring Z_(2^bits), 1..32 bits."""
     graph: str = "harary"
     """SecAgg: the masking graph, "harary" (SecAgg+) | "complete" (SecAgg)."""
     dropout: float = 0.0
@@ -413,17 +416,27 @@ _MOVED = {"dp.sampling": "participation.mode"}
 
 
 def _check_type(key: str, value: object, annotation: object) -> object:
+    """`value` as the key's type; a float must be finite (TOML and --set take inf and nan, which no
+    setting means and which overflow a run's clock or noise rounds later), an int within int64."""
     base = typing.get_origin(annotation) or annotation
     if isinstance(annotation, str):
         base = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation, object)
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if base is float and isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float range
+            value = math.inf
+        if not math.isfinite(value):
+            raise DpfleetError(f"config key {key!r} must be a finite number, got {value}")
+        return value
     if base is list and isinstance(value, list):
         return value
     if isinstance(base, type) and base is not object and not isinstance(value, base):
         raise DpfleetError(f"config key {key!r} must be {base.__name__}, got {value!r}")
     if base is int and isinstance(value, bool):
         raise DpfleetError(f"config key {key!r} must be int, got {value!r}")
+    if base is int and not -(2 ** 63) < value < 2 ** 63:  # numpy's int64 holds every count a run makes
+        raise DpfleetError(f"config key {key!r} must be an integer within +-2^63, got {value}")
     return value
 
 
@@ -552,6 +565,9 @@ def load_config(path: Path, overrides: Mapping[str, object] | None = None,
     return parse_config(values)
 
 
+YEAR_MINUTES = 525_600  # the longest round or device timer a config may state
+
+
 def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
@@ -603,8 +619,12 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.noise = 'discrete' needs dp.noise_multiplier > 0"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
          "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),
-        (cfg.participation.timer_period >= 0, "participation.timer_period must be >= 0 hours"),
-        (cfg.participation.round_minutes > 0, "participation.round_minutes must be > 0"),
+        (0 <= cfg.participation.timer_period <= YEAR_MINUTES / 60,
+         f"participation.timer_period must be in [0, {YEAR_MINUTES // 60}] hours (a year), got "
+         f"{cfg.participation.timer_period:g}"),
+        (not round_minutes_error(cfg.participation.round_minutes),
+         round_minutes_error(cfg.participation.round_minutes)),
+        (1 <= cfg.aggregation.bits <= 32, f"aggregation.bits must be in 1..32, got {cfg.aggregation.bits}"),
         (0 < cfg.participation.availability <= 1, "participation.availability must be in (0, 1]"),
         (0 <= cfg.participation.diurnal_amplitude <= 1,
          "participation.diurnal_amplitude must be in [0, 1]"),
@@ -666,6 +686,25 @@ def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
         *((0 <= getattr(f, k) <= 1, f"fleet.{k} must be a probability in [0, 1]")
           for k in probabilities),
     ]
+
+
+def check_delta(delta: float, population: int, name: str = "dp.delta") -> None:
+    """Refuse delta >= 1/N for N users (`name`: the setting, for the message). Why refuse rather
+    than warn: an (eps, delta) guarantee with delta >= 1/N is met by a mechanism that publishes
+    one random user's data in the clear, so such a run is no privacy at all; the usual rule is
+    delta well below 1/N."""
+    if population > 0 and delta >= 1 / population:
+        raise DpfleetError(f"{name} = {delta:g} is not below 1/N = 1/{population} for the run's "
+                           f"{population} users: at that delta a run may publish one user's data "
+                           f"and keep its promise; choose {name} well below 1/N (e.g. 1e-6)")
+
+
+def round_minutes_error(minutes: float, name: str = "participation.round_minutes") -> str | None:
+    """What is wrong with a round duration (None: nothing). The clock counts slots of it, so
+    1e-300 minutes overflowed them; a second to a year covers any fleet."""
+    if 1 / 60 <= minutes <= YEAR_MINUTES:
+        return None
+    return f"{name} must be between 1/60 (a second) and {YEAR_MINUTES} (a year), got {minutes:g}"
 
 
 def round_size(cfg: SimulationConfig) -> int:

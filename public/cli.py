@@ -186,6 +186,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     from dpfleet.io import check_writable
 
     check_writable(out)
+    from dpfleet.coordinator.state.run_dir import check_not_a_run
     from dpfleet.edge.tokenizer import load_tokenizer
     from dpfleet.errors import DpfleetError, resume_hint
     from dpfleet.export.checkpoint import WEIGHTS, save_checkpoint
@@ -194,6 +195,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_evaluate, kd_train
     from dpfleet.public.topk import TopKCorpus, student_sequences
 
+    check_not_a_run(Path(out), "--out")  # --overwrite would replace a run's released model
     state_file = Path(out) / "pretrain_state.pt"
     if (Path(out) / WEIGHTS).is_file() and not overwrite:
         raise DpfleetError(f"{out} already holds a checkpoint; pass --overwrite to replace it")

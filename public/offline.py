@@ -49,7 +49,8 @@ def stage_bundle(out: Path, teachers: Sequence[str], datasets: Sequence[str]) ->
         folder = resolve_teacher(spec)  # fetched and converted here, once, if not cached yet
         target = out / "teachers" / staged_name(spec)
         if target.resolve() != folder.resolve():
-            if target.exists():
+            if target.exists() or target.is_symlink():
+                check_staged_here(out, target)
                 shutil.rmtree(target)
             shutil.copytree(folder, target)
         staged["teachers"][spec] = str(target)
@@ -67,6 +68,17 @@ def stage_bundle(out: Path, teachers: Sequence[str], datasets: Sequence[str]) ->
     atomic_write(out / STAGED_MANIFEST, dumps({"sha256": files}, indent=1))
     staged["staged_sha256"] = sha256_file(out / STAGED_MANIFEST)
     return staged
+
+
+def check_staged_here(out: Path, target: Path) -> None:
+    """Refuse to replace `target` (a folder in `out`) unless `out`'s staged.json lists files in
+    it: a folder an earlier staging copied, never one of someone else's files."""
+    manifest = out / STAGED_MANIFEST
+    prefix = f"{target.relative_to(out).as_posix()}/"
+    if not (target.is_dir() and not target.is_symlink() and manifest.is_file()
+            and any(name.startswith(prefix) for name in read_staged(manifest))):
+        raise DpfleetError(f"{target} exists and was not staged by dpfleet (not in {manifest}): "
+                           "remove it yourself or stage into another --out")
 
 
 def verify_staged(cache: Path) -> str:

@@ -103,7 +103,9 @@ def test_a_resumed_run_has_each_round_once(tmp_path, monkeypatch):
     events = read_events(out / TENSORBOARD)
     expected = [(m["round"], t) for m in lines(out / "metrics.jsonl") for t, _ in scalars(m)]
     assert [(s, t) for s, t, _ in events] == expected and {s for s, _ in expected} == {1, 2, 3, 4}
-    assert len(list((out / TENSORBOARD).iterdir())) == 1
+    events = list((out / TENSORBOARD).glob(tensorboard_log.EVENTS))  # one file, and dpfleet's marker
+    assert len(events) == 1 and {p.name for p in (out / TENSORBOARD).iterdir()} == {
+        events[0].name, tensorboard_log.MARKER}
 
 
 def test_export_writes_a_finished_runs_metrics(tmp_path):

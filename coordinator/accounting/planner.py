@@ -37,6 +37,8 @@ from dpfleet.coordinator.accounting.zcdp import (
 from dpfleet.coordinator.mechanisms.registry import build, entry, planned_names
 from dpfleet.errors import DpfleetError
 
+MAX_POPULATION = 10 ** 12  # devices: above any fleet, well inside numpy's int64
+
 
 def max_min_separation(population: int, report_goal: int) -> int:
     """Largest MinS (rounds strictly between) that N devices allow at M devices per round."""
@@ -134,6 +136,8 @@ def make_plan(population: int, rounds: int, target_zcdp: float, *,
     smallest report goal whose z / M is within 10% of the grid's best."""
     if population < 1 or rounds < 1:
         raise DpfleetError("population and rounds must be >= 1")
+    if population > MAX_POPULATION:  # beyond numpy's integers (the report goal grid)
+        raise DpfleetError(f"population must be at most {MAX_POPULATION:.0e} devices, got {population}")
     eps = None if delta is None else epsilon_from_zcdp(target_zcdp, delta, method)
     goals = report_goal_grid(population, rounds)
     if report_goal is not None:

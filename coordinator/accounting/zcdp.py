@@ -84,6 +84,8 @@ def zcdp_from_sensitivity(noise_multiplier: float, sensitivity_squared: float) -
     z = _check_positive(noise_multiplier, "noise multiplier")
     if sensitivity_squared < 0:
         raise DpfleetError(f"sensitivity must be >= 0, got {sensitivity_squared}")
+    if z * z == 0.0:  # 1e-300 squared underflows: rho would divide by zero
+        raise DpfleetError(f"noise multiplier {z:g} is too small to account (its square is 0 in floats)")
     return float(sensitivity_squared) / (2.0 * z * z)
 
 

@@ -10,14 +10,16 @@ import click
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR...")
 @click.option("--plot", type=click.Path(path_type=Path), default=Path("compare.png"), show_default=True,
-              help="Where the plot goes (.png, .pdf or .svg).")
+              help="Where the plot goes (.png, .pdf or .svg); an existing file is replaced only if "
+                   "an earlier compare drew it.")
 @click.option("--no-plot", is_flag=True, help="Print the table only.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the comparison as JSON (each run's figures, the differing config keys) "
                    "instead of the table.")
 @click.option("--tensorboard", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also export each run's metrics.jsonl as TensorBoard scalars to DIR/<run name>/ "
-                   "(then: tensorboard --logdir DIR). Needs the tensorboard extra.")
+                   "(then: tensorboard --logdir DIR). Needs the tensorboard extra. A DIR/<run name> "
+                   "that an earlier export did not make is refused, never replaced.")
 def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
             tensorboard: Path | None) -> None:
     """Compare runs: accuracy, eps, wall time and the config keys that differ.
@@ -57,12 +59,16 @@ def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
 
 
 def export_tensorboard(runs: tuple[Path, ...], out: Path) -> list[Path]:
-    """Each run's metrics as TensorBoard scalars in out/<run folder name> (-2, -3 if repeated)."""
+    """Each run's metrics as TensorBoard scalars in out/<run folder name> (-2, -3 if repeated).
+    A run directory as `out` is refused (its runs' folders would land among the run's files), and
+    so is an existing out/<name> without an earlier export's marker (`tensorboard_log.claim`)."""
+    from dpfleet.coordinator.state.run_dir import check_not_a_run
     from dpfleet.coordinator.state.tensorboard_log import INSTALL, available, export
     from dpfleet.errors import DpfleetError
 
     if not available():
         raise DpfleetError(f"--tensorboard needs tensorboardX: {INSTALL}")
+    check_not_a_run(out, "--tensorboard")
     folders: list[Path] = []
     for path in runs:
         name, n = path.resolve().name, 1

@@ -1,6 +1,11 @@
 """The figure of `dpfleet compare`: held-out accuracy and eps per round, one line per run, and
 each finished run's wall time. Drawn from the records the runs committed (metrics.jsonl), with
-the headless Agg backend, so it works over SSH and in CI."""
+the headless Agg backend, so it works over SSH and in CI.
+
+Why the plot carries a mark (`MARK`, in the file's metadata): `--plot PATH` replaces PATH, and a
+PATH may be anyone's file (a figure of a paper, a run's own accuracy.png). A file is replaced
+only if an earlier compare drew it; the new one is written atomically, so a failure leaves the
+old file, never half a plot."""
 
 from __future__ import annotations
 
@@ -9,14 +14,35 @@ from pathlib import Path
 
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.errors import DpfleetError
+from dpfleet.io import atomic_write
+
+MARK = "dpfleet compare"
+METADATA_KEY = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats, their key
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse `out` unless it is absent or a plot an earlier compare drew (it holds `MARK`)."""
+    if out.suffix.lower() not in METADATA_KEY:
+        raise DpfleetError(f"cannot write the plot {out}: its suffix must be .png, .pdf or .svg")
+    if (out.exists() or out.is_symlink()) and not (out.is_file() and MARK.encode() in out.read_bytes()):
+        raise DpfleetError(f"{out} exists and is not a plot of dpfleet compare: choose another "
+                           "--plot, or remove it yourself")
 
 
 def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
     """Write the three panels to `out` (its suffix picks the format: .png, .pdf, .svg)."""
+    out = Path(out)
+    check_replaceable(out)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    with matplotlib.rc_context({"text.parse_math": False}):  # labels are paths: `$` is no mathtext
+        return _draw(plt, records, labels, out)
+
+
+def _draw(plt: object, records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     fig, (acc, eps, wall) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=110)
@@ -48,9 +74,11 @@ def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) ->
             ax.legend(fontsize="small")
     wall.grid(alpha=0.3, axis="x")
     fig.tight_layout()
+    suffix = out.suffix.lower()
+    metadata = {METADATA_KEY[suffix]: MARK}
     try:
-        fig.savefig(out)
-    except (OSError, ValueError) as exc:  # unwritable, missing folder, unknown format
+        atomic_write(out, lambda fh: fig.savefig(fh, format=suffix[1:], metadata=metadata))
+    except (OSError, ValueError) as exc:  # unwritable, missing folder
         raise DpfleetError(f"cannot write the plot {out}: {getattr(exc, 'strerror', None) or exc}") \
             from None
     finally:

@@ -41,16 +41,17 @@ def differing_keys(records: Sequence[RunRecord]) -> list[str]:
 def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict:
     """One run's figures (the JSON form of a column); None where the run has no such figure."""
     s, p = record.summary or {}, record.privacy or {}
+    final = s.get("final", {})  # a summary without it (a hand-made one) has no final figures
     accuracy, perplexity = record.last("accuracy"), record.last("perplexity")
     eps = record.last("epsilon")
     flat = flatten(record.config)
     figures = {
         "run": label, "path": str(record.path), "finished": record.finished,
         "stopped_early": s.get("stopped_early"),
-        "accuracy": s["final"]["accuracy"] if s else accuracy and accuracy[1],
+        "accuracy": final.get("accuracy") if s else accuracy and accuracy[1],
         "accuracy_round": None if s or not accuracy else accuracy[0],
         "unigram_accuracy": s.get("unigram_baseline", {}).get("accuracy"),
-        "perplexity": s["final"]["perplexity"] if s else perplexity and perplexity[1],
+        "perplexity": final.get("perplexity") if s else perplexity and perplexity[1],
         # finished: privacy.json's (None where it is no guarantee); else the last round's so far
         "epsilon": p.get("epsilon") if record.finished else eps and eps[1],
         "epsilon_so_far": not record.finished,

@@ -18,7 +18,9 @@ from dpfleet.coordinator.accounting.planner import (
 )
 from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
+from dpfleet.coordinator.config import check_delta, round_minutes_error
 from dpfleet.coordinator.mechanisms.registry import names
+from dpfleet.coordinator.state.run_dir import check_not_a_run
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, check_writable, private_mkdir, removed_on_failure
 from dpfleet.jsonio import dumps
@@ -116,6 +118,11 @@ def plan(population: int, rounds: int, target_zcdp: float | None,
         raise DpfleetError("give exactly one of --target-zcdp and --target-epsilon")
     if out is not None:
         check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
+        check_not_a_run(Path(out), "--out")  # a planned run's plan.json is the plan it ran
+    if round_minutes is not None and (problem := round_minutes_error(round_minutes, "--round-minutes")):
+        raise DpfleetError(problem)
+    if delta is not None and population >= 1:
+        check_delta(delta, population, "--delta")
     if target_epsilon is not None:
         if delta is None:
             raise DpfleetError("--target-epsilon needs --delta")

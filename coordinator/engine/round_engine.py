@@ -32,7 +32,13 @@ from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields,
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.result_warnings import result_warnings
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
-from dpfleet.coordinator.config import SimulationConfig, clip_count_stddev, resolve_noise, round_size
+from dpfleet.coordinator.config import (
+    SimulationConfig,
+    check_delta,
+    clip_count_stddev,
+    resolve_noise,
+    round_size,
+)
 from dpfleet.coordinator.engine.adaptive_clipping import (
     QuantileClipEstimator,
     default_restart_rounds,
@@ -56,14 +62,18 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
-from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
+from dpfleet.coordinator.state.tensorboard_log import (
+    DEBUG_NONPRIVATE,
+    TENSORBOARD,
+    TensorBoardLog,
+    run_backlog,
+)
 from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
 from dpfleet.secagg.sums import AggregateResult
 
-DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
 DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 
@@ -166,6 +176,7 @@ class RoundEngine:
         self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary = vocabulary
         self.other_releases = other_releases if other_releases is not None else []
+        check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed, users=self.users)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
@@ -227,8 +238,8 @@ class RoundEngine:
         self._saved_at = self.start
         self._run_dir_points = releases is None  # not the state store's (it commits every round)
         # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
-        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
-                        if cfg.tensorboard else None)
+        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics),
+                                       in_run=True) if cfg.tensorboard else None)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:

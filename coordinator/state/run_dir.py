@@ -52,19 +52,48 @@ def to_toml(resolved: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the logs every run directory gets first (`RunDir`): what marks a folder as a run's
+RUN_LOGS = ("metrics.jsonl", "participation.jsonl", "releases.jsonl")
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` has a run directory's layout (`RUN_LOGS`), so dpfleet made it."""
+    return all((Path(path) / name).is_file() for name in RUN_LOGS)
+
+
+def check_not_a_run(path: Path, option: str) -> None:
+    """Refuse `path` as the folder of `option`'s output when it is, or is directly inside, a run
+    directory or a coordinator's state (a run's layout, or its config.json): a run's files (its
+    checkpoint/ too) are not another command's to add to or replace."""
+    from dpfleet.errors import DpfleetError
+
+    path = Path(path)
+    if any(is_run_dir(p) or (p / "config.json").is_file() for p in (path, path.absolute().parent)):
+        raise DpfleetError(f"{option} {path} is a run directory or inside one: give a folder of its own")
+
+
 class RunDir:
     def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
+        """`overwrite`: reuse a non-empty folder, only if it is a run directory (`is_run_dir`):
+        overwriting clears what a run leaves there, so a folder of someone's files is refused."""
+        from dpfleet.errors import DpfleetError
+
         self.path = Path(path)
         if resume:  # an interrupted run: its logs are kept (and truncated by `resume`)
             return
-        if self.path.exists() and any(self.path.iterdir()) and not overwrite:
-            from dpfleet.errors import DpfleetError
-
-            raise DpfleetError(
-                f"run directory {self.path} is not empty; pass --overwrite or choose another --out"
-            )
+        if self.path.exists() and not self.path.is_dir():
+            raise DpfleetError(f"run directory {self.path} is a file; choose another one")
+        if self.path.exists() and any(self.path.iterdir()):
+            if not overwrite:
+                raise DpfleetError(
+                    f"run directory {self.path} is not empty; choose another one, or overwrite it "
+                    "(--overwrite; overwrite=True in Python)")
+            if not is_run_dir(self.path):
+                raise DpfleetError(
+                    f"{self.path} is not a run directory (no {', '.join(RUN_LOGS)}): overwriting "
+                    "reuses only a run's folder, never one of other files; choose another one")
         private_mkdir(self.path)
-        for name in ("metrics.jsonl", "participation.jsonl", "releases.jsonl"):
+        for name in RUN_LOGS:
             atomic_write(self.path / name, "")
 
     def write_config(self, resolved: dict) -> None:

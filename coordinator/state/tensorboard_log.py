@@ -10,6 +10,11 @@ It always mirrors the records: an engine that opens a run (fresh, resumed, a res
 writes it anew from the records so far, then each round as it commits. `export` does the same for
 a finished run's metrics.jsonl (`dpfleet compare --tensorboard`). Writer: tensorboardX (about
 90 kB, no TensorFlow; the `tensorboard` extra), flushed after every round.
+
+Why a marker file (`MARKER`): rewriting means deleting the earlier events, and a folder named on
+the command line may be anything (`--tensorboard runs` once made `runs/<run>` the run itself).
+dpfleet writes the marker into every folder it creates and replaces only a folder holding it, and
+in it only its own event files; any other existing folder is refused in one line.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from dpfleet.errors import DpfleetError
 
 TENSORBOARD = "tensorboard"  # the folder in a run directory
+DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"  # a run's un-noised telemetry, only when it asked
 DEBUG_GROUP = "debug_nonprivate_NOT_DP"  # the tag group of un-noised telemetry (outside the guarantee)
 INSTALL = "pip install 'dpfleet[tensorboard]'"
+MARKER = ".dpfleet-tensorboard"  # in every folder dpfleet creates for events: it may replace them
+EVENTS = "events.out.tfevents.*"  # tensorboardX's event files, the only files replaced
 
 # a metrics record's key -> its tag group in TensorBoard (a key not listed goes to "round/")
 GROUPS = {
@@ -61,14 +68,15 @@ def scalars(record: Mapping, group: str | None = None) -> Iterator[tuple[str, fl
 class TensorBoardLog:
     """One run's TensorBoard folder, rewritten from `backlog` (the rounds so far) when opened."""
 
-    def __init__(self, folder: Path, backlog: Iterable[Mapping[str, Mapping]] = ()):
-        """`backlog`: each earlier round's logs, {"metrics": record, "debug_nonprivate": record}."""
+    def __init__(self, folder: Path, backlog: Iterable[Mapping[str, Mapping]] = (), *,
+                 in_run: bool = False):
+        """`backlog`: each earlier round's logs, {"metrics": record, "debug_nonprivate": record}.
+        `in_run`: `folder` is a run directory's own tensorboard/ (see `claim`)."""
         if not available():
             raise DpfleetError(f"tensorboard = true needs tensorboardX: {INSTALL}")
         from tensorboardX import SummaryWriter
 
-        self.folder = Path(folder)
-        shutil.rmtree(self.folder, ignore_errors=True)  # an earlier opening's (or overwritten run's)
+        self.folder = claim(Path(folder), in_run=in_run)  # an earlier opening's events: dropped
         self.writer = SummaryWriter(logdir=str(self.folder), flush_secs=3600)
         for logs in backlog:
             self._write(logs)
@@ -91,29 +99,51 @@ class TensorBoardLog:
         self.writer.close()
 
 
+def claim(folder: Path, *, in_run: bool = False) -> Path:
+    """`folder` ready for a fresh set of events: created with `MARKER`, or, if it exists and
+    holds the marker, emptied of its event files (nothing else in it is touched). Any other
+    existing path is refused: it is not dpfleet's to delete. `in_run`: the folder is a run
+    directory's tensorboard/, which an older dpfleet wrote without a marker; holding only event
+    files, it is adopted."""
+    events = sorted(folder.glob(EVENTS)) if folder.is_dir() else []
+    if folder.exists() or folder.is_symlink():
+        legacy = in_run and folder.is_dir() and all(p in events for p in folder.iterdir())
+        if not (folder.is_dir() and (folder / MARKER).is_file()) and not legacy:
+            raise DpfleetError(f"{folder} exists and is not a TensorBoard folder dpfleet wrote (no "
+                               f"{MARKER} in it): choose another folder, or remove it yourself")
+        for path in events:
+            path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).write_text("dpfleet writes TensorBoard events here and may replace them\n")
+    return folder
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """A JSON-lines log (metrics.jsonl); a missing file is empty, a torn last line is left out."""
+    """A JSON-lines log (metrics.jsonl); a missing file is empty, a torn last line is left out
+    (a line cut inside a character too); a line nested too deep to parse is one DpfleetError."""
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except RecursionError:
+            raise DpfleetError(f"{path}: a line nests too deep to be a run's record") from None
+        except ValueError:  # not JSON, not UTF-8
             break  # a killed append: nothing after it was committed
     return out
 
 
 def run_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
     """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines."""
-    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / "debug_nonprivate.jsonl")}
+    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / DEBUG_NONPRIVATE)}
     return [{"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
             for m in metrics]
 
 
 def export(run_path: Path, folder: Path) -> Path:
     """A run directory's metrics.jsonl (and debug_nonprivate.jsonl) as TensorBoard scalars in
-    `folder`, replaced if it exists."""
+    `folder`: a new folder, or one an earlier export made (`claim`; any other is refused)."""
     log = TensorBoardLog(folder, run_backlog(run_path, read_jsonl(Path(run_path) / "metrics.jsonl")))
     log.close()
     return Path(folder)
