@@ -85,7 +85,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     The devices' private keys live in --fleet-dir (never the current folder); rerunning the
     same command reuses them. Ctrl-C stops the workers and exits 130."""
     from dpfleet.coordinator.config import load_config
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
@@ -151,7 +151,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
         runner.stop()
         click.echo(f"\ninterrupted: the fleet stopped; rerun the same command to continue (the "
                    f"devices keep their keys in {fleet_keys})", err=True)
-        raise click.exceptions.Abort() from None
+        raise Interrupted() from None
     finally:
         if bar is not None:
             bar.close()
@@ -225,6 +225,7 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
     seconds) and exits 130; running the same command again continues the run.
     """
+    from dpfleet.errors import Interrupted
     from dpfleet.fleet.supervisor import FleetInterrupted, run_fleet
 
     try:
@@ -235,7 +236,7 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
         _status_line(stopped.status)
         click.echo(f"interrupted; continue with: dpfleet fleet run {config} --state {state} "
                    "(and the same options)", err=True)
-        raise click.exceptions.Abort() from None  # exit 130, as every command on Ctrl-C
+        raise Interrupted() from None  # exit 130, as every command on Ctrl-C
     _status_line(status)
 
 

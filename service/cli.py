@@ -56,7 +56,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     """
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
     from dpfleet.service.boot import check_secret_noise
@@ -87,7 +87,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
         again = "".join(f" --set {shlex.quote(s)}" for s in overrides)
         click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
                    f"{again}", err=True)
-        raise click.exceptions.Abort()  # exit 130, as every command on Ctrl-C
+        raise Interrupted()  # exit 130, as every command on Ctrl-C
 
 
 def with_rounds(cfg, rounds: int):
