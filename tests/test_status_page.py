@@ -166,3 +166,16 @@ def test_screenshot_in_headless_chromium(tmp_path):
     # what the browser drew is this page, with the run's numbers and no device id
     assert ">7<" in html and ">2.718<" in html
     assert not any(i in html for i in DEVICE_IDS)
+
+
+def test_phase_bars_have_unique_labels():
+    """The service's commit (the DP step) and SecAgg's commit phase are two bars: two labels."""
+    status = {**sample_status(), "phase_seconds": {p: 1.0 + i for i, p in enumerate(PHASES)}}
+    html = render(status, sample_history())
+    chart = html[html.index('aria-label="mean seconds per phase"'):]
+    chart = chart[:chart.index("</svg>")]
+    texts = re.findall(r'class="xl">([^<]*)</text>', chart)
+    labels = texts[1:-1:2]  # each bar: its value, then its label; last, the axis label
+    assert len(labels) == len(PHASES)
+    assert len(set(labels)) == len(labels), sorted(labels)
+    assert "commit" in labels and "SecAgg commit" in labels
