@@ -281,7 +281,7 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
     as subprocesses, show the rounds as they commit, and leave simulate's run directory in
     STATE (plus service.log), and the fleet's keys, registry and both console logs in
-    STATE_fleet/ beside it.
+    STATE_fleet/ beside it; a finished run ends with the result block `simulate` ends with.
 
     Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
     seconds) and exits 130; running the same command again continues the run.
@@ -299,6 +299,11 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
                    "(and the same options)", err=True)
         raise Interrupted() from None  # exit 130, as every command on Ctrl-C
     _status_line(status)
+    if (Path(state) / "summary.json").is_file():  # written when the run finished
+        from dpfleet.coordinator.cli.result_block import saved_result_lines
+
+        for line in saved_result_lines(state):  # the block `simulate` and `serve` end with
+            click.echo(line)
 
 
 def _status_line(status: dict) -> None:

@@ -262,3 +262,7 @@ def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
     gaps = [b - a for r in seen.values() for a, b in zip(r, r[1:], strict=False)]
     assert all(g > chosen["min_separation"] for g in gaps)
     assert 0 < json.loads((state / "privacy.json").read_text())["epsilon"] <= 8.0
+    from dpfleet.coordinator.cli.result_block import saved_result_lines
+
+    block = saved_result_lines(state)  # fleet run ends with the block simulate ends with
+    assert done.stdout.splitlines()[-len(block):] == block

@@ -14,6 +14,7 @@ from cli_helpers import run_here
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
+from dpfleet.coordinator.cli.result_block import saved_result_lines
 from dpfleet.coordinator.state.run_dir import to_toml
 
 SECRET = {"noise_seed": -1, "warn_epsilon": 0.5}  # serve's secret noise; eps above 0.5 warns
@@ -84,6 +85,8 @@ def test_serve_ends_with_the_result_block_of_simulate(served):
                             f"{privacy['delta']:g}") for x in out)
     assert f"noise                 {privacy['noise_mechanism']}" in out
     assert out[-1] == f"run directory         {state}"
+    # read back from the run's files (`fleet run`, whose coordinator is another process): the same
+    assert saved_result_lines(state) == out[1:]
 
 
 def test_a_busy_port_leaves_the_state_as_it_was(tmp_path):
