@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 from admin_standin import DEVICE_IDS, StandInCoordinator, sample_history, sample_status
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dpfleet.service.status_page import (
@@ -83,6 +83,9 @@ def test_device_ids_never_reach_the_page(ids):
     key a count map (device states, phase times) only an "other" bar appears, not the id."""
     status, history = sample_status(), sample_history()
     clean = render(status, history)
+    # an "id" that is a piece of the page's own markup ("#2a9d5", of a bar colour) is counted
+    # again with every bar an "other" adds: not a leak, and no id looks like that
+    assume(all(i not in clean for i in ids))
     assert render(*_planted(status, history, ids)) == clean
     for i in DEVICE_IDS:
         assert render(*_planted(status, history, [i])) == clean and i not in clean
