@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from dpfleet.errors import DpfleetError
+from dpfleet.errors import DpfleetError, Interrupted
 from dpfleet.io import hold_private_umask, release_private_umask
 
 # command name -> "module:attribute" of a click command or group
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: this command needs {top!r}: pip install 'dpfleet[{EXTRAS[top]}]'",
                    err=True)
         sys.exit(2)
+    except Interrupted:  # the command's own hint was the last line
+        sys.exit(130)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -37,7 +37,12 @@ def _start_hour(value: float | None) -> float:
 
 @fleet.command()
 @click.argument("config", type=click.Path(path_type=Path))
-@click.option("--coordinator", "url", required=True, help="The coordinator's URL (serve prints it).")
+@click.option("--coordinator", "url", default=None,
+              help="The coordinator's URL (serve prints it; default: the one in --state).")
+@click.option("--state", type=click.Path(path_type=Path), default=None,
+              help="The coordinator's state directory on this machine (`coordinator serve "
+                   "--state`): the URL, TLS certificate, plan.json, bundle_key.pub and vocabulary "
+                   "not given are taken from it.")
 @click.option("--devices", type=int, default=0, show_default=True, help=DEVICES_HELP)
 @click.option("--processes", type=int, default=2, show_default=True, help=PROCESSES_HELP)
 @click.option("--fleet-dir", type=click.Path(path_type=Path), default=None,
@@ -73,8 +78,9 @@ def _start_hour(value: float | None) -> float:
               help=BACKEND_HELP)
 @click.option("--address", default="", help=ADDRESS_HELP)
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Path | None,
-            fleet_keys: Path | None, registry: Path | None, coordinator_timeout: float | None,
+def emulate(config: Path, url: str | None, state: Path | None, devices: int, processes: int,
+            fleet_dir: Path | None, fleet_keys: Path | None, registry: Path | None,
+            coordinator_timeout: float | None,
             seed: int | None, vocabulary: Path | None, plan_file: Path | None, ca_file: Path | None,
             start_hour: float | None, summary: Path | None, bundle_key: Path | None,
             backend: str, address: str, progress: bool) -> None:
@@ -82,10 +88,15 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     until it says the run is done. A worker process (or Ray actor) that dies is restarted with
     its devices. A coordinator that stops answering stops the fleet (--coordinator-timeout).
 
+    What the devices need of the coordinator (its URL; with dp.target_epsilon its plan.json;
+    with [fleet] client = "bundle" its bundle_key.pub; with a DP word vocabulary its
+    vocabulary) comes from --state STATE on the same machine, or from the single flags; one
+    error names every one that is missing. The progress bar counts the rounds committed.
+
     The devices' private keys live in --fleet-dir (never the current folder); rerunning the
     same command reuses them. Ctrl-C stops the workers and exits 130."""
     from dpfleet.coordinator.config import load_config
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
@@ -98,6 +109,8 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     if timeout < 0:
         raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
     cfg = load_config(config)
+    url, ca_file, plan_file, bundle_key, vocabulary = from_coordinator(
+        cfg, state, url, ca_file, plan_file, bundle_key, vocabulary)
     follow_coordinator_plan(cfg, plan_file)
     for destination, folder in ((fleet_dir, True), (summary, False), (registry, False),
                                 (fleet_keys, False)):  # before any work: one line, at once
@@ -129,7 +142,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(ids), desc="devices done", unit="dev", dynamic_ncols=True)
+        bar = tqdm(total=None, desc="rounds committed", unit="round", dynamic_ncols=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     watch = CoordinatorWatch(url, str(ca_file) if ca_file else None, timeout)
     runner.start()
@@ -140,7 +153,8 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
                 break
             if bar is not None:
                 total = runner.total()
-                bar.n = total.get("done", 0)
+                if watch.rounds is not None:  # the coordinator's count: the run's progress
+                    bar.n, bar.total = watch.rounds
                 bar.set_postfix(assigned=total.get("assigned", 0), reported=total.get(
                     "reported", 0) + total.get("secagg_done", 0), dropped=total.get("dropped", 0),
                     refused=sum(v for k, v in total.items() if k.startswith("refused")), refresh=True)
@@ -151,7 +165,7 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
         runner.stop()
         click.echo(f"\ninterrupted: the fleet stopped; rerun the same command to continue (the "
                    f"devices keep their keys in {fleet_keys})", err=True)
-        raise click.exceptions.Abort() from None
+        raise Interrupted() from None
     finally:
         if bar is not None:
             bar.close()
@@ -167,6 +181,53 @@ def emulate(config: Path, url: str, devices: int, processes: int, fleet_dir: Pat
 
 
 FLEET_KEYS = "fleet_keys.json"
+
+
+def from_coordinator(cfg, state: Path | None, url: str | None, ca_file: Path | None,
+                     plan_file: Path | None, bundle_key: Path | None, vocabulary: Path | None
+                     ) -> tuple[str, Path | None, Path | None, Path | None, Path | None]:
+    """(url, ca_file, plan_file, bundle_key, vocabulary): what the config needs of its coordinator,
+    each the flag given, else taken from the coordinator's `state` directory (admin.json, plan.json,
+    bundle_key.pub, vocabulary/). One `DpfleetError` names every flag still missing, so a user
+    learns them all at once rather than one run at a time.
+
+    Why from the state folder and not a route: the bundle key must reach the devices out of band
+    (a coordinator that served its own key could sign any program), and an emulation runs on the
+    coordinator's machine anyway."""
+    from dpfleet.errors import DpfleetError
+    from dpfleet.fleet.emulate import needs_coordinator_vocabulary
+    from dpfleet.service.admin_client import target_from_state
+    from dpfleet.service.boot import PLAN_FILE
+    from dpfleet.service.run_bundle import PUBLIC_FILE
+    from dpfleet.service.server import ADMIN_FILE
+
+    if state is not None:
+        state = Path(state)
+        if url is None and (state / ADMIN_FILE).is_file():
+            target = target_from_state(state)
+            url, ca_file = target.url, ca_file or target.tls_cert
+        if plan_file is None and cfg.dp.target_epsilon > 0 and (state / PLAN_FILE).is_file():
+            plan_file = state / PLAN_FILE
+        if bundle_key is None and cfg.fleet.client == "bundle" and (state / PUBLIC_FILE).is_file():
+            bundle_key = state / PUBLIC_FILE
+        if vocabulary is None and needs_coordinator_vocabulary(cfg) and (state / "vocabulary").is_dir():
+            vocabulary = state / "vocabulary"
+    needed = [
+        (url is None, "--coordinator URL (the URL `coordinator serve` prints)"),
+        (plan_file is None and cfg.dp.target_epsilon > 0,
+         "--plan STATE/plan.json (dp.target_epsilon: the coordinator's plan of its first start)"),
+        (bundle_key is None and cfg.fleet.client == "bundle",
+         "--bundle-key STATE/bundle_key.pub ([fleet] client = 'bundle': the key devices pin)"),
+        (vocabulary is None and needs_coordinator_vocabulary(cfg),
+         "--vocabulary STATE/vocabulary (the coordinator's DP word vocabulary)"),
+    ]
+    missing = [flag for absent, flag in needed if absent]
+    if missing:
+        where = (f"{state} does not hold them (is `coordinator serve --state {state}` running?)"
+                 if state is not None else "or give --state STATE (the coordinator's state "
+                                           "directory) to take them from it")
+        raise DpfleetError(f"fleet emulate needs {'; '.join(missing)}; {where}")
+    return url, ca_file, plan_file, bundle_key, vocabulary
 
 
 def follow_coordinator_plan(cfg, plan_file: Path | None) -> None:
@@ -220,11 +281,12 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
     """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
     as subprocesses, show the rounds as they commit, and leave simulate's run directory in
     STATE (plus service.log), and the fleet's keys, registry and both console logs in
-    STATE_fleet/ beside it.
+    STATE_fleet/ beside it; a finished run ends with the result block `simulate` ends with.
 
     Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
     seconds) and exits 130; running the same command again continues the run.
     """
+    from dpfleet.errors import Interrupted
     from dpfleet.fleet.supervisor import FleetInterrupted, run_fleet
 
     try:
@@ -235,8 +297,13 @@ def run(config: Path, state: Path, devices: int, processes: int, rounds: int | N
         _status_line(stopped.status)
         click.echo(f"interrupted; continue with: dpfleet fleet run {config} --state {state} "
                    "(and the same options)", err=True)
-        raise click.exceptions.Abort() from None  # exit 130, as every command on Ctrl-C
+        raise Interrupted() from None  # exit 130, as every command on Ctrl-C
     _status_line(status)
+    if (Path(state) / "summary.json").is_file():  # written when the run finished
+        from dpfleet.coordinator.cli.result_block import saved_result_lines
+
+        for line in saved_result_lines(state):  # the block `simulate` and `serve` end with
+            click.echo(line)
 
 
 def _status_line(status: dict) -> None:

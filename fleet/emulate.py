@@ -79,9 +79,10 @@ def sigint_ignored():
 
 
 class CoordinatorWatch:
-    """Asks `GET /v1/public/status` at most once per `PROBE_EVERY_S`; `check()` raises one
-    `DpfleetError` line once the coordinator has not answered for `gone_after_s` seconds
-    (connection refused, reset, no answer in time). Any HTTP answer counts as alive (a busy
+    """Asks `GET /v1/public/status` at most once per `PROBE_EVERY_S` (its rounds committed and
+    planned, `rounds`, are the fleet's progress); `check()` raises one `DpfleetError` line once
+    the coordinator has not answered for `gone_after_s` seconds (connection refused, reset, no
+    answer in time). Any HTTP answer counts as alive (a busy
     coordinator's 503 too). A coordinator that said its run was finished and then went away
     is the normal end: `check()` returns True then."""
 
@@ -91,6 +92,7 @@ class CoordinatorWatch:
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.answered = False  # it answered at least once
         self.finished = False  # it said its run is finished
+        self.rounds: tuple[int, int] | None = None  # (committed, planned), as it last said
         self.failing_since: float | None = None
         self._next = 0.0
 
@@ -101,7 +103,11 @@ class CoordinatorWatch:
                                         context=self._ssl) as resp:
                 body = resp.read()
             with contextlib.suppress(ValueError, AttributeError):
-                self.finished |= json.loads(body).get("run_state") == "finished"
+                said = json.loads(body)
+                self.finished |= said.get("run_state") == "finished"
+                committed, planned = said.get("rounds_committed"), said.get("rounds_planned")
+                if isinstance(committed, int) and isinstance(planned, int):
+                    self.rounds = (committed, planned)
             return None
         except urllib.error.HTTPError:
             return None  # an answer: it is there
@@ -117,14 +123,17 @@ class CoordinatorWatch:
 
     def check(self) -> bool:
         """Probe when due; True when the coordinator finished its run and is gone; raises when it
-        is gone without finishing."""
+        is gone without finishing. With `gone_after_s` 0 it is probed only for `rounds` (the
+        fleet's progress bar) and never given up on."""
         now = self.clock()
-        if self.gone_after_s <= 0 or now < self._next:
+        if now < self._next:
             return False
         self._next = now + PROBE_EVERY_S
         why = self.probe()
         if why is None:
             self.answered, self.failing_since = True, None
+            return False
+        if self.gone_after_s <= 0:
             return False
         if self.failing_since is None:
             self.failing_since = now

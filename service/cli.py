@@ -52,11 +52,15 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     Devices register their Ed25519 identity key, check in, download the plan and model by
     hash, and report (plain) or run signed SecAgg; each round commits durably before its model
     is served. The run directory files of `simulate` (metrics, participation, privacy report,
-    checkpoint, plot) end up in STATE, next to service.log.
+    checkpoint, plot) end up in STATE, next to service.log. The console gets one line per
+    committed round (round k/N, devices, eps so far, accuracy when evaluated) and, at the end,
+    the result block `simulate` ends with: warnings, accuracy against the unigram baseline, eps.
+    The port is bound before STATE is touched: a busy port leaves STATE as it was.
     """
+    from dpfleet.coordinator.cli.result_block import result_lines
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
-    from dpfleet.errors import DpfleetError
+    from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
     from dpfleet.service.boot import check_secret_noise
@@ -80,14 +84,18 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
                              tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")
-    click.echo(f"noise: {noise_line(cfg)}")
-    if warning:
-        click.echo(warning)
+    if "outcome" in status:  # finished: the block `simulate` ends with (its warnings included)
+        for line in result_lines(**status["outcome"]):
+            click.echo(line)
+    else:
+        click.echo(f"noise: {noise_line(cfg)}")
+        if warning:
+            click.echo(warning)
     if status.get("stopped_by") == "SIGINT" and status["run_state"] != "finished":
         again = "".join(f" --set {shlex.quote(s)}" for s in overrides)
         click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
                    f"{again}", err=True)
-        raise click.exceptions.Abort()  # exit 130, as every command on Ctrl-C
+        raise Interrupted()  # exit 130, as every command on Ctrl-C
 
 
 def with_rounds(cfg, rounds: int):

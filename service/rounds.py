@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,8 +87,10 @@ class OpenRound:
 class RoundDriver:
     """The coordinator's rounds and the device API's logic (service/app.py maps HTTP onto it)."""
 
-    def __init__(self, booted: Booted, log: ServiceLog, registry: dict[str, bytes] | None = None):
+    def __init__(self, booted: Booted, log: ServiceLog, registry: dict[str, bytes] | None = None,
+                 say: Callable[[str], None] = lambda s: None):
         self.b, self.cfg, self.log = booted, booted.cfg, log
+        self.say = say  # the console: one line per committed or failed round (`round_line`)
         self.engine, self.store = booted.engine, booted.store
         self.svc = self.cfg.service
         self.registry = registry
@@ -117,6 +121,7 @@ class RoundDriver:
         self.started_at = time.time()
         self.finished = asyncio.Event()
         self.stopped_early: str | None = None
+        self.outcome: dict | None = None  # the finished run's result (`_finish`): serve prints it
         self.open_due: float | None = None  # monotonic: when the round being gathered could open
 
     # ------------------------------------------------------------------ device API
@@ -428,8 +433,6 @@ class RoundDriver:
         """The attempt's SecAgg setup; its terms bind the inputs' meaning, the model's hash and
         the plan every device shares (`round_terms`), exactly as each device recomputes them
         from what it downloaded (THREAT_MODEL.md, "Model consistency")."""
-        import json
-
         from dpfleet.secagg import round_terms
         from dpfleet.secagg.count_bit import input_length, terms_digest
         from dpfleet.secagg.encoding import Discretizer
@@ -553,6 +556,7 @@ class RoundDriver:
                              "secagg_server_s": cur.secagg_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
+        self.say(round_line(cur.number, self.cfg.rounds, record))
         self.held.wake(cur.positions)  # its participants wait to join the pool for the next round
         if inputs_in is not None:
             cur.critical["commit"] = time.monotonic() - inputs_in
@@ -569,6 +573,7 @@ class RoundDriver:
                              "epsilon": None, "accuracy": None, "loss": None,
                              "wall_s": time.monotonic() - cur.opened_at, "reason": reason})
         self.log.event("fail", round=cur.number, attempt=cur.attempt, reason=reason)
+        self.say(f"round {cur.number}/{self.cfg.rounds} failed (attempt {cur.attempt}): {reason}")
         self.held.wake(cur.positions)
 
     async def _finish(self) -> None:
@@ -579,6 +584,10 @@ class RoundDriver:
             self.store, self.engine, stopped_early=self.stopped_early,
             baseline=b.baseline, started=b.started,
             extra={"driver": "service", "rounds_failed": self.rounds_failed})
+        summary = json.loads((self.store.path / "summary.json").read_text())
+        self.outcome = {"final": final, "baseline": b.baseline, "privacy": privacy,
+                        "warnings": summary.get("warnings", []), "stopped_early": self.stopped_early,
+                        "run_dir": self.store.path}
         self.run_state = "finished"
         self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
                        stopped_early=self.stopped_early)
@@ -648,6 +657,17 @@ class RoundDriver:
         histogram = {str(k): int(v) for k, v in enumerate(counts) if v}
         return {"rounds": self.history, "participation_histogram": histogram,
                 "device_states": self.device_counts()}
+
+
+def round_line(number: int, planned: int, record: dict) -> str:
+    """The console's line for a committed round: its number of the planned, its devices, eps
+    spent so far (inf without noise: a null in the record), accuracy when it was evaluated."""
+    eps = record.get("epsilon")
+    line = (f"round {number}/{planned} committed: {record['clients']} devices, eps "
+            f"{'inf' if eps is None else format(eps, '.3f')} so far")
+    if record.get("accuracy") is not None:
+        line += f", accuracy {record['accuracy']:.4f}"
+    return line
 
 
 def allowed_waiting(guard: ParticipationGuard, waiting, round_idx: int) -> tuple[list[int], int]:

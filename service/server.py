@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,22 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     return ctx
 
 
+def bind(host: str, port: int, listen: str) -> socket.socket:
+    """The coordinator's socket, bound to HOST:PORT (port 0: a free one) before anything is
+    created or changed in STATE, so a busy port is one line that leaves no state behind (an
+    existing STATE exactly as it was). It listens only once the site starts: until the state is
+    booted a device's connection is refused, and its link retries."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise DpfleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+    return sock
+
+
 async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:0",
                 registry: dict[str, bytes] | None = None, tls_cert: Path | None = None,
                 tls_key: Path | None = None, poll_s: float = POLL_S, log=print) -> Running:
@@ -111,33 +128,27 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     ctx = tls_context(tls_cert, tls_key)
     host, port = parse_listen(listen, ctx is not None)
     check_exposure(host, registry)
+    sock = bind(host, port, listen)  # before STATE is touched: a busy port leaves it as it was
     hold_umask()  # the state's files (SQLite, its -wal and -shm, logs, rounds): 0600
     try:  # a state this start creates and cannot boot (a config its data refuses) is removed again
         with removed_on_failure(state):
             booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
             private_state(state)
     except BaseException:
+        sock.close()
         release_umask()
         raise
     if registry is None:
         log("registration is open: the first key to register a device id of this run claims it "
             "(loopback emulation only; off loopback serve needs --fleet-public)")
     service_log = ServiceLog(state / SERVICE_LOG)
-    driver = RoundDriver(booted, service_log, registry)
+    driver = RoundDriver(booted, service_log, registry, say=log)
     token = new_admin_token()
     runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None,
                            logger=HTTP_LOG)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ctx)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        booted.store.close()
-        service_log.close()
-        release_umask()
-        raise DpfleetError(f"cannot listen on {listen}: {exc}") from None
-    bound = runner.addresses[0][1]
+    await web.SockSite(runner, sock, ssl_context=ctx).start()
+    bound = sock.getsockname()[1]
     url = f"{'https' if ctx else 'http'}://{'[' + host + ']' if ':' in host else host}:{bound}"
     admin_file = state / ADMIN_FILE
     admin_file.unlink(missing_ok=True)
@@ -166,7 +177,8 @@ async def shutdown(running: Running) -> None:
 async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = None,
                 log=print, **kw) -> dict:
     """Run a coordinator until its run finishes or it is stopped; returns its last status
-    (with `stopped_by`: the signal's name, when SIGINT or SIGTERM stopped it)."""
+    (with `stopped_by`: the signal's name, when SIGINT or SIGTERM stopped it; `outcome`: a
+    finished run's result, which `result_lines` prints)."""
     running = await start(cfg, state, log=log, **kw)
     log(f"coordinator listening on {running.url} (admin token in {running.admin_file})")
     loop = asyncio.get_running_loop()
@@ -184,6 +196,8 @@ async def serve(cfg: SimulationConfig, state: Path, *, linger_s: float | None = 
             await asyncio.sleep(linger_s if linger_s is not None
                                 else 3 * cfg.service.checkin_retry_s + 1.0)
         status = running.driver.status() | ({"stopped_by": signals[0]} if signals else {})
+        if running.driver.outcome is not None:  # the finished run's result, for the console
+            status["outcome"] = running.driver.outcome
     finally:
         await shutdown(running)
     running.task.result()  # re-raise what stopped the driver, if anything

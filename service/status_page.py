@@ -138,6 +138,15 @@ def _line_chart(title: str, points: list[tuple[float, float]], color: str, yfmt:
     return "".join(parts) + "</svg>"
 
 
+def bar_label(name: str) -> str:
+    """A bar's label: a SecAgg phase without its "secagg_" prefix, unless the service has a phase
+    of that name (its "commit", the DP step, and SecAgg's commitment phase): "SecAgg commit"."""
+    short = name.removeprefix("secagg_")
+    if short != name and short in PHASES:
+        return f"SecAgg {short}"
+    return short
+
+
 def _bar_chart(title: str, bars: list[tuple[str, float]], color: str, xlabel: str,
                vfmt: str = "d", width: int = 540, height: int = 210) -> str:
     left, right, top, bottom = 56, 14, 30, 40
@@ -159,7 +168,7 @@ def _bar_chart(title: str, bars: list[tuple[str, float]], color: str, xlabel: st
                      f'<text x="{x + slot * 0.35:.1f}" y="{top + h - bh - 4:.1f}" class="xl">'
                      f'{_fmt(v, vfmt)}</text>'
                      f'<text x="{x + slot * 0.35:.1f}" y="{top + h + 15}" class="xl">'
-                     f'{escape(label.removeprefix("secagg_"))}</text>')
+                     f'{escape(bar_label(label))}</text>')
     parts.append(f'<text x="{left + w / 2}" y="{height - 4}" class="xl">{escape(xlabel)}</text>')
     return "".join(parts) + "</svg>"
 

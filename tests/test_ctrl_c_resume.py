@@ -214,5 +214,8 @@ def test_ctrl_c_before_the_first_release_keeps_nothing(tmp_path, config_file, ca
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(config_file), "--out", str(out), "--quiet"])
     assert exc.value.code == 130
-    assert "interrupted before anything was kept; run the same command again" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the hint is the last line: no stray `aborted` after it
+    assert err.splitlines()[-1] == "interrupted before anything was kept; run the same command again"
+    assert "aborted" not in err
     assert not out.exists()

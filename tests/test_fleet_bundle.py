@@ -200,7 +200,7 @@ def test_bundle_config_and_missing_key_are_one_clean_line(tmp_path):
                        "set client.runtime = 'onnx' or 'executorch'")
     cfg = bundle_toml(tmp_path)
     assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
-                       "needs --bundle-key FILE")
+                       "needs --bundle-key STATE/bundle_key.pub")
     bad = tmp_path / "bad.pub"
     bad.write_text("not a key")
     assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9",

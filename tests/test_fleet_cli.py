@@ -192,6 +192,43 @@ def test_emulate_of_a_planned_config_needs_the_coordinators_plan(tmp_path):
                        "target_epsilon 4.0 -> 8.0")
 
 
+def test_emulate_names_every_missing_flag_at_once_or_takes_them_from_state(tmp_path):
+    """A planned bundle config without --coordinator, --plan, --bundle-key: one line names all
+    three (and --state); with --state the URL, plan and key come from the coordinator's folder."""
+    from test_fleet_bundle import bundle_toml
+
+    from dpfleet.service.run_bundle import bundle_key
+
+    config = bundle_toml(tmp_path)
+    text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")
+    config.write_text(text.replace("[dp]\n", "[dp]\ntarget_epsilon = 8.0\n"))
+    line = run_here("fleet", "emulate", str(config), "--fleet-dir", str(tmp_path / "f"))
+    assert_clean_error(line, "fleet emulate needs --coordinator URL (the URL `coordinator serve` "
+                             "prints); --plan STATE/plan.json (")
+    for flag in ("--bundle-key STATE/bundle_key.pub", "or give --state STATE"):
+        assert flag in line.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_clean_error(run_here("fleet", "emulate", str(config), "--state", str(empty)),
+                       f"{empty} does not hold them")
+    state = tmp_path / "state"  # what `coordinator serve --state` leaves while it runs
+    state.mkdir()
+    (state / "admin.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "token": "t",
+                                                  "pid": 1, "tls_cert": None}))
+    (state / "plan.json").write_text(json.dumps({"target_epsilon": 4.0, "delta": 1e-6, "rounds": 3,
+                                                 "mechanism_choice": "tree"}))
+    bundle_key(state)  # bundle_key.pem and its public half, bundle_key.pub
+    assert_clean_error(run_here("fleet", "emulate", str(config), "--state", str(state),
+                                "--fleet-dir", str(tmp_path / "f")),
+                       "target_epsilon 4.0 -> 8.0")  # the state's plan.json was read
+    (tmp_path / "u").mkdir()
+    unplanned = bundle_toml(tmp_path / "u")
+    (state / "bundle_key.pub").write_text("not a key")
+    assert_clean_error(run_here("fleet", "emulate", str(unplanned), "--state", str(state),
+                                "--fleet-dir", str(tmp_path / "f")),
+                       "not an Ed25519 public key")  # the state's bundle_key.pub was read
+
+
 @pytest.mark.slow  # ~30-60 s: a coordinator and two spawned workers
 def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
     """dp.target_epsilon through `fleet run`: serve plans at boot (plan.json), the fleet follows
@@ -225,3 +262,7 @@ def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
     gaps = [b - a for r in seen.values() for a, b in zip(r, r[1:], strict=False)]
     assert all(g > chosen["min_separation"] for g in gaps)
     assert 0 < json.loads((state / "privacy.json").read_text())["epsilon"] <= 8.0
+    from dpfleet.coordinator.cli.result_block import saved_result_lines
+
+    block = saved_result_lines(state)  # fleet run ends with the block simulate ends with
+    assert done.stdout.splitlines()[-len(block):] == block

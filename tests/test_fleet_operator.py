@@ -168,6 +168,40 @@ def test_a_watch_that_saw_the_run_finish_ends_quietly(tmp_path):
     assert never.check() is False  # 0: waits for ever
 
 
+def test_the_watch_reads_the_rounds_the_fleets_bar_counts():
+    """The fleet's progress is the coordinator's rounds committed of planned (its public status),
+    read also with --coordinator-timeout 0 (which never gives up on it)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dpfleet.fleet.emulate import CoordinatorWatch
+
+    body = json.dumps({"run_state": "running", "rounds_committed": 4, "rounds_planned": 10}).encode()
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            assert self.path == "/v1/public/status"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Status) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            for timeout in (5.0, 0.0):
+                watch = CoordinatorWatch(f"http://127.0.0.1:{server.server_port}", gone_after_s=timeout)
+                assert watch.rounds is None
+                assert watch.check() is False
+                assert watch.rounds == (4, 10)
+        finally:
+            server.shutdown()
+
+
 # ------------------------------------------------------------------ 4. Ctrl-C exits 130
 
 

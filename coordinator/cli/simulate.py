@@ -52,6 +52,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     that point on fresh noise, and its weights and eps differ. A new run stopped or refused
     before its first release leaves no run directory.
     """
+    from dpfleet.coordinator.cli.result_block import result_lines
     from dpfleet.coordinator.config import load_config, parse_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, released_any, run
@@ -84,30 +85,9 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     with resume_hint(f"dpfleet simulate --resume {out}", kept=lambda: released_any(out)):
         result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
                      log=click.echo, pretrain=cli_pretrain())  # the Python API's own path
-    p = result.privacy
-    for line in p.get("caveats", []):  # first: a run that is not fully private says so (caveats.py)
-        click.echo(f"WARNING               {line}")
-    for line in result.warnings:  # then a result that means nothing (result_warnings.py)
-        click.echo(f"WARNING               {line}")
-    click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
-               f"{result.unigram_accuracy:.4f}")
-    click.echo(f"perplexity            model {result.perplexity:.1f}   unigram baseline "
-               f"{result.unigram_perplexity:.1f}")
-    mins = "n/a" if p["min_separation"] is None else p["min_separation"]
-    click.echo(
-        f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} "
-        f"({'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
-        f"zCDP {p['zcdp']:.4g}, noise multiplier {p['noise_multiplier']:g}, observed MinS {mins}, "
-        f"MaxP {p['max_participation']}; see privacy_report.md)"
-    )
-    click.echo(f"noise                 {p['noise_mechanism']}")
-    if "total_with_vocabulary" in p:
-        t = p["total_with_vocabulary"]
-        click.echo(f"with DP vocabulary    eps = {t['epsilon']:.2f} at delta = {t['delta']:.3g} "
-                   "(vocabulary + training; see privacy_report.md)")
-    if p.get("debug_nonprivate_file"):
-        click.echo("debug_nonprivate.jsonl holds un-noised client telemetry, outside the guarantee")
-    if result.stopped_early:
-        click.echo(f"stopped early         {result.stopped_early}")
-    click.echo(f"run directory         {result.run_dir}")
-
+    for line in result_lines(final={"accuracy": result.accuracy, "perplexity": result.perplexity},
+                             baseline={"accuracy": result.unigram_accuracy,
+                                       "perplexity": result.unigram_perplexity},
+                             privacy=result.privacy, warnings=result.warnings,
+                             stopped_early=result.stopped_early, run_dir=result.run_dir):
+        click.echo(line)

@@ -1,0 +1,63 @@
+"""The lines a finished run ends with on the console: `dpfleet simulate` and `dpfleet coordinator
+serve` print the same block, so a result below the unigram baseline, a run that is not fully
+private, or eps above the warning level is said where the user looks, not only in summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LABEL = 22  # the label column's width
+
+
+def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[str] | tuple[str, ...],
+                 stopped_early: str | None, run_dir: Path) -> list[str]:
+    """The result block of a finished run: caveats first (a run that is not fully private says
+    so, `caveats.py`), then the warnings of a result that means nothing (`result_warnings.py`),
+    accuracy and perplexity next to the unigram baseline, eps and the noise, where the run is."""
+    p = privacy
+    lines = [_row("WARNING", line) for line in p.get("caveats", [])]
+    lines += [_row("WARNING", line) for line in warnings]
+    lines.append(_row("next-token accuracy", f"model {_f(final['accuracy'], '.4f')}   unigram "
+                                             f"baseline {_f(baseline['accuracy'], '.4f')}"))
+    lines.append(_row("perplexity", f"model {_f(final['perplexity'], '.1f')}   unigram baseline "
+                                    f"{_f(baseline['perplexity'], '.1f')}"))
+    mins = "n/a" if p["min_separation"] is None else p["min_separation"]
+    lines.append(_row("privacy", (
+        f"eps = {_f(p['epsilon'], '.2f')} at delta = {p['delta']:g} "
+        f"({'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
+        f"zCDP {_f(p['zcdp'], '.4g')}, noise multiplier {_f(p['noise_multiplier'], 'g')}, "
+        f"observed MinS {mins}, MaxP {p['max_participation']}; see privacy_report.md)")))
+    lines.append(_row("noise", p["noise_mechanism"]))
+    if "total_with_vocabulary" in p:
+        t = p["total_with_vocabulary"]
+        lines.append(_row("with DP vocabulary", f"eps = {_f(t['epsilon'], '.2f')} at delta = "
+                                                f"{t['delta']:.3g} (vocabulary + training; see "
+                                                "privacy_report.md)"))
+    if p.get("debug_nonprivate_file"):
+        lines.append("debug_nonprivate.jsonl holds un-noised client telemetry, outside the guarantee")
+    if stopped_early:
+        lines.append(_row("stopped early", stopped_early))
+    lines.append(_row("run directory", str(run_dir)))
+    return lines
+
+
+def saved_result_lines(run_dir: Path) -> list[str]:
+    """`result_lines` of a finished run read back from its summary.json and privacy.json: for
+    `fleet run`, whose coordinator ran in another process."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return result_lines(final=summary["final"], baseline=summary["unigram_baseline"],
+                        privacy=json.loads((run_dir / "privacy.json").read_text()),
+                        warnings=summary.get("warnings", []),
+                        stopped_early=summary.get("stopped_early"), run_dir=run_dir)
+
+
+def _f(value: float | None, spec: str) -> str:
+    """A figure; None is how the run's JSON writes a non-finite one (eps without noise: inf)."""
+    return "inf" if value is None else format(value, spec)
+
+
+def _row(label: str, text: str) -> str:
+    return f"{label:<{LABEL}}{text}"
