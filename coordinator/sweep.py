@@ -205,9 +205,10 @@ def render_summary(summary: dict) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], "", note])
 
 
-def plot_summary(summary: dict, out: Path) -> Path:
+def plot_summary(summary: dict, out: Path, metadata: dict | None = None) -> Path:
     """Final accuracy (mean, 95% interval) against the first swept key, one line per value of the
-    other keys, with the unigram baseline: where a reader would rather look than read."""
+    other keys, with the unigram baseline: where a reader would rather look than read. Written
+    atomically; `out`'s suffix picks the format, `metadata` goes into the file."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +241,8 @@ def plot_summary(summary: dict, out: Path) -> Path:
     for text in ax.legend().get_texts():  # values are text, never mathtext ("$" in a value)
         text.set_parse_math(False)
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        atomic_write(out, lambda fh: fig.savefig(fh, format=Path(out).suffix[1:] or "png", metadata=metadata))
+    finally:
+        plt.close(fig)
     return out

@@ -153,8 +153,8 @@ def test_a_runs_warnings_and_caveats_are_named_in_the_table():
                        summary=summary, privacy={"epsilon": 55.0, "delta": 1e-6})
     older = RunRecord(path="o", config={"rounds": 3}, metrics=[],
                       summary={k: v for k, v in summary.items() if k != "warnings"}, privacy={})
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in
-                                              render(comparison([record, older], ["r", "o"]), width=200).splitlines())}
+    table = render(comparison([record, older], ["r", "o"]), width=200)
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", ln.strip()) for ln in table.splitlines())}
     assert rows["warnings"] == ["below the unigram baseline; eps above dp.warn_epsilon", "-"]
     assert rows["fully private"] == ["NO (2 caveats)", "NO (2 caveats)"]
     assert rows["eps"] == ["55.00 at delta 1e-06", "none (see caveats)"]

@@ -107,3 +107,18 @@ def test_another_sweep_or_a_users_folder_is_refused(reference, tmp_path):
     refused = sweep(mine)
     assert "is not a sweep's folder" in str(refused.exception)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_compare_of_a_sweep_shows_each_point_with_its_interval(reference, tmp_path):
+    out, _ = reference
+    shown = CliRunner().invoke(cli, ["compare", str(out), "--json", "--plot", str(tmp_path / "s.png")])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.output[: shown.output.rindex("}") + 1])
+    assert summary == json.loads(json.dumps(summarize(out)))
+    assert [p["finished"] for p in summary["points"]] == [1, 1]
+    assert (tmp_path / "s.png").stat().st_size > 0
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"a user's figure")
+    refused = CliRunner().invoke(cli, ["compare", str(out), "--plot", str(mine)])
+    assert "is not a plot of dpfleet compare" in str(refused.exception)
+    assert mine.read_bytes() == b"a user's figure"

@@ -25,6 +25,8 @@ def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
     """Compare runs: accuracy, eps, wall time and the config keys that differ.
 
     Each RUN_DIR is a run directory of `simulate` or `audit` (or a coordinator's --state). A
+    sweep's folder (`dpfleet sweep`), given alone, shows each grid point's final accuracy, eps and
+    perplexity as mean and 95% interval over its seeds, and plots the accuracy against the key. A
     finished run shows its summary.json and privacy.json figures: held-out accuracy against the
     unigram baseline, perplexity, eps at delta, rounds, wall time, noise, whether it is fully
     private. An unfinished run (interrupted, or still running) shows what it committed so far: the
@@ -42,8 +44,12 @@ def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
     """
     from dpfleet.coordinator.cli.compare_table import comparison, render
     from dpfleet.coordinator.state.run_record import read_run
+    from dpfleet.coordinator.sweep import SWEEP_FILE
     from dpfleet.jsonio import dumps
 
+    if len(runs) == 1 and (runs[0] / SWEEP_FILE).is_file():
+        compare_sweep(runs[0], plot, no_plot, as_json, tensorboard)
+        return
     records = [read_run(path) for path in runs]
     labels = [str(path) for path in runs]
     result = comparison(records, labels)
@@ -56,6 +62,25 @@ def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
         for folder in export_tensorboard(runs, tensorboard):
             click.echo(f"tensorboard: {folder}", err=as_json)
         click.echo(f"view with: tensorboard --logdir {tensorboard}", err=as_json)
+
+
+def compare_sweep(folder: Path, plot: Path, no_plot: bool, as_json: bool, tensorboard: Path | None) -> None:
+    """A sweep's folder (`dpfleet sweep`): each grid point's final figures as mean and 95%
+    interval over its seeds, and the plot of the final accuracy against the first swept key."""
+    from dpfleet.coordinator.cli.compare_plot import MARK, METADATA_KEY, check_replaceable
+    from dpfleet.coordinator.sweep import plot_summary, read_sweep, render_summary, summarize
+    from dpfleet.jsonio import dumps
+
+    summary = summarize(folder)
+    click.echo(dumps(summary, indent=2) if as_json else render_summary(summary))
+    if not no_plot:
+        check_replaceable(plot)
+        metadata = {METADATA_KEY[plot.suffix.lower()]: MARK}
+        click.echo(f"plot: {plot_summary(summary, plot, metadata)}", err=as_json)
+    if tensorboard is not None:
+        runs = tuple(folder / r.name for r in read_sweep(folder)["runs"] if (folder / r.name).is_dir())
+        for out in export_tensorboard(runs, tensorboard):
+            click.echo(f"tensorboard: {out}", err=as_json)
 
 
 def export_tensorboard(runs: tuple[Path, ...], out: Path) -> list[Path]:
