@@ -103,7 +103,7 @@ def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None,
     and tokenizer): the same per-user split and rows either way."""
     if records is None:
         path = Path(cfg.data.path) if cfg.data.path else None
-        records = load_records(cfg.data.dataset, "train", path)
+        records = load_records(cfg.data.dataset, cfg.data.split, path, cfg.data.feature)
     if tokenizer is None:
         by_user = group_by_user(records)
         train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
