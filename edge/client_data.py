@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,21 +99,67 @@ def build_federated(
         train_users = train_users[:max_clients]
 
     def make(user: str) -> ClientData | None:
-        rows = to_rows((tokenizer.encode(t) for t in by_user[user]), seq_len)
-        if len(rows) == 0:
-            return None
-        if len(rows) > max_examples:
-            keep = np.random.default_rng(_stable_seed(seed, "cap", user)).choice(
-                len(rows), max_examples, replace=False
-            )
-            rows = rows[np.sort(keep)]
-        return ClientData(user, rows)
+        return make_client(user, by_user[user], tokenizer, seq_len, max_examples, seed)
 
     train = [c for u in train_users if (c := make(u)) is not None]
     test = [c for u in test_users if (c := make(u)) is not None]
     if not train:
         raise DpfleetError("no training clients with any text")
     return FederatedData(train, test, seq_len)
+
+
+def make_client(user: str, texts: Iterable[str], tokenizer: Tokenizer, seq_len: int,
+                max_examples: int, seed: int) -> ClientData | None:
+    """One user's rows, capped at `max_examples` by a seeded choice (None: no text)."""
+    rows = to_rows((tokenizer.encode(t) for t in texts), seq_len)
+    if len(rows) == 0:
+        return None
+    if len(rows) > max_examples:
+        keep = np.random.default_rng(_stable_seed(seed, "cap", user)).choice(
+            len(rows), max_examples, replace=False
+        )
+        rows = rows[np.sort(keep)]
+    return ClientData(user, rows)
+
+
+def stream_federated(
+    clients: Callable[[], Iterable[tuple[str, list[str]]]],
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int = 20,
+    max_examples: int = 256,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+    max_clients: int | None = None,
+) -> tuple[Iterator[ClientData], list[ClientData]]:
+    """`build_federated` for a file too large to hold: (the training clients, made one at a time
+    as the returned iterator is read, e.g. by `client_store.write_store`; the held-out clients).
+
+    `clients()` opens a fresh pass over (user, texts) one user at a time (`data_files.iter_clients`);
+    it is read twice: once for the user ids the seeded split needs, once for the text. The same
+    users, rows and split as `build_federated` on the same records, in the file's client order
+    (sorted by id for TFF's files, as `build_federated`'s). Held-out clients are kept in memory:
+    `test_fraction` of the users, and evaluation reads their rows anyway; the list fills as the
+    iterator is read and is complete once it is exhausted."""
+    if seq_len < 1 or max_examples < 1:
+        raise DpfleetError("data.seq_len and data.max_examples must be positive")
+    train_users, test_users = split_users([u for u, _ in clients()], test_fraction, seed)
+    if len(set(train_users + test_users)) != len(train_users) + len(test_users):
+        raise DpfleetError("a user's records are not together in the file; streaming needs each "
+                           "user's records in one run (sort the file by user)")
+    train, test = set(train_users[:max_clients] if max_clients else train_users), set(test_users)
+    held_out: list[ClientData] = []
+
+    def trained() -> Iterator[ClientData]:
+        for user, texts in clients():
+            if user in train or user in test:
+                client = make_client(user, texts, tokenizer, seq_len, max_examples, seed)
+                if client is not None and user in test:
+                    held_out.append(client)
+                elif client is not None:
+                    yield client
+
+    return trained(), held_out
 
 
 def describe(data: FederatedData) -> dict:

@@ -13,8 +13,11 @@ import pytest
 from google.protobuf import descriptor_pb2, message_factory
 
 from dpfleet.edge import data_files
+from dpfleet.edge.client_data import build_federated, stream_federated
+from dpfleet.edge.client_store import write_store
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.tf_example import ExampleError, parse_example
+from dpfleet.edge.tokenizer import WordTokenizer
 from dpfleet.errors import DpfleetError
 from tests.cli_helpers import run_here
 
@@ -266,25 +269,65 @@ def test_inspect_summarises_users_examples_and_token_percentiles(tmp_path):
     assert text[2].split() == ["examples", "2", "3", "3", "10"]
 
 
-def test_reading_a_file_of_many_clients_holds_one_client_at_a_time(tmp_path):
-    db = tmp_path / "many.sqlite"
-    n_clients, per_client, words = 600, 4, 60
-    write_tff_sqlite(db, {f"{i:06d}": [{"tokens": " ".join(["word"] * words) + f" {i} {k}"}
-                                       for k in range(per_client)] for i in range(n_clients)},
+N_CLIENTS, PER_CLIENT, WORDS = 600, 4, 30
+ONE_CLIENT = PER_CLIENT * WORDS * 5  # bytes of one client's text, about
+
+
+@pytest.fixture(scope="module")
+def many_clients(tmp_path_factory):
+    """A TFF SQLite file of 600 clients (4 examples of 30 words each), written once."""
+    db = tmp_path_factory.mktemp("many") / "many.sqlite"
+    write_tff_sqlite(db, {f"{i:06d}": [{"tokens": " ".join(["word"] * WORDS) + f" {i % 7} {k}"}
+                                       for k in range(PER_CLIENT)] for i in range(N_CLIENTS)},
                      split="train")
-    one_client = per_client * words * 5
+    return db
+
+
+def test_reading_a_file_of_many_clients_holds_one_client_at_a_time(many_clients):
     tracemalloc.start()
     try:
         clients = 0
-        for _, texts in data_files.iter_clients(db, "tff_sqlite", "train"):
-            clients += len(texts) == per_client
+        for _, texts in data_files.iter_clients(many_clients, "tff_sqlite", "train"):
+            clients += len(texts) == PER_CLIENT
         streamed_peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
-        whole = load_records("tff_sqlite", "train", db)
+        whole = load_records("tff_sqlite", "train", many_clients)
         whole_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert clients == n_clients and len(whole) == n_clients * per_client
+    assert clients == N_CLIENTS and len(whole) == N_CLIENTS * PER_CLIENT
     # the whole file's records take > 600 clients' worth; streaming stays within a few clients
-    assert whole_peak > 100 * one_client
-    assert streamed_peak < 20 * one_client, (streamed_peak, one_client)
+    assert whole_peak > 100 * ONE_CLIENT
+    assert streamed_peak < 20 * ONE_CLIENT, (streamed_peak, ONE_CLIENT)
+
+
+def test_population_built_from_a_file_streams_into_the_store_and_equals_the_lists(many_clients, tmp_path):
+    tokenizer = WordTokenizer(["word", *map(str, range(7))])
+    settings = {"seq_len": 20, "max_examples": 8, "test_fraction": 0.1, "seed": 3}
+
+    def streamed(db, cache):
+        train, held_out = stream_federated(
+            lambda: data_files.iter_clients(db, "tff_sqlite", "train"), tokenizer, **settings)
+        return write_store(train, tokenizer.vocab_size, cache, "tff_sqlite", chunk_rows=100), held_out
+
+    small = tmp_path / "small.sqlite"  # a first call's one-off costs (numpy.random's lazy import
+    # when a client is capped: ~0.5 MB) are not data, so they are paid here first
+    write_tff_sqlite(small, {f"u{i}": [{"tokens": "word 1 2"}] * (i + 1) for i in range(20)}, split="train")
+    streamed(small, tmp_path / "warm")
+    tracemalloc.start()
+    try:
+        store, held_out = streamed(many_clients, tmp_path / "cache")
+        stream_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        lists = build_federated(load_records("tff_sqlite", "train", many_clients), tokenizer, **settings)
+        lists_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Held on purpose: the 600 user ids and the 60 held-out clients (about 1 kB each). The 540
+    # training clients' text and rows (the lists' peak, about 1.5 MB; streamed about 0.18 MB) are
+    # never held together.
+    assert lists_peak > 1_000_000 and stream_peak < 300_000, (stream_peak, lists_peak)
+    assert store.users == [c.user for c in lists.train] and len(store) == 540
+    assert all((store.examples(i) == c.examples).all() for i, c in enumerate(lists.train))
+    assert [c.user for c in held_out] == [c.user for c in lists.test]
+    assert all((a.examples == b.examples).all() for a, b in zip(held_out, lists.test, strict=True))
