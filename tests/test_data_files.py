@@ -331,3 +331,28 @@ def test_population_built_from_a_file_streams_into_the_store_and_equals_the_list
     assert all((store.examples(i) == c.examples).all() for i, c in enumerate(lists.train))
     assert [c.user for c in held_out] == [c.user for c in lists.test]
     assert all((a.examples == b.examples).all() for a, b in zip(held_out, lists.test, strict=True))
+
+
+def test_a_run_streams_a_tff_file_into_the_same_population_as_the_lists(tmp_path, monkeypatch):
+    from dpfleet.coordinator.config import parse_config
+    from dpfleet.coordinator.engine import population, simulation
+    from dpfleet.coordinator.engine.population import open_population
+
+    db = tmp_path / "so.sqlite"
+    write_tff_sqlite(db, {f"{i:04d}": stackoverflow(f"{i:04d}", 1 + i % 5) for i in range(40)}, split="train")
+    WordTokenizer(["post", "of", "?", *(f"{i:04d}" for i in range(40))]).save(tmp_path / "tok")
+    cfg = parse_config({"data": {"dataset": "tff_sqlite", "path": str(db), "seq_len": 4, "max_examples": 2,
+                                 "test_fraction": 0.2},
+                        "tokenizer": {"path": str(tmp_path / "tok")}})
+    tokenizer, lists = simulation.prepare_data(cfg, tmp_path / "vocab")
+    by_lists = open_population(cfg, lists.train, tokenizer.vocab_size, cache=tmp_path / "lists")
+
+    def no_lists(*args, **kwargs):
+        raise AssertionError("the list path read the file")
+
+    monkeypatch.setattr(simulation, "load_records", no_lists)
+    monkeypatch.setattr(population, "population_cache", lambda: tmp_path / "streamed")
+    _, data, streamed = simulation._load_clients(cfg, tmp_path / "vocab", None, None, None)
+    assert streamed.users == by_lists.users and len(streamed) == 32
+    assert (streamed.rows[:] == by_lists.rows[:]).all() and (streamed.offsets[:] == by_lists.offsets[:]).all()
+    assert data.train == [] and [c.user for c in data.test] == [c.user for c in lists.test]
