@@ -90,19 +90,11 @@ def build_federated(
     seed: int = 0,
     max_clients: int | None = None,
 ) -> FederatedData:
-    """Per-user example arrays with whole users held out for test."""
-    if seq_len < 1 or max_examples < 1:
-        raise DpfleetError("data.seq_len and data.max_examples must be positive")
+    """Per-user example arrays with whole users held out for test (users in sorted order)."""
     by_user = group_by_user(records)
-    train_users, test_users = split_users(list(by_user), test_fraction, seed)
-    if max_clients:
-        train_users = train_users[:max_clients]
-
-    def make(user: str) -> ClientData | None:
-        return make_client(user, by_user[user], tokenizer, seq_len, max_examples, seed)
-
-    train = [c for u in train_users if (c := make(u)) is not None]
-    test = [c for u in test_users if (c := make(u)) is not None]
+    train, test = stream_federated(lambda: ((u, by_user[u]) for u in sorted(by_user)), tokenizer,
+                                   (seq_len, max_examples, test_fraction, seed, max_clients))
+    train = list(train)  # held-out clients are complete once it is read
     if not train:
         raise DpfleetError("no training clients with any text")
     return FederatedData(train, test, seq_len)
@@ -122,16 +114,9 @@ def make_client(user: str, texts: Iterable[str], tokenizer: Tokenizer, seq_len: 
     return ClientData(user, rows)
 
 
-def stream_federated(
-    clients: Callable[[], Iterable[tuple[str, list[str]]]],
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int = 20,
-    max_examples: int = 256,
-    test_fraction: float = 0.1,
-    seed: int = 0,
-    max_clients: int | None = None,
-) -> tuple[Iterator[ClientData], list[ClientData]]:
+def stream_federated(clients: Callable[[], Iterable[tuple[str, list[str]]]], tokenizer: Tokenizer,
+                     cut: tuple[int, int, float, int, int | None]
+                     ) -> tuple[Iterator[ClientData], list[ClientData]]:
     """`build_federated` for a file too large to hold: (the training clients, made one at a time
     as the returned iterator is read, e.g. by `client_store.write_store`; the held-out clients).
 
@@ -140,7 +125,9 @@ def stream_federated(
     users, rows and split as `build_federated` on the same records, in the file's client order
     (sorted by id for TFF's files, as `build_federated`'s). Held-out clients are kept in memory:
     `test_fraction` of the users, and evaluation reads their rows anyway; the list fills as the
-    iterator is read and is complete once it is exhausted."""
+    iterator is read and is complete once it is exhausted. `cut` is (seq_len, max_examples,
+    test_fraction, seed, max_clients or None), as `build_federated` takes them."""
+    seq_len, max_examples, test_fraction, seed, max_clients = cut
     if seq_len < 1 or max_examples < 1:
         raise DpfleetError("data.seq_len and data.max_examples must be positive")
     train_users, test_users = split_users([u for u, _ in clients()], test_fraction, seed)

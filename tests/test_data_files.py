@@ -303,11 +303,11 @@ def test_reading_a_file_of_many_clients_holds_one_client_at_a_time(many_clients)
 
 def test_population_built_from_a_file_streams_into_the_store_and_equals_the_lists(many_clients, tmp_path):
     tokenizer = WordTokenizer(["word", *map(str, range(7))])
-    settings = {"seq_len": 20, "max_examples": 8, "test_fraction": 0.1, "seed": 3}
+    settings = {"seq_len": 20, "max_examples": 8, "test_fraction": 0.1, "seed": 3, "max_clients": None}
 
     def streamed(db, cache):
         train, held_out = stream_federated(
-            lambda: data_files.iter_clients(db, "tff_sqlite", "train"), tokenizer, **settings)
+            lambda: data_files.iter_clients(db, "tff_sqlite", "train"), tokenizer, tuple(settings.values()))
         return write_store(train, tokenizer.vocab_size, cache, "tff_sqlite", chunk_rows=100), held_out
 
     small = tmp_path / "small.sqlite"  # a first call's one-off costs (numpy.random's lazy import

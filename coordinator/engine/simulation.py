@@ -288,8 +288,7 @@ def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
     tokenizer = make_tokenizer(cfg, [], vocabulary_folder)
     train, held_out = stream_federated(
         lambda: iter_clients(Path(d.path), d.dataset, d.split, d.feature), tokenizer,
-        seq_len=d.seq_len, max_examples=d.max_examples, test_fraction=d.test_fraction, seed=cfg.seed,
-        max_clients=d.max_clients or None)
+        (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None))
     population = open_population(cfg, train, tokenizer.vocab_size)  # reads `train` to its end
     data = FederatedData([], held_out, d.seq_len)
     if model is not None:
