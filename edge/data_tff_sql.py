@@ -53,10 +53,11 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def splits(path: Path) -> list[str]:
-    """The split names the file's examples carry (TFF's StackOverflow: train, heldout, test)."""
+    """The split names of the file (TFF's StackOverflow: train, heldout, test), from the small
+    `client_metadata` table TFF writes beside every client, not a scan of the examples."""
     con = _connect(Path(path))
     try:
-        return sorted(r[0] for r in con.execute("SELECT DISTINCT split_name FROM examples"))
+        return sorted(r[0] for r in con.execute("SELECT DISTINCT split_name FROM client_metadata"))
     except sqlite3.DatabaseError as exc:
         raise DpfleetError(f"{path}: not a readable SQLite database ({exc})") from exc
     finally:
@@ -73,7 +74,7 @@ def iter_clients(path: Path, split: str = "train",
     if split and split not in (names := splits(path)):
         con.close()
         raise DpfleetError(f"{path}: no split {split!r}; the file has {', '.join(names) or 'no examples'} "
-                           "(set data.split)")
+                           "(data.split, or --split)")
     query = "SELECT rowid, client_id, serialized_example_proto FROM examples"
     query += " WHERE split_name = ?" if split else ""
     query += " ORDER BY client_id, rowid"

@@ -132,7 +132,7 @@ def test_tff_sqlite_shakespeare_snippets_written_with_tffs_default_split(tmp_pat
     write_tff_sqlite(db, plays)  # save_to_sql_client_data writes split_name 'N/A'
     assert dict(data_files.iter_clients(db, split="N/A")) == {
         u: [e["snippets"] for e in ex] for u, ex in plays.items()}
-    with pytest.raises(DpfleetError, match=r"no split 'train'; the file has N/A \(set data.split\)"):
+    with pytest.raises(DpfleetError, match=r"no split 'train'; the file has N/A \(data.split, or --split\)"):
         list(data_files.iter_clients(db, split="train"))
 
 
@@ -209,6 +209,7 @@ def leaf_shakespeare(lines_by_user: dict[str, list[str]], seq_length: int = 80) 
 
 
 def test_leaf_shakespeare_windows_join_back_into_lines_and_sent140_keeps_text(tmp_path):
+    pytest.importorskip("ijson")
     speeches = {"THE_TEMPEST_MIRANDA": ["If by your art, my dearest father, you have\n",
                                         "Put the wild waters in this roar, allay them.\n"],
                 "HAMLET_HORATIO": ["Well, sit we down,\n"]}
