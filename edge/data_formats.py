@@ -25,7 +25,7 @@ def pick_feature(names: list[str] | tuple[str, ...], feature: str, where: str) -
         if name in names:
             return name
     raise DpfleetError(f"{where}: expected a text feature ({', '.join(TEXT_FEATURES)}), found "
-                       f"{', '.join(sorted(names)) or 'none'} (set data.feature)")
+                       f"{', '.join(sorted(names)) or 'none'} (data.feature, or --feature)")
 
 
 def decode_text(value: object, name: str, where: str) -> str:
