@@ -115,13 +115,15 @@ def make_client(user: str, texts: Iterable[str], tokenizer: Tokenizer, seq_len: 
 
 
 def stream_federated(clients: Callable[[], Iterable[tuple[str, list[str]]]], tokenizer: Tokenizer,
-                     cut: tuple[int, int, float, int, int | None]
+                     cut: tuple[int, int, float, int, int | None], users: Sequence[str] | None = None
                      ) -> tuple[Iterator[ClientData], list[ClientData]]:
     """`build_federated` for a file too large to hold: (the training clients, made one at a time
     as the returned iterator is read, e.g. by `client_store.write_store`; the held-out clients).
 
-    `clients()` opens a fresh pass over (user, texts) one user at a time (`data_files.iter_clients`);
-    it is read twice: once for the user ids the seeded split needs, once for the text. The same
+    `clients()` opens a fresh pass over (user, texts) one user at a time (`data_files.iter_clients`).
+    The seeded split needs every user id first: `users` (the file's index of them,
+    `data_files.client_ids`), else a first pass of `clients()`; a client the index does not list
+    is an error. The same
     users, rows and split as `build_federated` on the same records, in the file's client order
     (sorted by id for TFF's files, as `build_federated`'s). Held-out clients are kept in memory:
     `test_fraction` of the users, and evaluation reads their rows anyway; the list fills as the
@@ -130,15 +132,21 @@ def stream_federated(clients: Callable[[], Iterable[tuple[str, list[str]]]], tok
     seq_len, max_examples, test_fraction, seed, max_clients = cut
     if seq_len < 1 or max_examples < 1:
         raise DpfleetError("data.seq_len and data.max_examples must be positive")
-    train_users, test_users = split_users([u for u, _ in clients()], test_fraction, seed)
+    listed = users is not None
+    users = list(users) if listed else [u for u, _ in clients()]
+    train_users, test_users = split_users(users, test_fraction, seed)
     if len(set(train_users + test_users)) != len(train_users) + len(test_users):
         raise DpfleetError("a user's records are not together in the file; streaming needs each "
                            "user's records in one run (sort the file by user)")
     train, test = set(train_users[:max_clients] if max_clients else train_users), set(test_users)
+    known = set(users) if listed else set()
     held_out: list[ClientData] = []
 
     def trained() -> Iterator[ClientData]:
         for user, texts in clients():
+            if listed and user not in known:
+                raise DpfleetError(f"client {user!r} has examples but is not in the file's list of "
+                                   "clients (TFF's client_metadata, LEAF's users)")
             if user in train or user in test:
                 client = make_client(user, texts, tokenizer, seq_len, max_examples, seed)
                 if client is not None and user in test:

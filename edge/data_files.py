@@ -68,6 +68,17 @@ READERS: dict[str, Callable[..., ClientTexts]] = {
 }
 
 
+def client_ids(path: Path, fmt: str = "", split: str = "train") -> list[str]:
+    """The file's client ids, from its index when the format has one (TFF's `client_metadata`,
+    HDF5 group names, LEAF's `users`), else from a pass over its records (jsonl)."""
+    fmt = fmt or infer_format(path)
+    listed = {"tff_sqlite": data_tff_sql.client_ids, "tff_h5": data_tff_h5.client_ids,
+              "leaf": data_leaf.client_ids}
+    if fmt in listed:
+        return listed[fmt](Path(path), split)
+    return [user for user, _ in iter_clients(path, fmt, split)]
+
+
 def infer_format(path: Path) -> str:
     """The format of `path` from its first bytes (SQLite, HDF5), else its suffix; a folder is LEAF."""
     path = Path(path)

@@ -92,6 +92,18 @@ def _users(ijson, file: Path) -> tuple[list[str], list[int]]:
     return users, counts
 
 
+def client_ids(path: Path, split: str = "") -> list[str]:
+    """Every file's `users` list, read without its samples."""
+    ijson = _ijson()
+    ids = []
+    for file in leaf_files(path):
+        try:
+            ids += _users(ijson, file)[0]
+        except ijson.JSONError as exc:
+            raise DpfleetError(f"{file}: not valid JSON ({exc}); expected {EXPECTED}") from exc
+    return ids
+
+
 def iter_clients(path: Path, split: str = "", feature: str = "") -> Iterator[tuple[str, list[str]]]:
     """(user, their texts) per user of each file in turn; `split` and `feature` are unused (a
     LEAF split is its own folder; x is the text)."""

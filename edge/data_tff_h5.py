@@ -35,6 +35,15 @@ def _open(path: Path):
     return h5
 
 
+def client_ids(path: Path, split: str = "") -> list[str]:
+    """The client groups' names, sorted (TFF's `HDF5ClientData.client_ids`)."""
+    h5 = _open(Path(path))
+    try:
+        return sorted(h5["examples"])
+    finally:
+        h5.close()
+
+
 def iter_clients(path: Path, split: str = "", feature: str = "") -> Iterator[tuple[str, list[str]]]:
     """(client_id, its texts) per client, sorted by client id (as TFF lists them); `split` is
     unused (one file per split)."""

@@ -64,6 +64,19 @@ def splits(path: Path) -> list[str]:
         con.close()
 
 
+def client_ids(path: Path, split: str = "train") -> list[str]:
+    """The split's client ids from `client_metadata` (as TFF's `SqlClientData` lists them), so a
+    pass that needs only the ids does not read every example."""
+    con = _connect(Path(path))
+    query = "SELECT DISTINCT client_id FROM client_metadata" + (" WHERE split_name = ?" if split else "")
+    try:
+        return sorted(r[0] for r in con.execute(query, (split,) if split else ()))
+    except sqlite3.DatabaseError as exc:
+        raise DpfleetError(f"{path}: not a readable SQLite database ({exc})") from exc
+    finally:
+        con.close()
+
+
 def iter_clients(path: Path, split: str = "train",
                  feature: str = "") -> Iterator[tuple[str, list[str]]]:
     """(client_id, its texts) per client, sorted by client id, one client in memory at a time.

@@ -183,6 +183,7 @@ def test_tff_h5_round_trips_tffs_layout(tmp_path):
             f.create_dataset(f"examples/{client}/snippets", data=[s.encode() for s in snippets],
                              dtype=h5py.string_dtype(encoding="utf-8"))
     assert dict(data_files.iter_clients(path)) == plays
+    assert data_files.client_ids(path) == sorted(plays)
     assert data_files.infer_format(path) == "tff_h5"
 
     bad = tmp_path / "bad.h5"
@@ -226,6 +227,7 @@ def test_leaf_shakespeare_windows_join_back_into_lines_and_sent140_keeps_text(tm
     assert got == {**{u: [ln.strip() for ln in lines] for u, lines in speeches.items()},
                    **{u: [row[-1] for row in x] for u, x in tweets.items()}}
     assert data_files.infer_format(folder) == "leaf"
+    assert data_files.client_ids(folder) == [*speeches, *tweets]
 
 
 def test_leaf_bad_files_are_one_error_line(tmp_path):
@@ -357,3 +359,17 @@ def test_a_run_streams_a_tff_file_into_the_same_population_as_the_lists(tmp_path
     assert streamed.users == by_lists.users and len(streamed) == 32
     assert (streamed.rows[:] == by_lists.rows[:]).all() and (streamed.offsets[:] == by_lists.offsets[:]).all()
     assert data.train == [] and [c.user for c in data.test] == [c.user for c in lists.test]
+
+
+def test_streaming_refuses_a_client_the_files_index_does_not_list(tmp_path):
+    db = tmp_path / "unlisted.sqlite"
+    write_tff_sqlite(db, {"a": [{"tokens": "post"}], "b": [{"tokens": "of"}]}, split="train")
+    with sqlite3.connect(db) as con:  # examples of a client with no client_metadata row
+        con.execute("INSERT INTO examples VALUES ('train', 'c', ?)", (serialize(tokens="post of"),))
+    con.close()
+    assert data_files.client_ids(db, "tff_sqlite", "train") == ["a", "b"]
+    train, _ = stream_federated(lambda: data_files.iter_clients(db, "tff_sqlite", "train"),
+                                WordTokenizer(["post", "of"]), (4, 2, 0.0, 0, None),
+                                data_files.client_ids(db, "tff_sqlite", "train"))
+    with pytest.raises(DpfleetError, match="client 'c' has examples but is not in the file's list"):
+        list(train)

@@ -59,7 +59,7 @@ from dpfleet.edge.client_data import (
     stream_federated,
 )
 from dpfleet.edge.client_store import ClientStore
-from dpfleet.edge.data_files import FILE_FORMATS, iter_clients
+from dpfleet.edge.data_files import FILE_FORMATS, client_ids, iter_clients
 from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
@@ -288,7 +288,8 @@ def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
     tokenizer = make_tokenizer(cfg, [], vocabulary_folder)
     train, held_out = stream_federated(
         lambda: iter_clients(Path(d.path), d.dataset, d.split, d.feature), tokenizer,
-        (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None))
+        (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None),
+        client_ids(Path(d.path), d.dataset, d.split))
     population = open_population(cfg, train, tokenizer.vocab_size)  # reads `train` to its end
     data = FederatedData([], held_out, d.seq_len)
     if model is not None:
