@@ -92,6 +92,11 @@ def _users(ijson, file: Path) -> tuple[list[str], list[int]]:
     return users, counts
 
 
+def _reason(exc: Exception) -> str:
+    """The first line of a parser's message (yajl's spans lines, pointing at the column)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def client_ids(path: Path, split: str = "") -> list[str]:
     """Every file's `users` list, read without its samples."""
     ijson = _ijson()
@@ -100,7 +105,7 @@ def client_ids(path: Path, split: str = "") -> list[str]:
         try:
             ids += _users(ijson, file)[0]
         except ijson.JSONError as exc:
-            raise DpfleetError(f"{file}: not valid JSON ({exc}); expected {EXPECTED}") from exc
+            raise DpfleetError(f"{file}: not valid JSON ({_reason(exc)}); expected {EXPECTED}") from exc
     return ids
 
 
@@ -132,6 +137,5 @@ def iter_clients(path: Path, split: str = "", feature: str = "") -> Iterator[tup
                                    f"{len(users)}; expected {EXPECTED}")
         except ijson.JSONError as exc:
             where = "" if user_index < 0 else f" after {user_index + 1} users of user_data"
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DpfleetError(f"{file}: not valid JSON{where} ({reason}); the file is truncated or "
+            raise DpfleetError(f"{file}: not valid JSON{where} ({_reason(exc)}); the file is truncated or "
                                f"malformed; expected {EXPECTED}") from exc

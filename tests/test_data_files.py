@@ -241,6 +241,8 @@ def test_leaf_bad_files_are_one_error_line(tmp_path):
     head = tmp_path / "head.json"
     head.write_text(good[:20])
     assert f"{head}: not valid JSON (parse error: premature EOF)" in _cli_error(str(head))
+    with pytest.raises(DpfleetError, match=r"head.json: not valid JSON \(parse error: premature EOF\); exp"):
+        data_files.client_ids(head)
     bad_second_user = tmp_path / "bad_second_user.json"  # valid JSON up to the second user's data
     bad_second_user.write_text(good.replace('"B": {"x"', '"B": {"x" 1'))
     assert f"{bad_second_user}: not valid JSON after 1 users of user_data" in _cli_error(str(bad_second_user))
