@@ -31,9 +31,17 @@ class DataSection:
     """The private users' text: which dataset, and how it is cut into clients' training rows."""
 
     dataset: str = "shakespeare"
-    """A built-in dataset (`dpfleet data list`), or "jsonl": your own users' text from `path`."""
+    """A built-in dataset (`dpfleet data list`), or your own file at `path`: "jsonl", "tff_sqlite"
+    (TFF's SQLite ClientData), "tff_h5" (TFF's HDF5 files) or "leaf" (LEAF's JSON)."""
     path: str = ""
-    """dataset = "jsonl": your file, one `{"user": ..., "text": ...}` object per line."""
+    """Your file: for "jsonl" one `{"user": ..., "text": ...}` object per line; for "leaf" a JSON
+    file or a folder of them."""
+    split: str = "train"
+    """dataset = "tff_sqlite": the `split_name` read (StackOverflow: train, heldout, test); "" for
+    every split."""
+    feature: str = ""
+    """dataset = "tff_sqlite" / "tff_h5": the example feature holding the text; "" takes
+    `tokens` (StackOverflow), `snippets` (Shakespeare) or `text`, the first present."""
     seq_len: int = 20
     """Tokens per training example (paper 000 App. C)."""
     max_examples: int = 256

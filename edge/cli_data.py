@@ -1,4 +1,4 @@
-"""`dpfleet data list|get|stats`: the user-keyed text datasets."""
+"""`dpfleet data list|get|stats|inspect`: the user-keyed text datasets, and your files of them."""
 
 from __future__ import annotations
 
@@ -73,3 +73,30 @@ def stats(name: str, path: Path | None, vocab_size: int, seq_len: int, max_examp
             f"tokens {d['tokens']:9d}  examples/client min {q['min']:.0f} p25 {q['p25']:.0f} "
             f"median {q['median']:.0f} p75 {q['p75']:.0f} max {q['max']:.0f}"
         )
+
+
+@data.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", default="", help="tff_sqlite, tff_h5, leaf or jsonl; default: "
+              "inferred from the file.")
+@click.option("--split", default="train", show_default=True,
+              help="A TFF SQLite file's split_name (\"\" for every split).")
+@click.option("--feature", default="", help="The text feature of a TFF file (default: tokens, "
+              "snippets or text, the first present).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect(file: Path, fmt: str, split: str, feature: str, as_json: bool) -> None:
+    """Users, examples and tokens per user (percentiles) of a TFF SQLite / HDF5, LEAF JSON or
+    jsonl FILE, read in one streaming pass (tokens: whitespace-separated words)."""
+    from dpfleet.edge.data_files import summarize
+
+    info = summarize(file, fmt, split, feature, progress=not as_json)
+    if as_json:
+        click.echo(dumps(info, indent=2))
+        return
+    split_note = f", split {info['split']!r}" if info["split"] else ""
+    click.echo(f"{info['path']} ({info['format']}{split_note}): {info['users']:,} users, "
+               f"{info['examples']:,} examples, {info['tokens']:,} tokens")
+    click.echo(f"  {'per user':10s} {'p50':>10s} {'p90':>10s} {'p99':>10s} {'max':>10s}")
+    for key, label in (("examples_per_user", "examples"), ("tokens_per_user", "tokens")):
+        q = info[key]
+        click.echo(f"  {label:10s} " + " ".join(f"{q[k]:>10,d}" for k in ("p50", "p90", "p99", "max")))

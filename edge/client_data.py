@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,30 +90,71 @@ def build_federated(
     seed: int = 0,
     max_clients: int | None = None,
 ) -> FederatedData:
-    """Per-user example arrays with whole users held out for test."""
-    if seq_len < 1 or max_examples < 1:
-        raise DpfleetError("data.seq_len and data.max_examples must be positive")
+    """Per-user example arrays with whole users held out for test (users in sorted order)."""
     by_user = group_by_user(records)
-    train_users, test_users = split_users(list(by_user), test_fraction, seed)
-    if max_clients:
-        train_users = train_users[:max_clients]
-
-    def make(user: str) -> ClientData | None:
-        rows = to_rows((tokenizer.encode(t) for t in by_user[user]), seq_len)
-        if len(rows) == 0:
-            return None
-        if len(rows) > max_examples:
-            keep = np.random.default_rng(_stable_seed(seed, "cap", user)).choice(
-                len(rows), max_examples, replace=False
-            )
-            rows = rows[np.sort(keep)]
-        return ClientData(user, rows)
-
-    train = [c for u in train_users if (c := make(u)) is not None]
-    test = [c for u in test_users if (c := make(u)) is not None]
+    train, test = stream_federated(lambda: ((u, by_user[u]) for u in sorted(by_user)), tokenizer,
+                                   (seq_len, max_examples, test_fraction, seed, max_clients))
+    train = list(train)  # held-out clients are complete once it is read
     if not train:
         raise DpfleetError("no training clients with any text")
     return FederatedData(train, test, seq_len)
+
+
+def make_client(user: str, texts: Iterable[str], tokenizer: Tokenizer, seq_len: int,
+                max_examples: int, seed: int) -> ClientData | None:
+    """One user's rows, capped at `max_examples` by a seeded choice (None: no text)."""
+    rows = to_rows((tokenizer.encode(t) for t in texts), seq_len)
+    if len(rows) == 0:
+        return None
+    if len(rows) > max_examples:
+        keep = np.random.default_rng(_stable_seed(seed, "cap", user)).choice(
+            len(rows), max_examples, replace=False
+        )
+        rows = rows[np.sort(keep)]
+    return ClientData(user, rows)
+
+
+def stream_federated(clients: Callable[[], Iterable[tuple[str, list[str]]]], tokenizer: Tokenizer,
+                     cut: tuple[int, int, float, int, int | None], users: Sequence[str] | None = None
+                     ) -> tuple[Iterator[ClientData], list[ClientData]]:
+    """`build_federated` for a file too large to hold: (the training clients, made one at a time
+    as the returned iterator is read, e.g. by `client_store.write_store`; the held-out clients).
+
+    `clients()` opens a fresh pass over (user, texts) one user at a time (`data_files.iter_clients`).
+    The seeded split needs every user id first: `users` (the file's index of them,
+    `data_files.client_ids`), else a first pass of `clients()`; a client the index does not list
+    is an error. The same
+    users, rows and split as `build_federated` on the same records, in the file's client order
+    (sorted by id for TFF's files, as `build_federated`'s). Held-out clients are kept in memory:
+    `test_fraction` of the users, and evaluation reads their rows anyway; the list fills as the
+    iterator is read and is complete once it is exhausted. `cut` is (seq_len, max_examples,
+    test_fraction, seed, max_clients or None), as `build_federated` takes them."""
+    seq_len, max_examples, test_fraction, seed, max_clients = cut
+    if seq_len < 1 or max_examples < 1:
+        raise DpfleetError("data.seq_len and data.max_examples must be positive")
+    listed = users is not None
+    users = list(users) if listed else [u for u, _ in clients()]
+    train_users, test_users = split_users(users, test_fraction, seed)
+    if len(set(train_users + test_users)) != len(train_users) + len(test_users):
+        raise DpfleetError("a user's records are not together in the file; streaming needs each "
+                           "user's records in one run (sort the file by user)")
+    train, test = set(train_users[:max_clients] if max_clients else train_users), set(test_users)
+    known = set(users) if listed else set()
+    held_out: list[ClientData] = []
+
+    def trained() -> Iterator[ClientData]:
+        for user, texts in clients():
+            if listed and user not in known:
+                raise DpfleetError(f"client {user!r} has examples but is not in the file's list of "
+                                   "clients (TFF's client_metadata, LEAF's users)")
+            if user in train or user in test:
+                client = make_client(user, texts, tokenizer, seq_len, max_examples, seed)
+                if client is not None and user in test:
+                    held_out.append(client)
+                elif client is not None:
+                    yield client
+
+    return trained(), held_out
 
 
 def describe(data: FederatedData) -> dict:

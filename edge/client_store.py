@@ -19,7 +19,7 @@ import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,38 +90,65 @@ class UserIds(Sequence[str]):
         return self.store.user(i + len(self) if i < 0 else i)
 
 
+def _hash_client(digest, c: ClientData) -> None:
+    digest.update(c.user.encode() + b"\0" + np.ascontiguousarray(c.examples).tobytes())
+
+
 def build_store(clients: Sequence[ClientData], vocab_size: int, cache: Path, source: str) -> ClientStore:
     """Write `clients` once as rows.npy + offsets.npy + meta.json under `cache` (content-hashed)."""
     if not clients:
         raise DpfleetError("no clients to store")
-    width = clients[0].examples.shape[1]
-    if any(c.examples.ndim != 2 or c.examples.shape[1] != width for c in clients):
-        raise DpfleetError("every client's rows must have the same width (seq_len + 1)")
-    counts = np.array([len(c.examples) for c in clients], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)])
     digest = hashlib.sha256()
     for c in clients:
-        digest.update(c.user.encode() + b"\0" + np.ascontiguousarray(c.examples).tobytes())
+        _hash_client(digest, c)
     folder = Path(cache) / f"population-{digest.hexdigest()[:16]}"
-    if not (folder / "meta.json").is_file():  # built beside it, then renamed in: two runs
-        folder.parent.mkdir(parents=True, exist_ok=True)  # building at once never mix files
-        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        try:
-            rows = np.lib.format.open_memmap(tmp / "rows.npy", mode="w+", dtype=_dtype(vocab_size),
-                                             shape=(int(offsets[-1]), width))
-            for c, start in zip(clients, offsets[:-1], strict=False):
-                rows[start : start + len(c.examples)] = c.examples
+    if (folder / "meta.json").is_file():
+        return open_store(folder)
+    return write_store(clients, vocab_size, cache, source)
+
+
+def write_store(clients: Iterable[ClientData], vocab_size: int, cache: Path, source: str,
+                chunk_rows: int = 1 << 16) -> ClientStore:
+    """`build_store` for clients made one at a time (`client_data.stream_federated`): each one's
+    rows are appended to a scratch file as it arrives, so memory holds one client, never the
+    population; the rows are then copied into rows.npy a chunk at a time. The folder has the same
+    content hash as `build_store`'s for the same clients (an existing one is reused)."""
+    dtype = _dtype(vocab_size)
+    Path(cache).mkdir(parents=True, exist_ok=True)  # built beside it, then renamed in: two runs
+    tmp = Path(tempfile.mkdtemp(prefix="population-build.", dir=cache))  # building at once never mix
+    try:
+        digest, counts, users, width = hashlib.sha256(), [], [], None
+        with (tmp / "rows.raw").open("wb") as raw:
+            for c in clients:
+                if c.examples.ndim != 2 or c.examples.shape[1] != (width or c.examples.shape[1]):
+                    raise DpfleetError("every client's rows must have the same width (seq_len + 1)")
+                width = c.examples.shape[1]
+                _hash_client(digest, c)
+                raw.write(np.ascontiguousarray(c.examples, dtype=dtype).tobytes())
+                counts.append(len(c.examples))
+                users.append(c.user)
+        if not users:
+            raise DpfleetError("no clients to store")
+        folder = Path(cache) / f"population-{digest.hexdigest()[:16]}"
+        if not (folder / "meta.json").is_file():
+            offsets = np.concatenate([[0], np.cumsum(np.array(counts, dtype=np.int64))])
+            total = int(offsets[-1])
+            scratch = np.memmap(tmp / "rows.raw", dtype=dtype, mode="r", shape=(total, width))
+            rows = np.lib.format.open_memmap(tmp / "rows.npy", mode="w+", dtype=dtype, shape=(total, width))
+            for start in range(0, total, chunk_rows):
+                rows[start : start + chunk_rows] = scratch[start : start + chunk_rows]
             rows.flush()
-            del rows
+            del rows, scratch
+            (tmp / "rows.raw").unlink()
             np.save(tmp / "offsets.npy", offsets)
-            (tmp / "users.json").write_text(json.dumps([c.user for c in clients]))
-            meta = {"clients": len(clients), "rows": int(offsets[-1]), "width": width,
+            (tmp / "users.json").write_text(json.dumps(users))
+            meta = {"clients": len(users), "rows": total, "width": width,
                     "source": source, "vocab_size": vocab_size, "generated": False}
             atomic_write(tmp / "meta.json", json.dumps(meta, indent=2))  # written last: complete
             with contextlib.suppress(OSError):  # another run renamed its identical copy first
                 tmp.rename(folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return open_store(folder)
 
 

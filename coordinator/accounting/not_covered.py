@@ -24,6 +24,10 @@ CLIENT_UNIT = {
                  "several articles is several clients",
     "kjv": "one Bible chapter; not a person",
 }
+for _fmt in ("tff_sqlite", "tff_h5", "leaf"):
+    CLIENT_UNIT[_fmt] = ("one client id of the file (TFF's StackOverflow: one user; TFF's and LEAF's "
+                         "Shakespeare: one (play, character) pair). A person under several ids is "
+                         "several clients, protected only by group privacy")
 CLIENT_UNIT["shakespeare-solo"] = CLIENT_UNIT["shakespeare"]
 CLIENT_UNIT["shakespeare-collab"] = CLIENT_UNIT["shakespeare"]
 

@@ -14,12 +14,12 @@ copy as a separate person, so the run's epsilon says nothing about any real pers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.client_data import ClientData
-from dpfleet.edge.client_store import ClientStore, build_store, generated
+from dpfleet.edge.client_store import ClientStore, build_store, generated, write_store
 from dpfleet.errors import DpfleetError
 
 
@@ -29,11 +29,14 @@ def population_cache() -> Path:
     return cache_dir() / "populations"
 
 
-def open_population(cfg: SimulationConfig, train: Sequence[ClientData], vocab_size: int,
+def open_population(cfg: SimulationConfig, train: Iterable[ClientData], vocab_size: int,
                     cache: Path | None = None) -> ClientStore:
     """The store of `train` (built once, reused by every later run with the same rows), cycled
-    to `data.generated_population` clients when that is set."""
-    store = build_store(train, vocab_size, cache or population_cache(), cfg.data.dataset)
+    to `data.generated_population` clients when that is set. `train` is a list, or an iterator
+    of clients made one at a time from a file (written as they come: `write_store`)."""
+    folder = cache or population_cache()
+    store = (build_store(train, vocab_size, folder, cfg.data.dataset) if isinstance(train, Sequence)
+             else write_store(train, vocab_size, folder, cfg.data.dataset))
     size = cfg.data.generated_population
     if size and size < len(store):
         raise DpfleetError(f"data.generated_population = {size:,} is below the {len(store):,} real "

@@ -51,8 +51,15 @@ from dpfleet.coordinator.state.resume import (
     fingerprint_secret,
 )
 from dpfleet.coordinator.state.run_dir import RunDir
-from dpfleet.edge.client_data import build_federated, group_by_user, split_users
+from dpfleet.edge.client_data import (
+    FederatedData,
+    build_federated,
+    group_by_user,
+    split_users,
+    stream_federated,
+)
 from dpfleet.edge.client_store import ClientStore
+from dpfleet.edge.data_files import FILE_FORMATS, client_ids, iter_clients
 from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
@@ -113,7 +120,7 @@ def prepare_data(cfg: SimulationConfig, vocabulary_folder: Path | None = None,
     and tokenizer): the same per-user split and rows either way."""
     if records is None:
         path = Path(cfg.data.path) if cfg.data.path else None
-        records = load_records(cfg.data.dataset, "train", path)
+        records = load_records(cfg.data.dataset, cfg.data.split, path, cfg.data.feature)
     if tokenizer is None:
         by_user = group_by_user(records)
         train_users, _ = split_users(list(by_user), cfg.data.test_fraction, cfg.seed)
@@ -261,6 +268,8 @@ def run_simulation(
 def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, tokenizer, model):
     """(tokenizer, held-out data, training population): a caller's model or tokenizer is checked
     against the token ids before any round (a mismatch is one error, not an index error later)."""
+    if records is None and tokenizer is None and streams_from_file(cfg):
+        return _stream_clients(cfg, vocabulary_folder, model)
     custom_tokenizer = tokenizer is not None
     tokenizer, data = prepare_data(cfg, vocabulary_folder, records, tokenizer)
     if model is not None:
@@ -270,6 +279,31 @@ def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, token
                            f"is {tokenizer.vocab_size} (the model's embedding size)")
     population = open_population(cfg, data.train, tokenizer.vocab_size)  # memory-mapped rows
     data.train = []  # from here on the clients are read through the store, a cohort at a time
+    return tokenizer, data, population
+
+
+def streams_from_file(cfg: SimulationConfig) -> bool:
+    """The population is built from a TFF / LEAF file one client at a time: the data is such a file
+    and the tokenizer needs none of the private text (a public SentencePiece model or a saved
+    tokenizer; a `word` vocabulary is counted from every training client's text, so that path
+    reads the records whole)."""
+    return cfg.data.dataset in FILE_FORMATS and (bool(cfg.tokenizer.path) or cfg.tokenizer.kind != "word")
+
+
+def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
+    """`_load_clients` for a file too large to hold: clients go from the file into the memory-mapped
+    store one at a time (`client_data.stream_federated`), never as a list of the population; the
+    same users, split and rows as the list path, in the file's client order."""
+    d = cfg.data
+    tokenizer = make_tokenizer(cfg, [], vocabulary_folder)
+    train, held_out = stream_federated(
+        lambda: iter_clients(Path(d.path), d.dataset, d.split, d.feature), tokenizer,
+        (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None),
+        client_ids(Path(d.path), d.dataset, d.split))
+    population = open_population(cfg, train, tokenizer.vocab_size)  # reads `train` to its end
+    data = FederatedData([], held_out, d.seq_len)
+    if model is not None:
+        check_custom_model(model, tokenizer.vocab_size, d.seq_len, data)
     return tokenizer, data, population
 
 
