@@ -1,12 +1,14 @@
-"""The figure of `dpfleet compare`: held-out accuracy and eps per round, one line per run, and
-each finished run's wall time. Drawn from the records the runs committed (metrics.jsonl), with
-the headless Agg backend, so it works over SSH and in CI."""
+"""The figure of `dpfleet compare`: held-out accuracy (from round 0, the starting model) and eps per
+round, one line per run, and each finished run's wall time. Drawn from the records the runs
+committed (metrics.jsonl, initial_eval.json), with the headless Agg backend, so it works over SSH
+and in CI."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
+from dpfleet.coordinator.cli.compare_table import starting_accuracy
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.errors import DpfleetError
 
@@ -23,7 +25,9 @@ def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) ->
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (record, label) in enumerate(zip(records, labels, strict=True)):
         color = colors[i % len(colors)]
-        points = [(m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
+        start = starting_accuracy(record)  # round 0, the starting model
+        points = ([] if start is None else [(0, start)]) + [
+            (m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
         if points:
             acc.plot(*zip(*points, strict=True), marker="o", color=color, label=label)
         baseline = (record.summary or {}).get("unigram_baseline", {}).get("accuracy")

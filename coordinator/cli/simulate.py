@@ -89,10 +89,15 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         click.echo(f"WARNING               {line}")
     for line in result.warnings:  # then a result that means nothing (result_warnings.py)
         click.echo(f"WARNING               {line}")
-    click.echo(f"next-token accuracy   model {result.accuracy:.4f}   unigram baseline "
+    start_acc = "" if result.initial_accuracy is None else f"starting model {result.initial_accuracy:.4f}   "
+    start_ppl = "" if result.initial_perplexity is None else f"starting model {result.initial_perplexity:.1f}   "
+    click.echo(f"next-token accuracy   model {result.accuracy:.4f}   {start_acc}unigram baseline "
                f"{result.unigram_accuracy:.4f}")
-    click.echo(f"perplexity            model {result.perplexity:.1f}   unigram baseline "
+    click.echo(f"perplexity            model {result.perplexity:.1f}   {start_ppl}unigram baseline "
                f"{result.unigram_perplexity:.1f}")
+    if start_acc:  # where the accuracy comes from: what the private rounds added to it
+        click.echo("starting model        round 0, before any private round (the init, after public "
+                   "pretraining if any): no privacy cost")
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     click.echo(
         f"privacy               eps = {p['epsilon']:.2f} at delta = {p['delta']:g} "

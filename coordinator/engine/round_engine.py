@@ -55,7 +55,7 @@ from dpfleet.coordinator.state.resume import (
     save_resume,
     save_server_state,
 )
-from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
+from dpfleet.coordinator.state.run_dir import INITIAL_EVAL, RunDir, atomic_write, plot_accuracy, read_initial
 from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
@@ -63,6 +63,9 @@ from dpfleet.export.params import get_flat, set_flat
 from dpfleet.secagg.sums import AggregateResult
 
 DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
+# what round 0 is, said wherever its figure is shown
+STARTING_MODEL = ("round 0: the starting model (the config's init or the model passed in, after "
+                  "public pretraining if any), evaluated before any private round: no privacy cost")
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
 DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 
@@ -218,6 +221,8 @@ class RoundEngine:
                                  resume_source, guarantee=self.guarantee)
             self.start, self.metrics = resumed.start, resumed.metrics
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
+        # round 0 before any round moves the model: where the run's accuracy starts from
+        self.initial = self._starting_model(resume)
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
         # the server and estimator as the last release left them, while a round is open (what
@@ -228,6 +233,23 @@ class RoundEngine:
         # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
         self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
                         if cfg.tensorboard else None)
+
+    def _starting_model(self, resume: bool) -> dict | None:
+        """Round 0: the starting model's held-out evaluation, in `INITIAL_EVAL` (atomically) when the
+        run starts; a resumed run reads it back, so it shows what the run started from even when
+        its model was rebuilt. Not a metrics.jsonl line: that log is one record per released
+        round (the release log, resume and replay count on it), and round 0 releases nothing.
+        None without held-out rows."""
+        saved = read_initial(self.run_path) if resume else None
+        if saved is not None or self.test_rows is None or not len(self.test_rows):
+            return saved
+        training = self.model.training
+        try:  # the engine's own model holds theta_0 until the first evaluation sets a release
+            record = {"round": 0, **evaluate(self.model, self.test_rows), "privacy": STARTING_MODEL}
+        finally:
+            self.model.train(training)  # a module the trainer shares keeps its mode
+        self.run.write_json(INITIAL_EVAL, record)
+        return record
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
@@ -482,11 +504,11 @@ class RoundEngine:
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP guarantee")
-        plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
+        plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title, self.initial)
         summary = {
             **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
             "warnings": result_warnings(cfg, final, baseline, privacy),  # a result that means nothing
-            "final": final, "unigram_baseline": baseline,
+            "initial": self.initial, "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,
             "simulated_hours": self.participation.hours(self.participation.slot),

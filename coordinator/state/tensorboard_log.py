@@ -8,7 +8,8 @@ for it (`debug_nonprivate = true`), under its own tag group `debug_nonprivate_NO
 The folder is RUN_DIR/tensorboard/ (`tensorboard --logdir runs/` shows every run side by side).
 It always mirrors the records: an engine that opens a run (fresh, resumed, a restarted service)
 writes it anew from the records so far, then each round as it commits. `export` does the same for
-a finished run's metrics.jsonl (`dpfleet compare --tensorboard`). Writer: tensorboardX (about
+a finished run's metrics.jsonl (`dpfleet compare --tensorboard`). Step 0 is the starting model's
+held-out evaluation (round 0, before any private round: no privacy cost). Writer: tensorboardX (about
 90 kB, no TensorFlow; the `tensorboard` extra), flushed after every round.
 """
 
@@ -21,10 +22,12 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.errors import DpfleetError
 
 TENSORBOARD = "tensorboard"  # the folder in a run directory
 DEBUG_GROUP = "debug_nonprivate_NOT_DP"  # the tag group of un-noised telemetry (outside the guarantee)
+STARTING_TAGS = ("accuracy", "loss", "perplexity")  # round 0's figures, at step 0 under eval/
 INSTALL = "pip install 'dpfleet[tensorboard]'"
 
 # a metrics record's key -> its tag group in TensorBoard (a key not listed goes to "round/")
@@ -102,10 +105,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
-    """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines."""
+    """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines, after
+    step 0, the starting model's held-out evaluation (`run_dir.INITIAL_EVAL`) when it has one."""
     debug = {d["round"]: d for d in read_jsonl(Path(run_path) / "debug_nonprivate.jsonl")}
-    return [{"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
-            for m in metrics]
+    initial = read_initial(run_path)
+    start = [{"metrics": {"round": 0, **{k: initial[k] for k in STARTING_TAGS if k in initial}}}] \
+        if initial else []
+    return start + [
+        {"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
+        for m in metrics]
 
 
 def export(run_path: Path, folder: Path) -> Path:
