@@ -224,7 +224,7 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         f'<div class="k"><span>{t}</span><b{" class=failed" if t == "rounds failed" and n_failed else ""}>'
         f"{v}</b><span>{sub}</span></div>" for t, v, sub in kpis)
     charts = [
-        _line_chart("held-out accuracy per round (round 0: starting model)", acc, ACCURACY_COLOR, ".3f", failed),
+        _line_chart("held-out accuracy per round", acc, ACCURACY_COLOR, ".3f", failed),
         _line_chart("eps spent after each round", eps, EPSILON_COLOR, ".2f", failed),
         _bar_chart("participation: devices by rounds taken part in",
                    _histogram(history.get("participation_histogram"), max_times), BAR_COLOR, "rounds"),
