@@ -4,8 +4,8 @@ It is served without authentication (`GET /`), so it may show only what the run 
 DP-released aggregates (accuracy of the released model, eps spent) and counts, next to the
 held-out accuracy of the starting model (round 0, before any private round) and of the unigram
 baseline. `render` reads a fixed list of numeric fields and never prints a mapping key it did not
-expect, so a status or history that happened to carry a device id (a per-device map, an id list, an extra field)
-cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
+expect, so a status or history that happened to carry a device id (a per-device map, an id list,
+an extra field) cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
 coordinator builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the
 top: a run that is not fully private says so before any figure. No script, no external asset:
 the page works offline and its Content-Security-Policy forbids loading anything.

@@ -81,7 +81,8 @@ def test_the_starting_model_is_evaluated_and_in_the_summary(tiny):
     # written at the start, the same record (metrics.jsonl stays one line per released round)
     assert json.loads((result.run_dir / INITIAL_EVAL).read_text()) == initial
     assert [m["round"] for m in result.metrics] == [1, 2]
-    assert dpfleet.Result.load(result.run_dir, model=TinyLM(), tokenizer=WordIds()).initial_accuracy == expected["accuracy"]
+    loaded = dpfleet.Result.load(result.run_dir, model=TinyLM(), tokenizer=WordIds())
+    assert loaded.initial_accuracy == expected["accuracy"]
 
 
 def test_accuracy_png_has_a_point_at_round_0(tiny):

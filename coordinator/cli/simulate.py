@@ -89,8 +89,9 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
         click.echo(f"WARNING               {line}")
     for line in result.warnings:  # then a result that means nothing (result_warnings.py)
         click.echo(f"WARNING               {line}")
-    start_acc = "" if result.initial_accuracy is None else f"starting model {result.initial_accuracy:.4f}   "
-    start_ppl = "" if result.initial_perplexity is None else f"starting model {result.initial_perplexity:.1f}   "
+    start_acc, start_ppl = (("", "") if result.initial_accuracy is None else  # round 0
+                            (f"starting model {result.initial_accuracy:.4f}   ",
+                             f"starting model {result.initial_perplexity:.1f}   "))
     click.echo(f"next-token accuracy   model {result.accuracy:.4f}   {start_acc}unigram baseline "
                f"{result.unigram_accuracy:.4f}")
     click.echo(f"perplexity            model {result.perplexity:.1f}   {start_ppl}unigram baseline "
