@@ -1,8 +1,7 @@
 """`tensorboard = true` (coordinator/state/tensorboard_log.py): each round's metrics record as
 TensorBoard scalars in RUN_DIR/tensorboard/, read back here from the event file's own format
 (TFRecord frames of `Event` protos) and compared with metrics.jsonl; un-noised telemetry only when
-the run asked for it, under its own tag group; step 0 is the starting model (initial_eval.json);
-a resumed run's folder is the whole record once."""
+the run asked for it, under its own tag group; a resumed run's folder is the whole record once."""
 
 import copy
 import json
@@ -41,16 +40,18 @@ def read_events(folder: Path) -> list[tuple[int, str, float]]:
     return out
 
 
+def rounds_of(run_path: Path, folder: Path | None = None) -> list[tuple[int, str, float]]:
+    """The events of a run's TensorBoard folder (or of `folder`, an export) after step 0, which
+    is checked here to be the starting model's evaluation (initial_eval.json), nothing else."""
+    events = read_events(folder or run_path / TENSORBOARD)
+    initial = json.loads((run_path / INITIAL_EVAL).read_text())
+    assert [(t, v) for s, t, v in events if s == 0] == [
+        (f"eval/{k}", np.float32(initial[k])) for k in ("accuracy", "loss", "perplexity")]
+    return [e for e in events if e[0] != 0]
+
+
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def logged(path: Path) -> list[dict]:
-    """What a run's TensorBoard folder mirrors: step 0, the starting model's evaluation
-    (initial_eval.json's accuracy / loss / perplexity), then metrics.jsonl's records."""
-    initial = json.loads((path / INITIAL_EVAL).read_text())
-    return [{"round": 0, **{k: initial[k] for k in ("accuracy", "loss", "perplexity")}},
-            *lines(path / "metrics.jsonl")]
 
 
 def simulate(tmp_path, name, config=TB):
@@ -72,8 +73,8 @@ def test_scalars_groups_a_record_and_leaves_out_what_is_no_number():
 def test_a_run_writes_each_rounds_metrics_as_scalars_and_no_telemetry(tmp_path):
     path = simulate(tmp_path, "run").run_dir
     metrics = lines(path / "metrics.jsonl")
-    events = read_events(path / TENSORBOARD)
-    expected = [(m["round"], tag, v) for m in logged(path) for tag, v in scalars(m)]
+    events = rounds_of(path)
+    expected = [(m["round"], tag, v) for m in metrics for tag, v in scalars(m)]
     assert [(s, t) for s, t, _ in events] == [(s, t) for s, t, _ in expected]
     assert np.array_equal([v for *_, v in events], np.float32([v for *_, v in expected]))
     got = {(s, t): v for s, t, v in events}
@@ -82,7 +83,7 @@ def test_a_run_writes_each_rounds_metrics_as_scalars_and_no_telemetry(tmp_path):
         assert got[m["round"], "dp/noise_std"] == np.float32(m["noise_std"])
         assert got[m["round"], "participation/clients"] == m["clients"]
         assert ((m["round"], "eval/accuracy") in got) == (m["accuracy"] is not None)
-    assert {s for s, *_ in events} == {0, 1, 2, 3}
+    assert {s for s, *_ in events} == {1, 2, 3}
     assert got[2, "eval/accuracy"] == np.float32(metrics[1]["accuracy"])
     assert not any(t.startswith(DEBUG_GROUP) for _, t, _ in events)
 
@@ -90,13 +91,13 @@ def test_a_run_writes_each_rounds_metrics_as_scalars_and_no_telemetry(tmp_path):
 def test_telemetry_only_when_asked_and_under_its_own_group(tmp_path):
     path = simulate(tmp_path, "debug", {**TB, "debug_nonprivate": True}).run_dir
     debug = lines(path / "debug_nonprivate.jsonl")
-    events = read_events(path / TENSORBOARD)
+    events = rounds_of(path)
     telemetry = {(s, t): v for s, t, v in events if t.startswith(DEBUG_GROUP + "/")}
     assert telemetry == {(d["round"], f"{DEBUG_GROUP}/{k}"): np.float32(v)
                          for d in debug for k, v in d.items() if k != "round"}
     assert {t for _, t in telemetry} >= {f"{DEBUG_GROUP}/train_loss", f"{DEBUG_GROUP}/clipped_fraction"}
     # the DP tags hold only the metrics record: no telemetry under another name
-    assert len(events) - len(telemetry) == sum(len(list(scalars(m))) for m in logged(path))
+    assert len(events) - len(telemetry) == sum(len(list(scalars(m))) for m in lines(path / "metrics.jsonl"))
 
 
 def test_a_resumed_run_has_each_round_once(tmp_path, monkeypatch):
@@ -108,11 +109,11 @@ def test_a_resumed_run_has_each_round_once(tmp_path, monkeypatch):
     args = dict(model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False, log=lambda s: None)
     with pytest.raises(Crash):
         run(parse_config(copy.deepcopy(cfg)), out, **args)
-    assert {s for s, *_ in read_events(out / TENSORBOARD)} == {0, 1, 2}
+    assert {s for s, *_ in rounds_of(out)} == {1, 2}
     run(parse_config(copy.deepcopy(cfg)), out, resume=True, **args)
-    events = read_events(out / TENSORBOARD)
-    expected = [(m["round"], t) for m in logged(out) for t, _ in scalars(m)]
-    assert [(s, t) for s, t, _ in events] == expected and {s for s, _ in expected} == {0, 1, 2, 3, 4}
+    events = rounds_of(out)
+    expected = [(m["round"], t) for m in lines(out / "metrics.jsonl") for t, _ in scalars(m)]
+    assert [(s, t) for s, t, _ in events] == expected and {s for s, _ in expected} == {1, 2, 3, 4}
     assert len(list((out / TENSORBOARD).iterdir())) == 1
 
 
@@ -120,8 +121,8 @@ def test_export_writes_a_finished_runs_metrics(tmp_path):
     path = simulate(tmp_path, "plain", {**TB, "tensorboard": False}).run_dir
     assert not (path / TENSORBOARD).exists()
     folder = export(path, tmp_path / "tb" / "plain")
-    events = read_events(folder)
-    metrics = logged(path)
+    events = rounds_of(path, folder)
+    metrics = lines(path / "metrics.jsonl")
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events],
                           np.float32([v for m in metrics for _, v in scalars(m)]))
@@ -168,8 +169,8 @@ def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
     state = tmp_path / "state"
     status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
     assert status["run_state"] == "finished"
-    metrics = logged(state)
-    events = read_events(state / TENSORBOARD)
+    metrics = lines(state / "metrics.jsonl")
+    events = rounds_of(state)
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events], np.float32([v for m in metrics for _, v in scalars(m)]))
-    assert {s for s, *_ in events} == {0, 1, 2}
+    assert {s for s, *_ in events} == {1, 2}

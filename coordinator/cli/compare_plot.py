@@ -1,7 +1,6 @@
-"""The figure of `dpfleet compare`: held-out accuracy (from round 0, the starting model) and eps per
-round, one line per run, and each finished run's wall time. Drawn from the records the runs
-committed (metrics.jsonl, initial_eval.json), with the headless Agg backend, so it works over SSH
-and in CI."""
+"""The figure of `dpfleet compare`: held-out accuracy and eps per round, one line per run, and
+each finished run's wall time. Drawn from the records the runs committed (metrics.jsonl), with
+the headless Agg backend, so it works over SSH and in CI."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) ->
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (record, label) in enumerate(zip(records, labels, strict=True)):
         color = colors[i % len(colors)]
-        start = starting_accuracy(record)  # round 0, the starting model
+        start = starting_accuracy(record)  # round 0, the starting model (initial_eval.json)
         points = ([] if start is None else [(0, start)]) + [
             (m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
         if points:

@@ -55,7 +55,7 @@ from dpfleet.coordinator.state.resume import (
     save_resume,
     save_server_state,
 )
-from dpfleet.coordinator.state.run_dir import INITIAL_EVAL, RunDir, atomic_write, plot_accuracy, read_initial
+from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
@@ -63,9 +63,6 @@ from dpfleet.export.params import get_flat, set_flat
 from dpfleet.secagg.sums import AggregateResult
 
 DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"
-# what round 0 is, said wherever its figure is shown
-STARTING_MODEL = ("round 0: the starting model (the config's init or the model passed in, after "
-                  "public pretraining if any), evaluated before any private round: no privacy cost")
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
 DATA_DEPENDENT_AGGREGATION = ("clipped_coordinates", "inputs_scaled_down", "count_out_of_range")
 
@@ -235,21 +232,20 @@ class RoundEngine:
                         if cfg.tensorboard else None)
 
     def _starting_model(self, resume: bool) -> dict | None:
-        """Round 0: the starting model's held-out evaluation, in `INITIAL_EVAL` (atomically) when the
-        run starts; a resumed run reads it back, so it shows what the run started from even when
+        """Round 0: the starting model's held-out evaluation, in initial_eval.json (atomically) when
+        the run starts; a resumed run reads it back, so it shows what the run started from even when
         its model was rebuilt. Not a metrics.jsonl line: that log is one record per released
         round (the release log, resume and replay count on it), and round 0 releases nothing.
         None without held-out rows."""
-        saved = read_initial(self.run_path) if resume else None
+        saved = self.run.initial() if resume else None
         if saved is not None or self.test_rows is None or not len(self.test_rows):
             return saved
         training = self.model.training
         try:  # the engine's own model holds theta_0 until the first evaluation sets a release
-            record = {"round": 0, **evaluate(self.model, self.test_rows), "privacy": STARTING_MODEL}
+            evaluation = evaluate(self.model, self.test_rows)
         finally:
             self.model.train(training)  # a module the trainer shares keeps its mode
-        self.run.write_json(INITIAL_EVAL, record)
-        return record
+        return self.run.write_initial(evaluation)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:

@@ -35,6 +35,9 @@ from dpfleet.io import (  # noqa: F401 (the run directory's writers: the floor's
 from dpfleet.jsonio import dumps
 
 INITIAL_EVAL = "initial_eval.json"  # round 0: the starting model's held-out evaluation
+# what round 0 is, said with its figure
+STARTING_MODEL = ("round 0: the starting model (the config's init or the model passed in, after "
+                  "public pretraining if any), evaluated before any private round: no privacy cost")
 
 
 def _toml_value(v: object) -> str:
@@ -85,6 +88,17 @@ class RunDir:
     def write_json(self, name: str, obj: dict) -> Path:
         atomic_write(self.path / name, dumps(obj, indent=2))
         return self.path / name
+
+    def write_initial(self, evaluation: dict) -> dict:
+        """Round 0's record (the starting model's held-out `evaluation`, said to cost no privacy)
+        written to `INITIAL_EVAL`; returned as written."""
+        record = {"round": 0, **evaluation, "privacy": STARTING_MODEL}
+        self.write_json(INITIAL_EVAL, record)
+        return record
+
+    def initial(self) -> dict | None:
+        """Round 0's record as the run wrote it (`read_initial`)."""
+        return read_initial(self.path)
 
 
 def read_initial(path: Path) -> dict | None:

@@ -105,15 +105,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
-    """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines, after
-    step 0, the starting model's held-out evaluation (`run_dir.INITIAL_EVAL`) when it has one."""
-    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / "debug_nonprivate.jsonl")}
+    """Step 0, the starting model's held-out evaluation (`run_dir.INITIAL_EVAL`) when the run has
+    one, then each round's logs so far (`round_backlog`)."""
     initial = read_initial(run_path)
     start = [{"metrics": {"round": 0, **{k: initial[k] for k in STARTING_TAGS if k in initial}}}] \
         if initial else []
-    return start + [
-        {"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
-        for m in metrics]
+    return start + round_backlog(run_path, metrics)
+
+
+def round_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
+    """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines."""
+    debug = {d["round"]: d for d in read_jsonl(Path(run_path) / "debug_nonprivate.jsonl")}
+    return [{"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
+            for m in metrics]
 
 
 def export(run_path: Path, folder: Path) -> Path:
