@@ -212,14 +212,14 @@ class RoundEngine:
         )
         self.releases = releases if releases is not None else ReleaseLog(self.run_path / RELEASES)
         self.start, self.metrics, self.fresh_tree_at, self.lost = 0, [], None, []
+        # round 0, while the server holds theta_0: where the run's accuracy starts from
+        self.initial = self._starting_model(resume)
         if resume:  # released rounds are never redone (`release_log`)
             resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
                                  self.participation, self.accountant, self.users, fingerprint,
                                  resume_source, guarantee=self.guarantee)
             self.start, self.metrics = resumed.start, resumed.metrics
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
-        # round 0 before any round moves the model: where the run's accuracy starts from
-        self.initial = self._starting_model(resume)
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
         # the server and estimator as the last release left them, while a round is open (what
@@ -241,8 +241,8 @@ class RoundEngine:
         if saved is not None or self.test_rows is None or not len(self.test_rows):
             return saved
         training = self.model.training
-        try:  # the engine's own model holds theta_0 until the first evaluation sets a release
-            evaluation = evaluate(self.model, self.test_rows)
+        try:  # scored as every round is (`evaluate`), on theta_0: called before a resume restores
+            evaluation = self.evaluate()
         finally:
             self.model.train(training)  # a module the trainer shares keeps its mode
         return self.run.write_initial(evaluation)
