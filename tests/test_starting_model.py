@@ -120,6 +120,9 @@ def test_an_unfinished_run_in_compare_reads_initial_eval_json(tiny, capsys, tmp_
     (cut / "summary.json").unlink()
     main(["compare", str(cut), "--json", "--no-plot"])
     assert json.loads(capsys.readouterr().out)["runs"][0]["initial_accuracy"] == expected["accuracy"]
+    (cut / INITIAL_EVAL).write_text(json.dumps({"round": 0, "accuracy": "high"}))  # edited: no figure
+    main(["compare", str(cut), "--json", "--no-plot"])
+    assert json.loads(capsys.readouterr().out)["runs"][0]["initial_accuracy"] is None
 
 
 def test_a_resumed_run_shows_the_starting_model_it_started_with(tmp_path, monkeypatch):

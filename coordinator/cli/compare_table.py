@@ -10,6 +10,7 @@ metrics records it committed (accuracy of its last evaluated round, eps so far),
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 
 from dpfleet.coordinator.state.run_dir import read_initial
@@ -41,8 +42,10 @@ def differing_keys(records: Sequence[RunRecord]) -> list[str]:
 def starting_accuracy(record: RunRecord) -> float | None:
     """Round 0's held-out accuracy (the starting model, no privacy cost): summary.json's, or for
     an unfinished run the run directory's initial_eval.json; None for a run of an older dpfleet."""
-    initial = (record.summary or {}).get("initial") or read_initial(record.path) or {}
-    return initial.get("accuracy")
+    initial = (record.summary or {}).get("initial") or read_initial(record.path)
+    value = initial.get("accuracy") if isinstance(initial, dict) else None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return value if number and math.isfinite(value) else None  # an edited file's text: no figure
 
 
 def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict:
