@@ -10,7 +10,6 @@ metrics records it committed (accuracy of its last evaluated round, eps so far),
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 
 from dpfleet.coordinator.state.run_dir import read_initial
@@ -45,7 +44,8 @@ def starting_accuracy(record: RunRecord) -> float | None:
     initial = (record.summary or {}).get("initial") or read_initial(record.path)
     value = initial.get("accuracy") if isinstance(initial, dict) else None
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    return value if number and math.isfinite(value) else None  # an edited file's text: no figure
+    # finite only (NaN fails both comparisons); an edited file's text or inf: no figure
+    return value if number and -float("inf") < value < float("inf") else None
 
 
 def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict:
