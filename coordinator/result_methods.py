@@ -105,7 +105,9 @@ class ResultMethods:
         else:
             model = load_weights(checkpoint, model, f"the given {type(model).__name__}")
         final, baseline = summary.get("final") or {}, summary.get("unigram_baseline") or {}
+        initial = summary.get("initial") or {}  # round 0 (an older run has none)
         values = dict(
+            initial_accuracy=initial.get("accuracy"), initial_perplexity=initial.get("perplexity"),
             accuracy=final.get("accuracy"), unigram_accuracy=baseline.get("accuracy"),
             perplexity=final.get("perplexity"), unigram_perplexity=baseline.get("perplexity"),
             epsilon=privacy.get("epsilon"), delta=privacy.get("delta"), run_dir=run_dir, model=model,

@@ -72,6 +72,9 @@ class Result(ResultMethods):
         privacy: privacy.json: the accounting, mechanism and what is not covered.
         stopped_early: why the run ended before its planned rounds (a budget), or None.
         client_trainer: "cohort" or "sequential": which trainer ran the clients.
+        initial_accuracy: round 0: the starting model's held-out accuracy (the config's init or the
+            model passed in, after public pretraining if any; no privacy cost), None if not evaluated.
+        initial_perplexity: the starting model's held-out perplexity.
         warnings: one line for each way the result means nothing (summary.json's `warnings`,
             `coordinator/accounting/result_warnings.py`): a model at or below the unigram baseline,
             eps above dp.warn_epsilon, noise that drowns every update; () when there is none.
@@ -91,6 +94,8 @@ class Result(ResultMethods):
     stopped_early: str | None
     client_trainer: str
     warnings: tuple[str, ...] = ()
+    initial_accuracy: float | None = None
+    initial_perplexity: float | None = None
 
 
 def run(
@@ -143,6 +148,8 @@ def run(
         model=out.model, metrics=out.metrics, privacy=out.privacy, stopped_early=out.stopped_early,
         tokenizer=tokenizer or load_tokenizer(out.run_dir / "checkpoint" / "tokenizer"),
         client_trainer=summary.get("client_trainer", ""), warnings=tuple(summary.get("warnings", ())),
+        initial_accuracy=(summary.get("initial") or {}).get("accuracy"),
+        initial_perplexity=(summary.get("initial") or {}).get("perplexity"),
     )
 
 

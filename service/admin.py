@@ -32,6 +32,9 @@ def public_status(driver: RoundDriver) -> dict:
         "rounds_committed": status["rounds_committed"], "rounds_failed": status["rounds_failed"],
         "rounds_planned": status["rounds_planned"], "epsilon": status["epsilon"],
         "delta": status["delta"], "last_accuracy": status["last_accuracy"],
+        # round 0 (the starting model, no privacy cost) and the unigram baseline: what the rounds add
+        "initial_accuracy": (driver.engine.initial or {}).get("accuracy"),
+        "unigram_accuracy": driver.b.baseline.get("accuracy"),
         "devices": status["devices"],
         "rounds": [{k: h[k] for k in ("round", "status", "clients", "epsilon", "accuracy")}
                    for h in history["rounds"]],

@@ -1,10 +1,11 @@
 """The coordinator's read-only status page: one self-contained HTML page with inline SVG charts.
 
 It is served without authentication (`GET /`), so it may show only what the run releases anyway:
-DP-released aggregates (accuracy of the released model, eps spent) and counts. `render` reads a
-fixed list of numeric fields and never prints a mapping key it did not expect, so a status or
-history that happened to carry a device id (a per-device map, an id list, an extra field)
-cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
+DP-released aggregates (accuracy of the released model, eps spent) and counts, next to the
+held-out accuracy of the starting model (round 0, before any private round) and of the unigram
+baseline. `render` reads a fixed list of numeric fields and never prints a mapping key it did not
+expect, so a status or history that happened to carry a device id (a per-device map, an id list,
+an extra field) cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
 coordinator builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the
 top: a run that is not fully private says so before any figure. No script, no external asset:
 the page works offline and its Content-Security-Policy forbids loading anything.
@@ -203,6 +204,8 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         if isinstance(history.get("rounds"), list) else []
     acc = [(r, a) for r, a in ((_num(x.get("round")), _num(x.get("accuracy"))) for x in rounds)
            if r is not None and a is not None]
+    start = _num(status.get("initial_accuracy"))  # round 0: the starting model
+    acc = ([] if start is None else [(0.0, start)]) + acc
     failed = [r for r in (_num(x.get("round")) for x in rounds
                           if x.get("status") == "failed") if r is not None]
     eps = [(r, e) for r, e in ((_num(x.get("round")), _num(x.get("epsilon"))) for x in rounds)
@@ -221,6 +224,8 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         ("rounds failed", _fmt(status.get("rounds_failed"), "d"), "accounted, not released"),
         ("eps spent so far", _fmt(status.get("epsilon"), ".3f"), f"at delta {delta}"),
         ("last accuracy", _fmt(status.get("last_accuracy"), ".4f"), "held-out, released model"),
+        ("starting model", _fmt(start, ".4f"), "accuracy at round 0: no privacy cost"),
+        ("unigram baseline", _fmt(status.get("unigram_accuracy"), ".4f"), "accuracy, word frequencies"),
         ("round", _fmt(status.get("round"), "d"), f"phase {phase}"),
         ("devices", _fmt(dict(devices).get("registered"), "d"), "registered"),
     ]

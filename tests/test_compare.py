@@ -108,7 +108,7 @@ def test_tensorboard_export_of_each_run(runs, capsys, tmp_path):
     out = compare(capsys, runs / "base", runs / "more", "--no-plot", "--tensorboard", tmp_path / "tb").out
     for name in ("base", "more"):
         steps = {step for step, *_ in read_events(tmp_path / "tb" / name)}
-        assert steps == set(range(1, read(runs / name, "config.json")["rounds"] + 1))
+        assert steps == set(range(0, read(runs / name, "config.json")["rounds"] + 1))  # 0: starting model
         assert f"tensorboard: {tmp_path / 'tb' / name}" in out
 
 

@@ -19,6 +19,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.run import run
 from dpfleet.coordinator.state import tensorboard_log
 from dpfleet.coordinator.state.resume import differing_keys
+from dpfleet.coordinator.state.run_dir import INITIAL_EVAL
 from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, TENSORBOARD, export, scalars
 from dpfleet.errors import DpfleetError
 
@@ -37,6 +38,16 @@ def read_events(folder: Path) -> list[tuple[int, str, float]]:
             out += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
             i += 12 + length + 4
     return out
+
+
+def rounds_of(run_path: Path, folder: Path | None = None) -> list[tuple[int, str, float]]:
+    """The events of a run's TensorBoard folder (or of `folder`, an export) after step 0, which
+    is checked here to be the starting model's evaluation (initial_eval.json), nothing else."""
+    events = read_events(folder or run_path / TENSORBOARD)
+    initial = json.loads((run_path / INITIAL_EVAL).read_text())
+    assert [(t, v) for s, t, v in events if s == 0] == [
+        (f"eval/{k}", np.float32(initial[k])) for k in ("accuracy", "loss", "perplexity")]
+    return [e for e in events if e[0] != 0]
 
 
 def lines(path: Path) -> list[dict]:
@@ -62,7 +73,7 @@ def test_scalars_groups_a_record_and_leaves_out_what_is_no_number():
 def test_a_run_writes_each_rounds_metrics_as_scalars_and_no_telemetry(tmp_path):
     path = simulate(tmp_path, "run").run_dir
     metrics = lines(path / "metrics.jsonl")
-    events = read_events(path / TENSORBOARD)
+    events = rounds_of(path)
     expected = [(m["round"], tag, v) for m in metrics for tag, v in scalars(m)]
     assert [(s, t) for s, t, _ in events] == [(s, t) for s, t, _ in expected]
     assert np.array_equal([v for *_, v in events], np.float32([v for *_, v in expected]))
@@ -80,7 +91,7 @@ def test_a_run_writes_each_rounds_metrics_as_scalars_and_no_telemetry(tmp_path):
 def test_telemetry_only_when_asked_and_under_its_own_group(tmp_path):
     path = simulate(tmp_path, "debug", {**TB, "debug_nonprivate": True}).run_dir
     debug = lines(path / "debug_nonprivate.jsonl")
-    events = read_events(path / TENSORBOARD)
+    events = rounds_of(path)
     telemetry = {(s, t): v for s, t, v in events if t.startswith(DEBUG_GROUP + "/")}
     assert telemetry == {(d["round"], f"{DEBUG_GROUP}/{k}"): np.float32(v)
                          for d in debug for k, v in d.items() if k != "round"}
@@ -98,9 +109,9 @@ def test_a_resumed_run_has_each_round_once(tmp_path, monkeypatch):
     args = dict(model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False, log=lambda s: None)
     with pytest.raises(Crash):
         run(parse_config(copy.deepcopy(cfg)), out, **args)
-    assert {s for s, *_ in read_events(out / TENSORBOARD)} == {1, 2}
+    assert {s for s, *_ in rounds_of(out)} == {1, 2}
     run(parse_config(copy.deepcopy(cfg)), out, resume=True, **args)
-    events = read_events(out / TENSORBOARD)
+    events = rounds_of(out)
     expected = [(m["round"], t) for m in lines(out / "metrics.jsonl") for t, _ in scalars(m)]
     assert [(s, t) for s, t, _ in events] == expected and {s for s, _ in expected} == {1, 2, 3, 4}
     events = list((out / TENSORBOARD).glob(tensorboard_log.EVENTS))  # one file, and dpfleet's marker
@@ -112,7 +123,7 @@ def test_export_writes_a_finished_runs_metrics(tmp_path):
     path = simulate(tmp_path, "plain", {**TB, "tensorboard": False}).run_dir
     assert not (path / TENSORBOARD).exists()
     folder = export(path, tmp_path / "tb" / "plain")
-    events = read_events(folder)
+    events = rounds_of(path, folder)
     metrics = lines(path / "metrics.jsonl")
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events],
@@ -161,7 +172,7 @@ def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
     status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
     assert status["run_state"] == "finished"
     metrics = lines(state / "metrics.jsonl")
-    events = read_events(state / TENSORBOARD)
+    events = rounds_of(state)
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events], np.float32([v for m in metrics for _, v in scalars(m)]))
     assert {s for s, *_ in events} == {1, 2}

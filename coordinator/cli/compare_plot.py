@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from dpfleet.coordinator.cli.compare_table import starting_accuracy
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
@@ -49,7 +50,9 @@ def _draw(plt: object, records: Sequence[RunRecord], labels: Sequence[str], out:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (record, label) in enumerate(zip(records, labels, strict=True)):
         color = colors[i % len(colors)]
-        points = [(m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
+        start = starting_accuracy(record)  # round 0, the starting model (initial_eval.json)
+        points = ([] if start is None else [(0, start)]) + [
+            (m["round"], m["accuracy"]) for m in record.metrics if m.get("accuracy") is not None]
         if points:
             acc.plot(*zip(*points, strict=True), marker="o", color=color, label=label)
         baseline = (record.summary or {}).get("unigram_baseline", {}).get("accuracy")

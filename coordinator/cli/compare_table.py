@@ -1,6 +1,7 @@
 """The comparison of runs `dpfleet compare` prints: one column per run, the figures people compare
-(accuracy against the unigram baseline, eps, rounds, wall time, noise) and then the config keys
-that differ between the runs, which is usually why they were run. Pure functions of `RunRecord`s.
+(accuracy against the starting model's and the unigram baseline's, eps, rounds, wall time, noise)
+and then the config keys that differ between the runs, which is usually why they were run.
+Functions of `RunRecord`s (and, for an unfinished run's round 0, its initial_eval.json).
 
 A finished run's figures are its summary.json and privacy.json; an unfinished run's are the last
 metrics records it committed (accuracy of its last evaluated round, eps so far), marked as such.
@@ -13,6 +14,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.coordinator.state.run_record import RunRecord
 
 _MISSING = object()
@@ -38,6 +40,16 @@ def differing_keys(records: Sequence[RunRecord]) -> list[str]:
     return [k for k in keys if len({json.dumps(f.get(k, _MISSING), default=str) for f in flat}) > 1]
 
 
+def starting_accuracy(record: RunRecord) -> float | None:
+    """Round 0's held-out accuracy (the starting model, no privacy cost): summary.json's, or for
+    an unfinished run the run directory's initial_eval.json; None for a run of an older dpfleet."""
+    initial = (record.summary or {}).get("initial") or read_initial(record.path)
+    value = initial.get("accuracy") if isinstance(initial, dict) else None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    # finite only (NaN fails both comparisons); an edited file's text or inf: no figure
+    return value if number and -float("inf") < value < float("inf") else None
+
+
 def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict:
     """One run's figures (the JSON form of a column); None where the run has no such figure."""
     s, p = record.summary or {}, record.privacy or {}
@@ -50,6 +62,7 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "stopped_early": s.get("stopped_early"),
         "accuracy": final.get("accuracy") if s else accuracy and accuracy[1],
         "accuracy_round": None if s or not accuracy else accuracy[0],
+        "initial_accuracy": starting_accuracy(record),  # round 0: the starting model
         "unigram_accuracy": s.get("unigram_baseline", {}).get("accuracy"),
         "perplexity": final.get("perplexity") if s else perplexity and perplexity[1],
         # finished: privacy.json's (None where it is no guarantee); else the last round's so far
@@ -121,6 +134,7 @@ def _warnings(f: dict) -> str:
 ROWS = (
     ("status", _status),
     ("accuracy", _accuracy),
+    ("starting model", lambda f: _number(f["initial_accuracy"], ".4f")),
     ("unigram baseline", lambda f: _number(f["unigram_accuracy"], ".4f")),
     ("perplexity", lambda f: _number(f["perplexity"], ".1f")),
     ("eps", _epsilon),

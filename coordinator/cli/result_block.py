@@ -12,17 +12,25 @@ LABEL = 22  # the label column's width
 
 
 def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[str] | tuple[str, ...],
-                 stopped_early: str | None, run_dir: Path) -> list[str]:
+                 stopped_early: str | None, run_dir: Path, initial: dict | None = None) -> list[str]:
     """The result block of a finished run: caveats first (a run that is not fully private says
     so, `caveats.py`), then the warnings of a result that means nothing (`result_warnings.py`),
-    accuracy and perplexity next to the unigram baseline, eps and the noise, where the run is."""
+    accuracy and perplexity next to the starting model's (`initial`, round 0) and the unigram
+    baseline's, eps and the noise, where the run is."""
     p = privacy
     lines = [_row("WARNING", line) for line in p.get("caveats", [])]
     lines += [_row("WARNING", line) for line in warnings]
-    lines.append(_row("next-token accuracy", f"model {_f(final['accuracy'], '.4f')}   unigram "
+    start = initial or {}  # round 0 (an older run has none)
+    acc0, ppl0 = (("", "") if start.get("accuracy") is None else
+                  (f"starting model {_f(start['accuracy'], '.4f')}   ",
+                   f"starting model {_f(start.get('perplexity'), '.1f')}   "))
+    lines.append(_row("next-token accuracy", f"model {_f(final['accuracy'], '.4f')}   {acc0}unigram "
                                              f"baseline {_f(baseline['accuracy'], '.4f')}"))
-    lines.append(_row("perplexity", f"model {_f(final['perplexity'], '.1f')}   unigram baseline "
+    lines.append(_row("perplexity", f"model {_f(final['perplexity'], '.1f')}   {ppl0}unigram baseline "
                                     f"{_f(baseline['perplexity'], '.1f')}"))
+    if acc0:  # where the accuracy comes from: what the private rounds added to it
+        lines.append(_row("starting model", "round 0, before any private round (the init, after public "
+                                            "pretraining if any): no privacy cost"))
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     lines.append(_row("privacy", (
         f"eps = {_f(p['epsilon'], '.2f')} at delta = {p['delta']:g} "
@@ -51,7 +59,8 @@ def saved_result_lines(run_dir: Path) -> list[str]:
     return result_lines(final=summary["final"], baseline=summary["unigram_baseline"],
                         privacy=json.loads((run_dir / "privacy.json").read_text()),
                         warnings=summary.get("warnings", []),
-                        stopped_early=summary.get("stopped_early"), run_dir=run_dir)
+                        stopped_early=summary.get("stopped_early"), run_dir=run_dir,
+                        initial=summary.get("initial"))
 
 
 def _f(value: float | None, spec: str) -> str:

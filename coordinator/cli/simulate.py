@@ -89,5 +89,7 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
                              baseline={"accuracy": result.unigram_accuracy,
                                        "perplexity": result.unigram_perplexity},
                              privacy=result.privacy, warnings=result.warnings,
-                             stopped_early=result.stopped_early, run_dir=result.run_dir):
+                             stopped_early=result.stopped_early, run_dir=result.run_dir,
+                             initial={"accuracy": result.initial_accuracy,
+                                      "perplexity": result.initial_perplexity}):
         click.echo(line)

@@ -224,6 +224,8 @@ class RoundEngine:
         )
         self.releases = releases if releases is not None else ReleaseLog(self.run_path / RELEASES)
         self.start, self.metrics, self.fresh_tree_at, self.lost = 0, [], None, []
+        # round 0, while the server holds theta_0: where the run's accuracy starts from
+        self.initial = self._starting_model(resume)
         if resume:  # released rounds are never redone (`release_log`)
             resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
                                  self.participation, self.accountant, self.users, fingerprint,
@@ -240,6 +242,22 @@ class RoundEngine:
         # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
         self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics),
                                        in_run=True) if cfg.tensorboard else None)
+
+    def _starting_model(self, resume: bool) -> dict | None:
+        """Round 0: the starting model's held-out evaluation, in initial_eval.json (atomically) when
+        the run starts; a resumed run reads it back, so it shows what the run started from even when
+        its model was rebuilt. Not a metrics.jsonl line: that log is one record per released
+        round (the release log, resume and replay count on it), and round 0 releases nothing.
+        None without held-out rows."""
+        saved = self.run.initial() if resume else None
+        if saved is not None or self.test_rows is None or not len(self.test_rows):
+            return saved
+        training = self.model.training
+        try:  # scored as every round is (`evaluate`), on theta_0: called before a resume restores
+            evaluation = self.evaluate()
+        finally:
+            self.model.train(training)  # a module the trainer shares keeps its mode
+        return self.run.write_initial(evaluation)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
@@ -495,11 +513,11 @@ class RoundEngine:
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP guarantee")
-        plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title)
+        plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title, self.initial)
         summary = {
             **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
             "warnings": result_warnings(cfg, final, baseline, privacy),  # a result that means nothing
-            "final": final, "unigram_baseline": baseline,
+            "initial": self.initial, "final": final, "unigram_baseline": baseline,
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,
             "simulated_hours": self.participation.hours(self.participation.slot),

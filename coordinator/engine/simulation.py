@@ -251,6 +251,9 @@ def run_simulation(
         f"{type(setup.model).__name__ if setup.model_cfg is None else setup.model_cfg.arch} with "
         f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
     )
+    if engine.initial is not None:  # round 0: what the private rounds start from
+        log(f"starting model (round 0, before any private round; no privacy cost): held-out accuracy "
+            f"{engine.initial['accuracy']:.4f}, unigram baseline {baseline['accuracy']:.4f}")
     _log_resume(cfg, engine, resume, log)
     with engine.resume_point_on_interrupt():  # Ctrl-C / SIGTERM: --resume loses no released round
         stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
@@ -424,7 +427,9 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
 
         rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
                       total=cfg.rounds)
-        acc = "n/a"  # until the first evaluation (eval_every)
+        # round 0's (the starting model's) until the first evaluation (eval_every); n/a on resume
+        initial = engine.initial if not engine.start else None
+        acc = "n/a" if initial is None else f"{initial['accuracy']:.4f}"
     for r in rounds:
         plan = engine.open_round(before_round)
         if isinstance(plan, Stop):

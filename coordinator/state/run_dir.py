@@ -5,6 +5,8 @@ half-written file) and under its permission rule, the folder 0700 and every file
 point next to config.json and the model is one reader's business). Layout:
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
+    initial_eval.json           round 0: the starting model's held-out evaluation, written when the
+                                run starts and read back on resume (no privacy cost)
     debug_nonprivate.jsonl      un-noised client telemetry, only with debug_nonprivate (not DP)
     vocabulary/                 a DP word vocabulary and its privacy summary (tokenizer.kind word)
     participation.jsonl         {"round", "devices", "restart"} per round (for the accountant)
@@ -31,6 +33,11 @@ from dpfleet.io import (  # noqa: F401 (the run directory's writers: the floor's
     write_secret,
 )
 from dpfleet.jsonio import dumps
+
+INITIAL_EVAL = "initial_eval.json"  # round 0: the starting model's held-out evaluation
+# what round 0 is, said with its figure
+STARTING_MODEL = ("round 0: the starting model (the config's init or the model passed in, after "
+                  "public pretraining if any), evaluated before any private round: no privacy cost")
 
 
 def _toml_value(v: object) -> str:
@@ -111,18 +118,49 @@ class RunDir:
         atomic_write(self.path / name, dumps(obj, indent=2))
         return self.path / name
 
+    def write_initial(self, evaluation: dict) -> dict:
+        """Round 0's record (the starting model's held-out `evaluation`, said to cost no privacy)
+        written to `INITIAL_EVAL`; returned as written."""
+        record = {"round": 0, **evaluation, "privacy": STARTING_MODEL}
+        self.write_json(INITIAL_EVAL, record)
+        return record
 
-def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str) -> Path:
+    def initial(self) -> dict | None:
+        """Round 0's record as the run wrote it (`read_initial`)."""
+        return read_initial(self.path)
+
+
+def read_initial(path: Path) -> dict | None:
+    """The run directory's round-0 record (`INITIAL_EVAL`), or None: a run of an older dpfleet, or
+    one that stopped before its engine started (an unreadable file counts as absent too)."""
+    try:
+        record = json.loads((Path(path) / INITIAL_EVAL).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def accuracy_points(metrics: list[dict], initial: dict | None = None) -> list[tuple[int, float]]:
+    """(round, held-out accuracy): round 0 (the starting model) first when evaluated, then each
+    evaluated round."""
+    start = [(0, initial["accuracy"])] if initial and initial.get("accuracy") is not None else []
+    return start + [(m["round"], m["accuracy"]) for m in metrics if m.get("accuracy") is not None]
+
+
+def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str,
+                  initial: dict | None = None) -> Path:
+    """accuracy.png: the released models' held-out accuracy per round from the starting model's
+    (`initial`, round 0) on, against the unigram baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [(m["round"], m["accuracy"]) for m in metrics if m.get("accuracy") is not None]
+    pts = accuracy_points(metrics, initial)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     if pts:
         xs, ys = np.array(pts).T
-        ax.plot(xs, ys, marker="o", label="DP-FTRL model (held-out clients)")
+        ax.plot(xs, ys, marker="o", label="DP-FTRL model (held-out clients; round 0: starting model)")
     ax.axhline(baseline, color="grey", linestyle="--", label="unigram baseline")
     ax.set_xlabel("round")
     ax.set_ylabel("next-token accuracy")

@@ -8,7 +8,8 @@ for it (`debug_nonprivate = true`), under its own tag group `debug_nonprivate_NO
 The folder is RUN_DIR/tensorboard/ (`tensorboard --logdir runs/` shows every run side by side).
 It always mirrors the records: an engine that opens a run (fresh, resumed, a restarted service)
 writes it anew from the records so far, then each round as it commits. `export` does the same for
-a finished run's metrics.jsonl (`dpfleet compare --tensorboard`). Writer: tensorboardX (about
+a finished run's metrics.jsonl (`dpfleet compare --tensorboard`). Step 0 is the starting model's
+held-out evaluation (round 0, before any private round: no privacy cost). Writer: tensorboardX (about
 90 kB, no TensorFlow; the `tensorboard` extra), flushed after every round.
 
 Why a marker file (`MARKER`): rewriting means deleting the earlier events, and a folder named on
@@ -25,11 +26,13 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.errors import DpfleetError
 
 TENSORBOARD = "tensorboard"  # the folder in a run directory
 DEBUG_NONPRIVATE = "debug_nonprivate.jsonl"  # a run's un-noised telemetry, only when it asked
 DEBUG_GROUP = "debug_nonprivate_NOT_DP"  # the tag group of un-noised telemetry (outside the guarantee)
+STARTING_TAGS = ("accuracy", "loss", "perplexity")  # round 0's figures, at step 0 under eval/
 INSTALL = "pip install 'dpfleet[tensorboard]'"
 MARKER = ".dpfleet-tensorboard"  # in every folder dpfleet creates for events: it may replace them
 EVENTS = "events.out.tfevents.*"  # tensorboardX's event files, the only files replaced
@@ -135,6 +138,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
+    """Step 0, the starting model's held-out evaluation (`run_dir.INITIAL_EVAL`) when the run has
+    one, then each round's logs so far (`round_backlog`)."""
+    initial = read_initial(run_path)
+    start = [{"metrics": {"round": 0, **{k: initial[k] for k in STARTING_TAGS if k in initial}}}] \
+        if initial else []
+    return start + round_backlog(run_path, metrics)
+
+
+def round_backlog(run_path: Path, metrics: Iterable[Mapping]) -> list[dict]:
     """Each round's logs so far: `metrics` with the run directory's debug_nonprivate lines."""
     debug = {d["round"]: d for d in read_jsonl(Path(run_path) / DEBUG_NONPRIVATE)}
     return [{"metrics": m, **({"debug_nonprivate": debug[m["round"]]} if m["round"] in debug else {})}
