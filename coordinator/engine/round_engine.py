@@ -55,7 +55,7 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
-from dpfleet.coordinator.state.tensorboard_log import TENSORBOARD, TensorBoardLog, run_backlog
+from dpfleet.coordinator.state.trackers import open_trackers
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
@@ -223,9 +223,8 @@ class RoundEngine:
         self._before_open: tuple[int, Frozen, Frozen | None] | None = None
         self._saved_at = self.start
         self._run_dir_points = releases is None  # not the state store's (it commits every round)
-        # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
-        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics))
-                        if cfg.tensorboard else None)
+        # `tensorboard` / `wandb` / `mlflow = true`: the records to those trackers, the rounds so far first
+        self.trackers = open_trackers(cfg, self.run_path, self.metrics)
 
     def open_round(self, before_round: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                    *, available: Sequence[int] | None = None, extra: int = 0) -> RoundPlan | Stop:
@@ -372,8 +371,7 @@ class RoundEngine:
         )
         self._before_open = None  # released: the live state is the last release's
         self.metrics.append(record)
-        if self.scalars is not None:
-            self.scalars.round(logs)
+        self.trackers.round(logs)
         self.sink.participation(
             {"round": r, "devices": [self.users[i] for i in in_sum], "restart": restart})
         return record
@@ -495,8 +493,7 @@ class RoundEngine:
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)
-        if self.scalars is not None:
-            self.scalars.close()
+        self.trackers.close()
         discard_resume(run_path)
         return final, privacy
 
