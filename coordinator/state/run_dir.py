@@ -80,13 +80,12 @@ class RunDir:
 
 
 def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own, not pyplot's: the caller's backend (a notebook's inline plots) is left alone
+    from matplotlib.figure import Figure
 
     pts = [(m["round"], m["accuracy"]) for m in metrics if m.get("accuracy") is not None]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.subplots()
     if pts:
         xs, ys = np.array(pts).T
         ax.plot(xs, ys, marker="o", label="DP-FTRL model (held-out clients)")
@@ -98,5 +97,4 @@ def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(out)
-    plt.close(fig)
     return out
