@@ -27,8 +27,9 @@ TRACKED = {**CONFIG, "rounds": 3, "eval_every": 2, "wandb": True, "mlflow": True
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """One MLflow sqlite store for the module (creating its tables takes seconds)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    """One MLflow file store for the module: the same client calls as MLflow's default sqlite
+    store (which the slow test uses), without its ~12 s of table creation."""
+    return tmp_path_factory.mktemp("mlflow").as_uri()
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +41,7 @@ def offline(monkeypatch, tmp_path, store, request):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", request.node.name[:200])
 
 
@@ -184,3 +186,22 @@ def test_switching_a_tracker_is_no_other_config_for_a_resume_or_a_restart():
     assert differing_keys(saved, cfg) == []
     assert differing_keys({**cfg, "wandb": False, "mlflow": False}, cfg) == []
     assert differing_keys({**cfg, "seed": 99}, cfg) == ["seed"]
+
+
+@pytest.mark.slow  # a coordinator and its devices over loopback, MLflow's sqlite store: ~35 s
+def test_a_served_run_logs_its_metrics_to_both(tmp_path, monkeypatch):
+    """`coordinator serve` with wandb and mlflow on: what they hold is STATE/metrics.jsonl; MLflow
+    in its default kind of store, an SQLite database (the mlflow extra's SQLAlchemy)."""
+    import asyncio
+
+    from service_fleet import device_keys, fleet_data, serve_to_end, tiny_cfg
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = tiny_cfg(rounds=2, wandb=True, mlflow=True)
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    state = tmp_path / "state"
+    status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
+    assert status["run_state"] == "finished"
+    want = expected(state)
+    assert sorted(want) == [1, 2]
+    assert wandb_history(state) == [want] and mlflow_history(state) == [want]
