@@ -136,18 +136,21 @@ def test_telemetry_goes_only_under_its_own_group_and_only_when_asked(tmp_path):
 def test_a_resumed_run_has_each_step_once(tmp_path, monkeypatch):
     """Crashed in round 3 after a resume point at round 2: the reopened engine logs the run anew
     (W&B: one offline run left; MLflow: the earlier run deleted), each round once."""
-    cfg = {**TRACKED, "rounds": 4, "checkpoint_every": 2}
     out = tmp_path / "run"
+
+    def once(**options):
+        cfg = parse_config({**copy.deepcopy(TRACKED), "rounds": 4, "checkpoint_every": 2})
+        run(cfg, out, model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False,
+            log=lambda s: None, **options)
+
     failing_on_round(monkeypatch, 3)
-    args = dict(model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False, log=lambda s: None)
     with pytest.raises(Crash):
-        run(parse_config(copy.deepcopy(cfg)), out, **args)
+        once()
     assert [sorted(h) for h in mlflow_history(out)] == [[1, 2]]
-    run(parse_config(copy.deepcopy(cfg)), out, resume=True, **args)
+    once(resume=True)
     want = expected(out)
     assert sorted(want) == [1, 2, 3, 4]
-    assert wandb_history(out) == [want]
-    assert mlflow_history(out) == [want]
+    assert wandb_history(out) == [want] and mlflow_history(out) == [want]
 
 
 def test_the_cli_turns_them_on_with_set(tmp_path, capsys):
