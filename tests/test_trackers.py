@@ -108,6 +108,13 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def tiny_config(folder: Path) -> Path:
+    """The packaged tiny example (`dpfleet init --example tiny`) in `folder`."""
+    config = folder / "tiny.toml"
+    config.write_text((Path(dpfleet.__file__).parent / "configs" / "tiny.toml").read_text())
+    return config
+
+
 def simulate(tmp_path, name, config=TRACKED):
     return dpfleet.simulate(copy.deepcopy(config), model=TinyLM(), users=USERS, tokenizer=WordIds(),
                             progress=False, run_dir=tmp_path / name).run_dir
@@ -155,10 +162,8 @@ def test_a_resumed_run_has_each_step_once(tmp_path, monkeypatch):
 
 def test_the_cli_turns_them_on_with_set(tmp_path, capsys):
     """`dpfleet simulate CONFIG --set wandb=true --set mlflow=true` for one run."""
-    config = tmp_path / "tiny.toml"
-    config.write_text((Path(dpfleet.__file__).parent / "configs" / "tiny.toml").read_text())
     out = tmp_path / "cli"
-    main(["simulate", str(config), "--out", str(out), "--quiet", "--rounds", "2",
+    main(["simulate", str(tiny_config(tmp_path)), "--out", str(out), "--quiet", "--rounds", "2",
           "--set", "wandb=true", "--set", "mlflow=true"])
     want = expected(out)
     assert sorted(want) == [1, 2]
@@ -175,10 +180,8 @@ def test_without_the_extra_the_config_is_refused_in_one_line(monkeypatch, capsys
                                            rf"pip install 'dpfleet\[{key}\]'$"):
         parse_config({**CONFIG, key: True})
     parse_config(copy.deepcopy(CONFIG))  # only a run that asks for it needs it
-    config = tmp_path / "tiny.toml"
-    config.write_text((Path(dpfleet.__file__).parent / "configs" / "tiny.toml").read_text())
     with pytest.raises(SystemExit) as exit_:
-        main(["simulate", str(config), "--out", str(tmp_path / "no"), "--set", f"{key}=true"])
+        main(["simulate", str(tiny_config(tmp_path)), "--out", str(tmp_path / "no"), "--set", f"{key}=true"])
     assert exit_.value.code == 2 and not (tmp_path / "no").exists()
     assert capsys.readouterr().err == f"error: {key} = true needs {module}: pip install 'dpfleet[{key}]'\n"
 
@@ -208,3 +211,14 @@ def test_a_served_run_logs_its_metrics_to_both(tmp_path, monkeypatch):
     want = expected(state)
     assert sorted(want) == [1, 2]
     assert wandb_history(state) == [want] and mlflow_history(state) == [want]
+
+
+def test_a_bad_wandb_mode_is_one_line_and_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", str(tiny_config(tmp_path)), "--out", str(out), "--quiet", "--rounds", "1",
+              "--set", "wandb=true"])
+    assert exit_.value.code == 2 and not out.exists()
+    assert capsys.readouterr().err == ("error: wandb = true: WANDB_MODE=bogus is none of W&B's modes "
+                                       "(offline, online, disabled, shared)\n")

@@ -62,6 +62,7 @@ class WandbLog:
     """One run's W&B run (offline in RUN_DIR/wandb/ unless WANDB_MODE says otherwise)."""
 
     ID_FILE = "dpfleet_run_id"
+    MODES = ("offline", "online", "disabled", "shared")
     # the W&B run each run directory has open in this process: one an engine left open (an
     # exception out of a round, Ctrl-C in a notebook) is finished before the next opening
     _open: dict[Path, WandbLog] = {}
@@ -77,6 +78,9 @@ class WandbLog:
         id_file = folder / self.ID_FILE
         earlier = id_file.read_text().strip() if id_file.is_file() else ""
         mode = os.environ.get("WANDB_MODE") or "offline"
+        if mode not in self.MODES:
+            raise DpfleetError(f"wandb = true: WANDB_MODE={mode} is none of W&B's modes "
+                               f"({', '.join(self.MODES)})")
         if earlier and mode == "offline":  # this run's earlier openings' folders: written anew below
             for old in folder.glob(f"offline-run-*-{earlier}"):
                 shutil.rmtree(old)
@@ -91,7 +95,8 @@ class WandbLog:
                 settings=wandb.Settings(silent=True, console="off", save_code=False,
                                         x_disable_stats=True, x_disable_meta=True))
         except Exception as exc:  # no API key online, a bad WANDB_MODE, ...: one line
-            raise DpfleetError(f"wandb = true: W&B did not start ({type(exc).__name__}: {exc}); "
+            why = " ".join(str(exc).split())[:300]  # one line
+            raise DpfleetError(f"wandb = true: W&B did not start ({type(exc).__name__}: {why}); "
                                "WANDB_MODE=offline logs to RUN_DIR/wandb/ without an account") from exc
         self._open[self.key] = self
         seen = self.run.step if mode == "online" and self.run.resumed else 0  # W&B has rounds < seen
