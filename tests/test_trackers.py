@@ -45,32 +45,41 @@ def offline(monkeypatch, tmp_path, store, request):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", request.node.name[:200])
 
 
-def wandb_history(run_dir: Path) -> list[dict[int, dict[str, float]]]:
-    """Each offline W&B run in RUN_DIR/wandb/: {step: {tag: value}} from its .wandb file (W&B's
-    LevelDB-log framing: a 7-byte file header, then records of crc u32, length u16, type u8 in
-    32 KiB blocks, each a `Record` proto)."""
+def wandb_records(path: Path) -> list:
+    """The `Record` protos of one offline W&B run file: W&B's LevelDB-log framing, a 7-byte file
+    header, then records of crc u32, length u16, type u8 in 32 KiB blocks."""
     from wandb.proto import wandb_internal_pb2 as pb
 
+    data, i, chunk, out = path.read_bytes(), 7, b"", []
+    while i + 7 <= len(data):
+        if 32768 - i % 32768 < 7:  # a block's tail too short for a header: padding
+            i += 32768 - i % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[i + 4:i + 7])
+        if kind == 0 and length == 0:
+            break
+        chunk += data[i + 7:i + 7 + length]
+        i += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            out.append(pb.Record.FromString(chunk))
+            chunk = b""
+    return out
+
+
+def wandb_runs(run_dir: Path) -> list[list]:
+    return [wandb_records(p) for p in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))]
+
+
+def wandb_history(run_dir: Path) -> list[dict[int, dict[str, float]]]:
+    """Each offline W&B run in RUN_DIR/wandb/: {step: {tag: value}}."""
     runs = []
-    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        data, i, chunk, steps = path.read_bytes(), 7, b"", {}
-        while i + 7 <= len(data):
-            if 32768 - i % 32768 < 7:  # a block's tail too short for a header: padding
-                i += 32768 - i % 32768
-                continue
-            length, kind = struct.unpack("<HB", data[i + 4:i + 7])
-            if kind == 0 and length == 0:
-                break
-            chunk += data[i + 7:i + 7 + length]
-            i += 7 + length
-            if kind in (1, 4):  # a full record, or the last piece of one
-                record = pb.Record.FromString(chunk)
-                chunk = b""
-                if record.WhichOneof("record_type") == "history":
-                    items = {"/".join(it.nested_key) or it.key: json.loads(it.value_json)
-                             for it in record.history.item}
-                    steps[record.history.step.num] = {k: v for k, v in items.items()
-                                                      if not k.startswith("_")}
+    for records in wandb_runs(run_dir):
+        steps = {}
+        for record in records:
+            if record.WhichOneof("record_type") == "history":
+                items = {"/".join(it.nested_key) or it.key: json.loads(it.value_json)
+                         for it in record.history.item}
+                steps[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
         runs.append(steps)
     return runs
 
@@ -222,3 +231,23 @@ def test_a_bad_wandb_mode_is_one_line_and_leaves_no_run_directory(tmp_path, monk
     assert exit_.value.code == 2 and not out.exists()
     assert capsys.readouterr().err == ("error: wandb = true: WANDB_MODE=bogus is none of W&B's modes "
                                        "(offline, online, disabled, shared)\n")
+
+
+def test_research_modes_noise_seed_is_never_logged(tmp_path):
+    """dp.noise_seed rebuilds the noise: the config the trackers log leaves it out (the rest of
+    the config is there, to compare runs by)."""
+    from mlflow.tracking import MlflowClient
+
+    path = simulate(tmp_path, "seeded", {**TRACKED, "rounds": 1, "dp": {**TRACKED["dp"], "noise_seed": 4242}})
+    assert json.loads((path / "config.json").read_text())["dp"]["noise_seed"] == 4242
+    [records] = wandb_runs(path)
+    logged = {it.key: json.loads(it.value_json) for r in records if r.WhichOneof("record_type") == "run"
+              for it in r.run.config.update}
+    assert logged["dp"]["noise_multiplier"] == 0.5 and logged["seed"] == 1
+    assert "noise_seed" not in logged["dp"] and "4242" not in json.dumps(logged)
+    [found] = MlflowClient().search_runs(
+        [e.experiment_id for e in MlflowClient().search_experiments()],
+        f"tags.`dpfleet.run_dir` = '{path.resolve()}'")
+    params = found.data.params
+    assert params["dp.noise_multiplier"] == "0.5" and params["seed"] == "1"
+    assert not any("noise_seed" in k for k in params) and "4242" not in params.values()

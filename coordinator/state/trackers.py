@@ -19,6 +19,9 @@ resumed, a restarted service) writes the rounds so far again, and no step is the
   in the working folder), experiment MLFLOW_EXPERIMENT_NAME (default dpfleet). The MLflow run is
   tagged with the run directory; an opening deletes the earlier MLflow runs of that directory
   and logs the backlog into a new one, the resolved config as its parameters.
+
+Both get the resolved config (to compare runs by) without research mode's `dp.noise_seed`: a
+tracker is often shared, and the seed rebuilds the noise.
 """
 
 from __future__ import annotations
@@ -155,6 +158,17 @@ class MlflowLog:
         self.client.set_terminated(self.run_id)
 
 
+# config keys a tracker never gets: research mode's noise seed rebuilds the noise (anyone who
+# reads it in a shared tracker could subtract it); the privacy report says research mode anyway
+UNPUBLISHED = {"dp": ("noise_seed",)}
+
+
+def published_config(resolved: Mapping) -> dict:
+    """The resolved config as the trackers log it (W&B's config, MLflow's parameters)."""
+    return {k: ({kk: vv for kk, vv in v.items() if kk not in UNPUBLISHED.get(k, ())}
+                if isinstance(v, Mapping) else v) for k, v in resolved.items()}
+
+
 def _flat(config: Mapping, prefix: str = "") -> Iterable[tuple[str, object]]:
     for key, value in config.items():
         if isinstance(value, Mapping):
@@ -217,5 +231,5 @@ def open_trackers(cfg: object, run_path: Path, metrics: Sequence[Mapping]) -> Tr
     if not keys:
         return Trackers()
     backlog = run_backlog(run_path, metrics)
-    config = cfg.resolved() if hasattr(cfg, "resolved") else {}
+    config = published_config(cfg.resolved() if hasattr(cfg, "resolved") else {})
     return Trackers([WRITERS[key].open(Path(run_path), backlog, config) for key in keys])
