@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from crashes import Crash, failing_on_round
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_api import CONFIG, USERS, TinyLM, WordIds
 
 import dpfleet
@@ -19,7 +21,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.run import run
 from dpfleet.coordinator.state import trackers
 from dpfleet.coordinator.state.resume import differing_keys
-from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, scalars
+from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, scalars, tagged
 from dpfleet.errors import DpfleetError
 
 TRACKED = {**CONFIG, "rounds": 3, "eval_every": 2, "wandb": True, "mlflow": True}
@@ -43,6 +45,29 @@ def offline(monkeypatch, tmp_path, store, request):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", request.node.name[:200])
+
+
+KEYS = st.sampled_from(["round", "epsilon", "accuracy", "clip", "train_loss", "clipped_fraction",
+                         "aggregation", "bits", "new_key"])
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.text(max_size=3),
+                   st.floats(allow_nan=True, allow_infinity=True))
+RECORDS = st.recursive(st.dictionaries(KEYS, VALUES, max_size=6),
+                       lambda inner: st.dictionaries(KEYS, st.one_of(VALUES, inner), max_size=4),
+                       max_leaves=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(metrics=RECORDS, debug=st.one_of(st.none(), RECORDS))
+def test_what_a_tracker_gets_is_the_record_and_telemetry_only_under_its_group(metrics, debug):
+    """Whatever a round's records hold: the DP tags are exactly the metrics record's numbers, and
+    every un-noised number is under debug_nonprivate_NOT_DP/, never beside the DP ones."""
+    logs = {"metrics": {**metrics, "round": 1}, **({"debug_nonprivate": debug} if debug is not None else {})}
+    got = list(tagged(logs))
+    dp = [(t, v) for t, v in got if not t.startswith(DEBUG_GROUP + "/")]
+    assert dp == list(scalars(logs["metrics"]))
+    telemetry = got[len(dp):]
+    assert telemetry == (list(scalars(debug, DEBUG_GROUP)) if debug else [])
+    assert all(isinstance(v, float) and v == v and abs(v) != float("inf") for _, v in got)
 
 
 def wandb_records(path: Path) -> list:
