@@ -164,6 +164,7 @@ def test_a_run_logs_each_rounds_metrics_to_wandb_and_mlflow_and_no_telemetry(tmp
     assert wandb_run == want  # every number of metrics.jsonl, exactly, and nothing else
     assert mlflow_run == want
     assert not any(t.startswith(DEBUG_GROUP) for step in wandb_run.values() for t in step)
+    assert (path / "wandb").stat().st_mode & 0o777 == 0o700  # W&B's files: the run's reader's only
 
 
 def test_telemetry_goes_only_under_its_own_group_and_only_when_asked(tmp_path):

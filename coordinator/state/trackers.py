@@ -88,7 +88,8 @@ class WandbLog:
             for old in folder.glob(f"offline-run-*-{earlier}"):
                 shutil.rmtree(old)
         run_id = earlier if earlier and backlog else secrets.token_hex(6)  # a new run: a new W&B id
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)  # like the run directory: its reader's business
+        folder.chmod(0o700)
         atomic_write(id_file, run_id + "\n")
         try:
             self.run = wandb.init(
