@@ -20,8 +20,7 @@ from pathlib import Path
 
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
-from dpfleet.coordinator.state.tensorboard_log import INSTALL as TENSORBOARD_INSTALL
-from dpfleet.coordinator.state.tensorboard_log import available as tensorboard_available
+from dpfleet.coordinator.state.trackers import missing_extras
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 
@@ -343,6 +342,12 @@ class SimulationConfig:
     tensorboard: bool = False
     """Also write each round's metrics record (DP quantities, held-out evaluation) as TensorBoard
     scalars to RUN_DIR/tensorboard/ as the run goes (pip install 'dpfleet[tensorboard]')."""
+    wandb: bool = False
+    """Also log each round's metrics record to Weights & Biases as the run goes: offline in
+    RUN_DIR/wandb/ unless WANDB_MODE=online (pip install 'dpfleet[wandb]')."""
+    mlflow: bool = False
+    """Also log each round's metrics record to MLflow as the run goes, in MLflow's tracking store
+    (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; pip install 'dpfleet[mlflow]')."""
     eval_every: int = 10
     """Rounds between held-out evaluations (the last round is always evaluated)."""
     seed: int = 0
@@ -579,8 +584,7 @@ YEAR_MINUTES = 525_600  # the longest round or device timer a config may state
 def validate(cfg: SimulationConfig) -> None:
     checks = [
         (cfg.rounds >= 1, "rounds must be >= 1"),
-        (not cfg.tensorboard or tensorboard_available(),
-         f"tensorboard = true needs tensorboardX: {TENSORBOARD_INSTALL}"),
+        *((False, line) for line in missing_extras(cfg)),  # a tracker whose package is missing
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
         (cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: no resume points)"),
         (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),

@@ -102,7 +102,7 @@ def pretrain_on_public(*args: object, **kwargs: object) -> dict:
 EXTRAS = {
     "executorch": "edge", "onnx": "edge", "onnxruntime": "edge", "onnxscript": "edge",
     "transformers": "public", "gguf": "public", "accelerate": "public", "google": "public",
-    "tensorboardX": "tensorboard",
+    "tensorboardX": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
 }
 
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.coordinator.state.run_record import RunRecord
+from dpfleet.coordinator.state.trackers import WRITERS
 
 _MISSING = object()
 # config keys that say how a run is watched, not what it computes: never a difference worth a row
-WATCHING = {"tensorboard"}
+WATCHING = set(WRITERS)  # tensorboard, wandb, mlflow
 
 
 def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:

@@ -62,12 +62,8 @@ from dpfleet.coordinator.state.resume import (
     save_server_state,
 )
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
-from dpfleet.coordinator.state.tensorboard_log import (
-    DEBUG_NONPRIVATE,
-    TENSORBOARD,
-    TensorBoardLog,
-    run_backlog,
-)
+from dpfleet.coordinator.state.tensorboard_log import DEBUG_NONPRIVATE
+from dpfleet.coordinator.state.trackers import open_trackers
 from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
@@ -239,9 +235,8 @@ class RoundEngine:
         self._before_open: tuple[int, Frozen, Frozen | None] | None = None
         self._saved_at = self.start
         self._run_dir_points = releases is None  # not the state store's (it commits every round)
-        # `tensorboard = true`: the records as TensorBoard scalars, the rounds so far first
-        self.scalars = (TensorBoardLog(self.run_path / TENSORBOARD, run_backlog(self.run_path, self.metrics),
-                                       in_run=True) if cfg.tensorboard else None)
+        # `tensorboard` / `wandb` / `mlflow = true`: the records to those trackers, the rounds so far first
+        self.trackers = open_trackers(cfg, self.run_path, self.metrics)
 
     def _starting_model(self, resume: bool) -> dict | None:
         """Round 0: the starting model's held-out evaluation, in initial_eval.json (atomically) when
@@ -406,8 +401,7 @@ class RoundEngine:
         )
         self._before_open = None  # released: the live state is the last release's
         self.metrics.append(record)
-        if self.scalars is not None:
-            self.scalars.round(logs)
+        self.trackers.round(logs)
         self.sink.participation(
             {"round": r, "devices": [self.users[i] for i in in_sum], "restart": restart})
         return record
@@ -529,8 +523,7 @@ class RoundEngine:
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)
-        if self.scalars is not None:
-            self.scalars.close()
+        self.trackers.close()
         discard_resume(run_path)
         return final, privacy
 

@@ -59,6 +59,7 @@ from dpfleet.coordinator.state.guarantee import check_guarantee
 from dpfleet.coordinator.state.mechanism_binding import binding, check_bound, saved_config
 from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 from dpfleet.coordinator.state.run_dir import atomic_write, write_secret
+from dpfleet.coordinator.state.trackers import WRITERS
 from dpfleet.errors import DpfleetError
 from dpfleet.io import fsync_path, private_mkdir
 from dpfleet.jsonio import dumps
@@ -180,7 +181,8 @@ def _accounted(config: dict) -> dict:
         out["dp"] = {"mechanism": "tree", **out["dp"]}
         out["dp"].pop("warn_epsilon", None)  # when the summary warns, not what the run computes
     out.pop("mechanism", None)  # the run's binding, checked on its own (`mechanism_binding`)
-    out.pop("tensorboard", None)  # how the run is watched, not what it computes (a restart may switch it)
+    for tracker in WRITERS:  # how the run is watched, not what it computes (a restart may switch it)
+        out.pop(tracker, None)
     return out
 
 

@@ -151,13 +151,12 @@ def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str,
                   initial: dict | None = None) -> Path:
     """accuracy.png: the released models' held-out accuracy per round from the starting model's
     (`initial`, round 0) on, against the unigram baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own, not pyplot's: the caller's backend (a notebook's inline plots) is left alone
+    from matplotlib.figure import Figure
 
     pts = accuracy_points(metrics, initial)
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.subplots()
     if pts:
         xs, ys = np.array(pts).T
         ax.plot(xs, ys, marker="o", label="DP-FTRL model (held-out clients; round 0: starting model)")
@@ -169,5 +168,4 @@ def plot_accuracy(metrics: list[dict], baseline: float, out: Path, title: str,
     ax.legend()
     fig.tight_layout()
     atomic_write(out, lambda fh: fig.savefig(fh, format="png"))  # 0600, never half-written
-    plt.close(fig)
     return out

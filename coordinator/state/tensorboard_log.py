@@ -68,6 +68,14 @@ def scalars(record: Mapping, group: str | None = None) -> Iterator[tuple[str, fl
             yield f"{group or GROUPS.get(key, 'round')}/{key}", float(value)
 
 
+def tagged(logs: Mapping[str, Mapping]) -> Iterator[tuple[str, float]]:
+    """(tag, value) of a round's logs, what every tracker gets (`trackers`): its metrics record,
+    and its un-noised telemetry under DEBUG_GROUP only if the run wrote some (debug_nonprivate)."""
+    yield from scalars(logs["metrics"])
+    if logs.get("debug_nonprivate"):
+        yield from scalars(logs["debug_nonprivate"], DEBUG_GROUP)
+
+
 class TensorBoardLog:
     """One run's TensorBoard folder, rewritten from `backlog` (the rounds so far) when opened."""
 
@@ -87,11 +95,8 @@ class TensorBoardLog:
 
     def _write(self, logs: Mapping[str, Mapping]) -> None:
         step = int(logs["metrics"]["round"])
-        for tag, value in scalars(logs["metrics"]):
+        for tag, value in tagged(logs):
             self.writer.add_scalar(tag, value, step)
-        if logs.get("debug_nonprivate"):
-            for tag, value in scalars(logs["debug_nonprivate"], DEBUG_GROUP):
-                self.writer.add_scalar(tag, value, step)
 
     def round(self, logs: Mapping[str, Mapping]) -> None:
         """A committed round's logs, on disk when this returns."""
