@@ -18,6 +18,8 @@ BACKEND_HELP = ("Where the workers run: 'local' processes, or 'ray' actors (one 
 ADDRESS_HELP = "With --backend ray: an existing Ray cluster (HOST:6379, or 'auto'); default: a local Ray."
 
 
+SUMMARY_MARK = "dpfleet fleet emulate"  # in --summary's JSON: a file emulate may replace
+
 @click.group(name="fleet")
 def fleet() -> None:
     """Emulated phones that register, check in, train and report to a coordinator service.
@@ -69,7 +71,8 @@ def _start_hour(value: float | None) -> float:
 @click.option("--start-hour", type=float, default=None,
               help="Simulated hour of day at the start (default: the current UTC hour).")
 @click.option("--summary", type=click.Path(path_type=Path), default=None,
-              help="Also write the summary (counts, request latency p50/p99) as JSON here.")
+              help="Also write the summary (counts, request latency p50/p99) as JSON here; an "
+                   "existing file is replaced only if an earlier emulate wrote it.")
 @click.option("--bundle-key", type=click.Path(path_type=Path), default=None,
               help="The run's bundle public key (the coordinator's STATE/bundle_key.pub), pinned "
                    "out of band; needed with [fleet] client = 'bundle': devices train only with "
@@ -100,7 +103,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.io import atomic_write, check_writable
+    from dpfleet.io import atomic_write, check_replaceable, check_writable
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
@@ -108,6 +111,8 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     timeout = GONE_AFTER_S if coordinator_timeout is None else coordinator_timeout
     if timeout < 0:
         raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
+    if summary is not None:  # never a run's summary.json or a user's file
+        check_replaceable(summary, SUMMARY_MARK, "--summary")
     cfg = load_config(config)
     url, ca_file, plan_file, bundle_key, vocabulary = from_coordinator(
         cfg, state, url, ca_file, plan_file, bundle_key, vocabulary)
@@ -172,7 +177,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
         runner.stop()
     result = runner.summary(time.perf_counter() - began)
     if summary:
-        atomic_write(summary, json.dumps(result, indent=1))
+        atomic_write(summary, json.dumps({**result, "written_by": SUMMARY_MARK}, indent=1))
     counts = result["counts"]
     click.echo(f"fleet finished: {result['devices']} devices, {counts.get('assigned', 0)} assignments, "
                f"{counts.get('reported', 0) + counts.get('secagg_done', 0)} updates sent, "

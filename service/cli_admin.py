@@ -182,11 +182,15 @@ def _reads_finished_state(fn: Callable) -> Callable:
     return fn
 
 
+REPORT_MARK = "written by dpfleet coordinator report"  # the first line of an --out file
+
+
 @click.command("report")
 @_target_options
 @_reads_finished_state
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Write the report (markdown) to this file instead of printing it.")
+              help="Write the report (markdown) to this file instead of printing it; an existing "
+                   "file is replaced only if an earlier report wrote it.")
 def report(client: AdminClient | None, as_json: bool, out: Path | None,
            finished: dict | None = None) -> None:
     """The privacy report (markdown) that the coordinator writes from its own release log:
@@ -194,10 +198,11 @@ def report(client: AdminClient | None, as_json: bool, out: Path | None,
     finished run, read from that folder (no coordinator needs to run)."""
     text = finished["report"] if finished is not None else client.report()
     if out is not None:
-        from dpfleet.io import atomic_write
+        from dpfleet.io import atomic_write, check_replaceable
 
+        check_replaceable(out, REPORT_MARK, "--out")  # never a run's own report or a user's file
         try:
-            atomic_write(out, text)
+            atomic_write(out, f"<!-- {REPORT_MARK} -->\n{text}")
         except OSError as exc:
             raise DpfleetError(f"cannot write the report to {out} ({exc.strerror})") from None
     if as_json:

@@ -17,6 +17,8 @@ import sys
 import pytest
 from admin_standin import StandInCoordinator, make_cert, one_error_line, run
 
+from dpfleet.service.cli_admin import REPORT_MARK
+
 
 def run_subprocess(*args: str) -> subprocess.CompletedProcess:
     """`dpfleet coordinator ARGS` as a user runs it."""
@@ -86,7 +88,15 @@ def test_report_prints_writes_and_json(capsys, tmp_path, coord):
     assert code == 0 and out == coord.report
     dest = tmp_path / "report.md"
     code, out, _ = run(capsys, "report", "--state", str(tmp_path), "--out", str(dest))
-    assert code == 0 and dest.read_text() == coord.report and str(dest) in out
+    marked = f"<!-- {REPORT_MARK} -->\n{coord.report}"  # markdown renders the mark as nothing
+    assert code == 0 and dest.read_text() == marked and str(dest) in out
+    code, out, _ = run(capsys, "report", "--state", str(tmp_path), "--out", str(dest))  # its own: again
+    assert code == 0 and dest.read_text() == marked
+    for theirs in (tmp_path / "privacy.json", tmp_path / "notes.md"):  # never a file it did not write
+        theirs.write_text("{}")
+        code, _, err = run(capsys, "report", "--state", str(tmp_path), "--out", str(theirs))
+        assert code == 2 and "exists and is not a file this command wrote" in err
+        assert theirs.read_text() == "{}"
     code, out, _ = run(capsys, "report", "--state", str(tmp_path), "--json")
     got = json.loads(out)
     assert code == 0 and got["rounds_committed"] == 7 and got["report"] == coord.report

@@ -266,3 +266,14 @@ def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
 
     block = saved_result_lines(state)  # fleet run ends with the block simulate ends with
     assert done.stdout.splitlines()[-len(block):] == block
+
+
+def test_emulate_never_replaces_a_file_it_did_not_write(tmp_path):
+    """--summary at a run's summary.json (or any file emulate did not write) is refused before
+    anything runs, and the file keeps its bytes."""
+    theirs = tmp_path / "summary.json"
+    theirs.write_text('{"final": {"accuracy": 0.2}}')
+    line = run_here("fleet", "emulate", str(tmp_path / "any.toml"), "--summary", str(theirs))
+    assert_clean_error(line, f"{theirs} exists and is not a file this command wrote: choose another "
+                             "--summary")
+    assert theirs.read_text() == '{"final": {"accuracy": 0.2}}'

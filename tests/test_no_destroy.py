@@ -103,7 +103,7 @@ def test_the_plot_replaces_only_a_plot_of_compare(runs, tmp_path):
     for target in (mine, runs / "base" / "accuracy.png"):
         before = target.read_bytes()
         line = one_error(run_here("compare", str(runs / "base"), "--plot", str(target)))
-        assert "is not a plot of dpfleet compare" in line and target.read_bytes() == before
+        assert "exists and is not a file this command wrote" in line and target.read_bytes() == before
     for _ in range(2):
         proc = run_here("compare", str(runs / "base"), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr

@@ -120,5 +120,5 @@ def test_compare_of_a_sweep_shows_each_point_with_its_interval(reference, tmp_pa
     mine = tmp_path / "mine.png"
     mine.write_bytes(b"a user's figure")
     refused = CliRunner().invoke(cli, ["compare", str(out), "--plot", str(mine)])
-    assert "is not a plot of dpfleet compare" in str(refused.exception)
+    assert "exists and is not a file this command wrote" in str(refused.exception)
     assert mine.read_bytes() == b"a user's figure"

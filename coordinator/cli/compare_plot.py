@@ -16,6 +16,7 @@ from dpfleet.coordinator.cli.compare_table import starting_accuracy
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
+from dpfleet.io import check_replaceable as replaceable
 
 MARK = "dpfleet compare"
 METADATA_KEY = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats, their key
@@ -25,9 +26,7 @@ def check_replaceable(out: Path) -> None:
     """Refuse `out` unless it is absent or a plot an earlier compare drew (it holds `MARK`)."""
     if out.suffix.lower() not in METADATA_KEY:
         raise DpfleetError(f"cannot write the plot {out}: its suffix must be .png, .pdf or .svg")
-    if (out.exists() or out.is_symlink()) and not (out.is_file() and MARK.encode() in out.read_bytes()):
-        raise DpfleetError(f"{out} exists and is not a plot of dpfleet compare: choose another "
-                           "--plot, or remove it yourself")
+    replaceable(out, MARK, "--plot")
 
 
 def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
