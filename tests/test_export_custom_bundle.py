@@ -138,7 +138,7 @@ def test_result_export_bundle_of_a_custom_run_with_executorch(tmp_path):
     pytest.importorskip("executorch")
     tok = WordTokenizer.build([t for texts in USERS.values() for t in texts], 40)
     torch.manual_seed(0)
-    run = dpfleet.simulate({**CONFIG, "rounds": 1}, model=PositionalLM(vocab=40), users=USERS,
+    run = dpfleet.simulate({**CONFIG, "rounds": 1}, model=PositionalLM(vocab=tok.vocab_size), users=USERS,
                            tokenizer=tok, progress=False, run_dir=tmp_path / "run")
     summary = run.export_bundle(tmp_path / "bundle", runtimes=("onnx", "executorch"), accept_caveats=True)
     client = BundleClient(tmp_path / "bundle", summary["public_key"])
