@@ -3,8 +3,10 @@
 
 `Result` (coordinator/run.py) takes these methods from `ResultMethods`; they need only its
 `model`, `tokenizer` and `run_dir`. Predictions are `edge.suggest.Predictor`'s (eval mode, no
-gradients, the run's training window); the export is `export.phone.PhoneExport`'s, given the
-module itself when the checkpoint holds a custom model that no config can rebuild.
+gradients, the run's training window); the exports are `export.phone.PhoneExport`'s (the
+inference program) and `export.bundle.BundleExport`'s (the signed bundle with on-device
+training), given the module itself when the checkpoint holds a custom model that no config can
+rebuild.
 """
 
 from __future__ import annotations
@@ -77,6 +79,29 @@ class ResultMethods:
                                tokenizer=None if zoo else self.tokenizer).run()
         finally:
             self.model.train(training)
+
+    def export_bundle(self, out: str | Path, *, runtimes: tuple[str, ...] = ("onnx",),
+                      signing_key: str | Path | None = None, seq_len: int | None = None,
+                      batch_size: int | None = None, heldout: str | Path | None = None,
+                      serial: int | None = None, accept_caveats: bool = False, threads: int = 1) -> dict:
+        """The signed phone bundle of the run's model in `out` (new or empty): what `dpfleet
+        export RUN/checkpoint --bundle OUT` writes, for a custom module too (the CLI cannot
+        rebuild one): its training program (ONNX; `runtimes=("onnx", "executorch")` adds the
+        `.pte`), window program, weights, tokenizer, manifest and signature. The bundle ships the
+        checkpoint's weights; `seq_len` and `batch_size` default to the run's. A custom module's
+        bundle has no streaming step program (suggestions run the window program), and the export
+        checks one epoch of its training program against eager torch. The signing key defaults to
+        `<out>.signing_key.pem`, generated once. A run that is not fully private needs
+        `accept_caveats=True`. Returns the export's summary (files, `public_key`, `measured`)."""
+        from dpfleet.export.bundle import BundleExport
+
+        checkpoint = Path(self.run_dir) / CHECKPOINT
+        zoo = (checkpoint / CONFIG).is_file()
+        return BundleExport(checkpoint, Path(out), tuple(runtimes),
+                            None if signing_key is None else Path(signing_key), seq_len, batch_size,
+                            threads, heldout=None if heldout is None else Path(heldout), serial=serial,
+                            accept_caveats=accept_caveats, model=None if zoo else self.model,
+                            tokenizer=None if zoo else self.tokenizer).run()
 
     @classmethod
     def load(cls, run_dir: str | Path, model: nn.Module | None = None, tokenizer: Any = None):

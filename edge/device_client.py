@@ -62,7 +62,9 @@ class BundleClient:
         try:
             self.names = [p["name"] for p in m["model"]["parameters"]]
             self.shapes = [tuple(int(d) for d in p["shape"]) for p in m["model"]["parameters"]]
-            self.vocab_size = int(m["model"]["config"]["vocab_size"])
+            model = m["model"]  # a zoo config, or a custom module's own vocab_size
+            self.vocab_size = int(model["vocab_size"] if model.get("config") is None
+                                  else model["config"]["vocab_size"])
             self.seq_len = int(m["examples"]["seq_len"])
             self.max_examples = int(m["examples"]["max_examples"])
             self.lr = float(m["client"]["lr"])

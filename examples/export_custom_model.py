@@ -10,10 +10,11 @@ earlier, `dpfleet.Result.load(run_dir, model=GRULanguageModel(...))` first). It 
 with the tokenizer and a manifest. The command line cannot do it: the checkpoint holds the GRU's
 weights but not its class, and `dpfleet export` says so in one line, naming this Python call.
 
-What it CANNOT get: a signed phone *bundle* (`dpfleet export CHECKPOINT --bundle`), the package a
-phone trains with in federated rounds. The bundle's training, window and streaming programs, its
-parameter layout and its manifest rules are generated from a zoo `ModelConfig`
-(export/training.py `ProgramSpec.cfg`), so the bundle exporter refuses a custom module in one line.
+It also gets a signed phone *bundle*, the package a phone trains with in federated rounds:
+`result.export_bundle(out)` (`dpfleet export CHECKPOINT --bundle` on a zoo model). Its training
+program is exported from the module itself and checked for one epoch against eager torch through
+the reference device client; unlike a zoo bundle it has no streaming step program, so suggestions
+run the window program.
 
 A model an exporter refuses (e.g. Python control flow on tensor values, which `torch.export`
 cannot trace) is one line with the exporter's reason, per format; everything the exporters print
@@ -52,15 +53,14 @@ def export_or_why_not(result: dpfleet.Result, out: Path, fmt: str, heldout: Path
             "log": summary["log"], **summary["agreement"]}
 
 
-def bundle_why_not(checkpoint: Path, out: Path) -> str | None:
-    """None if `dpfleet export CHECKPOINT --bundle` accepts the checkpoint, else its reason."""
-    from dpfleet.export.bundle import BundleExport
-
+def bundle_or_why_not(result: dpfleet.Result, out: Path) -> dict:
+    """The signed bundle's training parity with eager torch, or {"exported": False, "why_not": ...}."""
     try:
-        BundleExport(checkpoint=checkpoint, out=out).run()
+        summary = result.export_bundle(out, accept_caveats=True)  # the manifest records any caveats
     except DpfleetError as exc:
-        return str(exc)
-    return None
+        return {"exported": False, "why_not": str(exc)}
+    return {"exported": True, "path": str(out), "bytes": summary["total_bytes"],
+            "public_key": summary["public_key"], **summary["measured"]["train_vs_eager"]}
 
 
 def main(out: Path, formats=FORMATS, progress: bool = True) -> dict:
@@ -70,13 +70,16 @@ def main(out: Path, formats=FORMATS, progress: bool = True) -> dict:
     heldout.write_text("\n".join(t for texts in list(users.values())[-40:] for t in texts[:5]))
     report = {"inference": {fmt: export_or_why_not(result, out / "phone" / fmt, fmt, heldout)
                             for fmt in formats}}
-    report["bundle"] = bundle_why_not(result.run_dir / "checkpoint", out / "bundle") or "exported"
+    report["bundle"] = bundle_or_why_not(result, out / "bundle")
     report["suggest"] = {text: result.suggest(text) for text in ("My good lo", "I will ")}
     for fmt, r in report["inference"].items():
         print(f"{fmt}: " + (f"exported {r['path']} ({r['bytes']:,} bytes), top-1 agreement with eager "
                             f"{r['top1']:.3f}, max |logit error| {r['max_abs_err']:.2e}"
                             if r["exported"] else r["why_not"]))
-    print(f"phone bundle (on-device training): {report['bundle']}")
+    b = report["bundle"]
+    print("phone bundle (on-device training): " + (
+        f"{b['path']} ({b['bytes']:,} bytes), one epoch's delta within {b['max_abs_err']:.2e} of eager"
+        if b["exported"] else b["why_not"]))
     print("suggestions: " + "; ".join(f"{text!r} -> {words}" for text, words in report["suggest"].items()))
     (out / "export_report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -9,10 +9,19 @@ The manifest lists every file's sha256 and is signed with Ed25519 (`edge/bundle_
 a `bundle_serial` that rises with every export under a key (devices refuse older bundles).
 The bundle is assembled in a hidden sibling folder and renamed into place at the end: a failed
 export leaves nothing behind.
+
+A custom module (`dpfleet.simulate(model=...)`; `BundleExport(model=...)`, which
+`Result.export_bundle` passes) gets the same bundle with its programs exported from the module
+itself rather than from a zoo config: no program cache (nothing keys it), and no streaming step
+program (one is written per zoo architecture), so its suggestions run the window program. Since no
+test has checked its training program before, the export runs one epoch through the reference
+client on the signed bundle and compares the delta with the eager loop (`edge/runtime.py`), within
+the device-client tolerance; a larger difference refuses the bundle.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -22,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from torch import nn
 from tqdm import tqdm
 
 from dpfleet.edge.bundle_format import (
@@ -40,9 +51,12 @@ from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 from dpfleet.export.bundle_serial import next_serial
 from dpfleet.export.checkpoint import (
+    TOKENIZER,
     CustomModelCheckpoint,
+    check_private,
     checkpoint_caveats,
     load_checkpoint,
+    load_weights,
     python_export_hint,
     require_accepted,
 )
@@ -51,8 +65,10 @@ from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
 from dpfleet.export.training import (
+    ModuleProgram,
     ProgramSpec,
     default_program_cache,
+    export_module_program,
     onnx_param_name,
     tool_versions,
     training_program,
@@ -69,6 +85,10 @@ INFER_ONNX = "infer.onnx"
 TOKENIZER_DIR = "tokenizer"
 PTE_METHOD = "forward"
 ORT_OPS_CONFIG = "ort_required_operators.config"
+# A custom module's training program against the eager loop after one epoch (the device client's
+# parity tolerance, tests/test_device_client.py): max |delta - eager| <= ATOL + RTOL * max |eager|.
+TRAIN_PARITY_ATOL, TRAIN_PARITY_RTOL = 1e-6, 1e-4
+TOKENIZER_KINDS = ("sentencepiece", "word")  # what the device client reads (edge/tokenizer.py)
 
 # What the manifest says in words: a client implements these rules, the reference client does.
 RULES = {
@@ -275,6 +295,10 @@ class BundleExport:
     # is not fully private is refused unless accept_caveats; the manifest records them either way
     caveats: list[str] | None = None
     accept_caveats: bool = False
+    # a custom module (its checkpoint has weights but no zoo config to rebuild it), holding the
+    # checkpoint's weights, and the run's tokenizer when the folder's is not to be read
+    model: nn.Module | None = None
+    tokenizer: object | None = None
 
     def run(self) -> dict:
         """Write, sign and self-verify the bundle; returns the JSON summary, whose `log` is the
@@ -288,14 +312,7 @@ class BundleExport:
         self._caveats = require_accepted(
             checkpoint_caveats(self.checkpoint) if self.caveats is None else self.caveats,
             self.accept_caveats, Path(self.checkpoint))
-        try:
-            cfg, model, tokenizer = load_checkpoint(self.checkpoint)
-        except CustomModelCheckpoint as exc:
-            raise DpfleetError(
-                f"{exc.folder} holds a custom model ({exc.model_class}); a phone bundle's training "
-                "programs are generated from a zoo [model] config, so on-device training needs a zoo "
-                f"model; for the inference program, {python_export_hint(exc.folder, exc.model_class)}"
-            ) from None
+        cfg, model, tokenizer = self._load()
         self._lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
 
@@ -315,7 +332,7 @@ class BundleExport:
         }
         seq_len = int(self.seq_len or setting("data", "seq_len", 20))
         max_examples = int(setting("data", "max_examples", 256))
-        if seq_len < 2 or (cfg.arch == "transformer" and seq_len > cfg.max_length):
+        if seq_len < 2 or (cfg is not None and cfg.arch == "transformer" and seq_len > cfg.max_length):
             raise DpfleetError(f"sequence length must lie in 2..{cfg.max_length} for this model")
         if client["batch_size"] < 1:
             raise DpfleetError("batch size must be positive")
@@ -328,10 +345,11 @@ class BundleExport:
                 (staging / PUBLIC_KEY).write_bytes(public_key_pem(key.public_key()))
                 manifest = self._write(staging, cfg, model, tokenizer, client, seq_len, max_examples)
                 manifest["bundle_serial"] = serial
-                blob, signature = sign_manifest(manifest, key)
-                atomic_write(staging / MANIFEST, blob)
-                atomic_write(staging / SIGNATURE, signature)
-                verify_bundle(staging, key.public_key())  # the bundle as a phone will see it
+                self._sign(staging, manifest, key)
+                if cfg is None:  # a custom module's training program, checked through the client
+                    manifest["measured"]["train_vs_eager"] = self._training_parity(
+                        staging, key, model, client, max_examples)
+                    self._sign(staging, manifest, key)
                 make_private(staging)  # the permission rule (dpfleet.io); hand it on with chmod/cp
                 if out.exists():
                     out.rmdir()
@@ -353,10 +371,48 @@ class BundleExport:
             "log": None if log is None or log.path is None else str(log.path),
         }
 
-    def _write(self, folder: Path, cfg: ModelConfig, model, tokenizer, client: dict, seq_len: int,
+    @staticmethod
+    def _sign(folder: Path, manifest: dict, key: Ed25519PrivateKey) -> None:
+        blob, signature = sign_manifest(manifest, key)
+        atomic_write(folder / MANIFEST, blob)
+        atomic_write(folder / SIGNATURE, signature)
+        verify_bundle(folder, key.public_key())  # the bundle as a phone will see it
+
+    def _load(self) -> tuple[ModelConfig | None, nn.Module, object]:
+        """(zoo config or None, model, tokenizer): the checkpoint's zoo model, or `self.model`."""
+        if self.model is None:
+            try:
+                return load_checkpoint(self.checkpoint)
+            except CustomModelCheckpoint as exc:
+                raise DpfleetError(
+                    f"{exc.folder} holds a custom model ({exc.model_class}) that the command line "
+                    "cannot rebuild: "
+                    + python_export_hint(exc.folder, exc.model_class, bundle=True)) from None
+        from dpfleet.edge.tokenizer import load_tokenizer
+
+        check_private(self.checkpoint)
+        if not isinstance(self.model, nn.Module):
+            raise DpfleetError(f"model must be a torch.nn.Module, not {type(self.model).__name__}")
+        if self.tokenizer is None and not (Path(self.checkpoint) / TOKENIZER).is_dir():
+            raise DpfleetError(f"{self.checkpoint} is not a checkpoint: missing {TOKENIZER}")
+        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(
+            Path(self.checkpoint) / TOKENIZER)
+        if getattr(tokenizer, "kind", None) not in TOKENIZER_KINDS or not hasattr(tokenizer, "save"):
+            raise DpfleetError(
+                f"a phone bundle ships a tokenizer the device client reads (dpfleet's SentencePiece "
+                f"or word tokenizer); this run's is {type(tokenizer).__name__}: train with "
+                "dpfleet.edge.tokenizer's WordTokenizer or train_sentencepiece")
+        # the folder's weights, into a copy: the bundle ships exactly the checkpoint its privacy
+        # checks describe, and the caller's module (its weights, its train/eval mode) is left alone
+        what = f"the given {type(self.model).__name__}"
+        model = load_weights(self.checkpoint, copy.deepcopy(self.model), what)
+        return None, model, tokenizer
+
+    def _write(self, folder: Path, cfg: ModelConfig | None, model, tokenizer, client: dict, seq_len: int,
                max_examples: int) -> dict:
         from dpfleet.edge.ort_session import load_session
         from dpfleet.export.phone import (
+            LogitsOf,
             agreement,
             latency_ms,
             random_windows,
@@ -373,8 +429,7 @@ class BundleExport:
         tokenizer.save(folder / TOKENIZER_DIR)
         training: dict = {}
         bar.set_postfix_str("ONNX training program")
-        spec = ProgramSpec(cfg, seq_len, None, "onnx")
-        data = training_program(spec, cache).read_verified()
+        data = self._training_program(cfg, model, tokenizer, seq_len, None, cache)
         (folder / TRAIN_ONNX).write_bytes(data)
         training["onnx"] = {"file": TRAIN_ONNX, "dynamic_batch": True, **describe_onnx(data),
                             "rule": "feed inputs, targets and p.<name> = each weight; get loss and "
@@ -383,11 +438,13 @@ class BundleExport:
         if "executorch" in self.runtimes:
             bar.set_postfix_str("ExecuTorch training program (minutes)")
             batch = client["batch_size"]
-            data = training_program(ProgramSpec(cfg, seq_len, batch, "pte"), cache).read_verified()
+            data = self._training_program(cfg, model, tokenizer, seq_len, batch, cache)
             (folder / TRAIN_PTE).write_bytes(data)
             training["pte"] = {"file": TRAIN_PTE, **describe_pte(data, layout, batch, seq_len)}
             bar.update()
         bar.set_postfix_str("inference program")
+        training_mode = model.training
+        model.eval()  # a custom module may hold dropout: programs and checks run it as eager eval does
         window_program_with_weight_inputs(model, seq_len, folder / INFER_ONNX)
         window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
                   "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
@@ -402,17 +459,20 @@ class BundleExport:
             rows, lengths = text_windows(tokenizer, self._lines, seq_len)
             source = f"held-out text ({len(rows)} lines)"
         else:
-            rows, lengths = random_windows(cfg, seq_len)
+            rows, lengths = random_windows(tokenizer.vocab_size if cfg is None else cfg, seq_len)
             source = "random token windows (pass --heldout for text)"
         measured = {
-            "window_vs_eager": {**agreement(model, program, rows, lengths), "text": source},
+            "window_vs_eager": {**agreement(LogitsOf(model), program, rows, lengths), "text": source},
             "window_latency_ms": {**latency_ms(program, seq_len), "threads": self.threads},
             "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
                      "loadavg_1m": round(os.getloadavg()[0], 2)},
         }
-        key = "kv_step" if cfg.arch == "transformer" else "step"
-        inference[key], measured[key] = self._streaming(folder, model, program, seq_len, weights)
-        onnx_files = [TRAIN_ONNX, INFER_ONNX, inference[key]["file"]]
+        onnx_files = [TRAIN_ONNX, INFER_ONNX]
+        if cfg is not None:  # the zoo's streaming step program (none is written for a custom module)
+            key = "kv_step" if cfg.arch == "transformer" else "step"
+            inference[key], measured[key] = self._streaming(folder, model, program, seq_len, weights)
+            onnx_files.append(inference[key]["file"])
+        model.train(training_mode)
         (folder / ORT_OPS_CONFIG).write_text(
             ort_operator_config({name: (folder / name).read_bytes() for name in onnx_files}))
         bar.update()
@@ -420,7 +480,7 @@ class BundleExport:
             "bundle_version": BUNDLE_VERSION,
             "created_by": {"dpfleet": tool_versions() | {"python": platform.python_version()}},
             "model": {
-                "config": cfg.to_dict(),
+                **self._model_entry(cfg, model, seq_len),
                 "parameter_count": count_parameters(model),
                 "parameters": [{"name": n, "shape": list(s)} for n, s in zip(layout.names, layout.shapes,
                                                                              strict=True)],
@@ -457,6 +517,67 @@ class BundleExport:
         bar.close()
         return manifest
 
+
+    def _training_program(self, cfg: ModelConfig | None, model: nn.Module, tokenizer, seq_len: int,
+                          batch: int | None, cache: Path) -> bytes:
+        """The training program's bytes (ONNX for a dynamic batch, `.pte` for a fixed one): the
+        zoo's from the shared cache, a custom module's exported from the module in training mode
+        (what the eager loop differentiates)."""
+        fmt = "onnx" if batch is None else "pte"
+        if cfg is not None:
+            return training_program(ProgramSpec(cfg, seq_len, batch, fmt), cache).read_verified()
+        training_mode = model.training
+        try:
+            return export_module_program(
+                ModuleProgram.of_module(model.train(), seq_len, batch, tokenizer.vocab_size), fmt)
+        finally:
+            model.train(training_mode)
+
+    @staticmethod
+    def _model_entry(cfg: ModelConfig | None, model: nn.Module, seq_len: int) -> dict:
+        """The manifest's model: the zoo config, or a custom module's class and vocabulary (the
+        logits' last axis, which the device client checks example ids against)."""
+        if cfg is not None:
+            return {"config": cfg.to_dict()}
+        from dpfleet.edge.model_output import logits_of
+        from dpfleet.export.phone import _window
+
+        with torch.no_grad():
+            vocab = int(logits_of(model(_window(seq_len))).shape[-1])
+        return {"config": None, "vocab_size": vocab,
+                "custom": {"class": type(model).__qualname__, "module": type(model).__module__}}
+
+    def _training_parity(self, folder: Path, key: Ed25519PrivateKey, model: nn.Module, client: dict,
+                         max_examples: int) -> dict:
+        """One epoch of the signed bundle's ONNX training program through the reference client
+        against the eager loop (`LocalSGD`) from the same weights; a larger difference than the
+        device client's tolerance refuses the bundle (e.g. dropout, which the two draw apart)."""
+        from dpfleet.edge.device_client import BundleClient
+        from dpfleet.edge.runtime import LocalSGD
+        from dpfleet.export.params import get_flat
+
+        bundle = BundleClient(folder, key.public_key())
+        rng = np.random.default_rng(0)
+        n = min(max_examples, 2 * bundle.batch_size + 1)  # a partial last minibatch too
+        rows = rng.integers(4, bundle.tokenizer.vocab_size, (n, bundle.seq_len + 1), dtype=np.int64)
+        rows[:, 0] = BOS
+        for row, length in zip(rows, rng.integers(2, bundle.seq_len + 2, n), strict=True):
+            row[length:] = PAD  # PAD-filled tails, as short texts give
+        theta0 = bundle.weights()
+        delta = bundle.train_epoch(theta0, rows, seed=0)
+        eager = copy.deepcopy(model).train()
+        LocalSGD()(eager, torch.from_numpy(rows), lr=client["lr"], batch_size=client["batch_size"], seed=0)
+        reference = get_flat(eager) - theta0
+        err, scale = float(np.abs(delta - reference).max()), float(np.abs(reference).max())
+        bound = TRAIN_PARITY_ATOL + TRAIN_PARITY_RTOL * scale
+        if not err <= bound:
+            raise DpfleetError(
+                f"the exported training program of {type(model).__name__} does not train like eager "
+                f"torch: one epoch's delta differs by {err:.3g} (bound {bound:.3g}); a module that "
+                "draws random numbers in training (dropout) or keeps batch statistics cannot be "
+                "trained from a program")
+        return {"max_abs_err": err, "ref_max_abs": scale, "bound": bound, "rows": n,
+                "tolerance": f"{TRAIN_PARITY_ATOL} + {TRAIN_PARITY_RTOL} * ref_max_abs"}
 
     def _streaming(self, folder: Path, model, window, seq_len: int, weights: dict) -> tuple[dict, dict]:
         """Export the step program (recurrent: step.onnx; transformer: the KV-cache step over

@@ -37,12 +37,17 @@ class CustomModelCheckpoint(DpfleetError):
                          f"module from the folder: {python_export_hint(folder, model_class)}")
 
 
-def python_export_hint(folder: Path, model_class: str) -> str:
-    """How to export a custom model's inference program from Python, given its class."""
+def python_export_hint(folder: Path, model_class: str, bundle: bool = False) -> str:
+    """How to export a custom model's inference program (`bundle`: its signed phone bundle, with
+    on-device training) from Python, given its class."""
     folder = Path(folder)
     if (folder.parent / "summary.json").is_file():  # a run's checkpoint: the Result's method
+        call = ".export_bundle('OUT')" if bundle else ".export('OUT', format='onnx')"
         return (f"export it from Python, dpfleet.Result.load('{folder.parent}', model={model_class}(...))"
-                ".export('OUT', format='onnx')")
+                + call)
+    if bundle:
+        return (f"export it from Python, dpfleet.export.bundle.BundleExport('{folder}', 'OUT', "
+                f"model={model_class}(...)).run()")
     return (f"export it from Python, dpfleet.export.phone.PhoneExport('{folder}', 'onnx', 'OUT', "
             f"model={model_class}(...)).run()")
 

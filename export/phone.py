@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
@@ -138,14 +139,29 @@ def onnx_program(
             quantize_dynamic(fp32, path, weight_type=QuantType.QInt8, reduce_range=reduce_range)
 
 
+class LogitsOf(nn.Module):
+    """A custom module's forward read as logits (`edge/model_output.py`): a Hugging Face model's
+    output object becomes a program's one `logits` output (its parameters are under `model.`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.model(tokens))
+
+
 def window_program_with_weight_inputs(model: nn.Module, seq_len: int, path: Path) -> None:
     """The window program of a phone bundle: tokens [batch, seq_len] and `p.<name>` weights in,
-    logits out (`export/weight_inputs.py`: the bundle ships the weights once)."""
+    logits out (`export/weight_inputs.py`: the bundle ships the weights once). A custom module's
+    output is read through `LogitsOf`, its weight inputs keep the module's own names."""
     from dpfleet.export.weight_inputs import export_with_weight_inputs
 
+    zoo = isinstance(getattr(model, "cfg", None), ModelConfig)
+    module, prefix = (model, "") if zoo else (LogitsOf(model), "model.")
     batch = torch.export.Dim("batch", min=1, max=4096)
-    export_with_weight_inputs(model, model, (_window(seq_len, batch=2),), ["tokens"], ["logits"],
-                              ({0: batch},), path)
+    export_with_weight_inputs(module, model, (_window(seq_len, batch=2),), ["tokens"], ["logits"],
+                              ({0: batch},), path, prefix)
 
 
 def gemm_to_matmul(model):

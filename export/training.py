@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.graph_passes import dedup_nodes, split_addmm
@@ -106,7 +107,7 @@ class LossModule(nn.Module):
         self.model = model
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
+        logits = logits_of(self.model(inputs))  # a tensor, or a Hugging Face output's `.logits`
         mask = (targets != PAD).to(logits.dtype)
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         nll = torch.logsumexp(logits, dim=-1) - picked
@@ -115,37 +116,60 @@ class LossModule(nn.Module):
 
 def example_batch(spec: ProgramSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Token inputs and targets of the program's shape (values only steer tracing)."""
-    b = spec.batch or 2
+    return _example_rows(spec.batch or 2, spec.seq_len, spec.cfg.vocab_size)
+
+
+def _example_rows(batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(4, spec.cfg.vocab_size, (b, spec.seq_len + 1), generator=g)
+    tokens = torch.randint(4, vocab, (batch, seq_len + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def joint_graph(spec: ProgramSpec) -> torch.export.ExportedProgram:
+@dataclass(frozen=True)
+class ModuleProgram:
+    """What a training program is exported from: a module (a zoo model built from its spec, or
+    a user's own), the example batch that steers tracing, and whether the batch is dynamic."""
+
+    model: nn.Module
+    args: tuple[torch.Tensor, torch.Tensor]
+    dynamic_batch: bool
+
+    @classmethod
+    def of_spec(cls, spec: ProgramSpec) -> ModuleProgram:
+        torch.manual_seed(0)
+        return cls(build_model(spec.cfg), example_batch(spec), spec.batch is None)
+
+    @classmethod
+    def of_module(cls, model: nn.Module, seq_len: int, batch: int | None, id_limit: int) -> ModuleProgram:
+        """A user's module (`dpfleet.simulate(model=...)`); `id_limit`: example ids stay below it
+        (the ids the tokenizer produces, which the module's tables index)."""
+        return cls(model, _example_rows(batch or 2, seq_len, max(id_limit, 5)), batch is None)
+
+
+def joint_graph(spec: ProgramSpec | ModuleProgram) -> torch.export.ExportedProgram:
     """The joint forward-backward ExportedProgram (loss + parameter gradients), rewritten."""
     from torch.export.experimental import _export_forward_backward
 
-    torch.manual_seed(0)
-    net = LossModule(build_model(spec.cfg))
-    args = example_batch(spec)
+    source = ModuleProgram.of_spec(spec) if isinstance(spec, ProgramSpec) else spec
+    net = LossModule(source.model)
     dynamic = None
-    if spec.batch is None:
+    if source.dynamic_batch:
         dim = torch.export.Dim("batch", min=1, max=MAX_DYNAMIC_BATCH)
         dynamic = {"inputs": {0: dim}, "targets": {0: dim}}
-    ep = torch.export.export(net, args, dynamic_shapes=dynamic)
+    ep = torch.export.export(net, source.args, dynamic_shapes=dynamic)
     ep = _export_forward_backward(ep)
     split_addmm(ep)
     dedup_nodes(ep)
     return ep
 
 
-def _pte_bytes(spec: ProgramSpec, step) -> bytes:
+def _pte_bytes(source: ModuleProgram, step) -> bytes:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    if spec.batch is None:
+    if source.dynamic_batch:
         raise DpfleetError("ExecuTorch training programs need a fixed batch size")
-    ep = joint_graph(spec)
+    ep = joint_graph(source)
     step("lower to XNNPACK")
     # Trainable weights are not static, so XNNPACK takes no matmul unless told to.
     part = XnnpackPartitioner(force_non_static_weights_for_f32_linear=True)
@@ -191,16 +215,15 @@ def onnx_grad_name(name: str) -> str:
     return "g." + name
 
 
-def _onnx_bytes(spec: ProgramSpec, step) -> bytes:
-    ep = joint_graph(spec)
+def _onnx_bytes(source: ModuleProgram, step) -> bytes:
+    ep = joint_graph(source)
     step("export to ONNX")
     wrapper = ParamsAsInputs(ep)
-    model = build_model(spec.cfg)
-    layout = ParamLayout.of(model)
-    params = tuple(p.detach() for p in model.parameters())
-    args = (*example_batch(spec), *params)
+    layout = ParamLayout.of(source.model)
+    params = tuple(p.detach() for p in source.model.parameters())
+    args = (*source.args, *params)
     batch_dyn = None
-    if spec.batch is None:
+    if source.dynamic_batch:
         batch_dyn = {0: torch.export.Dim("batch", min=1, max=MAX_DYNAMIC_BATCH)}
     shapes = (batch_dyn, batch_dyn, tuple(None for _ in params))
     ep2 = torch.export.export(wrapper, args, dynamic_shapes=shapes)
@@ -220,8 +243,17 @@ def _onnx_bytes(spec: ProgramSpec, step) -> bytes:
 def export_training_program(spec: ProgramSpec) -> bytes:
     """Export the training program of `spec` (slow: seconds for ONNX, minutes for a Gboard-size
     `.pte`), with a progress bar over its stages (joint graph, lowering, serialization)."""
-    desc = f"export {spec.fmt} training program ({spec.cfg.arch}, L={spec.seq_len})"
-    what = "ExecuTorch export" if spec.fmt == "pte" else "ONNX export"
+    return export_module_program(ModuleProgram.of_spec(spec), spec.fmt, f"{spec.cfg.arch}, L={spec.seq_len}")
+
+
+def export_module_program(source: ModuleProgram, fmt: str, what: str | None = None) -> bytes:
+    """The training program of a module (`fmt` "onnx" or "pte"), uncached: a user's module has no
+    config to key a cache by, and its export takes seconds. An exporter's refusal is one
+    `ExportRefused` line naming the root cause (e.g. the data-dependent branch it cannot trace)."""
+    if fmt not in FORMATS:
+        raise DpfleetError(f"unknown program format {fmt!r}; choose from {FORMATS}")
+    desc = f"export {fmt} training program ({what or type(source.model).__name__})"
+    exporter = "ExecuTorch export" if fmt == "pte" else "ONNX export"
     with capture(), tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False, file=terminal()) as bar:
         bar.set_postfix_str("joint forward-backward graph")
 
@@ -229,8 +261,8 @@ def export_training_program(spec: ProgramSpec) -> bytes:
             bar.update()
             bar.set_postfix_str(stage)
 
-        with exporter_step(what):
-            data = _pte_bytes(spec, step) if spec.fmt == "pte" else _onnx_bytes(spec, step)
+        with exporter_step(exporter):
+            data = _pte_bytes(source, step) if fmt == "pte" else _onnx_bytes(source, step)
         bar.update()
     return data
 

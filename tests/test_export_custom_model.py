@@ -16,6 +16,7 @@ from torch import nn
 
 import dpfleet
 from dpfleet.cli import main
+from dpfleet.edge.device_client import BundleClient
 from dpfleet.edge.tokenizer import WordTokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
@@ -85,9 +86,8 @@ def test_the_cli_says_in_one_line_what_a_custom_checkpoint_lacks_and_what_to_do(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert "custom model (TinyLM" in err
-    assert f"dpfleet.Result.load('{custom_run.run_dir}', model=TinyLM(...)).export(" in err
-    if "--bundle" in extra:
-        assert "zoo [model] config" in err
+    call = ".export_bundle('OUT')" if "--bundle" in extra else ".export('OUT', format='onnx')"
+    assert f"dpfleet.Result.load('{custom_run.run_dir}', model=TinyLM(...)){call}" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -132,7 +132,9 @@ def test_example_trains_then_exports_both_formats(tmp_path):
     for fmt in ("onnx", "pte"):
         r = report["inference"][fmt]
         assert r["exported"] and r["top1"] >= 0.99 and r["max_abs_err"] <= 1e-4 * max(1.0, r["ref_max_abs"])
-    assert "zoo [model] config" in report["bundle"]
+    bundle = report["bundle"]
+    assert bundle["exported"] and bundle["max_abs_err"] <= bundle["bound"]
+    assert BundleClient(bundle["path"], bundle["public_key"]).suggest("I will ")
     assert all(len(words) == 3 for words in report["suggest"].values())
     assert json.loads((tmp_path / "export_report.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "phone" / "onnx" / "tokenizer").is_dir()
