@@ -152,10 +152,15 @@ def test_executorch_is_a_name_of_the_pte_format(tmp_path):
 
 def test_a_missing_edge_package_is_named_with_its_install_line(custom_run, tmp_path, monkeypatch):
     """Without onnxscript (the edge extra) the ONNX exporter fails on its import: that is an
-    install to make, not the exporter refusing the model."""
-    import sys
+    install to make, not the exporter refusing the model. Stand-in: torch.onnx.export raising what
+    its `import onnxscript` raises where the package is absent (a process that already imported
+    onnxscript would not import it again, so hiding the module alone depends on test order)."""
+    import torch.onnx
 
-    monkeypatch.setitem(sys.modules, "onnxscript", None)  # `import onnxscript` now fails
+    def absent(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'onnxscript'", name="onnxscript")
+
+    monkeypatch.setattr(torch.onnx, "export", absent)
     with pytest.raises(DpfleetError) as missing:
         custom_run.export(tmp_path / "onnx", "onnx")
     assert str(missing.value) == ("ONNX export needs the package 'onnxscript', which the edge extra "
