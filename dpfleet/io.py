@@ -154,21 +154,6 @@ def private_mkdir(path: Path) -> Path:
     return path
 
 
-def check_replaceable(path: Path, mark: str, option: str) -> None:
-    """Refuse to write `path` unless it is absent or a file an earlier run of the same command
-    wrote (it holds `mark`): no dpfleet command replaces a file it did not create (a run's
-    privacy.json, a user's notes). `option` names the flag to change, for the one-line error."""
-    from dpfleet.errors import DpfleetError
-
-    path = Path(path)
-    if not (path.exists() or path.is_symlink()):
-        return
-    if path.is_file() and not path.is_symlink() and mark.encode() in path.read_bytes():
-        return
-    raise DpfleetError(f"{path} exists and is not a file this command wrote: choose another {option}, "
-                       "or remove it yourself")
-
-
 def make_private(tree: Path) -> Path:
     """Every folder in `tree` (itself included) 0700 and every file 0600, links left alone: for an
     output a job assembles with libraries' writers too (an exported program, a phone bundle),

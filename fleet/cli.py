@@ -99,11 +99,12 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     The devices' private keys live in --fleet-dir (never the current folder); rerunning the
     same command reuses them. Ctrl-C stops the workers and exits 130."""
     from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.state.run_dir import check_replaceable
     from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.io import atomic_write, check_replaceable, check_writable
+    from dpfleet.io import atomic_write, check_writable
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":

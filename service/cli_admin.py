@@ -198,7 +198,8 @@ def report(client: AdminClient | None, as_json: bool, out: Path | None,
     finished run, read from that folder (no coordinator needs to run)."""
     text = finished["report"] if finished is not None else client.report()
     if out is not None:
-        from dpfleet.io import atomic_write, check_replaceable
+        from dpfleet.coordinator.state.run_dir import check_replaceable
+        from dpfleet.io import atomic_write
 
         check_replaceable(out, REPORT_MARK, "--out")  # never a run's own report or a user's file
         try:

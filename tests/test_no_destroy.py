@@ -78,7 +78,7 @@ def test_tensorboard_replaces_only_its_own_folder_and_its_own_events(runs, tmp_p
     folder = tmp_path / "base"
     assert (folder / tensorboard_log.MARKER).is_file() and (folder / "mine.txt").read_text() == "kept"
     assert len(list(folder.glob("events.out.tfevents.*"))) == 1
-    assert {step for step, *_ in read_events(folder)} == {1, 2}
+    assert {step for step, *_ in read_events(folder)} == {0, 1, 2}  # 0: the starting model
 
 
 def test_simulate_overwrite_keeps_a_folder_that_is_no_run(runs, tmp_path):

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dpfleet.coordinator.cli.compare_table import starting_accuracy
+from dpfleet.coordinator.state.run_dir import check_replaceable as replaceable
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
-from dpfleet.io import check_replaceable as replaceable
 
 MARK = "dpfleet compare"
 METADATA_KEY = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}  # the formats, their key

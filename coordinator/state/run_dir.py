@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.errors import DpfleetError
 from dpfleet.io import (  # noqa: F401 (the run directory's writers: the floor's)
     append_text,
     atomic_write,
@@ -72,19 +73,28 @@ def check_not_a_run(path: Path, option: str) -> None:
     """Refuse `path` as the folder of `option`'s output when it is, or is directly inside, a run
     directory or a coordinator's state (a run's layout, or its config.json): a run's files (its
     checkpoint/ too) are not another command's to add to or replace."""
-    from dpfleet.errors import DpfleetError
-
     path = Path(path)
     if any(is_run_dir(p) or (p / "config.json").is_file() for p in (path, path.absolute().parent)):
         raise DpfleetError(f"{option} {path} is a run directory or inside one: give a folder of its own")
+
+
+def check_replaceable(path: Path, mark: str, option: str) -> None:
+    """Refuse to write `path` unless it is absent or a file an earlier run of the same command
+    wrote (it holds `mark`): no dpfleet command replaces a file it did not create (a run's
+    privacy.json, a user's notes). `option` names the flag to change, for the one-line error."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_file() and not path.is_symlink() and mark.encode() in path.read_bytes():
+        return
+    raise DpfleetError(f"{path} exists and is not a file this command wrote: choose another {option}, "
+                       "or remove it yourself")
 
 
 class RunDir:
     def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
         """`overwrite`: reuse a non-empty folder, only if it is a run directory (`is_run_dir`):
         overwriting clears what a run leaves there, so a folder of someone's files is refused."""
-        from dpfleet.errors import DpfleetError
-
         self.path = Path(path)
         if resume:  # an interrupted run: its logs are kept (and truncated by `resume`)
             return
