@@ -49,6 +49,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     """logits = h @ embed^T + bias: one vocab x dim table instead of two (recurrent models need
     projection_dim == embedding_dim)."""
+    preset: str = ""
+    """A named size from the zoo's `PRESETS` ("gboard_cifg": Gboard's CIFG 96 / 670 / 96, tied, 1.42M
+    parameters at TFF's 10,004-token StackOverflow vocabulary); the keys a config states beside it
+    win. "": none."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -66,6 +70,28 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Named sizes a config can ask for by `[model] preset = NAME`. "gboard_cifg" is the model of Hard et
+# al. 2018 (Sec. 3: CIFG, 670 units, projection and embeddings 96, input and output embeddings tied,
+# 1.4M parameters), which is also the TFF StackOverflow baselines' 96 / 670 / 96 shape (theirs is an
+# untied plain LSTM: 4,050,748 parameters). At the 10,000 words + 1 OOV bucket + PAD / BOS / EOS of
+# TFF's vocabulary it has 1,422,638 parameters (tests/test_gboard_model.py counts them by hand).
+PRESETS: dict[str, dict[str, object]] = {
+    "gboard_cifg": {"arch": "cifg", "embedding_dim": 96, "hidden_dim": 670, "projection_dim": 96,
+                    "num_layers": 1, "tie_embeddings": True},
+}
+
+
+def with_preset(model: dict) -> dict:
+    """A raw `[model]` table with its `preset`'s sizes filled in under the keys it states itself, so a
+    config can take Gboard's size and still change one key (say `tie_embeddings = false`)."""
+    name = model.get("preset")
+    if not name:
+        return model
+    if name not in PRESETS:
+        raise DpfleetError(f"unknown model.preset {name!r}; choose from {tuple(PRESETS)}")
+    return {**PRESETS[name], **model}
 
 
 def output_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
