@@ -51,8 +51,8 @@ class ModelConfig:
     projection_dim == embedding_dim)."""
     preset: str = ""
     """A named size from the zoo's `PRESETS` ("gboard_cifg": Gboard's CIFG 96 / 670 / 96, tied, 1.42M
-    parameters at TFF's 10,004-token StackOverflow vocabulary); the keys a config states beside it
-    win. "": none."""
+    parameters at TFF's 10,004-token StackOverflow vocabulary); a key the config also states must
+    agree with it. "": none."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -84,13 +84,19 @@ PRESETS: dict[str, dict[str, object]] = {
 
 
 def with_preset(model: dict) -> dict:
-    """A raw `[model]` table with its `preset`'s sizes filled in under the keys it states itself, so a
-    config can take Gboard's size and still change one key (say `tie_embeddings = false`)."""
+    """A raw `[model]` table with its `preset`'s sizes filled in. A key the table also states must
+    agree: a run records its preset, so a model that differs from it (say a `--set model.preset`
+    on a file that states smaller sizes) would be mislabelled. For a variant, drop the preset and
+    state the keys."""
     name = model.get("preset")
     if not name:
         return model
     if name not in PRESETS:
         raise DpfleetError(f"unknown model.preset {name!r}; choose from {tuple(PRESETS)}")
+    for key, value in PRESETS[name].items():
+        if key in model and model[key] != value:
+            raise DpfleetError(f"model.preset = {name!r} sets model.{key} = {value!r}, but the config "
+                               f"states {model[key]!r}: remove one of them")
     return {**PRESETS[name], **model}
 
 

@@ -1,20 +1,24 @@
 """Gboard's CIFG as a zoo preset: its size counted by hand, and one cohort-path round of it equal
 to the sequential reference (tolerances of tests/test_edge_cohort.py's `assert_same`)."""
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from test_edge_cohort import assert_same, both, client_rows
 
-from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.config import load_config, parse_config
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, build_model, count_parameters, with_preset
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 V = 10_004  # TFF StackOverflow: 10,000 words + 1 OOV bucket + PAD / BOS / EOS
 
 
-def gboard(**over) -> ModelConfig:
-    return ModelConfig(**with_preset({"preset": "gboard_cifg", "vocab_size": V, **over}))
+def gboard() -> ModelConfig:
+    return ModelConfig(**with_preset({"preset": "gboard_cifg", "vocab_size": V}))
 
 
 def test_gboard_preset_has_the_papers_size_and_shapes():
@@ -28,15 +32,17 @@ def test_gboard_preset_has_the_papers_size_and_shapes():
                       "layers.0.gates.bias": (2010,), "layers.0.proj.weight": (96, 670),
                       "output_bias": (V,)}
     assert model(torch.ones(2, 5, dtype=torch.long)).shape == (2, 5, V)
-    assert count_parameters(build_model(gboard(tie_embeddings=False))) == 2_383_022
+    assert count_parameters(build_model(dataclasses.replace(gboard(), tie_embeddings=False))) == 2_383_022
 
 
-def test_config_preset_fills_the_sizes_and_stated_keys_win():
-    cfg = parse_config({"model": {"preset": "gboard_cifg", "tie_embeddings": False}})
-    m = cfg.model
+def test_config_preset_fills_the_sizes_and_a_contradicting_key_is_one_error():
+    m = parse_config({"model": {"preset": "gboard_cifg", "hidden_dim": 670}}).model  # agreeing: fine
     assert (m.arch, m.embedding_dim, m.hidden_dim, m.projection_dim, m.num_layers) == ("cifg", 96, 670, 96, 1)
-    assert m.preset == "gboard_cifg" and m.tie_embeddings is False
-    assert parse_config({"model": {"preset": "gboard_cifg"}}).model.tie_embeddings is True
+    assert m.preset == "gboard_cifg" and m.tie_embeddings is True
+    # --set model.preset on a file that states other sizes (examples/tiny.toml: embedding 16)
+    with pytest.raises(DpfleetError, match=r"^model.preset = 'gboard_cifg' sets model.embedding_dim = 96, "
+                                           r"but the config states 16: remove one of them$"):
+        load_config(EXAMPLES / "tiny.toml", {"model.preset": "gboard_cifg"})
     with pytest.raises(DpfleetError, match="unknown model.preset 'gboard'; choose from"):
         parse_config({"model": {"preset": "gboard"}})
 
