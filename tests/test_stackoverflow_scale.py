@@ -22,7 +22,7 @@ def load():
 
 
 TINY = {"tokenizer": {"vocab_size": 104},
-        "model": {"embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
+        "model": {"preset": "", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
         "dp": {"report_goal": 5},
         "participation": {"min_separation": 10},
         "data": {"max_examples": 8}}
