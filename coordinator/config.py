@@ -22,7 +22,7 @@ from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.state.trackers import missing_extras
 from dpfleet.errors import DpfleetError
-from dpfleet.export.models import ModelConfig
+from dpfleet.export.models import PRESETS, ModelConfig, with_preset
 
 
 @dataclass
@@ -414,6 +414,7 @@ _CHOICES = {
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
     "fleet.client": ("dpfleet", "bundle"),
+    "model.preset": ("", *PRESETS),
 }
 
 def key_choices(key: str) -> tuple | None:
@@ -523,6 +524,8 @@ def parse_config(values: dict) -> SimulationConfig:
             raise DpfleetError("config key 'mechanism' is a run's binding {name, sha256} (config.json); "
                                "choose a mechanism with dp.mechanism")
         values = {k: v for k, v in values.items() if k != "mechanism"}
+    if isinstance(values, dict) and isinstance(values.get("model"), dict):
+        values = {**values, "model": with_preset(values["model"])}
     cfg = build_section(SimulationConfig, values, "")
     cfg.mechanism_binding = binding
     # what the config itself says of the planned keys (not a TOML key): the plan must agree with it

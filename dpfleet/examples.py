@@ -39,6 +39,9 @@ EXAMPLES: dict[str, Example] = {
     "public-pipeline": Example("public_pipeline.toml",
                                "dpfleet public pipeline {file} --out runs/pipeline",
                                "DP-FTRL with public data chosen by distribution matching"),
+    "stackoverflow": Example("stackoverflow_nwp.toml", "dpfleet simulate {file}",
+                             "the DP-FTRL papers' StackOverflow run, Gboard's CIFG (needs TFF's "
+                             "stackoverflow.sqlite and word counts: see the file's comment)"),
 }
 
 

@@ -23,12 +23,17 @@ from dpfleet.edge.tf_example import ExampleError, parse_example
 from dpfleet.errors import DpfleetError
 
 REQUIRED_TABLES = ("examples", "client_metadata")
+# Where TFF's own loaders (tff.simulation.datasets.<name>.load_data) download its SQLite files,
+# LZMA-compressed: a missing file's error names it, since dpfleet never downloads them itself.
+TFF_DOWNLOADS = "https://storage.googleapis.com/tff-datasets-public/"
 EXAMPLES_COLUMNS = ("split_name", "client_id", "serialized_example_proto")
 
 
 def _connect(path: Path) -> sqlite3.Connection:
     if not path.is_file():
-        raise DpfleetError(f"TFF SQLite file not found: {path}")
+        raise DpfleetError(f"TFF SQLite file not found: {path} (TFF's files: {TFF_DOWNLOADS}NAME.sqlite"
+                           ".lzma, e.g. stackoverflow.sqlite.lzma or shakespeare.sqlite.lzma; download "
+                           "it and unxz it)")
     con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

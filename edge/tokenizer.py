@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
+from dpfleet.edge.data_tff_sql import TFF_DOWNLOADS
 from dpfleet.edge.lexicon import LEXICON_FILE, Lexicon, is_word
 from dpfleet.errors import DpfleetError
 
@@ -264,7 +265,8 @@ def _lines(path: Path) -> list[tuple[int, str]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DpfleetError(f"word file not found: {path}") from None
+        raise DpfleetError(f"word file not found: {path} (TFF StackOverflow's word counts: "
+                           f"{TFF_DOWNLOADS}stackoverflow.word_count.tar.bz2, tar xjf it)") from None
     except (UnicodeDecodeError, IsADirectoryError) as exc:
         raise DpfleetError(f"{path}: not a UTF-8 text file ({exc})") from exc
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]

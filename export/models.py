@@ -49,6 +49,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     """logits = h @ embed^T + bias: one vocab x dim table instead of two (recurrent models need
     projection_dim == embedding_dim)."""
+    preset: str = ""
+    """A named size from the zoo's `PRESETS` ("gboard_cifg": Gboard's CIFG 96 / 670 / 96, tied, 1.42M
+    parameters at TFF's 10,004-token StackOverflow vocabulary); a key the config also states must
+    agree with it. "": none."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -66,6 +70,34 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Named sizes a config can ask for by `[model] preset = NAME`. "gboard_cifg" is the model of Hard et
+# al. 2018 (Sec. 3: CIFG, 670 units, projection and embeddings 96, input and output embeddings tied,
+# 1.4M parameters), which is also the TFF StackOverflow baselines' 96 / 670 / 96 shape (theirs is an
+# untied plain LSTM: 4,050,748 parameters). At the 10,000 words + 1 OOV bucket + PAD / BOS / EOS of
+# TFF's vocabulary it has 1,422,638 parameters (tests/test_gboard_model.py counts them by hand).
+PRESETS: dict[str, dict[str, object]] = {
+    "gboard_cifg": {"arch": "cifg", "embedding_dim": 96, "hidden_dim": 670, "projection_dim": 96,
+                    "num_layers": 1, "tie_embeddings": True},
+}
+
+
+def with_preset(model: dict) -> dict:
+    """A raw `[model]` table with its `preset`'s sizes filled in. A key the table also states must
+    agree: a run records its preset, so a model that differs from it (say a `--set model.preset`
+    on a file that states smaller sizes) would be mislabelled. For a variant, drop the preset and
+    state the keys."""
+    name = model.get("preset")
+    if not name:
+        return model
+    if name not in PRESETS:
+        raise DpfleetError(f"unknown model.preset {name!r}; choose from {tuple(PRESETS)}")
+    for key, value in PRESETS[name].items():
+        if key in model and model[key] != value:
+            raise DpfleetError(f"model.preset = {name!r} sets model.{key} = {value!r}, but the config "
+                               f"states {model[key]!r}: remove one of them")
+    return {**PRESETS[name], **model}
 
 
 def output_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:

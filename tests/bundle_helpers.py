@@ -121,3 +121,17 @@ def make_bundle(checkpoint: Path, out: Path, cache: Path, **kwargs) -> dict:
     kwargs.setdefault("seq_len", SEQ_LEN)
     kwargs.setdefault("batch_size", 4)
     return BundleExport(checkpoint, out, cache_dir=cache, **kwargs).run()
+
+
+def gboard_checkpoint(folder: Path) -> tuple[Path, ModelConfig]:
+    """Gboard's CIFG (`[model] preset = "gboard_cifg"`) over a 10,004-token word vocabulary, TFF's
+    StackOverflow size: the structured language's words, then filler words up to 10,000, one OOV
+    bucket and PAD / BOS / EOS. Untrained: parity and latency do not depend on the weights."""
+    from dpfleet.export.models import with_preset
+
+    known = [*SUBJECTS, *SUBJECTS.values(), *OBJECTS, "every", "day", "."]
+    tok = WordTokenizer(known + [f"w{i}" for i in range(10_000 - len(known))], split="tff")
+    cfg = ModelConfig(**with_preset({"preset": "gboard_cifg", "vocab_size": tok.vocab_size}))
+    torch.manual_seed(0)
+    save_checkpoint(folder, build_model(cfg), cfg, tok)
+    return folder, cfg
