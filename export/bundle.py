@@ -540,10 +540,10 @@ class BundleExport:
         if cfg is not None:
             return {"config": cfg.to_dict()}
         from dpfleet.edge.model_output import logits_of
-        from dpfleet.export.phone import _window
+        from dpfleet.export.phone import window_ids
 
         with torch.no_grad():
-            vocab = int(logits_of(model(_window(seq_len))).shape[-1])
+            vocab = int(logits_of(model(window_ids(seq_len))).shape[-1])
         return {"config": None, "vocab_size": vocab,
                 "custom": {"class": type(model).__qualname__, "module": type(model).__module__}}
 

@@ -46,7 +46,8 @@ TARGETS = ("x86", "arm")
 MIN_TOP1 = 0.98
 
 
-def _window(seq_len: int, batch: int = 1) -> torch.Tensor:
+def window_ids(seq_len: int, batch: int = 1) -> torch.Tensor:
+    """A [batch, seq_len] window of BOS ids: the example input an exporter traces with."""
     return torch.full((batch, seq_len), BOS, dtype=torch.int64)
 
 
@@ -85,7 +86,7 @@ def pte_program(
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    args = (_window(seq_len),)
+    args = (window_ids(seq_len),)
     with exporter_step("ExecuTorch export"):
         if quantize == "int8":
             import executorch.kernels.quantized  # noqa: F401  (registers embedding_byte for export)
@@ -113,7 +114,7 @@ def onnx_program(
 ) -> None:
     """ONNX inference program with a dynamic batch, optionally ORT dynamic int8 (`reduce_range`:
     7-bit weights for x86 AVX2/VNNI-less CPUs; False for ARM)."""
-    args = (_window(seq_len, batch=2),)
+    args = (window_ids(seq_len, batch=2),)
     batch = torch.export.Dim("batch", min=1, max=4096)
     with exporter_step("ONNX export"):
         program = torch.onnx.export(
@@ -160,7 +161,7 @@ def window_program_with_weight_inputs(model: nn.Module, seq_len: int, path: Path
     zoo = isinstance(getattr(model, "cfg", None), ModelConfig)
     module, prefix = (model, "") if zoo else (LogitsOf(model), "model.")
     batch = torch.export.Dim("batch", min=1, max=4096)
-    export_with_weight_inputs(module, model, (_window(seq_len, batch=2),), ["tokens"], ["logits"],
+    export_with_weight_inputs(module, model, (window_ids(seq_len, batch=2),), ["tokens"], ["logits"],
                               ({0: batch},), path, prefix)
 
 
@@ -272,7 +273,7 @@ def agreement(model: nn.Module, program: InferenceProgram, rows: np.ndarray, len
 
 def latency_ms(program: InferenceProgram, seq_len: int, repeats: int = 30) -> dict:
     """Single-step latency: one [1, seq_len] window in, its logits out."""
-    window = _window(seq_len).numpy()
+    window = window_ids(seq_len).numpy()
     for _ in range(3):
         program(window)
     times = []
@@ -362,7 +363,7 @@ class PhoneExport:
         bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None, file=terminal())
         program_path = self.out / PROGRAM_FILE[self.fmt]
         with torch.no_grad():
-            vocab = int(model(_window(self.seq_len)).shape[-1])
+            vocab = int(model(window_ids(self.seq_len)).shape[-1])
         start = time.perf_counter()
         if self.fmt == "pte":
             program_path.write_bytes(pte_program(model, self.seq_len, self.quantize, self.pte_int8_embedding))

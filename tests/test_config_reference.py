@@ -62,7 +62,8 @@ def test_the_generated_page_has_every_section_key_type_default_and_meaning():
     assert '| `pretrain.corpus` | list[str] | `[]` |' in page
     assert '| `data.path` | str | `""` |' in page and "relative to the config file's folder" in page
     # ...where a user looks for "my own data": the dataset key says jsonl
-    assert re.search(r'\| `data.dataset` \| str \| `"shakespeare"` \| [^|]*"jsonl": your own', page)
+    assert re.search(r'\| `data.dataset` \| str \| `"shakespeare"` \| '
+                     r'[^|]*your own file at `path`: "jsonl"', page)
     # a | inside a meaning is escaped, so no row has more than the table's 5 bars
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     assert rows and all(len(re.findall(r"(?<!\\)\|", row)) in (4, 5) for row in rows)

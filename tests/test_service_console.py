@@ -76,11 +76,11 @@ def test_serve_ends_with_the_result_block_of_simulate(served):
     warnings = [x for x in out if x.startswith("WARNING")]
     assert summary["warnings"] and any("dp.warn_epsilon" in w for w in summary["warnings"])
     assert warnings == [f"WARNING               {w}" for w in privacy["caveats"] + summary["warnings"]]
-    final, base = summary["final"], summary["unigram_baseline"]
-    assert (f"next-token accuracy   model {final['accuracy']:.4f}   unigram baseline "
-            f"{base['accuracy']:.4f}") in out
-    assert (f"perplexity            model {final['perplexity']:.1f}   unigram baseline "
-            f"{base['perplexity']:.1f}") in out
+    final, base, start = summary["final"], summary["unigram_baseline"], summary["initial"]
+    assert (f"next-token accuracy   model {final['accuracy']:.4f}   starting model "
+            f"{start['accuracy']:.4f}   unigram baseline {base['accuracy']:.4f}") in out
+    assert (f"perplexity            model {final['perplexity']:.1f}   starting model "
+            f"{start['perplexity']:.1f}   unigram baseline {base['perplexity']:.1f}") in out
     assert any(x.startswith(f"privacy               eps = {privacy['epsilon']:.2f} at delta = "
                             f"{privacy['delta']:g}") for x in out)
     assert f"noise                 {privacy['noise_mechanism']}" in out

@@ -21,7 +21,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.run import run
 from dpfleet.coordinator.state import trackers
 from dpfleet.coordinator.state.resume import differing_keys
-from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, scalars, tagged
+from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, STARTING_TAGS, scalars, tagged
 from dpfleet.errors import DpfleetError
 
 TRACKED = {**CONFIG, "rounds": 3, "eval_every": 2, "wandb": True, "mlflow": True}
@@ -130,8 +130,11 @@ def mlflow_history(run_dir: Path) -> list[dict[int, dict[str, float]]]:
 
 
 def expected(run_dir: Path, debug: bool = False) -> dict[int, dict[str, float]]:
-    """What metrics.jsonl (and debug_nonprivate.jsonl) say each step must hold."""
-    out = {m["round"]: dict(scalars(m)) for m in lines(run_dir / "metrics.jsonl")}
+    """What metrics.jsonl (and debug_nonprivate.jsonl) say each step must hold; step 0 is the
+    starting model's evaluation (initial_eval.json)."""
+    initial = json.loads((run_dir / "initial_eval.json").read_text())
+    out = {0: dict(scalars({k: initial[k] for k in STARTING_TAGS}))}
+    out.update({m["round"]: dict(scalars(m)) for m in lines(run_dir / "metrics.jsonl")})
     if debug:
         for d in lines(run_dir / "debug_nonprivate.jsonl"):
             out[d["round"]].update(scalars(d, DEBUG_GROUP))
@@ -157,7 +160,7 @@ def simulate(tmp_path, name, config=TRACKED):
 def test_a_run_logs_each_rounds_metrics_to_wandb_and_mlflow_and_no_telemetry(tmp_path):
     path = simulate(tmp_path, "run")
     want = expected(path)
-    assert sorted(want) == [1, 2, 3] and "eval/accuracy" in want[2] and "eval/accuracy" not in want[1]
+    assert sorted(want) == [0, 1, 2, 3] and "eval/accuracy" in want[2] and "eval/accuracy" not in want[1]
     assert "privacy/epsilon" in want[3] and "dp/noise_std" in want[3]
     [wandb_run] = wandb_history(path)
     [mlflow_run] = mlflow_history(path)
@@ -188,10 +191,10 @@ def test_a_resumed_run_has_each_step_once(tmp_path, monkeypatch):
     failing_on_round(monkeypatch, 3)
     with pytest.raises(Crash):
         once()
-    assert [sorted(h) for h in mlflow_history(out)] == [[1, 2]]
+    assert [sorted(h) for h in mlflow_history(out)] == [[0, 1, 2]]
     once(resume=True)
     want = expected(out)
-    assert sorted(want) == [1, 2, 3, 4]
+    assert sorted(want) == [0, 1, 2, 3, 4]
     assert wandb_history(out) == [want] and mlflow_history(out) == [want]
 
 
@@ -201,7 +204,7 @@ def test_the_cli_turns_them_on_with_set(tmp_path, capsys):
     main(["simulate", str(tiny_config(tmp_path)), "--out", str(out), "--quiet", "--rounds", "2",
           "--set", "wandb=true", "--set", "mlflow=true"])
     want = expected(out)
-    assert sorted(want) == [1, 2]
+    assert sorted(want) == [0, 1, 2]
     assert wandb_history(out) == [want] and mlflow_history(out) == [want]
     assert json.loads((out / "config.json").read_text())["wandb"] is True
 
@@ -244,7 +247,7 @@ def test_a_served_run_logs_its_metrics_to_both(tmp_path, monkeypatch):
     status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
     assert status["run_state"] == "finished"
     want = expected(state)
-    assert sorted(want) == [1, 2]
+    assert sorted(want) == [0, 1, 2]
     assert wandb_history(state) == [want] and mlflow_history(state) == [want]
 
 
