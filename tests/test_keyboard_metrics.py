@@ -37,7 +37,7 @@ P = {piece: i for piece, i in ID.items()}
 
 
 def row(*pieces: str, width: int = 6) -> list[int]:
-    ids = [BOS, *(P[p] if p in P else p for p in pieces)]
+    ids = [BOS, *(P.get(p, p) for p in pieces)]
     return ids + [PAD] * (width - len(ids))
 
 
@@ -133,11 +133,12 @@ def test_compare_has_a_keyboard_row_and_json(word_run, capsys):
     block = json.loads((result.run_dir / "summary.json").read_text())["keyboard"]
     main(["compare", str(result.run_dir), "--json", "--no-plot"])
     (figures,) = json.loads(capsys.readouterr().out)["runs"]
-    assert figures["keyboard"] == {"model": block["model"], "most_frequent_words": block["most_frequent_words"],
-                                   "words": 30}
+    assert figures["keyboard"] == {"model": block["model"], "words": 30,
+                                   "most_frequent_words": block["most_frequent_words"]}
     main(["compare", str(result.run_dir), "--no-plot"])
     out = capsys.readouterr().out.splitlines()
-    for label, strip in (("strip top-1 / top-3 / saved", "model"), ("  most frequent words", "most_frequent_words")):
+    for label, strip in (("strip top-1 / top-3 / saved", "model"),
+                         ("  most frequent words", "most_frequent_words")):
         (line,) = [r for r in out if r.startswith(label)]
         rates = block[strip]
         assert line.endswith(f"{rates['top1_recall']:.3f} / {rates['top3_recall']:.3f} / "
@@ -168,3 +169,39 @@ def test_the_result_block_line():
     assert line.endswith("model top-1 0.250 top-3 0.500 keys saved 0.125   most frequent words "
                          "top-1 0.062 top-3 0.188 keys saved 0.031 (100 held-out words)")
     assert not [r for r in result_lines(**common) if r.startswith("word suggestions")]
+
+
+def test_the_services_finish_scores_the_strip_and_the_status_page_shows_it(tmp_path):
+    """The service's engine gets the baseline's held-out rows at boot (`service/boot.py`) and its
+    finish writes the same block; the status page shows the finished run's figures."""
+    from service_fleet import tiny_cfg
+
+    from dpfleet.coordinator.state.state_store import finish_run
+    from dpfleet.service.admin import public_status
+    from dpfleet.service.boot import boot
+    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.servelog import ServiceLog
+    from dpfleet.service.status_page import render
+
+    cfg = tiny_cfg(rounds=1)
+    cfg.data.keyboard_words = 10
+    booted = boot(cfg, tmp_path / "state", log=lambda s: None)
+    log = ServiceLog(tmp_path / "service.log")
+    try:
+        driver = RoundDriver(booted, log)
+        assert public_status(driver)["top3_recall"] is None  # not finished: no figure
+        finish_run(booted.store, booted.engine, stopped_early=None, baseline=booted.baseline,
+                   started=booted.started)
+        block = json.loads((tmp_path / "state" / "summary.json").read_text())["keyboard"]
+        driver.outcome = {"keyboard": block}  # what the driver's own finish keeps of summary.json
+        status = public_status(driver)
+    finally:
+        log.close()
+        booted.store.close()
+    assert block["words"] == 10 and set(block["most_frequent_words"]) == {
+        "top1_recall", "top3_recall", "keystroke_savings"}
+    assert status["top3_recall"] == block["model"]["top3_recall"]
+    assert status["baseline_keystroke_savings"] == block["most_frequent_words"]["keystroke_savings"]
+    page = render(status, {"rounds": []})
+    assert "top-3 word recall" in page and f"{block['model']['top3_recall']:.3f}" in page
+    assert f"{block['most_frequent_words']['top3_recall']:.3f}" in page

@@ -15,6 +15,9 @@
   after each typed prefix). Tapping is not counted as a keystroke, nor are spaces.
 
 Every count is kept as (correct, scored) so batches and clients add up before one division.
+The held-out words a run scores the strip on are read off its token rows (`row_pieces`,
+`text_cases`), and `frequent_word_strip` is the most-frequent-word baseline strip
+(`keyboard_eval` puts them together at a run's end).
 """
 
 from __future__ import annotations
