@@ -137,8 +137,8 @@ def test_compare_has_a_keyboard_row_and_json(word_run, capsys):
                                    "most_frequent_words": block["most_frequent_words"]}
     main(["compare", str(result.run_dir), "--no-plot"])
     out = capsys.readouterr().out.splitlines()
-    for label, strip in (("strip top-1 / top-3 / saved", "model"),
-                         ("  most frequent words", "most_frequent_words")):
+    for label, strip in (("strip t1/t3/saved", "model"),
+                         ("  frequent words", "most_frequent_words")):
         (line,) = [r for r in out if r.startswith(label)]
         rates = block[strip]
         assert line.endswith(f"{rates['top1_recall']:.3f} / {rates['top3_recall']:.3f} / "

@@ -167,8 +167,8 @@ ROWS = (
     ("starting model", lambda f: _number(f["initial_accuracy"], ".4f")),
     ("unigram baseline", lambda f: _number(f["unigram_accuracy"], ".4f")),
     ("perplexity", lambda f: _number(f["perplexity"], ".1f")),
-    ("strip top-1 / top-3 / saved", _keyboard("model")),  # keyboard_eval: the suggestion strip
-    ("  most frequent words", _keyboard("most_frequent_words")),
+    ("strip t1/t3/saved", _keyboard("model")),  # top-1 / top-3 recall, keystroke savings
+    ("  frequent words", _keyboard("most_frequent_words")),  # the most-frequent-word strip
     ("eps", _epsilon),
     ("rounds done", lambda f: f"{f['rounds_completed']} of {f['rounds_planned']}"),
     ("wall time", lambda f: wall_time(f["wall_seconds"])),
