@@ -51,7 +51,7 @@ class DataSection:
     """Train on the first this many training clients only; 0: every one."""
     eval_examples: int = 3000
     """Held-out rows scored at each evaluation; 0: all."""
-    keyboard_words: int = 100
+    keyboard_words: int = 30
     """Held-out words (from a seeded sample of held-out rows) the finished model's suggestion strip
     is scored on: top-1 / top-3 word recall and keystroke savings, summary.json's `keyboard`; 0:
     none. Each word costs a few dozen model calls at the run's end."""
