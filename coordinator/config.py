@@ -51,6 +51,10 @@ class DataSection:
     """Train on the first this many training clients only; 0: every one."""
     eval_examples: int = 3000
     """Held-out rows scored at each evaluation; 0: all."""
+    keyboard_words: int = 30
+    """Held-out words (from a seeded sample of held-out rows) the finished model's suggestion strip
+    is scored on: top-1 / top-3 word recall and keystroke savings, summary.json's `keyboard`; 0:
+    none. Each word costs a few dozen model calls at the run's end."""
     generated_population: int = 0
     """> 0: a GENERATED population of this many clients cycled from the real ones, for speed and
     memory tests only (users repeat: the run's epsilon is no guarantee for real people)."""
@@ -589,6 +593,7 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.rounds >= 1, "rounds must be >= 1"),
         *((False, line) for line in missing_extras(cfg)),  # a tracker whose package is missing
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
+        (cfg.data.keyboard_words >= 0, "data.keyboard_words must be >= 0 (0: no keyboard metrics)"),
         (cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: no resume points)"),
         (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),
         (cfg.dp.clip_norm > 0, "dp.clip_norm must be > 0"),

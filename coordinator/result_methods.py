@@ -133,6 +133,7 @@ class ResultMethods:
         initial = summary.get("initial") or {}  # round 0 (an older run has none)
         values = dict(
             initial_accuracy=initial.get("accuracy"), initial_perplexity=initial.get("perplexity"),
+            keyboard=summary.get("keyboard"),
             accuracy=final.get("accuracy"), unigram_accuracy=baseline.get("accuracy"),
             perplexity=final.get("perplexity"), unigram_perplexity=baseline.get("perplexity"),
             epsilon=privacy.get("epsilon"), delta=privacy.get("delta"), run_dir=run_dir, model=model,

@@ -78,6 +78,9 @@ class Result(ResultMethods):
         warnings: one line for each way the result means nothing (summary.json's `warnings`,
             `coordinator/accounting/result_warnings.py`): a model at or below the unigram baseline,
             eps above dp.warn_epsilon, noise that drowns every update; () when there is none.
+        keyboard: the final model's suggestion strip on held-out words (summary.json's `keyboard`:
+            top-1 / top-3 recall and keystroke savings, next to the most-frequent-word strip's),
+            None when not scored (a tokenizer without `decode`, data.keyboard_words = 0).
     """
 
     accuracy: float
@@ -96,6 +99,7 @@ class Result(ResultMethods):
     warnings: tuple[str, ...] = ()
     initial_accuracy: float | None = None
     initial_perplexity: float | None = None
+    keyboard: dict | None = None
 
 
 def run(
@@ -150,6 +154,7 @@ def run(
         client_trainer=summary.get("client_trainer", ""), warnings=tuple(summary.get("warnings", ())),
         initial_accuracy=(summary.get("initial") or {}).get("accuracy"),
         initial_perplexity=(summary.get("initial") or {}).get("perplexity"),
+        keyboard=summary.get("keyboard"),
     )
 
 
@@ -185,8 +190,9 @@ def user_records(users: object) -> list[TextRecord]:
 
 
 class _UserTokenizer:
-    """A caller's tokenizer with what the run needs of it: a `kind` for the log and a `save` for
-    the data fingerprint and the checkpoint (the caller's own `save` when it has one)."""
+    """A caller's tokenizer with what the run needs of it: a `kind` for the log, a `save` for
+    the data fingerprint and the checkpoint (the caller's own `save` when it has one), and its
+    `decode` and `lexicon` when it has them."""
 
     kind = "custom"
 
@@ -198,6 +204,11 @@ class _UserTokenizer:
             raise DpfleetError(f"tokenizer.vocab_size must be an int >= 5 (ids 0-3 are PAD / BOS / "
                                f"EOS / UNK), got {vocab!r}")
         self.inner, self.vocab_size = tokenizer, vocab
+        # what `suggest` needs, for the keyboard figures of the run's end (`keyboard_eval`): the
+        # caller's decode and word list, as the Result's own `suggest` uses them
+        if callable(getattr(tokenizer, "decode", None)):
+            self.decode = tokenizer.decode
+        self.lexicon = getattr(tokenizer, "lexicon", None)
 
     def encode(self, text: str) -> list[int]:
         ids = self.inner.encode(text)

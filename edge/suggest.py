@@ -30,6 +30,7 @@ from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK
 from dpfleet.errors import DpfleetError
 
 SPECIAL = (PAD, BOS, EOS, UNK)
+FIT_CACHE = 4096  # the masks a predictor keeps (each [vocab] booleans)
 _WORD = re.compile(r"[\w'’-]*")
 _TYPED = re.compile(r"[\w'’-]*\Z")
 
@@ -52,6 +53,10 @@ class Predictor:
         self.model, self.tokenizer = model, tokenizer
         self.seq_len = seq_len if seq_len and seq_len > 1 else None
         self._texts: list[str] | None = None
+        # (typed, word so far, needs a space) -> which tokens may follow: the same few keys recur
+        # across calls (a keyboard asks after every typed letter), and each costs a pass over the
+        # vocabulary in Python
+        self._fits: dict[tuple[str, str, bool], torch.Tensor] = {}
 
     def probabilities(self, text: str) -> torch.Tensor:
         """The model's distribution over the vocabulary for the token after `text` ([vocab],
@@ -87,7 +92,9 @@ class Predictor:
         typed = _TYPED.search(text).group()
         context = self._encode(text[: len(text) - len(typed)])
         head = self._decoder()(context)
-        search = _WordSearch(typed.casefold(), k, texts, getattr(self.tokenizer, "lexicon", None))
+        if len(self._fits) > FIT_CACHE:
+            self._fits.clear()
+        search = _WordSearch(typed.casefold(), k, texts, getattr(self.tokenizer, "lexicon", None), self._fits)
         # at the very start a word needs no space (the token texts are read after an anchor word)
         beams = [_Beam((), "", not head or not head[-1].isspace(), 0.0)]
         for _ in range(max_pieces):
@@ -149,8 +156,10 @@ class _WordSearch:
     them) and the rules that grow a beam by one token (`texts`: what each token appends). With a
     `lexicon` (`edge.lexicon`), a spelling outside it is never a word found."""
 
-    def __init__(self, typed: str, k: int, texts: list[str], lexicon=None):
+    def __init__(self, typed: str, k: int, texts: list[str], lexicon=None,
+                 fits: dict[tuple[str, str, bool], torch.Tensor] | None = None):
         self.typed, self.k, self.texts, self.lexicon = typed, k, texts, lexicon
+        self.fits = {} if fits is None else fits  # the predictor's cache of `candidates`' masks
         self.width, self.beams = max(4 * k, 16), max(2 * k, 4)  # tokens tried per beam, beams kept
         self.found: dict[str, float] = {}
 
@@ -160,7 +169,11 @@ class _WordSearch:
         row = row.clone()
         row[[PAD, BOS, UNK]] = -math.inf
         if len(beam.word) < len(self.typed):
-            fit = torch.tensor([self._step(beam, text) is not None for text in self.texts])
+            key = (self.typed, beam.word, beam.need_space)  # all `_step`'s answer depends on
+            fit = self.fits.get(key)
+            if fit is None:
+                fit = torch.tensor([self._step(beam, text) is not None for text in self.texts])
+                self.fits[key] = fit
             row[~fit[: row.numel()]] = -math.inf
         top = torch.topk(row, min(self.width, row.numel()))
         return [t for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True) if v > -math.inf]

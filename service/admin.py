@@ -35,6 +35,8 @@ def public_status(driver: RoundDriver) -> dict:
         # round 0 (the starting model, no privacy cost) and the unigram baseline: what the rounds add
         "initial_accuracy": (driver.engine.initial or {}).get("accuracy"),
         "unigram_accuracy": driver.b.baseline.get("accuracy"),
+        # the finished model's suggestion strip and the most-frequent-word strip's (held-out words)
+        **keyboard_status((driver.outcome or {}).get("keyboard")),
         "devices": status["devices"],
         "rounds": [{k: h[k] for k in ("round", "status", "clients", "epsilon", "accuracy")}
                    for h in history["rounds"]],
@@ -43,3 +45,13 @@ def public_status(driver: RoundDriver) -> dict:
         "uptime_s": status["uptime_s"],
     }
 
+
+def keyboard_status(block: dict | None) -> dict:
+    """The status page's keyboard figures of a finished run (None before the finish, and for a
+    run whose tokenizer gives no strip): top-3 word recall and keystroke savings of the model's
+    strip and of the most-frequent-word strip."""
+    block = block or {}
+    model, base = block.get("model") or {}, block.get("most_frequent_words") or {}
+    return {"top3_recall": model.get("top3_recall"), "keystroke_savings": model.get("keystroke_savings"),
+            "baseline_top3_recall": base.get("top3_recall"),
+            "baseline_keystroke_savings": base.get("keystroke_savings")}

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dpfleet.coordinator.accounting.config_plan import plan_line
@@ -195,7 +196,8 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
                                        fingerprint_secret(Path(state), create=fresh))
         engine = open_engine(store, cfg, users=users, networked=True, model=model, model_cfg=model_cfg,
                              tokenizer=tokenizer, fingerprint=fingerprint, test_rows=test_rows,
-                             vocabulary=vocabulary_privacy(Path(state) / "vocabulary"))
+                             vocabulary=vocabulary_privacy(Path(state) / "vocabulary"),
+                             keyboard_rows=np.concatenate([c.examples for c in baseline_clients]))
         baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
         baseline["fitted_on_held_out_clients"] = len(baseline_clients)
         blobs = BlobStore()

@@ -587,7 +587,8 @@ class RoundDriver:
         summary = json.loads((self.store.path / "summary.json").read_text())
         self.outcome = {"final": final, "baseline": b.baseline, "privacy": privacy,
                         "warnings": summary.get("warnings", []), "stopped_early": self.stopped_early,
-                        "run_dir": self.store.path, "initial": self.engine.initial}
+                        "run_dir": self.store.path, "initial": self.engine.initial,
+                        "keyboard": summary.get("keyboard")}
         self.run_state = "finished"
         self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
                        stopped_early=self.stopped_early)

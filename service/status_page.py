@@ -1,14 +1,16 @@
 """The coordinator's read-only status page: one self-contained HTML page with inline SVG charts.
 
 It is served without authentication (`GET /`), so it may show only what the run releases anyway:
-DP-released aggregates (accuracy of the released model, eps spent) and counts, next to the
-held-out accuracy of the starting model (round 0, before any private round) and of the unigram
-baseline. `render` reads a fixed list of numeric fields and never prints a mapping key it did not
-expect, so a status or history that happened to carry a device id (a per-device map, an id list,
-an extra field) cannot leak it through the page. The one text it prints is `caveats` (a list of strings the
-coordinator builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the
-top: a run that is not fully private says so before any figure. No script, no external asset:
-the page works offline and its Content-Security-Policy forbids loading anything.
+DP-released aggregates (accuracy of the released model, eps spent) and counts, next to the held-out
+accuracy of the starting model (round 0, before any private round) and of the unigram baseline, and
+once the run finished, its suggestion strip's top-3 word recall and keystroke savings on held-out
+words next to the most-frequent-word strip's. `render` reads a fixed list of numeric fields and
+never prints a mapping key it did not expect, so a status or history that happened to carry a device
+id (a per-device map, an id list, an extra field) cannot leak it through the page. The one text it
+prints is `caveats` (a list of strings the coordinator builds from its config alone,
+`coordinator/accounting/caveats.py`), escaped, at the top: a run that is not fully private says so
+before any figure. No script, no external asset: the page works offline and its
+Content-Security-Policy forbids loading anything.
 """
 
 from __future__ import annotations
@@ -226,6 +228,10 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         ("last accuracy", _fmt(status.get("last_accuracy"), ".4f"), "held-out, released model"),
         ("starting model", _fmt(start, ".4f"), "accuracy at round 0: no privacy cost"),
         ("unigram baseline", _fmt(status.get("unigram_accuracy"), ".4f"), "accuracy, word frequencies"),
+        ("top-3 word recall", _fmt(status.get("top3_recall"), ".3f"),
+         f"suggestion strip; most frequent words {_fmt(status.get('baseline_top3_recall'), '.3f')}"),
+        ("keystrokes saved", _fmt(status.get("keystroke_savings"), ".3f"),
+         f"suggestion strip; most frequent words {_fmt(status.get('baseline_keystroke_savings'), '.3f')}"),
         ("round", _fmt(status.get("round"), "d"), f"phase {phase}"),
         ("devices", _fmt(dict(devices).get("registered"), "d"), "registered"),
     ]

@@ -77,9 +77,29 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "fully_private": s.get("fully_private", p.get("fully_private")),
         "caveats": s.get("caveats", p.get("caveats", [])),
         "warnings": s.get("warnings"),  # a result that means nothing (None: not recorded)
+        "keyboard": keyboard_figures(s.get("keyboard")),  # the suggestion strip (None: not scored)
         "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
     }
     return figures
+
+
+def keyboard_figures(block: object) -> dict | None:
+    """summary.json's `keyboard` block without its bookkeeping: each strip's rates and the words
+    they are over (None for a run without one: an older dpfleet, a character vocabulary)."""
+    if not isinstance(block, Mapping) or not isinstance(block.get("model"), Mapping):
+        return None
+    strips = {k: {r: _finite(v) for r, v in block[k].items() if r in RATES}
+              for k in ("model", "most_frequent_words") if isinstance(block.get(k), Mapping)}
+    return {**strips, "words": _finite(block.get("words"))}
+
+
+RATES = ("top1_recall", "top3_recall", "keystroke_savings")
+
+
+def _finite(value: object) -> float | None:
+    """A finite number, else None (an edited file's text, NaN)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return value if number and -float("inf") < value < float("inf") else None
 
 
 def comparison(records: Sequence[RunRecord], labels: Sequence[str]) -> dict:
@@ -126,6 +146,15 @@ def _private(f: dict) -> str:
     return "yes" if f["fully_private"] else f"NO ({len(f['caveats'])} caveats)"
 
 
+def _keyboard(strip: str):
+    """The cell of one strip: its top-1 / top-3 recall and keystroke savings."""
+    def cell(f: dict) -> str:
+        rates = (f["keyboard"] or {}).get(strip)
+        return " / ".join(_number(rates.get(r), ".3f") for r in RATES) if rates else "-"
+
+    return cell
+
+
 def _warnings(f: dict) -> str:
     if f["warnings"] is None:
         return "-"
@@ -138,6 +167,8 @@ ROWS = (
     ("starting model", lambda f: _number(f["initial_accuracy"], ".4f")),
     ("unigram baseline", lambda f: _number(f["unigram_accuracy"], ".4f")),
     ("perplexity", lambda f: _number(f["perplexity"], ".1f")),
+    ("strip t1/t3/saved", _keyboard("model")),  # top-1 / top-3 recall, keystroke savings
+    ("  frequent words", _keyboard("most_frequent_words")),  # the most-frequent-word strip
     ("eps", _epsilon),
     ("rounds done", lambda f: f"{f['rounds_completed']} of {f['rounds_planned']}"),
     ("wall time", lambda f: wall_time(f["wall_seconds"])),

@@ -12,11 +12,13 @@ LABEL = 22  # the label column's width
 
 
 def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[str] | tuple[str, ...],
-                 stopped_early: str | None, run_dir: Path, initial: dict | None = None) -> list[str]:
+                 stopped_early: str | None, run_dir: Path, initial: dict | None = None,
+                 keyboard: dict | None = None) -> list[str]:
     """The result block of a finished run: caveats first (a run that is not fully private says
     so, `caveats.py`), then the warnings of a result that means nothing (`result_warnings.py`),
     accuracy and perplexity next to the starting model's (`initial`, round 0) and the unigram
-    baseline's, eps and the noise, where the run is."""
+    baseline's, the keyboard's suggestion strip next to the most-frequent-word strip (`keyboard`:
+    summary.json's block, `keyboard_eval`), eps and the noise, where the run is."""
     p = privacy
     lines = [_row("WARNING", line) for line in p.get("caveats", [])]
     lines += [_row("WARNING", line) for line in warnings]
@@ -31,6 +33,8 @@ def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[s
     if acc0:  # where the accuracy comes from: what the private rounds added to it
         lines.append(_row("starting model", "round 0, before any private round (the init, after public "
                                             "pretraining if any): no privacy cost"))
+    if keyboard and keyboard.get("model"):
+        lines.append(_row("word suggestions", keyboard_text(keyboard)))
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
     lines.append(_row("privacy", (
         f"eps = {_f(p['epsilon'], '.2f')} at delta = {p['delta']:g} "
@@ -60,7 +64,19 @@ def saved_result_lines(run_dir: Path) -> list[str]:
                         privacy=json.loads((run_dir / "privacy.json").read_text()),
                         warnings=summary.get("warnings", []),
                         stopped_early=summary.get("stopped_early"), run_dir=run_dir,
-                        initial=summary.get("initial"))
+                        initial=summary.get("initial"), keyboard=summary.get("keyboard"))
+
+
+def keyboard_text(keyboard: dict) -> str:
+    """The strip's figures: the model's, then the most-frequent-word strip's, on the same words."""
+    def figures(strip: dict) -> str:
+        return (f"top-1 {_f(strip.get('top1_recall'), '.3f')} top-3 {_f(strip.get('top3_recall'), '.3f')} "
+                f"keys saved {_f(strip.get('keystroke_savings'), '.3f')}")
+
+    text = f"model {figures(keyboard['model'])}"
+    if keyboard.get("most_frequent_words"):
+        text += f"   most frequent words {figures(keyboard['most_frequent_words'])}"
+    return f"{text} ({keyboard.get('words')} held-out words)"
 
 
 def _f(value: float | None, spec: str) -> str:

@@ -91,5 +91,6 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
                              privacy=result.privacy, warnings=result.warnings,
                              stopped_early=result.stopped_early, run_dir=result.run_dir,
                              initial={"accuracy": result.initial_accuracy,
-                                      "perplexity": result.initial_perplexity}):
+                                      "perplexity": result.initial_perplexity},
+                             keyboard=result.keyboard):
         click.echo(line)

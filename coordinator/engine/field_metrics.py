@@ -15,10 +15,16 @@
   after each typed prefix). Tapping is not counted as a keystroke, nor are spaces.
 
 Every count is kept as (correct, scored) so batches and clients add up before one division.
+The held-out words a run scores the strip on are read off its token rows (`row_pieces`,
+`text_cases`), and `frequent_word_strip` is the most-frequent-word baseline strip
+(`keyboard_eval` puts them together at a run's end).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import re
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -124,3 +130,85 @@ def word_cases(texts: Iterable[str], split: Callable[[str], list[str]], limit: i
             if is_word(word):
                     cases.append(("".join(f"{w} " for w in words[:n]), word))
     return cases
+
+
+_TYPED = re.compile(r"[\w'’-]*\Z")  # the word being typed at the end of a context (edge.suggest's rule)
+_UNIT = re.compile(r"[\w'’-]+")
+
+
+def row_pieces(row: np.ndarray, decode: Callable[[list[int]], str], oov_ids: Sequence[int] = (UNK,),
+               whole_words: bool = False) -> list[tuple[str, int, int]]:
+    """The texts of one held-out row [seq_len + 1]: its tokens after BOS up to its first PAD, cut at
+    EOS (a text ended) and at OOV ids (a word the vocabulary lacks: no strip can offer it, and its
+    placeholder is no word), each piece decoded, as (text, first, end): its units (`_UNIT`) from
+    index `first` up to `end` are whole words. A row is a window of a longer text, so unless each
+    token is a whole word (`whole_words`: a word vocabulary) the row's first unit may be a word's
+    tail and, in a full row, its last unit a word's head: neither counts (both stay as context)."""
+    ids = [int(i) for i in np.asarray(row)[1:]]
+    full = PAD not in ids
+    ids = ids if full else ids[: ids.index(PAD)]
+    cuts, pieces = {EOS, *oov_ids}, [[]]
+    for i in ids:
+        if i in cuts:
+            pieces.append([])
+        elif i != BOS:
+            pieces[-1].append(i)
+    out = []
+    for n, piece in enumerate(pieces):
+        text = decode(piece) if piece else ""
+        units = len(_UNIT.findall(text))
+        first = int(n == 0 and not whole_words)
+        end = units - int(n == len(pieces) - 1 and full and not whole_words)
+        if end > first:
+            out.append((text, first, end))
+    return out
+
+
+def row_texts(rows: np.ndarray, decode: Callable[[list[int]], str], oov_ids: Sequence[int] = (UNK,),
+              whole_words: bool = False) -> list[str]:
+    """The whole-word text of held-out rows (`row_pieces`, a cut word's part left out), to count."""
+    texts = []
+    for row in rows:
+        for text, first, end in row_pieces(row, decode, oov_ids, whole_words):
+            units = list(_UNIT.finditer(text))
+            texts.append(text[units[first].start(): units[end - 1].end()])
+    return texts
+
+
+def text_cases(pieces: Iterable[tuple[str, int, int]], limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (context, word) cases from held-out texts as a keyboard meets them: each whole
+    word of each (text, first, end) of `row_pieces` (the lexicon's rule, `edge.lexicon.is_word`:
+    punctuation and numbers are no word) with the text before it, as typed (case and punctuation
+    kept, so a subword model sees what it was trained on)."""
+    cases: list[tuple[str, str]] = []
+    for text, first, end in pieces:
+        for n, match in enumerate(_UNIT.finditer(text)):
+            if len(cases) >= limit:
+                return cases
+            if first <= n < end and is_word(match.group()):
+                cases.append((text[: match.start()], match.group()))
+    return cases
+
+
+def frequent_word_strip(texts: Iterable[str], slots: int = STRIP_SLOTS) -> Callable[[str], list[str]]:
+    """The most-frequent-word strip (the unigram model's suggestions): after a context, the
+    `slots` words of `texts` seen most often (case folded; ties in alphabetical order) that start
+    with the word being typed; with nothing typed, the `slots` most frequent words."""
+    counts = collections.Counter(w.casefold() for text in texts for w in _UNIT.findall(text) if is_word(w))
+    ranked = sorted(counts, key=lambda w: (-counts[w], w))
+
+    @functools.lru_cache(maxsize=4096)
+    def strip(typed: str) -> tuple[str, ...]:
+        return tuple(w for w in ranked if w.startswith(typed))[:slots]
+
+    return lambda context: list(strip(_TYPED.search(context).group().casefold()))
+
+
+def keyboard_metrics(cases: Sequence[tuple[str, str]], suggest: Callable[[str], list[str]],
+                     slots: int = STRIP_SLOTS) -> dict[str, float | int | None]:
+    """Top-1 / top-`slots` recall (`strip_recall`) and keystroke savings (`keystroke_savings`) of
+    one strip on the same cases; each context's strip is asked once (both metrics ask it before
+    each word)."""
+    asked = functools.lru_cache(maxsize=None)(lambda context: tuple(suggest(context)))
+    strip = lambda context: list(asked(context))  # noqa: E731
+    return {**strip_recall(cases, strip, slots), **keystroke_savings(cases, strip, slots)}

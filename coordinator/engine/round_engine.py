@@ -46,6 +46,7 @@ from dpfleet.coordinator.engine.adaptive_clipping import (
 )
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.engine.evaluation import evaluate
+from dpfleet.coordinator.engine.keyboard_eval import keyboard_block
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
 from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
@@ -155,7 +156,8 @@ class RoundEngine:
                  users: Sequence[str], fingerprint: str, test_rows, sink: RunSink | None = None,
                  vocabulary: dict | None = None, resume: bool = False,
                  releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
-                 mechanism: Mechanism | None = None, other_releases: list[dict] | None = None):
+                 mechanism: Mechanism | None = None, other_releases: list[dict] | None = None,
+                 keyboard_rows: np.ndarray | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
@@ -163,14 +165,16 @@ class RoundEngine:
         point (the SQLite state store, `state_store.open_engine`). `mechanism`: a caller's noise
         mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`). `other_releases`:
         other DP releases about the same devices, which the caller may append to while the run goes
-        (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`)."""
+        (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`).
+        `keyboard_rows`: held-out rows of other users than `test_rows`' (the unigram baseline's),
+        whose word counts make the keyboard's most-frequent-word strip (`keyboard_eval`)."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
         # a list is copied; a lazy sequence (a memory-mapped store's ids) is kept as it is
         self.users = list(users) if isinstance(users, list) or not isinstance(users, Sequence) else users
         self.fingerprint, self.test_rows = fingerprint, test_rows
-        self.vocabulary = vocabulary
+        self.vocabulary, self.keyboard_rows = vocabulary, keyboard_rows
         self.other_releases = other_releases if other_releases is not None else []
         check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
@@ -466,6 +470,14 @@ class RoundEngine:
         set_flat(self.model, self.server.theta)
         return evaluate(self.model, self.test_rows, oov_ids=oov_ids_of(self.tokenizer))
 
+    def keyboard(self) -> dict | None:
+        """The current model's suggestion strip on sampled held-out words, next to the
+        most-frequent-word strip (`keyboard_eval.keyboard_block`; None when there is nothing to
+        score). Call after `evaluate`, which loads the released weights into the model."""
+        return keyboard_block(self.model, self.tokenizer, self.test_rows, words=self.cfg.data.keyboard_words,
+                              seed=self.cfg.seed, seq_len=self.cfg.data.seq_len,
+                              fit_rows=self.keyboard_rows)
+
     def privacy(self, *, stopped_early: str | None = None, public_data: Sequence[str] = (),
                 committed: Sequence[dict] | None = None) -> dict:
         """The run's privacy summary now (`run_accountant.run_privacy`): privacy.json's content,
@@ -497,6 +509,7 @@ class RoundEngine:
                 started: float, extra: dict | None) -> tuple[dict, dict]:
         cfg, run_path = self.cfg, self.run_path
         final = self.evaluate()
+        keyboard = self.keyboard()
         privacy = self.privacy(stopped_early=stopped_early, public_data=public_data)
         save_checkpoint(run_path / "checkpoint", self.model, self.model_cfg, self.tokenizer,
                         not_private=self.audit_break and broken_reason(self.audit_break),
@@ -520,9 +533,14 @@ class RoundEngine:
             # which noise, and whether the guarantee needs every participant honest
             **{k: privacy[k] for k in ("noise_mechanism", "honest_participants_only",
                                        "honest_participants_only_statement") if k in privacy},
+            **({"keyboard": keyboard} if keyboard else {}),
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)
+        if keyboard:  # the final model's strip, at the last round's step
+            strips = {k: v for k, v in keyboard.items() if isinstance(v, dict)}
+            self.trackers.round({"metrics": {"round": self.metrics[-1]["round"] if self.metrics else 0,
+                                             "keyboard": strips}})
         self.trackers.close()
         discard_resume(run_path)
         return final, privacy
