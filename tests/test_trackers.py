@@ -135,6 +135,11 @@ def expected(run_dir: Path, debug: bool = False) -> dict[int, dict[str, float]]:
     initial = json.loads((run_dir / "initial_eval.json").read_text())
     out = {0: dict(scalars({k: initial[k] for k in STARTING_TAGS}))}
     out.update({m["round"]: dict(scalars(m)) for m in lines(run_dir / "metrics.jsonl")})
+    summary = run_dir / "summary.json"
+    keyboard = json.loads(summary.read_text()).get("keyboard") if summary.is_file() else None
+    if keyboard:  # a finished run's suggestion strip, logged live at the last round's step
+        strips = {k: v for k, v in keyboard.items() if isinstance(v, dict)}
+        out[max(out)].update(scalars({"keyboard": strips}))
     if debug:
         for d in lines(run_dir / "debug_nonprivate.jsonl"):
             out[d["round"]].update(scalars(d, DEBUG_GROUP))
