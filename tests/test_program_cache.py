@@ -81,7 +81,8 @@ def test_second_simulation_reuses_the_first_runs_program(monkeypatch, tmp_path):
     from dpfleet.edge.device_client import BundleClient
     from dpfleet.export.bundle import BundleExport
 
-    summary = BundleExport(tmp_path / "a" / "checkpoint", tmp_path / "bundle").run()
+    # this tiny run has caveats (no noise, a non-private vocabulary): the bundle must accept them
+    summary = BundleExport(tmp_path / "a" / "checkpoint", tmp_path / "bundle", accept_caveats=True).run()
     client = BundleClient(tmp_path / "bundle", summary["public_key"])
     manifest = client.bundle.manifest
     assert manifest["privacy"] == json.loads((tmp_path / "a" / "privacy.json").read_text())

@@ -173,6 +173,10 @@ def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
     assert status["run_state"] == "finished"
     metrics = lines(state / "metrics.jsonl")
     events = rounds_of(state)
+    strip = [e for e in events if e[1].startswith("keyboard/")]  # the finished run's strip, last step
+    events = [e for e in events if not e[1].startswith("keyboard/")]
+    keyboard = json.loads((state / "summary.json").read_text()).get("keyboard")
+    assert {s for s, *_ in strip} == ({2} if keyboard else set())
     assert [(s, t) for s, t, _ in events] == [(m["round"], t) for m in metrics for t, _ in scalars(m)]
     assert np.array_equal([v for *_, v in events], np.float32([v for m in metrics for _, v in scalars(m)]))
     assert {s for s, *_ in events} == {1, 2}
