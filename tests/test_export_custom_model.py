@@ -135,7 +135,8 @@ def test_example_trains_then_exports_both_formats(tmp_path):
     bundle = report["bundle"]
     assert bundle["exported"] and bundle["max_abs_err"] <= bundle["bound"]
     assert BundleClient(bundle["path"], bundle["public_key"]).suggest("I will ")
-    assert all(len(words) == 3 for words in report["suggest"].values())
+    # at most a strip of 3, only words of the lexicon (fewer rather than a non-word)
+    assert all(1 <= len(words) <= 3 for words in report["suggest"].values())
     assert json.loads((tmp_path / "export_report.json").read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "phone" / "onnx" / "tokenizer").is_dir()
 
