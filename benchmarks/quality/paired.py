@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dpfleet.coordinator.sweep import t_interval
+
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
     """Summary of a - b over paired seeds (same order)."""
@@ -21,13 +23,9 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
     if n == 0:
         raise ValueError("no paired seeds")
     mean = float(d.mean())
+    half = t_interval([float(x) for x in d])[1]  # the sweeps' 95% interval: one definition
+    half = math.nan if half is None else half
     sd = float(d.std(ddof=1)) if n > 1 else math.nan
-    if n > 1:
-        from scipy.stats import t
-
-        half = float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-    else:
-        half = math.nan
     return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half],
             "up": int((d > 0).sum()), "down": int((d < 0).sum()), "tied": int((d == 0).sum())}
 
