@@ -47,6 +47,9 @@ SPECIAL = frozenset({PAD, BOS, EOS, UNK})
 WORD_START = "\u2581"
 
 
+SEARCH_WIDTH = 4  # word starts tried per strip slot (see BundleClient.suggest)
+
+
 class BundleClient:
     """One phone's view of a bundle: verified once at construction, programs loaded lazily."""
 
@@ -321,7 +324,7 @@ class BundleClient:
     def suggest(self, prefix: str, k: int = 3, max_pieces: int = 6) -> list[str]:
         """Up to k words that complete the word being typed (or, after a space, the next word).
 
-        The top word-starting pieces consistent with the typed part are each extended greedily
+        The top `k * SEARCH_WIDTH` word-starting pieces that fit the typed part are each extended greedily
         with continuation pieces until a new word (or end) is likelier, and only words of the
         tokenizer's lexicon are offered (fewer than k rather than a non-word); all candidates run as one
         batch per piece, through the step program when the bundle has one (the context's state
@@ -337,12 +340,15 @@ class BundleClient:
             return text.startswith(partial) or partial.startswith(text)
 
         first, root = self._start(base, 0 if self.tokenizer.kind == "word" else max_pieces)
+        # more starts than slots: a start whose greedy spelling is not a word leaves its slot to
+        # the next (a strip of fewer than k only when none of `width` starts spells a word)
+        width = k * SEARCH_WIDTH
         starts = []
         for i in np.argsort(-first):
             is_start, text = self._piece(int(i))
             if is_start and text and fits(text):
                 starts.append((int(i), text))
-                if len(starts) == k:
+                if len(starts) == width:
                     break
         if self.tokenizer.kind == "word" or not starts:
             return self._words([t for _, t in starts if t.startswith(partial)], k)
