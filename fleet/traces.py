@@ -47,6 +47,7 @@ SPEED_CLASSES = ("fast", "mid", "slow")
 SPEED_MULTIPLIER = {"fast": 0.5, "mid": 1.0, "slow": 2.5}
 DEVICE_KEYS = {"id", "intervals", "speed", "failure", "period"}
 HEADER_KEYS = {"format", "version", "duration", "start_hour", "devices", "source"}
+ID_BLOCK = 65_536  # device ids packed into one numpy array at a time while loading
 
 
 @dataclass(frozen=True)
@@ -274,22 +275,25 @@ class Trace:
 
 
 def load(path: Path, progress: bool = False) -> Trace:
-    """The trace at `path` in its compact form, read as a stream (no per-device Python objects
-    are kept); a repeated device id is refused here, with both its lines."""
+    """The trace at `path` in its compact form, read as a stream: every column grows in a typed
+    buffer and ids are packed into numpy blocks of `ID_BLOCK`, so no Python object per device
+    is kept. A repeated device id is refused, with both its lines."""
     path = Path(path)
     header = read_header(path)
     offsets, starts, ends = array.array("q", [0]), array.array("d"), array.array("d")
     speed, failure, period = array.array("B"), array.array("f"), array.array("d")
-    seen: dict[str, int] = {}
-    ids: list[str] = []
+    lines = array.array("q")
+    blocks: list[np.ndarray] = []
+    pending: list[str] = []
     speed_index = {name: i for i, name in enumerate(SPEED_CLASSES)}
     records = tqdm(iter_devices(path), desc="reading trace", unit="device", total=header.devices,
                    disable=None if progress else True, leave=False)
     for rec in records:
-        if rec.id in seen:
-            raise DpfleetError(f"{path} line {rec.line}: device id {rec.id!r} repeats line {seen[rec.id]}")
-        seen[rec.id] = rec.line
-        ids.append(rec.id)
+        pending.append(rec.id)
+        if len(pending) == ID_BLOCK:
+            blocks.append(np.array(pending))
+            pending = []
+        lines.append(rec.line)
         for s, e in rec.intervals:
             starts.append(s)
             ends.append(e)
@@ -297,12 +301,24 @@ def load(path: Path, progress: bool = False) -> Trace:
         speed.append(speed_index[rec.speed])
         failure.append(math.nan if rec.failure is None else rec.failure)
         period.append(rec.period or 0.0)
-    del seen
-    plain = all(ident == str(i) for i, ident in enumerate(ids))
+    ids = np.concatenate([*blocks, np.array(pending, dtype=str)])
+    _refuse_repeats(path, ids, np.frombuffer(lines, dtype=np.int64))
+    plain = np.array_equal(ids, np.arange(len(ids)).astype(str))
     return Trace(header, np.frombuffer(offsets, dtype=np.int64).copy(), np.frombuffer(starts).copy(),
                  np.frombuffer(ends).copy(), np.frombuffer(speed, dtype=np.uint8).copy(),
                  np.frombuffer(failure, dtype=np.float32).copy(), np.frombuffer(period).copy(),
-                 None if plain else np.array(ids))
+                 None if plain else ids)
+
+
+def _refuse_repeats(path: Path, ids: np.ndarray, lines: np.ndarray) -> None:
+    """The first repeated id (by its second line), named with both lines; one sort of the ids."""
+    order = np.argsort(ids, kind="stable")
+    same = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if len(same):
+        first, second = order[same], order[same + 1]
+        k = int(np.argmin(lines[second]))
+        raise DpfleetError(f"{path} line {lines[second[k]]}: device id {str(ids[second[k]])!r} repeats "
+                           f"line {lines[first[k]]}")
 
 
 # -- writing -----------------------------------------------------------------------------------------

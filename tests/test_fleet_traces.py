@@ -86,6 +86,15 @@ def test_malformed_lines_name_the_file_the_line_and_what_was_expected(tmp_path, 
     assert "\n" not in str(err.value)
 
 
+def test_the_reader_yields_each_device_before_reading_the_next_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(HEADER) + '\n{"id": "a", "intervals": [[1, 2]], "speed": "mid"}\n{broken\n')
+    devices = iter_devices(path)
+    assert next(devices).id == "a"  # a stream: the broken line 3 is not read yet
+    with pytest.raises(DpfleetError, match="line 3"):
+        next(devices)
+
+
 def test_a_file_without_the_header_is_refused(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", {"id": "a", "intervals": [], "speed": "mid"})
     with pytest.raises(DpfleetError, match=r"line 1: expected the header"):
@@ -94,9 +103,11 @@ def test_a_file_without_the_header_is_refused(tmp_path):
 
 def test_duplicate_ids_are_refused_when_loaded(tmp_path):
     device = {"id": "a", "intervals": [], "speed": "mid"}
-    path = write_lines(tmp_path / "t.jsonl", HEADER, device, device)
-    with pytest.raises(DpfleetError, match=r"line 3: device id 'a' repeats line 2"):
+    other = {"id": "b", "intervals": [], "speed": "mid"}
+    path = write_lines(tmp_path / "t.jsonl", HEADER, other, device, other, device)
+    with pytest.raises(DpfleetError, match=r"line 4: device id 'b' repeats line 2"):
         load(path)
+    assert load(write_lines(tmp_path / "u.jsonl", HEADER, other, device)).ids.tolist() == ["b", "a"]
 
 
 def test_eligible_at_finds_the_interval_holding_t(tmp_path):
