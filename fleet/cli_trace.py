@@ -66,9 +66,9 @@ def inspect(path: Path, as_json: bool) -> None:
         "devices": n, "intervals": int(len(loaded.starts)), "days": days,
         "start_hour": loaded.header.start_hour, "source": loaded.header.source,
         "available_by_hour": [round(float(x), 4) for x in availability_by_hour(loaded)],
-        "available_hours_per_day_percentiles": {
-            f"p{q}": round(float(np.percentile(per_day, q)), 3) for q in PERCENTILES},
-        "never_available": round(float(np.mean(seconds == 0)), 4),
+        "available_hours_per_day_percentiles": {  # NaN (null) for a trace without devices
+            f"p{q}": round(float(np.percentile(per_day, q)), 3) if n else float("nan") for q in PERCENTILES},
+        "never_available": round(float(np.mean(seconds == 0)), 4) if n else float("nan"),
         "top30_share": round(top, 4),
         "speed": {name: int(np.sum(loaded.speed == i)) for i, name in enumerate(SPEED_CLASSES)},
         "failure_mean": round(float(failure.mean()), 4) if len(failure) else None,
@@ -78,6 +78,9 @@ def inspect(path: Path, as_json: bool) -> None:
         return
     click.echo(f"devices: {n}  intervals: {summary['intervals']}  days: {days:g}  (t = 0 at "
                f"{loaded.header.start_hour:g}h UTC)")
+    if not n:
+        click.echo("no devices: nothing more to summarize")
+        return
     pct = summary["available_hours_per_day_percentiles"]
     click.echo("available hours per day per device: " + "  ".join(f"{k} {v:g}" for k, v in pct.items()))
     click.echo(f"never available: {summary['never_available']:.1%}   top 30% of devices hold "

@@ -268,3 +268,42 @@ def test_cli_malformed_trace_is_one_error_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert f"{path} line 2: expected" in proc.stderr
 
+
+
+def test_eligible_at_agrees_with_a_scan_of_every_interval():
+    trace = generate(300, days=2, seed=9)
+    rng = np.random.default_rng(0)
+    for t in rng.uniform(0, 2 * 86400, 40):
+        scan = [any(s <= t < e for s, e in trace.record(d).intervals) for d in range(len(trace))]
+        assert trace.eligible_at(t).tolist() == scan
+
+
+def test_a_truncated_gzip_trace_is_one_error(tmp_path):
+    trace = tmp_path / "t.jsonl.gz"
+    write_trace(trace, generate(200, days=1, seed=2))
+    trace.write_bytes(trace.read_bytes()[:-40])
+    with pytest.raises(DpfleetError, match=r"t.jsonl.gz: not a text trace"):
+        load(trace)
+
+
+def test_cli_converts_fedscale_then_inspects(tmp_path):
+    behave, capacity = fedscale_files(tmp_path)
+    out = tmp_path / "fs.jsonl"
+    proc = run_here("trace", "convert-fedscale", str(behave), str(out), "--capacity", str(capacity),
+                    "--days", "1")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(run_here("trace", "inspect", str(out), "--json").stdout)
+    # a day: client 7 has 86 whole 1000 s periods of 300 s, then [86000, 86100) of the 87th;
+    # client 3 has 432 periods of 200 s holding 10 s each
+    assert summary["devices"] == 2 and summary["speed"] == {"fast": 1, "mid": 0, "slow": 1}
+    median = (86 * 300 + 100 + 432 * 10) / 2 / 3600
+    assert summary["available_hours_per_day_percentiles"]["p50"] == round(median, 3) == 4.197
+
+
+def test_inspect_of_a_trace_without_devices(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", HEADER)
+    proc = run_here("trace", "inspect", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "devices: 0" in proc.stdout and "nan" not in proc.stdout
+    summary = json.loads(run_here("trace", "inspect", str(path), "--json").stdout)
+    assert summary["available_hours_per_day_percentiles"]["p50"] is None
