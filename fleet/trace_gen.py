@@ -71,6 +71,9 @@ def generate(devices: int, days: float, seed: int, settings: GeneratorSettings |
         raise DpfleetError(f"trace generator: devices must be >= 1, not {devices}")
     if not 0 < days < math.inf:
         raise DpfleetError(f"trace generator: days must be > 0, not {days}")
+    if not math.isfinite(start_hour):
+        raise DpfleetError(f"trace generator: start_hour must be an hour of day, not {start_hour}")
+    start_hour %= 24.0
     duration = float(round(days * 86400.0))
     parts = []
     chunks = range(0, devices, CHUNK)
@@ -83,7 +86,7 @@ def generate(devices: int, days: float, seed: int, settings: GeneratorSettings |
     np.cumsum(counts, out=offsets[1:])
     cat = lambda i, dtype: np.concatenate([p[i] for p in parts]).astype(dtype, copy=False)  # noqa: E731
     source = f"dpfleet trace generate --devices {devices} --days {days:g} --seed {seed}"
-    return Trace(Header(duration, start_hour % 24.0, devices, source), offsets, cat(1, np.float64),
+    return Trace(Header(duration, start_hour, devices, source), offsets, cat(1, np.float64),
                  cat(2, np.float64), cat(3, np.uint8), cat(4, np.float32), np.zeros(devices))
 
 

@@ -29,6 +29,7 @@ import gzip
 import io
 import json
 import math
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         with _open_text(path) as fh:
             yield from enumerate(fh, start=1)
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise DpfleetError(f"{path}: not a text trace ({exc})") from None
 
 
@@ -384,6 +385,7 @@ def available_seconds(trace: Trace) -> np.ndarray:
 def availability_by_hour(trace: Trace, per_day: bool = False) -> np.ndarray:
     """The mean fraction of devices eligible in each UTC hour of day (24 values), or with
     `per_day` one row of 24 per day of the trace (NaN for hours the trace does not cover).
+    The bins are the trace's own hours, labelled by the nearest whole UTC hour.
 
     Exact, from the intervals (no sampling): the device-seconds eligible before time x are
     sum(min(end, x)) - sum(min(start, x)), read off the sorted starts and ends."""
