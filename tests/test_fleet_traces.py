@@ -178,6 +178,17 @@ def test_memory_is_proportional_to_the_devices(big):
     assert peak / 50_000 < 1500, peak  # generated in fixed-size chunks: no 10^6-sized temporaries
 
 
+@pytest.mark.slow
+def test_a_million_devices_stay_proportional_to_the_devices():
+    tracemalloc.start()
+    trace = generate(1_000_000, days=7, seed=0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(trace) == 1_000_000 and trace.nbytes / len(trace) < 400
+    assert peak / len(trace) < 600, peak  # measured: ~180 bytes per device at the peak
+    assert 0.1 < trace.eligible_at(2 * 86400 + 3600).mean() < 0.5  # 01:00 UTC on day 3
+
+
 def test_settings_are_checked():
     with pytest.raises(DpfleetError, match="devices"):
         generate(0, days=1, seed=0)
