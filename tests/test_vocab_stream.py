@@ -56,7 +56,7 @@ def test_a_private_word_vocabulary_streams_and_equals_the_whole_file_vocabulary(
 
     monkeypatch.setattr(simulation, "load_records", no_lists)
     monkeypatch.setattr(population, "population_cache", lambda: tmp_path / "streamed")
-    tok, data, streamed = simulation._load_clients(cfg, tmp_path / "streamed_vocab", None, None, None)
+    tok, data, streamed = simulation.load_clients(cfg, tmp_path / "streamed_vocab", None, None, None)
     assert tok.words == whole_tok.words and len(tok.words) > 4 + 3  # PAD BOS EOS UNK + some words
     if not nonprivate:  # the same counts behind it: candidates, passed, kept
         assert (simulation.vocabulary_privacy(tmp_path / "streamed_vocab")
@@ -88,3 +88,31 @@ def test_jsonl_streams_users_in_sorted_order_without_holding_the_file(tmp_path):
     assert peaks["mixed"] < size / 10 and peaks["tidy"] < size / 10, (peaks, size)
     assert [u for u, _ in data_files.iter_clients(path, "jsonl")] == sorted(expected)
     assert data_files.client_ids(path, "jsonl") == sorted(expected)
+
+
+def test_serve_streams_the_file_and_its_unigram_baseline_masks_every_oov_bucket(tmp_path, monkeypatch):
+    """The attack: with 3 OOV buckets, a served run's baseline that masks only <unk> picks an OOV
+    bucket as its "most frequent word" and counts OOV targets as right, unlike simulate's."""
+    from service_fleet import tiny_cfg
+
+    from dpfleet.coordinator.engine.simulation import run_simulation
+    from dpfleet.service.boot import boot
+
+    counts = tmp_path / "word_count"
+    counts.write_text("".join(f"{w} {100 - i}\n" for i, w in enumerate(["the", "cat", "sat", "on", "mat"])))
+    lines = [(f"u{i:02d}", f"the cat {' '.join(f'zz{i}x{k}' for k in range(6))} sat on the mat")
+             for i in range(16) for _ in range(3)]
+    path = write_jsonl(tmp_path / "users.jsonl", lines)
+    cfg = tiny_cfg(rounds=1, eval_every=1,
+                   data={"dataset": "jsonl", "path": str(path), "max_clients": 0, "test_fraction": 0.25,
+                         "seq_len": 12, "max_examples": 3, "eval_examples": 0},
+                   tokenizer={"kind": "word", "word_counts": str(counts), "vocab_size": 16,
+                              "oov_buckets": 3})
+    monkeypatch.setattr(population, "population_cache", lambda: tmp_path / "populations")
+    simulated = run_simulation(cfg, tmp_path / "run", progress=False, log=lambda s: None).baseline
+    monkeypatch.setattr(simulation, "load_records", no_lists)
+    booted = boot(cfg, tmp_path / "state", log=lambda s: None)
+    booted.store.close()
+    assert simulated["top_token"] not in (3, 4, 5)  # the buckets are UNK .. UNK + 2
+    assert booted.baseline == simulated
+    assert len(booted.users) == 12 and booted.users == sorted(booted.users)  # 4 of 16 held out

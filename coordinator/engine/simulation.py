@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -219,7 +220,7 @@ def run_simulation(
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
     log(f"loading data: {'the users given' if records is not None else cfg.data.dataset}, tokenized by "
         f"{'the tokenizer given' if tokenizer is not None else cfg.tokenizer.kind} ...")
-    tokenizer, data, population = _load_clients(cfg, vocabulary_folder, records, tokenizer, model)
+    tokenizer, data, population = load_clients(cfg, vocabulary_folder, records, tokenizer, model)
     # before planning and pretraining: too few held-out users is one error line, at once
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
                                                  cfg.data.test_fraction)
@@ -271,9 +272,12 @@ def run_simulation(
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
 
 
-def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, tokenizer, model):
-    """(tokenizer, held-out data, training population): a caller's model or tokenizer is checked
-    against the token ids before any round (a mismatch is one error, not an index error later)."""
+def load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records=None, tokenizer=None,
+                 model=None) -> tuple[Any, FederatedData, ClientStore]:
+    """(tokenizer, held-out data, training population), for `simulate` and `coordinator serve`
+    alike: a TFF / LEAF / jsonl file streams into the memory-mapped population. A caller's model
+    or tokenizer is checked against the token ids before any round (a mismatch is one error, not
+    an index error later)."""
     if records is None and tokenizer is None and streams_from_file(cfg):
         return _stream_clients(cfg, vocabulary_folder, model)
     custom_tokenizer = tokenizer is not None
@@ -296,7 +300,7 @@ def streams_from_file(cfg: SimulationConfig) -> bool:
 
 
 def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
-    """`_load_clients` for a file too large to hold: clients go from the file into the memory-mapped
+    """`load_clients` for a file too large to hold: clients go from the file into the memory-mapped
     store one at a time (`client_data.stream_federated`), never as a list of the population; the
     same users, split and rows as the list path, in the file's client order. A `word` vocabulary
     from the private clients is counted in a first pass over the training clients' text (one
