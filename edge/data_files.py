@@ -1,7 +1,8 @@
 """Users' text from the field's file formats, streamed: TFF SQLite and HDF5, LEAF JSON, jsonl.
 
 Every reader is a generator of (client id, that client's texts), one client at a time, so a file
-of many GB is never loaded whole (edge/data_tff_sql.py, data_tff_h5.py, data_leaf.py; jsonl here).
+of many GB is never loaded whole (edge/data_tff_sql.py, data_tff_h5.py, data_leaf.py; jsonl here,
+in sorted user order: an unsorted file goes through a private temporary SQLite table first).
 `[data] dataset` names the format (`tff_sqlite`, `tff_h5`, `leaf`, `jsonl`) with `path`, `split`
 and `feature`; `dpfleet data inspect FILE` infers it from the file's first bytes and summarises
 the file in one pass (users, examples, tokens per user at percentiles) holding two counts per user.
