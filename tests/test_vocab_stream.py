@@ -116,3 +116,28 @@ def test_serve_streams_the_file_and_its_unigram_baseline_masks_every_oov_bucket(
     assert simulated["top_token"] not in (3, 4, 5)  # the buckets are UNK .. UNK + 2
     assert booted.baseline == simulated
     assert len(booted.users) == 12 and booted.users == sorted(booted.users)  # 4 of 16 held out
+
+
+def test_counting_a_private_vocabulary_holds_one_client_and_the_count_table(tmp_path):
+    """600 clients of ~600 bytes of text each, 8 distinct words: the streamed count stays within a
+    few clients' worth, where the file's records alone take hundreds."""
+    per_client = 600
+    db = tmp_path / "many.sqlite"
+    text = " ".join(["word"] * 30)
+    clients = {f"{i:06d}": [{"tokens": f"{text} {i % 7} {k}"} for k in range(4)] for i in range(600)}
+    write_tff_sqlite(db, clients, split="train")
+    cfg = parse_config({"data": {"dataset": "tff_sqlite", "path": str(db)},
+                        "tokenizer": {"kind": "word", "vocab_size": 16, "allow_nonprivate_vocabulary": True}})
+
+    def users():
+        return (texts for _, texts in data_files.iter_clients(db, "tff_sqlite", "train"))
+
+    simulation.make_tokenizer(cfg, users())  # one-off import costs are not data
+    tracemalloc.start()
+    try:
+        tok = simulation.make_tokenizer(cfg, users())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tok.words[4] == "word" and len(tok.words) == 4 + 8  # "word" and 0 .. 6
+    assert peak < 20 * per_client, peak
