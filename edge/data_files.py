@@ -1,7 +1,8 @@
 """Users' text from the field's file formats, streamed: TFF SQLite and HDF5, LEAF JSON, jsonl.
 
 Every reader is a generator of (client id, that client's texts), one client at a time, so a file
-of many GB is never loaded whole (edge/data_tff_sql.py, data_tff_h5.py, data_leaf.py; jsonl here).
+of many GB is never loaded whole (edge/data_tff_sql.py, data_tff_h5.py, data_leaf.py; jsonl here,
+in sorted user order: an unsorted file goes through a private temporary SQLite table first).
 `[data] dataset` names the format (`tff_sqlite`, `tff_h5`, `leaf`, `jsonl`) with `path`, `split`
 and `feature`; `dpfleet data inspect FILE` infers it from the file's first bytes and summarises
 the file in one pass (users, examples, tokens per user at percentiles) holding two counts per user.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import sqlite3
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,9 +58,43 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, str]]:
 
 
 def _jsonl_clients(path: Path, split: str = "", feature: str = "") -> ClientTexts:
-    """A jsonl file's runs of lines of one user (a user whose lines are not together is several)."""
-    for user, lines in itertools.groupby(iter_jsonl(path), key=lambda r: r[0]):
-        yield user, [text for _, text in lines]
+    """A jsonl file's users in sorted order, each with its lines in file order: the users and
+    texts `group_by_user` gives, in `build_federated`'s order, holding one user at a time.
+
+    A file already sorted by user is read once more, line by line. Any other (users interleaved
+    or unsorted) is first copied into a private temporary SQLite table and read back ordered by
+    user (SQLite sorts on disk; its page cache is bounded), never held in memory whole."""
+    if _sorted_by_user(path):
+        for user, lines in itertools.groupby(iter_jsonl(path), key=lambda r: r[0]):
+            yield user, [text for _, text in lines]
+        return
+    with tempfile.TemporaryDirectory(prefix="dpfleet-jsonl-") as tmp:  # 0700: the text is private
+        con = sqlite3.connect(Path(tmp) / "lines.sqlite")
+        try:
+            con.execute("PRAGMA journal_mode = OFF")
+            con.execute("CREATE TABLE lines (user TEXT NOT NULL, text TEXT NOT NULL)")
+            con.executemany("INSERT INTO lines VALUES (?, ?)", iter_jsonl(path))
+            con.execute("CREATE INDEX by_user ON lines (user)")  # BINARY: code point order, as str's
+            rows = con.execute("SELECT user, text FROM lines ORDER BY user, rowid")
+            for user, lines in itertools.groupby(rows, key=lambda r: r[0]):
+                yield user, [text for _, text in lines]
+        finally:
+            con.close()
+
+
+def _sorted_by_user(path: Path) -> bool:
+    """Whether every line's user is >= the one before (so each user's lines are together)."""
+    last = None
+    for user, _ in iter_jsonl(path):
+        if last is not None and user < last:
+            return False
+        last = user
+    return True
+
+
+def _jsonl_ids(path: Path, split: str = "") -> list[str]:
+    """A jsonl file's users, sorted (the order `_jsonl_clients` gives them), from one pass."""
+    return sorted({user for user, _ in iter_jsonl(path)})
 
 
 READERS: dict[str, Callable[..., ClientTexts]] = {
@@ -70,13 +107,11 @@ READERS: dict[str, Callable[..., ClientTexts]] = {
 
 def client_ids(path: Path, fmt: str = "", split: str = "train") -> list[str]:
     """The file's client ids, from its index when the format has one (TFF's `client_metadata`,
-    HDF5 group names, LEAF's `users`), else from a pass over its records (jsonl)."""
+    HDF5 group names, LEAF's `users`), else from a pass over its lines (jsonl, sorted)."""
     fmt = fmt or infer_format(path)
     listed = {"tff_sqlite": data_tff_sql.client_ids, "tff_h5": data_tff_h5.client_ids,
-              "leaf": data_leaf.client_ids}
-    if fmt in listed:
-        return listed[fmt](Path(path), split)
-    return [user for user, _ in iter_clients(path, fmt, split)]
+              "leaf": data_leaf.client_ids, "jsonl": _jsonl_ids}
+    return listed[_known(fmt)](Path(path), split)
 
 
 def infer_format(path: Path) -> str:
@@ -99,10 +134,13 @@ def infer_format(path: Path) -> str:
 
 def iter_clients(path: Path, fmt: str = "", split: str = "train", feature: str = "") -> ClientTexts:
     """(client id, texts) per client of a file in `fmt` (inferred when ""), streamed."""
-    fmt = fmt or infer_format(path)
+    return READERS[_known(fmt or infer_format(path))](Path(path), split, feature)
+
+
+def _known(fmt: str) -> str:
     if fmt not in READERS:
         raise DpfleetError(f"unknown file format {fmt!r}; choose from {', '.join(READERS)}")
-    return READERS[fmt](Path(path), split, feature)
+    return fmt
 
 
 def summarize(path: Path, fmt: str = "", split: str = "train", feature: str = "",

@@ -1,9 +1,11 @@
 """Everything a coordinator process needs before it answers a device: config, state, data, engine.
 
 Why the coordinator prepares the data: this is an emulation, so it needs the tokenizer, the
-held-out split (evaluation) and the training data's fingerprint (`resume.data_fingerprint`,
-checked on every restart), exactly as `simulate` does (`simulation.prepare_data`). It never
-sends a device anything of another device's data.
+held-out split (evaluation), the training data's fingerprint (`resume.data_fingerprint`,
+checked on every restart) and the unigram baseline (its OOV buckets masked), exactly as
+`simulate` does (`simulation.load_clients`: a TFF / LEAF / jsonl file streams into the
+memory-mapped population, never read whole). It never sends a device anything of another
+device's data.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
-from dpfleet.coordinator.engine.simulation import plan_run, prepare_data, vocabulary_privacy
+from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore, open_engine
+from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.io import sha256_file
@@ -181,24 +184,26 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(max(1, cfg.client.threads))
         fresh = store.last_committed() == 0
-        tokenizer, data = prepare_data(cfg, Path(state) / "vocabulary")
+        # as `simulate` loads them: a TFF / LEAF / jsonl file streams into the memory-mapped
+        # population (one client in memory), never read whole
+        tokenizer, data, population = load_clients(cfg, Path(state) / "vocabulary")
         model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
         model = build_model(model_cfg)
         test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
                                                      cfg.data.test_fraction)
-        users = [c.user for c in data.train]
+        users = list(population.user_ids())  # the service refuses a generated population: all real
         if cfg.dp.target_epsilon > 0:
             plan_service(cfg, store, len(users), log)
         for warning in plan_warnings(cfg):  # noise that drowns every update, before any round
             log(f"warning: {warning}")
         RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it
-        fingerprint = data_fingerprint([c.examples for c in data.train], tokenizer,
-                                       fingerprint_secret(Path(state), create=fresh))
+        fingerprint = data_fingerprint((population.examples(i) for i in population.real_clients()),
+                                       tokenizer, fingerprint_secret(Path(state), create=fresh))
         engine = open_engine(store, cfg, users=users, networked=True, model=model, model_cfg=model_cfg,
                              tokenizer=tokenizer, fingerprint=fingerprint, test_rows=test_rows,
                              vocabulary=vocabulary_privacy(Path(state) / "vocabulary"),
                              keyboard_rows=np.concatenate([c.examples for c in baseline_clients]))
-        baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows)
+        baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows, oov_ids_of(tokenizer))
         baseline["fitted_on_held_out_clients"] = len(baseline_clients)
         blobs = BlobStore()
         with tempfile.TemporaryDirectory() as tmp:

@@ -357,7 +357,7 @@ def test_a_run_streams_a_tff_file_into_the_same_population_as_the_lists(tmp_path
 
     monkeypatch.setattr(simulation, "load_records", no_lists)
     monkeypatch.setattr(population, "population_cache", lambda: tmp_path / "streamed")
-    _, data, streamed = simulation._load_clients(cfg, tmp_path / "vocab", None, None, None)
+    _, data, streamed = simulation.load_clients(cfg, tmp_path / "vocab", None, None, None)
     assert streamed.users == by_lists.users and len(streamed) == 32
     assert (streamed.rows[:] == by_lists.rows[:]).all() and (streamed.offsets[:] == by_lists.offsets[:]).all()
     assert data.train == [] and [c.user for c in data.test] == [c.user for c in lists.test]

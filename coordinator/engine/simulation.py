@@ -20,10 +20,11 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ from dpfleet.edge.client_data import (
     stream_federated,
 )
 from dpfleet.edge.client_store import ClientStore
-from dpfleet.edge.data_files import FILE_FORMATS, client_ids, iter_clients
+from dpfleet.edge.data_files import READERS, client_ids, iter_clients
 from dpfleet.edge.datasets import TextRecord, load_records
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
@@ -71,13 +72,15 @@ from dpfleet.export.training import default_program_cache
 from dpfleet.io import atomic_write
 
 
-def make_tokenizer(cfg: SimulationConfig, train_by_user: list[list[str]],
+def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]],
                    folder: Path | None = None):
     """The run's tokenizer. A `word` vocabulary comes from a public word file when one is named
     (TFF's way: no privacy cost), else is chosen with user-level DP (dp_vocabulary.py) unless
     tokenizer.allow_nonprivate_vocabulary; a DP one is saved to `folder` with its privacy
     summary and loaded from there on resume, so it is released (and paid for) once. `char` is
-    TFF Shakespeare's fixed character set."""
+    TFF Shakespeare's fixed character set. `train_by_user` (each training user's texts) is read
+    once, one user at a time, and only for a private word vocabulary: a generator over a file
+    keeps one user in memory."""
     tok = cfg.tokenizer
     if tok.path:
         return load_tokenizer(Path(tok.path))
@@ -217,7 +220,7 @@ def run_simulation(
     vocabulary_folder = run.path / "vocabulary"  # a DP word vocabulary, released once
     log(f"loading data: {'the users given' if records is not None else cfg.data.dataset}, tokenized by "
         f"{'the tokenizer given' if tokenizer is not None else cfg.tokenizer.kind} ...")
-    tokenizer, data, population = _load_clients(cfg, vocabulary_folder, records, tokenizer, model)
+    tokenizer, data, population = load_clients(cfg, vocabulary_folder, records, tokenizer, model)
     # before planning and pretraining: too few held-out users is one error line, at once
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
                                                  cfg.data.test_fraction)
@@ -269,9 +272,12 @@ def run_simulation(
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
 
 
-def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, tokenizer, model):
-    """(tokenizer, held-out data, training population): a caller's model or tokenizer is checked
-    against the token ids before any round (a mismatch is one error, not an index error later)."""
+def load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records=None, tokenizer=None,
+                 model=None) -> tuple[Any, FederatedData, ClientStore]:
+    """(tokenizer, held-out data, training population), for `simulate` and `coordinator serve`
+    alike: a TFF / LEAF / jsonl file streams into the memory-mapped population. A caller's model
+    or tokenizer is checked against the token ids before any round (a mismatch is one error, not
+    an index error later)."""
     if records is None and tokenizer is None and streams_from_file(cfg):
         return _stream_clients(cfg, vocabulary_folder, model)
     custom_tokenizer = tokenizer is not None
@@ -287,23 +293,30 @@ def _load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records, token
 
 
 def streams_from_file(cfg: SimulationConfig) -> bool:
-    """The population is built from a TFF / LEAF file one client at a time: the data is such a file
-    and the tokenizer needs none of the private text (a public SentencePiece model or a saved
-    tokenizer; a `word` vocabulary is counted from every training client's text, so that path
-    reads the records whole)."""
-    return cfg.data.dataset in FILE_FORMATS and (bool(cfg.tokenizer.path) or cfg.tokenizer.kind != "word")
+    """The population is built from a TFF / LEAF / jsonl file one client at a time: every
+    tokenizer allows it (a private `word` vocabulary is counted in a streaming pass of its own,
+    `_stream_clients`)."""
+    return cfg.data.dataset in READERS
 
 
 def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
-    """`_load_clients` for a file too large to hold: clients go from the file into the memory-mapped
+    """`load_clients` for a file too large to hold: clients go from the file into the memory-mapped
     store one at a time (`client_data.stream_federated`), never as a list of the population; the
-    same users, split and rows as the list path, in the file's client order."""
+    same users, split and rows as the list path, in the file's client order. A `word` vocabulary
+    from the private clients is counted in a first pass over the training clients' text (one
+    client and the count table in memory): the same counts, so the same words, as the list path."""
     d = cfg.data
-    tokenizer = make_tokenizer(cfg, [], vocabulary_folder)
+
+    def clients():
+        return iter_clients(Path(d.path), d.dataset, d.split, d.feature)
+
+    users = client_ids(Path(d.path), d.dataset, d.split)
+    train_users = set(split_users(users, d.test_fraction, cfg.seed)[0])
+    tokenizer = make_tokenizer(cfg, (texts for user, texts in clients() if user in train_users),
+                               vocabulary_folder)
     train, held_out = stream_federated(
-        lambda: iter_clients(Path(d.path), d.dataset, d.split, d.feature), tokenizer,
-        (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None),
-        client_ids(Path(d.path), d.dataset, d.split))
+        clients, tokenizer, (d.seq_len, d.max_examples, d.test_fraction, cfg.seed, d.max_clients or None),
+        users)
     population = open_population(cfg, train, tokenizer.vocab_size)  # reads `train` to its end
     data = FederatedData([], held_out, d.seq_len)
     if model is not None:

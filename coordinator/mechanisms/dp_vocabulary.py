@@ -90,7 +90,11 @@ def user_words(texts: Iterable[str], k: int) -> list[str]:
 
 
 def dp_word_weights(users: Iterable[Iterable[str]], k: int) -> dict[str, float]:
-    """Each word's summed weight: the number of users who contribute it, times 1/sqrt(k)."""
+    """Each word's summed weight: the number of users who contribute it, times 1/sqrt(k).
+
+    `users` is read once, one user at a time, so a generator over a file (`simulation.load_clients`)
+    holds one user's words and the count table, never the training text; the counts do not depend
+    on the users' order."""
     counts: collections.Counter[str] = collections.Counter()
     for texts in users:
         counts.update(user_words(texts, k))
