@@ -14,7 +14,12 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dpfleet.coordinator.engine.field_metrics import TFF_ACCURACIES, finite_number, tff_figures
+from dpfleet.coordinator.engine.field_metrics import (
+    TFF_ACCURACIES,
+    finite_number,
+    last_evaluated,
+    tff_figures,
+)
 from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.coordinator.state.trackers import WRITERS
@@ -80,16 +85,11 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "warnings": s.get("warnings"),  # a result that means nothing (None: not recorded)
         # TFF's three next-word accuracies, the model's next to the unigram and most-frequent-word
         # baselines' (an unfinished run: its last evaluated round's, no baselines yet)
-        "tff": tff_figures(final if s else last_evaluated(record), s.get("unigram_baseline")),
+        "tff": tff_figures(final if s else last_evaluated(record.metrics), s.get("unigram_baseline")),
         "keyboard": keyboard_figures(s.get("keyboard")),  # the suggestion strip (None: not scored)
         "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
     }
     return figures
-
-
-def last_evaluated(record: RunRecord) -> dict:
-    """The last metrics record with TFF's accuracies ({} for a run without any)."""
-    return next((m for m in reversed(record.metrics) if "tff_accuracy" in m), {})
 
 
 def keyboard_figures(block: object) -> dict | None:

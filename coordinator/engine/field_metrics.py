@@ -60,9 +60,6 @@ def tff_accuracies(counts: np.ndarray, prefix: str = "tff_") -> dict[str, float 
             for name, (c, s) in zip(TFF_ACCURACIES, np.asarray(counts), strict=True)}
 
 
-TFF_STRIPS = ("model", "unigram", "most_frequent_word")  # what `tff_figures` gives each run
-
-
 def finite_number(value: object) -> float | None:
     """A finite number, else None (an edited file's text, NaN, a bool)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -84,6 +81,12 @@ def tff_figures(evaluation: object, baseline: object) -> dict[str, dict[str, flo
     constants = constants if isinstance(constants, Mapping) else {}
     return {"model": named(evaluation, "tff_"), "unigram": named(constants.get("unigram")),
             "most_frequent_word": named(constants.get("most_frequent_word"))}
+
+
+def last_evaluated(metrics: Sequence[Mapping]) -> Mapping:
+    """The last metrics record with TFF's accuracies ({} before any evaluated round, and for a
+    run of an older dpfleet): the released model's figures while a run goes on."""
+    return next((m for m in reversed(metrics) if m.get("tff_accuracy") is not None), {})
 
 
 def constant_baselines(train_targets: Iterable[np.ndarray], test_targets: np.ndarray,
