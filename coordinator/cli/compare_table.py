@@ -1,7 +1,9 @@
 """The comparison of runs `dpfleet compare` prints: one column per run, the figures people compare
-(accuracy against the starting model's and the unigram baseline's, eps, rounds, wall time, noise)
-and then the config keys that differ between the runs, which is usually why they were run.
-Functions of `RunRecord`s (and, for an unfinished run's round 0, its initial_eval.json).
+(accuracy against the starting model's and the unigram baseline's, TFF's three next-word
+accuracies against the unigram and most-frequent-word baselines', the suggestion strip, eps,
+rounds, wall time, noise) and then the config keys that differ between the runs, which is usually
+why they were run. Functions of `RunRecord`s (and, for an unfinished run's round 0, its
+initial_eval.json).
 
 A finished run's figures are its summary.json and privacy.json; an unfinished run's are the last
 metrics records it committed (accuracy of its last evaluated round, eps so far), marked as such.
