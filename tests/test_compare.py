@@ -12,6 +12,7 @@ from test_noise_secrecy import CFG as TINY
 
 from dpfleet.cli import main
 from dpfleet.coordinator.cli.compare_table import comparison, differing_keys, render, wall_time
+from dpfleet.coordinator.run import Result
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.run_record import RunRecord
 
@@ -205,6 +206,7 @@ def test_the_tff_accuracies_are_shown_next_to_their_baselines(runs, capsys, tmp_
     for strip in ("unigram", "most_frequent_word"):
         assert base[strip] == {name: s["unigram_baseline"]["tff"][strip][name] for name in TFF}
     assert all(isinstance(base["model"][name], float) for name in TFF)  # the tiny run scored them
+    assert Result.load(runs / "base").tff == base  # the Python API reads the same figures back
     nothing = {name: None for name in TFF}
     assert old == {"model": nothing, "unigram": nothing, "most_frequent_word": nothing}
     metrics = [json.loads(line) for line in (runs / "cut" / "metrics.jsonl").read_text().splitlines()]
