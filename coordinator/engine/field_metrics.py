@@ -63,7 +63,8 @@ def tff_accuracies(counts: np.ndarray, prefix: str = "tff_") -> dict[str, float 
 def finite_number(value: object) -> float | None:
     """A finite number, else None (an edited file's text, NaN, a bool)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    return value if number and math.isfinite(value) else None
+    # compared, not math.isfinite: an int beyond float range is no figure, not an OverflowError
+    return value if number and -math.inf < value < math.inf else None
 
 
 def tff_figures(evaluation: object, baseline: object) -> dict[str, dict[str, float | None]]:
