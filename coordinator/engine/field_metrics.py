@@ -63,7 +63,8 @@ def tff_accuracies(counts: np.ndarray, prefix: str = "tff_") -> dict[str, float 
 def finite_number(value: object) -> float | None:
     """A finite number, else None (an edited file's text, NaN, a bool)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    # compared, not math.isfinite: an int beyond float range is no figure, not an OverflowError
+    # compared, not math.isfinite, which raises on an int beyond float range (run_record refuses
+    # such a file before compare reads it)
     return value if number and -math.inf < value < math.inf else None
 
 
