@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpfleet.coordinator.engine.field_metrics import tff_figures
 from dpfleet.coordinator.state.run_record import read_run
 from dpfleet.edge.suggest import Predictor
 from dpfleet.errors import DpfleetError
@@ -133,7 +134,7 @@ class ResultMethods:
         initial = summary.get("initial") or {}  # round 0 (an older run has none)
         values = dict(
             initial_accuracy=initial.get("accuracy"), initial_perplexity=initial.get("perplexity"),
-            keyboard=summary.get("keyboard"),
+            keyboard=summary.get("keyboard"), tff=tff_figures(final, baseline),
             accuracy=final.get("accuracy"), unigram_accuracy=baseline.get("accuracy"),
             perplexity=final.get("perplexity"), unigram_perplexity=baseline.get("perplexity"),
             epsilon=privacy.get("epsilon"), delta=privacy.get("delta"), run_dir=run_dir, model=model,

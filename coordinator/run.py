@@ -26,6 +26,7 @@ from dpfleet.coordinator.engine.extensions import (
     Mechanism,
     ParticipationPolicy,
 )
+from dpfleet.coordinator.engine.field_metrics import tff_figures
 from dpfleet.coordinator.engine.simulation import Pretrain, run_simulation
 from dpfleet.coordinator.result_methods import ResultMethods
 from dpfleet.coordinator.state.interrupts import sigterm_interrupts
@@ -81,6 +82,10 @@ class Result(ResultMethods):
         keyboard: the final model's suggestion strip on held-out words (summary.json's `keyboard`:
             top-1 / top-3 recall and keystroke savings, next to the most-frequent-word strip's),
             None when not scored (a tokenizer without `decode`, data.keyboard_words = 0).
+        tff: TFF's three next-word accuracies (`accuracy`, `accuracy_without_out_of_vocab`,
+            `accuracy_without_out_of_vocab_or_end_of_sentence`) of the final model, the unigram
+            baseline and the most-frequent-word baseline: {"model" | "unigram" |
+            "most_frequent_word": {name: value}}, a value None where the run has none.
     """
 
     accuracy: float
@@ -100,6 +105,7 @@ class Result(ResultMethods):
     initial_accuracy: float | None = None
     initial_perplexity: float | None = None
     keyboard: dict | None = None
+    tff: dict | None = None
 
 
 def run(
@@ -154,7 +160,7 @@ def run(
         client_trainer=summary.get("client_trainer", ""), warnings=tuple(summary.get("warnings", ())),
         initial_accuracy=(summary.get("initial") or {}).get("accuracy"),
         initial_perplexity=(summary.get("initial") or {}).get("perplexity"),
-        keyboard=summary.get("keyboard"),
+        keyboard=summary.get("keyboard"), tff=tff_figures(out.final, out.baseline),
     )
 
 

@@ -5,6 +5,7 @@ status page (`status_page.py`) renders."""
 from __future__ import annotations
 
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
+from dpfleet.coordinator.engine.field_metrics import last_evaluated, tff_figures
 from dpfleet.service.rounds import ApiError, RoundDriver
 
 
@@ -37,6 +38,9 @@ def public_status(driver: RoundDriver) -> dict:
         "unigram_accuracy": driver.b.baseline.get("accuracy"),
         # the finished model's suggestion strip and the most-frequent-word strip's (held-out words)
         **keyboard_status((driver.outcome or {}).get("keyboard")),
+        # TFF's three next-word accuracies of the last evaluated released model, and the unigram
+        # and most-frequent-word baselines' (fitted on held-out users at boot)
+        "tff": tff_figures(last_evaluated(driver.engine.metrics), driver.b.baseline),
         "devices": status["devices"],
         "rounds": [{k: h[k] for k in ("round", "status", "clients", "epsilon", "accuracy")}
                    for h in history["rounds"]],

@@ -4,13 +4,14 @@ It is served without authentication (`GET /`), so it may show only what the run 
 DP-released aggregates (accuracy of the released model, eps spent) and counts, next to the held-out
 accuracy of the starting model (round 0, before any private round) and of the unigram baseline, and
 once the run finished, its suggestion strip's top-3 word recall and keystroke savings on held-out
-words next to the most-frequent-word strip's. `render` reads a fixed list of numeric fields and
-never prints a mapping key it did not expect, so a status or history that happened to carry a device
-id (a per-device map, an id list, an extra field) cannot leak it through the page. The one text it
-prints is `caveats` (a list of strings the coordinator builds from its config alone,
-`coordinator/accounting/caveats.py`), escaped, at the top: a run that is not fully private says so
-before any figure. No script, no external asset: the page works offline and its
-Content-Security-Policy forbids loading anything.
+words next to the most-frequent-word strip's, and TFF's three next-word accuracies of the last
+evaluated released model next to the unigram and most-frequent-word baselines'. `render` reads a
+fixed list of numeric fields and never prints a mapping key it did not expect, so a status or
+history that happened to carry a device id (a per-device map, an id list, an extra field) cannot
+leak it through the page. The one text it prints is `caveats` (a list of strings the coordinator
+builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the top: a run that
+is not fully private says so before any figure. No script, no external asset: the page works offline
+and its Content-Security-Policy forbids loading anything.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
          f"suggestion strip; most frequent words {_fmt(status.get('baseline_top3_recall'), '.3f')}"),
         ("keystrokes saved", _fmt(status.get("keystroke_savings"), ".3f"),
          f"suggestion strip; most frequent words {_fmt(status.get('baseline_keystroke_savings'), '.3f')}"),
+        *_tff_kpis(status.get("tff")),
         ("round", _fmt(status.get("round"), "d"), f"phase {phase}"),
         ("devices", _fmt(dict(devices).get("registered"), "d"), "registered"),
     ]
@@ -259,6 +261,24 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         f'<div class="kpis">{kpi_html}</div><div class="charts">{"".join(charts)}</div>'
         "</body></html>"
     )
+
+
+# TFF's three next-word accuracies (`field_metrics.tff_figures`), as the page titles them
+TFF_TITLES = (("accuracy", "next-word accuracy (TFF)"),
+              ("accuracy_without_out_of_vocab", "without OOV (TFF)"),
+              ("accuracy_without_out_of_vocab_or_end_of_sentence", "without OOV or EOS (TFF)"))
+
+
+def _tff_kpis(tff: object) -> list[tuple[str, str, str]]:
+    """One box per TFF accuracy: the released model's, the two baselines' below it; dashes
+    for what the status lacks (no round evaluated yet, a field that is not a number)."""
+    def figure(strip: str, name: str) -> str:
+        figures = tff.get(strip) if isinstance(tff, dict) else None
+        return _fmt(figures.get(name) if isinstance(figures, dict) else None, ".4f")
+
+    return [(title, figure("model", name), f"released model; unigram {figure('unigram', name)}, "
+                                           f"most frequent word {figure('most_frequent_word', name)}")
+            for name, title in TFF_TITLES]
 
 
 def _caveats(caveats: object) -> str:

@@ -12,6 +12,7 @@ from test_noise_secrecy import CFG as TINY
 
 from dpfleet.cli import main
 from dpfleet.coordinator.cli.compare_table import comparison, differing_keys, render, wall_time
+from dpfleet.coordinator.run import Result
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.run_record import RunRecord
 
@@ -176,3 +177,74 @@ def test_many_runs_fit_a_terminal_in_blocks_of_columns(runs):
     assert heads == ["1:base", "2:more", "3:cut", "4:base"]  # a name repeated: numbered
     wide = render(comparison([read_run(p) for p in paths[:3]], [str(p) for p in paths[:3]]), width=400)
     assert "\n\n" not in wide and wide.splitlines()[0].split() == ["base", "more", "cut"]
+
+
+TFF_ROW, TFF_BASELINES = "TFF acc 1/2/3", ("  unigram", "  frequent word")
+TFF = ("accuracy", "accuracy_without_out_of_vocab", "accuracy_without_out_of_vocab_or_end_of_sentence")
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", ln.strip()) for ln in text.splitlines())}
+
+
+def test_the_tff_accuracies_are_shown_next_to_their_baselines(runs, capsys, tmp_path):
+    """A finished run's three TFF accuracies (summary.json's `final`) and the unigram and
+    most-frequent-word baselines' (`unigram_baseline.tff`) in the JSON and the table; a run of an
+    older dpfleet (none of them in its summary) shows null and a dash; an unfinished run its last
+    evaluated round's (metrics.jsonl), its baselines null."""
+    older = tmp_path / "older"
+    shutil.copytree(runs / "base", older)
+    summary = read(older, "summary.json")
+    summary["final"] = {k: v for k, v in summary["final"].items() if not k.startswith("tff_")}
+    del summary["unigram_baseline"]["tff"]
+    (older / "summary.json").write_text(json.dumps(summary))
+    paths = (runs / "base", older, runs / "cut")
+    result = json.loads(compare(capsys, *paths, "--json", "--no-plot").out)
+    base, old, cut = (f["tff"] for f in result["runs"])
+    s = read(runs / "base", "summary.json")
+    assert base["model"] == {name: s["final"][f"tff_{name}"] for name in TFF}
+    for strip in ("unigram", "most_frequent_word"):
+        assert base[strip] == {name: s["unigram_baseline"]["tff"][strip][name] for name in TFF}
+    assert all(isinstance(base["model"][name], float) for name in TFF)  # the tiny run scored them
+    assert Result.load(runs / "base").tff == base  # the Python API reads the same figures back
+    nothing = {name: None for name in TFF}
+    assert old == {"model": nothing, "unigram": nothing, "most_frequent_word": nothing}
+    metrics = [json.loads(line) for line in (runs / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert cut["model"] == {name: metrics[-1][f"tff_{name}"] for name in TFF}
+    assert cut["unigram"] == cut["most_frequent_word"] == nothing
+
+    narrow = render(result, width=100)  # in blocks of columns, each with the rows and the legend
+    assert max(len(line) for line in narrow.splitlines()) <= 100
+    assert all(TFF_ROW in block for block in narrow.split("\n\n"))
+    text = render(result, width=200)
+    rows = _rows(text)
+    assert rows[TFF_ROW] == [" / ".join(f"{base['model'][n]:.4f}" for n in TFF), "-",
+                             " / ".join(f"{cut['model'][n]:.4f}" for n in TFF)]
+    for label, strip in zip(TFF_BASELINES, ("unigram", "most_frequent_word"), strict=True):
+        assert rows[label.strip()] == [" / ".join(f"{base[strip][n]:.4f}" for n in TFF), "-", "-"]
+    assert any(line.startswith("(TFF acc 1/2/3: ") for line in text.splitlines())  # the legend
+
+
+def test_the_tff_row_by_hand():
+    """Hand-set figures, one missing: each cell is the three accuracies to 4 places, a missing
+    one a dash; a summary with the figures as text (an edited file) shows dashes, no crash."""
+    tff = {"unigram": {"token": 5, "accuracy": 0.1, "accuracy_without_out_of_vocab": 0.125,
+                       "accuracy_without_out_of_vocab_or_end_of_sentence": 0.0},
+           "most_frequent_word": {"token": 9, "accuracy": 0.05, "accuracy_without_out_of_vocab": None,
+                                  "accuracy_without_out_of_vocab_or_end_of_sentence": 0.0625}}
+    summary = {"final": {"accuracy": 0.3, "perplexity": 9.0, "tff_accuracy": 0.25,
+                         "tff_accuracy_without_out_of_vocab": 0.5,
+                         "tff_accuracy_without_out_of_vocab_or_end_of_sentence": 0.375},
+               "unigram_baseline": {"accuracy": 0.07, "tff": tff}, "rounds_completed": 3}
+    edited = {**summary, "final": {**summary["final"], "tff_accuracy": "0.25"},
+              "unigram_baseline": {"accuracy": 0.07, "tff": "text"}}
+    records = [RunRecord(path=p, config={"rounds": 3}, metrics=[], summary=s, privacy={})
+               for p, s in (("r", summary), ("e", edited))]
+    result = comparison(records, ["r", "e"])
+    assert result["runs"][0]["tff"]["most_frequent_word"] == {
+        "accuracy": 0.05, "accuracy_without_out_of_vocab": None,
+        "accuracy_without_out_of_vocab_or_end_of_sentence": 0.0625}
+    rows = _rows(render(result, width=100))
+    assert rows[TFF_ROW] == ["0.2500 / 0.5000 / 0.3750", "- / 0.5000 / 0.3750"]
+    assert rows["unigram"] == ["0.1000 / 0.1250 / 0.0000", "-"]
+    assert rows["frequent word"] == ["0.0500 / - / 0.0625", "-"]

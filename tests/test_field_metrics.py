@@ -69,3 +69,26 @@ def test_word_cases_skip_punctuation_and_stop_at_limit():
 @pytest.mark.parametrize("fn", [strip_recall, keystroke_savings])
 def test_no_cases_is_none_not_a_division_by_zero(fn):
     assert next(iter(fn([], lambda c: []).values())) is None
+
+
+def test_the_result_block_states_the_tff_accuracies_by_hand():
+    """The hand-computed figures above, as the result block prints them: the model's (0.75, 4/6,
+    0.5) next to the unigram's (1/8, 0, 0) and the most frequent word's (2/8, 2/6, 2/4); a run
+    without them (an older summary) has no such line."""
+    from dpfleet.coordinator.cli.result_block import result_lines
+
+    train = [np.array([[5, 5, 2, 2, 2, 0], [3, 3, 3, 3, 6, 0]])]
+    final = {"accuracy": 0.5, "perplexity": 3.0, **tff_accuracies(tff_counts(PREDICTIONS, TARGETS, OOV))}
+    baseline = {"accuracy": 0.1, "perplexity": 9.0, "tff": constant_baselines(train, TARGETS, OOV)}
+    privacy = {"min_separation": None, "epsilon": 1.0, "delta": 1e-5, "zcdp": 0.1,
+               "noise_multiplier": 1.0, "max_participation": 1, "noise_mechanism": "tree"}
+    common = dict(privacy=privacy, warnings=[], stopped_early=None, run_dir="run")
+    lines = result_lines(final=final, baseline=baseline, **common)
+    (line,) = [r for r in lines if r.startswith("TFF next-word acc.")]
+    assert line.endswith("model 0.7500 / 0.6667 / 0.5000   unigram 0.1250 / 0.0000 / 0.0000   "
+                         "most frequent word 0.2500 / 0.3333 / 0.5000")
+    assert any(r.strip().startswith("(TFF: accuracy / without out of vocab / without out of vocab or "
+                                    "end of sentence") for r in lines)
+    older = result_lines(final={"accuracy": 0.5, "perplexity": 3.0},
+                         baseline={"accuracy": 0.1, "perplexity": 9.0}, **common)
+    assert not [r for r in older if "TFF" in r]

@@ -152,6 +152,13 @@ def test_the_cli_result_block_shows_the_starting_model(tmp_path, capsys):
     (line,) = [row for row in out if row.startswith("next-token accuracy")]
     assert f"starting model {initial['accuracy']:.4f}" in line and "unigram baseline" in line
     assert any(row.startswith("starting model") and "no privacy cost" in row for row in out)
+    # and TFF's three accuracies, the model's next to the baselines' (summary.json's figures)
+    summary = summary_of(tmp_path / "run")
+    final, tff = summary["final"], summary["unigram_baseline"]["tff"]
+    (line,) = [row for row in out if row.startswith("TFF next-word acc.")]
+    names = ("accuracy", "accuracy_without_out_of_vocab", "accuracy_without_out_of_vocab_or_end_of_sentence")
+    assert f"model {' / '.join(format(final['tff_' + n], '.4f') for n in names)}   unigram " \
+           f"{' / '.join(format(tff['unigram'][n], '.4f') for n in names)}" in line
 
 
 def test_the_status_page_shows_the_starting_model(tmp_path):

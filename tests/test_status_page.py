@@ -182,3 +182,83 @@ def test_phase_bars_have_unique_labels():
     assert len(labels) == len(PHASES)
     assert len(set(labels)) == len(labels), sorted(labels)
     assert "commit" in labels and "SecAgg commit" in labels
+
+
+TFF = ("accuracy", "accuracy_without_out_of_vocab", "accuracy_without_out_of_vocab_or_end_of_sentence")
+
+
+def test_the_status_shows_the_last_evaluated_rounds_tff_accuracies(tmp_path):
+    """A booted service (no devices, so fast): before any round the model's TFF accuracies are
+    dashes and the baselines' are those fitted at boot; then the status follows the last metrics
+    record that has them (an engine evaluation of the model, as a round's commit records it),
+    skipping a later round that was not evaluated."""
+    from service_fleet import tiny_cfg
+
+    from dpfleet.service.admin import public_status
+    from dpfleet.service.boot import boot
+    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.servelog import ServiceLog
+
+    booted = boot(tiny_cfg(rounds=2), tmp_path / "state", log=lambda s: None)
+    log = ServiceLog(tmp_path / "service.log")
+    try:
+        driver = RoundDriver(booted, log)
+        before = public_status(driver)
+        evaluated = {k: v for k, v in booted.engine.evaluate().items() if k.startswith("tff_")}
+        booted.engine.metrics += [{"round": 1, **evaluated}, {"round": 2, "accuracy": None}]
+        after = public_status(driver)
+    finally:
+        log.close()
+        booted.store.close()
+    baselines = {s: {n: booted.baseline["tff"][s][n] for n in TFF} for s in ("unigram", "most_frequent_word")}
+    assert before["tff"] == {"model": {n: None for n in TFF}, **baselines}
+    assert after["tff"] == {"model": {n: evaluated[f"tff_{n}"] for n in TFF}, **baselines}
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", render(before, {"rounds": []})))
+    assert (f"without OOV or EOS (TFF) &ndash; released model; unigram "
+            f"{baselines['unigram'][TFF[2]]:.4f}, most frequent word ") in text
+
+
+@pytest.mark.slow
+def test_a_served_run_shows_the_tff_accuracies_next_to_the_baselines(tmp_path):
+    """A real served run (one round, real devices over loopback): the public status carries TFF's
+    three accuracies of the released model (its metrics record's, the same as summary.json's
+    final) and the unigram and most-frequent-word baselines' (summary.json's), and the page
+    shows each; before any round the model's are dashes."""
+    import asyncio
+    import json
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from service_fleet import fleet_data, run_devices, tiny_cfg
+    from test_service_security import raw
+
+    from dpfleet.service.server import shutdown, start
+
+    cfg = tiny_cfg(rounds=1, eval_every=1)
+    users, examples = fleet_data(cfg, tmp_path / "fleet")
+    keys = {u: Ed25519PrivateKey.generate() for u in users}
+
+    async def main():
+        running = await start(cfg, tmp_path / "state", log=lambda s: None)
+        before = json.loads((await raw(running.url, "GET", "/v1/public/status"))[1])
+        devices = asyncio.create_task(run_devices(running.url, keys, examples))
+        await asyncio.wait_for(asyncio.shield(running.task), 120)
+        public = json.loads((await raw(running.url, "GET", "/v1/public/status"))[1])
+        page = (await raw(running.url, "GET", "/"))[1].decode()
+        await asyncio.wait_for(devices, 30)
+        await shutdown(running)
+        return before, public, page
+
+    before, public, page = asyncio.run(main())
+    summary = json.loads((tmp_path / "state" / "summary.json").read_text())
+    (record,) = [json.loads(line) for line in (tmp_path / "state" / "metrics.jsonl").read_text().splitlines()]
+    assert before["tff"]["model"] == {n: None for n in TFF}
+    assert public["tff"]["model"] == {n: record[f"tff_{n}"] for n in TFF} == {
+        n: summary["final"][f"tff_{n}"] for n in TFF}
+    for strip in ("unigram", "most_frequent_word"):
+        assert public["tff"][strip] == {n: summary["unigram_baseline"]["tff"][strip][n] for n in TFF}
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))  # the visible text
+    for title, n in zip(("next-word accuracy (TFF)", "without OOV (TFF)", "without OOV or EOS (TFF)"),
+                        TFF, strict=True):
+        tff = public["tff"]
+        assert (f"{title} {tff['model'][n]:.4f} released model; unigram {tff['unigram'][n]:.4f}, "
+                f"most frequent word {tff['most_frequent_word'][n]:.4f}") in text

@@ -28,10 +28,12 @@ def compare(runs: tuple[Path, ...], plot: Path, no_plot: bool, as_json: bool,
     sweep's folder (`dpfleet sweep`), given alone, shows each grid point's final accuracy, eps and
     perplexity as mean and 95% interval over its seeds, and plots the accuracy against the key. A
     finished run shows its summary.json and privacy.json figures: held-out accuracy against the
-    unigram baseline, perplexity, eps at delta, rounds, wall time, noise, whether it is fully
-    private. An unfinished run (interrupted, or still running) shows what it committed so far: the
-    accuracy of its last evaluated round and its eps after its last round. Then every config key
-    (config.json, --set overrides included) whose value is not the same in all runs.
+    unigram baseline, TFF's three next-word accuracies next to the unigram and most-frequent-word
+    baselines' (`TFF acc 1/2/3`), perplexity, the suggestion strip, eps at delta, rounds, wall
+    time, noise, whether it is fully private. An unfinished run (interrupted, or still running)
+    shows what it committed so far: the accuracy of its last evaluated round and its eps after its
+    last round. Then every config key (config.json, --set overrides included) whose value is not
+    the same in all runs.
 
     The plot (--plot, default compare.png) has held-out accuracy per round with each run's unigram
     baseline, eps per round, and each finished run's wall time.

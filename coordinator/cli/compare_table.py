@@ -1,7 +1,9 @@
 """The comparison of runs `dpfleet compare` prints: one column per run, the figures people compare
-(accuracy against the starting model's and the unigram baseline's, eps, rounds, wall time, noise)
-and then the config keys that differ between the runs, which is usually why they were run.
-Functions of `RunRecord`s (and, for an unfinished run's round 0, its initial_eval.json).
+(accuracy against the starting model's and the unigram baseline's, TFF's three next-word
+accuracies against the unigram and most-frequent-word baselines', the suggestion strip, eps,
+rounds, wall time, noise) and then the config keys that differ between the runs, which is usually
+why they were run. Functions of `RunRecord`s (and, for an unfinished run's round 0, its
+initial_eval.json).
 
 A finished run's figures are its summary.json and privacy.json; an unfinished run's are the last
 metrics records it committed (accuracy of its last evaluated round, eps so far), marked as such.
@@ -14,6 +16,12 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dpfleet.coordinator.engine.field_metrics import (
+    TFF_ACCURACIES,
+    finite_number,
+    last_evaluated,
+    tff_figures,
+)
 from dpfleet.coordinator.state.run_dir import read_initial
 from dpfleet.coordinator.state.run_record import RunRecord
 from dpfleet.coordinator.state.trackers import WRITERS
@@ -77,6 +85,9 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "fully_private": s.get("fully_private", p.get("fully_private")),
         "caveats": s.get("caveats", p.get("caveats", [])),
         "warnings": s.get("warnings"),  # a result that means nothing (None: not recorded)
+        # TFF's three next-word accuracies, the model's next to the unigram and most-frequent-word
+        # baselines' (an unfinished run: its last evaluated round's, no baselines yet)
+        "tff": tff_figures(final if s else last_evaluated(record.metrics), s.get("unigram_baseline")),
         "keyboard": keyboard_figures(s.get("keyboard")),  # the suggestion strip (None: not scored)
         "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
     }
@@ -88,18 +99,12 @@ def keyboard_figures(block: object) -> dict | None:
     they are over (None for a run without one: an older dpfleet, a character vocabulary)."""
     if not isinstance(block, Mapping) or not isinstance(block.get("model"), Mapping):
         return None
-    strips = {k: {r: _finite(v) for r, v in block[k].items() if r in RATES}
+    strips = {k: {r: finite_number(v) for r, v in block[k].items() if r in RATES}
               for k in ("model", "most_frequent_words") if isinstance(block.get(k), Mapping)}
-    return {**strips, "words": _finite(block.get("words"))}
+    return {**strips, "words": finite_number(block.get("words"))}
 
 
 RATES = ("top1_recall", "top3_recall", "keystroke_savings")
-
-
-def _finite(value: object) -> float | None:
-    """A finite number, else None (an edited file's text, NaN)."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return value if number and -float("inf") < value < float("inf") else None
 
 
 def comparison(records: Sequence[RunRecord], labels: Sequence[str]) -> dict:
@@ -155,6 +160,19 @@ def _keyboard(strip: str):
     return cell
 
 
+def _tff(strip: str):
+    """The cell of one of `tff_figures`' strips: its three accuracies, a dash for each missing;
+    one dash for a run with none of them."""
+    def cell(f: dict) -> str:
+        values = [f["tff"][strip][name] for name in TFF_ACCURACIES]
+        return "-" if all(v is None for v in values) else " / ".join(_number(v, ".4f") for v in values)
+
+    return cell
+
+
+TFF_LEGEND = "(TFF acc 1/2/3: TFF's accuracy / without OOV / without OOV or EOS, next word)"
+
+
 def _warnings(f: dict) -> str:
     if f["warnings"] is None:
         return "-"
@@ -166,6 +184,9 @@ ROWS = (
     ("accuracy", _accuracy),
     ("starting model", lambda f: _number(f["initial_accuracy"], ".4f")),
     ("unigram baseline", lambda f: _number(f["unigram_accuracy"], ".4f")),
+    ("TFF acc 1/2/3", _tff("model")),  # TFF's three next-word accuracies (TFF_LEGEND)
+    ("  unigram", _tff("unigram")),
+    ("  frequent word", _tff("most_frequent_word")),
     ("perplexity", lambda f: _number(f["perplexity"], ".1f")),
     ("strip t1/t3/saved", _keyboard("model")),  # top-1 / top-3 recall, keystroke savings
     ("  frequent words", _keyboard("most_frequent_words")),  # the most-frequent-word strip
@@ -230,6 +251,8 @@ def render(result: Mapping, width: int | None = None) -> str:
             lines.append("")
         lines += ["  ".join([name.ljust(label), *(cells[i].ljust(widths[i]) for i in block)]).rstrip()
                   for name, cells in rows]
+    if any(any(v is not None for v in f["tff"]["model"].values()) for f in runs):
+        lines.append(TFF_LEGEND)
     if any(f["epsilon_so_far"] for f in runs):
         lines += ["(an unfinished run: accuracy of its last evaluated round,",
                   " eps after its last round, from metrics.jsonl)"]

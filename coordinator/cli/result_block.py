@@ -8,16 +8,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dpfleet.coordinator.engine.field_metrics import TFF_ACCURACIES, tff_figures
+
 LABEL = 22  # the label column's width
 
 
 def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[str] | tuple[str, ...],
                  stopped_early: str | None, run_dir: Path, initial: dict | None = None,
-                 keyboard: dict | None = None) -> list[str]:
+                 keyboard: dict | None = None, tff: dict | None = None) -> list[str]:
     """The result block of a finished run: caveats first (a run that is not fully private says
     so, `caveats.py`), then the warnings of a result that means nothing (`result_warnings.py`),
     accuracy and perplexity next to the starting model's (`initial`, round 0) and the unigram
-    baseline's, the keyboard's suggestion strip next to the most-frequent-word strip (`keyboard`:
+    baseline's, TFF's three next-word accuracies next to the unigram and most-frequent-word
+    baselines' (`tff`: `field_metrics.tff_figures`, by default read off `final` and `baseline`),
+    the keyboard's suggestion strip next to the most-frequent-word strip (`keyboard`:
     summary.json's block, `keyboard_eval`), eps and the noise, where the run is."""
     p = privacy
     lines = [_row("WARNING", line) for line in p.get("caveats", [])]
@@ -33,6 +37,7 @@ def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[s
     if acc0:  # where the accuracy comes from: what the private rounds added to it
         lines.append(_row("starting model", "round 0, before any private round (the init, after public "
                                             "pretraining if any): no privacy cost"))
+    lines += tff_lines(tff or tff_figures(final, baseline))
     if keyboard and keyboard.get("model"):
         lines.append(_row("word suggestions", keyboard_text(keyboard)))
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
@@ -65,6 +70,22 @@ def saved_result_lines(run_dir: Path) -> list[str]:
                         warnings=summary.get("warnings", []),
                         stopped_early=summary.get("stopped_early"), run_dir=run_dir,
                         initial=summary.get("initial"), keyboard=summary.get("keyboard"))
+
+
+TFF_NAMES = {"model": "model", "unigram": "unigram", "most_frequent_word": "most frequent word"}
+
+
+def tff_lines(tff: dict) -> list[str]:
+    """TFF's three accuracies of the model and of the baselines that have them, and what the
+    three are; nothing for a run without them (an older dpfleet)."""
+    cells = [f"{TFF_NAMES[strip]} " + " / ".join("-" if v is None else format(v, ".4f")
+                                                 for v in (figures[n] for n in TFF_ACCURACIES))
+             for strip, figures in tff.items() if any(v is not None for v in figures.values())]
+    if not any(v is not None for v in tff["model"].values()):
+        return []
+    return [_row("TFF next-word acc.", "   ".join(cells)),
+            _row("", "(TFF: accuracy / without out of vocab / without out of vocab or end of sentence, "
+                     "over non-PAD targets)")]
 
 
 def keyboard_text(keyboard: dict) -> str:

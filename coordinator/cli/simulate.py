@@ -92,5 +92,5 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
                              stopped_early=result.stopped_early, run_dir=result.run_dir,
                              initial={"accuracy": result.initial_accuracy,
                                       "perplexity": result.initial_perplexity},
-                             keyboard=result.keyboard):
+                             keyboard=result.keyboard, tff=result.tff):
         click.echo(line)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +58,37 @@ def tff_accuracies(counts: np.ndarray, prefix: str = "tff_") -> dict[str, float 
     """{prefix + name: correct / scored} of `tff_counts` (None when nothing was scored)."""
     return {prefix + name: (int(c) / int(s) if s else None)
             for name, (c, s) in zip(TFF_ACCURACIES, np.asarray(counts), strict=True)}
+
+
+def finite_number(value: object) -> float | None:
+    """A finite number, else None (an edited file's text, NaN, a bool)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    # compared, not math.isfinite, which raises on an int beyond float range (run_record refuses
+    # such a file before compare reads it)
+    return value if number and -math.inf < value < math.inf else None
+
+
+def tff_figures(evaluation: object, baseline: object) -> dict[str, dict[str, float | None]]:
+    """TFF's three accuracies of a model and of the two constant baselines, as `dpfleet compare`,
+    the result block and the status page show them: {"model" | "unigram" | "most_frequent_word":
+    {name: value}}. `evaluation` is an evaluation or a metrics record (its `tff_` keys),
+    `baseline` what `unigram_baseline` returns (its `tff` block). The shape is always the same so a
+    reader need not test for it; a figure the run does not have (a run of an older dpfleet, an
+    unfinished run's baselines, nothing scored) or that is no finite number is None."""
+    def named(figures: object, prefix: str = "") -> dict[str, float | None]:
+        figures = figures if isinstance(figures, Mapping) else {}
+        return {name: finite_number(figures.get(prefix + name)) for name in TFF_ACCURACIES}
+
+    constants = baseline.get("tff") if isinstance(baseline, Mapping) else None
+    constants = constants if isinstance(constants, Mapping) else {}
+    return {"model": named(evaluation, "tff_"), "unigram": named(constants.get("unigram")),
+            "most_frequent_word": named(constants.get("most_frequent_word"))}
+
+
+def last_evaluated(metrics: Sequence[Mapping]) -> Mapping:
+    """The last metrics record with TFF's accuracies ({} before any evaluated round, and for a
+    run of an older dpfleet): the released model's figures while a run goes on."""
+    return next((m for m in reversed(metrics) if m.get("tff_accuracy") is not None), {})
 
 
 def constant_baselines(train_targets: Iterable[np.ndarray], test_targets: np.ndarray,
