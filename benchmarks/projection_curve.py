@@ -52,6 +52,7 @@ from dpfleet.coordinator.engine.simulation import run_simulation  # noqa: E402
 from dpfleet.coordinator.sweep import t_interval  # noqa: E402
 from dpfleet.io import atomic_write  # noqa: E402
 from dpfleet.jsonio import dumps  # noqa: E402
+from dpfleet.public.public_init import pretrain_on_public  # noqa: E402
 
 CONFIG = ROOT / "dpfleet" / "configs" / "shakespeare_cifg.toml"
 OUT = ROOT / "benchmarks" / "results" / "projection_curve.json"
@@ -87,7 +88,8 @@ def run_cell(base: dict, population: int, eps: float, seed: int, delta: float,
     cfg = parse_config(values)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        res = run_simulation(cfg, Path(tmp) / "run", progress=False, log=lambda s: None)
+        res = run_simulation(cfg, Path(tmp) / "run", progress=False, log=lambda s: None,
+                             pretrain=pretrain_on_public)
     p = res.privacy
     return {"population": population, "target_epsilon": eps, "seed": seed, "delta": delta, **plan,
             "accuracy": res.final["accuracy"], "unigram": res.baseline["accuracy"],
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         base["rounds"] = args.rounds
         base["eval_every"] = min(base.get("eval_every", 10), args.rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = load_rows(args.out)
     done = {(r["population"], r["target_epsilon"], r["seed"]) for r in rows}
     todo = [(0, 0.0, s) for s in args.seeds] + [(n, e, s) for n in args.populations
@@ -206,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         save_rows(rows, args.out)
     summary = summarize(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     save_rows(rows, args.out)
     atomic_write(args.out.with_suffix(".summary.json"), dumps(summary, indent=1) + "\n")
     print(table(summary))
