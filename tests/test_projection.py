@@ -137,3 +137,12 @@ def test_without_a_projection_nothing_changes(tmp_path):
     cfg = parse_config(CONFIG)
     assert (cfg.projection.noise_cohort, cfg.projection.population) == (0, 0)
     assert math.isclose(projection_factor(cfg), 1.0)
+
+
+def test_the_noise_warning_reads_the_noise_the_average_carries(projected):
+    """z / M_noise = 4 / 20 = 0.2 is on the released average, not z / M_train = 0.8; the eps warning
+    says its eps is the run's own."""
+    summary = json.loads((projected.run_dir / "summary.json").read_text())
+    noise = [w for w in summary["warnings"] if w.startswith("noise drowns")]
+    assert len(noise) == 1 and "noise multiplier / projection.noise_cohort = 4 / 20 = 0.2 " in noise[0]
+    assert all("this run's own" in w for w in summary["warnings"] if w.startswith("eps above"))

@@ -72,8 +72,9 @@ def projection_summary(privacy: dict) -> dict | None:
 def projection_caveat(projection: dict) -> tuple[str, str]:
     """(reason, statement) for `caveats.run_caveats`: the run's eps holds as stated, the projected
     one is no guarantee (kept, not voiding)."""
+    label = projection["label"]
     return (f"projection to a population of {projection['population']:,} (its eps is a simulation)",
-            f"PROJECTION: {projection['label']}. The run trained {projection['train_cohort']} devices a "
+            f"{label[0].upper()}{label[1:]}. The run trained {projection['train_cohort']} devices a "
             f"round with the noise of {projection['noise_cohort']} (noise scaled by "
             f"{projection['noise_scale']:g}); its projected eps estimates that launch. The eps stated "
             "as this run's is its own guarantee, for its real users.")
