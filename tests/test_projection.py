@@ -146,3 +146,21 @@ def test_the_noise_warning_reads_the_noise_the_average_carries(projected):
     noise = [w for w in summary["warnings"] if w.startswith("noise drowns")]
     assert len(noise) == 1 and "noise multiplier / projection.noise_cohort = 4 / 20 = 0.2 " in noise[0]
     assert all("this run's own" in w for w in summary["warnings"] if w.startswith("eps above"))
+
+
+def test_the_projected_eps_is_the_planners_for_the_planned_launch():
+    """pfl's StackOverflow setting in dpfleet's accounting: the planner's z for cohorts of 5,000 over
+    10^6 devices, 20 rounds, eps 2 at delta 1e-7; a run training 5 a round with that z projects
+    exactly that eps (MinS 10^6 // 5,000 - 1 = 199, MaxP 1), and its own multiplier is z / 1,000."""
+    from dpfleet.coordinator.accounting.planner import make_plan
+    from dpfleet.coordinator.accounting.projection import projected_privacy
+    from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
+    from dpfleet.coordinator.mechanisms.registry import as_mechanism
+
+    row = make_plan(1_000_000, 20, zcdp_for_epsilon(2.0, 1e-7), delta=1e-7, report_goal=5000).chosen
+    cfg = parse_config({**CONFIG, "rounds": 20, "projection": {"noise_cohort": 5000, "population": 1_000_000},
+                        "dp": {**CONFIG["dp"], "noise_multiplier": row.noise_multiplier, "delta": 1e-7}})
+    p = projected_privacy(cfg, as_mechanism(None), "pld")
+    assert (p["min_separation"], p["max_participation"]) == (199, 1)
+    assert p["epsilon"] == pytest.approx(2.0, rel=1e-3)
+    assert projection_factor(cfg) * row.noise_multiplier == pytest.approx(row.noise_multiplier / 1000)
