@@ -190,6 +190,21 @@ class DPSection:
 
 
 @dataclass
+class ProjectionSection:
+    """A projection to a production-size population (pfl-research's method): the run trains
+    dp.report_goal devices a round but adds the noise of a planned cohort over a planned
+    population, so a laptop estimates a launch's accuracy. Its projected eps is a simulation of
+    DP, not a guarantee; the run's own guarantee is stated beside it. Both 0: no projection."""
+
+    noise_cohort: int = 0
+    """M_noise: the planned report goal whose noise the average carries (std z C / M_noise): the
+    sum of the report_goal trained devices gets noise z C report_goal / M_noise."""
+    population: int = 0
+    """The planned population the projected eps is accounted over (MinS = population //
+    noise_cohort - 1, as the planner's)."""
+
+
+@dataclass
 class ParticipationSection:
     """Who takes part when (see coordinator/engine/participation.py)."""
 
@@ -380,6 +395,8 @@ class SimulationConfig:
     """The emulated devices (`dpfleet fleet`)."""
     service: ServiceSection = field(default_factory=ServiceSection)
     """The networked coordinator (`dpfleet coordinator serve`)."""
+    projection: ProjectionSection = field(default_factory=ProjectionSection)
+    """A projection to a planned cohort and population (a simulation of DP, not a guarantee)."""
 
     def resolved(self) -> dict:
         return dataclasses.asdict(self)
@@ -668,6 +685,7 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
         *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
+        *projection_checks(cfg),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
          "client.runtime = 'onnx' or 'executorch'"),
@@ -690,6 +708,50 @@ def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
         (entry(cfg.dp.mechanism).cls.supports_restarts or not cfg.dp.restart_rounds,
          f"dp.mechanism = '{cfg.dp.mechanism}' has no tree to restart: dp.restart_rounds must be empty"),
     ]
+
+
+def projection_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
+    """What a `[projection]` needs. Refused with it: secure aggregation (its discrete noise is
+    planned in ring units for the sum it protects, and it protects real devices, while a projection
+    is a simulation whose noise is too small for its own devices), a dp.target_epsilon (the planner
+    plans for the training population, not the planned one) and adaptive clipping (its clipped-count
+    noise is not projected)."""
+    proj, dp = cfg.projection, cfg.dp
+    if not (proj.noise_cohort or proj.population):
+        return []
+    return [
+        (proj.noise_cohort > 0 and proj.population > 0,
+         "projection.noise_cohort and projection.population go together (both 0: no projection)"),
+        (proj.noise_cohort >= dp.report_goal,
+         f"projection.noise_cohort = {proj.noise_cohort} must be >= dp.report_goal = {dp.report_goal} "
+         "(a projection adds the noise of a larger cohort than it trains)"),
+        (proj.population >= proj.noise_cohort,
+         f"projection.population = {proj.population} must be >= projection.noise_cohort = "
+         f"{proj.noise_cohort}"),
+        (proj.population <= 0 or dp.delta < 1 / proj.population,
+         f"dp.delta = {dp.delta:g} is not below 1/N = 1/{proj.population} for projection.population: "
+         "the projected guarantee would mean nothing at that delta; lower dp.delta"),
+        (cfg.aggregation.kind == "plain",
+         "a projection is a simulation of DP at a planned population: it runs with "
+         "aggregation.kind = 'plain' only (secure aggregation protects real devices)"),
+        (not dp.target_epsilon,
+         "dp.target_epsilon plans for the training population, not the projected one: give "
+         f"dp.noise_multiplier from `dpfleet plan -N {proj.population} -T {cfg.rounds} --report-goal "
+         f"{proj.noise_cohort} --target-epsilon EPS`"),
+        (not dp.adaptive_clipping,
+         "a projection scales the model's noise only: it cannot run with dp.adaptive_clipping "
+         "(whose clipped-count noise it would leave unprojected)"),
+    ]
+
+
+def projection_factor(cfg: SimulationConfig) -> float:
+    """M_train / M_noise, the one factor a projection scales the run's noise by (1: none): the
+    sum of report_goal devices gets noise z C M_train / M_noise, so the released average
+    carries std z C / M_noise, as if M_noise devices had contributed (pfl's `noise_scale`). The
+    run's own noise multiplier on its actual sum is then z times this."""
+    if not cfg.projection.noise_cohort:
+        return 1.0
+    return cfg.dp.report_goal / cfg.projection.noise_cohort
 
 
 def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:

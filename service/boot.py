@@ -46,6 +46,10 @@ def check_service_config(cfg: SimulationConfig) -> None:
     if cfg.data.generated_population:
         raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
                            "protects nobody, so the service refuses it: use `dpfleet simulate`")
+    if cfg.projection.noise_cohort:
+        raise DpfleetError("a [projection] is a simulation of DP at a planned population: its noise "
+                           "is too small for the devices it trains, so the service refuses it: use "
+                           "`dpfleet simulate`")
     if cfg.backend.kind != "local":
         raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
 

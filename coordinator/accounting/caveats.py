@@ -10,10 +10,11 @@ lacks.
 
 Whether the stated eps is a guarantee at all:
 
-* kept, caveat first: research mode (it holds against everyone without the seed), honest-only
-  noise (it holds when every participant is honest), a custom or plugin mechanism's declared
-  sensitivity (dpfleet converts it but cannot verify it; a mechanism that declares none is
-  refused), a word vocabulary chosen without DP and un-noised debug telemetry (eps covers the
+* kept, caveat first: a projection (`projection.py`: the stated eps is the run's own, its
+  projected eps a labelled simulation), research mode (it holds against everyone without the
+  seed), honest-only noise (it holds when every participant is honest), a custom or plugin
+  mechanism's declared sensitivity (dpfleet converts it but cannot verify it; a mechanism that
+  declares none is refused), a word vocabulary chosen without DP and un-noised debug telemetry (eps covers the
   model's training, not these: they ship or sit beside it);
 * none: a deliberately broken audit run (`dpfleet audit --break`: its noise or clipping is not
   what the accountant assumes), a generated population (users repeat, each copy accounted as a
@@ -25,6 +26,8 @@ Whether the stated eps is a guarantee at all:
 from __future__ import annotations
 
 import math
+
+from dpfleet.coordinator.accounting.projection import projection_caveat
 
 FIGURES = ("epsilon", "epsilon_rdp", "zcdp")  # what privacy.json states as the guarantee
 
@@ -75,6 +78,8 @@ def run_caveats(facts: dict) -> tuple[list[str], bool]:
                         "UN-NOISED TELEMETRY: debug_nonprivate.jsonl holds each round's mean train "
                         "loss, update norm and clipped fraction of its few clients without noise; "
                         "eps does not cover it: never publish it."))
+    if facts.get("projection"):  # the run's eps holds; the projected one is a simulation
+        keeping.append(projection_caveat(facts["projection"]))
     if facts.get("honest_participants_only"):
         keeping.append(("private only against honest participants",
                         facts["honest_participants_only_statement"]))

@@ -112,11 +112,26 @@ def _statement(p: dict) -> str:
             f"{p['epsilon']:.4g} at delta = {p['delta']:g}{declared}.")
 
 
+def _projection_lines(p: dict) -> list[str]:
+    """A projection's planned launch, under its label: never the formal statement above (the run's
+    own guarantee, `projection.py`)."""
+    q = p.get("projection")
+    if not q:
+        return []
+    return [f"**{q['label']}.** The planned mechanism (noise multiplier {q['noise_multiplier']:g} on "
+            f"cohorts of {q['noise_cohort']:,} over {q['population']:,} devices, {q['rounds']} rounds, "
+            f"MinS {q['min_separation']:,}, MaxP {q['max_participation']}) would give rho = "
+            f"{q['zcdp']:.4g}, eps = {q['epsilon']:.4g} at delta = {q['delta']:g} "
+            f"({q['method'].upper()}). This run trained {q['train_cohort']:,} devices a round with "
+            f"that noise scaled by {q['noise_scale']:g}: the statement above is its own guarantee "
+            "(multiplier z times that scale, on its real users).", ""]
+
+
 def render_privacy_report(p: dict) -> str:
     """Markdown in the shape of paper 002 App. C from the run's privacy summary."""
     lines = [*(line for c in p.get("caveats", []) for line in (f"**{c}**", "")), "# Privacy report", "",
              f"**Noise: {p['noise_mechanism']}; {p['mechanism_description']}.**", "",
-             f"**Formal statement.** {_statement(p)}", ""]
+             f"**Formal statement.** {_statement(p)}", "", *_projection_lines(p)]
     if p["rounds"] == 0 or p["noise_multiplier"] == 0 or not p.get("epsilon_is_a_guarantee", True):
         return "\n".join(lines + _not_covered_section(p) + _audit_section(p))
     return "\n".join(lines + _vocabulary_source_line(p) + _vocabulary_statement(p) + _setting_sections(p)

@@ -8,7 +8,8 @@ training), a `WARNING` line in the `dpfleet simulate` summary (after the caveats
 summary.json (the simulation's and the service's, `RoundEngine.finish`) and `Result.warnings`.
 
 * "noise drowns the updates" (also at plan time, before any training): z / M (noise multiplier
-  z over report goal M: the noise std on every round's averaged update, in clip norms) at or above
+  z over report goal M, or over projection.noise_cohort in a projection: the noise std on every
+  round's averaged update, in clip norms) at or above
   `NOISE_PER_REPORT_LIMIT`, where the main job stops learning (measured, see there).
 * "below the unigram baseline": held-out accuracy at or below the unigram baseline's (a model
   that predicts every token by its frequency alone, fitted on other held-out users).
@@ -43,11 +44,14 @@ def plan_warnings(cfg: SimulationConfig) -> list[str]:
     dp = cfg.dp
     if dp.noise_multiplier <= 0 or dp.report_goal <= 0:
         return []
-    per_report = dp.noise_multiplier / dp.report_goal
+    # a projection's average carries z / M_noise (`config.projection_factor`), not z / M_train
+    cohort, name = ((cfg.projection.noise_cohort, "projection.noise_cohort") if cfg.projection.noise_cohort
+                    else (dp.report_goal, "report goal"))
+    per_report = dp.noise_multiplier / cohort
     if per_report < NOISE_PER_REPORT_LIMIT:
         return []
-    return [f"noise drowns the updates: noise multiplier / report goal = {dp.noise_multiplier:.4g} / "
-            f"{dp.report_goal} = {per_report:.3g} (the noise std on each round's averaged update, in "
+    return [f"noise drowns the updates: noise multiplier / {name} = {dp.noise_multiplier:.4g} / "
+            f"{cohort} = {per_report:.3g} (the noise std on each round's averaged update, in "
             f"clip norms) is at or above {NOISE_PER_REPORT_LIMIT:g}, where the main job stops "
             "learning (measured: 0.056 ends below the unigram baseline, 0.040 does not); raise the "
             "target eps or the report goal"]
@@ -62,6 +66,8 @@ def result_warnings(cfg: SimulationConfig, final: dict, baseline: dict, privacy:
                         f"{unigram:.4f}, the model predicts no better than word frequencies alone, "
                         "so this run learned nothing usable")
     eps, what = _headline_epsilon(privacy)
+    if "projection" in privacy:  # never read as the projected launch's eps
+        what += " (this run's own; the projected eps is a simulation)"
     limit = cfg.dp.warn_epsilon
     if limit > 0 and _finite(eps) and eps > limit:
         warnings.append(f"eps above dp.warn_epsilon: eps = {eps:.2f}{what} at delta = "

@@ -34,6 +34,7 @@ from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
 )
+from dpfleet.coordinator.accounting.projection import projected_privacy
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
     zcdp_for_epsilon,
@@ -320,6 +321,8 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
         "budget_epsilon": cfg.dp.budget_epsilon or None,
         "stopped_early": stopped_early,
         **{k: v for k, v in setting.items() if k not in ("rounds", "noise")},
+        # the multiplier of the noise on the actual sum (z M_train / M_noise in a projection)
+        "noise_multiplier": accountant.noise_multiplier,
         "method": accountant.conversion,
         "not_covered": not_covered(cfg, public_data=_public_data(cfg, public_data), debug_file=debug_file),
         "vocabulary": vocabulary,
@@ -347,6 +350,9 @@ def run_privacy(cfg: SimulationConfig, participation: Participation, accountant:
         privacy["generated_population"] = {"clients": cfg.data.generated_population,
                                            "users_repeat": True, "epsilon_is_a_guarantee": False,
                                            "statement": generated_population_statement(cfg)}
+    projection = projected_privacy(cfg, mechanism, accountant.conversion, accountant.restarts)
+    if projection is not None:  # the planned launch's figures, labelled: never this run's
+        privacy["projection"] = projection
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
         privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)

@@ -41,11 +41,16 @@ def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[s
     if keyboard and keyboard.get("model"):
         lines.append(_row("word suggestions", keyboard_text(keyboard)))
     mins = "n/a" if p["min_separation"] is None else p["min_separation"]
+    own = "this run's own guarantee; " if "projection" in p else ""
     lines.append(_row("privacy", (
         f"eps = {_f(p['epsilon'], '.2f')} at delta = {p['delta']:g} "
-        f"({'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
+        f"({own}{'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
         f"zCDP {_f(p['zcdp'], '.4g')}, noise multiplier {_f(p['noise_multiplier'], 'g')}, "
         f"observed MinS {mins}, MaxP {p['max_participation']}; see privacy_report.md)")))
+    if "projection" in p:  # the planned launch's eps, under its label (`accounting/projection.py`)
+        q = p["projection"]
+        lines.append(_row("projected", f"eps = {_f(q['epsilon'], '.2f')} at delta = {q['delta']:g} "
+                                       f"({q['label']}: cohort {q['noise_cohort']:,})"))
     lines.append(_row("noise", p["noise_mechanism"]))
     if "total_with_vocabulary" in p:
         t = p["total_with_vocabulary"]

@@ -1,7 +1,8 @@
 """The DP-FTRL server update of federated learning (paper 002, Alg. 1; Kairouz et al. 2021).
 
 Each round: the (secure) sum of clipped client deltas gets the tree's residual noise
-(std = z * C per node), is divided by the report goal m (a fixed denominator, so the
+(std = z * C per node; times M_train / M_noise in a projection, `noise_scale`), is divided by the
+report goal m (a fixed denominator, so the
 sensitivity of the average is C / m), fed to server SGD with momentum:
     mbar_t = beta * mbar_{t-1} + noisy_avg_t,   theta_{t+1} = theta_t + eta_s * mbar_t.
 Because the released prefix sums are the tree-noised ones, this is post-processing of the tree
@@ -46,6 +47,10 @@ class DPFTRLConfig:
     # One client's L2 contribution to the sum is at most clip_norm * sensitivity_factor; > 1 when
     # secure aggregation's discretization inflates norms, so the noise must grow with it.
     sensitivity_factor: float = 1.0
+    # a projection (`[projection]`, pfl's noise_scale): the noise on the sum times M_train / M_noise,
+    # so the average (divided by report_goal = M_train) carries std z C / M_noise; 1: none. The
+    # run's own guarantee is accounted at z * noise_scale (`config.projection_factor`)
+    noise_scale: float = 1.0
     # the noise mechanism (`mechanisms.base.Mechanism`, or a banded / BLT `MechanismSpec`);
     # None: the tree
     mechanism: Mechanism | MechanismSpec | None = None
@@ -56,6 +61,8 @@ class DPFTRLServer:
 
     def __init__(self, theta0: np.ndarray, cfg: DPFTRLConfig, noise_key: bytes | None = None,
                  ring: RingPlan | None = None):
+        if ring is not None and cfg.noise_scale != 1.0:  # a ring plan is sized for the real noise
+            raise DpfleetError("a projection (noise_scale != 1) runs on plain sums only, not SecAgg's ring")
         self.cfg, self.ring = cfg, ring
         self.mechanism = as_mechanism(cfg.mechanism)
         self.noise_key = new_noise_key() if noise_key is None else noise_key
@@ -74,14 +81,15 @@ class DPFTRLServer:
         """Per-node noise std on the *sum* of clipped deltas (in decoded units for a ring)."""
         if self.ring is not None:  # decoded units scale with the round's clip norm (s C fixed)
             return self.ring.noise_std * self.clip_norm / self.cfg.clip_norm
-        return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor
+        return self.cfg.noise_multiplier * self.clip_norm * self.cfg.sensitivity_factor * self.cfg.noise_scale
 
     @property
     def stream_std(self) -> float:
         """The float stream's std: at the round's clip norm, or, for a mechanism whose clip norm
         may change every round, at the configured one (`step` rescales each round's noise)."""
         if self.mechanism.adapts_every_round:
-            return self.cfg.noise_multiplier * self.cfg.clip_norm * self.cfg.sensitivity_factor
+            return (self.cfg.noise_multiplier * self.cfg.clip_norm * self.cfg.sensitivity_factor
+                    * self.cfg.noise_scale)
         return self.noise_std
 
     def _new_tree(self, tree_id: int):

@@ -30,12 +30,14 @@ import numpy as np
 
 from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
+from dpfleet.coordinator.accounting.projection import projection_summary
 from dpfleet.coordinator.accounting.result_warnings import result_warnings
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.config import (
     SimulationConfig,
     check_delta,
     clip_count_stddev,
+    projection_factor,
     resolve_noise,
     round_size,
 )
@@ -185,8 +187,11 @@ class RoundEngine:
             cfg, self.participation.min_separation, run.path, resume, mechanism)
         check_supported(cfg, self.mechanism)
         custom = not built_in(self.mechanism)
+        # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
+        # sum, and the run's own guarantee is accounted at that noise (`accounting/projection.py`)
+        self.noise_scale = projection_factor(cfg)
         self.accountant = RunAccountant(
-            cfg.dp.noise_multiplier, cfg.dp.delta, cfg.dp.budget_epsilon,
+            cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
             spent_zcdp=(vocabulary or {}).get("zcdp", 0), mechanism=self.mechanism,
             conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
         self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
@@ -204,7 +209,7 @@ class RoundEngine:
         # (`guarantee`): the config as it runs (the planner's z in it), with what was derived
         self.guarantee = guarantee(guarantee_inputs(
             cfg, mechanism=self.mechanism, population=len(self.users), restarts=self.restarts,
-            model_noise_multiplier=self.z_model, vocabulary=vocabulary))
+            model_noise_multiplier=self.z_model * self.noise_scale, vocabulary=vocabulary))
         theta0 = get_flat(model)
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
         self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
@@ -219,6 +224,7 @@ class RoundEngine:
                 report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr,
                 momentum=cfg.dp.momentum, restart_rounds=tuple(self.restarts),
                 sensitivity_factor=sensitivity_factor(cfg, theta0.size), mechanism=self.mechanism,
+                noise_scale=self.noise_scale,
             ),
             noise_key=noise_key, ring=self.ring,
         )
@@ -489,7 +495,8 @@ class RoundEngine:
             for record in committed:
                 accountant.record(record["participants"], record["restart"])
         return with_caveats(run_privacy(self.cfg, self.participation, accountant, len(self.users),
-                           model_noise_multiplier=self.z_model, stopped_early=stopped_early,
+                           model_noise_multiplier=self.z_model * self.noise_scale,
+                           stopped_early=stopped_early,
                            optimised_for=self.mechanism_optimised_for, vocabulary=self.vocabulary,
                            public_data=list(public_data), ring=self.ring,
                            debug_file=(self.run_path / DEBUG_NONPRIVATE).is_file(),
@@ -520,6 +527,10 @@ class RoundEngine:
         atomic_write(run_path / "privacy_report.md", render_privacy_report(privacy))
         title = (f"held-out accuracy, eps = {privacy['epsilon']:.2f} at delta = {cfg.dp.delta:g}"
                  if np.isfinite(privacy["epsilon"]) else "held-out accuracy, no DP guarantee")
+        if "projection" in privacy:  # both eps, each saying which it is
+            q = privacy["projection"]
+            title += (f" (this run's own); projected eps = {q['epsilon']:.2f} at N = "
+                      f"{q['population']:,}, a simulation")
         plot_accuracy(self.metrics, baseline["accuracy"], run_path / "accuracy.png", title, self.initial)
         summary = {
             **caveat_fields(privacy),  # first: whether the run is fully private, and if not why
@@ -534,6 +545,8 @@ class RoundEngine:
             **{k: privacy[k] for k in ("noise_mechanism", "honest_participants_only",
                                        "honest_participants_only_statement") if k in privacy},
             **({"keyboard": keyboard} if keyboard else {}),
+            # a projection: the projected eps and the run's own, each saying which it is
+            **({"projection": projection_summary(privacy)} if "projection" in privacy else {}),
             **(extra or {}),
         }
         self.run.write_json("summary.json", summary)

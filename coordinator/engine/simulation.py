@@ -459,7 +459,9 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
         record = engine.close_round(plan, agg, updates)
         if progress:  # eps so far, every round: privacy.json's figure (one conversion, PLD)
             acc = acc if record["accuracy"] is None else f"{record['accuracy']:.4f}"
-            rounds.set_postfix(acc=acc, eps=f"{record['epsilon']:.2f}")
+            # a projection's bar shows the run's own eps, named so (never the projected one)
+            eps_key = "eps_this_run" if cfg.projection.noise_cohort else "eps"
+            rounds.set_postfix({"acc": acc, eps_key: f"{record['epsilon']:.2f}"})
         if engine.resume_point_due():
             engine.save_resume_point()
         if on_round is not None:  # after the resume point: a callback that raises loses nothing
