@@ -164,3 +164,21 @@ def test_the_projected_eps_is_the_planners_for_the_planned_launch():
     assert (p["min_separation"], p["max_participation"]) == (199, 1)
     assert p["epsilon"] == pytest.approx(2.0, rel=1e-3)
     assert projection_factor(cfg) * row.noise_multiplier == pytest.approx(row.noise_multiplier / 1000)
+
+
+def test_compare_shows_the_runs_own_eps_and_labels_the_projected_one(projected, capsys):
+    from dpfleet.cli import main
+
+    rho, eps = _real_eps_from_config()
+    proj_eps = epsilon_from_zcdp(0.0625, DELTA, "pld")
+    main(["compare", str(projected.run_dir), "--json"])
+    figures = json.loads(capsys.readouterr().out)["runs"][0]
+    assert figures["epsilon"] == pytest.approx(eps)  # the column's eps is the run's own
+    assert figures["projection"]["epsilon"] == pytest.approx(proj_eps)
+    assert figures["projection"]["label"] == LABEL and figures["projection"]["population"] == N_PLAN
+    main(["compare", str(projected.run_dir)])
+    table = capsys.readouterr().out.splitlines()
+    eps_row = next(line for line in table if line.startswith("eps"))
+    proj_row = next(line for line in table if line.strip().startswith("projected eps"))
+    assert f"{eps:.2f}" in eps_row and "this run's own" in eps_row
+    assert f"{proj_eps:.2f}" in proj_row and "not a guarantee" in proj_row and f"{N_PLAN:,}" in proj_row

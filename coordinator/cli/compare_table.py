@@ -77,6 +77,8 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         # finished: privacy.json's (None where it is no guarantee); else the last round's so far
         "epsilon": p.get("epsilon") if record.finished else eps and eps[1],
         "epsilon_so_far": not record.finished,
+        # a projection run: the planned launch's eps, a simulation beside the run's own guarantee
+        "projection": _projection(p.get("projection")) if record.finished else None,
         "delta": p.get("delta", flat.get("dp.delta")),
         "rounds_completed": s.get("rounds_completed", len(record.metrics)),
         "rounds_planned": record.rounds_planned,
@@ -92,6 +94,13 @@ def run_figures(record: RunRecord, label: str, keys: Sequence[str] = ()) -> dict
         "config": {k: flat[k] for k in keys if k in flat},  # a key an older run lacks: left out
     }
     return figures
+
+
+def _projection(block: object) -> dict | None:
+    """privacy.json's `projection` block as compare shows it (None: not a projection run)."""
+    if not isinstance(block, Mapping):
+        return None
+    return {k: block.get(k) for k in ("label", "epsilon", "delta", "population", "noise_cohort")}
 
 
 def keyboard_figures(block: object) -> dict | None:
@@ -142,7 +151,16 @@ def _epsilon(f: dict) -> str:
     if f["epsilon"] is None:
         return "none (see caveats)" if f["finished"] else "-"
     text = f"{f['epsilon']:.2f} at delta {f['delta']:g}"
+    if f.get("projection"):
+        return f"{text}, this run's own"
     return f"{text}, so far" if f["epsilon_so_far"] else text
+
+
+def _projected(f: dict) -> str:
+    q = f.get("projection")
+    if not q or q.get("epsilon") is None:
+        return "-"
+    return f"{q['epsilon']:.2f} at N {q['population']:,} (a projection, not a guarantee)"
 
 
 def _private(f: dict) -> str:
@@ -191,6 +209,7 @@ ROWS = (
     ("strip t1/t3/saved", _keyboard("model")),  # top-1 / top-3 recall, keystroke savings
     ("  frequent words", _keyboard("most_frequent_words")),  # the most-frequent-word strip
     ("eps", _epsilon),
+    ("  projected eps", _projected),  # a projection run's planned launch (never its guarantee)
     ("rounds done", lambda f: f"{f['rounds_completed']} of {f['rounds_planned']}"),
     ("wall time", lambda f: wall_time(f["wall_seconds"])),
     ("noise", lambda f: f["noise_mechanism"] or "-"),
