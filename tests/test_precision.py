@@ -1,0 +1,102 @@
+"""bfloat16 where the CPU does it natively: the choice, and the privacy path under it.
+
+The attack: a device whose delta was computed in bfloat16 (large, adversarial updates) must still
+be clipped exactly, i.e. the delta that is summed has float32 L2 norm <= clip_norm, which holds
+only if the delta is cast to float32 before its norm is taken and it is scaled.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfleet.edge.client_update import finish_update
+from dpfleet.edge.clipping import norm64
+from dpfleet.edge.cohort import CohortTrainer
+from dpfleet.edge.precision import native_bf16, resolve_precision
+from dpfleet.errors import DpfleetError
+from dpfleet.export.models import ModelConfig, build_model
+from dpfleet.export.params import get_flat
+
+needs_bf16 = pytest.mark.skipif(native_bf16() is None, reason="this CPU (or torch's kernels) has no native BF16")
+
+L, BATCH = 9, 8
+CFG = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), size=st.integers(1, 400), scale=st.floats(1e-3, 1e6),
+       clip_norm=st.floats(1e-3, 10.0))
+def test_a_bfloat16_delta_is_clipped_exactly_in_float32(seed, size, scale, clip_norm):
+    delta = (np.random.default_rng(seed).standard_normal(size) * scale).astype(ml_dtypes.bfloat16)
+    update = finish_update(delta, clip_norm, 0.0, 1)
+    assert update.delta.dtype == np.float32
+    assert norm64(update.delta) <= clip_norm
+    assert update.norm == pytest.approx(norm64(delta.astype(np.float32)), rel=1e-12)
+
+
+def test_auto_is_float32_on_the_portable_kernels(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    choice = resolve_precision("auto")
+    assert (choice.name, choice.dtype) == ("float32", torch.float32)
+    assert "ATEN_CPU_CAPABILITY=default" in choice.reason
+    with pytest.raises(DpfleetError, match="no native BF16"):
+        resolve_precision("bfloat16")
+    with pytest.raises(DpfleetError, match="precision must be one of"):
+        resolve_precision("float16")
+    assert resolve_precision("float32").name == "float32"
+
+
+@needs_bf16
+def test_auto_is_bfloat16_where_the_cpu_has_it():
+    choice = resolve_precision("auto")
+    assert choice.name == "bfloat16" and choice.reason == f"auto: CPU has {native_bf16()}"
+
+
+def rows(rng, n):
+    out = rng.integers(4, 64, (n, L + 1)).astype(np.int32)
+    out[:, 0] = 1
+    return out
+
+
+@needs_bf16
+@pytest.mark.parametrize("fused", [True, False])
+def test_bfloat16_cohort_clips_adversarial_devices_exactly(fused):
+    """lr 50 makes every device's update huge; the summed deltas are float32 and within C."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    rng = np.random.default_rng(1)
+    examples = [rows(rng, n) for n in (3, 17, 9, 24)]
+    trainer = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", chunk=2, fused=fused,
+                            precision="bfloat16", processes=False)
+    updates = trainer.train_round(theta, examples, [5, 6, 7, 8], lr=50.0, batch_size=BATCH, clip_norm=0.3)
+    assert any(u.clipped for u in updates)
+    for u in updates:
+        assert u.delta.dtype == np.float32
+        assert norm64(u.delta) <= 0.3
+    total = np.sum([u.delta for u in updates], axis=0, dtype=np.float64)
+    assert norm64(total) <= 0.3 * len(updates)
+
+
+@needs_bf16
+def test_bfloat16_cohort_runs_its_gemms_in_bfloat16_and_is_close_to_float32():
+    """Same round at both precisions: different bits (the GEMMs ran in bfloat16), close deltas,
+    and the same bits on a second bfloat16 run (reproducible at a precision)."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    rng = np.random.default_rng(2)
+    examples = [rows(rng, n) for n in (5, 12, 8)]
+
+    def run(precision):
+        trainer = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", chunk=2,
+                                precision=precision, processes=False)
+        return [u.delta for u in trainer.train_round(theta, examples, [1, 2, 3], lr=0.5,
+                                                     batch_size=BATCH, clip_norm=10.0)]
+
+    f32, bf16, again = run("float32"), run("bfloat16"), run("bfloat16")
+    for a, b, c in zip(f32, bf16, again, strict=True):
+        assert not np.array_equal(a, b)
+        np.testing.assert_allclose(b, a, atol=2e-2 * np.abs(a).max())
+        np.testing.assert_array_equal(b, c)
