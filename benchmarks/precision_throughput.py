@@ -100,7 +100,8 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
     }
     if chosen_p.name == "bfloat16":
         with chosen_p.autocast():
-            seconds["plain_bfloat16"] = _median_s(lambda: plain.train_round(theta, chosen, seeds, **args), reps)
+            seconds["plain_bfloat16"] = _median_s(
+                lambda: plain.train_round(theta, chosen, seeds, **args), reps)
     flops = model_flops_per_token(model_cfg) * tokens
     m = model_cfg
     return {
@@ -171,8 +172,8 @@ def main() -> None:
                     one["cohort_of_gemm_rate"] = round(one["cohort_achieved_gflop_s"]
                                                        / entry[precision]["gemm_gflop_s"], 3)
                     entry[precision][name] = one
-                entry[precision]["teacher"] = measure_teacher(spec, precision, max(1, args.teacher_tokens // 128),
-                                                              128, args.reps)
+                rows = max(1, args.teacher_tokens // 128)
+                entry[precision]["teacher"] = measure_teacher(spec, precision, rows, 128, args.reps)
                 print(json.dumps({threads: {precision: entry[precision]}}, indent=1), flush=True)
             result["by_torch_threads"][str(threads)] = entry
     result["teacher"] = args.teacher or (f"random-weight Llama hidden {args.teacher_hidden}, "

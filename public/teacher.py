@@ -212,7 +212,7 @@ class Teacher:
         return self.head(self.body(input_ids, attention_mask))
 
 
-def load_teacher(spec: str, device: str | torch.device | None = None, precision: str = "auto") -> Teacher:
+def load_teacher(spec: str, device: str | torch.device | None = None, precision: str = "float32") -> Teacher:
     """Load a teacher by packaged name or folder; cuda when present, else CPU.
 
     On CUDA the body runs in bfloat16 (the memory-bound part; its rounding only perturbs the

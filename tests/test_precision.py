@@ -21,7 +21,8 @@ from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 
-needs_bf16 = pytest.mark.skipif(native_bf16() is None, reason="this CPU (or torch's kernels) has no native BF16")
+needs_bf16 = pytest.mark.skipif(native_bf16() is None,
+                                reason="no native BF16 here (or ATEN_CPU_CAPABILITY=default)")
 
 L, BATCH = 9, 8
 CFG = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
