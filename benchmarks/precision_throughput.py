@@ -26,7 +26,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cohort_roofline import _median_ms  # noqa: E402
 from host_info import host  # noqa: E402
 from trainer_throughput import PEER, NnLstmTrainer, build_workload  # noqa: E402
 
@@ -70,13 +70,8 @@ def gemm_gflop_s(dtype: torch.dtype, size: int, reps: int) -> float:
 
 
 def _median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    """Median wall seconds of `fn` over `reps` calls after a warm-up (cohort_roofline's timer)."""
+    return _median_ms(fn, reps) / 1000
 
 
 def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict:

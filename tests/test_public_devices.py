@@ -182,8 +182,9 @@ def test_cuda_tests_run_deterministic_and_rows_repeat_bit_for_bit(tiny_teacher_d
 
 
 def test_cpu_teacher_body_follows_the_cpus_precision(tiny_teacher_dir, tiny_teacher_vocab):
-    """precision "auto" on CPU (the CLI's default): a bfloat16 body and a float32 head copy where the CPU has native
-    BF16 (the rows then close to the float32 teacher's), float32 throughout elsewhere."""
+    """precision "auto" on CPU (the CLI's default): a bfloat16 body and a float32 head copy
+    where the CPU has native BF16 (the rows then close to the float32 teacher's), float32
+    throughout elsewhere."""
     from dpfleet.edge.precision import resolve_precision
 
     ref = load_teacher(str(tiny_teacher_dir), device="cpu", precision="float32")
