@@ -198,7 +198,7 @@ class CohortTrainer:
         self.cfg = cfg
         self.processes = processes
         self.device = resolve_device(device)
-        self.precision = resolve_precision(precision, self.device.type)
+        self.precision = resolve_precision(precision, self.device.type, "client.precision")
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
         # recurrent models take the hand-written path (cohort_lstm.py); `fused=False` keeps them

@@ -62,14 +62,14 @@ def native_bf16() -> str | None:
     return None
 
 
-def resolve_precision(requested: str, device_type: str = "cpu") -> Precision:
+def resolve_precision(requested: str, device_type: str = "cpu", key: str = "precision") -> Precision:
     """"auto" | "float32" | "bfloat16" -> the precision to run at on `device_type`, with why.
 
     "auto" on CPU: bfloat16 where the CPU has native BF16, else float32; on CUDA float32 (the
     rule is the CPU's; CUDA runs are not measured here). "bfloat16" where the CPU lacks it: a
-    DpfleetError."""
+    DpfleetError naming `key` (the config key or option it came from)."""
     if requested not in PRECISIONS:
-        raise DpfleetError(f"precision must be one of {PRECISIONS}, not {requested!r}")
+        raise DpfleetError(f"{key} must be one of {PRECISIONS}, not {requested!r}")
     if requested == "float32":
         return FLOAT32
     if device_type == "cuda":
@@ -79,7 +79,7 @@ def resolve_precision(requested: str, device_type: str = "cpu") -> Precision:
     feature = native_bf16()
     if requested == "bfloat16":
         if feature is None:
-            raise DpfleetError(f"precision = 'bfloat16' but this CPU has no native BF16 ({_why_not()}); "
+            raise DpfleetError(f"{key} = 'bfloat16' but this CPU has no native BF16 ({_why_not()}); "
                                "use 'auto' or 'float32'")
         return Precision("bfloat16", f"precision = 'bfloat16' (CPU has {feature})")
     if feature is None:

@@ -235,7 +235,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     from dpfleet.public.kd_pretrain import student_device
 
     # the resolved name: a resume on a machine that would choose otherwise is refused
-    chosen = resolve_precision(precision, student_device(device).type).name
+    chosen = resolve_precision(precision, student_device(device).type, "--precision").name
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
                         temperature=temperature, seed=seed, device=device, precision=chosen)
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
     check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
     t0 = time.perf_counter()
     sequences = public_sequences(list(p.corpus), tokenizer, cfg.data.seq_len)
-    precision = resolve_precision(cfg.client.precision)  # the resolved name keys the cache
+    precision = resolve_precision(cfg.client.precision, key="client.precision")  # keys the cache
     train = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=0.0, seed=p.seed,
                           precision=precision.name)
     path = cache_dir() / "pretrain" / f"{_key(sequences, model_cfg, train, list(p.corpus))}.npy"

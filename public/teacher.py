@@ -233,7 +233,7 @@ def load_teacher(spec: str, device: str | torch.device | None = None, precision:
     if device.type == "cuda":
         chosen = Precision("bfloat16", "the body in bfloat16 on CUDA")
     else:
-        chosen = resolve_precision(precision, device.type)
+        chosen = resolve_precision(precision, device.type, "the teacher's precision")
     head_weight = cast_for_device(model, device.type, chosen.name)
     if head_weight is not None:
         head_weight = head_weight.to(device)

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpfleet.cli import main
 from dpfleet.edge.client_update import finish_update
 from dpfleet.edge.clipping import norm64
 from dpfleet.edge.cohort import CohortTrainer
@@ -123,3 +124,18 @@ def test_public_training_at_bfloat16_is_close_to_float32_and_reproducible():
     off = np.abs(bf16 - f32)
     assert off.max() <= 2 * 4 * 1e-2 and (off > 1e-3).mean() < 0.02
     np.testing.assert_array_equal(bf16, again)
+
+
+def test_bfloat16_on_a_cpu_without_it_is_one_error_line_and_no_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    config = tmp_path / "c.toml"
+    config.write_text("rounds = 1\n[data]\ndataset = 'shakespeare'\nmax_clients = 20\nmax_examples = 8\n"
+                      "eval_examples = 50\n[model]\nembedding_dim = 8\nhidden_dim = 8\nprojection_dim = 8\n"
+                      "[client]\nprecision = 'bfloat16'\n[dp]\nreport_goal = 4\nnoise_multiplier = 1.0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", str(config), "--out", str(tmp_path / "run"), "--quiet"])
+    assert exit_info.value.code != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == ["error: client.precision = 'bfloat16' but this CPU has no native BF16 (torch runs its "
+                   "portable kernels, ATEN_CPU_CAPABILITY=default); use 'auto' or 'float32'"]
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
