@@ -123,6 +123,11 @@ class ClientSection:
     """The cohort trainer's device: "auto" (CUDA when present) | "cpu" | "cuda"."""
     cohort_memory_mb: int = 160
     """Cohort chunk budget on CPU: clients per chunk = this / one client's working memory."""
+    precision: str = "auto"
+    """The cohort trainer's and public pretraining's GEMMs: "auto" (bfloat16 where the CPU has
+    native BF16, AMX or AVX512-BF16, else float32) | "float32" | "bfloat16" (an error on a CPU
+    without it). Weights, deltas, clipping and the DP sum stay float32; summary.json says which
+    ran and why."""
 
 
 @dataclass
@@ -429,6 +434,7 @@ _CHOICES = {
     "client.runtime": ("eager", "executorch", "onnx"),
     "client.trainer": ("auto", "sequential", "cohort"),
     "client.device": ("auto", "cpu", "cuda"),
+    "client.precision": ("auto", "float32", "bfloat16"),
     "backend.kind": ("local", "ray"),
     "participation.mode": ("disjoint", "uniform", "timer"),
     "aggregation.kind": ("plain", "secagg"),

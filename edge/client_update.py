@@ -48,7 +48,12 @@ def finish_update(delta: np.ndarray, clip_norm: float, loss: float, num_examples
                   clip: Clip | None = None) -> ClientUpdate:
     """Clip a trained delta with `clip` (a `dpfleet.extensions.ClippingRule`; default the L2 clip
     `clip_l2`); shared by the sequential and the cohort trainers. The driver checks the result's
-    norm against the bound before aggregation (`extensions.check_clipped`)."""
+    norm against the bound before aggregation (`extensions.check_clipped`).
+
+    A narrower delta (bfloat16 or float16 training) is cast to float32 first: its norm is taken,
+    and it is clipped and summed, in float32, so the bound holds for the delta that is summed."""
+    if delta.dtype != np.float64:
+        delta = np.asarray(delta, dtype=np.float32)
     if not np.isfinite(delta).all():  # diverged local training contributes nothing, not NaN
         return ClientUpdate(np.zeros_like(delta), float("inf"), True, loss, num_examples)
     clipped, norm = (clip_l2 if clip is None else clip)(delta, clip_norm)

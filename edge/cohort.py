@@ -38,6 +38,7 @@ from dpfleet.edge.client_update import ClientUpdate, finish_update
 from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
 from dpfleet.edge.cohort_pool import discard_pool, shared_pool
 from dpfleet.edge.model_output import logits_of
+from dpfleet.edge.precision import FLOAT32, Precision, resolve_precision
 from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
@@ -113,13 +114,14 @@ def _on_threads(fn, items: list, workers: int) -> list:
 
 
 def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, examples: list[np.ndarray],
-                plans: list[list[np.ndarray]], lr: float, step: Callable | None = None
-                ) -> tuple[np.ndarray, list[float]]:
+                plans: list[list[np.ndarray]], lr: float, step: Callable | None = None,
+                precision: Precision = FLOAT32) -> tuple[np.ndarray, list[float]]:
     """One chunk's local training from `theta`: (deltas [n, params], mean losses).
 
     `step` None: the fused recurrent path (`recurrent_grads`, the SGD step inside); otherwise
     `vmap(grad_and_value(loss))` over the stacked weights. A module-level function so a worker
-    process (`cohort_pool`) runs exactly this code."""
+    process (`cohort_pool`) runs exactly this code. `precision` bfloat16: the forward and backward
+    GEMMs under bfloat16 autocast; the weights (and so the SGD steps and the deltas) stay float32."""
     n = len(examples)
     width = max(x.shape[1] for x in examples)
     params = {
@@ -128,7 +130,19 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
     }
     loss_sum = torch.zeros(n, dtype=torch.float64)
     steps = [len(p) for p in plans]
-    for s in range(steps[0] if n else 0):
+    with precision.autocast(theta.device.type):
+        _local_steps(cfg, params, plans, examples, steps, width, theta.device, lr, step, loss_sum)
+    flat = torch.cat([params[name].reshape(n, -1).float() for name in layout.names], dim=1)
+    deltas = (flat - theta.float()).cpu().numpy()  # float32: what finish_update clips and sums
+    losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
+    return deltas, losses
+
+
+def _local_steps(cfg: ModelConfig, params: dict[str, torch.Tensor], plans: list[list[np.ndarray]],
+                 examples: list[np.ndarray], steps: list[int], width: int, device: torch.device,
+                 lr: float, step: Callable | None, loss_sum: torch.Tensor) -> None:
+    """`train_chunk`'s SGD steps on the stacked `params` in place, losses added to `loss_sum`."""
+    for s in range(steps[0] if steps else 0):
         k = sum(1 for m in steps if m > s)  # active clients: a prefix (sorted longest first)
         rows_s = max(len(plans[j][s]) for j in range(k))  # PAD rows only up to the widest
         block = np.full((k, rows_s, width), PAD, dtype=np.int64)
@@ -139,7 +153,7 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
         # trailing columns with no real target cannot change a causal model's earlier outputs
         real_cols = (block[:, :, 1:] != PAD).any(axis=(0, 1)).nonzero()[0]
         cols = int(real_cols[-1]) + 2 if len(real_cols) else 2
-        rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(theta.device)
+        rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(device)
         active = {name: p[:k] for name, p in params.items()}
         if step is None:  # the SGD step is applied inside, fused into the gradient GEMMs
             _, loss = recurrent_grads(cfg, active, rows, lr=lr)
@@ -149,16 +163,13 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
                 for name, p in active.items():
                     p.sub_(grads[name], alpha=lr)
         loss_sum[:k] += loss.detach().to("cpu", torch.float64)
-    flat = torch.cat([params[name].reshape(n, -1) for name in layout.names], dim=1)
-    deltas = (flat - theta).cpu().numpy()
-    losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
-    return deltas, losses
 
 
 def _pooled_chunk(cfg: ModelConfig, layout: ParamLayout, theta: np.ndarray, examples: list[np.ndarray],
-                  plans: list[list[np.ndarray]], lr: float) -> tuple[np.ndarray, list[float]]:
+                  plans: list[list[np.ndarray]], lr: float, precision: Precision = FLOAT32
+                  ) -> tuple[np.ndarray, list[float]]:
     """`train_chunk` of the fused path in a worker process (numpy in, numpy out)."""
-    return train_chunk(cfg, layout, torch.from_numpy(theta), examples, plans, lr)
+    return train_chunk(cfg, layout, torch.from_numpy(theta), examples, plans, lr, None, precision)
 
 
 def _deal(items: list[int], hands: int) -> list[list[int]]:
@@ -178,14 +189,16 @@ class CohortTrainer:
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, device: str = "auto",
                  memory_mb: int = DEFAULT_MEMORY_MB, chunk: int | None = None, fused: bool = True,
-                 model: torch.nn.Module | None = None, processes: bool = True):
+                 model: torch.nn.Module | None = None, processes: bool = True, precision: str = "float32"):
         """`model`: a module from outside the zoo (`dpfleet.simulate`), trained on the torch.func
         path (a copy; `cfg` then only gives vocab_size for the chunk size). `processes`: with 2+
         torch threads on CPU, train the fused path's chunks in worker processes (`cohort_pool`);
-        False keeps them on Python threads (same results, slower: see cohort_pool)."""
+        False keeps them on Python threads (same results, slower: see cohort_pool). `precision`:
+        "float32" | "bfloat16" | "auto" (`edge.precision`; the config's `client.precision`)."""
         self.cfg = cfg
         self.processes = processes
         self.device = resolve_device(device)
+        self.precision = resolve_precision(precision, self.device.type, "client.precision")
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
         # recurrent models take the hand-written path (cohort_lstm.py); `fused=False` keeps them
@@ -227,7 +240,7 @@ class CohortTrainer:
                  for ids in chunks]
         step = None if self.fused else self._step
         if workers < 2:
-            results = [train_chunk(*task, step) for task in tasks]
+            results = [train_chunk(*task, step, self.precision) for task in tasks]
         else:
             results = self._in_parallel(tasks, workers)
         out: list[ClientUpdate | None] = [None] * len(examples)
@@ -250,8 +263,8 @@ class CohortTrainer:
         size = torch.get_num_threads()
         pool = shared_pool(size) if self.processes else None
         if pool is None:
-            return _on_threads(lambda task: train_chunk(*task), tasks, workers)
-        arrays = [(cfg, layout, theta.numpy(), *rest) for cfg, layout, theta, *rest in tasks]
+            return _on_threads(lambda task: train_chunk(*task, None, self.precision), tasks, workers)
+        arrays = [(cfg, layout, theta.numpy(), *rest, self.precision) for cfg, layout, theta, *rest in tasks]
         try:
             return pool.map(_pooled_chunk, arrays)
         except BaseException:  # a dead worker, or Ctrl-C while the workers train

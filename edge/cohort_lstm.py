@@ -220,7 +220,9 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
             dc.mul_(fs[t])
             dhs[t - 1].baddbmm_(dzs[t], wh_back)
     dz = dz_all.view(k, steps * rows, n_gates)
-    d_x = torch.bmm(dz, w_k[:, :, :d]).view(k, steps, rows, d)  # before w is updated
+    # before w is updated; float32 (under bfloat16 autocast the product is bfloat16, and the
+    # gradient carried down the layers and into the embedding stays float32)
+    d_x = torch.bmm(dz, w_k[:, :, :d]).float().view(k, steps, rows, d)
     # the weight and bias gradients of all time steps in one GEMM on the inputs [h_{t-1}, x_t, 1]
     grad = torch.bmm(dz.transpose(1, 2), inputs.view(k, steps * rows, width))
     every = slice(None)

@@ -92,9 +92,14 @@ def teacher_tokenizer(teacher, vocab_size, out, dataset, split, path, max_record
               help="the LM head: int8 screens the whole vocabulary with an int8 GEMM and scores "
                    "the best 32 ids in float32 (same top-K, ~2x faster on a CPU with VNNI); "
                    "auto takes it on such a CPU for --targets teacher, float32 elsewhere")
+@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True,
+              help="the teacher body's precision on CPU (the head stays float32): bfloat16 "
+                   "where the CPU has native BF16 (AMX, AVX512-BF16) under auto, else float32; "
+                   "bfloat16 on a CPU without it is an error")
 def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_records, k, seq_len,
                    shard_sequences, batch_tokens, body_tokens, device, targets,
-                   chunk_tokens, head) -> None:
+                   chunk_tokens, head, precision) -> None:
     """Store the teacher's top-K next-token logits on public text (resumable shards).
 
     The teacher reads the on-device tokenization; its top-K ids are mapped into the on-device
@@ -127,7 +132,7 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
     vocab = TeacherVocab.load(tokenizer_dir)
     texts = _public_texts(dataset, split, path, max_records)
     sequences = student_sequences(texts, vocab.tokenizer, seq_len)
-    extractor = TopKExtractor(load_teacher(teacher, device), vocab, k, targets, chunk_tokens,
+    extractor = TopKExtractor(load_teacher(teacher, device, precision), vocab, k, targets, chunk_tokens,
                               body_tokens, head=head)
     if out is None:
         out = cached_topk_corpus(extractor, sequences, shard_sequences=shard_sequences,
@@ -172,9 +177,14 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
 @click.option("--device", default="cpu", show_default=True,
               help="the student's device: small recurrent models train faster and resume "
                    "bit-exactly on CPU; cuda needs deterministic kernels for that")
+@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True,
+              help="the student's forward/backward GEMMs (weights and Adam stay float32): "
+                   "bfloat16 where the CPU has native BF16 (AMX, AVX512-BF16) under auto, else "
+                   "float32; bfloat16 on a CPU without it is an error")
 def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, path, max_records,
              seq_len, arch, embedding_dim, hidden_dim, projection_dim, steps, batch_size, lr, seed,
-             save_every, resume, overwrite, device) -> None:
+             save_every, resume, overwrite, device, precision) -> None:
     """Public pretraining of the on-device LM, with teacher distillation when --kd-corpus is given.
 
     The checkpoint initialises private training (`[simulation.tokenizer] path` must then be the
@@ -221,8 +231,13 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
 
     torch.manual_seed(seed)
     theta0 = get_flat(build_model(model_cfg))
+    from dpfleet.edge.precision import resolve_precision
+    from dpfleet.public.kd_pretrain import student_device
+
+    # the resolved name: a resume on a machine that would choose otherwise is refused
+    chosen = resolve_precision(precision, student_device(device).type, "--precision").name
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
-                        temperature=temperature, seed=seed, device=device)
+                        temperature=temperature, seed=seed, device=device, precision=chosen)
     Path(out).mkdir(parents=True, exist_ok=True)
     with resume_hint("the same `dpfleet public pretrain ...` command with --resume"):
         theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,

@@ -7,6 +7,11 @@ Algorithm 1 (theta = the DP checkpoint at round T'). It trains on a subset of a 
 sequences (all of them, a random q, or the distribution-matched q) and beta = 0 is plain L_LM.
 Public data only, so it costs no privacy. Adam with gradient clipping at 1, like pretrain.py.
 
+Precision. `KDTrainConfig.precision` "bfloat16" runs the forward (and so the backward) under
+bfloat16 autocast where the CPU does it natively (`dpfleet.edge.precision`); the weights, the
+gradient clipping and Adam's state stay float32. The resolved name is part of the config, so a
+cached or resumed result is never one of another precision.
+
 Device. The student trains on `KDTrainConfig.device`, CPU by default, chosen on purpose and
 never picked up from whatever accelerator is present: the small recurrent students step one
 time position at a time, a launch-bound loop on a GPU, and CPU kernels give the bit-exact
@@ -29,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpfleet.edge.precision import resolve_precision
 from dpfleet.edge.tokenizer import BOS, PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
@@ -47,6 +53,7 @@ class KDTrainConfig:
     temperature: float = 1.0
     seed: int = 0
     device: str = "cpu"  # the student's device (see the module docstring)
+    precision: str = "float32"  # the forward/backward GEMMs: "float32" | "bfloat16" | "auto" (edge.precision)
 
 
 class PlainCorpus:
@@ -115,6 +122,7 @@ def kd_train(
     if cfg.beta < 0 or cfg.steps < 0:
         raise DpfleetError("public training needs beta >= 0 and steps >= 0")
     device = student_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device.type)
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg)
     set_flat(model, theta)
@@ -135,7 +143,8 @@ def kd_train(
         bar.update(start)
     for step in range(start, cfg.steps):
         batch = corpus.batch(rng.choice(pool, size=min(cfg.batch_size, len(pool)), replace=False))
-        loss, lm, kd = _losses(model, batch, cfg.beta, cfg.temperature, device)
+        with precision.autocast(device.type):
+            loss, lm, kd = _losses(model, batch, cfg.beta, cfg.temperature, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

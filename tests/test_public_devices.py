@@ -69,8 +69,8 @@ def test_teacher_takes_the_accelerator_when_present(tiny_teacher_dir, monkeypatc
     assert teacher_module.default_device().type == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert teacher_module.default_device().type == "cpu"
-    teacher = load_teacher(str(tiny_teacher_dir), device="cpu")
-    # CPU: float32 throughout, and the head is the model's own weight (no second copy)
+    teacher = load_teacher(str(tiny_teacher_dir), device="cpu", precision="float32")
+    # CPU at float32: float32 throughout, and the head is the model's own weight (no second copy)
     assert next(teacher.model.parameters()).dtype == torch.float32
     assert teacher.head_weight is teacher.model.get_output_embeddings().weight
     assert auto_body_tokens(teacher) == 1024
@@ -179,3 +179,23 @@ def test_cuda_tests_run_deterministic_and_rows_repeat_bit_for_bit(tiny_teacher_d
     ext = TopKExtractor(gpu, tiny_teacher_vocab, 5, "student", chunk_tokens=7, body_tokens=16)
     (ids_a, v_a), (ids_b, v_b) = ext.rows(seqs), ext.rows(seqs)
     assert torch.equal(ids_a, ids_b) and torch.equal(v_a, v_b)
+
+
+def test_cpu_teacher_body_follows_the_cpus_precision(tiny_teacher_dir, tiny_teacher_vocab):
+    """precision "auto" on CPU (the CLI's default): a bfloat16 body and a float32 head copy
+    where the CPU has native BF16 (the rows then close to the float32 teacher's), float32
+    throughout elsewhere."""
+    from dpfleet.edge.precision import resolve_precision
+
+    ref = load_teacher(str(tiny_teacher_dir), device="cpu", precision="float32")
+    auto = load_teacher(str(tiny_teacher_dir), device="cpu", precision="auto")
+    expected = resolve_precision("auto")
+    assert auto.precision == expected
+    body = next(auto.model.get_decoder().parameters()).dtype
+    assert body == expected.dtype and auto.head_weight.dtype == torch.float32
+    seqs = student_sequences(["the king said unto them go forth ."] * 4, tiny_teacher_vocab.tokenizer, 8)
+    ids_r, v_r = TopKExtractor(ref, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    ids_a, v_a = TopKExtractor(auto, tiny_teacher_vocab, 5, chunk_tokens=7).rows(seqs)
+    assert v_a.dtype == torch.float32 and torch.allclose(v_a, v_r, atol=0.1)
+    assert torch.equal(v_a, v_r) == (expected.name == "float32")
+    assert (ids_a[:, 0] == ids_r[:, 0]).float().mean() > 0.9

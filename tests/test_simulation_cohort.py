@@ -2,10 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.edge.precision import resolve_precision
 from dpfleet.errors import DpfleetError
 
 SHORT = {
@@ -18,7 +21,8 @@ SHORT = {
     # the comparison needs the same vocabulary and noise in every run: non-DP vocabulary, research mode
     "tokenizer": {"kind": "word", "vocab_size": 512, "allow_nonprivate_vocabulary": True},
     "model": {"arch": "lstm", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
-    "client": {"lr": 1.0, "batch_size": 8},
+    # float32: the cohort run is compared with the sequential one at float32 rounding
+    "client": {"lr": 1.0, "batch_size": 8, "precision": "float32"},
     "dp": {"noise_multiplier": 0.5, "clip_norm": 1.0, "report_goal": 12, "momentum": 0.5,
            "noise_seed": 0},
 }
@@ -54,3 +58,24 @@ def test_bad_trainer_value_is_a_config_error():
         parse_config(dict(SHORT, client={"trainer": "fastest"}))
     with pytest.raises(DpfleetError, match="cohort_memory_mb"):
         parse_config(dict(SHORT, client={"cohort_memory_mb": 0}))
+
+
+def test_auto_precision_is_stated_and_the_released_model_is_reproducible(tmp_path):
+    """precision = "auto": bfloat16 where this CPU has native BF16, else float32 (the portable
+    kernels included); summary.json says which and why, and two runs with dp.noise_seed give the
+    same released model bit for bit."""
+    first, summary = simulate(tmp_path, "first", precision="auto")
+    second, _ = simulate(tmp_path, "second", precision="auto")
+    expected = resolve_precision("auto")
+    assert summary["precision"] == {"used": expected.name, "reason": expected.reason}
+    assert expected.reason.startswith("auto: ")
+    a, b = (load_file(r.run_dir / "checkpoint" / "model.safetensors") for r in (first, second))
+    assert a.keys() == b.keys() and all(a[k].dtype == np.float32 for k in a)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+    seq, seq_summary = simulate(tmp_path, "seq", trainer="sequential", precision="auto")
+    assert seq_summary["precision"] == {"used": "float32", "reason": "the sequential trainer runs float32"}
+
+
+def test_bad_precision_is_a_config_error():
+    with pytest.raises(DpfleetError, match="client.precision"):
+        parse_config(dict(SHORT, client={"precision": "float16"}))

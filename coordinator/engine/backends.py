@@ -55,8 +55,10 @@ class SequentialTrainer:
 
 def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *, seq_len: int,
                  batch_size: int, device: str = "auto", memory_mb: int = 160,
-                 backend: BackendSection | None = None) -> RoundTrainer:
-    """The trainer named by `client.trainer` ("auto" picks the fastest correct one)."""
+                 backend: BackendSection | None = None, precision: str = "float32") -> RoundTrainer:
+    """The trainer named by `client.trainer` ("auto" picks the fastest correct one). `precision`
+    (`client.precision`) is the local cohort trainer's; the sequential trainer and the Ray
+    workers run float32."""
     if kind not in TRAINERS:
         raise DpfleetError(f"client.trainer must be one of {TRAINERS}, not {kind!r}")
     eager = runtime.name == "eager"
@@ -78,4 +80,13 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
     from dpfleet.edge.cohort import CohortTrainer
 
     return CohortTrainer(model_cfg, seq_len=seq_len, batch_size=batch_size, device=device,
-                         memory_mb=memory_mb)
+                         memory_mb=memory_mb, precision=precision)
+
+
+def trainer_precision(trainer: object) -> dict:
+    """summary.json's `precision`: what a trainer's GEMMs ran at and why. A trainer without a
+    `precision` (sequential, Ray, a caller's client update) runs float32."""
+    precision = getattr(trainer, "precision", None)
+    if precision is None:
+        return {"used": "float32", "reason": f"the {getattr(trainer, 'name', 'custom')} trainer runs float32"}
+    return {"used": precision.name, "reason": precision.reason}

@@ -33,7 +33,7 @@ from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, public_words, validate
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
-from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
 from dpfleet.coordinator.engine.population import generated_population_notice, open_population
@@ -327,6 +327,7 @@ def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
 def _summary_extra(setup: TrainingSetup, records_given: bool, generated_notice: dict | None) -> dict:
     """What summary.json says of how this run trained, beyond the engine's own figures."""
     return {"client_trainer": setup.trainer.name,  # cohort / sequential
+            "precision": trainer_precision(setup.trainer),
             **({"client_trainer_note": setup.trainer_note} if setup.trainer_note else {}),
             **({"data": "records given in Python"} if records_given else {}),
             **({"public_pretraining": setup.pretrained} if setup.pretrained else {}),
@@ -382,7 +383,8 @@ def _setup_training(cfg: SimulationConfig, model, tokenizer, pretrain: Pretrain 
         runtime = make_runtime(cfg, model_cfg, default_program_cache())  # shared, keyed by content
         setup.trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                                      batch_size=cfg.client.batch_size, device=cfg.client.device,
-                                     memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+                                     memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend,
+                                     precision=cfg.client.precision)
     else:
         setup = _custom_module_setup(cfg, model, model_cfg, log)
     if "client_update" in ext or "clipping" in ext:
@@ -490,7 +492,8 @@ def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Modu
     from dpfleet.edge.cohort import CohortTrainer
 
     trainer = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
-                            device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb, model=model)
+                            device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb, model=model,
+                            precision=cfg.client.precision)
     rows = np.full((2, cfg.data.seq_len + 1), 4, dtype=np.int32)
     try:
         trainer.train_round(get_flat(model), [rows], [0], lr=0.0, batch_size=cfg.client.batch_size,

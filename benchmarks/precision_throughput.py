@@ -1,0 +1,183 @@
+"""Local training and the teacher at each precision this CPU does natively: float32, bfloat16.
+
+Why: the cohort trainer sits near the float32 GEMM floor on the larger models, and a CPU with
+AMX-BF16 or AVX512-BF16 multiplies bfloat16 at 2x or more the float32 rate. For each precision
+the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), this records
+
+* steps/s (local SGD steps of all clients over wall seconds) of the cohort trainer and of the
+  plain PyTorch loop over `nn.LSTM` (trainer_throughput.py's `NnLstmTrainer`; at bfloat16 under
+  the same autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
+  and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
+  `--gboard-vocab` words); the cohort's ratio to the plain float32 loop;
+* the cohort's achieved GFLOP/s (model FLOPs: 6 x the GEMM weights a token passes x real target
+  tokens, padding not counted) against this CPU's square GEMM rate at the same precision;
+* the teacher's tokens/s (body, and body + float32 head) on a random-weight Llama (`--teacher`:
+  a packaged name or a Hugging Face folder instead).
+
+    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3]
+
+Goals on a CPU with BF16: the Gboard-size cohort >= 3x the plain float32 loop, and >= 60% of
+the bfloat16 GEMM rate. Saves results/precision_throughput.json with the CPU model and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cohort_roofline import _median_ms  # noqa: E402
+from host_info import host  # noqa: E402
+from trainer_throughput import PEER, NnLstmTrainer, build_workload  # noqa: E402
+
+from dpfleet.edge.cohort import CohortTrainer  # noqa: E402
+from dpfleet.edge.precision import native_bf16, resolve_precision  # noqa: E402
+from dpfleet.edge.runtime import batches  # noqa: E402
+from dpfleet.edge.tokenizer import PAD  # noqa: E402
+from dpfleet.export.models import build_model  # noqa: E402
+from dpfleet.export.params import get_flat  # noqa: E402
+from dpfleet.public.teacher import load_teacher  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def workload_configs(gboard_vocab: int) -> dict[str, dict]:
+    main = tomllib.loads((ROOT / "examples" / "shakespeare_cifg.toml").read_text())
+    main.pop("pretrain", None)  # the trainer's speed, not the public model
+    gboard = {**PEER, "model": {"preset": "gboard_cifg"},
+              "tokenizer": {"kind": "word", "vocab_size": gboard_vocab, "allow_nonprivate_vocabulary": True}}
+    return {"main": main, "gboard": gboard}
+
+
+def model_flops_per_token(m) -> int:
+    """6 x (gate, projection and output weights a token passes): forward 2, backward 4."""
+    gates = (3 if m.arch == "cifg" else 4) * m.hidden_dim
+    per_layer = gates * (m.embedding_dim + m.projection_dim) + m.hidden_dim * m.projection_dim
+    return 6 * (m.num_layers * per_layer + m.projection_dim * m.vocab_size)
+
+
+def gemm_gflop_s(dtype: torch.dtype, size: int, reps: int) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    c = torch.empty(size, size, dtype=dtype)
+    return round(2 * size**3 / _median_s(lambda: torch.mm(a, b, out=c), reps) / 1e9, 1)
+
+
+def _median_s(fn, reps: int) -> float:
+    """Median wall seconds of `fn` over `reps` calls after a warm-up (cohort_roofline's timer)."""
+    return _median_ms(fn, reps) / 1000
+
+
+def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict:
+    cfg, model_cfg, data = build_workload(raw)
+    bs = cfg.client.batch_size
+    eligible = [c.examples for c in data.train if len(c.examples) >= bs]
+    rng = np.random.default_rng(0)
+    chosen = [eligible[i] for i in rng.choice(len(eligible), min(clients, len(eligible)), replace=False)]
+    seeds = list(range(len(chosen)))
+    steps = sum(len(batches(len(x), bs, s)) for x, s in zip(chosen, seeds, strict=True))
+    tokens = sum(int((x[:, 1:] != PAD).sum()) for x in chosen)
+    theta = get_flat(build_model(model_cfg))
+    args = dict(lr=cfg.client.lr, batch_size=bs, clip_norm=1e6)
+    cohort = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=bs, device="cpu",
+                           precision=precision)
+    plain = NnLstmTrainer(model_cfg)
+    chosen_p = resolve_precision(precision)
+    seconds = {
+        "cohort": _median_s(lambda: cohort.train_round(theta, chosen, seeds, **args), reps),
+        "plain_float32": _median_s(lambda: plain.train_round(theta, chosen, seeds, **args), reps),
+    }
+    if chosen_p.name == "bfloat16":
+        with chosen_p.autocast():
+            seconds["plain_bfloat16"] = _median_s(
+                lambda: plain.train_round(theta, chosen, seeds, **args), reps)
+    flops = model_flops_per_token(model_cfg) * tokens
+    m = model_cfg
+    return {
+        "model": f"{m.arch} {m.embedding_dim}/{m.hidden_dim}/{m.projection_dim}, vocab {m.vocab_size}, "
+                 f"{sum(p.numel() for p in build_model(m).parameters()):,} parameters",
+        "clients": len(chosen), "local_steps": steps, "real_tokens": tokens, "chunk": cohort.chunk,
+        "steps_per_s": {k: round(steps / s, 1) for k, s in seconds.items()},
+        "cohort_over_plain_float32": round(seconds["plain_float32"] / seconds["cohort"], 2),
+        "cohort_achieved_gflop_s": round(flops / seconds["cohort"] / 1e9, 2),
+    }
+
+
+def synthetic_teacher(folder: Path, hidden: int, layers: int, vocab: int) -> str:
+    """A random-weight Llama (speed only) saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def measure_teacher(spec: str, precision: str, batch: int, seq_len: int, reps: int) -> dict:
+    teacher = load_teacher(spec, device="cpu", precision=precision)
+    ids = torch.randint(4, teacher.vocab_size, (batch, seq_len))
+    mask = torch.ones_like(ids)
+    body = _median_s(lambda: teacher.body(ids, mask), reps)
+    both = _median_s(lambda: teacher.head(teacher.body(ids, mask)), reps)
+    return {"precision": teacher.precision.name, "body_tokens_per_s": round(ids.numel() / body, 1),
+            "body_and_head_tokens_per_s": round(ids.numel() / both, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=20)
+    ap.add_argument("--workloads", default="main,gboard")
+    ap.add_argument("--gboard-vocab", type=int, default=10000)
+    ap.add_argument("--gemm-size", type=int, default=1024)
+    ap.add_argument("--teacher", default="", help="packaged name or HF folder (default: random Llama)")
+    ap.add_argument("--teacher-hidden", type=int, default=640)
+    ap.add_argument("--teacher-layers", type=int, default=6)
+    ap.add_argument("--teacher-tokens", type=int, default=1024, help="tokens per body pass (x 128 long)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "precision_throughput.json")
+    args = ap.parse_args()
+    precisions = ["float32"] + (["bfloat16"] if native_bf16() else [])
+    threads_list = [int(t) for t in args.threads.split(",")]
+    configs = workload_configs(args.gboard_vocab)
+    result = {"host_start": host(threads_list[0]), "native_bf16": native_bf16(),
+              "auto": resolve_precision("auto").reason, "by_torch_threads": {}}
+    if not native_bf16():
+        result["note"] = ("no native BF16 here: float32 only. A CPU with AMX-BF16 multiplies a 1,024^2 "
+                          "bfloat16 GEMM at ~2.4x its float32 rate (2 threads, measured once)")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = args.teacher or synthetic_teacher(Path(tmp), args.teacher_hidden, args.teacher_layers, 32000)
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            entry = {}
+            for precision in precisions:
+                dtype = resolve_precision(precision).dtype
+                entry[precision] = {"gemm_gflop_s": gemm_gflop_s(dtype, args.gemm_size, args.reps)}
+                for name in args.workloads.split(","):
+                    one = measure_training(configs[name], precision, args.clients, args.reps)
+                    one["cohort_of_gemm_rate"] = round(one["cohort_achieved_gflop_s"]
+                                                       / entry[precision]["gemm_gflop_s"], 3)
+                    entry[precision][name] = one
+                rows = max(1, args.teacher_tokens // 128)
+                entry[precision]["teacher"] = measure_teacher(spec, precision, rows, 128, args.reps)
+                print(json.dumps({threads: {precision: entry[precision]}}, indent=1), flush=True)
+            result["by_torch_threads"][str(threads)] = entry
+    result["teacher"] = args.teacher or (f"random-weight Llama hidden {args.teacher_hidden}, "
+                                         f"{args.teacher_layers} layers, vocab 32,000")
+    result["host_end"] = host(threads_list[-1])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
