@@ -171,12 +171,12 @@ def test_compare_shows_the_runs_own_eps_and_labels_the_projected_one(projected, 
 
     rho, eps = _real_eps_from_config()
     proj_eps = epsilon_from_zcdp(0.0625, DELTA, "pld")
-    main(["compare", str(projected.run_dir), "--json"])
+    main(["compare", str(projected.run_dir), "--json", "--no-plot"])
     figures = json.loads(capsys.readouterr().out)["runs"][0]
     assert figures["epsilon"] == pytest.approx(eps)  # the column's eps is the run's own
     assert figures["projection"]["epsilon"] == pytest.approx(proj_eps)
     assert figures["projection"]["label"] == LABEL and figures["projection"]["population"] == N_PLAN
-    main(["compare", str(projected.run_dir)])
+    main(["compare", str(projected.run_dir), "--no-plot"])
     table = capsys.readouterr().out.splitlines()
     eps_row = next(line for line in table if line.startswith("eps"))
     proj_row = next(line for line in table if line.strip().startswith("projected eps"))
