@@ -266,3 +266,26 @@ def test_a_resume_point_whose_tree_positions_were_edited_is_refused(interrupted)
     path.write_text(json.dumps(state))
     with pytest.raises(DpfleetError, match="lists the live nodes .* the resume point was edited"):
         run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
+
+
+def test_resume_refuses_clients_that_would_train_at_another_precision(interrupted, monkeypatch):
+    """`client.precision = "auto"` resolves per CPU: a run started where it gave one precision and
+    resumed where it gives the other would switch silently in the middle of the run."""
+    import dpfleet.edge.precision as precision
+
+    saved = json.loads((resume_point(interrupted) / "server_state.json").read_text())["precision"]
+    other = "float32" if saved == "bfloat16" else "bfloat16"
+    monkeypatch.setattr(precision, "native_bf16", lambda: None if other == "float32" else "AMX-BF16")
+    before = (interrupted / "releases.jsonl").read_bytes()
+    with pytest.raises(DpfleetError, match=f"trained at {saved}, this resume would train at {other}"):
+        run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
+    assert (interrupted / "releases.jsonl").read_bytes() == before and resume_point(interrupted)
+
+
+def test_naming_the_resolved_precision_is_not_another_config(interrupted):
+    """The check is on the precision as resolved, so `auto` and the name it gave are one config."""
+    from dpfleet.coordinator.state.resume import check_resumable
+
+    saved = json.loads((resume_point(interrupted) / "server_state.json").read_text())["precision"]
+    check_resumable(interrupted, parse_config(dict(CFG, client={**CFG["client"], "precision": saved}))
+                    .resolved())

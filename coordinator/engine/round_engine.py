@@ -159,7 +159,7 @@ class RoundEngine:
                  vocabulary: dict | None = None, resume: bool = False,
                  releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
                  mechanism: Mechanism | None = None, other_releases: list[dict] | None = None,
-                 keyboard_rows: np.ndarray | None = None):
+                 keyboard_rows: np.ndarray | None = None, precision: str = "float32"):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
@@ -177,6 +177,7 @@ class RoundEngine:
         self.users = list(users) if isinstance(users, list) or not isinstance(users, Sequence) else users
         self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary, self.keyboard_rows = vocabulary, keyboard_rows
+        self.precision = precision  # the clients' (`client.precision` resolved): kept by resume points
         self.other_releases = other_releases if other_releases is not None else []
         check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
@@ -235,7 +236,7 @@ class RoundEngine:
         if resume:  # released rounds are never redone (`release_log`)
             resumed = resume_run(self.run_path, self.server, self.estimator, self.releases,
                                  self.participation, self.accountant, self.users, fingerprint,
-                                 resume_source, guarantee=self.guarantee)
+                                 resume_source, guarantee=self.guarantee, precision=precision)
             self.start, self.metrics = resumed.start, resumed.metrics
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next
@@ -427,7 +428,8 @@ class RoundEngine:
             raise RoundStateError(f"round {self._open.round + 1} is open: a resume point is taken "
                                   "between rounds")
         with interrupts_deferred():
-            save_resume(self.run_path, self.next_round, self.server, self.estimator, self.guarantee)
+            save_resume(self.run_path, self.next_round, self.server, self.estimator, self.guarantee,
+                        self.precision)
             self._saved_at = self.next_round
 
     def _frozen(self) -> tuple[Frozen, Frozen | None]:
@@ -456,7 +458,7 @@ class RoundEngine:
         else:  # cannot happen while close_round defers interrupts; never save a mixed state
             return None
         with interrupts_deferred():  # a second Ctrl-C does not cut the point in two
-            save_resume(self.run_path, released, server, estimator, self.guarantee)
+            save_resume(self.run_path, released, server, estimator, self.guarantee, self.precision)
             self._saved_at = released
         return released
 

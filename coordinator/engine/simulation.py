@@ -242,6 +242,7 @@ def run_simulation(
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
         mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
         keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
+        precision=trainer_precision(setup.trainer)["used"],
     )
     install(engine, participation=ext.get("participation"))
     if audit is not None:

@@ -181,6 +181,8 @@ def _accounted(config: dict) -> dict:
         out["dp"] = {"mechanism": "tree", **out["dp"]}
         out["dp"].pop("warn_epsilon", None)  # when the summary warns, not what the run computes
     out.pop("mechanism", None)  # the run's binding, checked on its own (`mechanism_binding`)
+    if isinstance(out.get("client"), dict):  # "auto" resolves per CPU: checked as resolved (`restore`)
+        out["client"] = {k: v for k, v in out["client"].items() if k != "precision"}
     for tracker in WRITERS:  # how the run is watched, not what it computes (a restart may switch it)
         out.pop(tracker, None)
     return out
@@ -208,10 +210,12 @@ def check_resumable(path: Path, resolved: dict) -> None:
 
 
 def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
-                estimator: QuantileClipEstimator | None, guarantee: dict | None = None) -> None:
+                estimator: QuantileClipEstimator | None, guarantee: dict | None = None,
+                precision: str = "float32") -> None:
     """Replace the run's resume point with the state after `rounds_done` rounds (`server` and
     `estimator` may be `Frozen` states of theirs), with the run's `guarantee` (`guarantee.py`:
-    a resume that would run under another one is refused, `restore`).
+    a resume that would run under another one is refused, `restore`) and the `precision` its
+    clients trained at (a resume at another one is refused: the run would switch silently).
 
     Written to resume.tmp (every file fsynced), then swapped in, so a crash at any moment leaves
     one whole resume point (`resume/`, or `resume.old/` if the crash fell between the two
@@ -221,7 +225,7 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     shutil.rmtree(tmp, ignore_errors=True)
     private_mkdir(tmp)
     save_server_state(tmp, server, estimator.state_dict() if estimator else None,
-                      {"rounds_done": rounds_done, "guarantee": guarantee})
+                      {"rounds_done": rounds_done, "guarantee": guarantee, "precision": precision})
     write_key(tmp, server.noise_key)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -272,9 +276,10 @@ class ResumeSource:
 
 
 def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
-            source: ResumeSource | None = None, *, guarantee: dict) -> int:
+            source: ResumeSource | None = None, *, guarantee: dict, precision: str = "float32") -> int:
     """Load the resume point into `server` / `estimator`; returns the number of rounds done.
-    The point must have been saved under `guarantee`, the one this resume runs with."""
+    The point must have been saved under `guarantee`, the one this resume runs with, by clients
+    training at `precision` (`client.precision` as this machine resolves it)."""
     folder = resume_point(run_path) if source is None else source.point
     if folder is None:
         return 0
@@ -284,6 +289,11 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
                            f"builds {server.theta.size}: it belongs to another run")
     check_bound(server.mechanism, meta.get("mechanism"), f"the resume point {folder}")
     check_guarantee(guarantee, meta.get("guarantee"), f"the resume point {folder}")
+    saved = meta.get("precision", "float32")  # a point saved before the key: float32 throughout
+    if saved != precision:
+        raise DpfleetError(f"{folder}: the run's clients trained at {saved}, this resume would train "
+                           f"at {precision} (client.precision as this machine resolves it); resume "
+                           f"where client.precision gives {saved}")
     server.noise_key = read_key(folder if source is None else source.key_folder)
     server.load_state(state)
     if estimator is not None:
@@ -363,7 +373,7 @@ def _metrics_after_resume(logged: list[dict], rounds_done: int, released: list[d
 def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
                releases: ReleaseLog, participation: Participation, accountant: RunAccountant,
                users: Sequence[str], fingerprint: str, source: ResumeSource | None = None,
-               *, guarantee: dict) -> Resumed:
+               *, guarantee: dict, precision: str = "float32") -> Resumed:
     """Restore the resume point, replay every released round, and start a fresh tree when
     released rounds were lost (module docstring); rewrites metrics/participation logs to match
     (with `source`, the state store's, nothing is rewritten: its logs commit with the release).
@@ -380,7 +390,7 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")
-    done = restore(run_path, server, estimator, source, guarantee=guarantee)
+    done = restore(run_path, server, estimator, source, guarantee=guarantee, precision=precision)
     if len(released) < done:
         raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
                            f"point has {done}: the release log was edited")
