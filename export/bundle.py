@@ -24,7 +24,6 @@ the device-client tolerance; a larger difference refuses the bundle.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import shutil
@@ -66,7 +65,7 @@ from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
-from dpfleet.export.policy import ReleasePolicy
+from dpfleet.export.policy import ReleasePolicy, run_file
 from dpfleet.export.training import (
     ModuleProgram,
     ProgramSpec,
@@ -272,14 +271,7 @@ def signing_key(path: Path | None, out: Path) -> tuple[Ed25519PrivateKey, Path, 
 
 def _run_json(folder: Path, name: str) -> dict | None:
     """A JSON file of the checkpoint's run (its parent folder), if the run wrote one."""
-    path = folder.parent / name
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DpfleetError(f"{path}: unreadable ({exc})") from exc
-    return value if isinstance(value, dict) else None
+    return run_file(folder.parent / name)
 
 
 @dataclass

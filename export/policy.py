@@ -118,17 +118,22 @@ def _shown(value: float | None) -> str:
     return "inf (no guarantee)" if value is None else f"{value:.4g}"
 
 
-def _read(path: Path) -> dict:
-    """A run file's JSON object; a missing or unreadable one is one DpfleetError (the policy
-    cannot be checked without the run's records)."""
+def run_file(path: Path) -> dict | None:
+    """A run's JSON file (privacy.json, config.json...): its object, None when the run wrote
+    none (or no object); an unreadable one is one DpfleetError."""
+    if not path.is_file():
+        return None
     try:
         value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DpfleetError(f"the release policy needs the run's records: no {path}") from None
     except (OSError, ValueError) as exc:
-        raise DpfleetError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(value, dict):
-        raise DpfleetError(f"{path}: not a JSON object")
+        raise DpfleetError(f"{path}: unreadable ({exc})") from exc
+    return value if isinstance(value, dict) else None
+
+
+def _read(path: Path) -> dict:
+    """`run_file`, required: the policy cannot be checked without the run's records."""
+    if (value := run_file(path)) is None:
+        raise DpfleetError(f"the release policy needs the run's records: no JSON object in {path}")
     return value
 
 
