@@ -612,6 +612,10 @@ class RoundDriver:
             self.log.event("release_refused", reason=str(exc))
             self.say(f"release: {exc}")
             return str(exc)
+        except DpfleetError as exc:  # the export itself failed: the run stands, nothing published
+            self.log.event("release_failed", reason=str(exc))
+            self.say(f"release failed: {exc}")
+            return f"release failed: {exc}"
         line = f"released: the model passed {self.policy.name}; signed bundle in {summary['bundle']}"
         self.log.event("release", bundle=summary["bundle"], policy_sha256=self.policy.sha256)
         self.say(line)

@@ -197,3 +197,16 @@ def test_python_api_export_bundle_checks_the_policy(runs, tmp_path):
     assert not (tmp_path / "b").exists()
     loaded = ReleasePolicy.load(policy(tmp_path, "max_rho = 2.0\n"))
     assert loaded.check(runs["private"])["passed"]["rho"] == pytest.approx(1 / 36)
+
+
+def test_python_api_a_model_above_its_starting_model_passes_that_rule(runs, tmp_path):
+    """The loose run's model (74/1029, the most frequent token) beats its starting one (2/1029)."""
+    import dpfleet
+
+    result = dpfleet.Result.load(runs["loose"])
+    rules = policy(tmp_path, "beat_public_model = true\nmax_rho = 500.0\n")
+    result.export_bundle(tmp_path / "b", policy=rules, accept_caveats=True)
+    record = json.loads((tmp_path / "b" / MANIFEST).read_text())["release_policy"]
+    assert record["passed"]["accuracy"] == pytest.approx(74 / 1029)
+    assert record["passed"]["starting_accuracy"] == pytest.approx(2 / 1029)
+    assert record["passed"]["rho"] == pytest.approx(400) and record["passed"]["caveats"] != []

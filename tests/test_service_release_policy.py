@@ -14,8 +14,10 @@ import json
 
 import pytest
 from bundle_helpers import program_cache
-from service_fleet import device_keys, fleet_data, run_devices, tiny_cfg
+from service_fleet import TINY, device_keys, fleet_data, run_devices, tiny_cfg
 
+from dpfleet.cli import main
+from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.bundle_format import verify_bundle
 from dpfleet.export.policy import ReleasePolicy
 from dpfleet.service.admin import public_status
@@ -84,3 +86,16 @@ def test_a_model_that_meets_the_policy_is_published_with_the_policy_recorded(wor
     assert verified.manifest["caveats"] == privacy["caveats"] != []
     events = [json.loads(x)["event"] for x in (state / "service.log").read_text().splitlines()]
     assert "release" in events and "release_refused" not in events
+
+
+def test_a_bad_policy_file_is_one_line_before_the_state_is_made(tmp_path, capsys):
+    (tmp_path / "tiny.toml").write_text(to_toml({**TINY, "dp": {**TINY["dp"], "noise_seed": -1}}))
+    (tmp_path / "p.toml").write_text("max_rho = 2.0\nbeat_unigrams = true\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["coordinator", "serve", str(tmp_path / "tiny.toml"), "--state", str(tmp_path / "st"),
+              "--policy", str(tmp_path / "p.toml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [
+        f"error: {tmp_path / 'p.toml'}: unknown policy key 'beat_unigrams'; the keys are max_epsilon, "
+        "delta, max_rho, beat_public_model, beat_unigram, allow_caveats"], err
+    assert not (tmp_path / "st").exists()
