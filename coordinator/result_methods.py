@@ -84,7 +84,8 @@ class ResultMethods:
     def export_bundle(self, out: str | Path, *, runtimes: tuple[str, ...] = ("onnx",),
                       signing_key: str | Path | None = None, seq_len: int | None = None,
                       batch_size: int | None = None, heldout: str | Path | None = None,
-                      serial: int | None = None, accept_caveats: bool = False, threads: int = 1) -> dict:
+                      serial: int | None = None, accept_caveats: bool = False, threads: int = 1,
+                      policy: str | Path | None = None) -> dict:
         """The signed phone bundle of the run's model in `out` (new or empty): what `dpfleet
         export RUN/checkpoint --bundle OUT` writes, for a custom module too (the CLI cannot
         rebuild one): its training program (ONNX; `runtimes=("onnx", "executorch")` adds the
@@ -93,8 +94,11 @@ class ResultMethods:
         bundle has no streaming step program (suggestions run the window program), and the export
         checks one epoch of its training program against eager torch. The signing key defaults to
         `<out>.signing_key.pem`, generated once. A run that is not fully private needs
-        `accept_caveats=True`. Returns the export's summary (files, `public_key`, `measured`)."""
+        `accept_caveats=True`. `policy`: a release policy file the run must meet first (a
+        `DpfleetError` naming each rule it misses; the manifest records the policy and the values
+        passed). Returns the export's summary (files, `public_key`, `measured`)."""
         from dpfleet.export.bundle import BundleExport
+        from dpfleet.export.policy import ReleasePolicy
 
         checkpoint = Path(self.run_dir) / CHECKPOINT
         zoo = (checkpoint / CONFIG).is_file()
@@ -102,7 +106,8 @@ class ResultMethods:
                             None if signing_key is None else Path(signing_key), seq_len, batch_size,
                             threads, heldout=None if heldout is None else Path(heldout), serial=serial,
                             accept_caveats=accept_caveats, model=None if zoo else self.model,
-                            tokenizer=None if zoo else self.tokenizer).run()
+                            tokenizer=None if zoo else self.tokenizer,
+                            policy=None if policy is None else ReleasePolicy.load(policy)).run()
 
     @classmethod
     def load(cls, run_dir: str | Path, model: nn.Module | None = None, tokenizer: Any = None):

@@ -8,7 +8,9 @@ written without dpfleet can follow it alone; `edge/device_client.py` is the refe
 The manifest lists every file's sha256 and is signed with Ed25519 (`edge/bundle_format.py`), with
 a `bundle_serial` that rises with every export under a key (devices refuse older bundles).
 The bundle is assembled in a hidden sibling folder and renamed into place at the end: a failed
-export leaves nothing behind.
+export leaves nothing behind. A release policy (`export/policy.py`) is checked before any of
+that; the signed manifest's `release_policy` records its rules, its file's sha256 and the values
+the run passed.
 
 A custom module (`dpfleet.simulate(model=...)`; `BundleExport(model=...)`, which
 `Result.export_bundle` passes) gets the same bundle with its programs exported from the module
@@ -22,7 +24,6 @@ the device-client tolerance; a larger difference refuses the bundle.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import shutil
@@ -64,6 +65,7 @@ from dpfleet.export.models import ModelConfig, count_parameters
 from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
+from dpfleet.export.policy import ReleasePolicy, run_file
 from dpfleet.export.training import (
     ModuleProgram,
     ProgramSpec,
@@ -269,14 +271,7 @@ def signing_key(path: Path | None, out: Path) -> tuple[Ed25519PrivateKey, Path, 
 
 def _run_json(folder: Path, name: str) -> dict | None:
     """A JSON file of the checkpoint's run (its parent folder), if the run wrote one."""
-    path = folder.parent / name
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DpfleetError(f"{path}: unreadable ({exc})") from exc
-    return value if isinstance(value, dict) else None
+    return run_file(folder.parent / name)
 
 
 @dataclass
@@ -295,6 +290,9 @@ class BundleExport:
     # is not fully private is refused unless accept_caveats; the manifest records them either way
     caveats: list[str] | None = None
     accept_caveats: bool = False
+    # a release policy (export/policy.py) the checkpoint's run must meet before anything is
+    # written; the manifest records its rules, sha256 and the values the run passed
+    policy: ReleasePolicy | None = None
     # a custom module (its checkpoint has weights but no zoo config to rebuild it), holding the
     # checkpoint's weights, and the run's tokenizer when the folder's is not to be read
     model: nn.Module | None = None
@@ -309,9 +307,11 @@ class BundleExport:
         out = Path(self.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise DpfleetError(f"bundle folder {out} is not empty")
-        self._caveats = require_accepted(
-            checkpoint_caveats(self.checkpoint) if self.caveats is None else self.caveats,
-            self.accept_caveats, Path(self.checkpoint))
+        caveats = checkpoint_caveats(self.checkpoint) if self.caveats is None else self.caveats
+        # the policy first: its refusal names the rule (a caveat the policy forbids included)
+        self._release = None if self.policy is None else self.policy.check(
+            Path(self.checkpoint).parent, caveats)
+        self._caveats = require_accepted(caveats, self.accept_caveats, Path(self.checkpoint))
         cfg, model, tokenizer = self._load()
         self._lines = None if self.heldout is None else read_heldout_lines(self.heldout)
         run_cfg = _run_json(Path(self.checkpoint), "config.json") or {}
@@ -506,6 +506,7 @@ class BundleExport:
             "privacy": _run_json(Path(self.checkpoint), "privacy.json"),
             # what the run's guarantee lacks, as accepted at export (coordinator's caveats.py)
             "fully_private": not self._caveats, "caveats": self._caveats,
+            **({"release_policy": self._release} if self._release is not None else {}),
         }
         manifest["files"] = {
             p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,

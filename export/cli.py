@@ -111,6 +111,14 @@ from dpfleet.jsonio import dumps
     "seed, debug telemetry, a declared plugin or custom mechanism...); the manifest records its "
     "caveats. Without it such a bundle is refused, naming them.",
 )
+@click.option(
+    "--policy",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Bundle: a release policy (TOML: max_epsilon at delta, max_rho, beat_public_model, "
+    "beat_unigram, allow_caveats) the run must meet; a run that misses a rule is refused, naming "
+    "the rule and the value, before anything is written. The manifest records the policy.",
+)
 def export(
     checkpoint: Path,
     fmt: str | None,
@@ -128,6 +136,7 @@ def export(
     threads: int,
     serial: int | None,
     accept_caveats: bool,
+    policy: Path | None,
 ) -> None:
     """Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.
 
@@ -140,6 +149,8 @@ def export(
     With --bundle: writes a signed phone bundle (see dpfleet.edge.device_client for the reference
     client) and prints its files, sizes and the public key to pin in the app. A run that is not
     fully private (its caveats) is refused unless --accept-caveats; the manifest records them.
+    With --policy FILE the run must meet the release policy first (one error line naming each
+    rule it misses and the run's value); the manifest records the policy and the values passed.
 
     The exporters' own output (torch.export, ONNX, ExecuTorch warnings and logs) goes to
     OUT.export.log (or BUNDLE.export.log) beside the output folder, named in one line;
@@ -154,18 +165,20 @@ def export(
         if fmt or out or quantize:
             raise DpfleetError("--bundle takes no --format/--out/--quantize")
         from dpfleet.export.bundle import BundleExport
+        from dpfleet.export.policy import ReleasePolicy
 
+        release = None if policy is None else ReleasePolicy.load(policy)  # a bad file: one line
         check_writable(bundle)  # before the checkpoint loads: an unwritable folder is one line
         summary = BundleExport(checkpoint, bundle, runtimes or ("onnx",), signing_key, seq_len,
                                batch_size, threads, heldout=heldout, serial=serial,
-                               accept_caveats=accept_caveats).run()
+                               accept_caveats=accept_caveats, policy=release).run()
         _report(summary)
         return
     if fmt is None or out is None:
         raise DpfleetError("pass --format and --out (an inference program) or --bundle DIR")
-    if runtimes or signing_key or batch_size or serial is not None or accept_caveats:
-        raise DpfleetError("--runtime, --signing-key, --batch-size, --serial and --accept-caveats apply "
-                           "to --bundle only")
+    if runtimes or signing_key or batch_size or serial is not None or accept_caveats or policy:
+        raise DpfleetError("--runtime, --signing-key, --batch-size, --serial, --accept-caveats and "
+                           "--policy apply to --bundle only")
     from dpfleet.export.phone import PhoneExport
 
     check_writable(out)

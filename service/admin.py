@@ -47,6 +47,7 @@ def public_status(driver: RoundDriver) -> dict:
         "participation_histogram": history["participation_histogram"],
         "device_states": history["device_states"], "phase_seconds": status["phase_seconds"],
         "uptime_s": status["uptime_s"],
+        "release": status["release"],  # serve --policy: released, or refused and why (one line)
     }
 
 

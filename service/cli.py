@@ -35,8 +35,12 @@ add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_
               help="Fleet registry JSON of device public keys: only these keys may register.")
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help="PEM certificate.")
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help="PEM private key.")
+@click.option("--policy", type=click.Path(path_type=Path), default=None,
+              help="Release policy (TOML, as export --bundle --policy): at the end the model is "
+                   "published as a signed bundle in STATE/release only if the run meets it.")
 def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides: tuple[str, ...],
-          fleet_public: Path | None, tls_cert: Path | None, tls_key: Path | None) -> None:
+          fleet_public: Path | None, tls_cert: Path | None, tls_key: Path | None,
+          policy: Path | None) -> None:
     """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
 
     Ctrl-C fails the open round cleanly, commits nothing half-done and exits 130; the same command
@@ -56,11 +60,15 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     committed round (round k/N, devices, eps so far, accuracy when evaluated) and, at the end,
     the result block `simulate` ends with: warnings, accuracy against the unigram baseline, eps.
     The port is bound before STATE is touched: a busy port leaves STATE as it was.
+    With --policy FILE the finished model is published (STATE/release, signed with STATE's bundle
+    key, the manifest recording the policy) only if the run meets the release policy; a refusal
+    publishes nothing and is one line on the console, the status page and in service.log.
     """
     from dpfleet.coordinator.cli.result_block import result_lines
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.errors import DpfleetError, Interrupted
+    from dpfleet.export.policy import ReleasePolicy
     from dpfleet.secagg.registry import load_public_registry
     from dpfleet.service import eventloop
     from dpfleet.service.boot import check_secret_noise
@@ -77,11 +85,12 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
         cfg = with_rounds(cfg, rounds)
         validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
+    release = ReleasePolicy.load(policy) if policy else None  # a bad file: one line, STATE untouched
     warning = noise_warning(cfg)
     if warning:
         click.echo(warning, err=True)
     status = eventloop.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
-                             tls_key=tls_key, log=lambda s: click.echo(s, err=True)))
+                             tls_key=tls_key, log=lambda s: click.echo(s, err=True), policy=release))
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")
     if "outcome" in status:  # finished: the block `simulate` ends with (its warnings included)

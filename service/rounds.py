@@ -29,11 +29,13 @@ from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.errors import DpfleetError
+from dpfleet.export.policy import PolicyRefused, ReleasePolicy
 from dpfleet.io import atomic_write, sha256_hex
 from dpfleet.jsonio import dumps
 from dpfleet.secagg.sums import AggregateResult, RingSum
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
+from dpfleet.service.run_bundle import release_bundle
 from dpfleet.service.secagg_round import SecAggRound
 from dpfleet.service.servelog import ServiceLog
 from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
@@ -88,8 +90,11 @@ class RoundDriver:
     """The coordinator's rounds and the device API's logic (service/app.py maps HTTP onto it)."""
 
     def __init__(self, booted: Booted, log: ServiceLog, registry: dict[str, bytes] | None = None,
-                 say: Callable[[str], None] = lambda s: None):
+                 say: Callable[[str], None] = lambda s: None, policy: ReleasePolicy | None = None):
         self.b, self.cfg, self.log = booted, booted.cfg, log
+        # `serve --policy`: the finished model is released (STATE/release) only if the run meets it;
+        # `release` is the verdict's one line (status page, console, service.log)
+        self.policy, self.release = policy, None
         self.say = say  # the console: one line per committed or failed round (`round_line`)
         self.engine, self.store = booted.engine, booted.store
         self.svc = self.cfg.service
@@ -589,11 +594,32 @@ class RoundDriver:
                         "warnings": summary.get("warnings", []), "stopped_early": self.stopped_early,
                         "run_dir": self.store.path, "initial": self.engine.initial,
                         "keyboard": summary.get("keyboard")}
+        self.release = self._release(privacy.get("caveats", []))
         self.run_state = "finished"
         self.log.event("finish", accuracy=final.get("accuracy"), epsilon=privacy.get("epsilon"),
                        stopped_early=self.stopped_early)
         self.finished.set()
         self.held.wake_all()
+
+    def _release(self, caveats: list[str]) -> str | None:
+        """With a release policy: the finished model's bundle published in STATE/release when the
+        run meets it, else nothing published; either way the one-line verdict, also logged."""
+        if self.policy is None:
+            return None
+        try:
+            summary = release_bundle(self.store.path, self.policy, caveats)
+        except PolicyRefused as exc:
+            self.log.event("release_refused", reason=str(exc))
+            self.say(f"release: {exc}")
+            return str(exc)
+        except DpfleetError as exc:  # the export itself failed: the run stands, nothing published
+            self.log.event("release_failed", reason=str(exc))
+            self.say(f"release failed: {exc}")
+            return f"release failed: {exc}"
+        line = f"released: the model passed {self.policy.name}; signed bundle in {summary['bundle']}"
+        self.log.event("release", bundle=summary["bundle"], policy_sha256=self.policy.sha256)
+        self.say(line)
+        return line
 
     # ------------------------------------------------------------------ reads for admin
 
@@ -651,6 +677,7 @@ class RoundDriver:
             "delta": self.cfg.dp.delta, "last_accuracy": self.last_accuracy(),
             "devices": self.device_counts(), "phase_seconds": self.mean_phase_seconds(),
             "started_at": self.started_at, "uptime_s": time.time() - self.started_at,
+            "release": self.release,
         }
 
     def history_json(self) -> dict:

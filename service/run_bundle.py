@@ -7,6 +7,10 @@ exactly what a phone would ship (`edge/device_client.py`). Why a key of its own 
 so a coordinator, proxy or mirror that serves any other program is refused by every device
 before the program reaches a runtime. A restart reuses STATE/bundle when it still verifies with
 that key and matches the run's config (same bytes, same manifest hash); otherwise it is rebuilt.
+
+The release (`release_bundle`) is the finished model's bundle, STATE/release, signed with the
+same key: published only when the service was given a release policy and the run meets it
+(`export/policy.py`), so a model that misses the policy never leaves STATE as a bundle.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from dpfleet.edge.bundle_format import (
     public_key_pem,
     verify_bundle,
 )
+from dpfleet.export.policy import ReleasePolicy
 from dpfleet.io import atomic_write, write_secret
 from dpfleet.service.blobs import BlobStore
 
 BUNDLE_DIR = "bundle"
+RELEASE_DIR = "release"  # the finished model's bundle, when a release policy passed it
 KEY_FILE = "bundle_key.pem"
 PUBLIC_FILE = "bundle_key.pub"
 
@@ -124,6 +130,20 @@ def build_run_bundle(cfg: SimulationConfig, state: Path, model, model_cfg, token
                      seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
                      caveats=_caveats(cfg), accept_caveats=True).run()
     return verify_bundle(folder, key.public_key())
+
+
+def release_bundle(state: Path, policy: ReleasePolicy, caveats: list[str]) -> dict:
+    """The finished run's model as STATE/release, signed with STATE's bundle key, after `policy`
+    passed the run (else a PolicyRefused and nothing written); the manifest records the policy.
+    The run's caveats were the operator's config choice (as for the devices' bundle): accepted
+    here, and refused only by a policy that says allow_caveats = false. Returns its summary."""
+    from dpfleet.export.bundle import BundleExport
+
+    state = Path(state)
+    policy.check(state, caveats)  # before the key or any file: a refusal writes nothing
+    bundle_key(state)
+    return BundleExport(state / "checkpoint", state / RELEASE_DIR, signing_key=state / KEY_FILE,
+                        caveats=caveats, accept_caveats=True, policy=policy).run()
 
 
 def publish(bundle: VerifiedBundle, blobs: BlobStore, public_key: str) -> RunBundle:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.errors import DpfleetError
+from dpfleet.export.policy import ReleasePolicy
 from dpfleet.io import hold_private_umask, release_private_umask, removed_on_failure, write_secret
 from dpfleet.service.app import HTTP_LOG, POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
@@ -123,7 +124,8 @@ def bind(host: str, port: int, listen: str) -> socket.socket:
 
 async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:0",
                 registry: dict[str, bytes] | None = None, tls_cert: Path | None = None,
-                tls_key: Path | None = None, poll_s: float = POLL_S, log=print) -> Running:
+                tls_key: Path | None = None, poll_s: float = POLL_S, log=print,
+                policy: ReleasePolicy | None = None) -> Running:
     state = Path(state)
     ctx = tls_context(tls_cert, tls_key)
     host, port = parse_listen(listen, ctx is not None)
@@ -142,7 +144,7 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
         log("registration is open: the first key to register a device id of this run claims it "
             "(loopback emulation only; off loopback serve needs --fleet-public)")
     service_log = ServiceLog(state / SERVICE_LOG)
-    driver = RoundDriver(booted, service_log, registry, say=log)
+    driver = RoundDriver(booted, service_log, registry, say=log, policy=policy)
     token = new_admin_token()
     runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None,
                            logger=HTTP_LOG)

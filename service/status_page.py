@@ -258,6 +258,7 @@ def render(status: dict, history: dict, refresh_s: int = REFRESH_S) -> str:
         f'<h1>dpfleet coordinator <span class="state">{state}</span></h1>'
         f'<div class="sub">up {format_duration(status.get("uptime_s"))} &middot; refreshes every '
         f"{refresh} s &middot; only DP-released aggregates and counts are shown</div>"
+        f'<div class="sub">{escape(str(status.get("release") or ""))}</div>'  # serve --policy's verdict
         f'<div class="kpis">{kpi_html}</div><div class="charts">{"".join(charts)}</div>'
         "</body></html>"
     )

@@ -18,7 +18,7 @@ from dpfleet.service.server import shutdown, start
 
 STATUS_KEYS = {"run_state", "round", "phase", "rounds_committed", "rounds_failed", "rounds_planned",
                "epsilon", "delta", "last_accuracy", "devices", "phase_seconds", "started_at",
-               "uptime_s"}
+               "uptime_s", "release"}
 
 
 async def wait_for(predicate, timeout=60.0, poll=0.05):
