@@ -21,6 +21,7 @@ from pathlib import Path
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.state.trackers import missing_extras
+from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, with_preset
 
@@ -211,6 +212,11 @@ class ParticipationSection:
     0 otherwise)."""
     max_participation: int = 0
     """MaxP: the coordinator refuses a device past this many rounds; 0: no cap."""
+    trace: str = ""
+    """Timer mode: an availability trace (docs/traces.md) replayed in place of availability /
+    diurnal_amplitude, by `simulate` and the emulated fleet alike: client i is trace device i mod
+    the trace's devices, the trace repeats after its duration, and a device that joins a round
+    drops out with its failure chance. "": no trace."""
 
 
 @dataclass
@@ -403,7 +409,7 @@ MAIN_JOB_CHOICES: dict[str, str] = {
 # folder (the config and its data move together); in a dict or a --set value, from the working
 # folder.
 PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("tokenizer", "word_counts"), ("tokenizer", "words"),
-             ("aggregation", "fleet_keys"))
+             ("aggregation", "fleet_keys"), ("participation", "trace"))
 
 
 _CHOICES = {
@@ -668,6 +674,7 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
         *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
+        *trace_checks(cfg.participation),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
          "client.runtime = 'onnx' or 'executorch'"),
@@ -690,6 +697,23 @@ def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
         (entry(cfg.dp.mechanism).cls.supports_restarts or not cfg.dp.restart_rounds,
          f"dp.mechanism = '{cfg.dp.mechanism}' has no tree to restart: dp.restart_rounds must be empty"),
     ]
+
+
+def trace_checks(p: ParticipationSection) -> list[tuple[bool, str]]:
+    """A replayed trace decides availability on its own: in timer mode, with no Bernoulli draw
+    beside it, from a file whose header reads (its devices are read when the run starts)."""
+    if not p.trace:
+        return []
+    checks = [
+        (p.mode == "timer", f"participation.trace is replayed in timer mode: set participation.mode = "
+                            f"'timer' (not {p.mode!r}) or remove the trace"),
+        (p.availability == 1 and p.diurnal_amplitude == 0,
+         "participation.trace and participation.availability / diurnal_amplitude both say when devices "
+         "are available: keep the trace and remove availability and diurnal_amplitude, or remove the trace"),
+    ]
+    if all(ok for ok, _ in checks):
+        read_header(Path(p.trace))  # one error line when the file is missing or not a trace
+    return checks
 
 
 def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
