@@ -674,7 +674,7 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
         *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
-        *trace_checks(cfg.participation),
+        *trace_checks(cfg.participation, cfg.fleet),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
          "client.runtime = 'onnx' or 'executorch'"),
@@ -699,9 +699,10 @@ def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def trace_checks(p: ParticipationSection) -> list[tuple[bool, str]]:
-    """A replayed trace decides availability on its own: in timer mode, with no Bernoulli draw
-    beside it, from a file whose header reads (its devices are read when the run starts)."""
+def trace_checks(p: ParticipationSection, f: FleetSection) -> list[tuple[bool, str]]:
+    """A replayed trace decides availability on its own, for `simulate` and the emulated fleet
+    alike: in timer mode, with no Bernoulli draw nor charging window beside it, from a file whose
+    header reads (its devices are read when the run starts)."""
     if not p.trace:
         return []
     checks = [
@@ -710,6 +711,9 @@ def trace_checks(p: ParticipationSection) -> list[tuple[bool, str]]:
         (p.availability == 1 and p.diurnal_amplitude == 0,
          "participation.trace and participation.availability / diurnal_amplitude both say when devices "
          "are available: keep the trace and remove availability and diurnal_amplitude, or remove the trace"),
+        (f.charging_hours == 24 and f.idle == 1 and f.unmetered == 1,
+         "participation.trace and fleet.charging_hours / idle / unmetered both say when devices are "
+         "available: keep the trace and remove those fleet keys, or remove the trace"),
     ]
     if all(ok for ok, _ in checks):
         read_header(Path(p.trace))  # one error line when the file is missing or not a trace

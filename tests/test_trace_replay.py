@@ -142,13 +142,15 @@ def test_a_generated_trace_runs_end_to_end_inside_its_intervals(generated_run):
 @pytest.mark.parametrize("participation, message", [
     ({"mode": "timer", "availability": 0.5}, "participation.trace and participation.availability"),
     ({"mode": "uniform"}, "participation.trace is replayed in timer mode"),
+    ({"mode": "timer", "fleet_idle": 0.5}, "participation.trace and fleet.charging_hours"),
     ({"mode": "timer", "trace_missing": True}, "no such trace file"),
 ])
 def test_a_bad_trace_setting_is_one_error_line(tmp_path, capsys, participation, message):
     trace = write_hand_trace(tmp_path / "t.jsonl")
     missing = participation.pop("trace_missing", False)
-    cfg = {**TINY, "participation": {**participation,
-                                     "trace": str(tmp_path / "nope.jsonl") if missing else str(trace)}}
+    fleet = {"idle": participation.pop("fleet_idle")} if "fleet_idle" in participation else {}
+    cfg = {**TINY, "fleet": fleet, "participation": {
+        **participation, "trace": str(tmp_path / "nope.jsonl") if missing else str(trace)}}
     (tmp_path / "c.toml").write_text(to_toml(cfg))
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"])
