@@ -20,6 +20,10 @@ Two forms in memory:
 
 Intervals are half-open [start, end) seconds from the trace's start, sorted and disjoint. A
 device with a `period` (FedScale's `finish_time`) repeats its intervals every `period` seconds.
+
+Why here, on the device side: `simulate`'s timer mode (the coordinator) and the emulated fleet
+both replay a trace (`TraceReplay`, `participation.trace`), and the import layers let both use
+the device side, never the fleet.
 """
 
 from __future__ import annotations
