@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpfleet.cli import main
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
@@ -89,6 +91,31 @@ def test_replay_maps_clients_onto_devices_and_wraps_time(tmp_path):
     assert replay.next_change(3, 6 * H + 3 * H) == 12 * H  # inside [2 h, 6 h) of the second pass
     with pytest.raises(DpfleetError, match="no devices"):
         TraceReplay(load(_empty(tmp_path / "e.jsonl")), 3)
+
+
+PERIODIC = ('{"format": "dpfleet-trace", "version": 1, "duration": 20000}\n'
+            '{"id": "p", "intervals": [[100, 900], [2000, 2500]], "period": 3000}\n'
+            '{"id": "q", "intervals": [[0, 20000]]}\n'
+            '{"id": "r", "intervals": []}\n'
+            '{"id": "s", "intervals": [[19000, 20000]]}\n')
+
+
+@settings(max_examples=80, deadline=None)
+@given(t=st.floats(0, 10 * 20000), client=st.integers(0, 3))
+def test_eligibility_is_constant_until_the_next_change(tmp_path_factory, t, client):
+    # a periodic device whose period does not divide the duration, an always-on one (no change
+    # but the wrap), one never available, one whose interval ends at the wrap
+    path = tmp_path_factory.getbasetemp() / "periodic.jsonl"
+    if not path.exists():
+        path.write_text(PERIODIC)
+    replay = TraceReplay(load(path), 4)
+    nxt = replay.next_change(client, t)
+    assert t < nxt <= (t // 20000 + 1) * 20000  # never past the wrap
+    now = replay.client_eligible(client, t)
+    for frac in (0.01, 0.5, 0.99):
+        x = t + frac * (nxt - t)
+        if x < nxt:  # (a gap of a few ulps rounds onto its end)
+            assert replay.client_eligible(client, x) == now == bool(replay.eligible(t)[client])
 
 
 def _empty(path):
