@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.state.resume import replay
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import TraceReplay, load, write_trace
@@ -185,3 +187,19 @@ def test_a_bad_trace_setting_is_one_error_line(tmp_path, capsys, participation, 
     assert exc.value.code != 0 and err[-1].startswith("error: ") and message in err[-1]
     assert len([line for line in err if line.startswith("error")]) == 1 and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_run_replays_the_same_trace_rounds_and_dropouts(tmp_path):
+    # resume rebuilds participation by proposing the logged rounds again: the trace's waits and
+    # its seeded dropouts must come out the same, or a resumed run is refused as another run
+    path = write_hand_trace(tmp_path / "t.jsonl", failure3=0.5)
+    first = hand_participation(path)
+    sels = drive(first, 4)
+    assert [s.dropped for s in sels] == [[], [3], [], [3]]  # device 3's draws at p = 0.5 (seed 3)
+    logged = [{"round": s.round, "devices": [f"u{i}" for i in s.devices], "restart": False}
+              for s in sels]
+    again = hand_participation(path)
+    replay(again, RunAccountant(1.0, 1e-6), logged, [f"u{i}" for i in range(4)])
+    assert again.slot == first.slot and again.fleet.ready_slot.tolist() == first.fleet.ready_slot.tolist()
+    assert again.guard.count.tolist() == first.guard.count.tolist()
+    assert again.propose(4) == first.propose(4)
