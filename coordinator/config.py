@@ -21,6 +21,7 @@ from pathlib import Path
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.state.trackers import missing_extras
+from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, with_preset
 
@@ -231,6 +232,11 @@ class ParticipationSection:
     0 otherwise)."""
     max_participation: int = 0
     """MaxP: the coordinator refuses a device past this many rounds; 0: no cap."""
+    trace: str = ""
+    """Timer mode: an availability trace (docs/traces.md) replayed in place of availability /
+    diurnal_amplitude, by `simulate` and the emulated fleet alike: client i is trace device i mod
+    the trace's devices, the trace repeats after its duration, and a device that joins a round
+    drops out with its failure chance. "": no trace."""
 
 
 @dataclass
@@ -425,7 +431,7 @@ MAIN_JOB_CHOICES: dict[str, str] = {
 # folder (the config and its data move together); in a dict or a --set value, from the working
 # folder.
 PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("tokenizer", "word_counts"), ("tokenizer", "words"),
-             ("aggregation", "fleet_keys"))
+             ("aggregation", "fleet_keys"), ("participation", "trace"))
 
 
 _CHOICES = {
@@ -692,6 +698,7 @@ def validate(cfg: SimulationConfig) -> None:
         *mechanism_checks(cfg),
         *fleet_checks(cfg.fleet),
         *projection_checks(cfg),
+        *trace_checks(cfg.participation, cfg.fleet),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
          "client.runtime = 'onnx' or 'executorch'"),
@@ -758,6 +765,25 @@ def projection_factor(cfg: SimulationConfig) -> float:
     if not cfg.projection.noise_cohort:
         return 1.0
     return cfg.dp.report_goal / cfg.projection.noise_cohort
+def trace_checks(p: ParticipationSection, f: FleetSection) -> list[tuple[bool, str]]:
+    """A replayed trace decides availability on its own, for `simulate` and the emulated fleet
+    alike: in timer mode, with no Bernoulli draw nor charging window beside it, from a file whose
+    header reads (its devices are read when the run starts)."""
+    if not p.trace:
+        return []
+    checks = [
+        (p.mode == "timer", f"participation.trace is replayed in timer mode: set participation.mode = "
+                            f"'timer' (not {p.mode!r}) or remove the trace"),
+        (p.availability == 1 and p.diurnal_amplitude == 0,
+         "participation.trace and participation.availability / diurnal_amplitude both say when devices "
+         "are available: keep the trace and remove availability and diurnal_amplitude, or remove the trace"),
+        (f.charging_hours == 24 and f.idle == 1 and f.unmetered == 1,
+         "participation.trace and fleet.charging_hours / idle / unmetered both say when devices are "
+         "available: keep the trace and remove those fleet keys, or remove the trace"),
+    ]
+    if all(ok for ok, _ in checks):
+        read_header(Path(p.trace))  # one error line when the file is missing or not a trace
+    return checks
 
 
 def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:

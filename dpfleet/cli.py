@@ -34,7 +34,7 @@ COMMANDS: dict[str, str] = {
     "public": "dpfleet.public.cli:public",
     "coordinator": "dpfleet.service.cli:coordinator",
     "fleet": "dpfleet.fleet.cli:fleet",
-    "trace": "dpfleet.fleet.cli_trace:trace",
+    "trace": "dpfleet.edge.cli_trace:trace",
 }
 
 

@@ -8,7 +8,9 @@ checks in also depends on its conditions (charging, idle, unmetered network; Bon
 Time is counted in slots of one round's duration: the coordinator starts a round (or, when it
 cannot fill one, retries) once per slot, so an integer slot counter is the simulated clock and
 every comparison is exact. A timer of P hours lasts ceil(P * 60 / round_minutes) slots.
-Availability at each slot is a seeded Bernoulli draw per device, so a run is reproducible.
+Availability at each slot is a seeded Bernoulli draw per device, so a run is reproducible; or,
+given an availability trace (`participation.trace`, edge/traces.py), what the trace says at the
+slot's simulated time, and a device that joins a round drops out with the trace's failure chance.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfleet.edge.traces import TraceReplay
 from dpfleet.errors import DpfleetError
 
 
@@ -59,25 +62,38 @@ class EmulatedFleet:
     """Device-side state of `size` devices: when each timer expires, and who is available."""
 
     def __init__(self, size: int, timer_hours: float, slot_minutes: float,
-                 availability: Availability, seed: int):
+                 availability: Availability, seed: int, trace: TraceReplay | None = None):
+        """`trace`: replayed in place of `availability`'s draw (which is then not used)."""
         if size < 1:
             raise DpfleetError("a fleet needs at least one device")
         self.size, self.slot_minutes, self.availability = size, slot_minutes, availability
         self.timer_slots = timer_slots(timer_hours, slot_minutes)
-        self.seed = seed
+        self.seed, self.trace = seed, trace
         self.ready_slot = np.zeros(size, dtype=np.int64)  # first slot each device may check in
 
     def hour_of(self, slot: int) -> float:
         return (slot * self.slot_minutes / 60.0) % 24.0
 
     def available(self, slot: int) -> np.ndarray:
-        """Boolean mask: devices whose conditions allow training at `slot` (seeded per slot)."""
+        """Boolean mask: devices whose conditions allow training at `slot` (seeded per slot), or
+        inside one of their trace intervals at the slot's start."""
+        if self.trace is not None:
+            return self.trace.eligible(slot * self.slot_minutes * 60.0)
         rng = np.random.default_rng([self.seed, 0xA7, slot])
         return rng.random(self.size) < self.availability.at(self.hour_of(slot))
 
     def check_in(self, slot: int) -> np.ndarray:
         """Indices of devices that check in at `slot`: timer expired and available."""
         return np.flatnonzero((self.ready_slot <= slot) & self.available(slot))
+
+    def drops(self, devices: np.ndarray | list[int], round_idx: int, slot: int) -> np.ndarray:
+        """Which of `devices`, selected for round `round_idx` at `slot`, drop out before reporting:
+        the trace's failure chance, drawn per (round, slot, device); none without a trace."""
+        devices = np.asarray(devices, dtype=np.int64)
+        if self.trace is None:
+            return np.zeros(devices.size, dtype=bool)
+        draws = np.random.default_rng([self.seed, 0xA8, round_idx, slot]).random(devices.size)
+        return draws < self.trace.failure(devices)
 
     def took_part(self, devices: np.ndarray | list[int], slot: int) -> None:
         """Start the timers of devices that took part in the round starting at `slot`."""

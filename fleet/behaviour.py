@@ -14,6 +14,12 @@ device's behaviour must not depend on which worker process owns it. Every draw i
 * Dropout: a chance per phase of a round (download, train, report, each SecAgg phase), drawn
   per (device, round, attempt, phase), so a retried attempt draws afresh.
 All times here are simulated seconds since the emulation's origin (`fleet/clock.py`).
+
+With an availability trace (`participation.trace`, the key `simulate`'s timer mode reads too) the
+trace replaces the charging window and the idle / unmetered draws: a device is eligible exactly
+inside its intervals (edge/traces.py `TraceReplay`: device i replays trace device i mod T, the
+trace repeats after its duration), wakes at their edges, trains at its speed class's multiplier,
+and the trace's failure chance is its chance of dropping out while training.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfleet.coordinator.config import FleetSection
+from dpfleet.edge.traces import TraceReplay
 
 PLAIN_PHASES = ("download", "train", "report")  # any other phase name is a SecAgg phase
 
@@ -47,14 +54,18 @@ def _phase_tag(phase: str) -> int:
 class Behaviour:
     """One device's availability trace, speed, link and dropout (pure: no clock, no I/O)."""
 
-    def __init__(self, section: FleetSection, fleet_seed: int, device: int):
-        self.section, self.seed, self.device = section, fleet_seed, device
+    def __init__(self, section: FleetSection, fleet_seed: int, device: int,
+                 trace: TraceReplay | None = None):
+        """`trace`: the replayed availability trace (module docstring), shared by a worker's devices."""
+        self.section, self.seed, self.device, self.trace = section, fleet_seed, device, trace
         s = section
         rng = np.random.default_rng([fleet_seed, 0xF0, device])
         tz = rng.uniform(-s.timezone_spread / 2, s.timezone_spread / 2)
         start = (s.charging_start + rng.normal(0.0, 1.5)) % 24.0
         speed = rng.lognormal(0.0, s.speed_sigma)
         link = rng.lognormal(0.0, s.link_sigma, size=2)
+        if trace is not None:  # the trace's speed class, not the LogNormal draw
+            speed = trace.speed(device)
         self.profile = Profile(
             tz_offset=float(tz), charge_start=float(start), speed=float(speed),
             bandwidth=float(s.bandwidth_mbps * 1e6 / 8 * link[0]),
@@ -79,7 +90,11 @@ class Behaviour:
         return bool(draws[0] < self.section.idle), bool(draws[1] < self.section.unmetered)
 
     def eligibility(self, sim_t: float, hour_of_day: float) -> dict[str, bool]:
-        """What the device reports at check-in (the contract's `eligibility` object)."""
+        """What the device reports at check-in (the contract's `eligibility` object); with a trace,
+        all three hold exactly inside its intervals."""
+        if self.trace is not None:
+            inside = self.trace.client_eligible(self.device, sim_t)
+            return {"charging": inside, "idle": inside, "unmetered": inside}
         idle, unmetered = self.conditions(sim_t)
         return {"charging": self.charging(hour_of_day), "idle": idle, "unmetered": unmetered}
 
@@ -91,7 +106,9 @@ class Behaviour:
 
         Outside its charging window a device sleeps until the window opens (one wake-up a day,
         however fast the clock runs); inside it, until the next idle / unmetered slot edge or
-        the window's close, whichever comes first."""
+        the window's close, whichever comes first. With a trace: the next interval edge."""
+        if self.trace is not None:
+            return self.trace.next_change(self.device, sim_t)
         slot_edge = (math.floor(sim_t / self._slot_s) + 1) * self._slot_s
         if self.section.charging_hours >= 24.0:
             return slot_edge
@@ -109,6 +126,8 @@ class Behaviour:
     # -- dropout --------------------------------------------------------------------------------
     def dropout_chance(self, phase: str) -> float:
         s = self.section
+        if phase == "train" and self.trace is not None:
+            return max(s.dropout_train, float(self.trace.failure([self.device])[0]))
         return {"download": s.dropout_download, "train": s.dropout_train,
                 "report": s.dropout_report}.get(phase, s.dropout_secagg)
 

@@ -26,7 +26,8 @@ def fleet() -> None:
 
     Each device holds only its own user's examples and identity key, keeps its own
     participation timer, and follows its charging window, speed, link and dropout ([fleet]
-    config section), on the shared simulated clock ([service] time_scale).
+    config section), or the availability trace [participation] trace names (the one `simulate`
+    replays), on the shared simulated clock ([service] time_scale).
     """
 
 

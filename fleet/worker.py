@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.edge.traces import load_replay
 from dpfleet.fleet.behaviour import Behaviour
 from dpfleet.fleet.clock import DeviceTimer, FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop
@@ -231,8 +232,11 @@ async def _run(spec: WorkerSpec, events) -> None:
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
         devices = []
+        # the availability trace both simulate and the fleet replay: client i is trace device i mod T
+        trace = (load_replay(cfg.participation.trace, max(d.index for d in spec.devices) + 1)
+                 if cfg.participation.trace and spec.devices else None)
         for d in spec.devices:
-            state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index),
+            state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index, trace),
                                 DeviceTimer(spec.timer_period_s, d.timer_last),
                                 runtime=cfg.client.runtime, bundle_serials=dict(d.bundle_serials))
             state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.coordinator.config import FleetSection
+from dpfleet.edge.traces import load_replay
 from dpfleet.fleet.behaviour import Behaviour
 from dpfleet.fleet.clock import DeviceTimer, FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop, wait_before_checkin
@@ -173,3 +174,29 @@ def test_a_device_outlasts_a_coordinator_outage_and_stops_on_410():
     assert device.counts["link_error_0"] == 2 and device.counts["registered"] == 1
     assert device.counts["done"] == 1
     assert clock.wall_t - T0 >= 0.5 * 0.5 + 0.5 * 2 * 0.5  # jittered pauses, growing
+
+
+def test_a_replayed_trace_device_checks_in_only_inside_its_intervals(tmp_path):
+    # the device replays trace device 1 of 2 (client 3 -> 3 mod 2): inside [0, 1 h) and
+    # [3 h, 4 h), the 6-hour trace repeating; the coordinator says "retry" after 1 wall second
+    # (600 simulated seconds), 30 times
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"format": "dpfleet-trace", "version": 1, "duration": 21600}\n'
+                     '{"id": "x", "intervals": [[0, 21600]]}\n'
+                     '{"id": "y", "intervals": [[0, 3600], [10800, 14400]], "speed": "slow"}\n')
+    replay = load_replay(trace, 4)
+    clock = SteppedClock(600.0)
+    behaviour = Behaviour(FleetSection(), 0, 3, replay)
+    device = DeviceState(3, "u3", behaviour, DeviceTimer(0.0))
+    coordinator = ScriptedCoordinator(clock, ["retry"] * 30, 1.0)
+    run(device, coordinator, clock)
+    times = [t for t, _, _ in coordinator.checkins]
+    assert len(times) == 31 and all(all(e.values()) for _, e, _ in coordinator.checkins)
+    assert all(t % 21600 < 3600 or 10800 <= t % 21600 < 14400 for t in times)
+    # outside its intervals it sleeps to the next one in one step: the first check-in after
+    # [0, 1 h) is at 3 h exactly (retries are jittered, window edges are not)
+    first_late = next(t for t in times if t >= 3600)
+    assert abs(first_late - 10800) < 1 and times[0] == 0  # (a request takes 0.6 simulated s)
+    passes = {int(t // 3600) for t in times}  # the hours it checked in: 0, 3, 6, 9, 12, 15 (wrapped)
+    assert passes == {0, 3, 6, 9, 12, 15}
+    assert behaviour.profile.speed == 2.5  # the trace's speed class, "slow"

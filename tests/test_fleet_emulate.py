@@ -218,3 +218,19 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     # the killed worker's devices came back (restarted with their timers) and saw the run's end
     assert summary["counts"]["done"] == len(ids)
     assert any(r > killed_in for _, r, *_ in summary["outcomes"])  # rounds ran after the kill
+
+
+def test_fleet_workers_replay_the_participation_trace(tmp_path):
+    # the key simulate reads: only the first 3 devices' trace lines (the report goal) are ever
+    # available, so only they check in, and every round commits exactly them
+    ids, _, _ = load_devices(tiny_cfg())
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"format": "dpfleet-trace", "version": 1, "duration": 10_000_000},
+        *({"id": f"d{i}", "intervals": [[0, 10_000_000]] if i < 3 else []} for i in range(len(ids)))]))
+    cfg = tiny_cfg(rounds=2, participation={"mode": "timer", "timer_period": 0.0, "trace": str(trace)})
+    status, counts, outcomes, ids = run_one_worker(cfg, tmp_path)
+    assert status["rounds_committed"] == cfg.rounds
+    assert {o[0] for o in outcomes} == set(ids[:3])
+    log = check_committed_log(tmp_path / "state", cfg, outcomes)
+    assert [sorted(e["devices"]) for e in log] == [sorted(ids[:3])] * cfg.rounds

@@ -7,7 +7,10 @@ Modes (`[participation] mode`):
   timer     paper 002 Sec. 2.2: the devices of an `EmulatedFleet` check in when their own timer
             has expired and they are available; the coordinator takes the report goal from the
             devices it accepts (a seeded draw) and, when too few are accepted, waits one slot
-            (a round's duration) on the simulated clock and tries again.
+            (a round's duration) on the simulated clock and tries again. With
+            `participation.trace` the devices are available when the trace says so
+            (edge/traces.py `TraceReplay`) and a selected device drops out of the round with the
+            trace's failure chance: it is not trained and not in the sum, its timer still starts.
 
 Defence in depth: whatever the devices' timers do, `ParticipationGuard` refuses a device that
 would have fewer than `min_separation` rounds strictly between two of its participations (the
@@ -20,12 +23,13 @@ the participation log, never this module's state, so a bug here cannot hide a pa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dpfleet.coordinator.config import ParticipationSection
 from dpfleet.edge.fleet import Availability, EmulatedFleet
+from dpfleet.edge.traces import load_replay
 from dpfleet.errors import DpfleetError
 
 NEVER = -(1 << 40)  # "last participation" of a device that never took part
@@ -102,6 +106,7 @@ class Selection:
     slot: int  # clock slot (round durations since the start) at which the round starts
     waited_slots: int  # slots spent waiting because too few devices were accepted
     refused: int  # devices that checked in but the guard refused (summed over the waits)
+    dropped: list[int] = field(default_factory=list)  # selected, then dropped out (trace failure)
 
 
 class Eligible:
@@ -200,6 +205,7 @@ class Participation:
             self.fleet = EmulatedFleet(
                 size, section.timer_period, section.round_minutes,
                 Availability(section.availability, section.diurnal_amplitude), seed,
+                trace=load_replay(section.trace, size) if section.trace else None,
             )
         mins = section.min_separation
         if mins < 0:  # default: what the timer nominally gives (no waiting), else no refusal
@@ -256,23 +262,27 @@ class Participation:
             accepted = checked_in[allowed[checked_in]]
             refused += checked_in.size - accepted.size
             if accepted.size >= self.report_goal:
-                break
+                rng = np.random.default_rng([self.seed, 0x5C, round_idx])
+                chosen = np.sort(rng.choice(accepted, self.report_goal, replace=False))
+                drops = self.fleet.drops(chosen, round_idx, slot)
+                if not drops.all():  # else nobody would report: try again one slot later
+                    return Selection(round_idx, chosen[~drops].tolist(), slot, slot - self.slot,
+                                     refused, chosen[drops].tolist())
             if slot - self.slot >= max_wait:
+                hint = ("the trace has too few devices available" if self.fleet.trace is not None
+                        else "raise participation.availability")
                 raise RoundUnfillable(
                     f"round {round_idx} could not be filled within {MAX_WAIT_DAYS} simulated days "
                     f"(at most {accepted.size} of the report goal {self.report_goal} checked in); "
-                    "raise participation.availability or lower the timer period"
+                    f"{hint} or lower the timer period"
                 )
             slot += 1
-        rng = np.random.default_rng([self.seed, 0x5C, round_idx])
-        chosen = rng.choice(accepted, self.report_goal, replace=False)
-        return Selection(round_idx, sorted(chosen.tolist()), slot, slot - self.slot, refused)
 
     def commit(self, selection: Selection, contributed: list[int]) -> None:
         """The round ran: record who contributed, start the selected devices' timers, tick."""
         self.guard.record(contributed, selection.round)
         if self.fleet is not None:
-            self.fleet.took_part(selection.devices, selection.slot)
+            self.fleet.took_part(selection.devices + selection.dropped, selection.slot)
         self.slot = selection.slot + 1
 
 

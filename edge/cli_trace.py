@@ -36,8 +36,8 @@ def generate(out: Path, devices: int, days: float, seed: int, start_hour: float)
     device's time zone), bursty (sessions, not coin flips) and heterogeneous (a heavy-tailed
     availability propensity: a minority of devices holds most of the available time; speed
     classes; a failure chance around 1 in 10)."""
-    from dpfleet.fleet.trace_gen import generate as make
-    from dpfleet.fleet.traces import write_trace
+    from dpfleet.edge.trace_gen import generate as make
+    from dpfleet.edge.traces import write_trace
 
     built = make(devices, days, seed, start_hour=start_hour, progress=True)
     write_trace(out, built, progress=True)
@@ -51,7 +51,7 @@ def inspect(path: Path, as_json: bool) -> None:
     """Summarize the trace at PATH: devices, the fraction available by UTC hour of day,
     percentiles of each device's available hours per day, the share of the available time held
     by the top 30% of devices, speed classes and failure chances."""
-    from dpfleet.fleet.traces import SPEED_CLASSES, availability_by_hour, available_seconds, load
+    from dpfleet.edge.traces import SPEED_CLASSES, availability_by_hour, available_seconds, load
 
     loaded = load(path, progress=True)
     n = len(loaded)
@@ -107,7 +107,7 @@ def convert_fedscale(behave: Path, out: Path, capacity: Path | None, days: float
 
     The pickles are read as plain data only: a file naming any Python class or function (code
     that unpickling would run) is refused."""
-    from dpfleet.fleet.trace_fedscale import convert_fedscale as convert
+    from dpfleet.edge.trace_fedscale import convert_fedscale as convert
 
     header = convert(behave, out, capacity=capacity, duration=None if days is None else days * 86400.0,
                      progress=True)

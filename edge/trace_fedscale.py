@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from dpfleet.edge.traces import SPEED_CLASSES, DeviceRecord, Header, write_records
 from dpfleet.errors import DpfleetError
-from dpfleet.fleet.traces import SPEED_CLASSES, DeviceRecord, Header, write_records
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
+from dpfleet.edge.traces import SPEED_CLASSES, Header, Trace
 from dpfleet.errors import DpfleetError
-from dpfleet.fleet.traces import SPEED_CLASSES, Header, Trace
 
 CHUNK = 16_384  # devices per draw; part of the seed's meaning (do not change lightly)
 

@@ -20,6 +20,10 @@ Two forms in memory:
 
 Intervals are half-open [start, end) seconds from the trace's start, sorted and disjoint. A
 device with a `period` (FedScale's `finish_time`) repeats its intervals every `period` seconds.
+
+Why here, on the device side: `simulate`'s timer mode (the coordinator) and the emulated fleet
+both replay a trace (`TraceReplay`, `participation.trace`), and the import layers let both use
+the device side, never the fleet.
 """
 
 from __future__ import annotations
@@ -416,3 +420,78 @@ def _below(sorted_values: np.ndarray, points: np.ndarray) -> np.ndarray:
     prefix = np.concatenate([[0.0], np.cumsum(sorted_values)])
     k = np.searchsorted(sorted_values, points, side="right")
     return prefix[k] + points * (len(sorted_values) - k)
+
+
+# -- replaying a trace onto a population --------------------------------------------------------------
+class TraceReplay:
+    """A trace replayed onto `size` clients: what `simulate`'s timer mode and the emulated fleet
+    both ask of it (one device-behaviour model, `participation.trace`).
+
+    Two stated rules make any trace fit any population and any run length:
+    * client i replays trace device i mod T (T: the trace's devices), so a trace of at least
+      `size` devices gives every client its own device and a smaller one is reused in turn;
+    * the trace repeats after its duration: at simulated second t the trace is read at
+      t mod duration (a week-long trace replays week after week)."""
+
+    def __init__(self, trace: Trace, size: int):
+        if len(trace) == 0:
+            raise DpfleetError("the availability trace has no devices: nothing to replay")
+        if size < 1:
+            raise DpfleetError("a trace is replayed onto at least one client")
+        self.trace, self.size = trace, size
+        self.duration = trace.header.duration
+        self._device = np.arange(size, dtype=np.int64) % len(trace)
+        # a device that gives no failure chance never fails (the trace did not observe any)
+        self._failure = np.nan_to_num(trace.failure.astype(np.float64), nan=0.0)
+
+    def device(self, client: int) -> int:
+        """The trace device client `client` replays."""
+        return int(self._device[client])
+
+    def eligible(self, t: float) -> np.ndarray:
+        """Which clients are inside one of their intervals at simulated second `t` (bool per client)."""
+        inside = self.trace.eligible_at(math.fmod(t, self.duration))
+        return inside[self._device]
+
+    def _intervals(self, client: int) -> tuple[np.ndarray, np.ndarray, float]:
+        d = self._device[client]
+        lo, hi = self.trace.offsets[d], self.trace.offsets[d + 1]
+        return self.trace.starts[lo:hi], self.trace.ends[lo:hi], float(self.trace.period[d])
+
+    def client_eligible(self, client: int, t: float) -> bool:
+        """`eligible(t)[client]` for one client, in O(log intervals)."""
+        starts, ends, period = self._intervals(client)
+        local = math.fmod(t, self.duration)
+        local = math.fmod(local, period) if period > 0 else local
+        k = int(np.searchsorted(starts, local, side="right")) - 1
+        return k >= 0 and bool(ends[k] > local)
+
+    def next_change(self, client: int, t: float) -> float:
+        """The first simulated second after `t` at which the client's eligibility can change: the
+        end of the interval it is in, else the start of the next one, else the trace's (or its
+        period's) wrap-around, where the intervals begin again."""
+        starts, ends, period = self._intervals(client)
+        base = t - math.fmod(t, self.duration)
+        local = t - base
+        wrap = base + self.duration
+        if period > 0:
+            base += local - math.fmod(local, period)
+            local = math.fmod(local, period)
+            wrap = min(wrap, base + period)
+        edges = np.concatenate([starts, ends])
+        later = edges[edges > local]
+        nxt = base + float(later.min()) if later.size else wrap
+        return max(min(nxt, wrap), math.nextafter(t, math.inf))
+
+    def failure(self, clients: np.ndarray | list[int]) -> np.ndarray:
+        """Each client's chance of dropping out of a round it joined (0 where the trace gives none)."""
+        return self._failure[self._device[np.asarray(clients, dtype=np.int64)]]
+
+    def speed(self, client: int) -> float:
+        """The client's training-time multiplier (its speed class, `SPEED_MULTIPLIER`)."""
+        return SPEED_MULTIPLIER[SPEED_CLASSES[self.trace.speed[self._device[client]]]]
+
+
+def load_replay(path: Path | str, size: int, progress: bool = False) -> TraceReplay:
+    """The trace at `path` replayed onto `size` clients (`TraceReplay`'s rules)."""
+    return TraceReplay(load(Path(path), progress=progress), size)

@@ -1,4 +1,4 @@
-"""Availability traces (fleet/traces.py, trace_gen.py, trace_fedscale.py, cli_trace.py): the
+"""Availability traces (edge/traces.py, trace_gen.py, trace_fedscale.py, cli_trace.py): the
 plain-text schema and its streaming reader, the seeded generator, the FedScale converter that
 refuses pickled code, and `dpfleet trace`."""
 
@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 from cli_helpers import run_here
 
-from dpfleet.errors import DpfleetError
-from dpfleet.fleet.trace_fedscale import convert_fedscale, plain_unpickle
-from dpfleet.fleet.trace_gen import GeneratorSettings, generate
-from dpfleet.fleet.traces import (
+from dpfleet.edge.trace_fedscale import convert_fedscale, plain_unpickle
+from dpfleet.edge.trace_gen import GeneratorSettings, generate
+from dpfleet.edge.traces import (
     availability_by_hour,
     available_seconds,
     iter_devices,
@@ -25,6 +24,7 @@ from dpfleet.fleet.traces import (
     read_header,
     write_trace,
 )
+from dpfleet.errors import DpfleetError
 
 HEADER = {"format": "dpfleet-trace", "version": 1, "duration": 86400, "start_hour": 0}
 
