@@ -41,13 +41,8 @@ from dpfleet.edge.bundle_format import (
 from dpfleet.edge.clipping import clip_l2
 from dpfleet.edge.minibatch import check_examples, fixed_shape_batches
 from dpfleet.edge.ort_session import load_session
-from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, tokenizer_from_bytes
-
-SPECIAL = frozenset({PAD, BOS, EOS, UNK})
-WORD_START = "\u2581"
-
-
-SEARCH_WIDTH = 4  # word starts tried per strip slot (see BundleClient.suggest)
+from dpfleet.edge.tokenizer import BOS, PAD, tokenizer_from_bytes
+from dpfleet.edge.word_search import suggest_words, token_texts
 
 
 class BundleClient:
@@ -89,6 +84,8 @@ class BundleClient:
         self._sessions: dict[str, object] = {}
         self._pte = None
         self._stream = None  # (fed ids, logits, state) of the message so far
+        self._texts: list[str] | None = None  # what each token appends after a word (suggest)
+        self._fits: dict = {}  # suggest's cache of candidate masks
         self.use_streaming = True  # suggest() through step.onnx when the bundle has it
         self._weight_feed: dict[str, np.ndarray] | None = None  # p.<name> inputs of infer / step
         self.last_loss = float("nan")  # mean minibatch loss of the last train_epoch
@@ -223,17 +220,6 @@ class BundleClient:
         logits = self._session("window", self.window["file"]).run(None, feed)[0]
         return logits[np.arange(len(prompts)), last]
 
-    def _piece(self, i: int) -> tuple[bool, str]:
-        """(starts a word, its text) of a token id; (False, "") for ids never suggested."""
-        if i in SPECIAL or i >= self.tokenizer.vocab_size:  # the model may have spare rows
-            return False, ""
-        if self.tokenizer.kind == "word":
-            return True, self.tokenizer.words[i]
-        piece = self.tokenizer.piece(i)
-        if piece.startswith("<0x"):  # byte-fallback pieces
-            return False, ""
-        return piece.startswith(WORD_START), piece.lstrip(WORD_START)
-
     # ---- streaming (recurrent state or the transformer's KV cache) -------------------------
     @property
     def streaming(self) -> bool:
@@ -298,16 +284,6 @@ class BundleClient:
         return logits, state
 
     # ---- suggestions ------------------------------------------------------------------------
-    def _start(self, ids: list[int], more: int):
-        """Next-token logits after the context, and a handle to extend it by up to `more` tokens:
-        a state (tuple) through the step program, else the ids (list) for the window program. A KV
-        cache streams only while BOS + context + `more` fit its slots; past that the window
-        program answers (the manifest's kv_step rule), so both paths suggest the same words."""
-        fits = self._kv is None or 1 + len(ids) + more <= int(self._kv["slots"])
-        if self.streaming and self.use_streaming and fits:
-            return self._context(ids)
-        return self.next_logits([ids])[0], list(ids)
-
     def _extend(self, handles: list, tokens: list[int]) -> tuple[np.ndarray, list]:
         """Feed one token to each candidate; (logits [k, V], their new handles)."""
         if isinstance(handles[0], tuple):  # states: batch axis 1 of every array; KV positions agree
@@ -321,74 +297,41 @@ class BundleClient:
         prompts = [[*ids, t] for ids, t in zip(handles, tokens, strict=True)]
         return self.next_logits(prompts), prompts
 
-    def suggest(self, prefix: str, k: int = 3, max_pieces: int = 6) -> list[str]:
-        """Up to k words that complete the word being typed (or, after a space, the next word).
+    def suggest(self, prefix: str, k: int = 3, max_pieces: int = 8) -> list[str]:
+        """Up to k words that complete the word being typed (or, after a space, the next word),
+        kept to the tokenizer's lexicon (shipped in the bundle's tokenizer folder): the keyboard's
+        word search of `edge.word_search`, the same as `edge.suggest.Predictor.suggest`, so a
+        run's keyboard figures are this strip's.
 
-        The top `k * SEARCH_WIDTH` word-starting pieces that fit the typed part are each extended greedily
-        with continuation pieces until a new word (or end) is likelier, and only words of the
-        tokenizer's lexicon are offered (fewer than k rather than a non-word); all candidates run as one
-        batch per piece, through the step program when the bundle has one (the context's state
-        is kept between calls) and through the window program otherwise.
+        Each search step runs its candidates as one batch: through the step program while BOS,
+        the context and the candidate fit `seq_len` tokens (the context's state is kept between
+        calls, so a keystroke costs a step per new token), through the window program past that.
+        Within the window both programs see the same tokens, so they give the same strip; a
+        longer message is read as the window reads it, the model's training view.
         """
-        partial = "" if not prefix or prefix[-1].isspace() else prefix.split()[-1]
-        context = prefix[: len(prefix) - len(partial)]
-        base = self.tokenizer.encode(context) if context.strip() else []
-        if self.tokenizer.kind == "word":
-            partial = partial.lower()
+        if self._texts is None:
+            self._texts = token_texts(self.tokenizer.encode, self.tokenizer.decode, self.tokenizer.vocab_size)
+        return suggest_words(prefix, encode=self.tokenizer.encode, decode=self.tokenizer.decode,
+                             texts=self._texts, next_logits=self._search_logits(), k=k,
+                             max_pieces=max_pieces, lexicon=getattr(self.tokenizer, "lexicon", None),
+                             fits=self._fits)
 
-        def fits(text: str) -> bool:
-            return text.startswith(partial) or partial.startswith(text)
+    def _search_logits(self):
+        """`suggest_words`' next-token logits: candidates' states are kept by their token ids
+        (each search step extends the survivors of the last by one token)."""
+        states: dict[tuple[int, ...], tuple] = {}
 
-        first, root = self._start(base, 0 if self.tokenizer.kind == "word" else max_pieces)
-        # more starts than slots: a start whose greedy spelling is not a word leaves its slot to
-        # the next (a strip of fewer than k only when none of `width` starts spells a word)
-        width = k * SEARCH_WIDTH
-        starts = []
-        for i in np.argsort(-first):
-            is_start, text = self._piece(int(i))
-            if is_start and text and fits(text):
-                starts.append((int(i), text))
-                if len(starts) == width:
-                    break
-        if self.tokenizer.kind == "word" or not starts:
-            return self._words([t for _, t in starts if t.startswith(partial)], k)
-        done: list[str] = []
-        live = [text for _, text in starts]
-        logits, handles = self._extend([root] * len(starts), [i for i, _ in starts])
-        for _ in range(max_pieces - 1):
-            nxt, nxt_handles, feed = [], [], []
-            for text, row, handle in zip(live, logits, handles, strict=True):
-                cont = None
-                for i in np.argsort(-row)[:50]:
-                    is_start, piece = self._piece(int(i))
-                    if not is_start and piece and fits(text + piece):
-                        cont = int(i), piece
-                        break
-                if text.startswith(partial) and (
-                    cont is None or row[cont[0]] <= max(row[j] for j in self._ends(row))
-                ):
-                    done.append(text)
-                elif cont is not None:
-                    nxt.append(text + cont[1])
-                    nxt_handles.append(handle)
-                    feed.append(cont[0])
-            live = nxt
-            if not live:
-                break
-            logits, handles = self._extend(nxt_handles, feed)
-        done += [t for t in live if t.startswith(partial)]
-        return self._words(done, k)
+        def next_logits(context: list[int], beams: list[tuple[int, ...]]) -> np.ndarray:
+            seen = 1 + len(context) + len(beams[0])  # BOS + context + candidate
+            stream = self.streaming and self.use_streaming and seen <= self.seq_len
+            if stream and not beams[0]:
+                logits, states[()] = self._context(context)
+                return logits[None]
+            if stream and all(b[:-1] in states for b in beams):
+                logits, handles = self._extend([states[b[:-1]] for b in beams], [b[-1] for b in beams])
+                states.clear()
+                states.update(zip(beams, handles, strict=True))
+                return logits
+            return self.next_logits([[*context, *b] for b in beams])
 
-    def _words(self, found: list[str], k: int) -> list[str]:
-        """The first `k` distinct spellings the tokenizer's lexicon (shipped in the bundle's
-        tokenizer folder) holds: fewer than k rather than a non-word."""
-        lexicon = getattr(self.tokenizer, "lexicon", None)
-        return [w for w in dict.fromkeys(found) if lexicon is None or w in lexicon][:k]
-
-    def _ends(self, row: np.ndarray) -> list[int]:
-        """The ids that end a word: EOS and the best word-starting piece."""
-        for i in np.argsort(-row)[:50]:
-            is_start, text = self._piece(int(i))
-            if is_start and text:
-                return [EOS, int(i)]
-        return [EOS]
+        return next_logits

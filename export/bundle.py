@@ -129,7 +129,9 @@ RULES = {
         "feed bos_id, then each token id of the message; the logits returned after feeding a token "
         "predict the next one. Equal to the window program while the message has at most "
         "seq_len - 1 tokens; past that the state remembers more than the window (trained on rows of "
-        "seq_len tokens). Keep the state per candidate to score completions: one step per piece."
+        "seq_len tokens), and the reference client suggests through the window program, so its "
+        "strip is the one a run measures. Keep the state per candidate to score completions: one "
+        "step per piece."
     ),
     "kv_step": (
         "Transformer: keys = values = zeros of the listed cache shape at each new message; feed "
@@ -145,7 +147,9 @@ RULES = {
     ),
     "words": (
         "sentencepiece: a piece starting with U+2581 begins a new word; a word is its first piece "
-        "plus the following pieces that do not start with U+2581. word: every id is one word."
+        "plus the following pieces that do not start with U+2581. word: every id is one word. char: "
+        "a word is the characters up to a space or punctuation. The reference client ranks words "
+        "with a beam search over tokens (dpfleet/edge/word_search.py), the run's own."
     ),
 }
 

@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dpfleet.edge.model_output import logits_of
-from dpfleet.edge.tokenizer import BOS, PAD
+from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
 from dpfleet.export.manifest import write_manifest
@@ -284,6 +284,21 @@ def latency_ms(program: InferenceProgram, seq_len: int, repeats: int = 30) -> di
     return {"median": float(np.median(times)), "p90": float(np.percentile(times, 90))}
 
 
+def vocabulary_entry(tokenizer: object) -> dict:
+    """The manifest's `vocabulary`: its kind and size and the special ids, read off the tokenizer.
+    `oov_ids`: every id unknown text becomes (a word vocabulary's N hash buckets take ids 3 ..
+    3+N-1, after which its words start), so an app never offers one of them as a word."""
+    return {
+        "kind": getattr(tokenizer, "kind", "custom"),
+        "size": tokenizer.vocab_size,
+        "pad_id": getattr(tokenizer, "pad_id", PAD),
+        "bos_id": getattr(tokenizer, "bos_id", BOS),
+        "eos_id": getattr(tokenizer, "eos_id", EOS),
+        "unk_id": getattr(tokenizer, "unk_id", UNK),
+        "oov_ids": list(oov_ids_of(tokenizer)),
+    }
+
+
 @dataclass
 class PhoneExport:
     """The inference program of a checkpoint folder, its tokenizer and manifest, checked against
@@ -411,14 +426,7 @@ class PhoneExport:
                 },
                 "program": program_path.name,
                 "architecture": architecture,
-                "vocabulary": {
-                    "kind": getattr(tokenizer, "kind", "custom"),
-                    "size": tokenizer.vocab_size,
-                    "pad_id": PAD,
-                    "bos_id": BOS,
-                    "eos_id": 2,
-                    "unk_id": 3,
-                },
+                "vocabulary": vocabulary_entry(tokenizer),
                 "inputs": {
                     "tokens": {"shape": [1 if self.fmt == "pte" else "batch", self.seq_len], "dtype": "int64"}
                 },

@@ -193,7 +193,7 @@ def test_full_kv_cache_is_refused_and_would_be_wrong(trained):
 def test_kv_candidates_extend_like_the_window(trained):
     """Completion candidates share one cache batch: each row equals its own window run."""
     client, _ = trained("transformer")
-    root_logits, root = client._start([5], more=2)
+    root_logits, root = client._context([5])
     assert_scaled_close(root_logits, client.next_logits([[5]])[0])
     handles, prompts = [root] * 3, [[5]] * 3
     for tokens in ([6, 7, 8], [9, 10, 11]):

@@ -1,6 +1,9 @@
 """The keyboard's figures of a finished run: top-1 / top-3 word recall of the suggestion strip and
-keystroke savings (`field_metrics`, Hard et al. 2018) of the final model's `suggest` (the phone's
-`edge.suggest.Predictor`, kept to the tokenizer's lexicon), next to the most-frequent-word strip.
+keystroke savings (`field_metrics`, Hard et al. 2018) of the phone's `suggest`, next to the
+most-frequent-word strip. A run scores its final model through `edge.suggest.Predictor`, which runs
+the phone's word search (`edge.word_search`, kept to the tokenizer's lexicon) on the torch model;
+`bundle_keyboard_block` scores a signed bundle through the phone's own client (`BundleClient`), and
+both give the same figures on the same sample (up to a near-tie the runtimes' float rounding decides).
 
 Why a sample: `suggest` is a beam search, asked before each word and after each typed prefix, so
 every held-out word costs a few dozen model calls; `data.keyboard_words` held-out words (a seeded
@@ -13,6 +16,8 @@ other held-out users (those the unigram baseline is fitted on), never from the t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from torch import nn
@@ -28,6 +33,9 @@ from dpfleet.coordinator.engine.field_metrics import (
 )
 from dpfleet.edge.suggest import Predictor
 from dpfleet.edge.tokenizer import oov_ids_of
+
+if TYPE_CHECKING:
+    from dpfleet.edge.device_client import BundleClient
 
 PRIVACY = "held-out users' text only, like the held-out accuracy: no privacy cost"
 FIT_ROWS = 5000  # held-out rows the baseline strip counts words in, at most (a decode each)
@@ -59,23 +67,42 @@ def keyboard_block(model: nn.Module, tokenizer: object, rows: np.ndarray | None,
     without them), each with
     top1_recall, top3_recall and keystroke_savings, over the same sampled words. None when the run
     has none to score (`words` = 0, no held-out rows, a tokenizer `can_suggest` refuses)."""
-    if not words or rows is None or not len(rows) or not can_suggest(tokenizer):
+    if not can_suggest(tokenizer):
+        return None
+    return strip_block(Predictor(model, tokenizer, seq_len).suggest, tokenizer, rows, words=words, seed=seed,
+                       fit_rows=fit_rows)
+
+
+def bundle_keyboard_block(client: BundleClient, rows: np.ndarray | None, *, words: int, seed: int,
+                          fit_rows: np.ndarray | None = None) -> dict | None:
+    """`keyboard_block` through a phone bundle's own `suggest` (`BundleClient`, its ONNX Runtime
+    programs and its weights, `set_inference_weights` for others): the same sample, so the same
+    figures as the model's `Predictor` up to the runtimes' float differences deciding a near-tie
+    (`edge.word_search` is the one search both run)."""
+    if not can_suggest(client.tokenizer):
+        return None
+    return strip_block(client.suggest, client.tokenizer, rows, words=words, seed=seed, fit_rows=fit_rows)
+
+
+def strip_block(suggest: Callable[..., list[str]], tokenizer: object, rows: np.ndarray | None, *,
+                words: int, seed: int, fit_rows: np.ndarray | None = None) -> dict | None:
+    """The block of `keyboard_block` for any `suggest(context, k=...)`."""
+    if not words or rows is None or not len(rows):
         return None
     started = time.perf_counter()
     cases = sample_cases(rows, tokenizer, words, seed)
     if not cases:
         return None
-    predictor = Predictor(model, tokenizer, seq_len)
     characters = sum(len(w) for _, w in cases)
     with tqdm(total=characters, desc="keyboard metrics", unit="char", leave=False, disable=None) as bar:
-        def suggest(context: str) -> list[str]:
+        def strip(context: str) -> list[str]:
             bar.update(1)
-            return predictor.suggest(context, k=STRIP_SLOTS)
+            return suggest(context, k=STRIP_SLOTS)
 
-        block = {"model": _figures(keyboard_metrics(cases, suggest))}
+        block = {"model": _figures(keyboard_metrics(cases, strip))}
     if fit_rows is not None and len(fit_rows):
-        strip = frequent_word_strip(row_texts(fit_rows[:FIT_ROWS], *_reading(tokenizer)))
-        block["most_frequent_words"] = _figures(keyboard_metrics(cases, strip))
+        baseline = frequent_word_strip(row_texts(fit_rows[:FIT_ROWS], *_reading(tokenizer)))
+        block["most_frequent_words"] = _figures(keyboard_metrics(cases, baseline))
     return {**block, "words": len(cases), "characters": characters, "privacy": PRIVACY,
             "seconds": time.perf_counter() - started}
 
