@@ -18,11 +18,19 @@ The teacher's work (the trimmed tokenizer, top-k labels and log-probs of the poo
 `$DPFLEET_CACHE/public/` keyed by its inputs, and the top-k shards resume, so variants of one
 pool pay for the teacher once.
 
+Precision. `public.precision` ("auto", the default, | "float32" | "bfloat16"; `dpfleet.edge.precision`)
+is the teacher body's on CPU (on CUDA the body is bfloat16 anyway) and public training's GEMMs
+(bfloat16 autocast; weights and Adam state stay float32). Both resolved choices are stated in
+summary.json's `precision`, and the teacher's is part of every key its output is cached under
+(l_pub here, the top-k labels in public/topk_cache.py): a bfloat16 body gives other log-probs, so
+a float32 entry is never served to a bfloat16 run or the reverse. The student's own l_priv
+scoring and the simulation's clients follow `[simulation] client.precision`, not this key.
+
 Config layout (strict, like the simulate config):
 
     [public]      teacher, vocab_size, first_stage_rounds, selection, fraction, match_beta,
                   kd_beta, temperature, steps, batch_size, lr, k, batch_tokens, vocab_records,
-                  targets, student_device
+                  targets, student_device, precision
     [pool]        sources, records, seq_len, seed
     [simulation]  a full `dpfleet simulate` config (rounds = T; private data, model, dp, ...)
 """
@@ -42,6 +50,7 @@ import numpy as np
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
 from dpfleet.coordinator.state.resume import differing_keys
 from dpfleet.edge.overlap import check_public_sources, check_public_texts
+from dpfleet.edge.precision import PRECISIONS, Precision, resolve_precision
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
@@ -85,6 +94,7 @@ class PublicSection:
     batch_tokens: int = 0  # teacher batch size in tokens (one host copy); 0: automatic
     targets: str = "teacher"  # top-k taken in the "teacher" or the "student" vocabulary
     student_device: str = "cpu"  # public training's device (the teacher uses cuda when present)
+    precision: str = "auto"  # teacher body and public training: "auto" | "float32" | "bfloat16"
 
 
 @dataclass
@@ -133,6 +143,7 @@ def parse_pipeline(values: dict) -> PipelineConfig:
         (1 <= p.k <= 64, "public.k must be in [1, 64]"),
         (p.targets in TARGETS, f"public.targets must be one of {TARGETS}"),
         (p.batch_tokens >= 0, "public.batch_tokens must be >= 0 (0: automatic)"),
+        (p.precision in PRECISIONS, f"public.precision must be one of {PRECISIONS}"),
         (len(cfg.pool.sources) == len(cfg.pool.records) and cfg.pool.sources,
          "pool.sources and pool.records must be non-empty lists of the same length"),
         (all(isinstance(n, int) and n >= 1 for n in cfg.pool.records), "pool.records must be >= 1"),
@@ -203,9 +214,15 @@ class TeacherWork:
     """The teacher's labels for one pool, computed on first use and cached on disk."""
 
     def __init__(self, cfg: PipelineConfig, vocab: TeacherVocab, pool: Pool, progress: bool):
+        from dpfleet.public.teacher import body_precision, default_device
+
         p = cfg.public
+        self.precision: Precision = body_precision(p.precision, default_device().type, "public.precision")
+        # what the body ran at, in every key of its output (float32 on CPU: keys as they were)
+        self.key_parts: tuple = (() if self.precision.name == "float32"
+                                 else (default_device().type, self.precision.name))
         key = cache_key(p.teacher, vocab.meta, pool.fingerprint(), p.k,
-                      *(() if p.targets == "teacher" else (p.targets,)))
+                        *(() if p.targets == "teacher" else (p.targets,)), *self.key_parts)
         self.folder = cache_dir() / "public" / f"pool-{key}"
         self.cfg, self.vocab, self.pool, self.progress = cfg, vocab, pool, progress
         self._extractor = None
@@ -216,7 +233,8 @@ class TeacherWork:
             from dpfleet.public.topk import TopKExtractor
 
             p = self.cfg.public
-            self._extractor = TopKExtractor(load_teacher(p.teacher), self.vocab, p.k, p.targets)
+            teacher = load_teacher(p.teacher, precision=self.precision.name)
+            self._extractor = TopKExtractor(teacher, self.vocab, p.k, p.targets)
         return self._extractor
 
     def corpus(self):
@@ -245,6 +263,10 @@ class TeacherWork:
         return np.load(path)
 
 
+def _stated(precision: Precision) -> dict:
+    return {"used": precision.name, "reason": precision.reason}
+
+
 def _check_resumable(cfg: PipelineConfig, out: Path) -> None:
     if not (out / "pipeline.json").is_file():
         raise DpfleetError(f"{out} holds no started pipeline (no pipeline.json): nothing to resume")
@@ -269,13 +291,16 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     from dpfleet.public.fred_privacy import fred_releases
 
     out = Path(out)
+    p = cfg.public
+    # resolved before the run folder exists: "bfloat16" on a CPU without it is one line, no folder
+    training_precision = resolve_precision(p.precision, student_device(p.student_device).type,
+                                           "public.precision")
     if (out / "summary.json").is_file() and not overwrite:
         raise DpfleetError(f"{out} holds a finished pipeline; pass --overwrite or choose another --out")
     if resume:
         _check_resumable(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    p = cfg.public
     vocab = teacher_vocab(cfg, log)
     tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
     sim = dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
@@ -320,15 +345,18 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         else:
             chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
         corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
+        used_teacher = p.kd_beta > 0 or (p.selection == "match" and p.match_beta < 1)
         kd_cfg = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=p.kd_beta,
                                temperature=p.temperature, seed=sim.seed,
-                               device=p.student_device)
+                               device=p.student_device, precision=training_precision.name)
         stage = "pre-training" if r == 0 else f"mid-training at round {r}"
         new_theta, history = kd_train(model_cfg, theta, corpus, chosen, kd_cfg, progress=progress,
                                       desc=f"public {stage}")
         report.update(selected=len(chosen), sources=source_report(pool.sources, chosen),
                       public_training=history, public_seconds=time.perf_counter() - t0,
-                      selected_indices=[int(i) for i in chosen])
+                      selected_indices=[int(i) for i in chosen],
+                      precision={"teacher": _stated(teacher.precision) if used_teacher else None,
+                                 "public_training": _stated(training_precision)})
         atomic_write(stage_file, dumps(report, default=float))
         shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
         log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")

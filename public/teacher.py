@@ -230,10 +230,7 @@ def load_teacher(spec: str, device: str | torch.device | None = None, precision:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise DpfleetError(f"cannot load teacher from {folder}: {exc}") from exc
-    if device.type == "cuda":
-        chosen = Precision("bfloat16", "the body in bfloat16 on CUDA")
-    else:
-        chosen = resolve_precision(precision, device.type, "the teacher's precision")
+    chosen = body_precision(precision, device.type)
     head_weight = cast_for_device(model, device.type, chosen.name)
     if head_weight is not None:
         head_weight = head_weight.to(device)
@@ -242,6 +239,15 @@ def load_teacher(spec: str, device: str | torch.device | None = None, precision:
     model.to(device).eval()
     return Teacher(name=spec, path=folder, model=model, device=device, head_weight=head_weight,
                    precision=chosen)
+
+
+def body_precision(precision: str, device_type: str, key: str = "the teacher's precision") -> Precision:
+    """The precision a teacher body loaded on `device_type` runs at: bfloat16 on CUDA whatever
+    `precision` says, `precision` as this CPU resolves it elsewhere. Apart from `load_teacher` so a
+    cache of the teacher's output can be keyed by it without loading the teacher."""
+    if device_type == "cuda":
+        return Precision("bfloat16", "the body in bfloat16 on CUDA")
+    return resolve_precision(precision, device_type, key)
 
 
 def cast_for_device(model: torch.nn.Module, device_type: str, precision: str = "float32"

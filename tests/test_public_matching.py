@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.edge.precision import resolve_precision
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
@@ -233,6 +234,9 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
     assert summary["selected"] == 10 and summary["switch_round"] == 2
     assert sum(v["selected"] for v in summary["sources"].values()) == 10
     assert summary["rounds_completed"] == 4 and 0 < summary["epsilon"] < float("inf")
+    chosen = resolve_precision("auto")  # public.precision's default, as this CPU resolves it
+    stated = {"used": chosen.name, "reason": chosen.reason}
+    assert summary["precision"] == {"teacher": stated, "public_training": stated}
     # the server continued: one tree over all T rounds, privacy accounted over all of them
     privacy = json.loads((out / "simulation" / "privacy.json").read_text())
     assert privacy["rounds"] == 4 and privacy["restarts"] == []
@@ -281,6 +285,45 @@ def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tin
         assert resumed[key] == reference[key], key
     assert (out / "simulation" / "metrics.jsonl").read_text() == \
         (tmp_path / "ref" / "simulation" / "metrics.jsonl").read_text()
+
+
+def test_teacher_cache_is_keyed_by_the_body_precision(tiny_teacher_dir, tiny_teacher_vocab, tmp_path,
+                                                      monkeypatch):
+    """A float32 l_pub is never served to a bfloat16 run, nor the reverse: the bfloat16 body gives
+    other log-probs, so a shared entry would silently change which records are selected."""
+    import dpfleet.edge.precision as precision
+    from dpfleet.public.matching import build_pool
+    from dpfleet.public.pipeline import TeacherWork
+
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path))
+    # a CPU with native BF16, whatever this one has (the tiny body runs on any kernels)
+    monkeypatch.setattr(precision, "native_bf16", lambda: "AMX-BF16")
+    pool = build_pool(["wikitext2"], [6], tiny_teacher_vocab.tokenizer, 12)
+
+    def work(requested: str) -> TeacherWork:
+        values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, precision=requested)
+        return TeacherWork(parse_pipeline(values), tiny_teacher_vocab, pool, False)
+
+    f32, bf16 = work("float32"), work("bfloat16")
+    assert (f32.precision.name, bf16.precision.name) == ("float32", "bfloat16")
+    assert f32.folder != bf16.folder and work("auto").folder == bf16.folder
+    a, b = f32.logprobs(), bf16.logprobs()
+    assert not np.array_equal(a, b)  # labelled again, by the bfloat16 body
+    np.testing.assert_allclose(b, a, rtol=0.05)
+    assert np.array_equal(work("float32").logprobs(), a)  # each run gets its own precision's entry
+    assert np.array_equal(work("auto").logprobs(), b)
+
+
+def test_pipeline_precision_errors(tiny_teacher_dir, tiny_teacher_vocab, tmp_path, monkeypatch):
+    import dpfleet.edge.precision as precision
+
+    with pytest.raises(DpfleetError, match="public.precision must be one of"):
+        parse_pipeline(_pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, precision="float16"))
+    monkeypatch.setattr(precision, "native_bf16", lambda: None)
+    cfg = parse_pipeline(_pipeline_values(tiny_teacher_dir, tiny_teacher_vocab, precision="bfloat16"))
+    with pytest.raises(DpfleetError, match=r"^public.precision = 'bfloat16' but this CPU has no native BF16"):
+        run_pipeline(cfg, tmp_path / "run", progress=False, log=lambda s: None)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 def test_example_pipeline_config_is_valid():

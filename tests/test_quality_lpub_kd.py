@@ -73,7 +73,7 @@ def _pool(n: int) -> Pool:
 
 def _teacher(pool: Pool, candidates=(), labelled=()):
     cfg = SimpleNamespace(public=SimpleNamespace(teacher="t", k=3, targets="teacher",
-                                                 batch_tokens=0))
+                                                 batch_tokens=0, precision="float32"))
     vocab = SimpleNamespace(meta={"teacher": "t", "vocab_size": 256})
     return lpub_kd.PartialTeacher(cfg, vocab, pool, False, candidates, labelled)
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.ray_backend import shards
+from dpfleet.coordinator.engine.ray_backend import cluster_precision, shards
 from dpfleet.edge.cohort import CohortTrainer
+from dpfleet.edge.precision import Precision, resolve_precision
+from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
 
@@ -21,6 +23,31 @@ def test_shards_cover_every_client_once_and_balance():
     assert max(loads) - min(loads) <= max(steps)
     assert parts == shards(steps, 3)  # fixed by the data: same shards every run
     assert shards([1, 1], 4)[2:] == [[], []]
+
+
+AMX = Precision("bfloat16", "auto: CPU has AMX-BF16")
+NO_BF16 = Precision("float32", "auto: CPU has no AMX-BF16 or AVX512-BF16, torch kernels AVX2")
+
+
+def test_one_precision_for_the_whole_cohort():
+    """Each worker resolves `client.precision` on its own CPU; the cohort runs at one precision."""
+    assert cluster_precision("auto", [("a", AMX), ("b", AMX)]) == Precision(
+        "bfloat16", "auto: every Ray worker's CPU has native BF16 (a: AMX-BF16; b: AMX-BF16)")
+    assert cluster_precision("auto", [("a", NO_BF16), ("a", NO_BF16)]) == Precision(
+        "float32", "auto: no Ray worker's CPU has native BF16 (a: CPU has no AMX-BF16 or "
+                   "AVX512-BF16, torch kernels AVX2)")
+    # a mixed cluster under "auto": float32 everywhere, said so, rather than a cohort of two precisions
+    mixed = cluster_precision("auto", [("a", AMX), ("b", NO_BF16), ("c", NO_BF16)])
+    assert mixed == Precision(
+        "float32", "auto: the Ray workers on b, c have no native BF16 (b: CPU has no AMX-BF16 or "
+                   "AVX512-BF16, torch kernels AVX2), so every worker runs float32: one precision "
+                   "for the cohort keeps a round's result independent of which node trained which "
+                   "shard")
+    with pytest.raises(DpfleetError, match=r"^client.precision = 'bfloat16' but the Ray workers on b "
+                                           r"have no native BF16 \(b: CPU has no AMX-BF16"):
+        cluster_precision("bfloat16", [("a", AMX), ("b", NO_BF16)])
+    assert cluster_precision("bfloat16", [("a", AMX)]).name == "bfloat16"
+    assert cluster_precision("float32", [("a", AMX)]) == resolve_precision("float32")
 
 
 @pytest.mark.slow
@@ -47,6 +74,28 @@ def test_ray_trainer_equals_local_cohort(ray_local):
 
 
 @pytest.mark.slow
+def test_ray_workers_train_at_the_precision_their_cpus_resolve(ray_local):
+    """`client.precision = "auto"` on Ray: what the workers resolve on their CPUs (here this
+    machine's), and the updates are those of the local cohort at that precision."""
+    from dpfleet.coordinator.engine.ray_backend import RayTrainer
+
+    cfg = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
+    torch.manual_seed(0)
+    theta = get_flat(build_model(cfg))
+    rng = np.random.default_rng(1)
+    examples = [np.concatenate([np.ones((n, 1), np.int32), rng.integers(4, 64, (n, 9), np.int32)], 1)
+                for n in (5, 11, 7)]
+    kw = {"lr": 0.5, "batch_size": 8, "clip_norm": 0.2}
+    here = resolve_precision("auto")
+    remote = RayTrainer(cfg, seq_len=9, batch_size=8, workers=2, precision="auto")
+    assert remote.precision.name == here.name and "Ray worker" in remote.precision.reason
+    local = CohortTrainer(cfg, seq_len=9, batch_size=8, device="cpu", precision="auto",
+                          processes=False).train_round(theta, examples, [0, 1, 2], **kw)
+    for a, b in zip(local, remote.train_round(theta, examples, [0, 1, 2], **kw), strict=True):
+        np.testing.assert_allclose(b.delta, a.delta, rtol=0, atol=1e-6 if here.name == "float32" else 2e-3)
+
+
+@pytest.mark.slow
 def test_simulate_on_ray_gives_the_local_model(ray_local, tmp_path):
     from dpfleet.coordinator.engine.simulation import run_simulation
 
@@ -64,7 +113,11 @@ def test_simulate_on_ray_gives_the_local_model(ray_local, tmp_path):
     local = run_simulation(parse_config(values), tmp_path / "local", **quiet)
     remote = run_simulation(parse_config(dict(values, backend={"kind": "ray", "workers": 2})),
                             tmp_path / "ray", **quiet)
-    assert json.loads((remote.run_dir / "summary.json").read_text())["client_trainer"] == "ray"
+    summary = json.loads((remote.run_dir / "summary.json").read_text())
+    assert summary["client_trainer"] == "ray"
+    # what the workers ran (client.precision = "auto" resolved on their CPUs), not a float32 default
+    assert summary["precision"]["used"] == resolve_precision("auto").name
+    assert "Ray worker" in summary["precision"]["reason"]
     participation = [(run.run_dir / "participation.jsonl").read_text() for run in (local, remote)]
     assert participation[0] == participation[1]  # the same clients (train loss is debug-only now)
     assert remote.final["loss"] == pytest.approx(local.final["loss"], abs=1e-4)

@@ -82,9 +82,11 @@ class PartialTeacher(TeacherWork):
                  labelled: Sequence[int] = ()):
         super().__init__(cfg, vocab, pool, progress)
         p = cfg.public
-        self.lpub_folder = cache_dir() / "public" / f"lpub-{cache_key(p.teacher, vocab.meta)}"
+        # keyed by the teacher body's precision too (TeacherWork.key_parts; empty for CPU float32)
+        self.lpub_folder = cache_dir() / "public" / (
+            f"lpub-{cache_key(p.teacher, vocab.meta, *self.key_parts)}")
         self.topk_folder = cache_dir() / "public" / (
-            f"topk-subset-{cache_key(p.teacher, vocab.meta, p.k, p.targets)}")
+            f"topk-subset-{cache_key(p.teacher, vocab.meta, p.k, p.targets, *self.key_parts)}")
         self.candidates = sorted(set(int(i) for i in candidates))
         self.labelled = sorted(set(int(i) for i in labelled))
         # what this process ran the teacher on (cache misses only), for tokens/s

@@ -57,8 +57,8 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
                  batch_size: int, device: str = "auto", memory_mb: int = 160,
                  backend: BackendSection | None = None, precision: str = "float32") -> RoundTrainer:
     """The trainer named by `client.trainer` ("auto" picks the fastest correct one). `precision`
-    (`client.precision`) is the local cohort trainer's; the sequential trainer and the Ray
-    workers run float32."""
+    (`client.precision`) is the cohort trainer's, local or on Ray workers (resolved on their
+    CPUs: `ray_backend.cluster_precision`); the sequential trainer runs float32."""
     if kind not in TRAINERS:
         raise DpfleetError(f"client.trainer must be one of {TRAINERS}, not {kind!r}")
     eager = runtime.name == "eager"
@@ -70,7 +70,8 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
 
         ray_device = "cpu" if device == "auto" else device
         return RayTrainer(model_cfg, seq_len=seq_len, batch_size=batch_size, workers=backend.workers,
-                          address=backend.address, memory_mb=memory_mb, device=ray_device)
+                          address=backend.address, memory_mb=memory_mb, device=ray_device,
+                          precision=precision)
     if kind == "cohort" and not eager:
         raise DpfleetError(
             f"client.trainer = 'cohort' trains eager torch; runtime {runtime.name!r} needs 'sequential'"
@@ -85,7 +86,7 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
 
 def trainer_precision(trainer: object) -> dict:
     """summary.json's `precision`: what a trainer's GEMMs ran at and why. A trainer without a
-    `precision` (sequential, Ray, a caller's client update) runs float32."""
+    `precision` (sequential, a caller's client update) runs float32."""
     precision = getattr(trainer, "precision", None)
     if precision is None:
         return {"used": "float32", "reason": f"the {getattr(trainer, 'name', 'custom')} trainer runs float32"}

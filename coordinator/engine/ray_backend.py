@@ -8,6 +8,13 @@ minibatch count (longest first, to the least loaded worker) and fixed by the rou
 config gives the same shards on every run; the results equal the local cohort's up to float
 rounding of different chunk compositions (tests/test_ray_backend.py: 1e-6 on deltas).
 
+Precision: each worker resolves `client.precision` on its own CPU (`dpfleet.edge.precision`),
+and the cohort then trains at one precision. "auto" is bfloat16 only where every worker's CPU has
+native BF16; on a cluster where some lack it every worker runs float32, and summary.json says
+which hosts lacked it. Not a mixed cohort: which shard trains on which node is Ray's placement, so
+a mixed cohort's round would change from one run to the next, and a resume point records one
+precision. An explicit "bfloat16" with a worker lacking BF16 is one error line naming its host.
+
 Local: `address = ""` starts a private Ray instance with `workers` CPUs. A real cluster:
 `ray start --head` on one machine, `ray start --address HEAD_IP:6379` on the others, then
 `address = "HEAD_IP:6379"` (or "auto" on a cluster node) in `[backend]`.
@@ -22,22 +29,35 @@ from collections.abc import Sequence
 import numpy as np
 
 from dpfleet.edge.client_update import ClientUpdate
+from dpfleet.edge.precision import PRECISIONS, Precision, resolve_precision
 from dpfleet.edge.runtime import batches
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 
 
 class _Worker:
-    """One Ray actor: a CohortTrainer on the worker's device, reused for every round."""
+    """One Ray actor: a CohortTrainer on the worker's device, reused for every round. Built by
+    `start` once the driver has chosen the cohort's precision from every worker's `cpu`."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, batch_size: int, memory_mb: int, device: str):
         import torch
 
+        torch.set_num_threads(1)
+        self.args = (cfg, seq_len, batch_size, memory_mb, device)
+        self.trainer = None
+
+    def cpu(self) -> tuple[str, Precision]:
+        """(host, what "auto" resolves to on this worker's CPU)."""
+        import socket
+
+        return socket.gethostname(), resolve_precision("auto", self.args[4])
+
+    def start(self, precision: str) -> None:
         from dpfleet.edge.cohort import CohortTrainer
 
-        torch.set_num_threads(1)
+        cfg, seq_len, batch_size, memory_mb, device = self.args
         self.trainer = CohortTrainer(cfg, seq_len=seq_len, batch_size=batch_size, device=device,
-                                     memory_mb=memory_mb)
+                                     memory_mb=memory_mb, precision=precision)
 
     def train(self, theta0, examples, seeds, lr, batch_size, clip_norm):
         return self.trainer.train_round(theta0, examples, seeds, lr=lr, batch_size=batch_size,
@@ -53,6 +73,30 @@ def shards(steps: Sequence[int], workers: int) -> list[list[int]]:
         out[w].append(i)
         heapq.heappush(heap, (load + steps[i], w))
     return [sorted(s) for s in out]
+
+
+def cluster_precision(requested: str, workers: Sequence[tuple[str, Precision]]) -> Precision:
+    """The one precision a cohort trains at, from `client.precision` and each worker's (host, "auto"
+    resolved on its CPU): module docstring. "bfloat16" where a worker lacks it: a DpfleetError."""
+    if requested not in PRECISIONS:
+        raise DpfleetError(f"client.precision must be one of {PRECISIONS}, not {requested!r}")
+    if requested == "float32":
+        return resolve_precision("float32")
+    hosts = sorted({host for host, _ in workers})
+    lacking = sorted({host for host, p in workers if p.name != "bfloat16"})
+    why = {host: p.reason.removeprefix("auto: ") for host, p in workers}
+    if not lacking:
+        return Precision("bfloat16", "auto: every Ray worker's CPU has native BF16 ("
+                         + "; ".join(f"{h}: {why[h].removeprefix('CPU has ')}" for h in hosts) + ")")
+    first = f"{lacking[0]}: {why[lacking[0]]}"
+    if requested == "bfloat16":
+        raise DpfleetError(f"client.precision = 'bfloat16' but the Ray workers on {', '.join(lacking)} "
+                           f"have no native BF16 ({first}); use 'auto' or 'float32'")
+    if lacking == hosts:
+        return Precision("float32", f"auto: no Ray worker's CPU has native BF16 ({first})")
+    return Precision("float32", f"auto: the Ray workers on {', '.join(lacking)} have no native BF16 "
+                     f"({first}), so every worker runs float32: one precision for the cohort keeps a "
+                     "round's result independent of which node trained which shard")
 
 
 def connect_ray(address: str, num_cpus: int, what: str):
@@ -80,13 +124,20 @@ class RayTrainer:
     name = "ray"
 
     def __init__(self, cfg: ModelConfig, *, seq_len: int, batch_size: int, workers: int = 2,
-                 address: str = "", memory_mb: int = 160, device: str = "cpu"):
+                 address: str = "", memory_mb: int = 160, device: str = "cpu", precision: str = "float32"):
+        """`precision`: `client.precision`, resolved on the workers' CPUs (`cluster_precision`;
+        on CUDA by the CUDA rule); the result, with why, is `self.precision`."""
         if workers < 1:
             raise DpfleetError("backend.workers must be >= 1")
         ray = connect_ray(address, workers, "backend.kind = 'ray'")
         self._ray = ray
         actor = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(_Worker)
         self.workers = [actor.remote(cfg, seq_len, batch_size, memory_mb, device) for _ in range(workers)]
+        if device == "cuda" or precision == "float32":
+            self.precision = resolve_precision(precision, device, "client.precision")
+        else:
+            self.precision = cluster_precision(precision, ray.get([w.cpu.remote() for w in self.workers]))
+        ray.get([w.start.remote(self.precision.name) for w in self.workers])
 
     def train_round(self, theta0: np.ndarray, examples: Sequence[np.ndarray], seeds: Sequence[int],
                     *, lr: float, batch_size: int, clip_norm: float) -> list[ClientUpdate]:
