@@ -90,7 +90,8 @@ def test_relative_paths_are_read_from_the_config_files_folder(tmp_path, monkeypa
     # a dict's relative path is read from the working folder when the data loads
     assert parse_config({"data": {"dataset": "jsonl", "path": "users.jsonl"}}).data.path == "users.jsonl"
     assert {f"{s}.{k}" for s, k in PATH_KEYS} == {"data.path", "tokenizer.path", "tokenizer.word_counts",
-                                                 "tokenizer.words", "aggregation.fleet_keys"}
+                                                 "tokenizer.words", "aggregation.fleet_keys",
+                                                 "participation.trace"}
 
 
 def test_a_jsonl_config_runs_from_another_folder(tmp_path, monkeypatch):

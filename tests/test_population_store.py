@@ -12,7 +12,7 @@ from test_edge_client_store import make_clients
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
 from dpfleet.coordinator.engine.evaluation import split_held_out
 from dpfleet.coordinator.engine.population import open_population
 from dpfleet.coordinator.engine.round_engine import RoundEngine, Stop
@@ -69,12 +69,13 @@ def lists_run(cfg, out):
     trainer = make_trainer(cfg.client.trainer, make_runtime(cfg, model_cfg, out / "programs"),
                            model_cfg, seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
                            device=cfg.client.device, memory_mb=cfg.client.cohort_memory_mb,
-                           backend=cfg.backend)
+                           backend=cfg.backend, precision=cfg.client.precision)  # as simulate
     engine = RoundEngine(
         cfg, run, model=model, model_cfg=model_cfg, tokenizer=tokenizer,
         users=[c.user for c in data.train], test_rows=split_held_out(data.test, 40)[0],
         fingerprint=data_fingerprint([c.examples for c in data.train], tokenizer,
-                                     fingerprint_secret(out, create=True)))
+                                     fingerprint_secret(out, create=True)),
+        precision=trainer_precision(trainer)["used"])
     aggregator = make_aggregator(cfg)
     while not isinstance(plan := engine.open_round(), Stop):
         updates = train_plan(cfg, trainer, data.train, plan)

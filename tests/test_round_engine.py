@@ -13,7 +13,7 @@ from crashes import Crash
 from safetensors.numpy import load_file
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.backends import make_trainer
+from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
 from dpfleet.coordinator.engine.evaluation import split_held_out
 from dpfleet.coordinator.engine.round_engine import RoundEngine, RoundPlan, RoundStateError, Stop
 from dpfleet.coordinator.engine.simulation import (
@@ -72,7 +72,8 @@ def engine_parts(cfg, out):
     runtime = make_runtime(cfg, model_cfg, out / "programs")
     trainer = make_trainer(cfg.client.trainer, runtime, model_cfg, seq_len=cfg.data.seq_len,
                            batch_size=cfg.client.batch_size, device=cfg.client.device,
-                           memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend)
+                           memory_mb=cfg.client.cohort_memory_mb, backend=cfg.backend,
+                           precision=cfg.client.precision)  # as simulate: auto resolves per CPU
     test_rows, _ = split_held_out(data.test, cfg.data.eval_examples or None)
     aggregator = make_aggregator(cfg)
 
@@ -82,7 +83,8 @@ def engine_parts(cfg, out):
         return aggregator.aggregate([u.delta for u in updates], agg_seed), updates
 
     parts = {"model": model, "model_cfg": model_cfg, "tokenizer": tokenizer,
-             "users": [c.user for c in data.train], "test_rows": test_rows}
+             "users": [c.user for c in data.train], "test_rows": test_rows,
+             "precision": trainer_precision(trainer)["used"]}
     return parts, train_and_sum, lambda secret: data_fingerprint([c.examples for c in data.train],
                                                                   tokenizer, secret)
 

@@ -498,7 +498,8 @@ def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool
     def write_state(folder: Path) -> None:
         est = engine.estimator
         save_server_state(folder, engine.server, est.state_dict() if est else None,
-                          {"rounds_done": engine.next_round, "guarantee": engine.guarantee})
+                          {"rounds_done": engine.next_round, "guarantee": engine.guarantee,
+                           "precision": engine.precision})
 
     def model_sha256() -> str:
         return release_hash(engine.server.theta)
