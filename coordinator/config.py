@@ -124,11 +124,13 @@ class ClientSection:
     """The cohort trainer's device: "auto" (CUDA when present) | "cpu" | "cuda"."""
     cohort_memory_mb: int = 160
     """Cohort chunk budget on CPU: clients per chunk = this / one client's working memory."""
-    precision: str = "auto"
-    """The cohort trainer's and public pretraining's GEMMs: "auto" (bfloat16 where the CPU has
-    native BF16, AMX or AVX512-BF16, else float32) | "float32" | "bfloat16" (an error on a CPU
-    without it). Weights, deltas, clipping and the DP sum stay float32; summary.json says which
-    ran and why."""
+    precision: str = "float32"
+    """The cohort trainer's and public pretraining's GEMMs: "float32" | "auto" (bfloat16 where the
+    CPU has native BF16, AMX or AVX512-BF16, else float32) | "bfloat16" (an error on a CPU without
+    it). float32 by default: on a CPU with AMX-BF16, bfloat16 autocast trained the main job's
+    CIFG at 0.48x float32's steps/s and the Gboard-size one at 0.95x (2 threads;
+    benchmarks/precision_throughput.py), the GEMMs being too small to repay the casts. Weights,
+    deltas, clipping and the DP sum stay float32; summary.json says which ran and why."""
 
 
 @dataclass

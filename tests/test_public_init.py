@@ -51,8 +51,8 @@ def test_the_first_round_starts_from_the_public_weights(tmp_path):
     assert pre_log == plain_log  # paired: the same devices in every round
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary["public_pretraining"]["corpus"] == ["kjv"] and not summary["public_pretraining"]["cached"]
-    auto = resolve_precision("auto")  # client.precision's default: what this CPU does natively
-    assert summary["public_pretraining"]["precision"] == {"used": auto.name, "reason": auto.reason}
+    default = resolve_precision("float32")  # client.precision's default (config.py says why)
+    assert summary["public_pretraining"]["precision"] == {"used": default.name, "reason": default.reason}
     assert "kjv" in (result.run_dir / "privacy_report.md").read_text()
     again, _, result = start_of(tmp_path, "again", {**CFG, "pretrain": PRE})
     np.testing.assert_array_equal(again, pre)

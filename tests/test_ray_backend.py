@@ -104,7 +104,7 @@ def test_simulate_on_ray_gives_the_local_model(ray_local, tmp_path):
         "data": {"dataset": "shakespeare", "max_clients": 60, "eval_examples": 100, "max_examples": 24},
         "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},  # public: no DP vocabulary draw
         "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 24, "projection_dim": 16},
-        "client": {"lr": 1.0, "batch_size": 8},
+        "client": {"lr": 1.0, "batch_size": 8, "precision": "auto"},
         # research-mode noise seed: both runs draw the same noise, so they can be compared
         "dp": {"noise_multiplier": 0.3, "clip_norm": 1.0, "report_goal": 8, "momentum": 0.5,
                "noise_seed": 3},
