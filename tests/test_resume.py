@@ -269,16 +269,18 @@ def test_a_resume_point_whose_tree_positions_were_edited_is_refused(interrupted)
 
 
 def test_resume_refuses_clients_that_would_train_at_another_precision(interrupted, monkeypatch):
-    """`client.precision = "auto"` resolves per CPU: a run started where it gave one precision and
-    resumed where it gives the other would switch silently in the middle of the run."""
+    """`client.precision = "auto"` resolves per CPU: a run resumed where it resolves to another
+    precision than the run trained at would switch silently in the middle of the run. Here the
+    run trained at float32 and the resume asks "auto" on a CPU faked to have AMX-BF16."""
     import dpfleet.edge.precision as precision
 
     saved = json.loads((resume_point(interrupted) / "server_state.json").read_text())["precision"]
-    other = "float32" if saved == "bfloat16" else "bfloat16"
-    monkeypatch.setattr(precision, "native_bf16", lambda: None if other == "float32" else "AMX-BF16")
+    assert saved == "float32"  # CFG takes client.precision's default
+    monkeypatch.setattr(precision, "native_bf16", lambda: "AMX-BF16")
+    auto = dict(CFG, client={**CFG["client"], "precision": "auto"})
     before = (interrupted / "releases.jsonl").read_bytes()
-    with pytest.raises(DpfleetError, match=f"trained at {saved}, this resume would train at {other}"):
-        run_simulation(parse_config(CFG), interrupted, resume=True, **QUIET)
+    with pytest.raises(DpfleetError, match="trained at float32, this resume would train at bfloat16"):
+        run_simulation(parse_config(auto), interrupted, resume=True, **QUIET)
     assert (interrupted / "releases.jsonl").read_bytes() == before and resume_point(interrupted)
 
 
