@@ -53,6 +53,28 @@ OUT = ROOT / "benchmarks" / "results" / "mechanisms.json"
 CELL = ("mechanism", "target_epsilon", "seed", "public", "projection_population")
 
 
+def add_run_options(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The options every resumable main-job benchmark takes (seeds, a rounds override, the rows
+    file, report only)."""
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--rounds", type=int, default=None, help="override the config's rounds (checks)")
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--report-only", action="store_true")
+
+
+def main_job_rows(config: Path, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """(the main job's config dict, read against its folder, with `--rounds` applied; the rows
+    `--out` already holds): where a resumable benchmark starts."""
+    from dpfleet.coordinator.config import paths_against
+
+    base = paths_against(read_toml(config), config.parent)
+    if args.rounds:
+        base["rounds"] = args.rounds
+        base["eval_every"] = min(base.get("eval_every", 10), args.rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    return base, load_rows(args.out)
+
+
 def load_rows(path: Path = OUT) -> list[dict]:
     return json.loads(path.read_text()) if path.is_file() else []
 

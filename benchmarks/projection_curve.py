@@ -42,12 +42,12 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
-from mechanisms import load_rows, public_only_row, save_rows  # noqa: E402
+from mechanisms import add_run_options, main_job_rows, public_only_row, save_rows  # noqa: E402
 from paired import format_difference, paired_difference  # noqa: E402
 
 from dpfleet.coordinator.accounting.planner import make_plan  # noqa: E402
 from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon  # noqa: E402
-from dpfleet.coordinator.config import PLANNED_KEYS, parse_config, paths_against, read_toml  # noqa: E402
+from dpfleet.coordinator.config import PLANNED_KEYS, parse_config  # noqa: E402
 from dpfleet.coordinator.engine.simulation import run_simulation  # noqa: E402
 from dpfleet.coordinator.sweep import t_interval  # noqa: E402
 from dpfleet.io import atomic_write  # noqa: E402
@@ -183,20 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--populations", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--epsilons", type=float, nargs="+", default=[2.0, 4.0, 8.0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--delta", type=float, default=1e-7)
     ap.add_argument("--noise-cohort", type=int, default=None,
                     help="M_noise for every population (default: the planner's at each N)")
-    ap.add_argument("--rounds", type=int, default=None, help="override the config's rounds (checks)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--report-only", action="store_true")
+    add_run_options(ap, OUT)
     args = ap.parse_args(argv)
-    base = paths_against(read_toml(CONFIG), CONFIG.parent)
-    if args.rounds:
-        base["rounds"] = args.rounds
-        base["eval_every"] = min(base.get("eval_every", 10), args.rounds)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = load_rows(args.out)
+    base, rows = main_job_rows(CONFIG, args)
     done = {(r["population"], r["target_epsilon"], r["seed"]) for r in rows}
     todo = [(0, 0.0, s) for s in args.seeds] + [(n, e, s) for n in args.populations
                                                 for e in args.epsilons for s in args.seeds]

@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
 import torch  # noqa: E402
 from host_info import host  # noqa: E402
-from mechanisms import load_rows, save_rows  # noqa: E402
+from mechanisms import add_run_options, main_job_rows, save_rows  # noqa: E402
 from paired import format_difference, paired_difference  # noqa: E402
 
-from dpfleet.coordinator.config import parse_config, paths_against, read_toml  # noqa: E402
+from dpfleet.coordinator.config import parse_config  # noqa: E402
 from dpfleet.coordinator.engine.simulation import run_simulation  # noqa: E402
 from dpfleet.io import atomic_write  # noqa: E402
 from dpfleet.jsonio import dumps  # noqa: E402
@@ -70,16 +70,9 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    ap.add_argument("--rounds", type=int, default=None, help="override the config's rounds (checks)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--report-only", action="store_true")
+    add_run_options(ap, OUT)
     args = ap.parse_args(argv)
-    base = paths_against(read_toml(CONFIG), CONFIG.parent)
-    if args.rounds:
-        base["rounds"], base["eval_every"] = args.rounds, args.rounds
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = load_rows(args.out)
+    base, rows = main_job_rows(CONFIG, args)
     done = {(r["precision"], r["seed"]) for r in rows}
     todo = [] if args.report_only else [(p, s) for s in args.seeds for p in PRECISIONS if (p, s) not in done]
     for precision, seed in tqdm(todo, desc="precision quality", unit="run"):
