@@ -7,9 +7,17 @@ from pathlib import Path
 import click
 import numpy as np
 
+from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 
 PERCENTILES = (10, 50, 90, 99)
+
+
+def _new_file(out: Path) -> None:
+    """OUT may be anyone's file (a config, another trace): a trace is written only where none is."""
+    if out.exists() or out.is_symlink():
+        raise DpfleetError(f"{out} exists: a trace is never written over a file; remove it or choose "
+                           "another name")
 
 
 @click.group(name="trace")
@@ -39,6 +47,7 @@ def generate(out: Path, devices: int, days: float, seed: int, start_hour: float)
     from dpfleet.edge.trace_gen import generate as make
     from dpfleet.edge.traces import write_trace
 
+    _new_file(out)
     built = make(devices, days, seed, start_hour=start_hour, progress=True)
     write_trace(out, built, progress=True)
     click.echo(f"wrote {out}: {len(built)} devices, {len(built.starts)} intervals, {days:g} days")
@@ -109,6 +118,7 @@ def convert_fedscale(behave: Path, out: Path, capacity: Path | None, days: float
     that unpickling would run) is refused."""
     from dpfleet.edge.trace_fedscale import convert_fedscale as convert
 
+    _new_file(out)
     header = convert(behave, out, capacity=capacity, duration=None if days is None else days * 86400.0,
                      progress=True)
     click.echo(f"wrote {out}: {header.devices} devices, {header.duration / 86400.0:g} days")

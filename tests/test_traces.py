@@ -318,3 +318,17 @@ def test_inspect_of_a_trace_without_devices(tmp_path):
     assert "devices: 0" in proc.stdout and "nan" not in proc.stdout
     summary = json.loads(run_here("trace", "inspect", str(path), "--json").stdout)
     assert summary["available_hours_per_day_percentiles"]["p50"] is None
+
+
+def test_cli_never_writes_a_trace_over_an_existing_file(tmp_path):
+    """OUT may be anyone's file (a config, another trace): generate and convert-fedscale refuse it
+    in one line and leave its bytes as they were."""
+    theirs = tmp_path / "config.toml"
+    theirs.write_text("rounds = 20\n")
+    for args in (("generate", str(theirs), "--devices", "10", "--days", "1"),
+                 ("convert-fedscale", str(tmp_path / "missing.pkl"), str(theirs))):
+        proc = run_here("trace", *args)
+        assert proc.returncode != 0
+        assert proc.stderr.strip().splitlines() == [f"error: {theirs} exists: a trace is never written over "
+                                                     "a file; remove it or choose another name"]
+        assert theirs.read_text() == "rounds = 20\n"
