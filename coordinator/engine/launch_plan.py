@@ -165,7 +165,7 @@ class TracePlan:
         out = asdict(self)
         out["available"] = {"slots": len(self.available), "peak": max(self.available),
                             "mean": float(np.mean(self.available))}
-        for row in [*out["candidates"], out["chosen"]]:
+        for row in out["candidates"]:  # the chosen one keeps its rounds' start slots
             row.pop("slots")
         out["rule"] = (f"least noise-to-signal (z x noise_factor / M) among candidates of at least "
                        f"{self.min_rounds} round(s); ties: more rounds, smaller report goal, shorter timer")
