@@ -126,6 +126,11 @@ def plan(population: int | None, rounds: int | None, trace: str | None, days: fl
     keeps utility about the same (paper 002's hypothesis), so smaller z / M is better. At the
     chosen report goal each mechanism is optimised for (T, MinS, MaxP) and given its z.
 
+    With --trace, the rounds and MinS come from an availability trace instead: each report goal
+    and timer (--timer-hours) is replayed over --days as `simulate` would select (no training),
+    accounted for its enforced MinS, its realised MaxP as the cap and its rounds, and the least
+    noise-to-signal (z x noise factor / M) with at least --min-rounds rounds is chosen.
+
     \b
     Mechanisms:
     {mechanisms}
@@ -134,8 +139,8 @@ def plan(population: int | None, rounds: int | None, trace: str | None, days: fl
     Examples:
       dpfleet plan -N 4210000 -T 1900 --target-zcdp 0.35 -M 6500 --round-minutes 20 --out plan/
       dpfleet plan -N 1277 -T 60 --target-epsilon 8 --delta 1e-6 --json
-      dpfleet plan --trace week.jsonl.gz --days 7 --round-minutes 10 --target-epsilon 8 \
-        --delta 1e-6 --out plan/ --emit-config plan.toml
+      dpfleet plan --trace week.jsonl.gz --days 7 --round-minutes 10 --target-epsilon 8 --delta 1e-6
+      dpfleet plan --trace day.jsonl --days 1 --round-minutes 30 --target-zcdp 1 --emit-config p.toml
     """
     if (target_zcdp is None) == (target_epsilon is None):
         raise DpfleetError("give exactly one of --target-zcdp and --target-epsilon")
