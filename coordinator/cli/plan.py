@@ -183,12 +183,16 @@ def plan(population: int | None, rounds: int | None, trace: str | None, days: fl
     click.echo(dumps(record) if as_json else format_plan(result) + "\n"
                + format_mechanisms(result, rows, picked, how))
     if out is not None:
-        out_dir = Path(out)
-        with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
-            private_mkdir(out_dir)
-            atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
-            figure = plot_plan(result, out_dir / "plan.png")
-        click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")
+        write_out(Path(out), record, lambda path: plot_plan(result, path))
+
+
+def write_out(out_dir: Path, record: dict, plot) -> None:
+    """--out: plan.json and the figure `plot(path)` draws to plan.png, or nothing at all."""
+    with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
+        private_mkdir(out_dir)
+        atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
+        figure = plot(out_dir / "plan.png")
+    click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")
 
 
 def format_trace_plan(plan: TracePlan) -> str:
@@ -242,12 +246,7 @@ def plan_trace(trace: str, days: float | None, round_minutes: float | None, targ
     record = result.to_dict()
     click.echo(dumps(record) if as_json else format_trace_plan(result))
     if out is not None:
-        out_dir = Path(out)
-        with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
-            private_mkdir(out_dir)
-            atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
-            figure = plot_trace_plan(result, out_dir / "plan.png")
-        click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")
+        write_out(Path(out), record, lambda path: plot_trace_plan(result, path))
     if emit_config is not None:
         atomic_write(Path(emit_config), to_toml(record["config"]))
         click.echo(f"wrote {emit_config}: merge it into a run config for `dpfleet simulate`")
