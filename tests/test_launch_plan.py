@@ -12,6 +12,7 @@ from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine.launch_plan import (
     Candidate,
     choose,
+    plan_over_trace,
     realised_participation,
     replay,
 )
@@ -151,3 +152,21 @@ def test_a_trace_plan_is_what_simulate_replays(tmp_path):
                                            chosen["realised_max_participation"])
     assert privacy["epsilon"] <= chosen["epsilon"] * (1 + 1e-9)
     assert privacy["epsilon"] == pytest.approx(chosen["realised_epsilon"], rel=1e-6)
+
+
+def test_the_run_configs_participation_flows_through_the_replay_into_the_emitted_config(tmp_path):
+    path = write_five(tmp_path / "five.jsonl")
+    # the run config states MinS 2 (the 1 h timer alone gives 0), so the guard refuses a device
+    # for 2 rounds after it took part. By hand: slot 0 {0,2} -> round 0; slot 1 {1,2}: 2 refused,
+    # wait; slot 2 {0,3}: 0 refused, wait; slot 3 {1,3} -> round 1; slot 4 {1,4}: 1 refused; slot
+    # 5 {0,4}: 0 refused (rounds 0 and 2 have 1 between): 2 rounds, nobody twice
+    base = ParticipationSection(min_separation=2)
+    plan = plan_over_trace(path, 0.25, 60.0, 1.0, delta=1e-3, seed=0, report_goals=[2],
+                           timer_hours=[1.0], mechanism="tree", section=base, progress=False)
+    c = plan.chosen
+    assert (c.rounds, c.slots, c.min_separation, c.realised_min_separation) == (2, (0, 3), 2, None)
+    assert (c.cap, c.realised_max_participation, c.filled) == (1, 1, pytest.approx(2 / 6))
+    fragment = plan.to_dict()["config"]
+    assert fragment["participation"]["min_separation"] == 2
+    assert fragment["participation"]["max_participation"] == 1
+    assert fragment["rounds"] == 2 and fragment["dp"]["report_goal"] == 2
