@@ -99,14 +99,15 @@ R60 = ["--round-minutes", "60"]
     (["--days", "1", "-N", "5", "-T", "10"], "--days plans over a trace: give --trace"),
     (["--trace", "{five}"], "--trace needs --days and --round-minutes"),
     (["--trace", "{five}", "--days", "1", "--emit-config", "{five}", *R60], "exists: give a new file"),
+    (["--generate", "20", "--days", "1", *R60], "--generate writes its trace into --out"),
 ])
 def test_plan_over_a_trace_errors_are_one_line(tmp_path, capsys, args, message):
     five = write_five(tmp_path / "five.jsonl")
     before = five.read_bytes()
     args = [a.format(missing=tmp_path / "nope.jsonl", five=five) for a in args]
+    out = [] if "--generate" in args else ["--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exc:
-        main(["plan", *args, "--target-epsilon", "8", "--delta", "1e-6", "--mechanism", "tree",
-              "--out", str(tmp_path / "out")])
+        main(["plan", *args, "--target-epsilon", "8", "--delta", "1e-6", "--mechanism", "tree", *out])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code != 0 and err[-1].startswith("error: ") and message in err[-1], err
     assert "Traceback" not in "\n".join(err)
@@ -170,3 +171,18 @@ def test_the_run_configs_participation_flows_through_the_replay_into_the_emitted
     assert fragment["participation"]["min_separation"] == 2
     assert fragment["participation"]["max_participation"] == 1
     assert fragment["rounds"] == 2 and fragment["dp"]["report_goal"] == 2
+
+
+def test_plan_over_a_generated_trace_writes_it_beside_the_plan(tmp_path, capsys):
+    out = tmp_path / "out"
+    main(["plan", "--generate", "60", "--trace-seed", "2", "--days", "1", "--round-minutes", "60",
+          "--target-zcdp", "1", "-M", "2", "--timer-hours", "1", "--mechanism", "tree", "--out", str(out)])
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["trace"] == str((out / "trace.jsonl.gz").absolute()) and plan["population"] == 60
+    assert plan["chosen"]["rounds"] >= 1 and plan["config"]["participation"]["trace"] == plan["trace"]
+    assert "plan: report goal 2, timer 1 h" in capsys.readouterr().out
+    # a second plan into the same folder would replay another trace under the first one's name
+    with pytest.raises(SystemExit):
+        main(["plan", "--generate", "60", "--days", "1", "--round-minutes", "60", "--target-zcdp", "1",
+              "--out", str(out)])
+    assert "already holds trace.jsonl.gz" in capsys.readouterr().err

@@ -22,9 +22,13 @@ from dpfleet.coordinator.config import check_delta, parse_config, read_toml, rou
 from dpfleet.coordinator.engine.launch_plan import TracePlan, plan_over_trace, plot_trace_plan
 from dpfleet.coordinator.mechanisms.registry import names
 from dpfleet.coordinator.state.run_dir import check_not_a_run, to_toml
+from dpfleet.edge.trace_gen import generate
+from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, check_writable, private_mkdir, removed_on_failure
 from dpfleet.jsonio import dumps
+
+GENERATED = "trace.jsonl.gz"  # --generate's trace, in --out
 
 
 def format_plan(plan: Plan) -> str:
@@ -81,7 +85,13 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
 @click.option("--trace", type=click.Path(dir_okay=False), default=None,
               help="Plan over this availability trace (docs/traces.md): replay each report goal "
                    "and timer for --days and choose.")
-@click.option("--days", type=float, default=None, help="With --trace: the launch's length in days.")
+@click.option("--generate", "generate_devices", type=int, default=None, metavar="DEVICES",
+              help="Plan over a trace generated for the launch (`dpfleet trace generate`'s "
+                   "generator, --days long, --trace-seed) and written to --out/trace.jsonl.gz.")
+@click.option("--trace-seed", type=int, default=0, show_default=True,
+              help="With --generate: the generator's seed.")
+@click.option("--days", type=float, default=None,
+              help="With --trace or --generate: the launch's length in days.")
 @click.option("--timer-hours", type=float, multiple=True,
               help="With --trace: a timer period to try (repeat; default 1, 6 and 24 h).")
 @click.option("--min-rounds", type=int, default=1, show_default=True,
@@ -112,7 +122,8 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
               show_default=True,
               help="Noise mechanism (see above); auto: the least model noise at the target.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(population: int | None, rounds: int | None, trace: str | None, days: float | None,
+def plan(population: int | None, rounds: int | None, trace: str | None,
+         generate_devices: int | None, trace_seed: int, days: float | None,
          timer_hours: tuple[float, ...], min_rounds: int, seed: int | None, config_path: str | None,
          emit_config: str | None, target_zcdp: float | None,
          target_epsilon: float | None, delta: float | None, method: str,
@@ -147,6 +158,12 @@ def plan(population: int | None, rounds: int | None, trace: str | None, days: fl
     trace_options = {"--days": days, "--timer-hours": timer_hours or None, "--seed": seed,
                      "--config": config_path, "--emit-config": emit_config,
                      "--min-rounds": None if min_rounds == 1 else min_rounds}
+    if generate_devices is not None:
+        if trace is not None or out is None:
+            raise DpfleetError("--generate writes its trace into --out: give --out, not --trace")
+        trace = str(Path(out) / GENERATED)
+        if Path(trace).exists():
+            raise DpfleetError(f"--out {out} already holds {GENERATED}: give a new folder")
     if trace is None and (given := [k for k, v in trace_options.items() if v is not None]):
         raise DpfleetError(f"{given[0]} plans over a trace: give --trace")
     if trace is not None and rounds is not None:
@@ -168,9 +185,17 @@ def plan(population: int | None, rounds: int | None, trace: str | None, days: fl
             raise DpfleetError("--target-epsilon needs --delta")
         target_zcdp = zcdp_for_epsilon(target_epsilon, delta, method)
     if trace is not None:
-        return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population, seed,
-                          report_goal, timer_hours, mechanism, config_path, min_rounds, out,
-                          emit_config, as_json)
+        if generate_devices is None:
+            return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population,
+                              seed, report_goal, timer_hours, mechanism, config_path, min_rounds,
+                              out, emit_config, as_json)
+        with removed_on_failure(Path(out)):  # a plan that fails leaves no folder of a lone trace
+            if days is not None and days > 0:  # else plan_over_trace says what is wrong with it
+                private_mkdir(Path(out))
+                write_trace(Path(trace), generate(generate_devices, days, trace_seed, progress=True))
+            return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population,
+                              seed, report_goal, timer_hours, mechanism, config_path, min_rounds,
+                              out, emit_config, as_json)
     result = make_plan(population, rounds, target_zcdp, report_goal=report_goal, delta=delta,
                        method=method, round_minutes=round_minutes)
     rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, candidates(mechanism))
