@@ -158,6 +158,8 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
     trace_options = {"--days": days, "--timer-hours": timer_hours or None, "--seed": seed,
                      "--config": config_path, "--emit-config": emit_config,
                      "--min-rounds": None if min_rounds == 1 else min_rounds}
+    if trace_seed != 0 and generate_devices is None:
+        raise DpfleetError("--trace-seed seeds --generate's trace: give --generate")
     if generate_devices is not None:
         if trace is not None or out is None:
             raise DpfleetError("--generate writes its trace into --out: give --out, not --trace")
