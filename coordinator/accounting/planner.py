@@ -97,10 +97,16 @@ def _tree():
 def plan_row(population: int, rounds: int, report_goal: int, target_zcdp: float) -> PlanRow:
     """The plan for one report goal: MinS = N // M - 1, MaxP = worst case, z for the target."""
     mins = max_min_separation(population, report_goal)
-    maxp = worst_case_max_participation(rounds, mins)
-    s = _tree().sensitivity_squared(rounds, mins, maxp)
+    return row_for(report_goal, rounds, mins, worst_case_max_participation(rounds, mins), target_zcdp)
+
+
+def row_for(report_goal: int, rounds: int, min_separation: int, max_participation: int,
+            target_zcdp: float) -> PlanRow:
+    """The tree's row for a participation that is given rather than derived from N (a trace
+    planner's enforced MinS and MaxP cap): its exact sensitivity and the z meeting the target."""
+    s = _tree().sensitivity_squared(rounds, min_separation, max_participation)
     z = noise_for_zcdp(target_zcdp, s)
-    return PlanRow(report_goal, mins, maxp, s, z, zcdp_from_sensitivity(z, s))
+    return PlanRow(report_goal, min_separation, max_participation, s, z, zcdp_from_sensitivity(z, s))
 
 
 def report_goal_grid(population: int, rounds: int, points: int = 12) -> list[int]:
