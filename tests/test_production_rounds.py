@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import ParticipationSection, parse_config
+from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
-from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation, train_plan
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
@@ -194,13 +195,20 @@ def production_run(tmp_path_factory):
     cfg = parse_config({**TINY, "participation": {
         "mode": "timer", "timer_period": 1.0, "round_minutes": 30.0, "trace": str(trace),
         "over_selection": 1.3, "train_minutes": 8.0, "deadline_minutes": 15.0}})
-    lines = []
-    result = run_simulation(cfg, folder / "run", progress=False, log=lines.append)
-    return result, lines
+    lines, trained = [], []
+
+    def spy(cfg, trainer, clients, plan):  # who the in-process trainer is asked to train
+        trained.append(list(plan.devices))
+        return train_plan(cfg, trainer, clients, plan)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(simulation, "train_plan", spy)
+        result = run_simulation(cfg, folder / "run", progress=False, log=lines.append)
+    return result, lines, trained
 
 
 def test_a_tiny_run_records_how_rounds_closed_and_accounts_only_the_committed(production_run):
-    result, lines = production_run
+    result, lines, trained = production_run
     assert result.stopped_early is None and len(result.metrics) == 6
     log = [json.loads(x) for x in (result.run_dir / "participation.jsonl").read_text().splitlines()]
     for m, entry in zip(result.metrics, log, strict=True):
@@ -209,6 +217,8 @@ def test_a_tiny_run_records_how_rounds_closed_and_accounts_only_the_committed(pr
         assert m["selected"] in (3, 4) and m["committed"] == m["clients"] == len(entry["devices"]) <= 3
         assert m["selected"] == m["committed"] + m["failed"] + m["missed_deadline"] + m["over_goal"]
         assert 0 < m["round_duration_minutes"] <= 15.0
+    # the trainer never spent time on a device that missed the deadline or was over the goal
+    assert [len(t) for t in trained] == [m["committed"] for m in result.metrics]
     assert sum(m["selected"] for m in result.metrics) > 18  # over-selection did something
     assert sum(m["over_goal"] + m["missed_deadline"] for m in result.metrics) > 0
     ref = account_participation_log(result.run_dir / "participation.jsonl", 1.0, 1e-6)
