@@ -15,6 +15,7 @@ from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.engine.simulation import run_simulation, train_plan
+from dpfleet.coordinator.state.resume import replay
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
@@ -90,7 +91,10 @@ def test_an_abandoned_round_retries_and_its_devices_timers_run(tmp_path):
 def test_a_round_that_never_fills_min_reports_stops_cleanly(tmp_path):
     part = speed_participation(write_speed_trace(tmp_path / "t.jsonl"), 10, 6, over_selection=2.0,
                                deadline_minutes=8.0, min_reports=6)
-    with pytest.raises(RoundUnfillable, match="could not be filled"):
+    # 5 of 10 report by the deadline in every attempt: abandoned at slots 0, 6, ... (the 6-slot
+    # timers) up to the 30-day wait, 30 x 24 x 6 = 4320 slots: 4320 / 6 + 1 = 721 attempts
+    with pytest.raises(RoundUnfillable, match=r"round 0 was abandoned 721 times in 30 simulated days: "
+                                              r"fewer than participation.min_reports = 6"):
         part.propose(0)
 
 
@@ -229,3 +233,22 @@ def test_a_tiny_run_records_how_rounds_closed_and_accounts_only_the_committed(pr
     assert closes["selected"] == sum(m["selected"] for m in result.metrics)
     assert closes["committed"] == sum(len(e["devices"]) for e in log)
     assert any(line.startswith("rounds: 6 committed, ") for line in lines)
+
+
+def test_a_resumed_run_replays_over_selection_and_abandoned_rounds(tmp_path):
+    # resume re-proposes the logged rounds: the abandoned attempts and their timers must come out
+    # the same, or a resumed run is refused as another run (or selects other devices next)
+    path = write_speed_trace(tmp_path / "t.jsonl", late_fast=2)
+    keys = {"over_selection": 2.0, "deadline_minutes": 8.0, "min_reports": 6, "min_separation": 0}
+    first = speed_participation(path, 12, 6, **keys)
+    sels = []
+    for r in range(3):
+        sels.append(first.propose(r))
+        first.commit(sels[-1], sels[-1].devices)
+    assert sels[0].abandoned == ((0, tuple(range(10))),) and [s.slot for s in sels] == [6, 12, 18]
+    logged = [{"round": s.round, "devices": [f"u{i}" for i in s.devices], "restart": False} for s in sels]
+    again = speed_participation(path, 12, 6, **keys)
+    replay(again, RunAccountant(1.0, 1e-6), logged, [f"u{i}" for i in range(12)])
+    assert again.slot == first.slot and again.fleet.ready_slot.tolist() == first.fleet.ready_slot.tolist()
+    assert again.guard.count.tolist() == first.guard.count.tolist()
+    assert again.propose(3) == first.propose(3)

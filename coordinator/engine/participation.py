@@ -359,6 +359,13 @@ class Participation:
                     abandoned.append((slot, tuple(chosen.tolist())))
                     busy = np.concatenate([busy, chosen])
                     busy_until = np.concatenate([busy_until, np.full(size, slot + self.fleet.timer_slots)])
+            if slot - self.slot >= max_wait and abandoned:
+                raise RoundUnfillable(
+                    f"round {round_idx} was abandoned {len(abandoned)} times in {MAX_WAIT_DAYS} "
+                    f"simulated days: fewer than participation.min_reports = {self.min_reports} "
+                    "devices reported by the deadline; raise deadline_minutes or over_selection, "
+                    "or lower min_reports"
+                )
             if slot - self.slot >= max_wait:
                 hint = ("the trace has too few devices available" if self.fleet.trace is not None
                         else "raise participation.availability")
