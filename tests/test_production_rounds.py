@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_trace_replay import TINY  # the same tiny run
 
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
@@ -180,16 +181,6 @@ def test_bad_round_close_keys_are_one_line(keys, message):
         parse_config({"dp": {"report_goal": 3},
                       "participation": {"mode": "timer", "round_minutes": 30.0, **keys}})
     assert message in str(exc.value) and "\n" not in str(exc.value)
-
-
-TINY = {
-    "rounds": 6, "eval_every": 6, "seed": 5,
-    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 200, "max_examples": 16},
-    "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
-    "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
-    "client": {"lr": 1.0, "batch_size": 16},
-    "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 3},
-}
 
 
 @pytest.fixture(scope="module")
