@@ -873,9 +873,14 @@ def round_minutes_error(minutes: float, name: str = "participation.round_minutes
 def round_size(cfg: SimulationConfig) -> int:
     """Devices assigned per round: the report goal plus `[service] overselect` (the most clients
     one sum can hold, which secure aggregation's encoding is sized for)."""
-    import math
+    return over_selected(cfg.dp.report_goal, cfg.service.overselect)
 
-    return cfg.dp.report_goal + math.ceil(cfg.dp.report_goal * cfg.service.overselect - 1e-9)
+
+def over_selected(report_goal: int, extra: float) -> int:
+    """The one over-selection rule of the service (`service.overselect` = extra) and of simulate's
+    timer mode (`participation.over_selection` = 1 + extra): the report goal plus
+    ceil(report_goal x extra) devices, where the float noise of 0.1 x 10 must not add 2."""
+    return report_goal + math.ceil(report_goal * extra - 1e-9)
 
 
 def clip_count_stddev(cfg: SimulationConfig) -> float:

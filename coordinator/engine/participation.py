@@ -27,13 +27,12 @@ the participation log, never this module's state, so a bug here cannot hide a pa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpfleet.coordinator.config import ParticipationSection
+from dpfleet.coordinator.config import ParticipationSection, over_selected
 from dpfleet.edge.fleet import Availability, EmulatedFleet
 from dpfleet.edge.traces import load_replay
 from dpfleet.errors import DpfleetError
@@ -276,9 +275,8 @@ class Participation:
         self.policy = policy if policy is not None else (
             DisjointPolicy(size, seed) if section.mode == "disjoint" else UniformPolicy(seed))
         self._timer_draw = UniformPolicy(seed, 0x5C)  # timer mode among the devices that checked in
-        # timer mode's over-selection: ceil(over_selection x goal) (the float noise of 1.1 x 10
-        # must not select 12), exactly the goal at 1
-        self.round_size = max(report_goal, math.ceil(section.over_selection * report_goal - 1e-9))
+        # timer mode's over-selection, the service's rule (`over_selected`): exactly the goal at 1
+        self.round_size = over_selected(report_goal, section.over_selection - 1.0)
         self.min_reports = max(section.min_reports, 1)  # an empty sum is never committed
 
     @property
