@@ -99,6 +99,13 @@ def test_a_round_that_never_fills_min_reports_stops_cleanly(tmp_path):
         part.propose(0)
 
 
+def test_min_reports_above_a_smaller_goal_means_the_goal(tmp_path):
+    # a planner may try report goal 4 with a section whose min_reports is 6: no commit below 4
+    part = speed_participation(write_speed_trace(tmp_path / "t.jsonl"), 10, 4, over_selection=2.5,
+                               deadline_minutes=8.0, min_reports=6)
+    assert part.min_reports == 4 and part.propose(0).devices == [0, 1, 2, 3]
+
+
 def test_over_goal_devices_are_never_contributors(tmp_path):
     # no timer (MinS 0): every round selects all 10 and commits 0..3 (the fast and first mid);
     # over 5 rounds the guard and the accountant see exactly them, 5 times each

@@ -277,7 +277,9 @@ class Participation:
         self._timer_draw = UniformPolicy(seed, 0x5C)  # timer mode among the devices that checked in
         # timer mode's over-selection, the service's rule (`over_selected`): exactly the goal at 1
         self.round_size = over_selected(report_goal, section.over_selection - 1.0)
-        self.min_reports = max(section.min_reports, 1)  # an empty sum is never committed
+        # an empty sum is never committed; above the goal (a planner trying smaller report goals
+        # with a run's section; a config is refused) it means the goal: no commit below it
+        self.min_reports = min(max(section.min_reports, 1), report_goal)
 
     @property
     def min_separation(self) -> int:
