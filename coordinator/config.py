@@ -239,6 +239,24 @@ class ParticipationSection:
     diurnal_amplitude, by `simulate` and the emulated fleet alike: client i is trace device i mod
     the trace's devices, the trace repeats after its duration, and a device that joins a round
     drops out with its failure chance. "": no trace."""
+    over_selection: float = 1.0
+    """Timer mode: the coordinator selects ceil(over_selection x report_goal) of the devices that
+    checked in (all of them if fewer; at least the report goal must check in), so that drops and
+    stragglers still leave the goal (Bonawitz et al. 2019). 1: exactly the report goal."""
+    train_minutes: float = 2.0
+    """Timer mode: the reference ("mid") device's simulated time to train and report; a device
+    finishes after this x its speed class's multiplier (a trace's; "mid" without one) x a seeded
+    LogNormal(0, train_jitter) jitter."""
+    train_jitter: float = 0.25
+    """Timer mode: sigma of the LogNormal jitter on each device's finishing time (0: none)."""
+    deadline_minutes: float = 0.0
+    """Timer mode: the round closes at the report goal (the first report_goal finishers are summed,
+    later ones are told to stop) or at this many minutes after it opened, whichever comes first;
+    at most round_minutes. 0: no deadline (every selected device that does not drop reports)."""
+    min_reports: int = 0
+    """Timer mode: a round with fewer reports than this at its close is abandoned and retried in
+    the next slot (the selected devices' timers start all the same); at most the report goal.
+    0: any round with one report commits."""
 
 
 @dataclass
@@ -701,6 +719,7 @@ def validate(cfg: SimulationConfig) -> None:
         *fleet_checks(cfg.fleet),
         *projection_checks(cfg),
         *trace_checks(cfg.participation, cfg.fleet),
+        *round_close_checks(cfg.participation, cfg.dp.report_goal),
         (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
          "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
          "client.runtime = 'onnx' or 'executorch'"),
@@ -788,6 +807,34 @@ def trace_checks(p: ParticipationSection, f: FleetSection) -> list[tuple[bool, s
     return checks
 
 
+def round_close_checks(p: ParticipationSection, report_goal: int) -> list[tuple[bool, str]]:
+    """How a timer-mode round is over-selected and closed (`participation.Participation`): the
+    keys mean something only on the simulated clock of timer mode, so elsewhere they must keep
+    their defaults rather than be silently ignored."""
+    finite = all(math.isfinite(x) for x in (p.over_selection, p.train_minutes, p.train_jitter,
+                                              p.deadline_minutes))
+    changed = [k for k, default in (("over_selection", 1.0), ("deadline_minutes", 0.0),
+                                    ("min_reports", 0)) if getattr(p, k) != default]
+    return [
+        (finite, "participation.over_selection, train_minutes, train_jitter and deadline_minutes "
+                 "must be finite numbers"),
+        (not finite or 1 <= p.over_selection <= 100,
+         f"participation.over_selection must be in [1, 100], got {p.over_selection:g}"),
+        (not finite or p.train_minutes > 0,
+         f"participation.train_minutes must be > 0, got {p.train_minutes:g}"),
+        (not finite or 0 <= p.train_jitter <= 3,
+         f"participation.train_jitter must be in [0, 3], got {p.train_jitter:g}"),
+        (not finite or 0 <= p.deadline_minutes <= p.round_minutes,
+         f"participation.deadline_minutes must be in [0, round_minutes = {p.round_minutes:g}] "
+         f"(0: no deadline), got {p.deadline_minutes:g}"),
+        (0 <= p.min_reports <= report_goal,
+         f"participation.min_reports must be in [0, dp.report_goal = {report_goal}], got {p.min_reports}"),
+        (p.mode == "timer" or not changed,
+         f"participation.{', '.join(changed)} close rounds on the simulated clock of timer mode: "
+         f"set participation.mode = 'timer' (not {p.mode!r}) or remove them"),
+    ]
+
+
 def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
     probabilities = ("idle", "unmetered", "dropout_download", "dropout_train", "dropout_report",
                      "dropout_secagg")
@@ -826,9 +873,14 @@ def round_minutes_error(minutes: float, name: str = "participation.round_minutes
 def round_size(cfg: SimulationConfig) -> int:
     """Devices assigned per round: the report goal plus `[service] overselect` (the most clients
     one sum can hold, which secure aggregation's encoding is sized for)."""
-    import math
+    return over_selected(cfg.dp.report_goal, cfg.service.overselect)
 
-    return cfg.dp.report_goal + math.ceil(cfg.dp.report_goal * cfg.service.overselect - 1e-9)
+
+def over_selected(report_goal: int, extra: float) -> int:
+    """The one over-selection rule of the service (`service.overselect` = extra) and of simulate's
+    timer mode (`participation.over_selection` = 1 + extra): the report goal plus
+    ceil(report_goal x extra) devices, where the float noise of 0.1 x 10 must not add 2."""
+    return report_goal + math.ceil(report_goal * extra - 1e-9)
 
 
 def clip_count_stddev(cfg: SimulationConfig) -> float:

@@ -11,6 +11,8 @@ every comparison is exact. A timer of P hours lasts ceil(P * 60 / round_minutes)
 Availability at each slot is a seeded Bernoulli draw per device, so a run is reproducible; or,
 given an availability trace (`participation.trace`, edge/traces.py), what the trace says at the
 slot's simulated time, and a device that joins a round drops out with the trace's failure chance.
+A selected device that does not drop reports after its training time (`finish_minutes`), which
+the coordinator compares with the round's report goal and deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpfleet.edge.traces import TraceReplay
+from dpfleet.edge.traces import SPEED_MULTIPLIER, TraceReplay
 from dpfleet.errors import DpfleetError
 
 
@@ -94,6 +96,23 @@ class EmulatedFleet:
             return np.zeros(devices.size, dtype=bool)
         draws = np.random.default_rng([self.seed, 0xA8, round_idx, slot]).random(devices.size)
         return draws < self.trace.failure(devices)
+
+    def finish_minutes(self, devices: np.ndarray | list[int], round_idx: int, slot: int,
+                       train_minutes: float, jitter: float) -> np.ndarray:
+        """When each of `devices`, selected for round `round_idx` at `slot`, would report (minutes
+        after the round opened): `train_minutes` x its speed class's multiplier (the trace's;
+        every device is "mid" without one) x a LogNormal(0, `jitter`) draw per (round, slot, device).
+
+        Why LogNormal: a device's training time is a product of positive factors (thermal
+        throttling, other apps, its data's size), so its log is roughly normal and it has the
+        right skew (a few very late devices, never a negative time); the median factor is 1, so the
+        speed class stays the typical time, as the emulated fleet's LogNormal speed does
+        (fleet/behaviour.py). Drawn from its own stream, so it never moves a selection or a drop."""
+        devices = np.asarray(devices, dtype=np.int64)
+        speed = (np.array([self.trace.speed(int(d)) for d in devices]) if self.trace is not None
+                 else np.full(devices.size, SPEED_MULTIPLIER["mid"]))
+        rng = np.random.default_rng([self.seed, 0xA9, round_idx, slot])
+        return train_minutes * speed * rng.lognormal(0.0, jitter, devices.size)
 
     def took_part(self, devices: np.ndarray | list[int], slot: int) -> None:
         """Start the timers of devices that took part in the round starting at `slot`."""

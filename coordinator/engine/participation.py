@@ -11,6 +11,11 @@ Modes (`[participation] mode`):
             `participation.trace` the devices are available when the trace says so
             (edge/traces.py `TraceReplay`) and a selected device drops out of the round with the
             trace's failure chance: it is not trained and not in the sum, its timer still starts.
+            Rounds close as production's do (Bonawitz et al. 2019): the coordinator over-selects
+            (`over_selection`), each selected device reports after its training time (speed
+            class x seeded jitter), the round closes at the report goal or the deadline, and only
+            the first report-goal finishers are trained and summed; a round short of `min_reports`
+            is abandoned and retried one slot later (`Participation._propose_timer`).
 
 Defence in depth: whatever the devices' timers do, `ParticipationGuard` refuses a device that
 would have fewer than `min_separation` rounds strictly between two of its participations (the
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpfleet.coordinator.config import ParticipationSection
+from dpfleet.coordinator.config import ParticipationSection, over_selected
 from dpfleet.edge.fleet import Availability, EmulatedFleet
 from dpfleet.edge.traces import load_replay
 from dpfleet.errors import DpfleetError
@@ -107,6 +112,61 @@ class Selection:
     waited_slots: int  # slots spent waiting because too few devices were accepted
     refused: int  # devices that checked in but the guard refused (summed over the waits)
     dropped: list[int] = field(default_factory=list)  # selected, then dropped out (trace failure)
+    late: list[int] = field(default_factory=list)  # selected, finished after the deadline
+    over_goal: list[int] = field(default_factory=list)  # finished after the goal: told to stop
+    minutes: float | None = None  # the round's simulated duration (None: not timed, not timer mode)
+    # attempts abandoned before this one (too few reports by the deadline): (slot, selected devices)
+    abandoned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def selected(self) -> list[int]:
+        """Every device the round selected: reported, dropped, missed the deadline or over the goal."""
+        return sorted(self.devices + self.dropped + self.late + self.over_goal)
+
+    def outcome(self) -> dict:
+        """The round's fields in metrics.jsonl (timer mode; {} otherwise): what happened to the
+        devices it selected, the attempts it abandoned and its simulated duration."""
+        if self.minutes is None:
+            return {}
+        return {"selected": len(self.selected), "failed": len(self.dropped),
+                "missed_deadline": len(self.late), "over_goal": len(self.over_goal),
+                "committed": len(self.devices), "abandoned": len(self.abandoned),
+                "abandoned_selected": sum(len(d) for _, d in self.abandoned),
+                "round_duration_minutes": self.minutes}
+
+
+@dataclass(frozen=True)
+class Close:
+    """How one timer-mode round closes (`round_close`): positions into the selected devices."""
+
+    committed: np.ndarray  # the first report-goal finishers (or every one in time)
+    late: np.ndarray  # finished after the deadline
+    over_goal: np.ndarray  # finished after the goal was reached
+    minutes: float  # when the round closed, minutes after it opened
+
+
+def round_close(finish: np.ndarray, goal: int, deadline: float) -> Close:
+    """Production's close (Bonawitz et al. 2019, Sec. 2): the round ends when `goal` devices have
+    reported or at `deadline` (minutes; 0: none), whichever comes first. `finish[i]`: when selected
+    device i reports (inf: it dropped). The first `goal` finishers commit (ties: the earlier
+    position, i.e. the lower device); whoever finishes later is told to stop and is over the goal
+    when the goal was reached, else it missed the deadline. Without a deadline and short of the
+    goal, the round closes when its last reporter finishes."""
+    finish = np.asarray(finish, dtype=np.float64)
+    limit = deadline if deadline > 0 else np.inf
+    order = np.argsort(finish, kind="stable")
+    reports = np.isfinite(finish)
+    in_time = order[reports[order] & (finish[order] <= limit)]  # reporters in time, by time
+    committed = np.sort(in_time[:goal])
+    if committed.size == goal:
+        closes = float(finish[in_time[goal - 1]]) if goal else 0.0
+        late = np.zeros(0, dtype=np.int64)
+    else:
+        closes = deadline if deadline > 0 else float(finish[committed].max(initial=0.0))
+        late = np.flatnonzero(reports & (finish > limit))
+    rest = np.flatnonzero(reports)
+    over = np.setdiff1d(rest, np.concatenate([committed, late]))
+    return Close(committed, late, over, closes)
 
 
 class Eligible:
@@ -215,6 +275,11 @@ class Participation:
         self.policy = policy if policy is not None else (
             DisjointPolicy(size, seed) if section.mode == "disjoint" else UniformPolicy(seed))
         self._timer_draw = UniformPolicy(seed, 0x5C)  # timer mode among the devices that checked in
+        # timer mode's over-selection, the service's rule (`over_selected`): exactly the goal at 1
+        self.round_size = over_selected(report_goal, section.over_selection - 1.0)
+        # an empty sum is never committed; above the goal (a planner trying smaller report goals
+        # with a run's section; a config is refused) it means the goal: no commit below it
+        self.min_reports = min(max(section.min_reports, 1), report_goal)
 
     @property
     def min_separation(self) -> int:
@@ -255,19 +320,52 @@ class Participation:
         return Selection(round_idx, devices, self.slot, 0, 0)
 
     def _propose_timer(self, round_idx: int, allowed: np.ndarray) -> Selection:
-        max_wait = int(MAX_WAIT_DAYS * 24 * 60 / self.section.round_minutes)
+        """Production's round (Bonawitz et al. 2019): select `round_size` of the devices that
+        checked in, let each report at its finishing time or drop, close at the goal or the
+        deadline (`round_close`). A round short of `min_reports` is abandoned and retried one slot
+        later; its devices took part from their own view (they trained), so their timers start
+        (conservative: a device never checks in sooner than a real one would). An attempt in
+        which every selected device dropped is retried as it always was, without starting
+        timers: the runs made before over-selection replay (and resume) exactly. Propose changes
+        no state: the abandoned attempts ride in the selection, and `commit` starts their timers;
+        meanwhile those devices stay away from the retries (`busy`)."""
+        section = self.section
+        max_wait = int(MAX_WAIT_DAYS * 24 * 60 / section.round_minutes)
         slot, refused = self.slot, 0
+        abandoned: list[tuple[int, tuple[int, ...]]] = []
+        busy = np.zeros(0, dtype=np.int64)  # devices of abandoned attempts whose timers run
+        busy_until = np.zeros(0, dtype=np.int64)
         while True:
             checked_in = self.fleet.check_in(slot)
+            if busy.size:
+                checked_in = checked_in[~np.isin(checked_in, busy[busy_until > slot])]
             accepted = checked_in[allowed[checked_in]]
             refused += checked_in.size - accepted.size
             if accepted.size >= self.report_goal:
                 rng = np.random.default_rng([self.seed, 0x5C, round_idx])
-                chosen = np.sort(rng.choice(accepted, self.report_goal, replace=False))
+                size = min(self.round_size, accepted.size)
+                chosen = np.sort(rng.choice(accepted, size, replace=False))
                 drops = self.fleet.drops(chosen, round_idx, slot)
-                if not drops.all():  # else nobody would report: try again one slot later
-                    return Selection(round_idx, chosen[~drops].tolist(), slot, slot - self.slot,
-                                     refused, chosen[drops].tolist())
+                finish = self.fleet.finish_minutes(chosen, round_idx, slot, section.train_minutes,
+                                                   section.train_jitter)
+                close = round_close(np.where(drops, np.inf, finish), self.report_goal,
+                                    section.deadline_minutes)
+                if close.committed.size >= self.min_reports:
+                    return Selection(round_idx, chosen[close.committed].tolist(), slot,
+                                     slot - self.slot, refused, chosen[drops].tolist(),
+                                     chosen[close.late].tolist(), chosen[close.over_goal].tolist(),
+                                     close.minutes, tuple(abandoned))
+                if not drops.all():  # abandoned: try again one slot later, these devices' timers run
+                    abandoned.append((slot, tuple(chosen.tolist())))
+                    busy = np.concatenate([busy, chosen])
+                    busy_until = np.concatenate([busy_until, np.full(size, slot + self.fleet.timer_slots)])
+            if slot - self.slot >= max_wait and abandoned:
+                raise RoundUnfillable(
+                    f"round {round_idx} was abandoned {len(abandoned)} times in {MAX_WAIT_DAYS} "
+                    f"simulated days: fewer than participation.min_reports = {self.min_reports} "
+                    "devices reported by the deadline; raise deadline_minutes or over_selection, "
+                    "or lower min_reports"
+                )
             if slot - self.slot >= max_wait:
                 hint = ("the trace has too few devices available" if self.fleet.trace is not None
                         else "raise participation.availability")
@@ -282,7 +380,9 @@ class Participation:
         """The round ran: record who contributed, start the selected devices' timers, tick."""
         self.guard.record(contributed, selection.round)
         if self.fleet is not None:
-            self.fleet.took_part(selection.devices + selection.dropped, selection.slot)
+            for slot, devices in selection.abandoned:  # they trained for a round that never closed
+                self.fleet.took_part(list(devices), slot)
+            self.fleet.took_part(selection.selected, selection.slot)
         self.slot = selection.slot + 1
 
 

@@ -377,6 +377,7 @@ class RoundEngine:
             "clock_hours": self.participation.hours(selection.slot),
             "waited_hours": self.participation.hours(selection.waited_slots),
             "refused": selection.refused,
+            **selection.outcome(),  # timer mode: selected, failed, missed the deadline, over the goal
             "accuracy": None,
             "loss": None,
         }
@@ -541,6 +542,7 @@ class RoundEngine:
             "wall_seconds": time.perf_counter() - started, "parameters": int(self.server.theta.size),
             "rounds_completed": len(self.metrics), "stopped_early": stopped_early,
             "simulated_hours": self.participation.hours(self.participation.slot),
+            **round_totals(self.metrics),
             "resumed_after_round": self.start or None,
             "rounds_lost_in_crash": self.lost,
             # which noise, and whether the guarantee needs every participant honest
@@ -560,3 +562,36 @@ class RoundEngine:
         discard_resume(run_path)
         return final, privacy
 
+
+def round_totals(metrics: Sequence[dict]) -> dict:
+    """summary.json's totals of how timer-mode rounds closed (`Selection.outcome`; {} in other
+    modes): rounds committed and abandoned, and what became of the devices the committed rounds
+    selected (an abandoned attempt's devices are counted apart: `abandoned_selected`)."""
+    timed = [m for m in metrics if "selected" in m]
+    if not timed:
+        return {}
+    total = {k: sum(m[k] for m in timed) for k in ("selected", "failed", "missed_deadline",
+                                                  "over_goal", "committed", "abandoned",
+                                                  "abandoned_selected")}
+    selected = total["selected"]
+    return {"round_close": {
+        "rounds_committed": len(timed), "rounds_abandoned": total["abandoned"],
+        "selected": selected, "committed": total["committed"], "failed": total["failed"],
+        "missed_deadline": total["missed_deadline"], "over_goal": total["over_goal"],
+        "abandoned_selected": total["abandoned_selected"],
+        "missed_deadline_fraction": total["missed_deadline"] / selected if selected else 0.0,
+        "mean_round_minutes": sum(m["round_duration_minutes"] for m in timed) / len(timed),
+    }}
+
+
+def round_close_line(closes: dict) -> str:
+    """The run log's line on how rounds closed (`round_totals`' "round_close")."""
+    selected = closes["selected"] or 1
+
+    def share(k: str) -> str:
+        return f"{closes[k] / selected:.0%}"
+
+    return (f"rounds: {closes['rounds_committed']} committed, {closes['rounds_abandoned']} abandoned; of "
+            f"{closes['selected']} devices selected, {share('missed_deadline')} missed the deadline, "
+            f"{share('over_goal')} finished over the goal, {share('failed')} failed; rounds took "
+            f"{closes['mean_round_minutes']:.1f} simulated minutes on average")

@@ -43,6 +43,8 @@ from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPEND
     RoundEngine,
     RoundPlan,
     Stop,
+    round_close_line,
+    round_totals,
 )
 from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, build_dp_vocabulary
 from dpfleet.coordinator.state.resume import (
@@ -265,6 +267,8 @@ def run_simulation(
                                     ext.get("clipping"), progress, on_round)
     if stopped_early:
         log(stopped_early)
+    if closes := round_totals(engine.metrics).get("round_close"):  # timer mode: how rounds closed
+        log(round_close_line(closes))
     public_data = [*public_data, *setup.public_data]
     log(f"finishing: final evaluation ({len(test_rows):,} held-out rows), checkpoint, privacy report ...")
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,

@@ -47,7 +47,10 @@ GROUPS = {
     "max_participation": "privacy",
     "clip": "dp", "noise_std": "dp", "clip_estimate": "dp", "restart": "dp",
     "clients": "participation", "refused": "participation",
-    "clock_hours": "clock", "waited_hours": "clock",
+    # timer mode: how the round closed (`participation.Selection.outcome`)
+    **dict.fromkeys(("selected", "failed", "missed_deadline", "over_goal", "committed", "abandoned",
+                     "abandoned_selected"), "participation"),
+    "clock_hours": "clock", "waited_hours": "clock", "round_duration_minutes": "clock",
 }
 
 
