@@ -16,12 +16,15 @@ block holds its scalars). Their values are of two kinds:
   for the same config and the same survivors;
 - costs, which differ by nature: `simulate` measures the whole emulated protocol in one process
   (every client's work included), `serve` the coordinator's side. `bytes_*_per_client` are the
-  SecAgg messages each client sent / received (no HTTP framing), `seconds` the aggregation's wall
-  time (serve: from the setup to the decoded sum, the devices' training included),
-  `encode_seconds` the clients' encoding, which only the simulation sees (null from serve).
+  SecAgg messages each client sent / received (no HTTP framing; the same from both while every
+  device stays: serve counts mail to a vanished device, simulate does not), `seconds` the wall
+  time of the aggregation (serve: from the round's opening to the decoded sum, the devices'
+  training included), `encode_seconds` the clients' encoding, which only the simulation sees
+  (null from serve).
 
 Data-dependent counts (`clipped_coordinates`, `inputs_scaled_down`, `count_out_of_range`) are in
-`info` for the debug log, never in the metrics record; only the simulation sees the encodings.
+`info` for the debug log, never in the metrics record (`round_engine.DATA_DEPENDENT_AGGREGATION`);
+only the simulation sees the encodings, so only it has the first two.
 """
 
 from __future__ import annotations
