@@ -47,10 +47,24 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("runtime", ["eager", pytest.param("onnx", marks=pytest.mark.slow)])
-def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime):
+# timer participation (every device available, a 15-minute timer: MinS 1 over 10-minute rounds)
+# and adaptive clipping (plain: the count from the reports' norms; SecAgg: masked in the vector)
+TIMER_ADAPTIVE = {"participation": {"mode": "timer", "timer_period": 0.25, "availability": 1.0},
+                  "dp": {"adaptive_clipping": True, "clip_count_stddev": 1.0}}
+
+
+def with_extra(extra: dict) -> dict:
+    """`tiny_cfg` sections: TINY's, updated with `extra`'s keys."""
+    return {k: {**TINY.get(k, {}), **v} for k, v in extra.items()}
+
+
+@pytest.mark.parametrize(("runtime", "extra"), [
+    ("eager", {}), pytest.param("onnx", {}, marks=pytest.mark.slow),
+    pytest.param("eager", TIMER_ADAPTIVE, marks=pytest.mark.slow, id="eager-timer-adaptive")])
+def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime, extra):
     # an exported runtime builds its training program on first use: a longer report deadline
-    cfg = tiny_cfg(client={"runtime": runtime}, service={"report_deadline_s": 120.0})
+    cfg = tiny_cfg(client={"runtime": runtime}, service={"report_deadline_s": 120.0},
+                   **with_extra(extra))
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)
     status, outcomes = run_service(cfg, tmp_path)
     state = tmp_path / "state"
@@ -63,8 +77,9 @@ def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime):
                               for d in e["devices"])
     served, simulated = lines(state / "metrics.jsonl"), sim.metrics
     for a, b in zip(served, simulated, strict=True):
-        for key in ("round", "clients", "noise_std", "epsilon", "accuracy", "loss"):
-            assert a[key] == b[key], key
+        for key in ("round", "clients", "noise_std", "epsilon", "accuracy", "loss", "clip",
+                    "clip_estimate", "refused"):
+            assert a.get(key) == b.get(key), key
     ours = load_file(state / "checkpoint" / "model.safetensors")
     theirs = load_file(tmp_path / "sim" / "checkpoint" / "model.safetensors")
     assert ours.keys() == theirs.keys()
@@ -84,12 +99,6 @@ def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime):
 PROTOCOL_FACTS = ("aggregation", "graph", "k", "threshold", "threshold_bounded", "assumed_corrupt",
                   "signed", "bits", "padded_length", "scale", "sensitivity", "norm_inflation",
                   "quantization_bound", "survivors", "rejected_messages")
-
-
-# timer participation (every device available, a 30-minute timer: MinS 2 over 10-minute rounds)
-# and adaptive clipping (each device's clipped bit masked in the SecAgg vector)
-TIMER_ADAPTIVE = {"participation": {"mode": "timer", "timer_period": 0.5, "availability": 1.0},
-                  "dp": {"adaptive_clipping": True, "clip_count_stddev": 1.0}}
 
 
 @pytest.mark.slow  # ~35-60 s each on a loaded machine: a simulation and a served run, SecAgg in both
@@ -118,7 +127,7 @@ def test_a_secagg_service_run_matches_the_simulation(tmp_path, monkeypatch, extr
     monkeypatch.setattr(RoundEngine, "close_round", spy)
     cfg = tiny_cfg(rounds=2, eval_every=2, aggregation={"kind": "secagg", "signed": True},
                    service={"report_deadline_s": 60.0, "secagg_phase_deadline_s": 30.0},
-                   **{k: {**TINY.get(k, {}), **v} for k, v in extra.items()})
+                   **with_extra(extra))
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)
     simulated_sums, sums[:] = list(sums), []
     status, _ = run_service(cfg, tmp_path)
