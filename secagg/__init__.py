@@ -15,6 +15,8 @@ discretization of Kairouz, Liu and Steinke 2021 that lets DP-FTRL sum real vecto
 - `inprocess`: one round with every party in this process, dropouts and message tampering
 - `encoding`: rotation, scaling, conditional rounding, element-wise clip, Z_(2^b) and back
 - `aggregator`: `SecAggAggregator`, the round engine's `Aggregator`
+- `round_sum`: a round's sum for `simulate` and the service alike (plain sum; SecAgg decode,
+  clipped-count split and the `aggregation` record); `sums`: what an aggregation returns
 - `bench`, `cli`: `dpfleet secagg bench`
 - `errors`: one exception class per reason a message is refused
 

@@ -15,6 +15,9 @@ The differences it must account for are in `info`:
 - `survivors`: simulated dropouts after key sharing leave clients out of the sum, as on a real
   fleet; DP accounting must count only them;
 - costs: bytes sent/received per client, per-phase client and server seconds.
+
+The decode, the count's split and the record are `round_sum.ring_sum`'s, which the coordinator
+service's rounds use too, so both drivers hand the engine the same kind of result.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.errors import DpfleetError
-from dpfleet.secagg.count_bit import append_bit, split_count
+from dpfleet.secagg.count_bit import append_bit
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.fleet import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.policy import ClientPolicy
-from dpfleet.secagg.sums import AggregateResult, RingSum, check_shapes
+from dpfleet.secagg.round_sum import RingCosts, ring_sum
+from dpfleet.secagg.sums import AggregateResult, check_shapes
 
 
 class SecAggAggregator:
@@ -121,38 +125,11 @@ class SecAggAggregator:
 
         report = run_round(setup, encode, identities, dropouts={"mask": dropped},
                            policy=ClientPolicy.for_setup(setup))
-        ring, count, out_of_range = report.total, None, False
-        if bits is not None:
-            ring, count, out_of_range = split_count(ring, disc.padded_length,
-                                                    len(report.survivors), self.bits)
-        total = disc.decode(ring)
-        phase_client = {p: sum(report.client_seconds[p].values()) for p in PHASES}
-        info = {
-            "aggregation": "secagg",
-            "graph": "complete" if setup.k == setup.n - 1 else "harary",
-            "k": setup.k,
-            "threshold": setup.threshold,
-            "threshold_bounded": plan.bounded,
-            "assumed_corrupt": setup.corrupt,
-            "signed": setup.signed,
-            "bits": self.bits,
-            "padded_length": disc.padded_length,
-            "scale": disc.scale,
-            "sensitivity": disc.sensitivity,
-            "norm_inflation": disc.norm_inflation,
-            "quantization_bound": disc.quantization_bound(len(report.survivors)),
-            "clipped_coordinates": sum(encodings[u].clipped_coordinates for u in report.survivors),
-            "inputs_scaled_down": sum(encodings[u].input_scaled_down for u in report.survivors),
-            "dropped": sorted(dropped),
-            "bytes_sent_per_client": float(np.mean(list(report.bytes_sent.values()))),
-            "bytes_received_per_client": float(np.mean(list(report.bytes_received.values()))),
-            "client_seconds": phase_client,  # summed over clients, per phase
-            "encode_seconds": encode_seconds,  # summed over clients
-            "server_seconds": dict(report.server_seconds),
-            "rejected_messages": len(report.rejections),
-            "seconds": time.perf_counter() - started,
-        }
-        if bits is not None:
-            info["count_out_of_range"] = out_of_range
-        return AggregateResult(total=total, survivors=list(report.survivors), info=info,
-                               ring=RingSum(ring, self.bits, disc.decode), clipped_count=count)
+        costs = RingCosts(
+            bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
+            seconds=time.perf_counter() - started, rejected_messages=len(report.rejections),
+            encode_seconds=encode_seconds,
+            client_seconds={p: sum(report.client_seconds[p].values()) for p in PHASES},
+            server_seconds=report.server_seconds)
+        return ring_sum(report.total, disc, setup, report.survivors, counted=bits is not None,
+                        bounded=plan.bounded, costs=costs, encodings=encodings)

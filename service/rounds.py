@@ -32,7 +32,8 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.policy import PolicyRefused, ReleasePolicy
 from dpfleet.io import atomic_write, sha256_hex
 from dpfleet.jsonio import dumps
-from dpfleet.secagg.sums import AggregateResult, RingSum
+from dpfleet.secagg.round_sum import RingCosts, ring_sum
+from dpfleet.secagg.sums import AggregateResult
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
 from dpfleet.service.run_bundle import release_bundle
@@ -76,6 +77,7 @@ class OpenRound:
     plain: PlainCollector | None = None
     secagg: SecAggRound | None = None
     disc: object | None = None
+    bounded: bool = True  # SecAgg: the graph plan's t is bounded (the record's threshold_bounded)
     state: str = "open"  # open | closing | committed | failed
     secagg_seconds: float = 0.0  # time in the SecAgg server state machine (handle, close_phase)
     # the coordinator's critical path (seconds devices wait on it, benchmarks/fleet_load.py):
@@ -454,14 +456,14 @@ class RoundDriver:
         # the dropout the over-selection absorbs, and d missing reveals (the devices' policy
         # recomputes both from the same config: fleet.participant.local_policy)
         dropout, unrevealed = fleet_margins(len(plan.devices), cfg.dp.report_goal)
-        setup, _, _ = plan_round(len(plan.devices), input_length(disc, threshold), agg.bits,
+        setup, _, graph_plan = plan_round(len(plan.devices), input_length(disc, threshold), agg.bits,
                                  agg.graph, dropout=dropout, corruption=agg.corruption,
                                  unrevealed=unrevealed,
                                  signed=agg.signed, public_keys=identities if agg.signed else None,
                                  terms=round_terms.bind_round(
                                      terms_digest(disc, threshold), bytes.fromhex(model_sha),
                                      json.loads(dumps(shared_plan))))  # as the devices read it
-        cur.secagg, cur.disc = SecAggRound(setup), disc
+        cur.secagg, cur.disc, cur.bounded = SecAggRound(setup), disc, graph_plan.bounded
         return {"setup": encode_setup(setup).hex(),
                 "discretizer": {"length": disc.length, "clip_norm": disc.clip_norm,
                                 "bits": disc.bits, "clients": disc.clients, "seed": disc.seed},
@@ -479,8 +481,7 @@ class RoundDriver:
                 self._fail(cur, f"{len(cur.plain.updates)} of {self.cfg.dp.report_goal} reports "
                                 "by the deadline")
                 return
-            total, survivors = cur.plain.total()
-            agg = AggregateResult(total=total, survivors=survivors)
+            agg = cur.plain.total(cur.plan.count_threshold)
             stats = [cur.plain.stats.get(u, NO_STATS) for u in range(len(cur.plan.devices))]
         else:
             agg = await self._run_secagg(cur)
@@ -525,19 +526,13 @@ class RoundDriver:
             self._fail(cur, f"{len(survivors)} SecAgg survivors, report goal "
                             f"{self.cfg.dp.report_goal}")
             return None
-        ring = sa.server.result()
-        disc = cur.disc
-        info = {"aggregation": "secagg", "k": sa.setup.k, "threshold": sa.setup.threshold,
-                "signed": sa.setup.signed, "bits": disc.bits, "norm_inflation": disc.norm_inflation,
-                "survivors": len(survivors), "rejected_messages": sa.rejected}
-        count = None
-        if cur.plan.count_threshold is not None:  # the survivors' clipped bits, summed with them
-            from dpfleet.secagg.count_bit import split_count
-
-            ring, count, info["count_out_of_range"] = split_count(ring, disc.padded_length,
-                                                                  len(survivors), disc.bits)
-        return AggregateResult(total=disc.decode(ring), survivors=survivors, info=info,
-                               ring=RingSum(ring, disc.bits, disc.decode), clipped_count=count)
+        # the decode, the survivors' clipped count and the record: as `simulate`'s (`round_sum`);
+        # the costs are the coordinator's (the devices' encoding is theirs, unseen: None)
+        costs = RingCosts(bytes_sent=sa.bytes_in, bytes_received=sa.bytes_out(),
+                          seconds=time.monotonic() - cur.opened_at, rejected_messages=sa.rejected)
+        return ring_sum(sa.server.result(), cur.disc, sa.setup, survivors,
+                        counted=cur.plan.count_threshold is not None, bounded=cur.bounded,
+                        costs=costs)
 
     async def _commit(self, cur: OpenRound, agg: AggregateResult, stats: list) -> None:
         cur.state = "closing"

@@ -26,6 +26,9 @@ class SecAggRound:
         self.mailboxes: list[list[bytes]] = [[] for _ in range(setup.n)]
         self.changed = asyncio.Condition()  # new mail or a new phase
         self.rejected = 0
+        # bytes of SecAgg messages each position sent (refused ones too), as the in-process round
+        # counts them (`inprocess.RoundReport.bytes_sent`): the aggregation record's costs
+        self.bytes_in = dict.fromkeys(range(setup.n), 0)
         self.spoken: set[int] = set()  # positions that sent a message (their assignment arrived)
         # the coordinator's critical path (benchmarks/fleet_load.py): per phase, seconds from the
         # arrival of the message that completed it to its successor's messages being in the
@@ -54,6 +57,7 @@ class SecAggRound:
     async def handle(self, position: int, data: bytes, arrived: float | None = None) -> None:
         """One client message from the device at `position`; SecAggError when refused.
         `arrived`: when its request reached the coordinator (monotonic), for `critical`."""
+        self.bytes_in[position] += len(data)
         try:
             sender = decode(data).sender
         except SecAggError:
@@ -93,6 +97,10 @@ class SecAggRound:
                     await asyncio.wait_for(
                         self.changed.wait_for(lambda: len(box) > after or self.finished), timeout)
         return box[after:], len(box)
+
+    def bytes_out(self) -> dict[int, int]:
+        """Bytes of SecAgg messages posted to each position so far (its mail, delivered or not)."""
+        return {u: sum(map(len, box)) for u, box in enumerate(self.mailboxes)}
 
     async def wait_phase_change(self, phase: str, timeout: float) -> None:
         async with self.changed:

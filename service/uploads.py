@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.edge.clipping import norm64
+from dpfleet.secagg.round_sum import plain_sum
+from dpfleet.secagg.sums import AggregateResult
 
 
 class UploadError(ValueError):
@@ -83,10 +86,12 @@ class PlainCollector:
         stats = parse_stats(headers)
         self.updates[position], self.stats[position] = delta, stats
 
-    def total(self) -> tuple[np.ndarray, list[int]]:
-        """The float64 sum over the reports, added in position order, and those positions."""
+    def total(self, count_threshold: float | None = None) -> AggregateResult:
+        """The float64 sum over the reports, added in position order (`round_sum.plain_sum`, as
+        `simulate` adds them), those positions its survivors; with adaptive clipping's threshold
+        C^t, the count of reports whose norm is <= it (`clipped_bit`, as `simulate` counts)."""
         survivors = sorted(self.updates)
-        total = np.zeros(self.length, dtype=np.float64)
-        for u in survivors:
-            total += self.updates[u]
-        return total, survivors
+        bits = None if count_threshold is None else [
+            clipped_bit(self.stats[u].norm, count_threshold) for u in survivors]
+        return plain_sum([self.updates[u] for u in survivors], bits=bits, dim=self.length,
+                         positions=survivors)

@@ -24,6 +24,7 @@ from service_fleet import (
 )
 
 from dpfleet.fleet.participant import local_policy, take_part
+from dpfleet.secagg.round_sum import RECORD_KEYS
 from dpfleet.service.server import shutdown, start
 
 SECAGG = {"aggregation": {"kind": "secagg", "signed": True, "graph": "harary"},
@@ -158,6 +159,12 @@ def test_dropout_after_key_sharing_commits_from_survivors_and_too_few_fail_clean
     assert set(releases[0]["participants"]) == {plan_1.device_ids[u] for u in agg_1.survivors}
     assert not dropped & set(releases[0]["participants"])  # the dropper is not accounted
     check_sums(sums, outcomes)
+    # the aggregation record: simulate's keys (`round_sum.RECORD_KEYS`), these survivors
+    metrics = [json.loads(x) for x in (tmp_path / "state" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(m["aggregation"]) for m in metrics] == [sorted(RECORD_KEYS)] * 2
+    assert [m["aggregation"]["survivors"] for m in metrics] == [4, 5]
+    assert [agg.info["dropped"] for _, agg in sums] == [
+        sorted(set(range(5)) - set(agg_1.survivors)), []]
 
 
 def test_a_dropout_between_commit_and_reveal_is_survived(tmp_path):

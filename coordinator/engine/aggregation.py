@@ -5,7 +5,8 @@ already-clipped deltas; it never needs one device's delta afterwards. The plain 
 adds them in the clear (fast simulation); `dpfleet.secagg` provides one that runs the
 pairwise-mask protocol so that the server side only learns the sum. DP-FTRL noise is added
 by the coordinator to whatever sum comes back: to the decoded float `total`, or (discrete
-noise, `ring_noise`) to the integer `ring` sum before it is decoded.
+noise, `ring_noise`) to the integer `ring` sum before it is decoded. The sums themselves, and
+SecAgg's decode, are `dpfleet.secagg.round_sum`'s, which the coordinator service uses as well.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.secagg.sums import AggregateResult, check_shapes
+from dpfleet.secagg.round_sum import plain_sum
+from dpfleet.secagg.sums import AggregateResult
 
 
 class Aggregator(Protocol):
@@ -30,13 +32,10 @@ class Aggregator(Protocol):
 
 
 class PlainAggregator:
-    """Adds the deltas in the clear: the fast path for research simulations."""
+    """Adds the deltas in the clear: the fast path for research simulations (`round_sum.plain_sum`,
+    the coordinator service's plain sum too)."""
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
                   bits: Sequence[int] | None = None, clip_norm: float | None = None,
                   dim: int | None = None) -> AggregateResult:
-        total = np.zeros(check_shapes(deltas, dim), dtype=np.float64)
-        for d in deltas:
-            total += d
-        return AggregateResult(total=total, survivors=list(range(len(deltas))),
-                               clipped_count=None if bits is None else int(sum(bits)))
+        return plain_sum(deltas, bits=bits, dim=dim)

@@ -383,10 +383,12 @@ class RoundEngine:
         }
         if estimator is not None:
             record["clip_estimate"] = estimator.estimate
-        if aggregate.info:  # secure aggregation's costs and guarantees, scalars only
+        if aggregate.info:  # secure aggregation's costs and guarantees (`round_sum.record`), scalars
+            # only; a null is a cost the driver cannot see (serve: the devices' encoding time)
             record["aggregation"] = {
                 k: v for k, v in aggregate.info.items()
-                if isinstance(v, int | float | str | bool) and k not in DATA_DEPENDENT_AGGREGATION
+                if (v is None or isinstance(v, int | float | str | bool))
+                and k not in DATA_DEPENDENT_AGGREGATION
             }
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:  # in-process: nothing leaves
             ev = self.evaluate()
