@@ -65,6 +65,20 @@ def test_realised_min_separation_and_max_participation_by_hand(tmp_path):
     assert realised_participation([[0], [1], [2]]) == (None, 1)  # nobody twice: no MinS
 
 
+
+def test_a_replay_stops_scanning_the_trace_at_the_launchs_end(tmp_path, monkeypatch):
+    """A round that cannot fill before the launch ends fails at the end, not after scanning up to
+    30 simulated days of the trace (for a 10^5-device trace, minutes per candidate)."""
+    from dpfleet.edge.fleet import EmulatedFleet
+    path = write_five(tmp_path / "five.jsonl")
+    scanned = []
+    check_in = EmulatedFleet.check_in
+    monkeypatch.setattr(EmulatedFleet, "check_in", lambda self, slot: scanned.append(slot)
+                        or check_in(self, slot))
+    # report goal 3: never more than two devices at a slot, so no round fills in the 6 slots
+    run = replay(_section(path, 1.0), 5, 3, 0, 0.25)
+    assert (run.rounds, scanned) == (0, [0, 1, 2, 3, 4, 5])
+
 def _row(m, timer, rounds, nsr):
     return Candidate(m, timer, rounds, rounds / 2, rounds / 48, 0, 1, 1, None, 1,
                      None if nsr is None else "tree", None if nsr is None else 1.0,

@@ -88,7 +88,7 @@ def replay(section: ParticipationSection, population: int, report_goal: int, see
     """Propose and commit rounds as `simulate` does (no training) until a round would start after
     `days`, or none can be filled. `section` is passed whole (any field the engine reads flows in)."""
     slots = launch_slots(days, section.round_minutes)
-    part = Participation(section, population, report_goal, slots, seed)
+    part = Participation(section, population, report_goal, slots, seed, end_slot=slots)
     log: list[list[int]] = []
     starts: list[int] = []
     while True:

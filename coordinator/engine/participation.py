@@ -243,10 +243,13 @@ class Participation:
 
     def __init__(self, section: ParticipationSection, size: int, report_goal: int, rounds: int,
                  seed: int, fleet: EmulatedFleet | None = None, policy=None,
-                 users: Sequence[str] | None = None):
+                 users: Sequence[str] | None = None, end_slot: int | None = None):
         """`policy`: a caller's `dpfleet.extensions.ParticipationPolicy` in place of the mode's
         built-in draw (uniform mode only); its choice is checked against the guard every round.
-        `users`: each device's user key, which the policy sees (`Eligible.users`)."""
+        `users`: each device's user key, which the policy sees (`Eligible.users`).
+        `end_slot`: timer mode, a launch's end (the planner's replay): no round starts at or after
+        this slot, so a round that cannot fill before it fails there instead of scanning up to
+        `MAX_WAIT_DAYS` of a large trace. None: a run waits as long as that."""
         if policy is not None and section.mode != "uniform":
             raise DpfleetError(f"a custom participation policy runs with participation.mode = "
                                f"'uniform' (its guard's MinS / MaxP apply), not {section.mode!r}")
@@ -260,6 +263,7 @@ class Participation:
                 "the planner choose"
             )
         self.section, self.size, self.report_goal, self.seed = section, size, report_goal, seed
+        self.end_slot = end_slot
         self.fleet, self.users = fleet, users
         if section.mode == "timer" and fleet is None:
             self.fleet = EmulatedFleet(
@@ -336,6 +340,9 @@ class Participation:
         busy = np.zeros(0, dtype=np.int64)  # devices of abandoned attempts whose timers run
         busy_until = np.zeros(0, dtype=np.int64)
         while True:
+            if self.end_slot is not None and slot >= self.end_slot:
+                raise RoundUnfillable(f"round {round_idx} did not fill before the launch's end "
+                                      f"(slot {self.end_slot})")
             checked_in = self.fleet.check_in(slot)
             if busy.size:
                 checked_in = checked_in[~np.isin(checked_in, busy[busy_until > slot])]
