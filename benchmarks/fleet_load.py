@@ -180,7 +180,7 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     from dpfleet.fleet.emulate import fleet_keys, load_devices
     from dpfleet.fleet.supervisor import stop_process, wait_for_admin
     from dpfleet.secagg.registry import public_registry, write_public_registry
-    from dpfleet.service.admin_client import AdminClient, target_from_state
+    from dpfleet.edge.wire.admin_client import AdminClient, target_from_state
 
     work.mkdir(parents=True, exist_ok=True)
     config = work / "fleet_load.toml"
@@ -391,7 +391,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from dpfleet.service.eventloop import loop_name
+    from dpfleet.eventloop import loop_name
 
     result = {"benchmark": "fleet_load", "machine": platform.machine(), "event_loop": loop_name(),
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
