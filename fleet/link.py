@@ -90,8 +90,8 @@ class CoordinatorLink:
         return wait
 
     async def _open_session(self) -> None:
-        """One Ed25519-signed handshake (auth.py); a coordinator without sessions (404) is
-        from then on sent signed requests."""
+        """One Ed25519-signed handshake (`wire.auth.DeviceHandshake`); a coordinator without
+        sessions (404) is from then on sent signed requests."""
         async with self._auth_lock:
             if self._auth is not None or not self.sessions:
                 return

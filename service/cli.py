@@ -15,7 +15,7 @@ from dpfleet.service.cli_admin import add_admin_commands
 @click.group(name="coordinator")
 def coordinator() -> None:
     """The coordinator service: devices register, check in, train and report over HTTP
-    (service/PROTOCOL.md)."""
+    (edge/wire/PROTOCOL.md)."""
 
 
 add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_admin.py)

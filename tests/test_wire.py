@@ -1,22 +1,18 @@
 """The wire protocol module on its own (`dpfleet.edge.wire`): each message's builder and parser
 agree, a malformed message is one `WireError` line with the coordinator's status and code, a
-request naming another protocol version is refused, the device link sends its version and
-refuses a check-in reply it cannot act on, and the emulated fleet imports nothing of the service
-(the protocol is all the two share)."""
+request naming another protocol version is refused (over the wire: test_service_hardening.py;
+the link's side: test_fleet_link.py), and the emulated fleet imports nothing of the service (the
+protocol is all the two share)."""
 
 import ast
-import asyncio
 import json
 import struct
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.edge.wire import messages as msg
 from dpfleet.edge.wire import protocol as wire
-from dpfleet.fleet.link import CoordinatorLink, LinkError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,43 +107,6 @@ def test_the_device_refuses_a_checkin_reply_it_cannot_act_on(reply, line):
     with pytest.raises(wire.WireError) as exc:
         msg.parse_checkin_reply(reply)
     assert (exc.value.status, exc.value.code, str(exc.value)) == (0, "bad_reply", line)
-
-
-async def _with_app(app, body):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        return await body(f"http://127.0.0.1:{runner.addresses[0][1]}")
-    finally:
-        await runner.cleanup()
-
-
-def test_the_link_says_its_version_and_refuses_a_reply_it_cannot_act_on():
-    said, replies = [], [{"kind": "retry", "after_s": 0.5, "reason": "no round open"},
-                         {"kind": "assignment", "round": 1}]
-
-    async def checkin(request):
-        said.append(request.headers.get(wire.H_PROTOCOL))
-        return web.json_response(replies.pop(0))
-
-    app = web.Application()
-    app.router.add_post(wire.CHECKIN, checkin)
-
-    async def body(url):
-        async with CoordinatorLink(url, "dev", Ed25519PrivateKey.generate(), retries=0,
-                                   sessions=False) as link:
-            first = await link.checkin()
-            with pytest.raises(LinkError) as exc:
-                await link.checkin()
-            return first, exc.value
-
-    first, error = asyncio.run(_with_app(app, body))
-    assert said == ["1", "1"]
-    assert first == {"kind": "retry", "after_s": 0.5, "reason": "no round open"}
-    assert (error.status, error.code, error.message) == (
-        0, "bad_reply", "assignment without attempt, position, model_sha256, plan_sha256, aggregation")
 
 
 def test_the_fleet_imports_nothing_of_the_service():

@@ -186,6 +186,8 @@ def parse_cursor(query) -> int:
         raise WireError("bad_cursor", "after must be an integer") from None
 
 
+# ---------------------------------------------------------------------------- plain reports
+
 @dataclass(frozen=True)
 class ReportStats:
     """What the engine reads of one report (`round_engine.ClientStats`); device-reported."""
