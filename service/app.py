@@ -10,8 +10,8 @@ rate-limited per device (`limits`), and bounded in size (`client_max_size`: 413)
 body is parsed. The messages' shapes, paths and version are the wire protocol's
 (`dpfleet.edge.wire`): a request naming another protocol version, or a body the protocol's
 parsers refuse (malformed, NaN or too deeply nested JSON, a missing field), is a 400 with the
-parser's one line. Register is
-the exception that proves possession of the key in its body, and answers every refusal alike.
+parser's one line. Register is the exception that proves possession of the key in its body,
+and answers every refusal alike.
 Admin calls need the bearer token and nothing else; public calls show only released aggregates
 and counts. Anything unexpected is a generic 500 (`errors`), its traceback in our log only.
 """

@@ -190,9 +190,10 @@ def parse_cursor(query) -> int:
 
 @dataclass(frozen=True)
 class ReportStats:
-    """What the engine reads of one report (`round_engine.ClientStats`); device-reported."""
+    """What the engine reads of one report (`round_engine.ClientStats`); device-reported, so
+    used only for adaptive clipping and debug logs, never added to the model."""
 
-    norm: float
+    norm: float  # the delta's L2 norm before the clip (NaN: not said)
     clipped: bool
     loss: float
 
