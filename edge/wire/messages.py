@@ -168,6 +168,19 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# ---------------------------------------------------------------------------- the plan blob
+
+def device_plan(plan_bytes: bytes, assignment: dict) -> dict:
+    """The round's plan as a device trains with it: the plan blob (one per attempt, shared by its
+    devices and served to anyone, so it names nobody) with the device's client seed
+    from its own assignment, which only it receives (PROTOCOL.md, "Who learns who takes part").
+    A coordinator of before that change put the seed in a per-device blob: it is taken from there."""
+    plan = json.loads(plan_bytes)
+    if "client_seed" in assignment:
+        plan["client_seed"] = int(assignment["client_seed"])
+    return plan
+
+
 # ---------------------------------------------------------------------------- rounds
 
 def parse_round(round: str, query) -> tuple[int, int]:
