@@ -13,7 +13,7 @@ the only device time is real training. Reported per run:
   the devices' own SecAgg CPU by step (thread CPU time, from each device's outcome), the rest
   of the fleet's CPU (HTTP client, request auth, idle check-ins) and what is left (waiting);
 * the coordinator's critical path per round (rounds 2..): the seconds devices spent waiting on
-  the coordinator itself, from its `critical` events (service/PROTOCOL.md): opening the round
+  the coordinator itself, from its `critical` events (edge/wire/PROTOCOL.md): opening the round
   once it could open, closing each SecAgg phase from the arrival of the message that completed
   it to the next phase's messages being in the mailboxes, and the commit (decode, DP step,
   release log, accounting, fsync). Unlike wall-minus-training this leaves out device work the
@@ -176,11 +176,11 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     """One run (see the module docstring); `template`: the config, CONFIG or a variant of it
     (benchmarks/fleet_dropout.py adds over-selection and per-phase dropout)."""
     from dpfleet.coordinator.config import load_config
+    from dpfleet.edge.wire.admin_client import AdminClient, target_from_state
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.emulate import fleet_keys, load_devices
     from dpfleet.fleet.supervisor import stop_process, wait_for_admin
     from dpfleet.secagg.registry import public_registry, write_public_registry
-    from dpfleet.service.admin_client import AdminClient, target_from_state
 
     work.mkdir(parents=True, exist_ok=True)
     config = work / "fleet_load.toml"
@@ -391,7 +391,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from dpfleet.service.eventloop import loop_name
+    from dpfleet.eventloop import loop_name
 
     result = {"benchmark": "fleet_load", "machine": platform.machine(), "event_loop": loop_name(),
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

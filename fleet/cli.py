@@ -201,12 +201,10 @@ def from_coordinator(cfg, state: Path | None, url: str | None, ca_file: Path | N
     Why from the state folder and not a route: the bundle key must reach the devices out of band
     (a coordinator that served its own key could sign any program), and an emulation runs on the
     coordinator's machine anyway."""
+    from dpfleet.edge.wire.admin_client import target_from_state
+    from dpfleet.edge.wire.protocol import ADMIN_FILE, PLAN_FILE, PUBLIC_FILE
     from dpfleet.errors import DpfleetError
     from dpfleet.fleet.emulate import needs_coordinator_vocabulary
-    from dpfleet.service.admin_client import target_from_state
-    from dpfleet.service.boot import PLAN_FILE
-    from dpfleet.service.run_bundle import PUBLIC_FILE
-    from dpfleet.service.server import ADMIN_FILE
 
     if state is not None:
         state = Path(state)
@@ -241,8 +239,8 @@ def follow_coordinator_plan(cfg, plan_file: Path | None) -> None:
     """dp.target_epsilon: the coordinator plans at its first start (service/boot.py); the devices
     take its plan.json (what a device demands of a SecAgg round follows the report goal), never a
     plan of their own, which could differ (another population, another dpfleet)."""
+    from dpfleet.coordinator.serve_plan import checked_plan, follow_plan
     from dpfleet.errors import DpfleetError
-    from dpfleet.service.boot import checked_plan, follow_plan
 
     if cfg.dp.target_epsilon <= 0:
         if plan_file is not None:

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, public_words
+from dpfleet.edge.wire.protocol import PUBLIC_STATUS
 from dpfleet.errors import DpfleetError
 from dpfleet.fleet.clock import read_time_scale
 from dpfleet.fleet.worker import DeviceSpec, WorkerSpec, drain, one_blas_thread, worker_main
@@ -99,7 +100,7 @@ class CoordinatorWatch:
     def probe(self) -> str | None:
         """None if the coordinator answered, else why not (a few words)."""
         try:
-            with urllib.request.urlopen(self.url + "/v1/public/status", timeout=PROBE_TIMEOUT_S,
+            with urllib.request.urlopen(self.url + PUBLIC_STATUS, timeout=PROBE_TIMEOUT_S,
                                         context=self._ssl) as resp:
                 body = resp.read()
             with contextlib.suppress(ValueError, AttributeError):

@@ -1,7 +1,7 @@
 """A device's link to the coordinator: signed HTTP requests with bounded, jittered retries.
 
 Why here and not in the participant: every emulated phone (and any real client) talks the same
-wire contract (service/PROTOCOL.md); the link is the one place that signs requests with the
+wire protocol (`dpfleet.edge.wire`, its PROTOCOL.md); the link is the one place that signs requests with the
 device's Ed25519 key (or, once it opened a session with a signed handshake, MACs them with the
 session key: one signature per coordinator process instead of one per request; a coordinator
 without sessions gets signatures), checks downloaded blobs against their hashes, and retries what a flaky
@@ -18,7 +18,6 @@ import hashlib
 import json
 import random
 import ssl
-import struct
 from pathlib import Path
 
 import aiohttp
@@ -26,10 +25,11 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from yarl import URL
 
-from dpfleet.service.auth import AuthError, DeviceHandshake, mac_request, sign_request
+from dpfleet.edge.wire import messages as msg
+from dpfleet.edge.wire import protocol as wire
+from dpfleet.edge.wire.auth import AuthError, DeviceHandshake, mac_request, sign_request
 
 RETRY_STATUS = (429, 503)
-SIGNED_ONLY = ("/v1/register", "/v1/session")  # proof of possession: always the identity key
 
 
 class LinkError(Exception):
@@ -90,14 +90,14 @@ class CoordinatorLink:
         return wait
 
     async def _open_session(self) -> None:
-        """One Ed25519-signed handshake (auth.py); a coordinator without sessions (404) is
-        from then on sent signed requests."""
+        """One Ed25519-signed handshake (`wire.auth.DeviceHandshake`); a coordinator without
+        sessions (404) is from then on sent signed requests."""
         async with self._auth_lock:
             if self._auth is not None or not self.sessions:
                 return
             handshake = DeviceHandshake(self.device_id)
             try:
-                reply = await self._json("POST", "/v1/session", handshake.body())
+                reply = await self._json("POST", wire.SESSION, handshake.body())
                 self._auth = handshake.finish(reply)
             except LinkError as exc:
                 if exc.status not in (404, 405):
@@ -110,7 +110,7 @@ class CoordinatorLink:
 
     def _auth_headers(self, method: str, path_qs: str, body: bytes) -> dict[str, str]:
         """A fresh nonce per try: a resent request is not a replay."""
-        if self._auth is not None and path_qs.split("?")[0] not in SIGNED_ONLY:
+        if self._auth is not None and path_qs.split("?")[0] not in wire.SIGNED_ONLY:
             return mac_request(self._auth[1], self._auth[0], self.device_id, method, path_qs, body)
         return sign_request(self.key, self.device_id, method, path_qs, body)
 
@@ -119,7 +119,7 @@ class CoordinatorLink:
                       ) -> tuple[int, dict, bytes]:
         """(status, headers, body) of a 2xx answer; `LinkError` for any other final answer.
         A session the coordinator no longer knows (it restarted) is opened again, once."""
-        if signed and self.sessions and path_qs.split("?")[0] not in SIGNED_ONLY:
+        if signed and self.sessions and path_qs.split("?")[0] not in wire.SIGNED_ONLY:
             if self._auth is None:
                 await self._open_session()
             try:
@@ -137,7 +137,7 @@ class CoordinatorLink:
             await self.__aenter__()
         last: Exception | None = None
         for attempt in range(self.retries + 1):
-            hdrs = dict(headers or {})
+            hdrs = {**(headers or {}), wire.H_PROTOCOL: str(wire.VERSION)}
             if signed:
                 hdrs.update(self._auth_headers(method, path_qs, body))
             retry_after = None
@@ -171,21 +171,26 @@ class CoordinatorLink:
     # ----------------------------------------------------------------- the device API
 
     async def register(self) -> dict:
-        return await self._json("POST", "/v1/register", {"device_id": self.device_id,
-                                                         "public_key": self.public_key.hex()})
+        return await self._json("POST", wire.REGISTER, msg.register_body(self.device_id,
+                                                                          self.public_key))
 
     async def checkin(self, *, charging: bool = True, idle: bool = True, unmetered: bool = True,
                       runtime: str = "eager", timer_expires_at: float | None = None) -> dict:
-        return await self._json("POST", "/v1/checkin", {
-            "eligibility": {"charging": charging, "idle": idle, "unmetered": unmetered},
-            "runtime": runtime, "timer_expires_at": timer_expires_at})
+        """The coordinator's answer, checked for what the device reads (`LinkError` `bad_reply`)."""
+        reply = await self._json("POST", wire.CHECKIN, msg.checkin_body(
+            charging=charging, idle=idle, unmetered=unmetered, runtime=runtime,
+            timer_expires_at=timer_expires_at))
+        try:
+            return msg.parse_checkin_reply(reply)
+        except wire.WireError as exc:
+            raise LinkError(exc.status, exc.code, str(exc)) from None
 
     async def blob(self, sha256: str) -> bytes:
         """A content-addressed blob, checked against its hash (cached: blobs never change)."""
         if sha256 in self._blob_cache:  # least recently used goes first
             self._blob_cache[sha256] = self._blob_cache.pop(sha256)
             return self._blob_cache[sha256]
-        _, _, data = await self.request("GET", f"/v1/blobs/{sha256}", signed=False)
+        _, _, data = await self.request("GET", wire.blob_path(sha256), signed=False)
         if hashlib.sha256(data).hexdigest() != sha256:
             raise LinkError(0, "bad_blob", f"blob {sha256[:12]}... does not match its hash")
         self._blob_cache[sha256] = data
@@ -196,14 +201,12 @@ class CoordinatorLink:
     async def report(self, round: int, attempt: int, delta: np.ndarray, *, norm: float,
                      clipped: bool, loss: float) -> dict:
         body = np.ascontiguousarray(delta, dtype="<f4").tobytes()
-        _, _, data = await self.request(
-            "POST", f"/v1/rounds/{round}/report?attempt={attempt}", body,
-            headers={"Content-Type": "application/octet-stream", "X-Dpfleet-Norm": repr(float(norm)),
-                     "X-Dpfleet-Clipped": "1" if clipped else "0", "X-Dpfleet-Loss": repr(float(loss))})
+        _, _, data = await self.request("POST", wire.round_path(round, "report", attempt), body,
+                                        headers=msg.report_headers(norm, clipped, loss))
         return json.loads(data)
 
     async def secagg_send(self, round: int, attempt: int, message: bytes) -> dict:
-        _, _, data = await self.request("POST", f"/v1/rounds/{round}/secagg?attempt={attempt}",
+        _, _, data = await self.request("POST", wire.round_path(round, "secagg", attempt),
                                         message, headers={"Content-Type": "application/octet-stream"})
         return json.loads(data)
 
@@ -213,41 +216,37 @@ class CoordinatorLink:
         (PROTOCOL.md, merged posts): `secagg_poll`'s answer, or None from a coordinator that
         only accepted the message (it predates merged posts: poll as before)."""
         _, headers, data = await self.request(
-            "POST", f"/v1/rounds/{round}/secagg?attempt={attempt}&after={after}", message,
+            "POST", wire.round_path(round, "secagg", attempt, after), message,
             headers={"Content-Type": "application/octet-stream"}, timeout_s=90)
-        if "X-Dpfleet-Next" not in headers:
+        if wire.H_NEXT not in headers:
             self.merge_posts = False
             return None
-        return split_frames(data), int(headers["X-Dpfleet-Next"]), headers.get("X-Dpfleet-Phase", "")
+        return _mail(headers, data)
 
     async def secagg_poll(self, round: int, attempt: int, after: int
                           ) -> tuple[list[bytes], int, str]:
         """(messages for this device from cursor `after` on, the next cursor, server phase)."""
         _, headers, data = await self.request(
-            "GET", f"/v1/rounds/{round}/secagg?attempt={attempt}&after={after}", timeout_s=90)
-        return split_frames(data), int(headers["X-Dpfleet-Next"]), headers.get("X-Dpfleet-Phase", "")
+            "GET", wire.round_path(round, "secagg", attempt, after), timeout_s=90)
+        return _mail(headers, data)
 
     async def round_status(self, round: int, attempt: int) -> dict:
-        return await self._json("GET", f"/v1/rounds/{round}/status?attempt={attempt}")
+        return await self._json("GET", wire.round_path(round, "status", attempt))
 
 
 def split_frames(data: bytes) -> list[bytes]:
-    """`u32 LE length + bytes` frames -> messages; a truncated frame is an error, not skipped."""
-    out, at = [], 0
-    while at < len(data):
-        if at + 4 > len(data):
-            raise LinkError(0, "bad_frame", "truncated SecAgg frame header")
-        (n,) = struct.unpack_from("<I", data, at)
-        if at + 4 + n > len(data):
-            raise LinkError(0, "bad_frame", "truncated SecAgg frame")
-        out.append(data[at + 4:at + 4 + n])
-        at += 4 + n
-    return out
+    """`u32 LE length + bytes` frames -> messages (`wire.split_frames`); a truncated frame is a
+    `LinkError`, not skipped."""
+    try:
+        return wire.split_frames(data)
+    except wire.WireError as exc:
+        raise LinkError(0, exc.code, str(exc)) from None
+
+
+def _mail(headers: dict, data: bytes) -> tuple[list[bytes], int, str]:
+    """(messages, next cursor, server phase) of a SecAgg mailbox answer."""
+    return split_frames(data), int(headers[wire.H_NEXT]), headers.get(wire.H_PHASE, "")
 
 
 def _error(status: int, data: bytes) -> LinkError:
-    try:
-        payload = json.loads(data)
-        return LinkError(status, str(payload.get("code", "error")), str(payload.get("error", "")))
-    except (ValueError, AttributeError):
-        return LinkError(status, "error", data[:200].decode(errors="replace"))
+    return LinkError(status, *msg.parse_error(data))

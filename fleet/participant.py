@@ -36,6 +36,7 @@ import numpy as np
 from dpfleet.coordinator.engine.backends import SequentialTrainer
 from dpfleet.edge.bundle_format import BundleError
 from dpfleet.edge.client_update import ClientUpdate
+from dpfleet.edge.wire.messages import device_plan
 from dpfleet.export.models import ModelConfig
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 
@@ -127,17 +128,6 @@ async def _hook(hook: Hook | None, phase: str) -> None:
         result = hook(phase)
         if inspect.isawaitable(result):
             await result
-
-
-def device_plan(plan_bytes: bytes, assignment: dict) -> dict:
-    """The round's plan as this device trains with it: the plan blob, which every device of the
-    attempt shares and anyone may fetch (so it names nobody), with the device's client seed from
-    its own assignment, which only it receives (PROTOCOL.md, "Who learns who takes part"). A
-    coordinator of before that change put the seed in a per-device blob: it is taken from there."""
-    plan = json.loads(plan_bytes)
-    if "client_seed" in assignment:
-        plan["client_seed"] = int(assignment["client_seed"])
-    return plan
 
 
 async def train(link: CoordinatorLink, assignment: dict, examples: np.ndarray, *, speed: float = 1.0,

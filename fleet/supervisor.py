@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from dpfleet.edge.wire.admin_client import AdminClient, target_from_state
+from dpfleet.edge.wire.protocol import PLAN_FILE, PUBLIC_FILE
 from dpfleet.errors import DpfleetError
-from dpfleet.service.admin_client import AdminClient, target_from_state
 
 STARTUP_TIMEOUT_S = 600.0  # the coordinator prepares the data and the model before it listens
 FLEET_LINGER_S = 60.0  # after the coordinator finished, the devices' last check-ins end the fleet
@@ -89,10 +90,9 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py).
     Ctrl-C stops both cleanly, then raises `FleetInterrupted` with the last status."""
     from dpfleet.coordinator.config import load_config, validate
+    from dpfleet.coordinator.serve_plan import check_kept_plan, check_serve_config, with_rounds
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
     from dpfleet.secagg.registry import public_registry, write_public_registry
-    from dpfleet.service.boot import PLAN_FILE, check_kept_plan, check_serve_config
-    from dpfleet.service.cli import with_rounds
 
     cfg = load_config(config)  # a bad config fails here, before anything starts
     if rounds is not None:
@@ -146,8 +146,6 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
         if admin.get("tls_cert"):
             emulate_cmd += ["--ca-file", admin["tls_cert"]]
         if cfg.fleet.client == "bundle":  # serve wrote it at boot, before admin.json
-            from dpfleet.service.run_bundle import PUBLIC_FILE
-
             emulate_cmd += ["--bundle-key", state / PUBLIC_FILE]
         with open(fleet_log, "ab") as out:
             fleet = subprocess.Popen(emulate_cmd, stdout=out, stderr=subprocess.STDOUT,

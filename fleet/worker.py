@@ -30,6 +30,7 @@ import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.edge.traces import load_replay
+from dpfleet.edge.wire.protocol import PUBLIC_STATUS
 from dpfleet.fleet.behaviour import Behaviour
 from dpfleet.fleet.clock import DeviceTimer, FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop
@@ -92,7 +93,7 @@ def worker_main(spec: WorkerSpec, events) -> None:
     """Process entry (multiprocessing spawn): run the slice's devices until all are done."""
     import torch
 
-    from dpfleet.service import eventloop
+    from dpfleet import eventloop
 
     torch.set_num_threads(1)
     eventloop.run(_run(spec, events))
@@ -216,7 +217,7 @@ async def _run(spec: WorkerSpec, events) -> None:
             await asyncio.sleep(WATCH_EVERY_S)
             finished = os.getppid() != parent
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                async with session.get(spec.url.rstrip("/") + "/v1/public/status",
+                async with session.get(spec.url.rstrip("/") + PUBLIC_STATUS,
                                        ssl=tls) as resp:
                     if resp.status == 200:
                         finished |= (await resp.json()).get("run_state") == "finished"

@@ -23,85 +23,29 @@ import torch
 
 from dpfleet.coordinator.accounting.config_plan import plan_line
 from dpfleet.coordinator.accounting.result_warnings import plan_warnings
-from dpfleet.coordinator.config import SimulationConfig, validate
+from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
 from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
+from dpfleet.coordinator.serve_plan import (  # noqa: F401  (`coordinator serve` and its tests)
+    PLAN_KEPT,
+    check_kept_plan,
+    check_secret_noise,
+    check_serve_config,
+    check_service_config,
+    checked_plan,
+    follow_plan,
+)
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore, open_engine
 from dpfleet.edge.tokenizer import oov_ids_of
+from dpfleet.edge.wire.protocol import PLAN_FILE
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.io import sha256_file
 from dpfleet.service.blobs import BlobStore, folder_tar
 from dpfleet.service.run_bundle import RunBundle, run_bundle
-
-
-def check_service_config(cfg: SimulationConfig) -> None:
-    """What the service refuses up front (clear errors, never a silent weaker guarantee)."""
-    if cfg.aggregation.kind == "secagg" and cfg.aggregation.dropout:
-        raise DpfleetError("aggregation.dropout simulates dropouts in-process; over the network "
-                           "devices drop by themselves: set it to 0 for the service")
-    if cfg.data.generated_population:
-        raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
-                           "protects nobody, so the service refuses it: use `dpfleet simulate`")
-    if cfg.projection.noise_cohort:
-        raise DpfleetError("a [projection] is a simulation of DP at a planned population: its noise "
-                           "is too small for the devices it trains, so the service refuses it: use "
-                           "`dpfleet simulate`")
-    if cfg.backend.kind != "local":
-        raise DpfleetError("the service trains nothing itself: backend.kind must be 'local'")
-
-
-def check_secret_noise(cfg: SimulationConfig) -> None:
-    """The service adds secret noise only: `dp.noise_seed` (research mode) lets anyone with the
-    seed rebuild the noise and subtract it from every release, so `serve` refuses it."""
-    if cfg.dp.noise_seed >= 0:
-        raise DpfleetError(f"dp.noise_seed = {cfg.dp.noise_seed} is research mode (anyone with the "
-                           "seed can rebuild the noise and read the clients' sum); the service "
-                           "refuses it: remove dp.noise_seed from the config")
-
-
-def check_serve_config(cfg: SimulationConfig) -> None:
-    """Everything `coordinator serve` refuses before it starts (`fleet run` asks it before it
-    starts anything): research-mode noise, and what `check_service_config` refuses."""
-    check_secret_noise(cfg)
-    check_service_config(cfg)
-
-
-PLAN_FILE = "plan.json"  # dp.target_epsilon: the plan of the first start, as `simulate` writes it
-PLAN_KEPT = ("target_epsilon", "delta", "rounds", "mechanism_choice")  # what the plan was made for
-
-
-def check_kept_plan(cfg: SimulationConfig, state: Path) -> dict | None:
-    """A restart keeps the first start's plan (STATE/plan.json), so a config whose target differs
-    from it is refused in one line, before the state is opened; the kept plan (None: none yet).
-
-    Why refuse rather than ignore: ignoring would run a plan the config no longer states (the
-    config says one thing, the run does another), and re-planning mid-run would change the noise
-    and the participation limits under rounds already released with the old ones."""
-    path = Path(state) / PLAN_FILE
-    return checked_plan(cfg, path) if path.is_file() else None
-
-
-def checked_plan(cfg: SimulationConfig, path: Path, kept: tuple[str, ...] = PLAN_KEPT) -> dict:
-    """The plan at `path` (a coordinator's plan.json) if `cfg` is the config it was made for (in
-    the `kept` fields)."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise DpfleetError(f"cannot read the plan {path}: {exc}") from None
-    now = {"target_epsilon": cfg.dp.target_epsilon, "delta": cfg.dp.delta, "rounds": cfg.rounds,
-           "mechanism_choice": cfg.dp.mechanism if cfg.dp.target_epsilon > 0 else None}
-    changed = [k for k in kept if record.get(k) != now[k]]
-    if changed:
-        said = ", ".join(f"{k} {record.get(k)!r} -> {now[k]!r}" for k in changed)
-        raise DpfleetError(f"{Path(path).parent} was planned at its first start for dp.target_epsilon = "
-                           f"{record.get('target_epsilon'):g} ({Path(path).name}); the config now differs "
-                           f"({said}): a restart never re-plans, so continue with the config it "
-                           "was started with, or choose a new --state")
-    return record
 
 
 def planning_population(cfg: SimulationConfig, population: int) -> int:
@@ -148,15 +92,6 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
                            "with, or choose a new --state")
     follow_plan(cfg, record)
     log(plan_line(record))
-
-
-def follow_plan(cfg: SimulationConfig, record: dict) -> None:
-    """A kept plan's keys written into `cfg` (`apply_run_plan`: a planned key the config states
-    differently is one error), then the config checked as a whole."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
-
-    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
-    validate(cfg)
 
 
 @dataclass

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 from pathlib import Path
 
 import click
 
 from dpfleet.coordinator.config_overrides import set_option
+from dpfleet.coordinator.serve_plan import with_rounds
 from dpfleet.service.cli_admin import add_admin_commands
 
 
 @click.group(name="coordinator")
 def coordinator() -> None:
     """The coordinator service: devices register, check in, train and report over HTTP
-    (service/PROTOCOL.md)."""
+    (edge/wire/PROTOCOL.md)."""
 
 
 add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_admin.py)
@@ -64,13 +64,13 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     key, the manifest recording the policy) only if the run meets the release policy; a refusal
     publishes nothing and is one line on the console, the status page and in service.log.
     """
+    from dpfleet import eventloop
     from dpfleet.coordinator.cli.result_block import result_lines
     from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.export.policy import ReleasePolicy
     from dpfleet.secagg.registry import load_public_registry
-    from dpfleet.service import eventloop
     from dpfleet.service.boot import check_secret_noise
     from dpfleet.service.server import serve as run
 
@@ -105,16 +105,6 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
         click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
                    f"{again}", err=True)
         raise Interrupted()  # exit 130, as every command on Ctrl-C
-
-
-def with_rounds(cfg, rounds: int):
-    """`cfg` with `rounds`, keeping what the parser noted beside the fields (the planned keys the
-    config states, which dp.target_epsilon's plan must agree with; a mechanism binding)."""
-    out = dataclasses.replace(cfg, rounds=rounds)
-    for name in ("planned_given", "mechanism_binding"):
-        if hasattr(cfg, name):
-            setattr(out, name, getattr(cfg, name))
-    return out
 
 
 def noise_line(cfg) -> str:

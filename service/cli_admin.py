@@ -22,9 +22,9 @@ from pathlib import Path
 
 import click
 
+from dpfleet.edge.wire.admin_client import AdminClient, target_from_state, target_from_url
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
-from dpfleet.service.admin_client import AdminClient, target_from_state, target_from_url
 from dpfleet.service.status_page import format_duration
 
 

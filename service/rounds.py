@@ -28,6 +28,7 @@ from dpfleet.coordinator.engine.participation import ParticipationGuard
 from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
+from dpfleet.edge.wire import messages as msg
 from dpfleet.errors import DpfleetError
 from dpfleet.export.policy import PolicyRefused, ReleasePolicy
 from dpfleet.io import atomic_write, sha256_hex
@@ -42,7 +43,6 @@ from dpfleet.service.servelog import ServiceLog
 from dpfleet.service.uploads import PlainCollector, ReportStats, UploadError
 from dpfleet.service.wakeups import Wakeups
 
-RUNTIMES = ("eager", "onnx", "executorch")
 NO_STATS = ReportStats(float("nan"), False, float("nan"))  # SecAgg devices report no statistics
 CHECKIN_HOLD_S = 20.0  # the longest a waiting device's check-in is held (its long-poll)
 # ... while a round it is not in runs: every expiry is one more request per idle device (on a
@@ -158,32 +158,27 @@ class RoundDriver:
     async def checkin(self, device_id: str, body: dict) -> dict:
         i, now, retry = self.index[device_id], time.time(), self.svc.checkin_retry_s
         if self.run_state == "finished":
-            return {"kind": "done"}
-        elig = body.get("eligibility")
-        runtime = body.get("runtime")
-        timer = body.get("timer_expires_at")
-        if not isinstance(elig, dict) or runtime not in RUNTIMES or not (
-                timer is None or isinstance(timer, int | float)):
-            raise ApiError(400, "bad_checkin", "check-in needs eligibility {charging, idle, "
-                                               f"unmetered}}, runtime in {RUNTIMES}, timer_expires_at")
+            return msg.done()
+        asked = msg.parse_checkin(body)  # a 400 `bad_checkin` (WireError) for a malformed one
+        timer = asked.timer_expires_at
         cur = self.current
         if cur is not None and i in cur.positions and cur.state == "open" and (
                 cur.plain is not None and cur.positions[i] not in cur.plain.updates
                 or cur.secagg is not None and cur.positions[i] not in cur.secagg.spoken):
             return cur.assignments[cur.positions[i]]  # a repeated check-in, same job
         if self.run_state in ("paused", "stopping", "starting"):
-            return {"kind": "retry", "after_s": retry, "reason": self.run_state}
-        if not all(elig.get(k) is True for k in ("charging", "idle", "unmetered")):
-            return {"kind": "refused", "reason": "ineligible", "after_s": retry}
-        if runtime != self.cfg.client.runtime:
-            return {"kind": "refused", "reason": "runtime", "after_s": retry}
+            return msg.retry(retry, self.run_state)
+        if not asked.eligible:
+            return msg.refused("ineligible", retry)
+        if asked.runtime != self.cfg.client.runtime:
+            return msg.refused("runtime", retry)
         spent = 0.0  # seconds this request was held already
         if cur is not None and i in cur.positions:  # it answered in the open round already
             await self.held.hold(i, lambda: self.current is not cur or self.run_state != "running",
                                  CHECKIN_HOLD_S)
             ended = self.current is not cur
             if not ended or self.run_state != "running":
-                return {"kind": "retry", "after_s": 0.0 if ended else retry, "reason": "round full"}
+                return msg.retry(0.0 if ended else retry, "round full")
             # the round ended: this same request checks in for the next one (the guard and the
             # device's timer are asked now), sparing the device a second check-in
             spent, now, cur = time.time() - now, time.time(), self.current
@@ -192,8 +187,7 @@ class RoundDriver:
         if not guard.admits(i, r) or (timer is not None and timer > now):
             self.refused_timer.add(i)
             capped = guard.max_participation and guard.count[i] >= guard.max_participation
-            return {"kind": "refused", "reason": "max_participation" if capped else "timer",
-                    "after_s": retry}
+            return msg.refused("max_participation" if capped else "timer", retry)
         self.refused_timer.discard(i)
         # held while a round runs, too (until the next one, which opens as this one ends): a
         # waiting device is reachable the moment a round opens with it, not at its next poll
@@ -206,12 +200,12 @@ class RoundDriver:
         await self.held.hold(i, lambda: self.current is not None and self.current is not cur
                              and i in self.current.positions or self.run_state != "running", hold)
         if self.run_state == "finished":
-            return {"kind": "done"}
+            return msg.done()
         if self.current is not None and i in self.current.positions and self.current.state == "open":
             return self.current.assignments[self.current.positions[i]]
         if self.run_state != "running":
-            return {"kind": "retry", "after_s": retry, "reason": self.run_state}
-        return {"kind": "retry", "after_s": 0.0, "reason": "no round open"}  # poll again at once
+            return msg.retry(retry, self.run_state)
+        return msg.retry(0.0, "no round open")  # poll again at once
 
 
     def _round_of(self, device_id: str, number: int, attempt: int) -> tuple[OpenRound, int]:
@@ -414,17 +408,15 @@ class RoundDriver:
             deadlines = {"report": now + self.svc.report_deadline_s}
         keep = {model_sha, plan_sha}
         for u, d in enumerate(plan.devices):
-            cur.assignments[u] = {
-                "kind": "assignment", "round": number, "attempt": attempt, "position": u,
-                "model_sha256": model_sha, "plan_sha256": plan_sha,
-                "client_seed": derive_seed(cfg.seed, plan.round, d),
-                "aggregation": cfg.aggregation.kind, "secagg": secagg_json,
-                "deadlines": deadlines, "time_scale": self.svc.time_scale,
-            }
-            if secagg_json is not None:  # SecAgg's design: each device pins its peers' keys
-                cur.assignments[u]["devices"] = plan.device_ids
-            if b.bundle is not None:  # the signed program the device trains with (PROTOCOL.md)
-                cur.assignments[u]["bundle"] = b.bundle.assignment_field()
+            cur.assignments[u] = msg.assignment(
+                round=number, attempt=attempt, position=u, model_sha256=model_sha,
+                plan_sha256=plan_sha, client_seed=derive_seed(cfg.seed, plan.round, d),
+                aggregation=cfg.aggregation.kind, secagg=secagg_json, deadlines=deadlines,
+                time_scale=self.svc.time_scale,
+                # SecAgg's design: each device pins its peers' keys
+                devices=plan.device_ids if secagg_json is not None else None,
+                # the signed program the device trains with (PROTOCOL.md)
+                bundle=b.bundle.assignment_field() if b.bundle is not None else None)
         b.blobs.retain(keep)
         self.current = cur
         for d in plan.devices:

@@ -35,6 +35,7 @@ from dpfleet.edge.bundle_format import (
     public_key_pem,
     verify_bundle,
 )
+from dpfleet.edge.wire.protocol import PUBLIC_FILE
 from dpfleet.export.policy import ReleasePolicy
 from dpfleet.io import atomic_write, write_secret
 from dpfleet.service.blobs import BlobStore
@@ -42,7 +43,6 @@ from dpfleet.service.blobs import BlobStore
 BUNDLE_DIR = "bundle"
 RELEASE_DIR = "release"  # the finished model's bundle, when a release policy passed it
 KEY_FILE = "bundle_key.pem"
-PUBLIC_FILE = "bundle_key.pub"
 
 
 @dataclass(frozen=True)

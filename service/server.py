@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.edge.wire.protocol import ADMIN_FILE
 from dpfleet.errors import DpfleetError
 from dpfleet.export.policy import ReleasePolicy
 from dpfleet.io import hold_private_umask, release_private_umask, removed_on_failure, write_secret
@@ -34,7 +35,6 @@ from dpfleet.service.boot import boot
 from dpfleet.service.rounds import RoundDriver
 from dpfleet.service.servelog import ServiceLog
 
-ADMIN_FILE = "admin.json"
 SERVICE_LOG = "service.log"
 
 

@@ -13,28 +13,18 @@ honestly clipped float32 update always passes, bit for bit the same test on both
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.edge.clipping import norm64
+from dpfleet.edge.wire.messages import ReportStats, parse_stats
+from dpfleet.edge.wire.protocol import WireError
 from dpfleet.secagg.round_sum import plain_sum
 from dpfleet.secagg.sums import AggregateResult
 
 
 class UploadError(ValueError):
     """A report that is refused (400); the message says why."""
-
-
-@dataclass(frozen=True)
-class ReportStats:
-    """What the engine reads of one report (`round_engine.ClientStats`); device-reported."""
-
-    norm: float
-    clipped: bool
-    loss: float
 
 
 def parse_update(body: bytes, length: int, clip_norm: float) -> np.ndarray:
@@ -49,19 +39,6 @@ def parse_update(body: bytes, length: int, clip_norm: float) -> np.ndarray:
     if not norm <= clip_norm:  # exactly C at most: no slack
         raise UploadError(f"update norm {norm:.6g} exceeds the round's clip norm {clip_norm:.6g}")
     return delta
-
-
-def parse_stats(headers) -> ReportStats:
-    """The report's training statistics (un-noised: only for adaptive clipping and debug logs)."""
-    try:
-        norm = float(headers.get("X-Dpfleet-Norm", "nan"))
-        loss = float(headers.get("X-Dpfleet-Loss", "nan"))
-        clipped = headers.get("X-Dpfleet-Clipped", "0") in ("1", "true", "True")
-    except ValueError:
-        raise UploadError("X-Dpfleet-Norm / X-Dpfleet-Loss must be numbers") from None
-    if not (math.isnan(norm) or norm >= 0):
-        raise UploadError("X-Dpfleet-Norm must be >= 0")
-    return ReportStats(norm, clipped, loss)
 
 
 class PlainCollector:
@@ -83,7 +60,10 @@ class PlainCollector:
         if self.complete:
             raise UploadError("the round already has its report goal")
         delta = parse_update(body, self.length, self.clip_norm)
-        stats = parse_stats(headers)
+        try:
+            stats = parse_stats(headers)
+        except WireError as exc:
+            raise UploadError(str(exc)) from None
         self.updates[position], self.stats[position] = delta, stats
 
     def total(self, count_threshold: float | None = None) -> AggregateResult:

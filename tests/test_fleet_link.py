@@ -91,6 +91,32 @@ def test_a_tampered_blob_is_refused_and_an_unreachable_coordinator_is_reported()
     assert err.code == "unreachable" and retried == 2
 
 
+def test_the_link_says_its_version_and_refuses_a_reply_it_cannot_act_on():
+    said, replies = [], [{"kind": "retry", "after_s": 0.5, "reason": "no round open"},
+                         {"kind": "assignment", "round": 1}]
+
+    async def checkin(request):
+        said.append(request.headers.get("X-Dpfleet-Protocol"))
+        return web.json_response(replies.pop(0))
+
+    app = web.Application()
+    app.router.add_post("/v1/checkin", checkin)
+
+    async def body(url):
+        async with CoordinatorLink(url, "dev", Ed25519PrivateKey.generate(), retries=0,
+                                   sessions=False) as link:
+            first = await link.checkin()
+            with pytest.raises(LinkError) as exc:
+                await link.checkin()
+            return first, exc.value
+
+    first, error = asyncio.run(with_app(app, body))
+    assert said == ["1", "1"]
+    assert first == {"kind": "retry", "after_s": 0.5, "reason": "no round open"}
+    assert (error.status, error.code, error.message) == (
+        0, "bad_reply", "assignment without attempt, position, model_sha256, plan_sha256, aggregation")
+
+
 def test_frames_split_exactly_and_truncation_is_an_error():
     msgs = [b"", b"a", b"\x00" * 70000]
     data = b"".join(struct.pack("<I", len(m)) + m for m in msgs)

@@ -441,6 +441,27 @@ def test_bad_json_bodies_are_400_or_413_never_500(open_round):
     assert not errors, [r.getMessage() for r in errors]
 
 
+def test_attack_a_request_in_another_protocol_version_is_refused_in_one_line(open_round):
+    """A message of another version is never read with this version's rules: 400 `bad_protocol`
+    before authentication (so unsigned too), the same request in version 1 (or naming none, a
+    client of before the header) is answered."""
+    served, keys, device, job, *_ = open_round
+    path, body = "/v1/checkin", json.dumps({"eligibility": {"charging": True, "idle": True,
+                                                            "unmetered": True},
+                                            "runtime": "eager", "timer_expires_at": None}).encode()
+    for version in ("2", "0", "v1"):
+        line = {"error": f"protocol version {version!r} is not spoken here: this coordinator "
+                         "speaks version 1", "code": "bad_protocol"}
+        for headers in (signed(keys, device, "POST", path, body), {}):
+            status, data, *_ = served.request("POST", path, body,
+                                              {**headers, "X-Dpfleet-Protocol": version})
+            assert (status, json.loads(data)) == (400, line)
+    for version in ({"X-Dpfleet-Protocol": "1"}, {}):
+        status, data, *_ = served.request("POST", path, body,
+                                          signed(keys, device, "POST", path, body, version))
+        assert (status, json.loads(data)) == (200, job)  # a repeated check-in: its assignment
+
+
 def test_an_unexpected_exception_is_a_generic_500_without_its_traceback(open_round):
     served, keys, device, job, *_ = open_round
     driver = served.running.driver
