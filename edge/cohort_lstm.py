@@ -98,10 +98,14 @@ class _Sink:
             target[clients][index].add_(value, alpha=alpha)
 
     def gemm(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """gradient += a @ b (batched), or the SGD step with it."""
+        """gradient += a @ b (batched), or the SGD step with it (a bfloat16 product is summed in
+        float32 inside the GEMM, rounded once, and added to the float32 gradient or weight)."""
         target, _ = self.target(name)
         if self.lr is None:
-            target.baddbmm_(a, b)
+            if a.dtype == target.dtype:
+                target.baddbmm_(a, b)
+            else:
+                target.add_(torch.bmm(a, b))
         else:
             target.sub_(torch.bmm(a, b), alpha=self.lr)
 
@@ -113,28 +117,38 @@ def _gate_order(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return torch.cat([t[:, -hidden:], t[:, :-hidden]], 1)
 
 
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy of `t` in `dtype` (the cast and the copy in one pass)."""
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+
+
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
-                   coupled: bool) -> tuple[torch.Tensor, tuple]:
+                   coupled: bool, low: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple]:
     """x [k, T, B, D] (client-major) -> outputs [T, k, B, P] (time-major) and what backward needs.
 
     Each step's gates are two batched GEMMs, [x_t, 1] @ [W_x, b]^T and h_{t-1} @ W_h^T added in
     place, into the time step's slice of a time-major buffer: contiguous results and contiguous
-    (copied once) weights, else torch copies or loops over the clients with one GEMM each."""
+    (copied once) weights, else torch copies or loops over the clients with one GEMM each.
+    `low` bfloat16: the weight copies, the GEMMs' inputs and the outputs are bfloat16 (the copies
+    are made once per call anyway, so the cast is free); each step's gate pre-activations are
+    copied to float32 before the nonlinearities, and the cell state stays float32."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
     w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
     # [h_{t-1}, x_t, 1] for every step, client-major: the rows of the weight gradient's GEMM
-    inputs = x.new_empty(k, steps, rows, proj + d + 1)
+    inputs = x.new_empty(k, steps, rows, proj + d + 1, dtype=low)
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
-    wx = torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2).contiguous()  # [k, D+1, G]
-    wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
-    wp_t = wp.transpose(1, 2).contiguous()
-    acts = x.new_empty(steps, k, rows, n_gates)
-    cells = x.new_empty(steps, k, rows, hidden)
+    wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
+    wh = _dense(w_k[:, :, d:].transpose(1, 2), low)  # [k, P, G]
+    wp_t = _dense(wp.transpose(1, 2), low)
+    acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
+    # bfloat16: each step's GEMMs go to this buffer, then to acts (a GEMM's output is its dtype)
+    pre = None if low == torch.float32 else x.new_empty(k, rows, n_gates, dtype=low)
+    cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
-    gated = x.new_empty(k, steps, rows, hidden)  # client-major: the projection's weight gradient
-    out = x.new_empty(steps, k, rows, proj)
+    gated = x.new_empty(k, steps, rows, hidden, dtype=low)  # client-major: the projection's weight gradient
+    out = x.new_empty(steps, k, rows, proj, dtype=low)
     # per-step views made once (one unbind call instead of a slice per step and view)
     xs, a_s = inputs[..., proj:].unbind(1), acts.unbind(0)
     sigs, gs = acts[..., :-hidden].unbind(0), acts[..., -hidden:].unbind(0)
@@ -142,9 +156,12 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     i_s = acts[..., 2 * hidden:3 * hidden].unbind(0)
     cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
     for t in range(steps):
-        a = torch.bmm(xs[t], wx, out=a_s[t])  # activated in place: acts holds the gates
+        # activated in place: acts holds the gates
+        a = torch.bmm(xs[t], wx, out=a_s[t] if pre is None else pre)
         if t:
             a.baddbmm_(hs[t - 1], wh)
+        if pre is not None:
+            a_s[t].copy_(a)
         sigs[t].sigmoid_()
         g = gs[t].tanh_()
         f, c = fs[t], cs[t]
@@ -195,34 +212,43 @@ def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torc
 
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
                     sink: _Sink, name: str) -> torch.Tensor:
-    """d_out [T, k, B, P] (overwritten) -> d_x [k, T, B, D]; weight gradients go to `sink`."""
+    """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
+    go to `sink`. At bfloat16 (the saved inputs' dtype) dh and dc are carried in float32 and the
+    GEMMs' operands are bfloat16: dz is written in bfloat16 by the elementwise ops (no extra
+    pass), dh is cast per step for its one GEMM."""
     inputs, acts, cells, tanh_cells, gated, w_k, wh = saved
+    low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
     to_cell, to_o, to_gates = _local_derivatives(acts, cells, tanh_cells, coupled)
-    wh_back = wh.transpose(1, 2).contiguous()  # [k, G, P]
+    wh_back = _dense(wh.transpose(1, 2), low)  # [k, G, P]
+    wp_low = wp if low == torch.float32 else _dense(wp, low)
     dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
     dc = cells.new_zeros(k, rows, hidden)
     dc_b = dc.unsqueeze(2)
     # client-major, written per step by the elementwise ops: the weight GEMMs' layout, no copy
-    dz_all = acts.new_empty(k, steps, rows, n_gates)
+    dz_all = acts.new_empty(k, steps, rows, n_gates, dtype=low)
     dzs, dz_o = dz_all.unbind(1), dz_all[..., :hidden].unbind(1)
     dz_rest = dz_all[..., hidden:].unflatten(-1, (-1, hidden)).unbind(1)
     dhs, fs = dh.unbind(0), acts[..., hidden:2 * hidden].unbind(0)
     tcell, to_os, tgs = to_cell.unbind(0), to_o.unbind(0), to_gates.unbind(0)
     for t in reversed(range(steps)):
-        dm = torch.bmm(dhs[t], wp)
+        dm = torch.bmm(dhs[t].to(low), wp_low)
         dc.addcmul_(dm, tcell[t])
         torch.mul(dm, to_os[t], out=dz_o[t])
         torch.mul(dc_b, tgs[t], out=dz_rest[t])
         if t:
             dc.mul_(fs[t])
-            dhs[t - 1].baddbmm_(dzs[t], wh_back)
+            if low == torch.float32:
+                dhs[t - 1].baddbmm_(dzs[t], wh_back)
+            else:
+                dhs[t - 1].add_(torch.bmm(dzs[t], wh_back))
     dz = dz_all.view(k, steps * rows, n_gates)
-    # before w is updated; float32 (under bfloat16 autocast the product is bfloat16, and the
-    # gradient carried down the layers and into the embedding stays float32)
-    d_x = torch.bmm(dz, w_k[:, :, :d]).float().view(k, steps, rows, d)
+    # before w is updated; float32 (under bfloat16 autocast or on the bfloat16 path the product is
+    # bfloat16, and the gradient carried down the layers and into the embedding stays float32)
+    w_x = w_k[:, :, :d] if low == torch.float32 else _dense(w_k[:, :, :d], low)
+    d_x = torch.bmm(dz, w_x).float().view(k, steps, rows, d)
     # the weight and bias gradients of all time steps in one GEMM on the inputs [h_{t-1}, x_t, 1]
     grad = torch.bmm(dz.transpose(1, 2), inputs.view(k, steps * rows, width))
     every = slice(None)
@@ -232,15 +258,16 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
                   (f"{name}.gates.weight", (every, model, slice(d, None)), grad[:, kernel, :proj]),
                   (f"{name}.gates.bias", (every, model), grad[:, kernel, -1])]
     sink.add(parts)
-    sink.gemm(f"{name}.proj.weight", _client_major(dh).transpose(1, 2),
+    sink.gemm(f"{name}.proj.weight", _client_major(dh, low).transpose(1, 2),
               gated.view(k, steps * rows, hidden))
     return d_x
 
 
-def _client_major(t: torch.Tensor) -> torch.Tensor:
-    """[T, k, B, X] -> contiguous [k, T * B, X] (the layout of the GEMMs over all time steps)."""
+def _client_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, B, X] -> contiguous [k, T * B, X] in `dtype` (the layout of the GEMMs over all time
+    steps)."""
     steps, k, rows, width = t.shape
-    return t.transpose(0, 1).reshape(k, steps * rows, width)
+    return _dense(t.transpose(0, 1), dtype).view(k, steps * rows, width)
 
 
 def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple[int, int, int]]:
@@ -271,13 +298,18 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     block in a packed [rows, P] matrix; consecutive clients with similar n_j share one batched
     GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in every
     gradient. Returns (loss [k], d_y [T, k, B, P]).
+
+    y bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast once
+    per call, the softmax's gradient once per group) and the logits are copied to float32 for
+    the softmax, the loss and its gradient; loss and d_y are float32.
     """
     steps, k, rows, proj = y.shape
+    low, f32 = y.dtype, torch.float32
     positions = steps * rows
     flat_real = real.reshape(k, positions)
     counts = flat_real.sum(1)
-    d_y = torch.zeros_like(y)
-    loss = y.new_zeros(k)
+    d_y = torch.zeros_like(y, dtype=f32)
+    loss = y.new_zeros(k, dtype=f32)
     groups = [g for g in _groups(counts.tolist(), LOGITS_FLOATS // w_out.shape[1])
               if counts[g[0] : g[1]].any()]
     if not groups:  # no real target anywhere: loss 0 and a zero gradient, as next_token_loss gives
@@ -297,14 +329,17 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     packed[:, proj] = 1.0
     tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
     tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
-    inv = 1.0 / counts.clamp_min(1).to(y.dtype)
-    weight = y.new_zeros(base, 1)  # 1 / n_j on client j's real rows, 0 on fill rows
+    inv = 1.0 / counts.clamp_min(1).to(f32)
+    weight = y.new_zeros(base, 1, dtype=f32)  # 1 / n_j on client j's real rows, 0 on fill rows
     weight[dst, 0] = inv[client]
-    d_packed = y.new_empty(base, proj)
+    d_packed = y.new_empty(base, proj, dtype=f32)
     vocab = w_out.shape[1]
     # one logits and one softmax buffer for all groups: each fresh multi-MB tensor costs its page
     # faults (the logits GEMM ran 4x slower into fresh pages than into reused ones)
-    scores = y.new_empty(2, max((end - first) * n for first, end, n in groups) * vocab)
+    most = max((end - first) * n for first, end, n in groups) * vocab
+    scores = y.new_empty(2, most, dtype=f32)
+    # bfloat16: the logits GEMM's output and the softmax gradient as the backward GEMMs' operand
+    low_scores = None if low == f32 else y.new_empty(2, most)
     base = 0
     for first, end, n in groups:
         m = end - first
@@ -314,9 +349,17 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         w_g = w_out[first:end]
         # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
         w_b = torch.cat([w_g, b_out[first:end].unsqueeze(2)], 2)
-        logits = torch.bmm(yg, w_b.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
+        size = m * n * vocab
+        logits = scores[0, :size].view(m, n, vocab)
+        if low_scores is None:
+            torch.bmm(yg, w_b.transpose(1, 2), out=logits)
+            w_low = w_g
+        else:
+            w_b = w_b.to(low)
+            logits.copy_(torch.bmm(yg, w_b.transpose(1, 2), out=low_scores[0, :size].view(m, n, vocab)))
+            w_low = w_b  # its bias column makes d_packed one column wider, cut below
         # one exp per logit (log-softmax + exp took two)
-        grad = torch._softmax(logits, -1, False, out=scores[1, : m * n * vocab].view(m, n, vocab))
+        grad = torch._softmax(logits, -1, False, out=scores[1, :size].view(m, n, vocab))
         tg = tgt[block]
         flat = grad.view(-1, vocab)
         p_t = flat.gather(1, tg)
@@ -331,9 +374,13 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         loss[first:end] = (nll.view(m, n) * (wg.view(m, n) > 0)).sum(1) / counts[first:end].clamp_min(1)
         # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
         flat.scatter_add_(1, tg, grad.new_full((m * n, 1), -1.0))
-        torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
+        if low_scores is None:
+            torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
+        else:
+            grad = low_scores[1, :size].view(m, n, vocab).copy_(grad)
+            d_packed[block] = torch.bmm(grad, w_low)[..., :proj].reshape(m * n, proj)
         # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
-        g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
+        g_t = torch.bmm((yg * wg).to(low).transpose(1, 2), grad)
         sink.add([(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])],
                  slice(first, end))
     d_y.view(-1, proj)[src] = d_packed[dst].mul_(weight[dst])
@@ -341,13 +388,17 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
 
 
 def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: torch.Tensor,
-                    lr: float | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    lr: float | None = None, dtype: torch.dtype = torch.float32
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-client gradients and mean losses of a recurrent zoo model on one minibatch each.
 
     params: the model's parameters stacked over k clients ([k, *shape]); rows [k, B, L+1] token
     rows (PAD-filled). Equal to `vmap(grad_and_value(next_token_loss o model))` up to rounding.
     With `lr`: one SGD step is applied to `params` in place instead and the gradients returned
     are empty ({}): each weight is updated only after its last use in the step.
+    `dtype` bfloat16: the GEMMs in bfloat16 from bfloat16 copies of the float32 weights made once
+    per call (the module docstring's "bfloat16"); the weights, their updates, the gradients and
+    the loss stay float32.
     """
     k, _, _ = rows.shape
     targets_all = rows[:, :, 1:]
@@ -367,7 +418,7 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
         if depth:  # the next layer's input, client-major
             x = x.transpose(0, 1).contiguous()
         x, keep = _layer_forward(x, params[f"{name}.gates.weight"], params[f"{name}.gates.bias"],
-                                 params[f"{name}.proj.weight"], coupled)
+                                 params[f"{name}.proj.weight"], coupled, dtype)
         saved.append(keep)
     sink = _Sink(params, lr)
     out_names = ("embed.weight", "output_bias") if cfg.tie_embeddings else ("output.weight", "output.bias")
