@@ -130,8 +130,9 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     place, into the time step's slice of a time-major buffer: contiguous results and contiguous
     (copied once) weights, else torch copies or loops over the clients with one GEMM each.
     `low` bfloat16: the weight copies, the GEMMs' inputs and the outputs are bfloat16 (the copies
-    are made once per call anyway, so the cast is free); each step's gate pre-activations are
-    copied to float32 before the nonlinearities, and the cell state stays float32."""
+    are made once per call anyway, so the cast is free); the gate pre-activations are summed in
+    float32 (the input projection of all steps is one GEMM, each step adds its recurrent GEMM's
+    product) and the nonlinearities and the cell state are float32."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
     w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
@@ -143,8 +144,11 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     wh = _dense(w_k[:, :, d:].transpose(1, 2), low)  # [k, P, G]
     wp_t = _dense(wp.transpose(1, 2), low)
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
-    # bfloat16: each step's GEMMs go to this buffer, then to acts (a GEMM's output is its dtype)
-    pre = None if low == torch.float32 else x.new_empty(k, rows, n_gates, dtype=low)
+    hoisted = low != torch.float32
+    if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
+        # GEMM, copied to float32 in one pass; each step adds its recurrent GEMM in float32
+        x_proj = torch.bmm(inputs[..., proj:].view(k, steps * rows, d + 1), wx)
+        acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
     cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
     gated = x.new_empty(k, steps, rows, hidden, dtype=low)  # client-major: the projection's weight gradient
@@ -156,12 +160,13 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     i_s = acts[..., 2 * hidden:3 * hidden].unbind(0)
     cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
     for t in range(steps):
-        # activated in place: acts holds the gates
-        a = torch.bmm(xs[t], wx, out=a_s[t] if pre is None else pre)
-        if t:
-            a.baddbmm_(hs[t - 1], wh)
-        if pre is not None:
-            a_s[t].copy_(a)
+        if hoisted:
+            if t:
+                a_s[t].add_(torch.bmm(hs[t - 1], wh))
+        else:  # activated in place: acts holds the gates
+            a = torch.bmm(xs[t], wx, out=a_s[t])
+            if t:
+                a.baddbmm_(hs[t - 1], wh)
         sigs[t].sigmoid_()
         g = gs[t].tanh_()
         f, c = fs[t], cs[t]
@@ -348,16 +353,14 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         yg, wg = packed[block].view(m, n, proj + 1), weight[block].view(m, n, 1)
         w_g = w_out[first:end]
         # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
-        w_b = torch.cat([w_g, b_out[first:end].unsqueeze(2)], 2)
+        w_b = y.new_empty(m, vocab, proj + 1)  # bfloat16 on the bfloat16 path: cast in the copy
+        w_b[..., :proj], w_b[..., proj] = w_g, b_out[first:end]
         size = m * n * vocab
         logits = scores[0, :size].view(m, n, vocab)
         if low_scores is None:
             torch.bmm(yg, w_b.transpose(1, 2), out=logits)
-            w_low = w_g
         else:
-            w_b = w_b.to(low)
             logits.copy_(torch.bmm(yg, w_b.transpose(1, 2), out=low_scores[0, :size].view(m, n, vocab)))
-            w_low = w_b  # its bias column makes d_packed one column wider, cut below
         # one exp per logit (log-softmax + exp took two)
         grad = torch._softmax(logits, -1, False, out=scores[1, :size].view(m, n, vocab))
         tg = tgt[block]
@@ -376,13 +379,18 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         flat.scatter_add_(1, tg, grad.new_full((m * n, 1), -1.0))
         if low_scores is None:
             torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
-        else:
+        else:  # w_b's bias column makes d_packed one column wider, cut off
             grad = low_scores[1, :size].view(m, n, vocab).copy_(grad)
-            d_packed[block] = torch.bmm(grad, w_low)[..., :proj].reshape(m * n, proj)
-        # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
-        g_t = torch.bmm((yg * wg).to(low).transpose(1, 2), grad)
-        sink.add([(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])],
-                 slice(first, end))
+            d_packed[block] = torch.bmm(grad, w_b)[..., :proj].reshape(m * n, proj)
+        if low_scores is None:
+            # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
+            g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
+            parts = [(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])]
+        else:  # in bfloat16 [V, P+1] is the faster shape: the float32 update adds it row by row
+            # (the transposed add of [P+1, V] took 1.4x the GEMM and the add, paired)
+            g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(low))
+            parts = [(w_name, (), g_v[..., :proj]), (b_name, (), g_v[..., proj])]
+        sink.add(parts, slice(first, end))
     d_y.view(-1, proj)[src] = d_packed[dst].mul_(weight[dst])
     return loss, d_y
 
