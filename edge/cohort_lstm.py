@@ -44,6 +44,19 @@ clients: 116 vs 128 ms per step (1.10x). Rounding: against the sequential path t
 first round's per-client deltas are 4.5e-8 to 2.8e-7 off (before: 4.5e-8 to 1.8e-7; one 16-step
 client that diverges amplifies either to ~1e-4).
 
+bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
+CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
+(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs
+saved). The float32 weights are cast once per call, inside the contiguous copies made anyway;
+the input projection of all time steps is one GEMM; the saved GEMM operands (the inputs
+[h_{t-1}, x_t, 1], the gated cell outputs, dz, h) are stored in bfloat16 as they are written.
+A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16 (torch on CPU
+has no float32 output for it): the gate sums, nonlinearities and cell state, the softmax, loss
+and its gradient (the logits are copied to float32), dh and dc carried through time, and the
+SGD step on the float32 weights stay float32. Gradients are within 2^-5 of float32's (relative
+L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made as [V, P+1] there
+(in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
+
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
 in tests/test_cohort_lstm.py).
