@@ -47,15 +47,19 @@ client that diverges amplifies either to ~1e-4).
 bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
 CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
 (which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs
-saved). The float32 weights are cast once per call, inside the contiguous copies made anyway;
-the input projection of all time steps is one GEMM; the saved GEMM operands (the inputs
-[h_{t-1}, x_t, 1], the gated cell outputs, dz, h) are stored in bfloat16 as they are written.
-A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16 (torch on CPU
-has no float32 output for it): the gate sums, nonlinearities and cell state, the softmax, loss
-and its gradient (the logits are copied to float32), dh and dc carried through time, and the
-SGD step on the float32 weights stay float32. Gradients are within 2^-5 of float32's (relative
-L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made as [V, P+1] there
-(in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
+saved). bfloat16 are the GEMMs over all time steps and the output layer's: the input projection
+of all steps (one GEMM, then copied to float32), the gates' and projection's weight gradients,
+d_x, and the logits with both of their backward GEMMs; their weights are cast once per call
+(inside the copies made anyway), their other operands once (the inputs [h_{t-1}, x_t, 1] as they
+are written, dz and the gated outputs after their loop). A bfloat16 GEMM accumulates in float32
+and rounds its result once, to bfloat16 (torch on CPU has no float32 output for it). float32
+are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
+1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, commit
+"input projection of all steps in one GEMM" on this branch, ran the same on a loaded machine,
+paired), the nonlinearities and cell state, the softmax, loss and its gradient (the logits are
+copied to float32), and the SGD step on the float32 weights. Gradients are within 2^-5 of
+float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
+as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
 
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
@@ -142,10 +146,9 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     Each step's gates are two batched GEMMs, [x_t, 1] @ [W_x, b]^T and h_{t-1} @ W_h^T added in
     place, into the time step's slice of a time-major buffer: contiguous results and contiguous
     (copied once) weights, else torch copies or loops over the clients with one GEMM each.
-    `low` bfloat16: the weight copies, the GEMMs' inputs and the outputs are bfloat16 (the copies
-    are made once per call anyway, so the cast is free); the gate pre-activations are summed in
-    float32 (the input projection of all steps is one GEMM, each step adds its recurrent GEMM's
-    product) and the nonlinearities and the cell state are float32."""
+    `low` bfloat16: the input projection of all steps is one bfloat16 GEMM copied into the float32
+    gates, each step adds its float32 recurrent GEMM in place; the saved GEMM operands (inputs,
+    gated outputs) are bfloat16 for the weight gradients' GEMMs."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
     w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
@@ -154,8 +157,8 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
     wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
-    wh = _dense(w_k[:, :, d:].transpose(1, 2), low)  # [k, P, G]
-    wp_t = _dense(wp.transpose(1, 2), low)
+    wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
+    wp_t = wp.transpose(1, 2).contiguous()
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
     hoisted = low != torch.float32
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
@@ -164,8 +167,8 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
         acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
     cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
-    gated = x.new_empty(k, steps, rows, hidden, dtype=low)  # client-major: the projection's weight gradient
-    out = x.new_empty(steps, k, rows, proj, dtype=low)
+    gated = x.new_empty(k, steps, rows, hidden)  # client-major: the projection's weight gradient
+    out = x.new_empty(steps, k, rows, proj)
     # per-step views made once (one unbind call instead of a slice per step and view)
     xs, a_s = inputs[..., proj:].unbind(1), acts.unbind(0)
     sigs, gs = acts[..., :-hidden].unbind(0), acts[..., -hidden:].unbind(0)
@@ -173,13 +176,10 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     i_s = acts[..., 2 * hidden:3 * hidden].unbind(0)
     cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
     for t in range(steps):
-        if hoisted:
-            if t:
-                a_s[t].add_(torch.bmm(hs[t - 1], wh))
-        else:  # activated in place: acts holds the gates
-            a = torch.bmm(xs[t], wx, out=a_s[t])
-            if t:
-                a.baddbmm_(hs[t - 1], wh)
+        # activated in place: acts holds the gates
+        a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
+        if t:
+            a.baddbmm_(hs[t - 1], wh)
         sigs[t].sigmoid_()
         g = gs[t].tanh_()
         f, c = fs[t], cs[t]
@@ -196,7 +196,7 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
         torch.bmm(m, wp_t, out=hs[t])
     inputs[:, 0, :, :proj] = 0.0
     inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
-    return out, (inputs, acts, cells, tanh_cells, gated, w_k, wh)
+    return out, (inputs, acts, cells, tanh_cells, gated.to(low), w_k, wh)
 
 
 def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
@@ -231,38 +231,33 @@ def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torc
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
                     sink: _Sink, name: str) -> torch.Tensor:
     """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
-    go to `sink`. At bfloat16 (the saved inputs' dtype) dh and dc are carried in float32 and the
-    GEMMs' operands are bfloat16: dz is written in bfloat16 by the elementwise ops (no extra
-    pass), dh is cast per step for its one GEMM."""
+    go to `sink`. At bfloat16 (the saved inputs' dtype) the recurrence runs as at float32 and dz
+    is cast once, after it, for the two GEMMs over all time steps."""
     inputs, acts, cells, tanh_cells, gated, w_k, wh = saved
     low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
     to_cell, to_o, to_gates = _local_derivatives(acts, cells, tanh_cells, coupled)
-    wh_back = _dense(wh.transpose(1, 2), low)  # [k, G, P]
-    wp_low = wp if low == torch.float32 else _dense(wp, low)
+    wh_back = wh.transpose(1, 2).contiguous()  # [k, G, P]
     dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
     dc = cells.new_zeros(k, rows, hidden)
     dc_b = dc.unsqueeze(2)
     # client-major, written per step by the elementwise ops: the weight GEMMs' layout, no copy
-    dz_all = acts.new_empty(k, steps, rows, n_gates, dtype=low)
+    dz_all = acts.new_empty(k, steps, rows, n_gates)
     dzs, dz_o = dz_all.unbind(1), dz_all[..., :hidden].unbind(1)
     dz_rest = dz_all[..., hidden:].unflatten(-1, (-1, hidden)).unbind(1)
     dhs, fs = dh.unbind(0), acts[..., hidden:2 * hidden].unbind(0)
     tcell, to_os, tgs = to_cell.unbind(0), to_o.unbind(0), to_gates.unbind(0)
     for t in reversed(range(steps)):
-        dm = torch.bmm(dhs[t].to(low), wp_low)
+        dm = torch.bmm(dhs[t], wp)
         dc.addcmul_(dm, tcell[t])
         torch.mul(dm, to_os[t], out=dz_o[t])
         torch.mul(dc_b, tgs[t], out=dz_rest[t])
         if t:
             dc.mul_(fs[t])
-            if low == torch.float32:
-                dhs[t - 1].baddbmm_(dzs[t], wh_back)
-            else:
-                dhs[t - 1].add_(torch.bmm(dzs[t], wh_back))
-    dz = dz_all.view(k, steps * rows, n_gates)
+            dhs[t - 1].baddbmm_(dzs[t], wh_back)
+    dz = dz_all.view(k, steps * rows, n_gates).to(low)  # bfloat16: one cast for the two GEMMs
     # before w is updated; float32 (under bfloat16 autocast or on the bfloat16 path the product is
     # bfloat16, and the gradient carried down the layers and into the embedding stays float32)
     w_x = w_k[:, :, :d] if low == torch.float32 else _dense(w_k[:, :, :d], low)
@@ -308,8 +303,8 @@ def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple
 
 
 def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
-                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str,
+                  low: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits, mean cross-entropy and its gradient at real target positions only.
 
     y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
@@ -317,17 +312,17 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in every
     gradient. Returns (loss [k], d_y [T, k, B, P]).
 
-    y bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast once
+    `low` bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast once
     per call, the softmax's gradient once per group) and the logits are copied to float32 for
     the softmax, the loss and its gradient; loss and d_y are float32.
     """
     steps, k, rows, proj = y.shape
-    low, f32 = y.dtype, torch.float32
+    f32 = torch.float32
     positions = steps * rows
     flat_real = real.reshape(k, positions)
     counts = flat_real.sum(1)
-    d_y = torch.zeros_like(y, dtype=f32)
-    loss = y.new_zeros(k, dtype=f32)
+    d_y = torch.zeros_like(y)
+    loss = y.new_zeros(k)
     groups = [g for g in _groups(counts.tolist(), LOGITS_FLOATS // w_out.shape[1])
               if counts[g[0] : g[1]].any()]
     if not groups:  # no real target anywhere: loss 0 and a zero gradient, as next_token_loss gives
@@ -342,8 +337,8 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     dst = offset[client] + slot
     t, r = pos // rows, pos % rows
     src = (t * k + client) * rows + r  # row of y's time-major [T * k * B, P] view
-    packed = y.new_zeros(base, proj + 1)  # [y, 1]: the output bias rides in the GEMMs
-    packed[dst, :proj] = y.reshape(-1, proj)[src]
+    packed = y.new_zeros(base, proj + 1, dtype=low)  # [y, 1]: the output bias rides in the GEMMs
+    packed[dst, :proj] = y.reshape(-1, proj)[src].to(low)
     packed[:, proj] = 1.0
     tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
     tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
@@ -357,7 +352,7 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     most = max((end - first) * n for first, end, n in groups) * vocab
     scores = y.new_empty(2, most, dtype=f32)
     # bfloat16: the logits GEMM's output and the softmax gradient as the backward GEMMs' operand
-    low_scores = None if low == f32 else y.new_empty(2, most)
+    low_scores = None if low == f32 else y.new_empty(2, most, dtype=low)
     base = 0
     for first, end, n in groups:
         m = end - first
@@ -366,7 +361,7 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         yg, wg = packed[block].view(m, n, proj + 1), weight[block].view(m, n, 1)
         w_g = w_out[first:end]
         # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
-        w_b = y.new_empty(m, vocab, proj + 1)  # bfloat16 on the bfloat16 path: cast in the copy
+        w_b = y.new_empty(m, vocab, proj + 1, dtype=low)  # bfloat16: cast in the copy
         w_b[..., :proj], w_b[..., proj] = w_g, b_out[first:end]
         size = m * n * vocab
         logits = scores[0, :size].view(m, n, vocab)
@@ -444,7 +439,7 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
     sink = _Sink(params, lr)
     out_names = ("embed.weight", "output_bias") if cfg.tie_embeddings else ("output.weight", "output.bias")
     loss, d_x = _output_layer(x, real, targets, params[out_names[0]], params[out_names[1]], sink,
-                              *out_names)
+                              *out_names, dtype)
     for depth, name, keep in zip(reversed(range(len(names))), reversed(names), reversed(saved),
                                  strict=True):
         d_x = _layer_backward(d_x, keep, params[f"{name}.proj.weight"], coupled, sink, name)
