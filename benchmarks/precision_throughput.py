@@ -9,8 +9,9 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
   and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
   `--gboard-vocab` words); the cohort's ratio to the plain float32 loop. The cohort at bfloat16
-  is the hand-written LSTM's own bfloat16 path (bfloat16 weight copies made once per local
-  step, bfloat16 GEMMs, float32 cell state, softmax and weights; not autocast); at bfloat16
+  is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs over all time steps and in the
+  output layer from weight copies cast once per local step; float32 recurrence, softmax and
+  weights; not autocast); at bfloat16
   it is also timed against the cohort at float32 round by round, alternating, in one process
   (`cohort_bfloat16_over_float32_paired`, the median of the pairs' ratios: what a loaded
   machine still measures fairly);

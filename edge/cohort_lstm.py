@@ -54,10 +54,10 @@ d_x, and the logits with both of their backward GEMMs; their weights are cast on
 are written, dz and the gated outputs after their loop). A bfloat16 GEMM accumulates in float32
 and rounds its result once, to bfloat16 (torch on CPU has no float32 output for it). float32
 are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
-1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, commit
-"input projection of all steps in one GEMM" on this branch, ran the same on a loaded machine,
-paired), the nonlinearities and cell state, the softmax, loss and its gradient (the logits are
-copied to float32), and the SGD step on the float32 weights. Gradients are within 2^-5 of
+1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
+file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
+the softmax, loss and its gradient (the logits are copied to float32), and the SGD step on the
+float32 weights. Gradients are within 2^-5 of
 float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
 as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
 
