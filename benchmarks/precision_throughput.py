@@ -6,9 +6,15 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
 
 * steps/s (local SGD steps of all clients over wall seconds) of the cohort trainer and of the
   plain PyTorch loop over `nn.LSTM` (trainer_throughput.py's `NnLstmTrainer`; at bfloat16 under
-  the same autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
+  autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
   and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
-  `--gboard-vocab` words); the cohort's ratio to the plain float32 loop;
+  `--gboard-vocab` words); the cohort's ratio to the plain float32 loop. The cohort at bfloat16
+  is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs over all time steps and in the
+  output layer from weight copies cast once per local step; float32 recurrence, softmax and
+  weights; not autocast); at bfloat16
+  it is also timed against the cohort at float32 round by round, alternating, in one process
+  (`cohort_bfloat16_over_float32_paired`, the median of the pairs' ratios: what a loaded
+  machine still measures fairly);
 * the cohort's achieved GFLOP/s (model FLOPs: 6 x the GEMM weights a token passes x real target
   tokens, padding not counted) against this CPU's square GEMM rate at the same precision;
 * the teacher's tokens/s (body, and body + float32 head) on a random-weight Llama (`--teacher`:
@@ -26,6 +32,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -93,10 +100,16 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
         "cohort": _median_s(lambda: cohort.train_round(theta, chosen, seeds, **args), reps),
         "plain_float32": _median_s(lambda: plain.train_round(theta, chosen, seeds, **args), reps),
     }
+    paired = {}
     if chosen_p.name == "bfloat16":
         with chosen_p.autocast():
             seconds["plain_bfloat16"] = _median_s(
                 lambda: plain.train_round(theta, chosen, seeds, **args), reps)
+        f32 = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=bs, device="cpu",
+                            precision="float32")
+        paired["cohort_bfloat16_over_float32_paired"] = _paired_ratio(
+            lambda: f32.train_round(theta, chosen, seeds, **args),
+            lambda: cohort.train_round(theta, chosen, seeds, **args), reps)
     flops = model_flops_per_token(model_cfg) * tokens
     m = model_cfg
     return {
@@ -106,7 +119,24 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
         "steps_per_s": {k: round(steps / s, 1) for k, s in seconds.items()},
         "cohort_over_plain_float32": round(seconds["plain_float32"] / seconds["cohort"], 2),
         "cohort_achieved_gflop_s": round(flops / seconds["cohort"] / 1e9, 2),
+        **paired,
     }
+
+
+def _paired_ratio(slow, fast, reps: int) -> float:
+    """Median over `reps` pairs of seconds(slow) / seconds(fast), the two alternating which runs
+    first (after one warm-up each): load that comes and goes hits both sides of a pair alike."""
+    slow(), fast()
+    ratios = []
+    for i in range(reps):
+        order = (slow, fast) if i % 2 == 0 else (fast, slow)
+        seconds = {}
+        for fn in order:
+            t0 = time.perf_counter()
+            fn()
+            seconds[fn] = time.perf_counter() - t0
+        ratios.append(seconds[slow] / seconds[fast])
+    return round(float(np.median(ratios)), 2)
 
 
 def synthetic_teacher(folder: Path, hidden: int, layers: int, vocab: int) -> str:

@@ -127,10 +127,13 @@ class ClientSection:
     precision: str = "float32"
     """The cohort trainer's and public pretraining's GEMMs: "float32" | "auto" (bfloat16 where the
     CPU has native BF16, AMX or AVX512-BF16, else float32) | "bfloat16" (an error on a CPU without
-    it). float32 by default: on a CPU with AMX-BF16, bfloat16 autocast trained the main job's
-    CIFG at 0.48x float32's steps/s and the Gboard-size one at 0.95x (2 threads;
-    benchmarks/precision_throughput.py), the GEMMs being too small to repay the casts. Weights,
-    deltas, clipping and the DP sum stay float32; summary.json says which ran and why."""
+    it). The LSTM/CIFG cohort then runs its own bfloat16 GEMMs (bfloat16 weight copies once per
+    local step), the transformer and pretraining run under bfloat16 autocast. float32 by
+    default: on a CPU with AMX-BF16, bfloat16 autocast trained the main job's CIFG at 0.48x
+    float32's steps/s and the Gboard-size one at 0.95x (2 threads;
+    benchmarks/precision_throughput.py); the own-kernel path is to be measured there before the
+    default changes. Weights, deltas, clipping and the DP sum stay float32; summary.json says
+    which ran and why."""
 
 
 @dataclass

@@ -120,8 +120,10 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
 
     `step` None: the fused recurrent path (`recurrent_grads`, the SGD step inside); otherwise
     `vmap(grad_and_value(loss))` over the stacked weights. A module-level function so a worker
-    process (`cohort_pool`) runs exactly this code. `precision` bfloat16: the forward and backward
-    GEMMs under bfloat16 autocast; the weights (and so the SGD steps and the deltas) stay float32."""
+    process (`cohort_pool`) runs exactly this code. `precision` bfloat16: on the fused path its own
+    bfloat16 GEMMs (`recurrent_grads`' `dtype`: bfloat16 weight copies made once per step, not
+    autocast's cast per op, which cost what the faster GEMMs saved); on the torch.func path the
+    GEMMs under bfloat16 autocast. The weights (and so the SGD steps and the deltas) stay float32."""
     n = len(examples)
     width = max(x.shape[1] for x in examples)
     params = {
@@ -130,8 +132,12 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
     }
     loss_sum = torch.zeros(n, dtype=torch.float64)
     steps = [len(p) for p in plans]
-    with precision.autocast(theta.device.type):
-        _local_steps(cfg, params, plans, examples, steps, width, theta.device, lr, step, loss_sum)
+    if step is None:
+        _local_steps(cfg, params, plans, examples, steps, width, theta.device, lr, step, loss_sum,
+                     precision.dtype)
+    else:
+        with precision.autocast(theta.device.type):
+            _local_steps(cfg, params, plans, examples, steps, width, theta.device, lr, step, loss_sum)
     flat = torch.cat([params[name].reshape(n, -1).float() for name in layout.names], dim=1)
     deltas = (flat - theta.float()).cpu().numpy()  # float32: what finish_update clips and sums
     losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
@@ -140,8 +146,10 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
 
 def _local_steps(cfg: ModelConfig, params: dict[str, torch.Tensor], plans: list[list[np.ndarray]],
                  examples: list[np.ndarray], steps: list[int], width: int, device: torch.device,
-                 lr: float, step: Callable | None, loss_sum: torch.Tensor) -> None:
-    """`train_chunk`'s SGD steps on the stacked `params` in place, losses added to `loss_sum`."""
+                 lr: float, step: Callable | None, loss_sum: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """`train_chunk`'s SGD steps on the stacked `params` in place, losses added to `loss_sum`
+    (`dtype`: the fused path's GEMM precision)."""
     for s in range(steps[0] if steps else 0):
         k = sum(1 for m in steps if m > s)  # active clients: a prefix (sorted longest first)
         rows_s = max(len(plans[j][s]) for j in range(k))  # PAD rows only up to the widest
@@ -156,7 +164,7 @@ def _local_steps(cfg: ModelConfig, params: dict[str, torch.Tensor], plans: list[
         rows = torch.from_numpy(np.ascontiguousarray(block[:, :, :cols])).to(device)
         active = {name: p[:k] for name, p in params.items()}
         if step is None:  # the SGD step is applied inside, fused into the gradient GEMMs
-            _, loss = recurrent_grads(cfg, active, rows, lr=lr)
+            _, loss = recurrent_grads(cfg, active, rows, lr=lr, dtype=dtype)
         else:
             grads, loss = step(active, rows)
             with torch.no_grad():

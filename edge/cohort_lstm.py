@@ -44,6 +44,23 @@ clients: 116 vs 128 ms per step (1.10x). Rounding: against the sequential path t
 first round's per-client deltas are 4.5e-8 to 2.8e-7 off (before: 4.5e-8 to 1.8e-7; one 16-step
 client that diverges amplifies either to ~1e-4).
 
+bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
+CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
+(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs
+saved). bfloat16 are the GEMMs over all time steps and the output layer's: the input projection
+of all steps (one GEMM, then copied to float32), the gates' and projection's weight gradients,
+d_x, and the logits with both of their backward GEMMs; their weights are cast once per call
+(inside the copies made anyway), their other operands once (the inputs [h_{t-1}, x_t, 1] as they
+are written, dz and the gated outputs after their loop). A bfloat16 GEMM accumulates in float32
+and rounds its result once, to bfloat16 (torch on CPU has no float32 output for it). float32
+are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
+1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
+file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
+the softmax, loss and its gradient (the logits are copied to float32), and the SGD step on the
+float32 weights. Gradients are within 2^-5 of
+float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
+as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
+
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
 in tests/test_cohort_lstm.py).
@@ -98,10 +115,14 @@ class _Sink:
             target[clients][index].add_(value, alpha=alpha)
 
     def gemm(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """gradient += a @ b (batched), or the SGD step with it."""
+        """gradient += a @ b (batched), or the SGD step with it (a bfloat16 product is summed in
+        float32 inside the GEMM, rounded once, and added to the float32 gradient or weight)."""
         target, _ = self.target(name)
         if self.lr is None:
-            target.baddbmm_(a, b)
+            if a.dtype == target.dtype:
+                target.baddbmm_(a, b)
+            else:
+                target.add_(torch.bmm(a, b))
         else:
             target.sub_(torch.bmm(a, b), alpha=self.lr)
 
@@ -113,25 +134,38 @@ def _gate_order(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return torch.cat([t[:, -hidden:], t[:, :-hidden]], 1)
 
 
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy of `t` in `dtype` (the cast and the copy in one pass)."""
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
+
+
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
-                   coupled: bool) -> tuple[torch.Tensor, tuple]:
+                   coupled: bool, low: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple]:
     """x [k, T, B, D] (client-major) -> outputs [T, k, B, P] (time-major) and what backward needs.
 
     Each step's gates are two batched GEMMs, [x_t, 1] @ [W_x, b]^T and h_{t-1} @ W_h^T added in
     place, into the time step's slice of a time-major buffer: contiguous results and contiguous
-    (copied once) weights, else torch copies or loops over the clients with one GEMM each."""
+    (copied once) weights, else torch copies or loops over the clients with one GEMM each.
+    `low` bfloat16: the input projection of all steps is one bfloat16 GEMM copied into the float32
+    gates, each step adds its float32 recurrent GEMM in place; the saved GEMM operands (inputs,
+    gated outputs) are bfloat16 for the weight gradients' GEMMs."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
     w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
     # [h_{t-1}, x_t, 1] for every step, client-major: the rows of the weight gradient's GEMM
-    inputs = x.new_empty(k, steps, rows, proj + d + 1)
+    inputs = x.new_empty(k, steps, rows, proj + d + 1, dtype=low)
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
-    wx = torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2).contiguous()  # [k, D+1, G]
+    wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
     wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
     wp_t = wp.transpose(1, 2).contiguous()
-    acts = x.new_empty(steps, k, rows, n_gates)
-    cells = x.new_empty(steps, k, rows, hidden)
+    acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
+    hoisted = low != torch.float32
+    if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
+        # GEMM, copied to float32 in one pass; each step adds its recurrent GEMM in float32
+        x_proj = torch.bmm(inputs[..., proj:].view(k, steps * rows, d + 1), wx)
+        acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
+    cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
     gated = x.new_empty(k, steps, rows, hidden)  # client-major: the projection's weight gradient
     out = x.new_empty(steps, k, rows, proj)
@@ -142,7 +176,8 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     i_s = acts[..., 2 * hidden:3 * hidden].unbind(0)
     cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
     for t in range(steps):
-        a = torch.bmm(xs[t], wx, out=a_s[t])  # activated in place: acts holds the gates
+        # activated in place: acts holds the gates
+        a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
         if t:
             a.baddbmm_(hs[t - 1], wh)
         sigs[t].sigmoid_()
@@ -161,7 +196,7 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
         torch.bmm(m, wp_t, out=hs[t])
     inputs[:, 0, :, :proj] = 0.0
     inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
-    return out, (inputs, acts, cells, tanh_cells, gated, w_k, wh)
+    return out, (inputs, acts, cells, tanh_cells, gated.to(low), w_k, wh)
 
 
 def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
@@ -195,8 +230,11 @@ def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torc
 
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
                     sink: _Sink, name: str) -> torch.Tensor:
-    """d_out [T, k, B, P] (overwritten) -> d_x [k, T, B, D]; weight gradients go to `sink`."""
+    """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
+    go to `sink`. At bfloat16 (the saved inputs' dtype) the recurrence runs as at float32 and dz
+    is cast once, after it, for the two GEMMs over all time steps."""
     inputs, acts, cells, tanh_cells, gated, w_k, wh = saved
+    low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
@@ -219,10 +257,11 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
         if t:
             dc.mul_(fs[t])
             dhs[t - 1].baddbmm_(dzs[t], wh_back)
-    dz = dz_all.view(k, steps * rows, n_gates)
-    # before w is updated; float32 (under bfloat16 autocast the product is bfloat16, and the
-    # gradient carried down the layers and into the embedding stays float32)
-    d_x = torch.bmm(dz, w_k[:, :, :d]).float().view(k, steps, rows, d)
+    dz = dz_all.view(k, steps * rows, n_gates).to(low)  # bfloat16: one cast for the two GEMMs
+    # before w is updated; float32 (under bfloat16 autocast or on the bfloat16 path the product is
+    # bfloat16, and the gradient carried down the layers and into the embedding stays float32)
+    w_x = w_k[:, :, :d] if low == torch.float32 else _dense(w_k[:, :, :d], low)
+    d_x = torch.bmm(dz, w_x).float().view(k, steps, rows, d)
     # the weight and bias gradients of all time steps in one GEMM on the inputs [h_{t-1}, x_t, 1]
     grad = torch.bmm(dz.transpose(1, 2), inputs.view(k, steps * rows, width))
     every = slice(None)
@@ -232,15 +271,16 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
                   (f"{name}.gates.weight", (every, model, slice(d, None)), grad[:, kernel, :proj]),
                   (f"{name}.gates.bias", (every, model), grad[:, kernel, -1])]
     sink.add(parts)
-    sink.gemm(f"{name}.proj.weight", _client_major(dh).transpose(1, 2),
+    sink.gemm(f"{name}.proj.weight", _client_major(dh, low).transpose(1, 2),
               gated.view(k, steps * rows, hidden))
     return d_x
 
 
-def _client_major(t: torch.Tensor) -> torch.Tensor:
-    """[T, k, B, X] -> contiguous [k, T * B, X] (the layout of the GEMMs over all time steps)."""
+def _client_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, B, X] -> contiguous [k, T * B, X] in `dtype` (the layout of the GEMMs over all time
+    steps)."""
     steps, k, rows, width = t.shape
-    return t.transpose(0, 1).reshape(k, steps * rows, width)
+    return _dense(t.transpose(0, 1), dtype).view(k, steps * rows, width)
 
 
 def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple[int, int, int]]:
@@ -263,16 +303,21 @@ def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple
 
 
 def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
-                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str,
+                  low: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits, mean cross-entropy and its gradient at real target positions only.
 
     y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
     block in a packed [rows, P] matrix; consecutive clients with similar n_j share one batched
     GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in every
     gradient. Returns (loss [k], d_y [T, k, B, P]).
+
+    `low` bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast once
+    per call, the softmax's gradient once per group) and the logits are copied to float32 for
+    the softmax, the loss and its gradient; loss and d_y are float32.
     """
     steps, k, rows, proj = y.shape
+    f32 = torch.float32
     positions = steps * rows
     flat_real = real.reshape(k, positions)
     counts = flat_real.sum(1)
@@ -292,19 +337,22 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     dst = offset[client] + slot
     t, r = pos // rows, pos % rows
     src = (t * k + client) * rows + r  # row of y's time-major [T * k * B, P] view
-    packed = y.new_zeros(base, proj + 1)  # [y, 1]: the output bias rides in the GEMMs
-    packed[dst, :proj] = y.reshape(-1, proj)[src]
+    packed = y.new_zeros(base, proj + 1, dtype=low)  # [y, 1]: the output bias rides in the GEMMs
+    packed[dst, :proj] = y.reshape(-1, proj)[src].to(low)
     packed[:, proj] = 1.0
     tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
     tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
-    inv = 1.0 / counts.clamp_min(1).to(y.dtype)
-    weight = y.new_zeros(base, 1)  # 1 / n_j on client j's real rows, 0 on fill rows
+    inv = 1.0 / counts.clamp_min(1).to(f32)
+    weight = y.new_zeros(base, 1, dtype=f32)  # 1 / n_j on client j's real rows, 0 on fill rows
     weight[dst, 0] = inv[client]
-    d_packed = y.new_empty(base, proj)
+    d_packed = y.new_empty(base, proj, dtype=f32)
     vocab = w_out.shape[1]
     # one logits and one softmax buffer for all groups: each fresh multi-MB tensor costs its page
     # faults (the logits GEMM ran 4x slower into fresh pages than into reused ones)
-    scores = y.new_empty(2, max((end - first) * n for first, end, n in groups) * vocab)
+    most = max((end - first) * n for first, end, n in groups) * vocab
+    scores = y.new_empty(2, most, dtype=f32)
+    # bfloat16: the logits GEMM's output and the softmax gradient as the backward GEMMs' operand
+    low_scores = None if low == f32 else y.new_empty(2, most, dtype=low)
     base = 0
     for first, end, n in groups:
         m = end - first
@@ -313,10 +361,16 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         yg, wg = packed[block].view(m, n, proj + 1), weight[block].view(m, n, 1)
         w_g = w_out[first:end]
         # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
-        w_b = torch.cat([w_g, b_out[first:end].unsqueeze(2)], 2)
-        logits = torch.bmm(yg, w_b.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
+        w_b = y.new_empty(m, vocab, proj + 1, dtype=low)  # bfloat16: cast in the copy
+        w_b[..., :proj], w_b[..., proj] = w_g, b_out[first:end]
+        size = m * n * vocab
+        logits = scores[0, :size].view(m, n, vocab)
+        if low_scores is None:
+            torch.bmm(yg, w_b.transpose(1, 2), out=logits)
+        else:
+            logits.copy_(torch.bmm(yg, w_b.transpose(1, 2), out=low_scores[0, :size].view(m, n, vocab)))
         # one exp per logit (log-softmax + exp took two)
-        grad = torch._softmax(logits, -1, False, out=scores[1, : m * n * vocab].view(m, n, vocab))
+        grad = torch._softmax(logits, -1, False, out=scores[1, :size].view(m, n, vocab))
         tg = tgt[block]
         flat = grad.view(-1, vocab)
         p_t = flat.gather(1, tg)
@@ -331,23 +385,36 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         loss[first:end] = (nll.view(m, n) * (wg.view(m, n) > 0)).sum(1) / counts[first:end].clamp_min(1)
         # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
         flat.scatter_add_(1, tg, grad.new_full((m * n, 1), -1.0))
-        torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
-        # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
-        g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
-        sink.add([(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])],
-                 slice(first, end))
+        if low_scores is None:
+            torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
+        else:  # w_b's bias column makes d_packed one column wider, cut off
+            grad = low_scores[1, :size].view(m, n, vocab).copy_(grad)
+            d_packed[block] = torch.bmm(grad, w_b)[..., :proj].reshape(m * n, proj)
+        if low_scores is None:
+            # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
+            g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
+            parts = [(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])]
+        else:  # in bfloat16 [V, P+1] is the faster shape: the float32 update adds it row by row
+            # (the transposed add of [P+1, V] took 1.4x the GEMM and the add, paired)
+            g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(low))
+            parts = [(w_name, (), g_v[..., :proj]), (b_name, (), g_v[..., proj])]
+        sink.add(parts, slice(first, end))
     d_y.view(-1, proj)[src] = d_packed[dst].mul_(weight[dst])
     return loss, d_y
 
 
 def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: torch.Tensor,
-                    lr: float | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    lr: float | None = None, dtype: torch.dtype = torch.float32
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-client gradients and mean losses of a recurrent zoo model on one minibatch each.
 
     params: the model's parameters stacked over k clients ([k, *shape]); rows [k, B, L+1] token
     rows (PAD-filled). Equal to `vmap(grad_and_value(next_token_loss o model))` up to rounding.
     With `lr`: one SGD step is applied to `params` in place instead and the gradients returned
     are empty ({}): each weight is updated only after its last use in the step.
+    `dtype` bfloat16: the GEMMs in bfloat16 from bfloat16 copies of the float32 weights made once
+    per call (the module docstring's "bfloat16"); the weights, their updates, the gradients and
+    the loss stay float32.
     """
     k, _, _ = rows.shape
     targets_all = rows[:, :, 1:]
@@ -367,12 +434,12 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
         if depth:  # the next layer's input, client-major
             x = x.transpose(0, 1).contiguous()
         x, keep = _layer_forward(x, params[f"{name}.gates.weight"], params[f"{name}.gates.bias"],
-                                 params[f"{name}.proj.weight"], coupled)
+                                 params[f"{name}.proj.weight"], coupled, dtype)
         saved.append(keep)
     sink = _Sink(params, lr)
     out_names = ("embed.weight", "output_bias") if cfg.tie_embeddings else ("output.weight", "output.bias")
     loss, d_x = _output_layer(x, real, targets, params[out_names[0]], params[out_names[1]], sink,
-                              *out_names)
+                              *out_names, dtype)
     for depth, name, keep in zip(reversed(range(len(names))), reversed(names), reversed(saved),
                                  strict=True):
         d_x = _layer_backward(d_x, keep, params[f"{name}.proj.weight"], coupled, sink, name)

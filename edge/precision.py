@@ -7,9 +7,12 @@ float32. So `[client] precision = "auto"` asks the CPU (through torch's cpuinfo 
 work on every OS) and torch (its kernels: `ATEN_CPU_CAPABILITY=default`, the portable kernels,
 counts as no native BF16, so that path runs and is tested in float32).
 
-bfloat16 means autocast (`torch.autocast`): the GEMMs take bfloat16 operands and accumulate in
-float32, while the weights, the optimiser state, each device's delta, its clipping norm and the
-DP sum stay float32 (`edge/client_update.finish_update` casts a delta to float32 before its
+bfloat16 means the GEMMs take bfloat16 operands and accumulate in float32: autocast
+(`torch.autocast`, `Precision.autocast`) for the transformer, public training and the teacher,
+and the hand-written recurrent cohort's own bfloat16 kernels (`Precision.dtype`, see
+`edge/cohort_lstm.py`: bfloat16 weight copies made once per local step, not a cast per op).
+The weights, the optimiser state, each device's delta, its clipping norm and the DP sum stay
+float32 (`edge/client_update.finish_update` casts a delta to float32 before its
 norm is taken). An explicit "bfloat16" on a CPU without native BF16 is an error, not a warning
 and float32: the config would otherwise not say what ran, and emulated bfloat16 is slower than
 float32 anyway.

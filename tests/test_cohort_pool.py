@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from dpfleet.edge import cohort_pool
 from dpfleet.edge.cohort import CohortTrainer, _deal
 from dpfleet.edge.cohort_pool import WorkerError, WorkerPool, discard_pool, shared_pool
+from dpfleet.edge.precision import native_bf16
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
@@ -48,8 +49,9 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def round_deltas(processes: bool, examples, seeds, theta) -> np.ndarray:
-    trainer = CohortTrainer(CFG, seq_len=9, batch_size=4, device="cpu", chunk=2, processes=processes)
+def round_deltas(processes: bool, examples, seeds, theta, precision: str = "float32") -> np.ndarray:
+    trainer = CohortTrainer(CFG, seq_len=9, batch_size=4, device="cpu", chunk=2, processes=processes,
+                            precision=precision)
     ups = trainer.train_round(theta, examples, seeds, lr=0.5, batch_size=4, clip_norm=1e9)
     return np.stack([u.delta for u in ups])
 
@@ -76,6 +78,18 @@ def test_processes_give_the_bits_of_in_process_threads(two_threads):
     assert calls == [4]
     assert np.array_equal(in_workers, on_threads)
     assert np.abs(in_workers).max() > 1e-3  # they trained
+
+
+@pytest.mark.skipif(native_bf16() is None, reason="no native BF16 here (or ATEN_CPU_CAPABILITY=default)")
+def test_bfloat16_chunks_in_processes_give_the_bits_of_threads(two_threads):
+    """The bfloat16 path in worker processes: the thread path's bits (same machine, same
+    precision, same bits), not float32's."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    examples, seeds = clients(2)
+    in_workers = round_deltas(True, examples, seeds, theta, "bfloat16")
+    assert np.array_equal(in_workers, round_deltas(False, examples, seeds, theta, "bfloat16"))
+    assert not np.array_equal(in_workers, round_deltas(False, examples, seeds, theta))
 
 
 def test_a_task_that_raises_in_a_worker_carries_its_traceback():

@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.edge import cohort as cohort_mod
 from dpfleet.edge.client_update import finish_update
 from dpfleet.edge.clipping import norm64
 from dpfleet.edge.cohort import CohortTrainer
+from dpfleet.edge.cohort_lstm import recurrent_grads
 from dpfleet.edge.precision import native_bf16, resolve_precision
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
@@ -52,6 +54,26 @@ def test_auto_is_float32_on_the_portable_kernels(monkeypatch):
     assert resolve_precision("float32").name == "float32"
 
 
+def test_auto_cohort_on_a_cpu_without_bf16_trains_float32_bit_for_bit(monkeypatch):
+    """No native BF16 (simulated: torch's portable kernels): "auto" is float32 and its deltas are
+    the float32 trainer's, bit for bit (no bfloat16 GEMM ran)."""
+    torch.manual_seed(0)
+    theta = get_flat(build_model(CFG))
+    examples = [rows(np.random.default_rng(4), n) for n in (5, 11, 8)]
+
+    def deltas(precision):
+        trainer = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", chunk=2,
+                                precision=precision, processes=False)
+        assert trainer.precision.name == "float32"
+        return [u.delta for u in trainer.train_round(theta, examples, [1, 2, 3], lr=0.5,
+                                                     batch_size=BATCH, clip_norm=10.0)]
+
+    f32 = deltas("float32")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    for a, b in zip(f32, deltas("auto"), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @needs_bf16
 def test_auto_is_bfloat16_where_the_cpu_has_it():
     choice = resolve_precision("auto")
@@ -66,8 +88,17 @@ def rows(rng, n):
 
 @needs_bf16
 @pytest.mark.parametrize("fused", [True, False])
-def test_bfloat16_cohort_clips_adversarial_devices_exactly(fused):
-    """lr 50 makes every device's update huge; the summed deltas are float32 and within C."""
+def test_bfloat16_cohort_clips_adversarial_devices_exactly(fused, monkeypatch):
+    """lr 50 makes every device's update huge; the summed deltas are float32 and within C. The
+    fused path's deltas come from its own bfloat16 GEMMs (`recurrent_grads(dtype=bfloat16)`,
+    no autocast around it); the torch.func path's from bfloat16 autocast."""
+    seen = []
+
+    def spy(*args, dtype=torch.float32, **kwargs):
+        seen.append((dtype, torch.is_autocast_enabled("cpu")))
+        return recurrent_grads(*args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(cohort_mod, "recurrent_grads", spy)
     torch.manual_seed(0)
     theta = get_flat(build_model(CFG))
     rng = np.random.default_rng(1)
@@ -75,6 +106,7 @@ def test_bfloat16_cohort_clips_adversarial_devices_exactly(fused):
     trainer = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", chunk=2, fused=fused,
                             precision="bfloat16", processes=False)
     updates = trainer.train_round(theta, examples, [5, 6, 7, 8], lr=50.0, batch_size=BATCH, clip_norm=0.3)
+    assert set(seen) == ({(torch.bfloat16, False)} if fused else set())
     assert any(u.clipped for u in updates)
     for u in updates:
         assert u.delta.dtype == np.float32
