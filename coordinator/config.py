@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfleet.coordinator.accounting.zcdp import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.config_overrides import apply_overrides
-from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.state.trackers import missing_extras
 from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError

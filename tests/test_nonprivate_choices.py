@@ -30,7 +30,7 @@ from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.mechanisms import registry
-from dpfleet.coordinator.mechanisms.base import built_in
+from dpfleet.coordinator.mechanisms.registry import built_in
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.client_data import split_users
 from dpfleet.extensions import TreeMechanism

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
-from dpfleet.coordinator.mechanisms.registry import build, entries, names, rebuild
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import build, built_in, entries, names, rebuild
 
 
 @functools.cache

@@ -155,7 +155,7 @@ def test_the_projected_eps_is_the_planners_for_the_planned_launch():
     from dpfleet.coordinator.accounting.planner import make_plan
     from dpfleet.coordinator.accounting.projection import projected_privacy
     from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
-    from dpfleet.coordinator.mechanisms.registry import as_mechanism
+    from dpfleet.coordinator.mechanisms.matrix import as_mechanism
 
     row = make_plan(1_000_000, 20, zcdp_for_epsilon(2.0, 1e-7), delta=1e-7, report_goal=5000).chosen
     cfg = parse_config({**CONFIG, "rounds": 20, "projection": {"noise_cohort": 5000, "population": 1_000_000},

@@ -43,7 +43,8 @@ from dpfleet.coordinator.accounting.zcdp import (
 from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, public_words, resolve_noise
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.base import Mechanism
-from dpfleet.coordinator.mechanisms.registry import as_mechanism, source
+from dpfleet.coordinator.mechanisms.matrix import as_mechanism
+from dpfleet.coordinator.mechanisms.registry import source
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:

@@ -93,6 +93,12 @@ def is_built_in(mechanism: Mechanism) -> bool:
     return any(type(mechanism) is found[n].cls for n in SHIPPED if n in found)
 
 
+def built_in(mechanism: Mechanism) -> bool:
+    """One of the classes this package ships (accounted by dpfleet), by class identity; a caller's
+    or a plugin's mechanism declares its sensitivity, which dpfleet converts but cannot verify."""
+    return is_built_in(mechanism)
+
+
 def source(mechanism: Mechanism | str) -> str:
     """"built-in", "plugin" (a registered class dpfleet does not ship, or its name) or "custom"
     (a caller's object of a class nobody registered)."""
@@ -132,18 +138,3 @@ def rebuild(name: str, identity: dict) -> Mechanism:
                            f"point group {ENTRY_POINTS!r}) to resume")
     return found[name].rebuild(identity)
 
-
-def as_mechanism(obj: object) -> Mechanism:
-    """A `Mechanism` from itself, a `spec.MechanismSpec` or None (the tree)."""
-    from dpfleet.coordinator.mechanisms.spec import MechanismSpec
-
-    if isinstance(obj, Mechanism):
-        return obj
-    if obj is None or (isinstance(obj, MechanismSpec) and obj.kind == "tree"):
-        return build("tree", 1, 0, 1)
-    if isinstance(obj, MechanismSpec):
-        from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
-
-        return MatrixMechanism(obj)
-    raise DpfleetError(f"a noise mechanism must subclass dpfleet.extensions.Mechanism, not "
-                       f"{type(obj).__name__}")

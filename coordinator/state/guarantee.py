@@ -26,7 +26,8 @@ import json
 from collections.abc import Sequence
 
 from dpfleet.coordinator.config import SimulationConfig, resolve_noise, round_size
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import built_in
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 

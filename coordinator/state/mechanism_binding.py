@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.mf_sensitivity import gap_from_min_separation, true_max_participations
-from dpfleet.coordinator.mechanisms.registry import build, rebuild, source
+from dpfleet.coordinator.mechanisms.registry import build, built_in, rebuild, source
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
