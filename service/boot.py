@@ -27,9 +27,10 @@ from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
 from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
+from dpfleet.coordinator.engine.store_engine import open_engine
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
-from dpfleet.coordinator.state.state_store import StateStore, open_engine
+from dpfleet.coordinator.state.state_store import StateStore
 from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model

@@ -6,7 +6,7 @@ import pytest
 from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.config import ParticipationSection
 from dpfleet.coordinator.engine.participation import Participation
-from dpfleet.coordinator.state.resume import replay
+from dpfleet.coordinator.engine.restore import replay
 from dpfleet.errors import DpfleetError
 
 USERS = [f"u{i}" for i in range(20)]

@@ -47,6 +47,7 @@ from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.keyboard_eval import keyboard_block
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
+from dpfleet.coordinator.engine.restore import resume_run, save_resume, save_server_state
 from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
 from dpfleet.coordinator.mechanisms.registry import built_in
@@ -55,14 +56,7 @@ from dpfleet.coordinator.state.guarantee import guarantee, guarantee_inputs
 from dpfleet.coordinator.state.interrupts import interrupts_deferred, sigterm_interrupts
 from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
-from dpfleet.coordinator.state.resume import (
-    Frozen,
-    ResumeSource,
-    discard_resume,
-    resume_run,
-    save_resume,
-    save_server_state,
-)
+from dpfleet.coordinator.state.resume import Frozen, ResumeSource, discard_resume
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.coordinator.state.tensorboard_log import DEBUG_NONPRIVATE
 from dpfleet.coordinator.state.trackers import open_trackers
@@ -178,7 +172,7 @@ class RoundEngine:
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
         `releases` / `resume_source` replace the run directory's releases.jsonl and resume
-        point (the SQLite state store, `state_store.open_engine`). `mechanism`: a caller's noise
+        point (the SQLite state store, `store_engine.open_engine`). `mechanism`: a caller's noise
         mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`). `other_releases`:
         other DP releases about the same devices, which the caller may append to while the run goes
         (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`).
