@@ -534,7 +534,7 @@ def paths_against(values: dict, folder: Path) -> dict:
     return out
 
 
-# the keys dp.target_epsilon plans (coordinator/accounting/config_plan.py), as (section, key)
+# the keys dp.target_epsilon plans (coordinator/run_privacy/config_plan.py), as (section, key)
 PLANNED_KEYS = (("dp", "report_goal"), ("dp", "noise_multiplier"), ("dp", "mechanism"),
                 ("participation", "mode"), ("participation", "min_separation"),
                 ("participation", "max_participation"))

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.accounting.config_plan import plan_line
-from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
 from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
 from dpfleet.coordinator.engine.store_engine import open_engine
+from dpfleet.coordinator.run_privacy.config_plan import plan_line
+from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore
@@ -154,7 +154,7 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
 def follow_plan(cfg: SimulationConfig, record: dict) -> None:
     """A kept plan's keys written into `cfg` (`apply_run_plan`: a planned key the config states
     differently is one error), then the config checked as a whole."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
+    from dpfleet.coordinator.run_privacy.config_plan import apply_run_plan
 
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
     validate(cfg)

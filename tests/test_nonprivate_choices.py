@@ -26,11 +26,11 @@ from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.mechanisms import registry
 from dpfleet.coordinator.mechanisms.registry import built_in
+from dpfleet.coordinator.run_privacy.caveats import config_facts, run_caveats
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.client_data import split_users
 from dpfleet.extensions import TreeMechanism

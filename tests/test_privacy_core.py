@@ -11,10 +11,10 @@ from dp_accounting.pld import pld_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.registry import build, built_in, entries, names, rebuild
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
 
 @functools.cache

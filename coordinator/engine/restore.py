@@ -47,11 +47,11 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as numpy_bytes
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.mechanisms.noise_stream import key_id
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.guarantee import check_guarantee
 from dpfleet.coordinator.state.mechanism_binding import binding, check_bound
 from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse

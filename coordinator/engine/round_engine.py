@@ -28,11 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
-from dpfleet.coordinator.accounting.projection import projection_summary
-from dpfleet.coordinator.accounting.result_warnings import result_warnings
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
 from dpfleet.coordinator.config import (
     SimulationConfig,
@@ -52,6 +48,10 @@ from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
 from dpfleet.coordinator.mechanisms.registry import built_in
 from dpfleet.coordinator.mechanisms.ring_noise import RingPlan, plan_ring
+from dpfleet.coordinator.run_privacy.caveats import broken_reason, caveat_fields, with_caveats
+from dpfleet.coordinator.run_privacy.projection import projection_summary
+from dpfleet.coordinator.run_privacy.result_warnings import result_warnings
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.state.guarantee import guarantee, guarantee_inputs
 from dpfleet.coordinator.state.interrupts import interrupts_deferred, sigterm_interrupts
 from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
@@ -197,7 +197,7 @@ class RoundEngine:
         check_supported(cfg, self.mechanism)
         custom = not built_in(self.mechanism)
         # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
-        # sum, and the run's own guarantee is accounted at that noise (`accounting/projection.py`)
+        # sum, and the run's own guarantee is accounted at that noise (`run_privacy/projection.py`)
         self.noise_scale = projection_factor(cfg)
         self.accountant = RunAccountant(
             cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
