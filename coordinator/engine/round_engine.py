@@ -46,7 +46,7 @@ from dpfleet.coordinator.engine.participation import Participation, RoundUnfilla
 from dpfleet.coordinator.engine.restore import resume_run, save_resume, save_server_state
 from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
-from dpfleet.coordinator.mechanisms.registry import built_in
+from dpfleet.coordinator.mechanisms.registry import is_built_in
 from dpfleet.coordinator.mechanisms.ring_noise import RingPlan, plan_ring
 from dpfleet.coordinator.run_privacy.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.run_privacy.projection import projection_summary
@@ -195,7 +195,7 @@ class RoundEngine:
         self.mechanism, self.mechanism_optimised_for = run_mechanism(
             cfg, self.participation.min_separation, run.path, resume, mechanism)
         check_supported(cfg, self.mechanism)
-        custom = not built_in(self.mechanism)
+        custom = not is_built_in(self.mechanism)
         # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
         # sum, and the run's own guarantee is accounted at that noise (`run_privacy/projection.py`)
         self.noise_scale = projection_factor(cfg)

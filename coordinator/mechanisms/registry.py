@@ -93,12 +93,6 @@ def is_built_in(mechanism: Mechanism) -> bool:
     return any(type(mechanism) is found[n].cls for n in SHIPPED if n in found)
 
 
-def built_in(mechanism: Mechanism) -> bool:
-    """One of the classes this package ships (accounted by dpfleet), by class identity; a caller's
-    or a plugin's mechanism declares its sensitivity, which dpfleet converts but cannot verify."""
-    return is_built_in(mechanism)
-
-
 def source(mechanism: Mechanism | str) -> str:
     """"built-in", "plugin" (a registered class dpfleet does not ship, or its name) or "custom"
     (a caller's object of a class nobody registered)."""
