@@ -1,7 +1,7 @@
 """Accuracy against epsilon per mechanism: the main job at the planner's choice, per mechanism, epsilon, seed.
 
 Each cell runs examples/shakespeare_cifg.toml with dp.target_epsilon = EPS and dp.mechanism = KIND:
-the planner (coordinator/accounting/config_plan.py) gives the report goal, the largest MinS, the worst-case
+the planner (coordinator/run_privacy/config_plan.py) gives the report goal, the largest MinS, the worst-case
 MaxP for the config's rounds and the z that KIND needs at EPS, so the mechanisms differ only in
 their noise (same cohort, participation, clients and init per seed). Seed s also sets dp.noise_seed
 = s (research mode: the noise key is derivable, so these runs carry NO privacy against whoever

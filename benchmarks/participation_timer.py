@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import observe_participation
 from dpfleet.coordinator.config import load_config
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.engine.simulation import prepare_data, run_simulation
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import tomllib
@@ -18,9 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfleet.coordinator.accounting.zcdp import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.config_overrides import apply_overrides
-from dpfleet.coordinator.engine.adaptive_clipping import default_count_stddev, model_noise_multiplier
-from dpfleet.coordinator.state.trackers import missing_extras
 from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, with_preset
@@ -350,7 +350,7 @@ class FleetSection:
 
 @dataclass
 class ServiceSection:
-    """The networked coordinator (`dpfleet coordinator serve`, service/PROTOCOL.md)."""
+    """The networked coordinator (`dpfleet coordinator serve`, edge/wire/PROTOCOL.md)."""
 
     time_scale: float = 1.0
     """Simulated seconds per wall second, shared with the devices."""
@@ -555,7 +555,7 @@ def paths_against(values: dict, folder: Path) -> dict:
     return out
 
 
-# the keys dp.target_epsilon plans (coordinator/accounting/config_plan.py), as (section, key)
+# the keys dp.target_epsilon plans (coordinator/run_privacy/config_plan.py), as (section, key)
 PLANNED_KEYS = (("dp", "report_goal"), ("dp", "noise_multiplier"), ("dp", "mechanism"),
                 ("participation", "mode"), ("participation", "min_separation"),
                 ("participation", "max_participation"))
@@ -638,6 +638,19 @@ def load_config(path: Path, overrides: Mapping[str, object] | None = None,
 
 
 YEAR_MINUTES = 525_600  # the longest round or device timer a config may state
+
+# the config's tracker switches and the package (and dpfleet extra) each needs: the trackers'
+# own table (`state.trackers.WRITERS`, which opens them) is built from this one, so the config
+# refuses a missing package without importing the trackers
+TRACKER_PACKAGES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "mlflow": ("mlflow", "mlflow")}
+
+
+def missing_extras(cfg: object) -> list[str]:
+    """One line per tracker the config asks for whose package is not installed, with its install."""
+    return [f"{key} = true needs {module}: pip install 'dpfleet[{extra}]'"
+            for key, (module, extra) in TRACKER_PACKAGES.items()
+            if getattr(cfg, key, False) and importlib.util.find_spec(module) is None]
 
 
 def validate(cfg: SimulationConfig) -> None:

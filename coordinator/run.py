@@ -77,7 +77,7 @@ class Result(ResultMethods):
             model passed in, after public pretraining if any; no privacy cost), None if not evaluated.
         initial_perplexity: the starting model's held-out perplexity.
         warnings: one line for each way the result means nothing (summary.json's `warnings`,
-            `coordinator/accounting/result_warnings.py`): a model at or below the unigram baseline,
+            `coordinator/run_privacy/result_warnings.py`): a model at or below the unigram baseline,
             eps above dp.warn_epsilon, noise that drowns every update; () when there is none.
         keyboard: the final model's suggestion strip on held-out words (summary.json's `keyboard`:
             top-1 / top-3 recall and keystroke savings, next to the most-frequent-word strip's),

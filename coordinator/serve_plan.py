@@ -86,7 +86,7 @@ def checked_plan(cfg: SimulationConfig, path: Path, kept: tuple[str, ...] = PLAN
 def follow_plan(cfg: SimulationConfig, record: dict) -> None:
     """A kept plan's keys written into `cfg` (`apply_run_plan`: a planned key the config states
     differently is one error), then the config checked as a whole."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan
+    from dpfleet.coordinator.run_privacy.config_plan import apply_run_plan
 
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
     validate(cfg)

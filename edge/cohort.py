@@ -269,7 +269,7 @@ class CohortTrainer:
         """The chunks on the worker processes (`cohort_pool`), or on Python threads of one torch
         thread each where processes are off or cannot start (the same bits either way)."""
         size = torch.get_num_threads()
-        pool = shared_pool(size) if self.processes else None
+        pool = shared_pool(size, preload=__name__) if self.processes else None
         if pool is None:
             return _on_threads(lambda task: train_chunk(*task, None, self.precision), tasks, workers)
         arrays = [(cfg, layout, theta.numpy(), *rest, self.precision) for cfg, layout, theta, *rest in tasks]

@@ -23,6 +23,7 @@ for the life of the process.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import pickle
 import struct
@@ -40,7 +41,7 @@ _READY = b"ready"
 
 _BOOT = (
     "import sys; sys.path[:0] = {path!r}; "
-    "from dpfleet.edge.cohort_pool import serve; serve()"
+    "from dpfleet.edge.cohort_pool import serve; serve({preload!r})"
 )
 
 
@@ -62,8 +63,9 @@ def _recv(stream: BinaryIO) -> object:
     return pickle.loads(data)
 
 
-def serve() -> None:
-    """Worker side: answer `(function, args)` messages on stdin until it closes.
+def serve(preload: str = "") -> None:
+    """Worker side: import module `preload` (where the tasks' functions live: the caller names it,
+    this pool knows no caller), then answer `(function, args)` messages on stdin until it closes.
 
     Replies are ("ok", result) or ("error", traceback text) on a private copy of the stdout pipe;
     fd 1 itself is pointed at stderr first, so nothing else the worker prints (Python's print, or
@@ -80,7 +82,8 @@ def serve() -> None:
     # to resume); a worker ends when the parent closes its stdin, without a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    import dpfleet.edge.cohort  # noqa: F401  (what the tasks call: imported before "ready")
+    if preload:  # what the tasks call: imported before "ready"
+        importlib.import_module(preload)
 
     stdin = sys.stdin.buffer
     _send(replies, _READY)
@@ -102,9 +105,10 @@ class WorkerError(DpfleetError):
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, preload: str = "") -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(path=list(sys.path))],
+        boot = _BOOT.format(path=list(sys.path), preload=preload)
+        self.proc = subprocess.Popen([sys.executable, "-c", boot],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.ready = False
 
@@ -135,13 +139,13 @@ class _Worker:
 
 
 class WorkerPool:
-    """`size` worker processes, started at once."""
+    """`size` worker processes, started at once, each importing module `preload` first."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, preload: str = ""):
         self.workers: list[_Worker] = []
         try:
             for _ in range(size):
-                self.workers.append(_Worker())
+                self.workers.append(_Worker(preload))
         except BaseException:
             self.close()
             raise
@@ -186,17 +190,17 @@ _LOCK = threading.Lock()
 _UNAVAILABLE: list[str] = []  # why workers cannot start here (then chunks stay on threads)
 
 
-def shared_pool(size: int) -> WorkerPool | None:
-    """The process's pool of `size` workers (started on first request, kept for later rounds and
-    trainers, closed at exit); None where processes cannot be started (a sandbox without
-    fork/exec: the caller trains on threads)."""
+def shared_pool(size: int, preload: str = "") -> WorkerPool | None:
+    """The process's pool of `size` workers (started on first request, each importing module
+    `preload`, kept for later rounds and trainers, closed at exit); None where processes cannot be
+    started (a sandbox without fork/exec: the caller trains on threads)."""
     with _LOCK:
         if _UNAVAILABLE:
             return None
         pool = _POOLS.get(size)
         if pool is None:
             try:
-                pool = _POOLS[size] = WorkerPool(size)
+                pool = _POOLS[size] = WorkerPool(size, preload)
             except OSError as exc:
                 _UNAVAILABLE.append(str(exc))
                 return None

@@ -65,7 +65,7 @@ def save_checkpoint(
     are not private (a deliberately broken audit run): written to `not_private.json` before the
     weights, so `load_checkpoint` (and with it `dpfleet export`) refuses them; a stale mark from
     an earlier run in the same folder is removed otherwise. `caveats`: the run's caveats
-    (`coordinator/accounting/caveats.py`), written to caveats.json, so an export of the folder,
+    (`coordinator/run_privacy/caveats.py`), written to caveats.json, so an export of the folder,
     wherever it is copied, must accept them (`checkpoint_caveats`); none: a stale file is removed."""
     from safetensors.torch import save
 

@@ -23,7 +23,7 @@ def privacy_report(driver: RoundDriver) -> str:
 
 def public_status(driver: RoundDriver) -> dict:
     """The status page's data; `caveats` first: a run that is not fully private says so (caveats.py)."""
-    from dpfleet.coordinator.accounting.caveats import caveat_fields, config_facts
+    from dpfleet.coordinator.run_privacy.caveats import caveat_fields, config_facts
 
     status = driver.status()
     history = driver.history_json()

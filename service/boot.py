@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.coordinator.accounting.config_plan import plan_line
-from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.round_engine import RoundEngine
 from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
+from dpfleet.coordinator.engine.store_engine import open_engine
+from dpfleet.coordinator.run_privacy.config_plan import plan_line
+from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.serve_plan import (  # noqa: F401  (`coordinator serve` and its tests)
     PLAN_KEPT,
     check_kept_plan,
@@ -38,7 +39,7 @@ from dpfleet.coordinator.serve_plan import (  # noqa: F401  (`coordinator serve`
 )
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
-from dpfleet.coordinator.state.state_store import StateStore, open_engine
+from dpfleet.coordinator.state.state_store import StateStore
 from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.edge.wire.protocol import PLAN_FILE
 from dpfleet.errors import DpfleetError

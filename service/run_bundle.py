@@ -24,8 +24,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.run_privacy.caveats import config_facts, run_caveats
 from dpfleet.edge.bundle_format import (
     MANIFEST,
     SIGNATURE,

@@ -9,7 +9,7 @@ evaluated released model next to the unigram and most-frequent-word baselines'. 
 fixed list of numeric fields and never prints a mapping key it did not expect, so a status or
 history that happened to carry a device id (a per-device map, an id list, an extra field) cannot
 leak it through the page. The one text it prints is `caveats` (a list of strings the coordinator
-builds from its config alone, `coordinator/accounting/caveats.py`), escaped, at the top: a run that
+builds from its config alone, `coordinator/run_privacy/caveats.py`), escaped, at the top: a run that
 is not fully private says so before any figure. No script, no external asset: the page works offline
 and its Content-Security-Policy forbids loading anything.
 """
@@ -283,7 +283,7 @@ def _tff_kpis(tff: object) -> list[tuple[str, str, str]]:
 
 
 def _caveats(caveats: object) -> str:
-    """The run's caveats (`coordinator/accounting/caveats.py`), above everything else: a run that
+    """The run's caveats (`coordinator/run_privacy/caveats.py`), above everything else: a run that
     is not fully private says so first. Only a list of strings is shown, each escaped."""
     if not isinstance(caveats, list):
         return ""

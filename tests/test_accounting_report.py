@@ -7,11 +7,11 @@ import json
 import pytest
 
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, run_privacy
 from dpfleet.coordinator.accounting.zcdp import account_participation_log, zcdp_from_sensitivity
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.registry import build
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant, run_privacy
 
 CFG = {"rounds": 40, "data": {"max_clients": 8},
        "participation": {"mode": "uniform", "min_separation": 3, "max_participation": 10},

@@ -7,12 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
 from dpfleet.coordinator.config import clip_count_stddev, parse_config
-from dpfleet.coordinator.engine.adaptive_clipping import (
-    QuantileClipEstimator,
-    default_restart_rounds,
-    model_noise_multiplier,
-)
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, default_restart_rounds
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
 from dpfleet.coordinator.mechanisms.tree_noise import TreeNoise
 from dpfleet.errors import DpfleetError

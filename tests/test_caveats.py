@@ -1,4 +1,4 @@
-"""A run that is not fully private says so first, everywhere it is shown (`accounting/caveats.py`).
+"""A run that is not fully private says so first, everywhere it is shown (`run_privacy/caveats.py`).
 
 privacy.json and summary.json carry `fully_private` and the same `caveats` (a short first line,
 then the longer statements); privacy_report.md's first line and the `dpfleet simulate` summary's
@@ -163,7 +163,7 @@ def test_audit_debug_nonprivate_is_now_break_noise_off(tmp_path, capsys):
 
 def test_run_caveats_of_each_fact():
     """The one function: each fact alone, what it says first and whether eps stays a guarantee."""
-    from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
+    from dpfleet.coordinator.run_privacy.caveats import config_facts, run_caveats
 
     base = config_facts(parse_config(copy.deepcopy(CONFIG)))
     assert run_caveats(base) == ([], True)
@@ -233,7 +233,7 @@ def test_a_marked_checkpoint_is_refused_and_a_clean_save_in_its_folder_clears_th
 def test_with_caveats_moves_every_stated_eps_of_a_run_without_guarantee():
     """No eps of a voided run stays where a reader takes it for the guarantee (the vocabulary's
     composed total and the timer's worst case too), and marking twice keeps what was moved."""
-    from dpfleet.coordinator.accounting.caveats import with_caveats
+    from dpfleet.coordinator.run_privacy.caveats import with_caveats
 
     figures = {"epsilon": 2.0, "epsilon_rdp": 2.5, "zcdp": 0.1,
                "total_with_vocabulary": {"epsilon": 3.0, "delta": 2e-6},

@@ -190,7 +190,7 @@ def test_chunks_on_two_threads_equal_the_sequential_path(monkeypatch):
         return real(fn, items, workers)
 
     monkeypatch.setattr(cohort_mod, "_on_threads", spy)
-    monkeypatch.setattr(cohort_mod, "shared_pool", lambda size: None)
+    monkeypatch.setattr(cohort_mod, "shared_pool", lambda size, preload="": None)
     rng = np.random.default_rng(9)
     examples = [client_rows(rng, n) for n in (1, 7, 13, 20, 4, 9, 16)]
     seeds = list(range(len(examples)))

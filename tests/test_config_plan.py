@@ -1,4 +1,4 @@
-"""dp.target_epsilon: `simulate` takes the planner's choice (coordinator/accounting/config_plan.py).
+"""dp.target_epsilon: `simulate` takes the planner's choice (coordinator/run_privacy/config_plan.py).
 
 Scored on the values: the run's report goal, z, mechanism and participation limits are the ones
 the planner computes independently for the run's population and rounds; the participation log

@@ -200,7 +200,7 @@ def test_resume_reuses_the_released_vocabulary_and_debug_log(tmp_path):
 def test_budget_counts_the_vocabulary():
     """eps 5 at 1e-6 allows one round at z = 1 (rho 0.5, eps 4.89), not after a vocabulary
     that already spent rho 0.5."""
-    from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+    from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
     plain = RunAccountant(1.0, 1e-6, budget_epsilon=5.0)
     spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0, spent_zcdp=0.5)

@@ -233,7 +233,7 @@ def test_emulate_names_every_missing_flag_at_once_or_takes_them_from_state(tmp_p
 def test_fleet_run_of_a_planned_config_runs_the_coordinators_plan(tmp_path):
     """dp.target_epsilon through `fleet run`: serve plans at boot (plan.json), the fleet follows
     it (--plan), the run finishes with the planned participation limits obeyed."""
-    from dpfleet.coordinator.accounting.config_plan import planned_values
+    from dpfleet.coordinator.run_privacy.config_plan import planned_values
 
     config = tiny_toml(tmp_path, rounds=3)
     text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")

@@ -19,10 +19,10 @@ from crashes import Crash
 from test_mf_simulate import QUIET, ROUNDS, M, config, crash_before, fresh_z, released_theta, strategy
 
 import dpfleet.coordinator.engine.adaptive_clipping as adaptive_clipping
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_noise
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, model_noise_multiplier, zcdp_from_noise
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
-from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, model_noise_multiplier
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLServer
 from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_noise import MF_COUNT_DOMAIN

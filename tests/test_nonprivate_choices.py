@@ -26,11 +26,11 @@ from test_noise_secrecy import CFG as SECRECY_CFG
 from test_noise_secrecy import QUIET
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.caveats import config_facts, run_caveats
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.mechanisms import registry
-from dpfleet.coordinator.mechanisms.base import built_in
+from dpfleet.coordinator.mechanisms.registry import is_built_in
+from dpfleet.coordinator.run_privacy.caveats import config_facts, run_caveats
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.client_data import split_users
 from dpfleet.extensions import TreeMechanism
@@ -159,7 +159,7 @@ def test_attack_a_spoofed_module_name_is_not_built_in(tmp_path):
 
     import dpfleet
 
-    assert not built_in(Spoofed()) and built_in(TreeMechanism())
+    assert not is_built_in(Spoofed()) and is_built_in(TreeMechanism())
     result = dpfleet.simulate(CONFIG, model=TinyLM(), users=USERS, tokenizer=WordIds(), progress=False,
                               run_dir=tmp_path / "run", noise=Spoofed())
     privacy = json.loads((result.run_dir / "privacy.json").read_text())

@@ -100,7 +100,7 @@ def test_report_lists_what_is_not_covered(tmp_path):
 
 
 def test_report_lists_public_data_and_shakespeare_clients():
-    from dpfleet.coordinator.accounting.not_covered import not_covered
+    from dpfleet.coordinator.run_privacy.not_covered import not_covered
 
     cfg = parse_config({"data": {"dataset": "shakespeare"}})
     items = not_covered(cfg, public_data=["wikitext2, for the SentencePiece vocabulary"])

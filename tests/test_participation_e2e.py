@@ -6,9 +6,12 @@ import json
 import pytest
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import account_participation_log, observe_participation
+from dpfleet.coordinator.accounting.zcdp import (
+    account_participation_log,
+    model_noise_multiplier,
+    observe_participation,
+)
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.adaptive_clipping import model_noise_multiplier
 from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.coordinator.state.run_dir import to_toml
 

@@ -11,10 +11,10 @@ from dp_accounting.pld import pld_privacy_accountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
-from dpfleet.coordinator.mechanisms.registry import build, entries, names, rebuild
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import build, entries, is_built_in, names, rebuild
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
 
 @functools.cache
@@ -55,7 +55,7 @@ def test_every_registered_mechanism_rebuilds_from_its_identity(kind):
     a different one."""
     mechanism = build(kind, 12, 2, 3)
     again = rebuild(kind, mechanism.identity())
-    assert again.fingerprint() == mechanism.fingerprint() and built_in(again)
+    assert again.fingerprint() == mechanism.fingerprint() and is_built_in(again)
     other = build(kind, 12, 5, 2)
     assert (other.fingerprint() == mechanism.fingerprint()) == (kind in ("tree", "independent"))
 
@@ -82,7 +82,7 @@ class Mine(Mechanism):
 def test_a_callers_mechanism_is_declared_and_a_nan_sensitivity_is_refused():
     from dpfleet.errors import DpfleetError
 
-    assert not built_in(Mine())
+    assert not is_built_in(Mine())
     acc = RunAccountant(1.0, 1e-6, mechanism=Mine(), declared=True)
     with pytest.raises(DpfleetError, match=r"'mine'.*returned nan"):
         acc.record(["a"], False)
@@ -109,7 +109,7 @@ def test_an_installed_plugin_mechanism_is_nameable_from_a_config(monkeypatch, tm
                         lambda group=None: [point] if group == registry.ENTRY_POINTS else [])
     monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
     try:
-        assert "mine" in registry.names() and not built_in(build("mine", 4, 0, 1))
+        assert "mine" in registry.names() and not is_built_in(build("mine", 4, 0, 1))
         assert parse_config({"dp": {"mechanism": "mine"}}).dp.mechanism == "mine"
         broken = importlib.metadata.EntryPoint("broken", "no_such_module_here", registry.ENTRY_POINTS)
         monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])

@@ -153,9 +153,9 @@ def test_the_projected_eps_is_the_planners_for_the_planned_launch():
     10^6 devices, 20 rounds, eps 2 at delta 1e-7; a run training 5 a round with that z projects
     exactly that eps (MinS 10^6 // 5,000 - 1 = 199, MaxP 1), and its own multiplier is z / 1,000."""
     from dpfleet.coordinator.accounting.planner import make_plan
-    from dpfleet.coordinator.accounting.projection import projected_privacy
     from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
-    from dpfleet.coordinator.mechanisms.registry import as_mechanism
+    from dpfleet.coordinator.mechanisms.matrix import as_mechanism
+    from dpfleet.coordinator.run_privacy.projection import projected_privacy
 
     row = make_plan(1_000_000, 20, zcdp_for_epsilon(2.0, 1e-7), delta=1e-7, report_goal=5000).chosen
     cfg = parse_config({**CONFIG, "rounds": 20, "projection": {"noise_cohort": 5000, "population": 1_000_000},

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, vocabulary_source
 from dpfleet.coordinator.accounting.privacy_report import _vocabulary_source_line
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.field_metrics import TFF_ACCURACIES
 from dpfleet.coordinator.engine.simulation import make_tokenizer, run_simulation
+from dpfleet.coordinator.run_privacy.not_covered import nonprivate_vocabulary, vocabulary_source
 from dpfleet.edge.tokenizer import (
     UNK,
     CharTokenizer,

@@ -10,15 +10,15 @@ import pytest
 
 import dpfleet.coordinator.run as coordinator_run
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting import run_accountant
-from dpfleet.coordinator.accounting.result_warnings import (
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.config import parse_config, validate
+from dpfleet.coordinator.run_privacy import run_accountant
+from dpfleet.coordinator.run_privacy.result_warnings import (
     NOISE_PER_REPORT_LIMIT,
     plan_warnings,
     result_warnings,
 )
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
-from dpfleet.coordinator.config import parse_config, validate
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 

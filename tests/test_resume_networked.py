@@ -3,10 +3,10 @@ than the report goal, and the coordinator's own MinS guard must still refuse a f
 
 import pytest
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.config import ParticipationSection
 from dpfleet.coordinator.engine.participation import Participation
-from dpfleet.coordinator.state.resume import replay
+from dpfleet.coordinator.engine.restore import replay
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.errors import DpfleetError
 
 USERS = [f"u{i}" for i in range(20)]

@@ -19,8 +19,8 @@ from crashes import Crash
 from safetensors.numpy import load_file
 
 from dpfleet.cli import main
+from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.adaptive_clipping import model_noise_multiplier
 from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes
 from dpfleet.coordinator.mechanisms.tree import TreeMechanism

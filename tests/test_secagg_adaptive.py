@@ -379,8 +379,8 @@ def test_discrete_noise_with_adaptive_clipping_gives_the_model_z_delta_and_count
     """dp.noise = "discrete": the ring's integer noise is the model's share z_delta (the
     clipped counts get the coordinator's Gaussian sigma_b, as with plain aggregation), and the
     decoded noise follows the clip norm a restart adopts."""
-    from dpfleet.coordinator.engine.adaptive_clipping import model_noise_multiplier
-    from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
+    from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
+    from dpfleet.coordinator.engine.round_engine import discrete_plan
 
     discrete = {**ADAPTIVE_DP, "noise": "discrete"}
     cfg = tiny_cfg(rounds=ROUNDS, eval_every=ROUNDS, dp=discrete, aggregation={"kind": "secagg"})

@@ -135,7 +135,7 @@ def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participant
 def test_the_service_sizes_the_ring_for_the_round_size(tmp_path):
     """Over-selection no longer refuses ring noise: the ring holds report goal + over-selected
     devices at +-L plus the noise bound without wrapping."""
-    from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
+    from dpfleet.coordinator.engine.round_engine import discrete_plan
     from dpfleet.service.boot import check_service_config
 
     cfg = tiny_cfg(rounds=2, aggregation={"kind": "secagg"}, service={"overselect": 0.6})

@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import fleet_data, run_devices, tiny_cfg
 
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.coordinator.state.state_store import StateStore

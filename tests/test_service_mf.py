@@ -18,12 +18,12 @@ from test_service_secagg import SECAGG, check_sums, secagg_cfg, serve_with_devic
 
 import dpfleet.coordinator.mechanisms.ring_noise as ring_noise
 from dpfleet.coordinator.accounting.privacy_report import RING_MF_MECHANISM
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_ring import RingMFNoise
 from dpfleet.coordinator.mechanisms.noise_stream import seeded_noise_key
 from dpfleet.coordinator.mechanisms.spec import MechanismSpec
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.state_store import StateStore
 

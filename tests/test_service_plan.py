@@ -15,10 +15,10 @@ from service_fleet import TINY, fleet_data, run_devices
 from test_service_admin import wait_for
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting import config_plan
-from dpfleet.coordinator.accounting.config_plan import planned_values
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.run_privacy import config_plan
+from dpfleet.coordinator.run_privacy.config_plan import planned_values
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import boot

@@ -20,9 +20,10 @@ from test_round_engine import CFG, QUIET, cfg_with, engine_parts
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.round_engine import Stop
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.engine.store_engine import open_engine
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, check_no_reuse, release_record
 from dpfleet.coordinator.state.resume import KEY_FILE, fingerprint_secret
-from dpfleet.coordinator.state.state_store import DB_FILE, StateStore, finish_run, open_engine
+from dpfleet.coordinator.state.state_store import DB_FILE, StateStore, finish_run
 from dpfleet.errors import DpfleetError
 
 ROUNDS = 4

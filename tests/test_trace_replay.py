@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine.participation import Participation
+from dpfleet.coordinator.engine.restore import replay
 from dpfleet.coordinator.engine.simulation import run_simulation
-from dpfleet.coordinator.state.resume import replay
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import TraceReplay, load, write_trace

@@ -17,9 +17,9 @@ from test_api import CONFIG, USERS, TinyLM, WordIds
 
 import dpfleet
 from dpfleet.cli import main
+from dpfleet.coordinator import config as config_module
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.run import run
-from dpfleet.coordinator.state import trackers
 from dpfleet.coordinator.state.resume import differing_keys
 from dpfleet.coordinator.state.tensorboard_log import DEBUG_GROUP, STARTING_TAGS, scalars, tagged
 from dpfleet.errors import DpfleetError
@@ -216,8 +216,8 @@ def test_the_cli_turns_them_on_with_set(tmp_path, capsys):
 
 @pytest.mark.parametrize("key, module", [("wandb", "wandb"), ("mlflow", "mlflow")])
 def test_without_the_extra_the_config_is_refused_in_one_line(monkeypatch, capsys, tmp_path, key, module):
-    real = trackers.importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec",
+    real = config_module.importlib.util.find_spec  # the config checks the package (`missing_extras`)
+    monkeypatch.setattr(config_module.importlib.util, "find_spec",
                         lambda name, *a: None if name == module else real(name, *a))
     with pytest.raises(DpfleetError, match=rf"^{key} = true needs {module}: "
                                            rf"pip install 'dpfleet\[{key}\]'$"):

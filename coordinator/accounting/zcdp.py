@@ -39,15 +39,39 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfleet.coordinator.accounting.analytic_gaussian import analytic_gaussian_epsilon
-from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.base import ADJACENCY, Mechanism
 from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int, normalize_restarts
 from dpfleet.errors import DpfleetError
 
 METHODS = ("pld", "rdp", "zcdp_bound")
-# squared-sensitivity factor of each adjacency: replace-one moves each contribution by up to 2C
-ADJACENCY = {"zero-out": 1, "replace-one": 4}
 MIN_SEPARATION_CONVENTION = "rounds strictly between two participations of one device"
+
+
+# adaptive clipping's split of z (engine/adaptive_clipping.py, Thm. 1): here, with the zCDP it
+# adds up (1 / z^2 = 1 / z_delta^2 + 1 / (2 sigma_b)^2 is rho_model + rho_count = rho), so the
+# config can check it without the engine
+def default_count_stddev(report_goal: int) -> float:
+    """sigma_b = m / 20 (paper 002 Alg. 1)."""
+    return report_goal / 20.0
+
+
+def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+    """z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the model's noise so that the whole is z (Thm. 1).
+
+    z = 0 (no DP) gives 0. Raises when sigma_b is too small to leave room: 2 sigma_b <= z.
+    """
+    z, sigma_b = float(noise_multiplier), float(count_stddev)
+    if z < 0 or sigma_b < 0:
+        raise DpfleetError("noise multiplier and clipped-count stddev must be >= 0")
+    if z == 0:
+        return 0.0
+    if 2.0 * sigma_b <= z:
+        raise DpfleetError(
+            f"adaptive clipping needs 2 * clip_count_stddev > noise_multiplier, got sigma_b = "
+            f"{sigma_b:g} for z = {z:g}: the clipped counts would use up all of the privacy budget"
+        )
+    return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
 
 
 def _check_positive(value: float, name: str) -> float:

@@ -18,8 +18,8 @@ from dpfleet.coordinator.accounting.zcdp import (
     observe_participation_log,
 )
 from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.matrix import as_mechanism
 from dpfleet.coordinator.mechanisms.registry import (
-    as_mechanism,
     build,
     entries,
     names,

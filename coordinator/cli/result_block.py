@@ -47,7 +47,7 @@ def result_lines(*, final: dict, baseline: dict, privacy: dict, warnings: list[s
         f"({own}{'RDP' if p.get('method') == 'rdp' else 'PLD'}; "
         f"zCDP {_f(p['zcdp'], '.4g')}, noise multiplier {_f(p['noise_multiplier'], 'g')}, "
         f"observed MinS {mins}, MaxP {p['max_participation']}; see privacy_report.md)")))
-    if "projection" in p:  # the planned launch's eps, under its label (`accounting/projection.py`)
+    if "projection" in p:  # the planned launch's eps, under its label (`run_privacy/projection.py`)
         q = p["projection"]
         lines.append(_row("projected", f"eps = {_f(q['epsilon'], '.2f')} at delta = {q['delta']:g} "
                                        f"({q['label']}: cohort {q['noise_cohort']:,})"))

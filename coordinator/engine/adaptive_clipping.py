@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.zcdp import default_count_stddev
+from dpfleet.coordinator.mechanisms.matrix import as_mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import new_noise_key
-from dpfleet.coordinator.mechanisms.registry import as_mechanism
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
@@ -53,11 +54,6 @@ if TYPE_CHECKING:
 FIRST_RESTART, RESTART_EVERY = 128, 1024  # paper 002 Alg. 1: R = {128 + 1024 i}
 
 
-def default_count_stddev(report_goal: int) -> float:
-    """sigma_b = m / 20 (paper 002 Alg. 1)."""
-    return report_goal / 20.0
-
-
 def default_restart_rounds(rounds: int) -> list[int]:
     """Rounds (0-based, where a fresh tree starts) 128 + 1024 i below `rounds`.
 
@@ -65,24 +61,6 @@ def default_restart_rounds(rounds: int) -> list[int]:
     complete binary trees, the cheapest shape for the accountant.
     """
     return list(range(FIRST_RESTART, rounds, RESTART_EVERY))
-
-
-def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the model's noise so that the whole is z (Thm. 1).
-
-    z = 0 (no DP) gives 0. Raises when sigma_b is too small to leave room: 2 sigma_b <= z.
-    """
-    z, sigma_b = float(noise_multiplier), float(count_stddev)
-    if z < 0 or sigma_b < 0:
-        raise DpfleetError("noise multiplier and clipped-count stddev must be >= 0")
-    if z == 0:
-        return 0.0
-    if 2.0 * sigma_b <= z:
-        raise DpfleetError(
-            f"adaptive clipping needs 2 * clip_count_stddev > noise_multiplier, got sigma_b = "
-            f"{sigma_b:g} for z = {z:g}: the clipped counts would use up all of the privacy budget"
-        )
-    return (z**-2 - (2.0 * sigma_b) ** -2) ** -0.5
 
 
 def clipped_bit(norm: float, threshold: float) -> int:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpfleet.coordinator.mechanisms.matrix import as_mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import new_noise_key
-from dpfleet.coordinator.mechanisms.registry import as_mechanism
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.sums import RingSum
 

@@ -28,11 +28,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.caveats import broken_reason, caveat_fields, with_caveats
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
-from dpfleet.coordinator.accounting.projection import projection_summary
-from dpfleet.coordinator.accounting.result_warnings import result_warnings
-from dpfleet.coordinator.accounting.run_accountant import RunAccountant, conversion_for, run_privacy
+from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
 from dpfleet.coordinator.config import (
     SimulationConfig,
     check_delta,
@@ -41,29 +38,25 @@ from dpfleet.coordinator.config import (
     resolve_noise,
     round_size,
 )
-from dpfleet.coordinator.engine.adaptive_clipping import (
-    QuantileClipEstimator,
-    default_restart_rounds,
-    model_noise_multiplier,
-)
+from dpfleet.coordinator.engine.adaptive_clipping import QuantileClipEstimator, default_restart_rounds
 from dpfleet.coordinator.engine.dp_ftrl import DPFTRLConfig, DPFTRLServer
 from dpfleet.coordinator.engine.evaluation import evaluate
 from dpfleet.coordinator.engine.keyboard_eval import keyboard_block
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable, Selection
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.engine.restore import resume_run, save_resume, save_server_state
+from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.noise_stream import key_id, new_noise_key, seeded_noise_key
+from dpfleet.coordinator.mechanisms.registry import is_built_in
+from dpfleet.coordinator.mechanisms.ring_noise import RingPlan, plan_ring
+from dpfleet.coordinator.run_privacy.caveats import broken_reason, caveat_fields, with_caveats
+from dpfleet.coordinator.run_privacy.projection import projection_summary
+from dpfleet.coordinator.run_privacy.result_warnings import result_warnings
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant, conversion_for, run_privacy
 from dpfleet.coordinator.state.guarantee import guarantee, guarantee_inputs
 from dpfleet.coordinator.state.interrupts import interrupts_deferred, sigterm_interrupts
 from dpfleet.coordinator.state.mechanism_binding import check_supported, run_mechanism
 from dpfleet.coordinator.state.release_log import RELEASES, ReleaseLog, release_hash
-from dpfleet.coordinator.state.resume import (
-    Frozen,
-    ResumeSource,
-    discard_resume,
-    resume_run,
-    save_resume,
-    save_server_state,
-)
+from dpfleet.coordinator.state.resume import Frozen, ResumeSource, discard_resume
 from dpfleet.coordinator.state.run_dir import RunDir, atomic_write, plot_accuracy
 from dpfleet.coordinator.state.tensorboard_log import DEBUG_NONPRIVATE
 from dpfleet.coordinator.state.trackers import open_trackers
@@ -85,6 +78,21 @@ def restart_rounds(cfg: SimulationConfig, mechanism: Mechanism) -> list[int]:
     if not rounds and cfg.dp.adaptive_clipping and not mechanism.adapts_every_round:
         rounds = default_restart_rounds(cfg.rounds)
     return sorted(r for r in set(rounds) if 0 < r < cfg.rounds)
+
+
+def discrete_plan(cfg: SimulationConfig, dim: int, variance_factor: float | None = None) -> RingPlan:
+    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). The headroom is
+    planned for `round_size` clients (the report goal plus the service's over-selection: the
+    most devices one sum can hold); the noise is z Delta_s whatever the count, and DP-FTRL
+    divides by the report goal as always. With adaptive clipping the model's share of the noise
+    is z_delta (the clipped counts take the rest, as Gaussian noise added by the coordinator to
+    the bounded count map: `adaptive_clipping`, Thm. 1; `count_bit.split_count`). Here, not in
+    `ring_noise`: the noise layer takes the config's values as arguments (`plan_ring`)."""
+    z = cfg.dp.noise_multiplier
+    if cfg.dp.adaptive_clipping:
+        z = model_noise_multiplier(z, clip_count_stddev(cfg))
+    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), z, cfg.rounds,
+                     variance_factor=variance_factor)
 
 
 def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
@@ -164,7 +172,7 @@ class RoundEngine:
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
         `releases` / `resume_source` replace the run directory's releases.jsonl and resume
-        point (the SQLite state store, `state_store.open_engine`). `mechanism`: a caller's noise
+        point (the SQLite state store, `store_engine.open_engine`). `mechanism`: a caller's noise
         mechanism in place of the config's `dp.mechanism` (`dpfleet.extensions`). `other_releases`:
         other DP releases about the same devices, which the caller may append to while the run goes
         (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`).
@@ -187,9 +195,9 @@ class RoundEngine:
         self.mechanism, self.mechanism_optimised_for = run_mechanism(
             cfg, self.participation.min_separation, run.path, resume, mechanism)
         check_supported(cfg, self.mechanism)
-        custom = not built_in(self.mechanism)
+        custom = not is_built_in(self.mechanism)
         # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
-        # sum, and the run's own guarantee is accounted at that noise (`accounting/projection.py`)
+        # sum, and the run's own guarantee is accounted at that noise (`run_privacy/projection.py`)
         self.noise_scale = projection_factor(cfg)
         self.accountant = RunAccountant(
             cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
@@ -215,8 +223,6 @@ class RoundEngine:
         self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
         self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
         if resolve_noise(cfg) == "discrete":
-            from dpfleet.coordinator.mechanisms.ring_noise import discrete_plan
-
             self.ring = discrete_plan(cfg, theta0.size, self.mechanism.ring_variance_factor())
         self.server = DPFTRLServer(
             theta0,

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfleet.coordinator.accounting.result_warnings import plan_warnings
 from dpfleet.coordinator.config import SimulationConfig, public_words, validate
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
@@ -47,6 +46,7 @@ from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPEND
     round_totals,
 )
 from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, build_dp_vocabulary
+from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.state.resume import (
     check_resumable,
     data_fingerprint,
@@ -480,7 +480,7 @@ def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
              log: Callable[[str], None]) -> None:
     """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
     config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
-    from dpfleet.coordinator.accounting.config_plan import apply_run_plan, make_run_plan, plan_line
+    from dpfleet.coordinator.run_privacy.config_plan import apply_run_plan, make_run_plan, plan_line
 
     record = make_run_plan(cfg, population)
     apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))

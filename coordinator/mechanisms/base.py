@@ -37,6 +37,9 @@ import numpy as np
 
 from dpfleet.errors import DpfleetError
 
+# squared-sensitivity factor of each adjacency: replace-one moves each contribution by up to 2C
+# (here, with the sensitivities: `spec` and the accountants both scale by it)
+ADJACENCY = {"zero-out": 1, "replace-one": 4}
 PURPOSES = ("model", "count")  # the model's noise; adaptive clipping's clipped-count noise
 
 
@@ -142,11 +145,3 @@ def check_purpose(purpose: str) -> str:
         raise DpfleetError(f"unknown noise purpose {purpose!r}; use one of {', '.join(PURPOSES)}")
     return purpose
 
-
-def built_in(mechanism: Mechanism) -> bool:
-    """One of the classes this package ships (accounted by dpfleet), by class identity
-    (`registry.is_built_in`); a caller's or a plugin's mechanism declares its sensitivity, which
-    dpfleet converts but cannot verify."""
-    from dpfleet.coordinator.mechanisms.registry import is_built_in
-
-    return is_built_in(mechanism)

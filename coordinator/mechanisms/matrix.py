@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from dpfleet.coordinator.mechanisms.base import Mechanism, check_purpose
 from dpfleet.coordinator.mechanisms.mf_noise import MF_COUNT_DOMAIN, MF_DOMAIN, MFNoise
-from dpfleet.coordinator.mechanisms.registry import register
+from dpfleet.coordinator.mechanisms.registry import build, register
 from dpfleet.coordinator.mechanisms.spec import (
     MechanismSpec,
     optimize_mechanism,
@@ -99,3 +99,16 @@ register("banded", MatrixMechanism, _optimised("banded"), _rebuilt,
 register("blt", MatrixMechanism, _optimised("blt"), _rebuilt,
          "buffered linear Toeplitz (McMahan et al. 2024): a few decaying buffers\n"
          "optimised for (n, MinS, MaxP); memory buffers x model, any n.")
+
+
+def as_mechanism(obj: object) -> Mechanism:
+    """A `Mechanism` from itself, a `spec.MechanismSpec` or None (the tree). Here, not in
+    `registry`, because it builds this module's class: the registry is below every mechanism."""
+    if isinstance(obj, Mechanism):
+        return obj
+    if obj is None or (isinstance(obj, MechanismSpec) and obj.kind == "tree"):
+        return build("tree", 1, 0, 1)
+    if isinstance(obj, MechanismSpec):
+        return MatrixMechanism(obj)
+    raise DpfleetError(f"a noise mechanism must subclass dpfleet.extensions.Mechanism, not "
+                       f"{type(obj).__name__}")

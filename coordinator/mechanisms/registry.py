@@ -132,18 +132,3 @@ def rebuild(name: str, identity: dict) -> Mechanism:
                            f"point group {ENTRY_POINTS!r}) to resume")
     return found[name].rebuild(identity)
 
-
-def as_mechanism(obj: object) -> Mechanism:
-    """A `Mechanism` from itself, a `spec.MechanismSpec` or None (the tree)."""
-    from dpfleet.coordinator.mechanisms.spec import MechanismSpec
-
-    if isinstance(obj, Mechanism):
-        return obj
-    if obj is None or (isinstance(obj, MechanismSpec) and obj.kind == "tree"):
-        return build("tree", 1, 0, 1)
-    if isinstance(obj, MechanismSpec):
-        from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
-
-        return MatrixMechanism(obj)
-    raise DpfleetError(f"a noise mechanism must subclass dpfleet.extensions.Mechanism, not "
-                       f"{type(obj).__name__}")

@@ -43,7 +43,6 @@ from fractions import Fraction
 
 import numpy as np
 
-from dpfleet.coordinator.config import SimulationConfig, round_size
 from dpfleet.coordinator.mechanisms.discrete_gaussian import DiscreteGaussianNodes, integer_sigma_sq
 from dpfleet.coordinator.mechanisms.noise_stream import NodeStream
 from dpfleet.errors import DpfleetError
@@ -119,23 +118,6 @@ def plan_ring(dim: int, clip_norm: float, bits: int, clients: int, noise_multipl
         f"a {bits}-bit ring has no room for {clients} clients plus discrete noise with z = "
         f"{noise_multiplier:g} (it would wrap with probability > {WRAP_PROBABILITY:g}); "
         f"raise aggregation.bits or lower dp.noise_multiplier")
-
-
-def discrete_plan(cfg: SimulationConfig, dim: int, variance_factor: float | None = None) -> RingPlan:
-    """The run's ring layout and discrete noise scale (`dp.noise = "discrete"`). The headroom is
-    planned for `round_size` clients (the report goal plus the service's over-selection: the
-    most devices one sum can hold); the noise is z Delta_s whatever the count, and DP-FTRL
-    divides by the report goal as always. With adaptive clipping the model's share of the noise
-    is z_delta (the clipped counts take the rest, as Gaussian noise added by the coordinator to
-    the bounded count map: `adaptive_clipping`, Thm. 1; `count_bit.split_count`)."""
-    z = cfg.dp.noise_multiplier
-    if cfg.dp.adaptive_clipping:
-        from dpfleet.coordinator.config import clip_count_stddev
-        from dpfleet.coordinator.engine.adaptive_clipping import model_noise_multiplier
-
-        z = model_noise_multiplier(z, clip_count_stddev(cfg))
-    return plan_ring(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), z, cfg.rounds,
-                     variance_factor=variance_factor)
 
 
 def ring_nodes(plan: RingPlan, key: bytes) -> DiscreteGaussianNodes:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.signal import lfilter
 
-from dpfleet.coordinator.accounting.zcdp import ADJACENCY
+from dpfleet.coordinator.mechanisms.base import ADJACENCY
 from dpfleet.coordinator.mechanisms.blt import BLT, prefix_error_per_round, tree_prefix_error_per_round
 from dpfleet.coordinator.mechanisms.mf_optimize import (
     banded_sensitivity_squared_toeplitz,
@@ -40,7 +40,7 @@ from dpfleet.coordinator.mechanisms.mf_sensitivity import (
     toeplitz_minsep_sensitivity_squared,
     true_max_participations,
 )
-from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int
+from dpfleet.coordinator.mechanisms.tree_sensitivity import check_int, tree_sensitivity_squared
 from dpfleet.errors import DpfleetError
 
 MECHANISMS = ("tree", "banded", "blt")
@@ -182,10 +182,8 @@ def sensitivity_squared(spec: MechanismSpec, min_separation: int | None,
         raise DpfleetError(f"unknown adjacency {adjacency!r}; use one of {', '.join(ADJACENCY)}")
     n = spec.rounds
     gap, k = _participation(n, min_separation, max_participation)
-    if spec.kind == "tree":
-        from dpfleet.coordinator.mechanisms.tree import TreeMechanism
-
-        s = float(TreeMechanism().sensitivity_squared(n, gap - 1, k, list(restarts or [])))
+    if spec.kind == "tree":  # TreeMechanism().sensitivity_squared (nodes "all"), without the class
+        s = float(tree_sensitivity_squared(n, k, gap - 1, list(restarts or []), nodes="all"))
     else:
         if restarts:
             raise DpfleetError(f"restarts are a tree feature; the {spec.kind} mechanism has none")

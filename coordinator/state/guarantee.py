@@ -26,7 +26,8 @@ import json
 from collections.abc import Sequence
 
 from dpfleet.coordinator.config import SimulationConfig, resolve_noise, round_size
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.mechanisms.base import Mechanism
+from dpfleet.coordinator.mechanisms.registry import is_built_in
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
 
@@ -59,7 +60,7 @@ def guarantee_inputs(cfg: SimulationConfig, *, mechanism: Mechanism, population:
         "round_size": round_size(cfg),
         "mechanism.name": mechanism.name,
         "mechanism.sha256": mechanism.fingerprint(),
-        "mechanism.accounted_by_dpfleet": built_in(mechanism),
+        "mechanism.accounted_by_dpfleet": is_built_in(mechanism),
         "population": int(population),
         "vocabulary.zcdp": (vocabulary or {}).get("zcdp"),
     })

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpfleet.coordinator.mechanisms.base import Mechanism, built_in
+from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.mf_sensitivity import gap_from_min_separation, true_max_participations
-from dpfleet.coordinator.mechanisms.registry import build, rebuild, source
+from dpfleet.coordinator.mechanisms.registry import build, is_built_in, rebuild, source
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
 from dpfleet.jsonio import dumps
@@ -100,7 +100,7 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
         check_bound(mechanism, cfg.mechanism_binding, "the config's mechanism binding")
     optimised_for = {"min_separation": mins, "max_participation": maxp,
                      "participation": cfg.participation.mode}
-    atomic_write(path, dumps(_record(mechanism, not built_in(mechanism), optimised_for), indent=2))
+    atomic_write(path, dumps(_record(mechanism, not is_built_in(mechanism), optimised_for), indent=2))
     _bind_config(run_path, mechanism)
     return mechanism, optimised_for
 

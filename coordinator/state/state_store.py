@@ -63,16 +63,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dpfleet.coordinator.state.release_log import LOGS, ReleaseLog, check_logs, release_hash, release_record
+from dpfleet.coordinator.state.release_log import LOGS, ReleaseLog, check_logs, release_record
 from dpfleet.coordinator.state.resume import (
     FINGERPRINT_KEY,
     KEY_FILE,
-    ResumeSource,
     differing_keys,
-    save_server_state,
-    write_key,
 )
-from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.errors import DpfleetError
 from dpfleet.io import append_text, atomic_write, fsync_path, private_mkdir
 from dpfleet.jsonio import dumps
@@ -444,7 +440,7 @@ class StoreReleaseLog(ReleaseLog):
     def __init__(self, store: StateStore):
         self.store, self.path = store, store.db_path
         self._records = store.releases()
-        self.write_state: Callable[[Path], None] | None = None  # set by `open_engine`
+        self.write_state: Callable[[Path], None] | None = None  # set by `store_engine.open_engine`
         self.model_sha256: Callable[[], str] | None = None
 
     def record_release(self, *, logs: Mapping[str, dict] | None = None, **fields) -> dict:
@@ -468,44 +464,6 @@ class SqliteSink:
         if committed != set(entry["devices"]):
             raise DpfleetError(f"round {entry['round'] + 1}: the engine's participation differs "
                                "from the committed rows")
-
-
-def open_engine(store: StateStore, cfg, *, users: Sequence[str], networked: bool = False,
-                **engine_kwargs):
-    """A RoundEngine on the store: continues after its last committed round (never re-releasing
-    one), or starts one with a new noise key file (0600, next to the DB). `engine_kwargs` are the
-    engine's (model, model_cfg, tokenizer, fingerprint, test_rows, vocabulary); `networked`:
-    rounds were selected among check-ins (`resume.ResumeSource.networked`)."""
-    from dpfleet.coordinator.engine.round_engine import RoundEngine
-
-    if store.finished:
-        raise DpfleetError(f"{store.path} holds a finished run: nothing to continue")
-    store.register_devices(users)
-    releases = StoreReleaseLog(store)
-    done = store.last_committed()
-    source = None
-    if done:
-        source = ResumeSource(point=store.round_folder(done), key_folder=store.path,
-                              metrics=store.log("metrics"), networked=networked)
-    engine = RoundEngine(cfg, RunDir(store.path, resume=True), users=users, sink=SqliteSink(store),
-                         releases=releases, resume=bool(done), resume_source=source, **engine_kwargs)
-    store.rebuild_metrics(engine.metrics)  # only a state of an older dpfleet can lack a row
-    if not done:  # no round released yet: this (possibly new) key is the run's
-        (store.path / KEY_FILE).unlink(missing_ok=True)
-        write_key(store.path, engine.server.noise_key)
-        fsync_path(store.path)
-
-    def write_state(folder: Path) -> None:
-        est = engine.estimator
-        save_server_state(folder, engine.server, est.state_dict() if est else None,
-                          {"rounds_done": engine.next_round, "guarantee": engine.guarantee,
-                           "precision": engine.precision})
-
-    def model_sha256() -> str:
-        return release_hash(engine.server.theta)
-
-    releases.write_state, releases.model_sha256 = write_state, model_sha256
-    return engine
 
 
 def finish_run(store: StateStore, engine, **finish_kwargs) -> tuple[dict, dict]:

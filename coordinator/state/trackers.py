@@ -27,7 +27,6 @@ tracker is often shared, and the seed rebuilds the noise.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import secrets
 import shutil
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from dpfleet.coordinator.config import TRACKER_PACKAGES
 from dpfleet.coordinator.state.tensorboard_log import (
     TENSORBOARD,
     TensorBoardLog,
@@ -186,28 +186,19 @@ class Writer:
     extra: str
     open: Callable[[Path, Sequence[Logs], Mapping], Tracker]
 
-    def available(self) -> bool:
-        return importlib.util.find_spec(self.module) is not None
 
-
-WRITERS = {
-    "tensorboard": Writer("tensorboardX", "tensorboard",
+WRITERS = {  # module and extra: the config's (`TRACKER_PACKAGES`, which validation checks)
+    "tensorboard": Writer(*TRACKER_PACKAGES["tensorboard"],
                           lambda path, backlog, _config: TensorBoardLog(path / TENSORBOARD, backlog,
                                                                         in_run=True)),
-    "wandb": Writer("wandb", "wandb", WandbLog),
-    "mlflow": Writer("mlflow", "mlflow", MlflowLog),
+    "wandb": Writer(*TRACKER_PACKAGES["wandb"], WandbLog),
+    "mlflow": Writer(*TRACKER_PACKAGES["mlflow"], MlflowLog),
 }
 
 
 def chosen(cfg: object) -> list[str]:
     """The trackers a config switches on (its keys `tensorboard`, `wandb`, `mlflow`)."""
     return [key for key in WRITERS if getattr(cfg, key, False)]
-
-
-def missing_extras(cfg: object) -> list[str]:
-    """One line per tracker the config asks for whose package is not installed, with its install."""
-    return [f"{key} = true needs {w.module}: pip install 'dpfleet[{w.extra}]'"
-            for key, w in WRITERS.items() if key in chosen(cfg) and not w.available()]
 
 
 class Trackers:

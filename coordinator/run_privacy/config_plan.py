@@ -22,10 +22,10 @@ from dataclasses import asdict
 from typing import Any
 
 from dpfleet.coordinator.accounting.planner import candidates, make_plan, mechanism_rows, pick_mechanism
-from dpfleet.coordinator.accounting.run_accountant import conversion_for
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.mechanisms.registry import entry, source
+from dpfleet.coordinator.run_privacy.run_accountant import conversion_for
 from dpfleet.errors import DpfleetError
 
 Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's within this

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from dpfleet.coordinator.accounting.projection import projection_caveat
+from dpfleet.coordinator.run_privacy.projection import projection_caveat
 
 FIGURES = ("epsilon", "epsilon_rdp", "zcdp")  # what privacy.json states as the guarantee
 
@@ -96,13 +96,13 @@ def config_facts(cfg) -> dict:
     """The facts a config alone gives (what privacy.json would say of them), for a service that
     shows a run before it has a privacy.json. Its mechanism is known by name: a plugin's (not one
     dpfleet ships) is declared."""
-    from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary
-    from dpfleet.coordinator.accounting.run_accountant import (
+    from dpfleet.coordinator.mechanisms.registry import source
+    from dpfleet.coordinator.run_privacy.not_covered import nonprivate_vocabulary
+    from dpfleet.coordinator.run_privacy.run_accountant import (
         generated_population_statement,
         noise_fields,
         noise_statement,
     )
-    from dpfleet.coordinator.mechanisms.registry import source
 
     mechanism = cfg.dp.mechanism
     # "auto" not yet planned: a plugin only with dp.auto_plugins (then said, to be safe)

@@ -25,25 +25,26 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from dpfleet.coordinator.accounting.not_covered import nonprivate_vocabulary, not_covered, vocabulary_source
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
 )
-from dpfleet.coordinator.accounting.projection import projected_privacy
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
     zcdp_for_epsilon,
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, public_words, resolve_noise
-from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.base import Mechanism
-from dpfleet.coordinator.mechanisms.registry import as_mechanism, source
+from dpfleet.coordinator.mechanisms.matrix import as_mechanism
+from dpfleet.coordinator.mechanisms.registry import source
+from dpfleet.coordinator.run_privacy.not_covered import nonprivate_vocabulary, not_covered, vocabulary_source
+from dpfleet.coordinator.run_privacy.projection import projected_privacy
+from dpfleet.edge.fleet import EmulatedFleet
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
@@ -187,6 +188,16 @@ class RunAccountant:
                 "delta": self.delta + sum(r.get("delta", 0.0) for r in releases)}
 
 
+
+class EnforcedParticipation(Protocol):
+    """What a run's privacy reads of its participation (`engine.participation.Participation`):
+    the MinS the coordinator enforces and the fleet whose timer it runs (timer mode). A protocol,
+    not the class: this layer sits below the engine that owns participation."""
+
+    min_separation: int
+    fleet: EmulatedFleet | None
+
+
 def conversion_for(cfg: SimulationConfig, cls: type[Mechanism], declared: bool) -> str:
     """How a run of mechanism class `cls` converts zCDP to eps: by RDP (valid for any rho-zCDP
     mechanism) for discrete ring noise that is no rounded Gaussian, and for a declared mechanism,
@@ -213,7 +224,7 @@ def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]
             + [f"{public_words(tok)}, for the word vocabulary"] * bool(words) + list(public_data))
 
 
-def _report_setting(cfg: SimulationConfig, participation: Participation, rounds: int,
+def _report_setting(cfg: SimulationConfig, participation: EnforcedParticipation, rounds: int,
                     population: int, public_data: Sequence[str] = ()) -> dict:
     """The `privacy_report` setting of a simulation run."""
     dp, part = cfg.dp, cfg.participation
@@ -294,7 +305,7 @@ def _accounting_words(accountant: RunAccountant, cfg: SimulationConfig) -> str:
     return f"{words}; {conversion}"
 
 
-def run_privacy(cfg: SimulationConfig, participation: Participation, accountant: RunAccountant,
+def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, accountant: RunAccountant,
                 population: int, *, model_noise_multiplier: float, stopped_early: str | None,
                 optimised_for: dict, vocabulary: dict | None = None, public_data: Sequence[str] = (),
                 ring: RingPlan | None = None, debug_file: bool = False,
