@@ -212,7 +212,14 @@ class ProjectionSection:
     sum of the report_goal trained devices gets noise z C report_goal / M_noise."""
     population: int = 0
     """The planned population the projected eps is accounted over (MinS = population //
-    noise_cohort - 1, as the planner's)."""
+    noise_cohort - 1, as the planner's, unless min_separation is given)."""
+    min_separation: int = -1
+    """The planned launch's MinS: -1, population // noise_cohort - 1 (the largest the population
+    allows, `dpfleet plan -N`); else the MinS a plan over an availability trace enforces
+    (`dpfleet plan --trace`: its timer, not the population, sets it)."""
+    max_participation: int = 0
+    """The planned launch's MaxP cap: 0, the worst case its MinS allows over the rounds; else the
+    cap a plan over an availability trace enforces (the lower of the two is accounted)."""
 
 
 @dataclass
@@ -778,6 +785,14 @@ def projection_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
         (proj.population >= proj.noise_cohort,
          f"projection.population = {proj.population} must be >= projection.noise_cohort = "
          f"{proj.noise_cohort}"),
+        (proj.min_separation >= -1 and (proj.population < proj.noise_cohort or proj.min_separation
+                                         <= proj.population // proj.noise_cohort - 1),
+         f"projection.min_separation = {proj.min_separation} must be -1 (the population's) or "
+         f"between 0 and population // noise_cohort - 1 = "
+         f"{proj.population // max(proj.noise_cohort, 1) - 1}: no launch of that population can "
+         "keep devices apart for longer"),
+        (proj.max_participation >= 0,
+         f"projection.max_participation = {proj.max_participation} must be >= 0 (0: the worst case)"),
         (proj.population <= 0 or dp.delta < 1 / proj.population,
          f"dp.delta = {dp.delta:g} is not below 1/N = 1/{proj.population} for projection.population: "
          "the projected guarantee would mean nothing at that delta; lower dp.delta"),

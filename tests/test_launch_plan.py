@@ -200,3 +200,29 @@ def test_plan_over_a_generated_trace_writes_it_beside_the_plan(tmp_path, capsys)
         main(["plan", "--generate", "60", "--days", "1", "--round-minutes", "60", "--target-zcdp", "1",
               "--out", str(out)])
     assert "already holds trace.jsonl.gz" in capsys.readouterr().err
+
+
+def test_the_projection_fragment_rehearses_the_plans_launch_at_its_eps(tmp_path):
+    """--emit-projection: a run that adds the planned cohort's noise over the planned population
+    accounts the plan's enforced MinS and MaxP cap, so its projected eps is the plan's eps; the run
+    keeps its own report goal and participation (no [participation] in the fragment)."""
+    from dpfleet.coordinator.mechanisms.matrix import as_mechanism
+    from dpfleet.coordinator.run_privacy.projection import projected_privacy
+
+    path = write_five(tmp_path / "five.jsonl")
+    plan = plan_over_trace(path, 0.25, 60.0, 1.0, delta=1e-3, seed=0, report_goals=[2],
+                           timer_hours=[2.0], mechanism="tree", progress=False)
+    fragment = plan.to_dict()["projection_config"]
+    # the 2 h timer's replay by hand (test above): 3 rounds, MinS 1, MaxP 2
+    assert fragment["projection"] == {"noise_cohort": 2, "population": 5, "min_separation": 1,
+                                      "max_participation": 2}
+    assert "participation" not in fragment and fragment["rounds"] == 3
+    cfg = parse_config({**TINY, "rounds": fragment["rounds"], "projection": fragment["projection"],
+                        "dp": {**TINY["dp"], **fragment["dp"], "report_goal": 1}})
+    projected = projected_privacy(cfg, as_mechanism(None), "pld")
+    assert projected["epsilon"] == pytest.approx(plan.chosen.epsilon, rel=1e-9)
+    emitted = tmp_path / "rehearse.toml"
+    main(["plan", "--trace", str(path), "--days", "0.25", "--round-minutes", "60", "-M", "2",
+          "--timer-hours", "2", "--target-zcdp", "1", "--delta", "1e-3", "--mechanism", "tree",
+          "--emit-projection", str(emitted)])
+    assert tomllib.loads(emitted.read_text()) == fragment

@@ -117,6 +117,10 @@ def _proj(cohort: int, population: int | None = None) -> dict:
     (_proj(20, 10), r"projection.population = 10 .* >= projection.noise_cohort"),
     (_proj(20), r"projection.noise_cohort and projection.population go together"),
     (_proj(20, 2_000_000), r"dp.delta .* 1/N .* projection.population"),
+    ({"projection": {"noise_cohort": 20, "population": N_PLAN, "min_separation": 5000}},
+     r"projection.min_separation = 5000 .* population // noise_cohort - 1 = 4999"),
+    ({"projection": {"noise_cohort": 20, "population": N_PLAN, "max_participation": -1}},
+     r"projection.max_participation = -1 must be >= 0"),
     ({"aggregation": {"kind": "secagg"}}, r"projection .* aggregation.kind = 'plain'"),
     ({"dp": {**PROJECTED["dp"], "target_epsilon": 8.0}}, r"dp.target_epsilon .*dpfleet plan -N 100000"),
     ({"dp": {**PROJECTED["dp"], "adaptive_clipping": True}}, r"projection .*dp.adaptive_clipping"),
@@ -165,6 +169,29 @@ def test_the_projected_eps_is_the_planners_for_the_planned_launch():
     assert p["epsilon"] == pytest.approx(2.0, rel=1e-3)
     assert projection_factor(cfg) * row.noise_multiplier == pytest.approx(row.noise_multiplier / 1000)
 
+
+
+def test_a_trace_plans_min_separation_and_cap_are_what_the_projection_accounts():
+    """`dpfleet plan --trace` enforces the MinS of its timer (not the population's N // M - 1) and
+    a MaxP cap: a projection given them accounts them. 20 rounds at MinS 3 allow MaxP 5, capped
+    at 2; the population alone would give MinS 100,000 // 20 - 1 = 4,999 and MaxP 1, a smaller eps."""
+    from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
+    from dpfleet.coordinator.mechanisms.matrix import as_mechanism
+    from dpfleet.coordinator.run_privacy.projection import projected_privacy
+
+    def projected(**keys):
+        cfg = parse_config({**CONFIG, "rounds": 20, "dp": {**CONFIG["dp"], "noise_multiplier": 3.0},
+                            "projection": {"noise_cohort": 20, "population": N_PLAN, **keys}})
+        return projected_privacy(cfg, as_mechanism(None), "pld")
+
+    traced, population = projected(min_separation=3, max_participation=2), projected()
+    assert (traced["min_separation"], traced["max_participation"]) == (3, 2)
+    assert (population["min_separation"], population["max_participation"]) == (4999, 1)
+    sens = as_mechanism(None).sensitivity_squared(20, 3, 2, [])
+    assert traced["zcdp"] == pytest.approx(zcdp_from_sensitivity(3.0, sens))
+    assert traced["epsilon"] == pytest.approx(epsilon_from_zcdp(traced["zcdp"], traced["delta"], "pld"))
+    assert traced["epsilon"] > population["epsilon"]
+    assert projected(min_separation=3)["max_participation"] == 5  # no cap: the worst case
 
 def test_compare_shows_the_runs_own_eps_and_labels_the_projected_one(projected, capsys):
     from dpfleet.cli import main

@@ -104,6 +104,11 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None,
               help="With --trace: write the plan's config keys (rounds, seed, [dp], "
                    "[participation]) as TOML to this new file, to merge into a run config.")
+@click.option("--emit-projection", type=click.Path(dir_okay=False), default=None,
+              help="With --trace: write the keys of a laptop rehearsal of the planned launch "
+                   "(rounds, [dp] z and mechanism, [projection] with the plan's report goal, "
+                   "population, MinS and MaxP cap) as TOML to this new file; the run keeps its "
+                   "own report goal and participation and adds the launch's noise.")
 @click.option("--target-zcdp", type=float, default=None, help="Privacy target as rho-zCDP.")
 @click.option("--target-epsilon", type=float, default=None,
               help="Privacy target as eps at --delta (converted with --method).")
@@ -125,7 +130,7 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
 def plan(population: int | None, rounds: int | None, trace: str | None,
          generate_devices: int | None, trace_seed: int, days: float | None,
          timer_hours: tuple[float, ...], min_rounds: int, seed: int | None, config_path: str | None,
-         emit_config: str | None, target_zcdp: float | None,
+         emit_config: str | None, emit_projection: str | None, target_zcdp: float | None,
          target_epsilon: float | None, delta: float | None, method: str,
          report_goal: int | None, round_minutes: float | None, out: str | None,
          mechanism: str, as_json: bool) -> None:
@@ -157,6 +162,7 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
         raise DpfleetError("give exactly one of --target-zcdp and --target-epsilon")
     trace_options = {"--days": days, "--timer-hours": timer_hours or None, "--seed": seed,
                      "--config": config_path, "--emit-config": emit_config,
+                     "--emit-projection": emit_projection,
                      "--min-rounds": None if min_rounds == 1 else min_rounds}
     if trace_seed != 0 and generate_devices is None:
         raise DpfleetError("--trace-seed seeds --generate's trace: give --generate")
@@ -176,8 +182,10 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
     if out is not None:
         check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
         check_not_a_run(Path(out), "--out")  # a planned run's plan.json is the plan it ran
-    if emit_config is not None and Path(emit_config).exists():  # it may be anyone's file
-        raise DpfleetError(f"--emit-config {emit_config} exists: give a new file")
+    emits = {"--emit-config": emit_config, "--emit-projection": emit_projection}
+    for flag, path in emits.items():
+        if path is not None and Path(path).exists():  # it may be anyone's file
+            raise DpfleetError(f"{flag} {path} exists: give a new file")
     if round_minutes is not None and (problem := round_minutes_error(round_minutes, "--round-minutes")):
         raise DpfleetError(problem)
     if delta is not None and population is not None and population >= 1:
@@ -190,14 +198,14 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
         if generate_devices is None:
             return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population,
                               seed, report_goal, timer_hours, mechanism, config_path, min_rounds,
-                              out, emit_config, as_json)
+                              out, emits, as_json)
         with removed_on_failure(Path(out)):  # a plan that fails leaves no folder of a lone trace
             if days is not None and days > 0:  # else plan_over_trace says what is wrong with it
                 private_mkdir(Path(out))
                 write_trace(Path(trace), generate(generate_devices, days, trace_seed, progress=True))
             return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population,
                               seed, report_goal, timer_hours, mechanism, config_path, min_rounds,
-                              out, emit_config, as_json)
+                              out, emits, as_json)
     result = make_plan(population, rounds, target_zcdp, report_goal=report_goal, delta=delta,
                        method=method, round_minutes=round_minutes)
     rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, candidates(mechanism))
@@ -256,9 +264,10 @@ def format_trace_plan(plan: TracePlan) -> str:
 def plan_trace(trace: str, days: float | None, round_minutes: float | None, target_zcdp: float,
                delta: float | None, method: str, population: int | None, seed: int | None,
                report_goal: int | None, timer_hours: tuple[float, ...], mechanism: str,
-               config_path: str | None, min_rounds: int, out: str | None, emit_config: str | None,
+               config_path: str | None, min_rounds: int, out: str | None, emits: dict[str, str | None],
                as_json: bool) -> None:
-    """`dpfleet plan --trace`: `launch_plan.plan_over_trace`, printed and written."""
+    """`dpfleet plan --trace`: `launch_plan.plan_over_trace`, printed and written (`emits`: the
+    --emit-config / --emit-projection files)."""
     if days is None or round_minutes is None:
         raise DpfleetError("--trace needs --days and --round-minutes")
     section, run_seed = None, 0
@@ -274,6 +283,10 @@ def plan_trace(trace: str, days: float | None, round_minutes: float | None, targ
     click.echo(dumps(record) if as_json else format_trace_plan(result))
     if out is not None:
         write_out(Path(out), record, lambda path: plot_trace_plan(result, path))
-    if emit_config is not None:
-        atomic_write(Path(emit_config), to_toml(record["config"]))
-        click.echo(f"wrote {emit_config}: merge it into a run config for `dpfleet simulate`")
+    for path, key, what in zip(emits.values(), ("config", "projection_config"), (
+            "merge it into a run config for `dpfleet simulate`",
+            "merge it into a run config to rehearse the launch on a laptop (a projection: its eps "
+            "is a simulation of DP, not a guarantee)"), strict=True):
+        if path is not None:
+            atomic_write(Path(path), to_toml(record[key]))
+            click.echo(f"wrote {path}: {what}")

@@ -170,6 +170,7 @@ class TracePlan:
         out["rule"] = (f"least noise-to-signal (z x noise_factor / M) among candidates of at least "
                        f"{self.min_rounds} round(s); ties: more rounds, smaller report goal, shorter timer")
         out["config"] = config_fragment(self)
+        out["projection_config"] = projection_fragment(self)
         return out
 
 
@@ -182,6 +183,21 @@ def config_fragment(plan: TracePlan) -> dict:
     if plan.delta is not None:
         dp["delta"] = plan.delta
     return {"rounds": c.rounds, "seed": plan.seed, "dp": dp, "participation": asdict(plan.section)}
+
+
+def projection_fragment(plan: TracePlan) -> dict:
+    """The keys of a laptop rehearsal of the planned launch (pfl's method, `[projection]`): the
+    run trains its own report goal under its own participation and adds the noise of the plan's
+    cohort; its projected eps is accounted for the plan's population, rounds, enforced MinS and
+    MaxP cap, so it is the plan's eps (a simulation of DP, not a guarantee)."""
+    c = plan.chosen
+    dp = {"target_epsilon": 0.0, "noise_multiplier": c.noise_multiplier, "mechanism": c.mechanism}
+    if plan.delta is not None:
+        dp["delta"] = plan.delta
+    return {"rounds": c.rounds, "dp": dp,
+            "projection": {"noise_cohort": c.report_goal, "population": plan.population,
+                           "min_separation": c.min_separation,
+                           "max_participation": c.max_participation}}
 
 
 def report_goal_grid(peak: int, points: int = GOAL_POINTS) -> list[int]:

@@ -9,7 +9,9 @@ noise of 5,000 at a population of 10^6). A `[projection]` run does the same
 
 * the *projected* one: the planned mechanism, multiplier z (dp.noise_multiplier) on cohorts of
   M_noise over the planned population N, accounted as the planner and the run's accountant
-  would for that launch (MinS = N // M_noise - 1, the worst-case MaxP over the planned rounds,
+  would for that launch (MinS = N // M_noise - 1, the worst-case MaxP over the planned rounds, or
+  the MinS and MaxP cap a plan over an availability trace enforces (`projection.min_separation`,
+  `max_participation`),
   the run's mechanism's sens^2, the run's zCDP-to-eps conversion). It is a simulation of DP at
   population N: nobody in this run is protected by it.
 * the run's *own* guarantee: its actual noise on its actual sum, multiplier z M_train / M_noise,
@@ -41,8 +43,11 @@ def projected_privacy(cfg: SimulationConfig, mechanism: Mechanism, conversion: s
     proj, dp = cfg.projection, cfg.dp
     if not proj.noise_cohort:
         return None
-    mins = max_min_separation(proj.population, proj.noise_cohort)
+    mins = (proj.min_separation if proj.min_separation >= 0
+            else max_min_separation(proj.population, proj.noise_cohort))
     maxp = worst_case_max_participation(cfg.rounds, mins)
+    if proj.max_participation:
+        maxp = min(maxp, proj.max_participation)
     s = mechanism.sensitivity_squared(cfg.rounds, mins, maxp, list(restarts))
     rho = zcdp_from_sensitivity(dp.noise_multiplier, s) if dp.noise_multiplier else float("inf")
     return {
