@@ -65,5 +65,5 @@ def verdict_lines(verdict: dict) -> list[str]:
 
 
 def _rule_lines(rows: list[dict]) -> list[str]:
-    return [f"  {r['rule']:<22} {r['limit']:<40} {r['value']:<30} {'PASS' if r['passed'] else 'FAIL'}"
+    return [f"  {r['rule']:<22} {r['limit']:<42} {r['value']:<30} {'PASS' if r['passed'] else 'FAIL'}"
             for r in rows]

@@ -6,13 +6,17 @@ and every path that ships a model checks the same file: `dpfleet export --bundle
 `Result.export_bundle(policy=...)` and the coordinator service's release step. A run that misses
 a rule is refused with one line naming the rule and the run's value, before anything is written;
 a bundle that passes records the rules, the file's sha256 and the values it passed in its signed
-manifest, so the phone-side record says which policy let it out.
+manifest, so the phone-side record says which policy let it out. `dpfleet gate` prints the
+verdict without exporting; one function (`ReleasePolicy.verdicts`) decides every rule for both, so
+the gate's FAIL line is exactly the export's refusal.
 
 The values are the run's own records: privacy.json (its total when other releases such as a DP
 vocabulary compose with training) and summary.json (final, starting model and unigram accuracy
 on held-out users). eps is compared at the run's delta, which must be at most the policy's: an
 (eps, delta_run) guarantee is an (eps, delta) one for any delta >= delta_run, so no conversion
-is needed. A run without a guarantee (eps null) fails every ceiling.
+is needed. A run without a guarantee (eps null) fails every ceiling. A projection run is judged
+on its own guarantee (its model's); its planned launch's projected figures get a separate verdict
+(`projected_values`) that never lets the model out.
 """
 
 from __future__ import annotations
