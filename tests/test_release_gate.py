@@ -83,6 +83,7 @@ def test_a_run_that_meets_every_rule_passes_with_one_line_per_rule(tmp_path, pol
     ]
     assert "policy.toml" in out[0] and "this run's own guarantee" in out[0]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # the gate writes nothing
+    assert gate(capsys, run / "checkpoint", "--policy", policy)[0] == 0  # the path export takes
 
 
 def test_a_run_that_misses_rules_fails_each_and_says_the_export_refusal(tmp_path, policy, capsys):
