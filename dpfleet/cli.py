@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "plan": "dpfleet.coordinator.cli.plan:plan",
     "secagg": "dpfleet.secagg.cli:secagg",
     "export": "dpfleet.export.cli:export",
+    "gate": "dpfleet.export.gate:gate",
     "public": "dpfleet.public.cli:public",
     "coordinator": "dpfleet.service.cli:coordinator",
     "fleet": "dpfleet.fleet.cli:fleet",

@@ -6,13 +6,17 @@ and every path that ships a model checks the same file: `dpfleet export --bundle
 `Result.export_bundle(policy=...)` and the coordinator service's release step. A run that misses
 a rule is refused with one line naming the rule and the run's value, before anything is written;
 a bundle that passes records the rules, the file's sha256 and the values it passed in its signed
-manifest, so the phone-side record says which policy let it out.
+manifest, so the phone-side record says which policy let it out. `dpfleet gate` prints the
+verdict without exporting; one function (`ReleasePolicy.verdicts`) decides every rule for both, so
+the gate's FAIL line is exactly the export's refusal.
 
 The values are the run's own records: privacy.json (its total when other releases such as a DP
 vocabulary compose with training) and summary.json (final, starting model and unigram accuracy
 on held-out users). eps is compared at the run's delta, which must be at most the policy's: an
 (eps, delta_run) guarantee is an (eps, delta) one for any delta >= delta_run, so no conversion
-is needed. A run without a guarantee (eps null) fails every ceiling.
+is needed. A run without a guarantee (eps null) fails every ceiling. A projection run is judged
+on its own guarantee (its model's); its planned launch's projected figures get a separate verdict
+(`projected_values`) that never lets the model out.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dpfleet.io import sha256_hex
 
 NUMBERS = ("max_epsilon", "delta", "max_rho")
 FLAGS = ("beat_public_model", "beat_unigram", "allow_caveats")
+PLANNED = "the planned launch (projection, not a guarantee)"
 
 
 class PolicyRefused(DpfleetError):
@@ -85,37 +90,93 @@ class ReleasePolicy:
         values = run_values(Path(run_dir), self.rules)
         if caveats is not None:
             values["caveats"] = list(caveats)
-        if failed := self.failures(values):
-            raise PolicyRefused(f"refused by {self.name}: {'; '.join(failed)}")
+        if refusal := self.refusal(self.verdicts(values)):
+            raise PolicyRefused(refusal)
         return {"file": self.name, "sha256": self.sha256, "rules": dict(self.rules), "passed": values}
+
+    def gate(self, run_dir: str | Path) -> dict:
+        """The verdict `dpfleet gate` prints, writing nothing: the policy, the run's `own`
+        verdict (its rules, values and refusal line, exactly what the export would decide) and,
+        for a projection run, the planned launch's (`projection`, else None). `passed` is the
+        run's own verdict only: a projection's figures are a simulation, never a model's."""
+        run_dir = Path(run_dir)
+        values = run_values(run_dir, self.rules)
+        record = {"policy": {"file": self.name, "sha256": self.sha256, "rules": dict(self.rules)},
+                  "run": str(run_dir), "own": self._judged(values), "projection": None}
+        if (planned := projected_values(run_dir, values)) is not None:
+            label, projected = planned
+            record["projection"] = {"what": PLANNED, "label": label, **self._judged(projected)}
+        record["passed"] = record["own"]["passed"]
+        return record
+
+    def _judged(self, values: dict) -> dict:
+        verdicts = self.verdicts(values)
+        rows = [{k: row[k] for k in ("rule", "limit", "value", "passed")} for row in verdicts]
+        return {"rules": rows, "passed": all(row["passed"] for row in rows),
+                "refusal": self.refusal(verdicts), "values": values}
 
     def failures(self, v: dict) -> list[str]:
         """Each rule `v` (`run_values`) misses, as '<rule> <limit> < <value>' words."""
+        return [row["refusal"] for row in self.verdicts(v) if not row["passed"]]
+
+    def refusal(self, verdicts: list[dict]) -> str | None:
+        """The one line a run with these `verdicts` is refused with; None when it passes."""
+        failed = [row["refusal"] for row in verdicts if not row["passed"]]
+        return f"refused by {self.name}: {'; '.join(failed)}" if failed else None
+
+    def verdicts(self, v: dict) -> list[dict]:
+        """Every rule of the policy against `v` (`run_values`), in the documented order: `rule`,
+        its `limit` and the run's `value` as words, `passed`, and for a failed rule the words a
+        refusal says of it (`refusal`). The one place the rules are decided: the export's refusal
+        and `dpfleet gate`'s lines cannot disagree."""
         r, out = self.rules, []
+
+        def row(rule: str, limit: str, value: str, failure: str | None) -> None:
+            out.append({"rule": rule, "limit": limit, "value": value, "passed": failure is None,
+                        "refusal": failure})
+
         eps, rho = _shown(v["epsilon"]), _shown(v["rho"])
         if "max_epsilon" in r:
+            failure = None
             if v["delta"] is None or v["delta"] > r["delta"]:
-                out.append(f"delta {r['delta']:g} < the run's delta {v['delta']:g} (eps {eps})")
+                failure = f"delta {r['delta']:g} < the run's delta {_g(v['delta'])} (eps {eps})"
             elif v["epsilon"] is None or v["epsilon"] > r["max_epsilon"]:
-                out.append(f"max_epsilon {r['max_epsilon']:g} < eps {eps} at delta {v['delta']:g}")
-        if "max_rho" in r and (v["rho"] is None or v["rho"] > r["max_rho"]):
-            out.append(f"max_rho {r['max_rho']:g} < rho {rho}")
+                failure = f"max_epsilon {r['max_epsilon']:g} < eps {eps} at delta {v['delta']:g}"
+            row("max_epsilon", f"eps <= {r['max_epsilon']:g} at delta {r['delta']:g}",
+                f"eps {eps} at delta {_g(v['delta'])}", failure)
+        if "max_rho" in r:
+            failed = v["rho"] is None or v["rho"] > r["max_rho"]
+            row("max_rho", f"rho <= {r['max_rho']:g}", f"rho {rho}",
+                f"max_rho {r['max_rho']:g} < rho {rho}" if failed else None)
         for rule, key, what in (("beat_public_model", "starting_accuracy", "the starting model's"),
                                 ("beat_unigram", "unigram_accuracy", "the unigram baseline's")):
             if not r.get(rule):
                 continue
+            failure = None
             if v["accuracy"] is None or v[key] is None:
-                out.append(f"{rule}: the run recorded no {'final' if v['accuracy'] is None else what} "
+                failure = (f"{rule}: the run recorded no {'final' if v['accuracy'] is None else what} "
                            "held-out accuracy")
             elif not v["accuracy"] > v[key]:
-                out.append(f"{rule}: accuracy {v['accuracy']:.4f} <= {what} {v[key]:.4f}")
-        if r.get("allow_caveats") is False and v["caveats"]:
-            out.append(f"allow_caveats = false: {v['caveats'][0]}")
+                failure = f"{rule}: accuracy {v['accuracy']:.4f} <= {what} {v[key]:.4f}"
+            row(rule, f"accuracy > {what} {_accuracy(v[key])}", f"accuracy {_accuracy(v['accuracy'])}",
+                failure)
+        if r.get("allow_caveats") is False:
+            first = v["caveats"][0] if v["caveats"] else None
+            row("allow_caveats", "false (no caveat)", first or "none",
+                None if first is None else f"allow_caveats = false: {first}")
         return out
 
 
 def _shown(value: float | None) -> str:
     return "inf (no guarantee)" if value is None else f"{value:.4g}"
+
+
+def _g(value: float | None) -> str:
+    return "none" if value is None else f"{value:g}"
+
+
+def _accuracy(value: float | None) -> str:
+    return "not recorded" if value is None else f"{value:.4f}"
 
 
 def run_file(path: Path) -> dict | None:
@@ -135,6 +196,21 @@ def _read(path: Path) -> dict:
     if (value := run_file(path)) is None:
         raise DpfleetError(f"the release policy needs the run's records: no JSON object in {path}")
     return value
+
+
+def projected_values(run_dir: Path, values: dict) -> tuple[str, dict] | None:
+    """(label, values) of a projection run's planned launch, None for any other run: `values`
+    (the run's, `run_values`) with eps, delta and rho from privacy.json's `projection` block. Its
+    accuracies stay the run's: they are the projection's estimate of the launch's. Its caveats
+    are the run's less the projection's own (the launch would not be a projection), so
+    allow_caveats judges what the launch would still carry."""
+    block = _read(run_dir / "privacy.json").get("projection")
+    if not isinstance(block, dict):
+        return None
+    label = str(block.get("label") or PLANNED)
+    kept = [c for c in values["caveats"][1:] if not c.lower().startswith(label.lower())]
+    return label, {**values, "epsilon": _number(block.get("epsilon")), "rho": _number(block.get("zcdp")),
+                   "delta": _number(block.get("delta", values["delta"])), "caveats": kept}
 
 
 def run_values(run_dir: Path, rules: dict | None = None) -> dict:

@@ -210,3 +210,52 @@ def test_python_api_a_model_above_its_starting_model_passes_that_rule(runs, tmp_
     assert record["passed"]["accuracy"] == pytest.approx(74 / 1029)
     assert record["passed"]["starting_accuracy"] == pytest.approx(2 / 1029)
     assert record["passed"]["rho"] == pytest.approx(400) and record["passed"]["caveats"] != []
+
+
+@pytest.fixture(scope="module")
+def projection_run(tmp_path_factory, xdg):
+    """A 2-round projection run: 4 devices a round trained with the noise of 20 (z = 6 scaled by
+    4/20 on the sum: its own rho = 2 / (2 * 1.2^2) = 0.694) planned for a population of 100,000
+    (rho = 2 / (2 * 6^2) = 1/36, far below its own)."""
+    root = tmp_path_factory.mktemp("projection-run")
+    cfg = {**CFG, "rounds": 2, "eval_every": 2, "checkpoint_every": 0,
+           "dp": {**CFG["dp"], "delta": 1e-6, "noise_multiplier": 6.0},
+           "projection": {"noise_cohort": 20, "population": 100_000}}
+    (root / "p.toml").write_text(to_toml(cfg))
+    main(["simulate", str(root / "p.toml"), "--out", str(root / "run"), "--quiet"])
+    return root / "run"
+
+
+def _paths_of(value, target, path=()):
+    """Every key path in a JSON value where the number `target` occurs."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _paths_of(v, target, (*path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _paths_of(v, target, (*path, i))]
+    return [path] if isinstance(value, float) and value == target else []
+
+
+def test_attack_a_projection_runs_bundle_never_presents_the_projected_eps_as_the_models(
+        projection_run, tmp_path, capsys):
+    privacy = json.loads((projection_run / "privacy.json").read_text())
+    own, projected = privacy["epsilon"], privacy["projection"]["epsilon"]
+    assert privacy["zcdp"] == pytest.approx(2 / (2 * 1.2 ** 2))
+    assert privacy["projection"]["zcdp"] == pytest.approx(1 / 36) and projected < own
+    # a policy the projected eps meets but the model's own does not: refused, naming the own eps
+    rules = f"max_epsilon = {projected * 1.01}\ndelta = 1e-6\n"
+    code, err = export(projection_run, tmp_path / "r", policy(tmp_path, rules), capsys, "--accept-caveats")
+    assert code == 2 and f"< eps {own:.4g} at delta 1e-06" in err[0], err
+    # without --accept-caveats the projection is a caveat that refuses the bundle
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["export", str(projection_run / "checkpoint"), "--bundle", str(tmp_path / "c")])
+    assert "projection to a population of 100,000" in capsys.readouterr().err
+    # accepted: the manifest states the own eps as the model's; the projected one only in its block
+    main(["export", str(projection_run / "checkpoint"), "--bundle", str(tmp_path / "b"), "--accept-caveats"])
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert manifest["fully_private"] is False
+    assert manifest["caveats"][0].startswith("NOT FULLY PRIVATE: projection to a population of 100,000")
+    assert manifest["privacy"]["epsilon"] == own and manifest["privacy"]["zcdp"] == privacy["zcdp"]
+    block = manifest["privacy"]["projection"]
+    assert block["epsilon_is_a_guarantee"] is False and "not a guarantee" in block["label"]
+    assert _paths_of(manifest, projected) == [("privacy", "projection", "epsilon")]
