@@ -785,12 +785,13 @@ def projection_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
         (proj.population >= proj.noise_cohort,
          f"projection.population = {proj.population} must be >= projection.noise_cohort = "
          f"{proj.noise_cohort}"),
-        (proj.min_separation >= -1 and (proj.population < proj.noise_cohort or proj.min_separation
-                                         <= proj.population // proj.noise_cohort - 1),
-         f"projection.min_separation = {proj.min_separation} must be -1 (the population's) or "
-         f"between 0 and population // noise_cohort - 1 = "
-         f"{proj.population // max(proj.noise_cohort, 1) - 1}: no launch of that population can "
-         "keep devices apart for longer"),
+        (proj.min_separation >= -1, f"projection.min_separation = {proj.min_separation} must be "
+         ">= 0, or -1 (population // noise_cohort - 1)"),
+        (not _projection_returns(cfg) or (proj.min_separation + 1) * proj.noise_cohort <= proj.population,
+         f"projection.min_separation = {proj.min_separation} with devices taking part more than "
+         f"once needs (MinS + 1) x noise_cohort <= population, but {proj.min_separation + 1} x "
+         f"{proj.noise_cohort} > {proj.population}: no launch of that population keeps devices "
+         "apart that long; lower it or cap projection.max_participation at 1"),
         (proj.max_participation >= 0,
          f"projection.max_participation = {proj.max_participation} must be >= 0 (0: the worst case)"),
         (proj.population <= 0 or dp.delta < 1 / proj.population,
@@ -807,6 +808,17 @@ def projection_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
          "a projection scales the model's noise only: it cannot run with dp.adaptive_clipping "
          "(whose clipped-count noise it would leave unprojected)"),
     ]
+
+
+def _projection_returns(cfg: SimulationConfig) -> bool:
+    """Whether a stated projection MinS lets a device take part twice in the planned rounds (a
+    trace plan's timer may enforce a MinS its population could not keep for many rounds, and
+    needs not when its rounds or cap leave every device at one participation)."""
+    proj = cfg.projection
+    if proj.min_separation < 0:
+        return False
+    most = -(-cfg.rounds // (proj.min_separation + 1))
+    return min(most, proj.max_participation or most) > 1
 
 
 def projection_factor(cfg: SimulationConfig) -> float:

@@ -117,8 +117,10 @@ def _proj(cohort: int, population: int | None = None) -> dict:
     (_proj(20, 10), r"projection.population = 10 .* >= projection.noise_cohort"),
     (_proj(20), r"projection.noise_cohort and projection.population go together"),
     (_proj(20, 2_000_000), r"dp.delta .* 1/N .* projection.population"),
-    ({"projection": {"noise_cohort": 20, "population": N_PLAN, "min_separation": 5000}},
-     r"projection.min_separation = 5000 .* population // noise_cohort - 1 = 4999"),
+    ({"rounds": 6000, "projection": {"noise_cohort": 20, "population": N_PLAN, "min_separation": 5000}},
+     r"projection.min_separation = 5000 .* 5001 x 20 > 100000"),
+    ({"projection": {"noise_cohort": 20, "population": N_PLAN, "min_separation": -2}},
+     r"projection.min_separation = -2 must be >= 0"),
     ({"projection": {"noise_cohort": 20, "population": N_PLAN, "max_participation": -1}},
      r"projection.max_participation = -1 must be >= 0"),
     ({"aggregation": {"kind": "secagg"}}, r"projection .* aggregation.kind = 'plain'"),
@@ -192,6 +194,14 @@ def test_a_trace_plans_min_separation_and_cap_are_what_the_projection_accounts()
     assert traced["epsilon"] == pytest.approx(epsilon_from_zcdp(traced["zcdp"], traced["delta"], "pld"))
     assert traced["epsilon"] > population["epsilon"]
     assert projected(min_separation=3)["max_participation"] == 5  # no cap: the worst case
+    # a 24 h timer at hourly rounds enforces MinS 23, which 200 devices in cohorts of 20 could not
+    # keep (24 x 20 > 200) once devices return; over 20 rounds nobody takes part twice: accepted
+    small = {"noise_cohort": 20, "population": 200, "min_separation": 23}
+    dp = {**CONFIG["dp"], "noise_multiplier": 3.0, "delta": 1e-3}
+    parse_config({**CONFIG, "rounds": 20, "dp": dp, "projection": small})
+    with pytest.raises(DpfleetError, match=r"24 x 20 > 200"):
+        parse_config({**CONFIG, "rounds": 30, "dp": dp, "projection": small})
+    parse_config({**CONFIG, "rounds": 30, "dp": dp, "projection": {**small, "max_participation": 1}})
 
 def test_compare_shows_the_runs_own_eps_and_labels_the_projected_one(projected, capsys):
     from dpfleet.cli import main
