@@ -67,7 +67,8 @@ def cpu_name() -> str:
 
 
 def run_config(trace: Path, args: argparse.Namespace) -> dict:
-    """The main job in timer mode on the trace: its own report goal, the production round rules."""
+    """The main job in timer mode on the trace: its own report goal, the production round rules
+    (the plan's timer replaces the 24 h here once it is chosen)."""
     cfg = tomllib.loads(MAIN_JOB.read_text())
     cfg["dp"].update(target_epsilon=0.0, mechanism="tree", delta=args.delta, report_goal=args.train_goal)
     cfg["participation"] = {"mode": "timer", "trace": str(trace), "timer_period": 24.0,
@@ -107,8 +108,10 @@ def main() -> None:
     if planned.returncode:
         sys.exit(planned.returncode)
     fragment = tomllib.loads((work / "rehearse.toml").read_text())
+    timer = json.loads((work / "plan" / "plan.json").read_text())["chosen"]["timer_hours"]
     cfg = {**base, "rounds": fragment["rounds"], "projection": fragment["projection"],
-           "dp": {**base["dp"], **fragment["dp"]}}
+           "dp": {**base["dp"], **fragment["dp"]},
+           "participation": {**base["participation"], "timer_period": timer}}  # the plan's timer
     atomic_write(work / "rehearsal.toml", to_toml(cfg))
     trained = dpfleet("simulate", str(work / "rehearsal.toml"), "--out", str(work / "run"), "--quiet")
     print(trained.stdout)
