@@ -102,6 +102,7 @@ def test_report_prints_writes_and_json(capsys, tmp_path, coord):
     assert code == 0 and got["rounds_committed"] == 7 and got["report"] == coord.report
 
 
+@pytest.mark.slow
 def test_wrong_token_is_one_line_exit_2_and_changes_nothing(tmp_path, coord):
     """An attacker with a wrong token cannot pause the run: the state stays `running`."""
     bad = tmp_path / "bad-token"
@@ -117,6 +118,7 @@ def test_wrong_token_is_one_line_exit_2_and_changes_nothing(tmp_path, coord):
     assert "401" in one_error_line(proc.stderr)
 
 
+@pytest.mark.slow
 def test_state_without_admin_json(tmp_path):
     (tmp_path / "state").mkdir()
     proc = run_subprocess("status", "--state", str(tmp_path / "state"))

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 
+import pytest
 from admin_standin import one_error_line, run
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from service_fleet import fleet_data, run_devices, tiny_cfg
@@ -36,6 +37,7 @@ def _status(capsys, state) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_cli_operates_a_real_coordinator(capsys, tmp_path):
     # far more rounds than the test lets commit: `stop` must find the run going, whatever the
     # machine's speed (with 6 rounds a fast run had finished before the stop arrived)

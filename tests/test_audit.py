@@ -111,6 +111,7 @@ def test_every_release_is_scored_so_a_canary_erased_by_the_final_model_still_sho
 
 
 @pytest.mark.parametrize("broken", ["noise-off", "clipping", "noise-div-10"])
+@pytest.mark.slow
 def test_a_broken_run_is_caught_above_its_accounted_epsilon(tmp_path, broken):
     a = audit(tmp_path, broken, broken=broken)
     accounted = a["epsilon_accounted"]
@@ -156,6 +157,7 @@ def honest_cli(tmp_path_factory):
                            audit=json.loads((root / "run" / "audit.json").read_text()))
 
 
+@pytest.mark.slow
 def test_honest_runs_lower_bound_stays_at_or_below_accounted(honest_cli):
     a = honest_cli.audit
     for entry in (*a["seeds"], a):  # each seed, and both pooled
@@ -180,6 +182,7 @@ def test_honest_runs_lower_bound_stays_at_or_below_accounted(honest_cli):
         assert json.loads((honest_cli.run / f"seed-{entry['seed']}" / "audit.json").read_text()) == entry
 
 
+@pytest.mark.slow
 def test_cli_writes_audit_json_and_report_section(honest_cli):
     a, out = honest_cli.audit, honest_cli.out
     for key in ("epsilon_accounted", "delta", "epsilon_estimate", "epsilon_estimate_interval",
@@ -196,6 +199,7 @@ def test_cli_writes_audit_json_and_report_section(honest_cli):
         assert "## Empirical audit" in (honest_cli.run / f"seed-{seed}" / "privacy_report.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_run_directory_does_not_give_away_the_canaries_key(honest_cli):
     """Attack: whoever reads the published run directory (audit.json, logs, checkpoint) looks for
     the audit's key, from which the directions, coins and secrets derive; with it they could plant
@@ -220,6 +224,7 @@ def test_the_run_directory_does_not_give_away_the_canaries_key(honest_cli):
             assert float(np.mean(rebuilt.inserted == real)) < 0.65  # chance is 0.5 over 512 coins
 
 
+@pytest.mark.slow
 def test_canaries_are_devices_not_users_in_accounting_or_evaluation(tmp_path):
     """The accounted eps and the held-out evaluation rows are the config's own; the canaries show
     up only as devices in the participation log."""
@@ -258,6 +263,7 @@ def test_audit_with_a_matrix_factorization_mechanism(tmp_path):
     assert broken["epsilon_estimate_interval"][0] > broken["epsilon_accounted"]
 
 
+@pytest.mark.slow
 def test_cli_audits_a_planned_config(tmp_path, capsys):
     """A config that states dp.target_epsilon (as the main job does) is audited at the planner's
     choice: the canaries join the fleet after the plan is made for the real population."""
@@ -315,6 +321,7 @@ def test_false_alarm_rate_over_seeds_is_what_the_confidence_implies(tmp_path):
     assert a["epsilon_lower_bound"] <= a["epsilon_accounted"]
 
 
+@pytest.mark.slow
 def test_an_audit_leaves_nothing_readable_by_others(honest_cli):
     """The permission rule (dpfleet.io) for what `dpfleet audit` leaves: every folder 0700, every
     file 0600, the seeds' run directories, plots and reports included."""

@@ -65,6 +65,7 @@ def _rows(client: BundleClient) -> np.ndarray:
     return client.examples(sentences(9, 3))
 
 
+@pytest.mark.slow
 def test_each_export_signs_a_higher_serial(two_bundles, tmp_path):
     old, new, key, pub = two_bundles
     serials = [verify_bundle(b, pub).manifest["bundle_serial"] for b in (old, new)]
@@ -80,6 +81,7 @@ def test_each_export_signs_a_higher_serial(two_bundles, tmp_path):
         next_serial(own)
 
 
+@pytest.mark.slow
 def test_the_serial_is_covered_by_the_signature(two_bundles, tmp_path):
     old, _, _, pub = two_bundles
     copy = tmp_path / "old"
@@ -92,6 +94,7 @@ def test_the_serial_is_covered_by_the_signature(two_bundles, tmp_path):
         BundleClient(copy, pub)
 
 
+@pytest.mark.slow
 def test_bundle_client_refuses_the_older_bundle_and_keeps_the_newer(two_bundles):
     old, new, _, pub = two_bundles
     device = BundleClient(new, pub)
@@ -123,6 +126,7 @@ def _legacy(bundle, tmp_path, key_file):
     return copy
 
 
+@pytest.mark.slow
 def test_a_bundle_without_serial_loads_only_where_no_minimum_is_set(two_bundles, tmp_path):
     _, new, key, pub = two_bundles
     legacy = _legacy(new, tmp_path, key)
@@ -165,6 +169,7 @@ def _assignment(link: BlobLink, bundle, pub, theta: np.ndarray, round_: int) -> 
             "model_sha256": link.put(theta.astype("<f4").tobytes())}
 
 
+@pytest.mark.slow
 def test_a_fleet_device_refuses_the_rollback_and_trains_the_newer_bundle(two_bundles, tmp_path,
                                                                        monkeypatch):
     old, new, key, pub = two_bundles
@@ -197,6 +202,7 @@ def test_a_fleet_device_refuses_the_rollback_and_trains_the_newer_bundle(two_bun
     assert np.abs(link.reports[-1] - d_old).max() > 0.5 * np.abs(d_new).max()
 
 
+@pytest.mark.slow
 def test_the_record_is_per_key(two_bundles, tmp_path, monkeypatch):
     """A device that also pins another key (another app's bundles) keeps a minimum per key."""
     _, new, _, pub = two_bundles
@@ -269,6 +275,7 @@ def test_a_signed_serial_that_is_not_a_count_is_refused(value):
         bundle_serial({"bundle_serial": value}, "bundle")
 
 
+@pytest.mark.slow
 def test_cli_serial_below_the_last_is_one_error_line(two_bundles, tmp_path, capsys):
     from dpfleet.cli import main
 

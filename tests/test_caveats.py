@@ -140,6 +140,7 @@ def test_attack_a_broken_audit_states_no_eps_and_its_checkpoint_does_not_export(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_normal_run_checkpoint_exports(tmp_path, capsys):
     """The export refusal is only for marked checkpoints: a normal run's exports (ONNX)."""
     config = tmp_path / "tiny.toml"

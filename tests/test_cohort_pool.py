@@ -200,6 +200,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_workers_do_not_rerun_the_users_script_and_exit_with_it(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

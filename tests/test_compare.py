@@ -46,6 +46,7 @@ def compare(capsys, *args):
     return capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_the_figures_are_the_runs_own_and_the_differing_keys_are_the_overrides(runs, capsys, tmp_path):
     out = compare(capsys, runs / "base", runs / "more", "--json", "--plot", tmp_path / "p.png")
     result = json.loads(out.out)
@@ -68,6 +69,7 @@ def test_the_figures_are_the_runs_own_and_the_differing_keys_are_the_overrides(r
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_the_table_shows_each_runs_figures_in_its_column(runs, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the plot's default place: compare.png here
     monkeypatch.setenv("COLUMNS", "200")  # both runs side by side (narrower: blocks, tested below)
@@ -89,6 +91,7 @@ def test_the_table_shows_each_runs_figures_in_its_column(runs, capsys, tmp_path,
     assert out[-1] == "plot: compare.png" and (tmp_path / "compare.png").is_file()
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_is_shown_as_such_from_its_metrics(runs, capsys):
     result = json.loads(compare(capsys, runs / "cut", runs / "more", "--json", "--no-plot").out)
     cut = result["runs"][0]
@@ -103,6 +106,7 @@ def test_an_unfinished_run_is_shown_as_such_from_its_metrics(runs, capsys):
     assert "(an unfinished run: " in table
 
 
+@pytest.mark.slow
 def test_tensorboard_export_of_each_run(runs, capsys, tmp_path):
     from test_tensorboard import read_events
 
@@ -121,6 +125,7 @@ def _error(capsys, *args) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_no_run_is_one_line(runs, capsys, tmp_path):
     assert f"{tmp_path / 'nope'}: no such run directory" in _error(capsys, tmp_path / "nope", runs / "base")
     assert "is not a run directory (no config.json)" in _error(capsys, tmp_path, "--no-plot")
@@ -162,6 +167,7 @@ def test_a_runs_warnings_and_caveats_are_named_in_the_table():
     assert rows["accuracy"] == ["0.0500", "0.0500"] and rows["wall time"] == ["2.0 s", "2.0 s"]
 
 
+@pytest.mark.slow
 def test_many_runs_fit_a_terminal_in_blocks_of_columns(runs):
     """Four runs side by side were over 200 columns: the runs are headed by their folder names and
     go on in a second block below when the terminal is narrow, every figure still shown."""
@@ -187,6 +193,7 @@ def _rows(text: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", ln.strip()) for ln in text.splitlines())}
 
 
+@pytest.mark.slow
 def test_the_tff_accuracies_are_shown_next_to_their_baselines(runs, capsys, tmp_path):
     """A finished run's three TFF accuracies (summary.json's `final`) and the unigram and
     most-frequent-word baselines' (`unigram_baseline.tff`) in the JSON and the table; a run of an

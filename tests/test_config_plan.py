@@ -108,6 +108,7 @@ def test_service_takes_a_target_it_plans_at_boot():
     check_service_config(cfg)  # no refusal
 
 
+@pytest.mark.slow
 def test_a_planned_run_resumes_through_the_cli_to_the_same_model(tmp_path, capsys):
     from crashes import Crash
     from safetensors.numpy import load_file

@@ -131,6 +131,7 @@ def test_a_lying_servers_weights_still_upload_within_the_signed_clip(bundles):
     assert norm == float("inf") and not uploaded.any()
 
 
+@pytest.mark.slow
 def test_suggest_completes_words_from_a_trained_model(tmp_path_factory, bundles):
     """After training, the bundle's window program predicts the language's verb for each subject."""
     _, _, folder, cfg = bundles("cifg")

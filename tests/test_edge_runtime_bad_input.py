@@ -74,6 +74,7 @@ def load(fmt, program, layout_cfg=CFG):
 
 
 @pytest.mark.parametrize("fmt", ["pte", "onnx"])
+@pytest.mark.slow
 def test_corrupt_file_is_caught_by_its_hash(fmt, programs, tmp_path):
     data = bytearray(programs[fmt].path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: could crash the runtime if it got there
@@ -84,6 +85,7 @@ def test_corrupt_file_is_caught_by_its_hash(fmt, programs, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["pte", "onnx"])
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+@pytest.mark.slow
 def test_malformed_file_with_matching_hash_is_a_clear_error(fmt, damage, programs, tmp_path):
     data = programs[fmt].path.read_bytes()
     data = {
@@ -97,11 +99,13 @@ def test_malformed_file_with_matching_hash_is_a_clear_error(fmt, damage, program
 
 
 @pytest.mark.parametrize("fmt", ["pte", "onnx"])
+@pytest.mark.slow
 def test_program_of_another_model_is_refused(fmt, programs):
     with pytest.raises(DpfleetError, match="another model"):
         load(fmt, programs[fmt], layout_cfg=OTHER)
 
 
+@pytest.mark.slow
 def test_format_mix_up_is_refused(programs, tmp_path):
     """An ONNX file presented as a .pte (sidecar claims pte) fails cleanly."""
     pte, onnx = programs["pte"], programs["onnx"]
@@ -110,6 +114,7 @@ def test_format_mix_up_is_refused(programs, tmp_path):
         load("pte", bad)
 
 
+@pytest.mark.slow
 def test_missing_sidecar_is_a_clear_error(programs, tmp_path):
     path = tmp_path / "lonely.pte"
     shutil.copy(programs["pte"].path, path)
@@ -118,6 +123,7 @@ def test_missing_sidecar_is_a_clear_error(programs, tmp_path):
 
 
 @pytest.mark.parametrize("runtime", ["executorch", "onnx"])
+@pytest.mark.slow
 def test_wrong_weights_and_tokens_are_refused(runtime, cache_dir, programs):
     rt = make_runtime(runtime, CFG, SEQ_LEN, 1, cache_dir)
     n = EagerRuntime(CFG).get_weights().size
@@ -137,6 +143,7 @@ def test_unknown_runtime_name(cache_dir):
         make_runtime("tflite", CFG, SEQ_LEN, 1, cache_dir)
 
 
+@pytest.mark.slow
 def test_program_buffer_outlives_the_caller(programs):
     """The runtime keeps the bytes ExecuTorch reads from: dropping the caller's copy and
     collecting garbage must not invalidate the program (it would segfault if it did)."""
@@ -164,6 +171,7 @@ def test_program_buffer_outlives_the_caller(programs):
     assert float(done.stdout.split()[-1]) > 0
 
 
+@pytest.mark.slow
 def test_thread_count_cannot_change_under_a_loaded_program(programs):
     """Resizing ExecuTorch's process-wide threadpool under a live program would crash its next
     run, so it is refused; the same count is a no-op."""

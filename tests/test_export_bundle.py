@@ -58,6 +58,7 @@ def copy(bundle, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_bundle_is_complete_and_verifies(spm_bundle):
     bundle, summary = spm_bundle
     verified = verify_bundle(bundle, summary["public_key"])
@@ -88,6 +89,7 @@ def test_bundle_is_complete_and_verifies(spm_bundle):
         assert {op.split("::")[1] for op in program["ops"]} <= listed
 
 
+@pytest.mark.slow
 def test_generated_key_is_private_and_reused(spm_bundle, tmp_path_factory):
     bundle, summary = spm_bundle
     key_file = default_key_path(bundle)
@@ -103,6 +105,7 @@ def test_generated_key_is_private_and_reused(spm_bundle, tmp_path_factory):
     assert not second["signing_key_generated"] and second["public_key"] == summary["public_key"]
 
 
+@pytest.mark.slow
 def test_other_signer_is_refused_even_with_its_key_inside(spm_bundle, tmp_path):
     """The attacker swaps the weights, rewrites the hashes, re-signs with their own key and ships
     their public key in the bundle: an app that pins the real key refuses it; trusting the
@@ -128,6 +131,7 @@ def test_other_signer_is_refused_even_with_its_key_inside(spm_bundle, tmp_path):
     assert np.abs(naive.weights() - real.weights()).min() >= 4.9
 
 
+@pytest.mark.slow
 def test_tampering_without_resigning_is_caught(spm_bundle, tmp_path):
     bundle, summary = spm_bundle
     key = summary["public_key"]
@@ -148,6 +152,7 @@ def test_tampering_without_resigning_is_caught(spm_bundle, tmp_path):
         verify_bundle(out, key)
 
 
+@pytest.mark.slow
 def test_files_from_another_bundle_are_caught(spm_bundle, tmp_path_factory):
     from dpfleet.export.training import ProgramSpec, training_program
 
@@ -165,6 +170,7 @@ def test_files_from_another_bundle_are_caught(spm_bundle, tmp_path_factory):
         verify_bundle(mixed, summary["public_key"])
 
 
+@pytest.mark.slow
 def test_signed_but_malformed_manifests_are_refused(spm_bundle, tmp_path):
     """Even a validly signed manifest cannot point outside the bundle or crash the reader."""
     bundle, _ = spm_bundle
@@ -188,6 +194,7 @@ def test_signed_but_malformed_manifests_are_refused(spm_bundle, tmp_path):
         verify_bundle(out, key.public_key())
 
 
+@pytest.mark.slow
 def test_bad_public_keys_are_clear_errors(spm_bundle, tmp_path):
     bundle, _ = spm_bundle
     for bad in ("zz" * 32, b"short", tmp_path / "missing.pem"):
@@ -217,6 +224,7 @@ def no_native_loads(monkeypatch):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(FILES), st.floats(0, 1, exclude_max=True), st.integers(0, 7))
+@pytest.mark.slow
 def test_every_single_byte_flip_is_refused_before_loading(spm_bundle, no_native_loads, name, where, bit):
     bundle, summary = spm_bundle
     path = bundle / name
@@ -232,6 +240,7 @@ def test_every_single_byte_flip_is_refused_before_loading(spm_bundle, no_native_
         path.write_bytes(original)
 
 
+@pytest.mark.slow
 def test_fuzz_sweeps_first_and_last_byte_of_every_file(spm_bundle, no_native_loads):
     bundle, summary = spm_bundle
     for name in FILES:
@@ -314,6 +323,7 @@ def test_kv_step_from_another_bundle_is_caught(kv_bundle, tmp_path_factory):
         verify_bundle(mixed, summary["public_key"])
 
 
+@pytest.mark.slow
 def test_intact_bundle_still_loads_after_the_fuzz(spm_bundle):
     bundle, summary = spm_bundle
     client = BundleClient(bundle, summary["public_key"])
@@ -327,6 +337,7 @@ def run_cli(argv, capsys):
     return info.value.code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_writes_a_bundle(spm_bundle, tmp_path, capsys, monkeypatch, tmp_path_factory):
     bundle, _ = spm_bundle
     cache = tmp_path / "xdg" / "dpfleet"
@@ -349,6 +360,7 @@ def test_cli_writes_a_bundle(spm_bundle, tmp_path, capsys, monkeypatch, tmp_path
     assert not default_key_path(tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_cli_mistakes_are_one_line(spm_bundle, tmp_path, capsys):
     bundle, _ = spm_bundle
     ckpt = bundle.parent / "ckpt"
@@ -372,6 +384,7 @@ def test_cli_mistakes_are_one_line(spm_bundle, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage", ["spm_flip", "spm_truncated", "json_malformed", "json_wrong_types"])
+@pytest.mark.slow
 def test_damaged_tokenizer_is_one_error_line(spm_bundle, tmp_path, capsys, damage):
     bundle, _ = spm_bundle
     ckpt = tmp_path / "ckpt"
@@ -393,6 +406,7 @@ def test_damaged_tokenizer_is_one_error_line(spm_bundle, tmp_path, capsys, damag
     assert not os.path.exists(default_key_path(tmp_path / "b"))  # nothing written before the check
 
 
+@pytest.mark.slow
 def test_bad_run_config_is_one_error_line(spm_bundle, tmp_path, capsys):
     bundle, _ = spm_bundle
     run = tmp_path / "run"
@@ -405,6 +419,7 @@ def test_bad_run_config_is_one_error_line(spm_bundle, tmp_path, capsys):
     assert code == 2 and "config.json: unreadable" in err
 
 
+@pytest.mark.slow
 def test_a_bundle_follows_the_permission_rule_under_a_permissive_umask(spm_bundle):
     """Exported from Python under the test process's umask (022): every folder of the bundle is
     0700 and every file 0600, the exporters' and tokenizer's own files too (dpfleet.io's rule;

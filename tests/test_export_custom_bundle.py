@@ -69,6 +69,7 @@ def custom_bundle(tmp_path_factory):
     return root / "bundle", summary, trained, tok
 
 
+@pytest.mark.slow
 def test_a_custom_module_gets_a_signed_bundle_without_a_step_program(custom_bundle):
     bundle, summary, trained, _ = custom_bundle
     verified = verify_bundle(bundle, summary["public_key"])
@@ -89,6 +90,7 @@ def test_a_custom_module_gets_a_signed_bundle_without_a_step_program(custom_bund
     np.testing.assert_array_equal(np.frombuffer(verified.read("weights.bin"), "<f4"), get_flat(trained))
 
 
+@pytest.mark.slow
 def test_the_device_client_trains_and_suggests_from_a_custom_bundle(custom_bundle):
     bundle, summary, trained, tok = custom_bundle
     client = BundleClient(bundle, summary["public_key"])

@@ -57,6 +57,7 @@ def custom_run(tmp_path_factory):
                             progress=False, run_dir=tmp_path_factory.mktemp("custom") / "run")
 
 
+@pytest.mark.slow
 def test_result_export_writes_a_custom_modules_program_that_computes_its_logits(custom_run, tmp_path, capfd):
     out = tmp_path / "phone"
     custom_run.model.train()

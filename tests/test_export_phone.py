@@ -192,6 +192,7 @@ def test_int8_agreement_is_in_the_manifest(exports, capsys):
     assert manifest["quantization"]["reduce_range"] and manifest["target"] == "x86"
 
 
+@pytest.mark.slow
 def test_int8_below_threshold_is_refused_unless_accepted(checkpoint, tmp_path, capsys):
     refused = tmp_path / "refused"
     with pytest.raises(SystemExit) as info:

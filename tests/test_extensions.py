@@ -56,6 +56,7 @@ def _released(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_example_runs_all_four_and_its_epsilon_is_the_declared_one(tmp_path):
     ex = _example()
     model = ex.custom_model.GRULanguageModel(64)

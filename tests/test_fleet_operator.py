@@ -69,6 +69,7 @@ def stop(proc: subprocess.Popen) -> None:
 # ------------------------------------------------------------------ 1. the fleet's keys
 
 
+@pytest.mark.slow
 def test_emulate_writes_its_keys_0600_into_its_own_folder_never_the_cwd(tmp_path):
     config = tiny_toml(tmp_path)  # tmp_path/fleet.toml
     cwd = tmp_path / "cwd"
@@ -205,6 +206,7 @@ def test_the_watch_reads_the_rounds_the_fleets_bar_counts():
 # ------------------------------------------------------------------ 4. Ctrl-C exits 130
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_coordinator_serve_with_130_and_the_resume_hint(tmp_path):
     """A real SIGINT to `coordinator serve` mid-run: exit 130 (before: 0), the status line, the
     command that continues, no traceback; the same command then starts again on the state."""
@@ -227,6 +229,7 @@ def test_ctrl_c_stops_coordinator_serve_with_130_and_the_resume_hint(tmp_path):
     assert "coordinator listening on" in second and "error" not in second, second
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_fleet_emulate_and_its_workers_with_130(tmp_path):
     config = tiny_toml(tmp_path)
     out = tmp_path / "emulate.out"

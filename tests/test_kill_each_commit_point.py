@@ -129,6 +129,7 @@ def kill_then_restart(tmp_path, fault: str):
 
 @pytest.mark.parametrize("point", [p if p in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
                                    for p in IN_COMMIT + BETWEEN_ROUNDS])
+@pytest.mark.slow
 def test_kill_9_at_each_write_point_leaves_every_round_recorded_exactly_once(tmp_path, point):
     out = kill_then_restart(tmp_path, f"{point}:{KILLED_ROUND}")
 

@@ -45,6 +45,7 @@ def window_last(window, weights, ids):
     return window.run(None, {"tokens": row, **weights})[0][0, len(ids) - 1]
 
 
+@pytest.mark.slow
 def test_step_equals_window_and_eager(programs):
     model, window, step, weights = programs
     rng = np.random.default_rng(0)
@@ -61,6 +62,7 @@ def test_step_equals_window_and_eager(programs):
         previous = got
 
 
+@pytest.mark.slow
 def test_wrong_position_gives_wrong_logits(programs):
     """The position input is load-bearing: the same tokens fed at shifted slots differ."""
     model, _, step, weights = programs
@@ -74,6 +76,7 @@ def test_wrong_position_gives_wrong_logits(programs):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_stale_slots_never_leak(programs, seed):
     """Garbage in the cache slots after `position` (a reused buffer) does not change the logits."""
     model, _, _, _ = programs
@@ -92,6 +95,7 @@ def test_stale_slots_never_leak(programs, seed):
     assert_scaled_close(outs[0], outs[1])
 
 
+@pytest.mark.slow
 def test_batched_candidates_keep_rows_apart(programs):
     model, _, step, weights = programs
     keys, values = empty_cache(model.cfg, SEQ_LEN, batch=3)
@@ -103,6 +107,7 @@ def test_batched_candidates_keep_rows_apart(programs):
         assert_scaled_close(logits[row], alone)
 
 
+@pytest.mark.slow
 def test_message_longer_than_the_cache_is_refused(programs):
     model, _, step, weights = programs
     with pytest.raises(DpfleetError, match="re-feed the last 7"):

@@ -174,6 +174,7 @@ def test_help_explains_each_mechanism(capsys, command):
         assert f"{kind} {' '.join(desc.split())}" in text
 
 
+@pytest.mark.slow
 def test_account_of_a_real_blt_run_equals_the_runs_own_privacy_json(tmp_path, capsys):
     from test_mf_simulate import config
 

@@ -111,6 +111,7 @@ def test_noise_is_scaled_by_each_rounds_clip_norm_and_the_clip_follows_the_estim
     assert "adaptive clipping" in privacy["accounting"] and privacy["restarts"] == []
 
 
+@pytest.mark.slow
 def test_resume_continues_the_model_and_count_streams_bit_for_bit(tmp_path, monkeypatch):
     values = adaptive("blt", noise_seed=4)
     reference = simulation.run_simulation(parse_config(values), tmp_path / "ref", **QUIET)

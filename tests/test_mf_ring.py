@@ -227,6 +227,7 @@ def test_simulate_secagg_blt_adds_rounded_mf_noise_in_the_ring_and_hides_it(tmp_
         assert not any(v in data for v in vectors), f
 
 
+@pytest.mark.slow
 def test_resume_replays_the_same_z_and_a_restart_draws_a_fresh_key(tmp_path, monkeypatch):
     values = secagg("banded", noise_seed=5)
     reference, ref_spy, _ = run(tmp_path, monkeypatch, "ref", values)

@@ -208,6 +208,7 @@ def crash_before(round_idx):
 
 
 @pytest.mark.parametrize("kind", ["banded", "blt"])
+@pytest.mark.slow
 def test_resume_rebuilds_the_stream_from_the_key_bit_for_bit(tmp_path, monkeypatch, kind):
     values = config(kind, noise_seed=5)
     reference = simulation.run_simulation(parse_config(values), tmp_path / "ref", **QUIET)

@@ -24,6 +24,7 @@ import hashlib
 import json
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_attacker import crafted_model_round
@@ -46,6 +47,7 @@ PLAN = {"round": 4, "attempt": 1, "clip_norm": 0.5, "lr": 1.0, "noise": "discret
         "device_id": "d0", "client_seed": 9}
 
 
+@pytest.mark.slow
 def test_a_coordinator_handing_one_device_a_crafted_model_gets_its_update_into_no_sum(tmp_path):
     bound = crafted_model_round(tmp_path / "bound")
     control = crafted_model_round(tmp_path / "control", bind=False)

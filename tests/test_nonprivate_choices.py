@@ -93,6 +93,7 @@ def _vocabulary_run(tmp_path, capsys, **extra):
     return run, capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow
 def test_attack_a_nonprivate_vocabulary_is_a_caveat_everywhere_and_ships_only_when_accepted(
         tmp_path, capsys):
     """Before: the canary was in the checkpoint's and the bundle's vocabulary while privacy.json
@@ -199,6 +200,7 @@ def _mechanism(result):
     return json.loads((result.run_dir / "config.json").read_text())["dp"]["mechanism"]
 
 
+@pytest.mark.slow
 def test_attack_auto_takes_a_plugin_only_when_asked_and_then_meets_the_target(tmp_path, plugin):
     """Before: `auto` adopted the installed plugin (it claims the least noise) and the run claimed
     eps above the target (the plan's z met it by PLD, the declared plugin is accounted by RDP).

@@ -70,6 +70,7 @@ def held_out_prefixes(n: int) -> list[str]:
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.slow
 def test_bundle_strips_equal_the_predictors(phones, name, streaming):
     client, predictor = phones(name)
     prefixes = held_out_prefixes(24)

@@ -28,6 +28,7 @@ def _built(kind, rounds, mins, maxp):
 @given(kind=st.sampled_from(["tree", "banded", "blt", "independent"]), z=st.floats(0.5, 8),
        rounds=st.sampled_from([2, 5, 13, 24]), mins=st.sampled_from([0, 1, 5]),
        maxp=st.sampled_from([1, 2, 4]))
+@pytest.mark.slow
 def test_the_mechanisms_event_is_the_gaussian_the_accountant_converts(kind, z, rounds, mins, maxp):
     """PLD of the event (dp_accounting) and the accountant's eps of rho = sens^2 / (2 z^2) agree."""
     mechanism = _built(kind, rounds, mins, maxp)

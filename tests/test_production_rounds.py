@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_trace_replay import TINY  # the same tiny run
 
-from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
 from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
+from dpfleet.coordinator.engine.restore import replay
 from dpfleet.coordinator.engine.simulation import run_simulation, train_plan
-from dpfleet.coordinator.state.resume import replay
+from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError

@@ -41,6 +41,7 @@ def start_of(tmp_path, name, values):
     return seen[0], log, result
 
 
+@pytest.mark.slow
 def test_the_first_round_starts_from_the_public_weights(tmp_path):
     plain, plain_log, _ = start_of(tmp_path, "plain", CFG)
     pre, pre_log, result = start_of(tmp_path, "pre", {**CFG, "pretrain": PRE})

@@ -259,6 +259,7 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
         run_pipeline(parse_pipeline(values), out, progress=False)
 
 
+@pytest.mark.slow
 def test_pipeline_resumes_without_redoing_the_public_stage(tiny_teacher_dir, tiny_teacher_vocab,
                                                            tmp_path, monkeypatch):
     values = _pipeline_values(tiny_teacher_dir, tiny_teacher_vocab)

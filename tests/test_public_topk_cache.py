@@ -88,6 +88,7 @@ def _arrays(folder: Path) -> list[bytes]:
     return [a.tobytes() for a in (corpus.tokens, corpus.starts, corpus.topk_ids, corpus.topk_logits)]
 
 
+@pytest.mark.slow
 def test_kill_mid_labelling_resumes_from_the_manifest(teacher, vocab, vocab_dir, teacher_dir,
                                                       sequences, tmp_path):
     (tmp_path / "seqs.json").write_text(json.dumps(sequences))

@@ -195,6 +195,7 @@ def _attempt(out: Path, resume: bool, crash: tuple[str, int] | None, released: l
 @given(CRASHES)
 @example([("resume_point", 2)])  # rounds 1-2 released, no resume point: both lost
 @example([("after_release", 3), ("resume_point", 6)])  # round 3 lost, then rounds 5-6 lost
+@pytest.mark.slow
 def test_no_two_releases_of_the_same_nodes_after_any_crashes(crashes):
     released: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:

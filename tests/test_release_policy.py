@@ -80,6 +80,7 @@ def export(run, bundle, policy_file, capsys, *extra) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.slow
 def test_the_runs_are_what_the_attacks_need(runs):
     private = json.loads((runs["private"] / "privacy.json").read_text())
     loose = json.loads((runs["loose"] / "privacy.json").read_text())
@@ -99,6 +100,7 @@ def test_the_runs_are_what_the_attacks_need(runs):
      "beat_public_model: accuracy 0.0019 <= the starting model's 0.0019", ()),
     ("loose", "allow_caveats = false\n", "allow_caveats = false: NOT FULLY PRIVATE", ("--accept-caveats",)),
 ])
+@pytest.mark.slow
 def test_attack_a_run_that_misses_a_rule_is_refused_and_nothing_is_written(
         runs, tmp_path, capsys, run, rules, words, extra):
     bundle = tmp_path / "out" / "bundle"
@@ -108,6 +110,7 @@ def test_attack_a_run_that_misses_a_rule_is_refused_and_nothing_is_written(
     assert not (tmp_path / "out").exists()  # no bundle, no partial folder, no signing key
 
 
+@pytest.mark.slow
 def test_every_failed_rule_is_named_on_the_one_line(runs, tmp_path, capsys):
     rules = "max_rho = 2.0\nbeat_unigram = true\nallow_caveats = false\n"
     code, err = export(runs["loose"], tmp_path / "b", policy(tmp_path, rules), capsys, "--accept-caveats")
@@ -126,6 +129,7 @@ def test_every_failed_rule_is_named_on_the_one_line(runs, tmp_path, capsys):
     ("max_rho = [\n", "invalid TOML"),
     ("", "no rule"),
 ])
+@pytest.mark.slow
 def test_a_bad_policy_file_is_one_error_line(runs, tmp_path, capsys, text, words):
     code, err = export(runs["private"], tmp_path / "b", policy(tmp_path, text), capsys)
     assert code == 2 and len(err) == 1 and words in err[0], err
@@ -143,6 +147,7 @@ def passed(runs, tmp_path_factory):
     return root, text
 
 
+@pytest.mark.slow
 def test_a_passing_bundle_records_the_policy_and_the_values_it_passed(runs, passed):
     root, text = passed
     bundle = root / "bundle"
@@ -164,6 +169,7 @@ def test_a_passing_bundle_records_the_policy_and_the_values_it_passed(runs, pass
     assert passed_values["unigram_accuracy"] == pytest.approx(74 / 1029)
 
 
+@pytest.mark.slow
 def test_the_device_client_verifies_a_policy_bundle(passed):
     root, _ = passed
     pub = root / "bundle" / PUBLIC_KEY
@@ -171,6 +177,7 @@ def test_the_device_client_verifies_a_policy_bundle(passed):
     assert client.bundle.manifest["release_policy"]["rules"]["max_rho"] == 2.0
 
 
+@pytest.mark.slow
 def test_attack_editing_the_recorded_policy_values_breaks_the_signature(passed, tmp_path):
     import shutil
 
@@ -187,6 +194,7 @@ def test_attack_editing_the_recorded_policy_values_breaks_the_signature(passed, 
         verify_bundle(copy, pub)
 
 
+@pytest.mark.slow
 def test_python_api_export_bundle_checks_the_policy(runs, tmp_path):
     import dpfleet
 
@@ -199,6 +207,7 @@ def test_python_api_export_bundle_checks_the_policy(runs, tmp_path):
     assert loaded.check(runs["private"])["passed"]["rho"] == pytest.approx(1 / 36)
 
 
+@pytest.mark.slow
 def test_python_api_a_model_above_its_starting_model_passes_that_rule(runs, tmp_path):
     """The loose run's model (74/1029, the most frequent token) beats its starting one (2/1029)."""
     import dpfleet
@@ -235,6 +244,7 @@ def _paths_of(value, target, path=()):
     return [path] if isinstance(value, float) and value == target else []
 
 
+@pytest.mark.slow
 def test_attack_a_projection_runs_bundle_never_presents_the_projected_eps_as_the_models(
         projection_run, tmp_path, capsys):
     privacy = json.loads((projection_run / "privacy.json").read_text())

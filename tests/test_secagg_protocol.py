@@ -100,12 +100,14 @@ def rounds(draw, sizes=(2, 9), per_phase=None, non_revealers=0, spread=None, mos
 
 @settings(max_examples=200, deadline=None)
 @given(rounds())
+@pytest.mark.slow
 def test_exact_sum_with_dropouts_in_every_phase(r):
     _check_round(r)
 
 
 @settings(max_examples=80, deadline=None)
 @given(rounds(sizes=(12, 24), per_phase=1, non_revealers=3, spread=1, most_corrupt=1))
+@pytest.mark.slow
 def test_exact_sum_with_commit_to_reveal_dropouts(r):
     """Larger rounds, up to one dropout in every other phase and 1-3 committed clients that never
     reveal:

@@ -32,6 +32,7 @@ def read_json(path):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_a_served_blt_run_is_the_simulation_bit_for_bit(tmp_path):
     cfg = tiny_cfg(dp={"mechanism": "blt"}, service={"report_deadline_s": 60.0})
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)

@@ -51,6 +51,7 @@ def booted_once(state, values=VALUES):
     return booted, lines
 
 
+@pytest.mark.slow
 def test_serve_plans_what_simulate_plans(tmp_path):
     sim_lines = []
     simulation.run_simulation(planned(), tmp_path / "sim", progress=False, log=sim_lines.append)

@@ -64,6 +64,7 @@ def test_attack_a_refused_model_is_not_published_and_the_page_says_why(world):
     assert public["release"] == line and line.split(": NOT")[0] in render(public, {})
 
 
+@pytest.mark.slow
 def test_a_model_that_meets_the_policy_is_published_with_the_policy_recorded(world, tmp_path_factory,
                                                                             monkeypatch):
     cfg, root, keys, examples = world

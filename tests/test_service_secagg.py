@@ -268,6 +268,7 @@ def test_a_device_can_neither_speak_for_nor_read_another_position(tmp_path):
     assert recipients and set(recipients) == {position_a}  # only A's own mail
 
 
+@pytest.mark.slow
 def test_a_lost_assignment_is_handed_out_again_until_the_device_has_spoken(tmp_path):
     from dpfleet.secagg.client import SecAggClient
     from dpfleet.secagg.setup_wire import decode_setup

@@ -50,6 +50,7 @@ def test_run_directory_contents(first_run):
     assert json.loads((run / "privacy.json").read_text())["epsilon"] is None  # z = 0: inf -> null
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics(tmp_path):
     runs = [run_simulation(parse_config(SHORT), tmp_path / name, progress=False, log=lambda s: None)
             for name in ("x", "y")]
@@ -67,6 +68,7 @@ def test_real_noise_changes_the_model_and_reports_finite_epsilon(tmp_path):
     assert result.metrics[-1]["noise_std"] == pytest.approx(5.0)
 
 
+@pytest.mark.slow
 def test_secure_aggregation_gives_the_plain_result(tmp_path):
     """Same seed, secagg vs plain: the decoded sums differ only by quantization, so the
     per-round training losses (computed before aggregation) agree and the models stay close."""

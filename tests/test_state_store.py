@@ -174,6 +174,7 @@ KILLER = textwrap.dedent("""
 
 @pytest.mark.parametrize("step", [s if s == "committed"
                                   else pytest.param(s, marks=pytest.mark.slow) for s in STEPS])
+@pytest.mark.slow
 def test_a_killed_process_leaves_all_or_nothing(tmp_path, step):
     state = tmp_path / "state"
     script = tmp_path / "killer.py"

@@ -67,6 +67,7 @@ def test_a_sweep_runs_every_point_and_summarises_it(reference):
     assert (out / "sweep.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_the_same_command_continues_bit_for_bit(reference, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     real_run, calls = coordinator_run.run, []

@@ -94,6 +94,7 @@ def test_tied_training_matches_eager(arch, runtime, cache_dir):
     assert np.abs(d_got - d_ref).max() <= 1e-6 + 1e-4 * np.abs(d_ref).max()
 
 
+@pytest.mark.slow
 def test_tied_bundle_round_trip(tmp_path, cache_dir):
     """A tied checkpoint exports to a bundle whose client trains like eager."""
     pytest.importorskip("onnxruntime")
