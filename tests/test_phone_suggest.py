@@ -87,6 +87,7 @@ def test_bundle_strips_equal_the_predictors(phones, name, streaming):
     assert sum(len(s) == 3 for s in want) >= (4 if name == "spm" else 10), want
 
 
+@pytest.mark.slow
 def test_keyboard_figures_through_the_bundle_equal_the_predictors(phones):
     client, predictor = phones("cifg")
     rows = client.examples(sentences(30, 123))
