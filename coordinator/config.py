@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfleet.coordinator.accounting.planner import capped_max_participation
 from dpfleet.coordinator.accounting.zcdp import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.edge.traces import read_header
@@ -815,10 +816,8 @@ def _projection_returns(cfg: SimulationConfig) -> bool:
     trace plan's timer may enforce a MinS its population could not keep for many rounds, and
     needs not when its rounds or cap leave every device at one participation)."""
     proj = cfg.projection
-    if proj.min_separation < 0:
-        return False
-    most = -(-cfg.rounds // (proj.min_separation + 1))
-    return min(most, proj.max_participation or most) > 1
+    return proj.min_separation >= 0 and capped_max_participation(
+        cfg.rounds, proj.min_separation, proj.max_participation) > 1
 
 
 def projection_factor(cfg: SimulationConfig) -> float:

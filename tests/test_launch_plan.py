@@ -113,6 +113,8 @@ R60 = ["--round-minutes", "60"]
     (["--days", "1", "-N", "5", "-T", "10"], "--days plans over a trace: give --trace"),
     (["--trace", "{five}"], "--trace needs --days and --round-minutes"),
     (["--trace", "{five}", "--days", "1", "--emit-config", "{five}", *R60], "exists: give a new file"),
+    (["--trace", "{five}", "--days", "1", "--emit-projection", "{five}", *R60],
+     "--emit-projection"),
     (["--generate", "20", "--days", "1", *R60], "--generate writes its trace into --out"),
 ])
 def test_plan_over_a_trace_errors_are_one_line(tmp_path, capsys, args, message):

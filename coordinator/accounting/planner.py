@@ -53,6 +53,13 @@ def worst_case_max_participation(rounds: int, min_separation: int) -> int:
     return -(-rounds // (min_separation + 1))
 
 
+def capped_max_participation(rounds: int, min_separation: int, cap: int = 0) -> int:
+    """The MaxP accounted for a launch that enforces MinS and a cap (0: none): the lower of the
+    cap and what MinS allows over the rounds."""
+    most = worst_case_max_participation(rounds, min_separation)
+    return min(most, cap) if cap else most
+
+
 @dataclass(frozen=True)
 class PlanRow:
     """One report goal with the largest MinS it allows and the noise that meets the target."""

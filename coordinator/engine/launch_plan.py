@@ -38,7 +38,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dpfleet.coordinator.accounting.planner import candidates, mechanism_rows, pick_mechanism, row_for
+from dpfleet.coordinator.accounting.planner import (
+    candidates,
+    capped_max_participation,
+    mechanism_rows,
+    pick_mechanism,
+    row_for,
+)
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import ParticipationSection, check_delta, round_minutes_error
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
@@ -220,7 +226,7 @@ def _account(report_goal: int, timer: float, run: Realised, cap: int, slots: int
         return Candidate(**base, max_participation=cap, mechanism=None, noise_multiplier=None,
                          noise_factor=None, noise_to_signal=None, zcdp=None, epsilon=None,
                          realised_epsilon=None)
-    maxp = min(cap, -(-run.rounds // (enforced_mins + 1)))
+    maxp = capped_max_participation(run.rounds, enforced_mins, cap)  # cap >= 1 once a round ran
     row = row_for(report_goal, run.rounds, enforced_mins, maxp, target_zcdp)
     picked = pick_mechanism(mechanism_rows(row, run.rounds, target_zcdp, kinds))
     mechanism = rebuild(picked.mechanism, picked.spec)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfleet.coordinator.accounting.planner import max_min_separation, worst_case_max_participation
+from dpfleet.coordinator.accounting.planner import capped_max_participation, max_min_separation
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import SimulationConfig, projection_factor
 from dpfleet.coordinator.mechanisms.base import Mechanism
@@ -45,9 +45,7 @@ def projected_privacy(cfg: SimulationConfig, mechanism: Mechanism, conversion: s
         return None
     mins = (proj.min_separation if proj.min_separation >= 0
             else max_min_separation(proj.population, proj.noise_cohort))
-    maxp = worst_case_max_participation(cfg.rounds, mins)
-    if proj.max_participation:
-        maxp = min(maxp, proj.max_participation)
+    maxp = capped_max_participation(cfg.rounds, mins, proj.max_participation)
     s = mechanism.sensitivity_squared(cfg.rounds, mins, maxp, list(restarts))
     rho = zcdp_from_sensitivity(dp.noise_multiplier, s) if dp.noise_multiplier else float("inf")
     return {
