@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpfleet.coordinator.config import load_config
 from dpfleet.coordinator.run import run
+from dpfleet.coordinator.run_privacy.config_plan import load_run_config
 from dpfleet.public.public_init import pretrain_on_public
 
 ROOT = Path(__file__).resolve().parent
@@ -28,11 +28,11 @@ EPS = (2.0, 1.0, 0.7, 0.5, 0.3, 0.1, 0.03)
 
 
 def measure(eps: float, out: Path) -> dict:
-    cfg = load_config(ROOT.parent / "examples" / "shakespeare_cifg.toml")
-    cfg.dp.target_epsilon = eps
+    cfg, plan = load_run_config(ROOT.parent / "examples" / "shakespeare_cifg.toml",
+                                {"dp.target_epsilon": eps})
     start, load = time.perf_counter(), os.getloadavg()[0]
     result = run(cfg, out, overwrite=True, progress=False, log=lambda s: None,
-                 pretrain=pretrain_on_public)
+                 pretrain=pretrain_on_public, plan=plan)
     z, m = result.privacy["noise_multiplier"], result.privacy["report_goal"]
     return {"target_epsilon": eps, "noise_multiplier": z, "report_goal": m, "z_over_m": z / m,
             "accuracy": result.accuracy, "unigram_accuracy": result.unigram_accuracy,

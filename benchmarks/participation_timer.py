@@ -63,14 +63,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "participation_timer.json")
     args = ap.parse_args()
 
-    cfg = load_config(args.config)
-    if args.rounds:
-        cfg.rounds = args.rounds
-    cfg.participation.mode = "timer"
-    cfg.participation.timer_period = args.timer_hours
-    cfg.participation.round_minutes = args.round_minutes
-    cfg.participation.availability = args.availability
-    cfg.participation.diurnal_amplitude = args.diurnal
+    cfg = load_config(args.config, {
+        **({"rounds": args.rounds} if args.rounds else {}), "participation.mode": "timer",
+        "participation.timer_period": args.timer_hours, "participation.round_minutes": args.round_minutes,
+        "participation.availability": args.availability, "participation.diurnal_amplitude": args.diurnal})
     name = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
     setup = {"config": str(name),
              "rounds": cfg.rounds, "report_goal": cfg.dp.report_goal,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.config import load_config
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.run_privacy.config_plan import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +45,12 @@ def main() -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
         return
 
-    cfg = load_config(args.config)
-    cfg.eval_every = 10**9  # evaluate once, at the end of each run
-
     def timed(rounds: int) -> tuple[float, object, dict]:
-        cfg.rounds = rounds
+        # evaluate once, at the end of each run
+        cfg, plan = load_run_config(args.config, {"eval_every": 10**9, "rounds": rounds})
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            result = run_simulation(cfg, Path(tmp) / "run", progress=False, log=lambda s: None)
+            result = run_simulation(cfg, Path(tmp) / "run", progress=False, log=lambda s: None, plan=plan)
             wall = time.perf_counter() - t0
             summary = json.loads((result.run_dir / "summary.json").read_text())
         return wall, result, summary
@@ -66,8 +64,8 @@ def main() -> None:
     out = {
         "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
         "rounds_timed": args.rounds,
-        "report_goal": cfg.dp.report_goal,
-        "model": cfg.model.arch,
+        "report_goal": result.privacy["report_goal"],  # the plan's, with dp.target_epsilon
+        "model": load_run_config(args.config)[0].model.arch,
         "parameters": summary["parameters"],
         "setup_and_eval_seconds": round(base_wall, 2),
         "seconds_per_round": round(per_round, 3),

@@ -21,13 +21,13 @@ from pathlib import Path
 
 from dpfleet.coordinator.accounting.planner import capped_max_participation
 from dpfleet.coordinator.accounting.zcdp import default_count_stddev, model_noise_multiplier
-from dpfleet.coordinator.config_overrides import apply_overrides
+from dpfleet.coordinator.config_overrides import apply_overrides, with_values
 from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, with_preset
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSection:
     """The private users' text: which dataset, and how it is cut into clients' training rows."""
 
@@ -62,7 +62,7 @@ class DataSection:
     memory tests only (users repeat: the run's epsilon is no guarantee for real people)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerSection:
     """The vocabulary: a public SentencePiece model, public words (TFF's way), TFF's characters, or
     the private clients' words chosen with DP."""
@@ -105,7 +105,7 @@ def public_words(tok: TokenizerSection) -> str:
     return tok.word_counts or tok.words
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClientSection:
     """A device's local training: one epoch of SGD over its examples, and what runs it."""
 
@@ -137,7 +137,7 @@ class ClientSection:
     which ran and why."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPSection:
     """DP-FTRL: clipping, noise, the server's update, and the privacy target or budget."""
 
@@ -201,7 +201,7 @@ class DPSection:
     agree with the plan. 0: no plan, you choose them."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProjectionSection:
     """A projection to a production-size population (pfl-research's method): the run trains
     dp.report_goal devices a round but adds the noise of a planned cohort over a planned
@@ -223,7 +223,7 @@ class ProjectionSection:
     cap a plan over an availability trace enforces (the lower of the two is accounted)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParticipationSection:
     """Who takes part when (see coordinator/engine/participation.py)."""
 
@@ -270,7 +270,7 @@ class ParticipationSection:
     0: any round with one report commits."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PretrainSection:
     """Central training on public text before the first private round (public/public_init.py):
     public data only, so no privacy cost; refused when a corpus overlaps the private dataset."""
@@ -287,7 +287,7 @@ class PretrainSection:
     """The public model's init and batches (shared by every seed of the private run)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class AggregationSection:
     """How a round's clipped updates are summed: in the clear, or by secure aggregation."""
 
@@ -307,7 +307,7 @@ class AggregationSection:
     """SecAgg signed mode: the fleet key file of the devices' identity keys."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class BackendSection:
     """Where a round's clients train (coordinator/engine/ray_backend.py)."""
 
@@ -319,7 +319,7 @@ class BackendSection:
     """Ray actors, one CPU each."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class FleetSection:
     """The emulated devices' behaviour (`dpfleet fleet emulate`, fleet/behaviour.py); times simulated."""
 
@@ -356,7 +356,7 @@ class FleetSection:
     one signed phone bundle per run and devices train with its reference client."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServiceSection:
     """The networked coordinator (`dpfleet coordinator serve`, edge/wire/PROTOCOL.md)."""
 
@@ -387,7 +387,7 @@ def main_job_model() -> ModelConfig:
                        projection_dim=32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimulationConfig:
     """A run's config: the top-level keys, then one table per section.
 
@@ -579,22 +579,29 @@ def given_planned_keys(values: dict) -> dict[str, object]:
     return out
 
 
-def parse_config(values: dict) -> SimulationConfig:
-    # a run's config.json carries its mechanism's binding (name, fingerprint): not a setting, a pin
-    # the run checks its mechanism against (`mechanism_binding.run_mechanism`)
+def split_binding(values: dict) -> tuple[dict, dict | None]:
+    """Raw config values without a run's mechanism binding, and the binding (None: none).
+
+    A run's config.json carries its mechanism's binding ({name, sha256}): not a setting, a pin the
+    run checks its mechanism against (`mechanism_binding.run_mechanism`), so it is kept beside the
+    config (`config_plan.RunPlan`), never in it."""
     binding = values.get("mechanism") if isinstance(values, dict) else None
-    if binding is not None:
-        if not (isinstance(binding, dict) and set(binding) == {"name", "sha256"}):
-            raise DpfleetError("config key 'mechanism' is a run's binding {name, sha256} (config.json); "
-                               "choose a mechanism with dp.mechanism")
-        values = {k: v for k, v in values.items() if k != "mechanism"}
+    if binding is None:
+        return values, None
+    if not (isinstance(binding, dict) and set(binding) == {"name", "sha256"}):
+        raise DpfleetError("config key 'mechanism' is a run's binding {name, sha256} (config.json); "
+                           "choose a mechanism with dp.mechanism")
+    return {k: v for k, v in values.items() if k != "mechanism"}, binding
+
+
+def parse_config(values: dict) -> SimulationConfig:
+    """The checked, frozen config of raw `values` (a run's config.json parses too: its mechanism
+    binding is read by `config_plan.read_run_config`), with `dp.noise = "auto"` resolved."""
+    values, _ = split_binding(values)
     if isinstance(values, dict) and isinstance(values.get("model"), dict):
         values = {**values, "model": with_preset(values["model"])}
     cfg = build_section(SimulationConfig, values, "")
-    cfg.mechanism_binding = binding
-    # what the config itself says of the planned keys (not a TOML key): the plan must agree with it
-    cfg.planned_given = given_planned_keys(values)
-    cfg.dp.noise = resolve_noise(cfg)
+    cfg = with_values(cfg, {"dp.noise": resolve_noise(cfg)})
     validate(cfg)
     return cfg
 
@@ -633,16 +640,22 @@ def read_toml(path: Path, what: str = "config file") -> dict:
         raise DpfleetError(f"{path}: invalid TOML ({exc})") from exc
 
 
-def load_config(path: Path, overrides: Mapping[str, object] | None = None,
-                python: bool = False) -> SimulationConfig:
-    """The config file at `path`, with the command line's `--set` overrides ("section.key" ->
-    value, `config_overrides`) applied to its values before they are parsed and validated. The
-    file's relative `PATH_KEYS` are read from its folder (made absolute, so the run directory's
-    config.toml still finds them). `python`: the overrides came from Python (`apply_overrides`)."""
+def config_values(path: Path, overrides: Mapping[str, object] | None = None,
+                  python: bool = False) -> dict:
+    """The raw values of the config file at `path`, with the command line's `--set` overrides
+    ("section.key" -> value, `config_overrides`) applied. The file's relative `PATH_KEYS` are read
+    from its folder (made absolute, so the run directory's config.toml still finds them).
+    `python`: the overrides came from Python (`apply_overrides`)."""
     values = paths_against(read_toml(path), Path(path).parent)
     if overrides:
         values = apply_overrides(values, overrides, SimulationConfig, python)
-    return parse_config(values)
+    return values
+
+
+def load_config(path: Path, overrides: Mapping[str, object] | None = None,
+                python: bool = False) -> SimulationConfig:
+    """The config file at `path` with `overrides` (`config_values`), parsed and validated."""
+    return parse_config(config_values(path, overrides, python))
 
 
 YEAR_MINUTES = 525_600  # the longest round or device timer a config may state
@@ -662,21 +675,55 @@ def missing_extras(cfg: object) -> list[str]:
 
 
 def validate(cfg: SimulationConfig) -> None:
+    """Refuse a config that no run could mean, with one line naming the key (the first failing
+    check). Why once, at parse: a config is frozen, so the checked config is the one that runs;
+    code that makes a new one (the planner's keys) validates that one."""
     checks = [
+        *run_checks(cfg),
+        *data_checks(cfg),
+        *dp_checks(cfg),
+        *aggregation_checks(cfg.aggregation),
+        *participation_checks(cfg.participation),
+        *service_checks(cfg.service),
+        *mechanism_checks(cfg),
+        *fleet_checks(cfg.fleet),
+        *projection_checks(cfg),
+        *trace_checks(cfg.participation, cfg.fleet),
+        *round_close_checks(cfg.participation, cfg.dp.report_goal),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise DpfleetError(message)
+    if cfg.dp.adaptive_clipping:  # fails early when sigma_b leaves no room for z (App. A)
+        model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+
+
+def run_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
+    """The run's own keys, its trackers' packages, and where and how its clients train."""
+    return [
         (cfg.rounds >= 1, "rounds must be >= 1"),
         *((False, line) for line in missing_extras(cfg)),  # a tracker whose package is missing
         (cfg.eval_every >= 1, "eval_every must be >= 1"),
-        (cfg.data.keyboard_words >= 0, "data.keyboard_words must be >= 0 (0: no keyboard metrics)"),
         (cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: no resume points)"),
-        (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),
-        (cfg.dp.clip_norm > 0, "dp.clip_norm must be > 0"),
-        (cfg.dp.report_goal >= 1, "dp.report_goal must be >= 1"),
-        (0 < cfg.dp.delta < 1, "dp.delta must be in (0, 1)"),
-        (0 <= cfg.dp.momentum < 1, "dp.momentum must be in [0, 1)"),
         (cfg.client.lr > 0, "client.lr must be > 0"),
         (cfg.client.batch_size >= 1, "client.batch_size must be >= 1"),
         (cfg.client.cohort_memory_mb >= 1, "client.cohort_memory_mb must be >= 1"),
         (cfg.backend.workers >= 1, "backend.workers must be >= 1"),
+        (cfg.pretrain.steps >= 0 and cfg.pretrain.batch_size >= 1 and cfg.pretrain.lr > 0,
+         "pretrain.steps must be >= 0, pretrain.batch_size >= 1 and pretrain.lr > 0"),
+        (not cfg.pretrain.corpus or cfg.pretrain.steps > 0,
+         "pretrain.corpus is set but pretrain.steps = 0: give the steps, or remove the corpus"),
+        (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
+         "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
+         "client.runtime = 'onnx' or 'executorch'"),
+    ]
+
+
+def data_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
+    """The private data, the vocabulary (a word vocabulary from private data needs DP) and the
+    model's context."""
+    return [
+        (cfg.data.keyboard_words >= 0, "data.keyboard_words must be >= 0 (0: no keyboard metrics)"),
         (cfg.data.generated_population >= 0, "data.generated_population must be >= 0 (0: off)"),
         (cfg.tokenizer.vocab_size >= 8, "tokenizer.vocab_size must be >= 8"),
         (cfg.tokenizer.dp_noise >= 0, "tokenizer.dp_noise must be >= 0"),
@@ -693,6 +740,17 @@ def validate(cfg: SimulationConfig) -> None:
          "tokenizer.word_counts / tokenizer.words need tokenizer.kind = \"word\""),
         (0 < cfg.tokenizer.dp_delta < 1, "tokenizer.dp_delta must be in (0, 1)"),
         (cfg.model.max_length >= cfg.data.seq_len, "model.max_length must be >= data.seq_len"),
+    ]
+
+
+def dp_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:
+    """DP-FTRL's clipping, noise, budget and plan keys, and where the noise goes (`dp.noise`)."""
+    return [
+        (cfg.dp.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0"),
+        (cfg.dp.clip_norm > 0, "dp.clip_norm must be > 0"),
+        (cfg.dp.report_goal >= 1, "dp.report_goal must be >= 1"),
+        (0 < cfg.dp.delta < 1, "dp.delta must be in (0, 1)"),
+        (0 <= cfg.dp.momentum < 1, "dp.momentum must be in [0, 1)"),
         (cfg.dp.budget_epsilon >= 0, "dp.budget_epsilon must be >= 0 (0: no budget)"),
         (cfg.dp.warn_epsilon >= 0, "dp.warn_epsilon must be >= 0 (0: no warning)"),
         (not cfg.dp.budget_epsilon or cfg.dp.noise_multiplier > 0,
@@ -702,9 +760,6 @@ def validate(cfg: SimulationConfig) -> None:
         (cfg.dp.clip_count_stddev >= 0 or cfg.dp.clip_count_stddev == -1,
          "dp.clip_count_stddev must be >= 0 (or -1: report_goal / 20)"),
         (cfg.dp.noise_seed >= -1, "dp.noise_seed must be >= 0 (research mode) or -1 (secret noise)"),
-        (0 <= cfg.aggregation.corruption < 0.5, "aggregation.corruption must be in [0, 0.5)"),
-        (not cfg.aggregation.fleet_keys or cfg.aggregation.signed,
-         "aggregation.fleet_keys needs aggregation.signed = true"),
         (resolve_noise(cfg) != "discrete" or cfg.aggregation.kind == "secagg",
          "dp.noise = 'discrete' requires aggregation.kind = 'secagg' (the integer noise is added "
          "to secure aggregation's ring sum)"),
@@ -712,47 +767,51 @@ def validate(cfg: SimulationConfig) -> None:
          "dp.noise = 'discrete' needs dp.noise_multiplier > 0"),
         (all(isinstance(r, int) and r >= 1 for r in cfg.dp.restart_rounds),
          "dp.restart_rounds must be rounds >= 1 (0-based rounds at which a fresh tree starts)"),
-        (0 <= cfg.participation.timer_period <= YEAR_MINUTES / 60,
-         f"participation.timer_period must be in [0, {YEAR_MINUTES // 60}] hours (a year), got "
-         f"{cfg.participation.timer_period:g}"),
-        (not round_minutes_error(cfg.participation.round_minutes),
-         round_minutes_error(cfg.participation.round_minutes)),
-        (1 <= cfg.aggregation.bits <= 32, f"aggregation.bits must be in 1..32, got {cfg.aggregation.bits}"),
-        (0 < cfg.participation.availability <= 1, "participation.availability must be in (0, 1]"),
-        (0 <= cfg.participation.diurnal_amplitude <= 1,
-         "participation.diurnal_amplitude must be in [0, 1]"),
-        (cfg.participation.min_separation >= -1,
-         "participation.min_separation must be >= 0 (or -1: the timer's)"),
-        (cfg.service.time_scale > 0, "service.time_scale must be > 0"),
-        (cfg.service.overselect >= 0, "service.overselect must be >= 0"),
-        (min(cfg.service.report_deadline_s, cfg.service.secagg_phase_deadline_s,
-             cfg.service.checkin_retry_s, cfg.service.max_body_mb, cfg.service.rate_per_s) > 0
-         and cfg.service.checkin_window_s >= 0 and cfg.service.rate_burst >= 1,
-         "service deadlines, checkin_retry_s, max_body_mb, rate_per_s must be > 0 "
-         "(checkin_window_s >= 0, rate_burst >= 1)"),
-        (cfg.participation.max_participation >= 0,
-         "participation.max_participation must be >= 0 (0: no cap)"),
         (cfg.dp.target_epsilon >= 0, "dp.target_epsilon must be >= 0 (0: no plan)"),
-        (cfg.pretrain.steps >= 0 and cfg.pretrain.batch_size >= 1 and cfg.pretrain.lr > 0,
-         "pretrain.steps must be >= 0, pretrain.batch_size >= 1 and pretrain.lr > 0"),
-        (not cfg.pretrain.corpus or cfg.pretrain.steps > 0,
-         "pretrain.corpus is set but pretrain.steps = 0: give the steps, or remove the corpus"),
         (cfg.dp.mechanism != "auto" or cfg.dp.target_epsilon > 0,
          "dp.mechanism = 'auto' is the planner's choice: it needs dp.target_epsilon > 0"),
-        *mechanism_checks(cfg),
-        *fleet_checks(cfg.fleet),
-        *projection_checks(cfg),
-        *trace_checks(cfg.participation, cfg.fleet),
-        *round_close_checks(cfg.participation, cfg.dp.report_goal),
-        (cfg.fleet.client != "bundle" or cfg.client.runtime in ("onnx", "executorch"),
-         "fleet.client = 'bundle' trains the bundle's ONNX or ExecuTorch program: set "
-         "client.runtime = 'onnx' or 'executorch'"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise DpfleetError(message)
-    if cfg.dp.adaptive_clipping:  # fails early when sigma_b leaves no room for z (App. A)
-        model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+
+
+def aggregation_checks(a: AggregationSection) -> list[tuple[bool, str]]:
+    """Secure aggregation's ring and threat model."""
+    return [
+        (0 <= a.corruption < 0.5, "aggregation.corruption must be in [0, 0.5)"),
+        (not a.fleet_keys or a.signed,
+         "aggregation.fleet_keys needs aggregation.signed = true"),
+        (1 <= a.bits <= 32, f"aggregation.bits must be in 1..32, got {a.bits}"),
+    ]
+
+
+def participation_checks(p: ParticipationSection) -> list[tuple[bool, str]]:
+    """Who takes part when: the timer, the clock's round and the MinS / MaxP guard."""
+    return [
+        (0 <= p.timer_period <= YEAR_MINUTES / 60,
+         f"participation.timer_period must be in [0, {YEAR_MINUTES // 60}] hours (a year), got "
+         f"{p.timer_period:g}"),
+        (not round_minutes_error(p.round_minutes),
+         round_minutes_error(p.round_minutes)),
+        (0 < p.availability <= 1, "participation.availability must be in (0, 1]"),
+        (0 <= p.diurnal_amplitude <= 1,
+         "participation.diurnal_amplitude must be in [0, 1]"),
+        (p.min_separation >= -1,
+         "participation.min_separation must be >= 0 (or -1: the timer's)"),
+        (p.max_participation >= 0,
+         "participation.max_participation must be >= 0 (0: no cap)"),
+    ]
+
+
+def service_checks(s: ServiceSection) -> list[tuple[bool, str]]:
+    """The networked coordinator's clock, over-selection, deadlines and rate limits."""
+    return [
+        (s.time_scale > 0, "service.time_scale must be > 0"),
+        (s.overselect >= 0, "service.overselect must be >= 0"),
+        (min(s.report_deadline_s, s.secagg_phase_deadline_s,
+             s.checkin_retry_s, s.max_body_mb, s.rate_per_s) > 0
+         and s.checkin_window_s >= 0 and s.rate_burst >= 1,
+         "service deadlines, checkin_retry_s, max_body_mb, rate_per_s must be > 0 "
+         "(checkin_window_s >= 0, rate_burst >= 1)"),
+    ]
 
 
 def mechanism_checks(cfg: SimulationConfig) -> list[tuple[bool, str]]:

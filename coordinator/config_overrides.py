@@ -18,10 +18,13 @@ import json
 import tomllib
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import click
 
 from dpfleet.errors import DpfleetError
+
+T = TypeVar("T")
 
 SET_HELP = ("Change a config key for this run: dp.noise_multiplier=2, participation.mode=uniform, "
             "rounds=5 (a top-level key), tensorboard=true. VALUE is TOML (true, 3, 0.5, [1, 2], "
@@ -119,3 +122,21 @@ def apply_overrides(values: dict, overrides: Mapping[str, object], schema: type,
 def describe(overrides: Mapping[str, object]) -> str:
     """The overrides as one line (`dp.clip_norm=0.5 participation.mode="uniform"`), for the log."""
     return " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+
+
+def with_values(cfg: T, values: Mapping[str, object]) -> T:
+    """A copy of the frozen config `cfg` with `values` ("section.key" or "key" -> value) set,
+    through `dataclasses.replace`: the one way code changes a config (the planner's keys, the
+    command line's --rounds), since a config is never changed in place. No checks: a caller that
+    sets user input validates the result (`config.validate`), as the parser does."""
+    changes: dict[str, object] = {}
+    nested: dict[str, dict[str, object]] = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            changes[head] = value
+    for head, inner in nested.items():
+        changes[head] = with_values(getattr(cfg, head), inner)
+    return dataclasses.replace(cfg, **changes)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import click
 from torch import nn
 
-from dpfleet.coordinator.config import SimulationConfig, validate
+from dpfleet.coordinator.config import SimulationConfig
 from dpfleet.coordinator.engine.extensions import (
     ClippingRule,
     LocalUpdate,
@@ -29,6 +29,7 @@ from dpfleet.coordinator.engine.extensions import (
 from dpfleet.coordinator.engine.field_metrics import tff_figures
 from dpfleet.coordinator.engine.simulation import Pretrain, run_simulation
 from dpfleet.coordinator.result_methods import ResultMethods
+from dpfleet.coordinator.run_privacy.config_plan import RunPlan
 from dpfleet.coordinator.state.interrupts import sigterm_interrupts
 from dpfleet.coordinator.state.release_log import RELEASES
 from dpfleet.edge.datasets import TextRecord
@@ -126,6 +127,7 @@ def run(
     participation: ParticipationPolicy | None = None,
     pretrain: Pretrain | None = None,
     on_round: Callable[[dict], None] | None = None,
+    plan: RunPlan | None = None,
 ) -> Result:
     """`simulate` for a parsed config (what the CLI calls): checks the inputs, runs, and reads
     the `Result` off the run. `resume` continues an interrupted run directory. `audit`: `dpfleet
@@ -133,8 +135,9 @@ def run(
     four extension points (`dpfleet.extensions`) default to the built-in parts. `pretrain`: the
     public pretraining step of a config with `[pretrain]` (`run_simulation`), handed down by the
     front door (`dpfleet.api`, `dpfleet.cli`): the coordinator does not import `dpfleet.public`.
-    `on_round(record)`: each committed round's metrics record (a copy), as it commits."""
-    validate(cfg)
+    `on_round(record)`: each committed round's metrics record (a copy), as it commits. `cfg` is
+    parsed, so checked (`config.parse_config`); `plan`: what it states beside its settings
+    (`config_plan.read_run_config`: the planned keys it states, a config.json's mechanism pin)."""
     if model is not None and not isinstance(model, nn.Module):
         raise DpfleetError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     records = None if users is None else user_records(users)
@@ -149,7 +152,7 @@ def run(
                              log=log, records=records, model=model, tokenizer=tok, audit=audit,
                              extensions={"client_update": client_update, "clipping": clipping,
                                          "noise": noise, "participation": participation},
-                             pretrain=pretrain, on_round=on_round)
+                             pretrain=pretrain, on_round=on_round, plan=plan)
     summary = json.loads((out.run_dir / "summary.json").read_text())
     return Result(
         accuracy=out.final["accuracy"], unigram_accuracy=out.baseline["accuracy"],

@@ -9,11 +9,11 @@ the emulated fleet may import nothing of the service (its devices know only the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-from dpfleet.coordinator.config import SimulationConfig, validate
+from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.run_privacy.config_plan import RunPlan, apply_run_plan
 from dpfleet.edge.wire.protocol import PLAN_FILE
 from dpfleet.errors import DpfleetError
 
@@ -83,20 +83,8 @@ def checked_plan(cfg: SimulationConfig, path: Path, kept: tuple[str, ...] = PLAN
     return record
 
 
-def follow_plan(cfg: SimulationConfig, record: dict) -> None:
-    """A kept plan's keys written into `cfg` (`apply_run_plan`: a planned key the config states
-    differently is one error), then the config checked as a whole."""
-    from dpfleet.coordinator.run_privacy.config_plan import apply_run_plan
-
-    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
-    validate(cfg)
-
-
-def with_rounds(cfg: SimulationConfig, rounds: int) -> SimulationConfig:
-    """`cfg` with `rounds`, keeping what the parser noted beside the fields (the planned keys the
-    config states, which dp.target_epsilon's plan must agree with; a mechanism binding)."""
-    out = dataclasses.replace(cfg, rounds=rounds)
-    for name in ("planned_given", "mechanism_binding"):
-        if hasattr(cfg, name):
-            setattr(out, name, getattr(cfg, name))
-    return out
+def follow_plan(cfg: SimulationConfig, record: dict, plan: RunPlan | None = None
+                ) -> tuple[SimulationConfig, RunPlan]:
+    """A kept plan's keys in a new config (`apply_run_plan`: a planned key the config states
+    differently, `plan.given`, is one error; the new config is checked as a whole)."""
+    return apply_run_plan(cfg, plan or RunPlan(), record)

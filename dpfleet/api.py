@@ -50,9 +50,10 @@ from typing import Any
 from torch import nn
 
 from dpfleet.coordinator import run as coordinator_run
-from dpfleet.coordinator.config import SimulationConfig, load_config, parse_config
+from dpfleet.coordinator.config import SimulationConfig, validate
 from dpfleet.coordinator.config_overrides import apply_overrides
 from dpfleet.coordinator.run import Result, TokenizerLike, fresh_run_dir, user_records  # noqa: F401
+from dpfleet.coordinator.run_privacy.config_plan import load_run_config, read_run_config
 from dpfleet.errors import DpfleetError, DpfleetWarning
 from dpfleet.extensions import ClippingRule, LocalUpdate, Mechanism, ParticipationPolicy
 from dpfleet.public.public_init import pretrain_on_public
@@ -123,16 +124,17 @@ def simulate(
         values = copy.deepcopy(dict(config))
         if overrides:
             values = apply_overrides(values, overrides, SimulationConfig, python=True)
-        cfg, name = parse_config(values), "python"
+        (cfg, plan), name = read_run_config(values), "python"
     elif isinstance(config, str | Path):
-        cfg, name = load_config(Path(config), overrides, python=True), Path(config).stem
+        (cfg, plan), name = load_run_config(Path(config), overrides, python=True), Path(config).stem
     else:
         raise DpfleetError(f"config must be a TOML path or a dict, not {type(config).__name__}")
     if run_dir is None:
         run_dir = fresh_run_dir(Path("runs") / name)
     result = run(cfg, Path(run_dir), model=model, users=users, tokenizer=tokenizer, progress=progress,
                  overwrite=overwrite, log=(print if progress else _quiet), client_update=client_update,
-                 clipping=clipping, noise=noise, participation=participation, on_round=on_round)
+                 clipping=clipping, noise=noise, participation=participation, on_round=on_round,
+                 plan=plan)
     for line in (*result.privacy.get("caveats", ()), *result.warnings):
         warnings.warn(line, DpfleetWarning, stacklevel=2)
     return result
@@ -141,7 +143,10 @@ def simulate(
 def run(cfg: SimulationConfig, run_dir: Path, **options: Any) -> Result:
     """`simulate` for a parsed config: `dpfleet.coordinator.run.run` (what the CLI calls, with the
     same options: model, users, tokenizer, progress, overwrite, resume, log, audit and the four
-    extension points), with the public pretraining step of `[pretrain]` handed to it."""
+    extension points), with the public pretraining step of `[pretrain]` handed to it. `cfg` is
+    checked here once (one built as `SimulationConfig(...)` was never parsed); `plan=` takes what
+    `read_run_config` read beside it (the planned keys it states, a config.json's mechanism pin)."""
+    validate(cfg)
     options.setdefault("pretrain", pretrain_on_public)
     return coordinator_run.run(cfg, Path(run_dir), **options)
 

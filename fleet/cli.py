@@ -99,7 +99,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
 
     The devices' private keys live in --fleet-dir (never the current folder); rerunning the
     same command reuses them. Ctrl-C stops the workers and exits 130."""
-    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.run_privacy.config_plan import load_run_config
     from dpfleet.coordinator.state.run_dir import check_replaceable
     from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.fleet.bundle_device import pinned_bundle_key
@@ -115,10 +115,10 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
         raise DpfleetError("--coordinator-timeout must be >= 0 seconds (0: wait for ever)")
     if summary is not None:  # never a run's summary.json or a user's file
         check_replaceable(summary, SUMMARY_MARK, "--summary")
-    cfg = load_config(config)
+    cfg, plan = load_run_config(config)
     url, ca_file, plan_file, bundle_key, vocabulary = from_coordinator(
         cfg, state, url, ca_file, plan_file, bundle_key, vocabulary)
-    follow_coordinator_plan(cfg, plan_file)
+    cfg = follow_coordinator_plan(cfg, plan_file, plan)
     for destination, folder in ((fleet_dir, True), (summary, False), (registry, False),
                                 (fleet_keys, False)):  # before any work: one line, at once
         if destination is not None:
@@ -235,10 +235,11 @@ def from_coordinator(cfg, state: Path | None, url: str | None, ca_file: Path | N
     return url, ca_file, plan_file, bundle_key, vocabulary
 
 
-def follow_coordinator_plan(cfg, plan_file: Path | None) -> None:
-    """dp.target_epsilon: the coordinator plans at its first start (service/boot.py); the devices
-    take its plan.json (what a device demands of a SecAgg round follows the report goal), never a
-    plan of their own, which could differ (another population, another dpfleet)."""
+def follow_coordinator_plan(cfg, plan_file: Path | None, plan=None):
+    """The config the devices run. dp.target_epsilon: the coordinator plans at its first start
+    (service/boot.py); the devices take its plan.json (what a device demands of a SecAgg round
+    follows the report goal), never a plan of their own, which could differ (another population,
+    another dpfleet). `plan`: the planned keys the config states (`read_run_config`)."""
     from dpfleet.coordinator.serve_plan import checked_plan, follow_plan
     from dpfleet.errors import DpfleetError
 
@@ -246,12 +247,13 @@ def follow_coordinator_plan(cfg, plan_file: Path | None) -> None:
         if plan_file is not None:
             raise DpfleetError("--plan is the coordinator's plan of dp.target_epsilon, which this "
                                "config does not set")
-        return
+        return cfg
     if plan_file is None:
         raise DpfleetError("the config sets dp.target_epsilon, which the coordinator plans at its "
                            "first start: give the devices its plan with --plan STATE/plan.json")
     # not its rounds: `fleet run --rounds` gives them to the coordinator only, devices never count
-    follow_plan(cfg, checked_plan(cfg, plan_file, kept=("target_epsilon", "delta", "mechanism_choice")))
+    kept = checked_plan(cfg, plan_file, kept=("target_epsilon", "delta", "mechanism_choice"))
+    return follow_plan(cfg, kept, plan)[0]
 
 
 def default_fleet_dir(config: Path, fleet_dir: Path | None) -> Path:

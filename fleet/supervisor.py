@@ -89,17 +89,15 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     """Run (or continue) a local coordinator + fleet to the end; the last admin status.
     `backend` / `address`: where `fleet emulate` places its workers (fleet/ray_workers.py).
     Ctrl-C stops both cleanly, then raises `FleetInterrupted` with the last status."""
-    from dpfleet.coordinator.config import load_config, validate
-    from dpfleet.coordinator.serve_plan import check_kept_plan, check_serve_config, with_rounds
+    from dpfleet.coordinator.config import load_config
+    from dpfleet.coordinator.serve_plan import check_kept_plan, check_serve_config
     from dpfleet.fleet.emulate import fleet_keys, load_devices, needs_coordinator_vocabulary
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
-    cfg = load_config(config)  # a bad config fails here, before anything starts
-    if rounds is not None:
-        if rounds < 1:
-            raise DpfleetError("--rounds must be >= 1")
-        cfg = with_rounds(cfg, rounds)
-        validate(cfg)
+    if rounds is not None and rounds < 1:
+        raise DpfleetError("--rounds must be >= 1")
+    # a bad config fails here, before anything starts (--rounds checked with it, as serve does)
+    cfg = load_config(config, None if rounds is None else {"rounds": rounds})
     # what `coordinator serve` would refuse, refused here in its words, before anything starts
     # (else it fails inside the subprocess and shows only in serve.console.log)
     check_serve_config(cfg)

@@ -26,7 +26,7 @@ from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseli
 from dpfleet.coordinator.engine.round_engine import RoundEngine
 from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabulary_privacy
 from dpfleet.coordinator.engine.store_engine import open_engine
-from dpfleet.coordinator.run_privacy.config_plan import plan_line
+from dpfleet.coordinator.run_privacy.config_plan import RunPlan, plan_line
 from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.serve_plan import (  # noqa: F401  (`coordinator serve` and its tests)
     PLAN_KEPT,
@@ -58,11 +58,13 @@ def planning_population(cfg: SimulationConfig, population: int) -> int:
     return math.floor(population / (1.0 + cfg.service.overselect) + 1e-9)
 
 
-def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log) -> None:
-    """dp.target_epsilon: the first start plans for the service's training population exactly as
-    `simulate` does (`plan_run`: the planner's keys written into `cfg`, config.json and
-    plan.json), for `planning_population` devices; every restart applies that plan.json again,
-    never a new plan."""
+def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log,
+                 plan: RunPlan | None = None) -> SimulationConfig:
+    """dp.target_epsilon: the config the service runs. The first start plans for the service's
+    training population exactly as `simulate` does (`plan_run`: a config with the planner's keys,
+    config.json and plan.json), for `planning_population` devices; every restart applies that
+    plan.json again, never a new plan. `plan`: the planned keys the config states
+    (`config_plan.read_run_config`), which the plan must agree with."""
     if cfg.service.overselect > 0:
         planned = planning_population(cfg, population)
         log(f"plan: {population} train devices, over-selection {cfg.service.overselect:g}: "
@@ -74,9 +76,10 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
         if store.last_committed():
             raise DpfleetError(f"{store.path} has committed rounds but no {PLAN_FILE}: its plan is "
                                "lost; choose a new --state")
-        plan_run(cfg, RunDir(store.path, resume=True), population, resume=False, log=log)
+        cfg, _ = plan_run(cfg, RunDir(store.path, resume=True), population, resume=False, log=log,
+                          plan=plan)
         store.bind_plan(sha256_file(path))
-        return
+        return cfg
     bound = store.bound_plan()
     if bound is None and store.last_committed():
         raise DpfleetError(f"{store.path} has committed rounds but no bound plan: its {PLAN_FILE} "
@@ -91,8 +94,9 @@ def plan_service(cfg: SimulationConfig, store: StateStore, population: int, log)
         raise DpfleetError(f"{store.path} was planned for {record['population']} train clients, the "
                            f"data now gives {population}: continue with the data it was started "
                            "with, or choose a new --state")
-    follow_plan(cfg, record)
+    cfg, _ = follow_plan(cfg, record, plan)
     log(plan_line(record))
+    return cfg
 
 
 @dataclass
@@ -109,10 +113,11 @@ class Booted:
     bundle: RunBundle | None = None  # [fleet] client = "bundle": the run's signed phone bundle
 
 
-def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
+def boot(cfg: SimulationConfig, state: Path, log=print, plan: RunPlan | None = None) -> Booted:
     """Open (or create) the state at `state` and the engine on it, continuing after its last
     committed round. With dp.target_epsilon the store keeps the config as given (its target) and
-    the plan goes into `cfg`, config.json and plan.json (`plan_service`)."""
+    the plan makes the config the service runs (`Booted.cfg`), config.json and plan.json
+    (`plan_service`; `plan`: the planned keys the config states)."""
     check_service_config(cfg)
     check_kept_plan(cfg, Path(state))
     started = time.perf_counter()
@@ -133,7 +138,7 @@ def boot(cfg: SimulationConfig, state: Path, log=print) -> Booted:
                                                      cfg.data.test_fraction)
         users = list(population.user_ids())  # the service refuses a generated population: all real
         if cfg.dp.target_epsilon > 0:
-            plan_service(cfg, store, len(users), log)
+            cfg = plan_service(cfg, store, len(users), log, plan)
         for warning in plan_warnings(cfg):  # noise that drowns every update, before any round
             log(f"warning: {warning}")
         RunDir(Path(state), resume=True).write_config(cfg.resolved())  # as `simulate` writes it

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from dpfleet.coordinator.config_overrides import set_option
-from dpfleet.coordinator.serve_plan import with_rounds
 from dpfleet.service.cli_admin import add_admin_commands
 
 
@@ -66,8 +65,8 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     """
     from dpfleet import eventloop
     from dpfleet.coordinator.cli.result_block import result_lines
-    from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
+    from dpfleet.coordinator.run_privacy.config_plan import load_run_config
     from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.export.policy import ReleasePolicy
     from dpfleet.secagg.registry import load_public_registry
@@ -75,29 +74,28 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     from dpfleet.service.server import serve as run
 
     sets = parse_overrides(overrides)
-    cfg = load_config(config, sets)
+    if rounds is not None and rounds < 1:
+        raise DpfleetError("--rounds must be >= 1")
+    # --rounds is an override too, after --set: the config is parsed and checked once, with it
+    cfg, plan = load_run_config(config, sets if rounds is None else {**sets, "rounds": rounds})
     if sets:
         click.echo(f"overrides: {describe(sets)}", err=True)
     check_secret_noise(cfg)
-    if rounds is not None:
-        if rounds < 1:
-            raise DpfleetError("--rounds must be >= 1")
-        cfg = with_rounds(cfg, rounds)
-        validate(cfg)
     registry = load_public_registry(fleet_public) if fleet_public else None
     release = ReleasePolicy.load(policy) if policy else None  # a bad file: one line, STATE untouched
     warning = noise_warning(cfg)
     if warning:
         click.echo(warning, err=True)
     status = eventloop.run(run(cfg, state, listen=listen, registry=registry, tls_cert=tls_cert,
-                             tls_key=tls_key, log=lambda s: click.echo(s, err=True), policy=release))
+                             tls_key=tls_key, log=lambda s: click.echo(s, err=True), policy=release,
+                             plan=plan))
     click.echo(f"{status['run_state']}: {status['rounds_committed']} of {status['rounds_planned']} "
                f"rounds committed, {status['rounds_failed']} failed; state in {state}")
     if "outcome" in status:  # finished: the block `simulate` ends with (its warnings included)
         for line in result_lines(**status["outcome"]):
             click.echo(line)
     else:
-        click.echo(f"noise: {noise_line(cfg)}")
+        click.echo(f"noise: {noise_line(planned_config(cfg, plan, state))}")
         if warning:
             click.echo(warning)
     if status.get("stopped_by") == "SIGINT" and status["run_state"] != "finished":
@@ -105,6 +103,14 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
         click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
                    f"{again}", err=True)
         raise Interrupted()  # exit 130, as every command on Ctrl-C
+
+
+def planned_config(cfg, plan, state: Path):
+    """The config the service ran: with dp.target_epsilon, the one its kept plan.json makes."""
+    from dpfleet.coordinator.serve_plan import check_kept_plan, follow_plan
+
+    record = check_kept_plan(cfg, state) if cfg.dp.target_epsilon > 0 else None
+    return cfg if record is None else follow_plan(cfg, record, plan)[0]
 
 
 def noise_line(cfg) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.run_privacy.config_plan import RunPlan
 from dpfleet.edge.wire.protocol import ADMIN_FILE
 from dpfleet.errors import DpfleetError
 from dpfleet.export.policy import ReleasePolicy
@@ -125,7 +126,9 @@ def bind(host: str, port: int, listen: str) -> socket.socket:
 async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:0",
                 registry: dict[str, bytes] | None = None, tls_cert: Path | None = None,
                 tls_key: Path | None = None, poll_s: float = POLL_S, log=print,
-                policy: ReleasePolicy | None = None) -> Running:
+                policy: ReleasePolicy | None = None, plan: RunPlan | None = None) -> Running:
+    """Boot the coordinator on `state` and serve it on `listen`; `plan`: the planned keys the
+    config states (`config_plan.read_run_config`), which dp.target_epsilon's plan must agree with."""
     state = Path(state)
     ctx = tls_context(tls_cert, tls_key)
     host, port = parse_listen(listen, ctx is not None)
@@ -134,7 +137,7 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
     hold_umask()  # the state's files (SQLite, its -wal and -shm, logs, rounds): 0600
     try:  # a state this start creates and cannot boot (a config its data refuses) is removed again
         with removed_on_failure(state):
-            booted = boot(cfg, state, log)  # in this thread: the store's SQLite connection stays here
+            booted = boot(cfg, state, log, plan)  # in this thread: the store's SQLite connection stays here
             private_state(state)
     except BaseException:
         sock.close()

@@ -9,6 +9,7 @@ import pytest
 from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows
 from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config, read_toml
+from dpfleet.coordinator.run_privacy.config_plan import read_run_config
 
 _path = Path(__file__).parents[1] / "benchmarks" / "mechanisms.py"
 _spec = importlib.util.spec_from_file_location("bench_mechanisms", _path)
@@ -21,9 +22,9 @@ BASE["dp"] = {**BASE["dp"], "report_goal": 3, "noise_multiplier": 9.0}  # stale 
 
 def test_a_cell_leaves_the_planned_keys_to_the_planner_and_pairs_the_noise():
     values, extra = bench.cell_values(BASE, "blt", 4.0, 3, "none")
-    cfg = parse_config(values)
+    cfg, plan = read_run_config(values)
     assert (cfg.dp.target_epsilon, cfg.dp.mechanism, cfg.seed, cfg.dp.noise_seed) == (4.0, "blt", 3, 3)
-    assert cfg.planned_given == {"dp.mechanism": "blt"} and extra == {}
+    assert plan.given == {"dp.mechanism": "blt"} and extra == {}
     assert not cfg.pretrain.corpus  # public "none" drops [pretrain]
     assert parse_config(bench.cell_values(BASE, "tree", 4.0, 3, "pretrain")[0]).pretrain.corpus == ["kjv"]
 

@@ -7,7 +7,7 @@ import pytest
 
 from dpfleet.cli import main
 from dpfleet.coordinator.config import SimulationConfig, load_config
-from dpfleet.coordinator.config_overrides import apply_overrides, parse_overrides, toml_value
+from dpfleet.coordinator.config_overrides import apply_overrides, parse_overrides, toml_value, with_values
 from dpfleet.errors import DpfleetError
 
 BASE = ("rounds = 4\nseed = 1\n[data]\nmax_clients = 20\n"
@@ -126,7 +126,7 @@ def _captured_config(monkeypatch, module: str, name: str) -> list:
     seen = []
 
     def stub(cfg, *args, **kwargs):
-        seen.append(cfg)
+        seen.append((cfg, kwargs.get("plan")))
         raise DpfleetError("stub: not run")
 
     monkeypatch.setattr(importlib.import_module(module), name, stub)
@@ -151,9 +151,9 @@ def test_cli_each_command_runs_the_overridden_config(tmp_path, capsys, monkeypat
     said = capsys.readouterr()
     assert said.err.splitlines()[-1] == "error: stub: not run"
     assert 'overrides: dp.noise_multiplier=3 participation.mode="uniform" rounds=2' in said.out + said.err
-    (cfg,) = seen
-    expected = load_config(config)
-    expected.rounds, expected.participation.mode, expected.dp.noise_multiplier = 2, "uniform", 3.0
+    ((cfg, plan),) = seen
+    expected = with_values(load_config(config), {"rounds": 2, "participation.mode": "uniform",
+                                                 "dp.noise_multiplier": 3.0})
     assert cfg.resolved() == expected.resolved()
-    assert cfg.planned_given == {"dp.report_goal": 5, "dp.noise_multiplier": 3,
-                                 "participation.mode": "uniform"}  # a planned run checks these
+    assert plan.given == {"dp.report_goal": 5, "dp.noise_multiplier": 3,
+                          "participation.mode": "uniform"}  # a planned run checks these

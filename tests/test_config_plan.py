@@ -17,6 +17,7 @@ from dpfleet.coordinator.accounting.planner import make_plan, mechanism_rows, pi
 from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
+from dpfleet.coordinator.run_privacy.config_plan import read_run_config
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import check_service_config
@@ -78,8 +79,9 @@ def test_stating_the_planned_values_runs_and_resume_replans_the_same(planned, tm
     assert json.loads((second.run_dir / "plan.json").read_text())["chosen"] == \
         json.loads((first.run_dir / "plan.json").read_text())["chosen"]
     # the run's own config.json (the plan written in) parses and re-plans to itself
-    again = parse_config(config)
-    assert again.planned_given["dp.report_goal"] == config["dp"]["report_goal"]
+    _, again = read_run_config(config)
+    assert again.given["dp.report_goal"] == config["dp"]["report_goal"]
+    assert again.binding == config["mechanism"]  # its mechanism pin, kept beside the config
 
 
 def test_a_stated_key_must_agree_with_the_plan(tmp_path, capsys):

@@ -183,8 +183,7 @@ def test_the_services_finish_scores_the_strip_and_the_status_page_shows_it(tmp_p
     from dpfleet.service.servelog import ServiceLog
     from dpfleet.service.status_page import render
 
-    cfg = tiny_cfg(rounds=1)
-    cfg.data.keyboard_words = 10
+    cfg = tiny_cfg(rounds=1, data={"keyboard_words": 10})
     booted = boot(cfg, tmp_path / "state", log=lambda s: None)
     log = ServiceLog(tmp_path / "service.log")
     try:

@@ -31,7 +31,6 @@ written loudly into audit.json and the report.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
+from dpfleet.coordinator.config_overrides import with_values
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.edge.client_data import to_rows
 from dpfleet.edge.client_update import ClientUpdate
@@ -415,12 +415,14 @@ def verdict(a: dict) -> str:
 
 
 def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwrite: bool = False,
-              progress: bool = True, log: Callable[[str], None] = print, pretrain=None) -> dict:
+              progress: bool = True, log: Callable[[str], None] = print, pretrain=None,
+              plan=None) -> dict:
     """Run `cfg` with canaries `seeds` times (seeds cfg.seed, cfg.seed + 1, ...; one run
     directory each under `out`, or `out` itself for one seed), write each run's audit.json and
     its audit into privacy.json and the report (rendered again, with its audit section), and
     with several seeds `out/audit.json` pooling them. `pretrain`:
-    the public pretraining step of `[pretrain]` (`coordinator.run.run`)."""
+    the public pretraining step of `[pretrain]` (`coordinator.run.run`); `plan`: what the config
+    states beside its settings (`config_plan.read_run_config`)."""
     from dpfleet.coordinator.run import run
 
     settings.check()
@@ -428,13 +430,12 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         raise DpfleetError(f"--seeds must be >= 1, got {seeds}")
     entries, pooled, accounted = [], [], []
     for s in range(seeds):
-        run_cfg = copy.deepcopy(cfg)
-        run_cfg.seed = cfg.seed + s
-        run_cfg.checkpoint_every = 0  # no resume point: a resumed run would lose its canaries' key
+        # no resume point: a resumed run would lose its canaries' key
+        run_cfg = with_values(cfg, {"seed": cfg.seed + s, "checkpoint_every": 0})
         run_dir = out if seeds == 1 else out / f"seed-{run_cfg.seed}"
         canaries = CanaryRun(settings)
         result = run(run_cfg, run_dir, overwrite=overwrite, progress=progress, log=log, audit=canaries,
-                     pretrain=pretrain)
+                     pretrain=pretrain, plan=plan)
         scores = canaries.score(participants(result.run_dir))
         # a broken run states no eps (caveats.py): the audit compares against what was accounted
         epsilon = result.privacy.get("accounted_not_a_guarantee", {}).get("epsilon", result.epsilon)

@@ -64,9 +64,9 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     epsilon is consistent with it, not a certificate (docs/audit.md).
     """
     from dpfleet.coordinator.audit.canaries import BROKEN, AuditSettings, run_audit
-    from dpfleet.coordinator.config import load_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir
+    from dpfleet.coordinator.run_privacy.config_plan import load_run_config
     from dpfleet.errors import DpfleetError
 
     if debug_nonprivate:  # for simulate it means telemetry: here it never silently means noise off
@@ -83,18 +83,17 @@ def audit(config: Path, canaries: str, text_canaries: str, seeds: str, confidenc
     settings = AuditSettings(canaries=n, text_canaries=t, confidence=c, broken=broken)
     settings.check()
     sets = parse_overrides(overrides)
-    cfg = load_config(config, sets)
+    # --rounds is an override too, after --set: the config is parsed and checked once, with it
+    cfg, plan = load_run_config(config, sets if rounds is None else
+                                {**sets, "rounds": _count(rounds, "--rounds", 1)})
     if sets:
         click.echo(f"overrides: {describe(sets)}")
-    if rounds is not None:
-        cfg.rounds = _count(rounds, "--rounds", 1)
-    validate(cfg)
     if cfg.dp.noise_multiplier == 0 and cfg.dp.target_epsilon == 0:  # a planned run's z comes later
         raise DpfleetError("dp.noise_multiplier = 0 accounts eps = inf: there is nothing to audit "
                            "(--break noise-off switches the noise off under a finite accounted eps)")
     out = out or fresh_run_dir(Path("runs") / f"{config.stem}-audit")
     a = run_audit(cfg, out, settings, seeds=s, overwrite=overwrite, progress=not quiet, log=click.echo,
-                  pretrain=cli_pretrain())
+                  pretrain=cli_pretrain(), plan=plan)
     fmt = lambda x: "inf" if not math.isfinite(x) else f"{x:.3f}"  # noqa: E731
     lo, hi = a["epsilon_estimate_interval"]
     if a["broken"]:

@@ -53,9 +53,9 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
     before its first release leaves no run directory.
     """
     from dpfleet.coordinator.cli.result_block import result_lines
-    from dpfleet.coordinator.config import load_config, parse_config, validate
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, fresh_run_dir, released_any, run
+    from dpfleet.coordinator.run_privacy.config_plan import load_run_config, read_run_config
     from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.errors import DpfleetError, resume_hint
 
@@ -67,24 +67,20 @@ def simulate(config: Path | None, out: Path | None, overwrite: bool, rounds: int
                                "with it")
         if not (resume / "config.json").is_file():
             raise DpfleetError(f"{resume} is not a run directory (no config.json): nothing to resume")
-        cfg, out = parse_config(saved_config(resume)), resume
+        (cfg, plan), out = read_run_config(saved_config(resume)), resume
     elif config is None:
         raise DpfleetError("give a CONFIG to start a run, or --resume RUN_DIR to continue one")
     else:
         sets = parse_overrides(overrides)
-        cfg = load_config(config, sets)
+        # the options are overrides too, after --set: parsed and checked once, with the file
+        options = {"rounds": rounds, "seed": seed, "debug_nonprivate": debug_nonprivate or None}
+        cfg, plan = load_run_config(config, {**sets, **{k: v for k, v in options.items() if v is not None}})
         if sets:
             click.echo(f"overrides: {describe(sets)}")
-        if rounds is not None:
-            cfg.rounds = rounds
-        if seed is not None:
-            cfg.seed = seed
-        cfg.debug_nonprivate = cfg.debug_nonprivate or debug_nonprivate
         out = out or fresh_run_dir(Path("runs") / config.stem)
-    validate(cfg)
     with resume_hint(f"dpfleet simulate --resume {out}", kept=lambda: released_any(out)):
         result = run(cfg, out, overwrite=overwrite, resume=resume is not None, progress=not quiet,
-                     log=click.echo, pretrain=cli_pretrain())  # the Python API's own path
+                     log=click.echo, pretrain=cli_pretrain(), plan=plan)  # the Python API's own path
     for line in result_lines(final={"accuracy": result.accuracy, "perplexity": result.perplexity},
                              baseline={"accuracy": result.unigram_accuracy,
                                        "perplexity": result.unigram_perplexity},

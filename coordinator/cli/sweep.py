@@ -40,9 +40,10 @@ def sweep(config: Path, grid_texts: tuple[str, ...], seeds: int, out: Path | Non
     Example:
       dpfleet sweep examples/shakespeare_cifg.toml --grid dp.target_epsilon=2,4,8 --seeds 5
     """
-    from dpfleet.coordinator.config import load_config, parse_config, validate
+    from dpfleet.coordinator.config import load_config
     from dpfleet.coordinator.config_overrides import parse_overrides
     from dpfleet.coordinator.run import cli_pretrain, released_any, run
+    from dpfleet.coordinator.run_privacy.config_plan import load_run_config, read_run_config
     from dpfleet.coordinator.state.mechanism_binding import saved_config
     from dpfleet.coordinator.sweep import (
         expand,
@@ -62,9 +63,9 @@ def sweep(config: Path, grid_texts: tuple[str, ...], seeds: int, out: Path | Non
     if clash:
         raise DpfleetError(f"{', '.join(clash)} is both --set and --grid: give it in one of them")
     base = load_config(config, sets)
-    for key, values in grid.items():  # every point is a valid config before anything runs
+    for key, values in grid.items():  # every point is a valid config (parsed) before anything runs
         for value in values:
-            validate(load_config(config, {**sets, key: value}))
+            load_config(config, {**sets, key: value})
     seed_list = [base.seed + i for i in range(seeds)]
     runs = expand(grid, seed_list)
     out = out or Path("runs") / f"{config.stem}-sweep"
@@ -80,13 +81,12 @@ def sweep(config: Path, grid_texts: tuple[str, ...], seeds: int, out: Path | Non
         resume = released_any(folder)
         click.echo(f"{head}: {'resuming' if resume else 'running'}")
         if resume:
-            cfg = parse_config(saved_config(folder))
+            cfg, plan = read_run_config(saved_config(folder))
         else:
-            cfg = load_config(config, {**sets, **item.values, "seed": item.seed})
-        validate(cfg)
+            cfg, plan = load_run_config(config, {**sets, **item.values, "seed": item.seed})
         with resume_hint(again, kept=lambda: True):
             run(cfg, folder, overwrite=not resume, resume=resume, progress=not quiet,
-                log=(lambda _: None) if quiet else click.echo, pretrain=cli_pretrain())
+                log=(lambda _: None) if quiet else click.echo, pretrain=cli_pretrain(), plan=plan)
     summary = summarize(out)
     click.echo("")
     click.echo(render_summary(summary))

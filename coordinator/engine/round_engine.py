@@ -21,7 +21,7 @@ release log is replayed and released rounds are never recomputed (`release_log`,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -167,7 +167,8 @@ class RoundEngine:
                  vocabulary: dict | None = None, resume: bool = False,
                  releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
                  mechanism: Mechanism | None = None, other_releases: list[dict] | None = None,
-                 keyboard_rows: np.ndarray | None = None, precision: str = "float32"):
+                 keyboard_rows: np.ndarray | None = None, precision: str = "float32",
+                 binding: Mapping[str, str] | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
@@ -177,7 +178,8 @@ class RoundEngine:
         other DP releases about the same devices, which the caller may append to while the run goes
         (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`).
         `keyboard_rows`: held-out rows of other users than `test_rows`' (the unigram baseline's),
-        whose word counts make the keyboard's most-frequent-word strip (`keyboard_eval`)."""
+        whose word counts make the keyboard's most-frequent-word strip (`keyboard_eval`).
+        `binding`: a run's config.json pin of its mechanism (`config_plan.RunPlan.binding`)."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
@@ -193,7 +195,7 @@ class RoundEngine:
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
         # participation), bound to the run directory (`mechanism_binding`)
         self.mechanism, self.mechanism_optimised_for = run_mechanism(
-            cfg, self.participation.min_separation, run.path, resume, mechanism)
+            cfg, self.participation.min_separation, run.path, resume, mechanism, binding)
         check_supported(cfg, self.mechanism)
         custom = not is_built_in(self.mechanism)
         # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfleet.coordinator.config import SimulationConfig, public_words, validate
+from dpfleet.coordinator.config import SimulationConfig, public_words
 from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
@@ -46,6 +46,7 @@ from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPEND
     round_totals,
 )
 from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, build_dp_vocabulary
+from dpfleet.coordinator.run_privacy.config_plan import RunPlan
 from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.state.resume import (
     check_resumable,
@@ -198,6 +199,7 @@ def run_simulation(
     pretrain: Pretrain | None = None,
     other_releases: list[dict] | None = None,
     on_round: Callable[[dict], None] | None = None,
+    plan: RunPlan | None = None,
 ) -> SimulationResult:
     """Run a whole simulation and write its run directory.
 
@@ -212,8 +214,11 @@ def run_simulation(
     `dpfleet.public` (the layers). `other_releases`: other DP releases about the same devices
     ({name, zcdp, delta, what}, appended to during the run, e.g. FreD), composed into the run's
     privacy. metrics.jsonl holds DP quantities and held-out evaluation only. `on_round(record)`
-    gets a copy of each round's metrics record once the round is committed.
+    gets a copy of each round's metrics record once the round is committed. `plan`: what the
+    config states beside its settings (`config_plan.read_run_config`: the planned keys it states,
+    a config.json's mechanism pin); None: nothing.
     """
+    plan = plan or RunPlan()
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
     torch.manual_seed(cfg.seed)
@@ -227,7 +232,7 @@ def run_simulation(
     test_rows, baseline_clients = split_held_out(data.test, cfg.data.eval_examples or None,
                                                  cfg.data.test_fraction)
     if planned:
-        plan_run(cfg, run, len(population), resume, log)
+        cfg, plan = plan_run(cfg, run, len(population), resume, log, plan)
     for warning in plan_warnings(cfg):  # before any training: noise that drowns every update
         log(f"warning: {warning}")
     generated_notice = generated_population_notice(population)
@@ -244,7 +249,7 @@ def run_simulation(
         test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
         mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
         keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
-        precision=trainer_precision(setup.trainer)["used"],
+        precision=trainer_precision(setup.trainer)["used"], binding=plan.binding,
     )
     install(engine, participation=ext.get("participation"))
     if audit is not None:
@@ -477,18 +482,19 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
 
 
 def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
-             log: Callable[[str], None]) -> None:
-    """dp.target_epsilon: the planner's choice for this population written into `cfg`, then
-    config.json and plan.json (a resumed run re-plans and must agree with its own config.json)."""
+             log: Callable[[str], None], plan: RunPlan | None = None) -> tuple[SimulationConfig, RunPlan]:
+    """dp.target_epsilon: the config with the planner's choice for this population, and `plan`
+    (what the config states of the planned keys, which must agree) holding it; then config.json
+    and plan.json (a resumed run re-plans and must agree with its own config.json)."""
     from dpfleet.coordinator.run_privacy.config_plan import apply_run_plan, make_run_plan, plan_line
 
     record = make_run_plan(cfg, population)
-    apply_run_plan(cfg, record, getattr(cfg, "planned_given", {}))
-    validate(cfg)
+    cfg, plan = apply_run_plan(cfg, plan or RunPlan(), record)
     if not resume:
         run.write_config(cfg.resolved())
         run.write_json("plan.json", record)
     log(plan_line(record))
+    return cfg, plan
 
 
 def custom_cohort_trainer(cfg: SimulationConfig, model_cfg, model: torch.nn.Module):

@@ -6,10 +6,13 @@ already chooses them.
 With `dp.target_epsilon > 0` the simulation plans once the training population N is known:
 report goal and the largest MinS / worst-case MaxP it allows (`make_plan`), each mechanism
 optimised for them with the z that meets the target (`mechanism_rows`), and `dp.mechanism =
-"auto"` takes the least model noise. The planned keys are written into the config (uniform
-participation enforced by the coordinator's MinS / MaxP guard), and the run directory gets
-plan.json. A planned key the config states itself must agree with the plan, else the run is
-refused: a config never says one thing while the run does another.
+"auto"` takes the least model noise. The planned keys make a new config (`apply_run_plan`: the
+config is frozen; uniform participation enforced by the coordinator's MinS / MaxP guard), and the
+run directory gets plan.json. A planned key the config states itself must agree with the plan,
+else the run is refused: a config never says one thing while the run does another.
+
+What the config states of the planned keys, and a run's config.json's mechanism pin, are no
+settings: they are kept beside the config, in a `RunPlan` (`read_run_config`), with the plan.
 
 The accountant still reads the participation log: the plan sets the limits, it does not
 replace the accounting (privacy.json's eps is the observed run's, at most the target).
@@ -18,17 +21,59 @@ replace the accounting (privacy.json's eps is the observed run's, at most the ta
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from dpfleet.coordinator.accounting.planner import candidates, make_plan, mechanism_rows, pick_mechanism
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
-from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.coordinator.config import (
+    SimulationConfig,
+    config_values,
+    given_planned_keys,
+    parse_config,
+    split_binding,
+    validate,
+)
+from dpfleet.coordinator.config_overrides import with_values
 from dpfleet.coordinator.mechanisms.registry import entry, source
 from dpfleet.coordinator.run_privacy.run_accountant import conversion_for
 from dpfleet.errors import DpfleetError
 
 Z_TOLERANCE = 1e-6  # relative: a stated noise multiplier agrees with the plan's within this
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run is planned and pinned by, beside its frozen config (never attached to it).
+
+    `given`: the planned keys the config itself states ("dp.report_goal" -> value), which the
+    plan must agree with; `binding`: a run's config.json pin of its mechanism ({name, sha256},
+    `mechanism_binding.run_mechanism` checks the run's mechanism against it); `record`: plan.json
+    once dp.target_epsilon is planned (None: not planned), whose keys `chosen` gives."""
+
+    given: Mapping[str, Any] = field(default_factory=dict)
+    binding: Mapping[str, str] | None = None
+    record: Mapping[str, Any] | None = None
+
+    @property
+    def chosen(self) -> dict[str, Any]:
+        """The planner's values of the planned keys ({} before planning)."""
+        return {} if self.record is None else planned_values(self.record)
+
+
+def read_run_config(values: dict) -> tuple[SimulationConfig, RunPlan]:
+    """Raw config values (a TOML file's, a dict's, or a run's config.json) as the checked config
+    and what it states beside its settings (`RunPlan`, not yet planned)."""
+    settings, binding = split_binding(values)
+    return parse_config(settings), RunPlan(given=given_planned_keys(settings), binding=binding)
+
+
+def load_run_config(path: Path, overrides: Mapping[str, object] | None = None,
+                    python: bool = False) -> tuple[SimulationConfig, RunPlan]:
+    """`read_run_config` of the file at `path` with `overrides` (`config.config_values`)."""
+    return read_run_config(config_values(path, overrides, python))
 
 
 def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
@@ -95,15 +140,17 @@ def _agrees(key: str, stated: Any, planned: Any, asked_mechanism: str) -> bool:
     return stated == planned
 
 
-def apply_run_plan(cfg: SimulationConfig, record: dict, given: dict[str, Any]) -> None:
-    """Write the plan's keys into `cfg`; a key the config stated differently is one error."""
+def apply_run_plan(cfg: SimulationConfig, plan: RunPlan, record: Mapping[str, Any]
+                   ) -> tuple[SimulationConfig, RunPlan]:
+    """A new config with the plan's keys (validated: it is a new config) and the plan holding
+    `record`; a key the config stated differently (`plan.given`) is one error."""
     values = planned_values(record)
-    for key, stated in given.items():
+    for key, stated in plan.given.items():
         if not _agrees(key, stated, values[key], record["mechanism_choice"]):
             raise DpfleetError(
                 f"config states {key} = {stated!r} but dp.target_epsilon = {record['target_epsilon']:g} "
                 f"plans {values[key]!r} (N {record['population']}, {record['rounds']} rounds): remove "
                 f"{key} to take the plan, or remove dp.target_epsilon to set the keys yourself")
-    for key, value in values.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+    planned = with_values(cfg, values)
+    validate(planned)
+    return planned, replace(plan, record=record)

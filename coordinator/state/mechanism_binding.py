@@ -17,6 +17,7 @@ installed; a caller's object (custom) must be handed in again.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from dpfleet.coordinator.mechanisms.base import Mechanism
@@ -72,11 +73,14 @@ def _record(mechanism: Mechanism, custom: bool, optimised_for: dict) -> dict:
 
 
 def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
-                  given: Mechanism | None = None) -> tuple[Mechanism, dict]:
+                  given: Mechanism | None = None, pin: Mapping[str, str] | None = None
+                  ) -> tuple[Mechanism, dict]:
     """The run's mechanism and the participation it was optimised for: built (the config's, or
     `given`, a caller's) and written to mechanism.json at a fresh start; on resume rebuilt from
     mechanism.json (or `given` again) and checked against the fingerprint recorded there and in
-    config.json (the release records and resume point are checked by `resume`)."""
+    config.json (the release records and resume point are checked by `resume`). `pin`: the
+    binding of the config.json the config was read from (`config_plan.RunPlan.binding`), which
+    the mechanism built at a fresh start must match."""
     path = run_path / MECHANISM_FILE
     if resume and path.is_file():
         saved = json.loads(path.read_text())
@@ -96,8 +100,8 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
         return mechanism, saved["optimised_for"]
     mins, maxp = accounted_participation(cfg, min_separation)
     mechanism = given if given is not None else build(cfg.dp.mechanism, cfg.rounds, mins, maxp)
-    if getattr(cfg, "mechanism_binding", None) is not None:  # a run's config.json: its pin holds
-        check_bound(mechanism, cfg.mechanism_binding, "the config's mechanism binding")
+    if pin is not None:  # a run's config.json: its pin holds
+        check_bound(mechanism, dict(pin), "the config's mechanism binding")
     optimised_for = {"min_separation": mins, "max_participation": maxp,
                      "participation": cfg.participation.mode}
     atomic_write(path, dumps(_record(mechanism, not is_built_in(mechanism), optimised_for), indent=2))
@@ -106,7 +110,8 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
 
 
 def saved_config(run_path: Path) -> dict:
-    """A run directory's config.json (with its `mechanism` binding: a pin `parse_config` keeps)."""
+    """A run directory's config.json (with its `mechanism` binding: a pin `read_run_config` keeps
+    beside the config)."""
     return json.loads((run_path / "config.json").read_text())
 
 

@@ -1,0 +1,71 @@
+"""The config is a leaf: frozen, validated once per command, the planner's choices and a run's
+mechanism pin kept beside it (`config_plan.RunPlan`), never attached to it.
+
+Scored on behaviour: setting a field of a parsed config (or attaching a new attribute) is an
+error; one `dpfleet simulate` call runs the config checks once; the config.json a run writes is
+byte-for-byte what the mutable config wrote for the same input (its sha256 recorded from the
+code before the config was frozen)."""
+
+import dataclasses
+import hashlib
+
+import pytest
+from test_config_plan import CFG as PLANNED_CFG
+from test_noise_secrecy import CFG
+
+from dpfleet.cli import main
+from dpfleet.coordinator import config as config_module
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.state.run_dir import to_toml
+
+TINY = {**CFG, "rounds": 2, "eval_every": 2, "checkpoint_every": 0,
+        "data": {**CFG["data"], "max_clients": 20}}
+
+
+def test_a_parsed_config_cannot_be_changed_or_given_attributes():
+    cfg = parse_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rounds = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dp.noise_multiplier = 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.planned_given = {}  # what the parser used to attach
+    assert not hasattr(cfg, "planned_given") and not hasattr(cfg, "mechanism_binding")
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """One `dpfleet simulate` of a tiny planned config (--rounds, --seed and --debug-nonprivate
+    given on the command line too), with the config checks counted."""
+    tmp = tmp_path_factory.mktemp("frozen")
+    path = tmp / "tiny.toml"
+    path.write_text(to_toml({**PLANNED_CFG, "rounds": 3, "eval_every": 2, "checkpoint_every": 0,
+                             "data": {**PLANNED_CFG["data"], "max_clients": 20}}))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        checks = config_module.missing_extras
+        mp.setattr(config_module, "missing_extras", lambda cfg: calls.append(cfg) or checks(cfg))
+        main(["simulate", str(path), "--out", str(tmp / "run"), "--quiet", "--rounds", "2",
+              "--seed", "3", "--debug-nonprivate"])
+    return tmp / "run", calls
+
+
+def test_simulate_validates_the_stated_config_once_and_the_planned_one_once(simulated):
+    _, calls = simulated
+    # the stated config (at parse), and the planner's config once the population is known: two
+    # configs, each checked once (before: the stated one three times, the planned one once)
+    assert len(calls) == 2
+    stated, planned = calls
+    assert (stated.rounds, stated.seed, stated.debug_nonprivate) == (2, 3, True)
+    assert stated.dp.noise == planned.dp.noise == "gaussian"  # "auto" resolved at parse
+    assert planned.participation.mode == "uniform" and stated.participation.mode == "disjoint"
+
+
+def test_config_json_is_byte_identical_to_the_mutable_configs(simulated):
+    run, _ = simulated
+    data = (run / "config.json").read_bytes()
+    # recorded from main (b7f5f6b), before the config was frozen; a new config key changes it
+    assert hashlib.sha256(data).hexdigest() == EXPECTED_CONFIG_JSON_SHA256, data.decode()
+
+
+EXPECTED_CONFIG_JSON_SHA256 = "8ad6a6617a0dbbbffdc2458d7c97395f169e4d0160a32973acee4faf27eb2255"
