@@ -3,6 +3,12 @@
 Every key is checked against the dataclass fields, so a typo (`noise_multiplyer`) is an error
 with a suggestion instead of a silently ignored setting. `resolved()` gives the full config with
 defaults filled in; each run directory stores it, so a run can be reproduced from its folder.
+
+Every section is a frozen dataclass: a config is checked once, when it is parsed (`validate`),
+and the checked config is the one that runs. Code that needs other values makes a new config
+(`config_overrides.with_values`, `dataclasses.replace`) and checks that one; what a config states
+beside its settings (the planned keys it gives, a run's mechanism pin) is kept in
+`run_privacy.config_plan.RunPlan`, never attached to it.
 """
 
 from __future__ import annotations

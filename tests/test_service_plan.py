@@ -18,7 +18,7 @@ from dpfleet.cli import main
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.run_privacy import config_plan
-from dpfleet.coordinator.run_privacy.config_plan import planned_values
+from dpfleet.coordinator.run_privacy.config_plan import planned_values, read_run_config
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
 from dpfleet.service.boot import boot
@@ -40,13 +40,19 @@ def planned(values=VALUES):
     return parse_config(json.loads(json.dumps(values)))
 
 
+def planned_with_given(values=VALUES):
+    """The config and what it states beside its settings (the planned keys the plan must agree with)."""
+    return read_run_config(json.loads(json.dumps(values)))
+
+
 def plan_lines(lines):
     return [s for s in lines if s.startswith("plan:")]
 
 
 def booted_once(state, values=VALUES):
     lines = []
-    booted = boot(planned(values), state, log=lines.append)
+    cfg, plan = planned_with_given(values)
+    booted = boot(cfg, state, log=lines.append, plan=plan)
     booted.store.close()
     return booted, lines
 
@@ -173,8 +179,9 @@ def test_a_restart_with_another_target_is_one_error(tmp_path, capsys):
 
 def test_a_stated_key_the_plan_contradicts_is_refused_at_the_first_start(tmp_path):
     values = {**VALUES, "dp": {**VALUES["dp"], "report_goal": 1}}
+    cfg, plan = planned_with_given(values)
     with pytest.raises(DpfleetError, match="config states dp.report_goal = 1"):
-        boot(planned(values), tmp_path / "state", log=lambda s: None)
+        boot(cfg, tmp_path / "state", log=lambda s: None, plan=plan)
     assert not (tmp_path / "state" / "plan.json").exists()
 
 
