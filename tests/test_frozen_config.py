@@ -69,3 +69,22 @@ def test_config_json_is_byte_identical_to_the_mutable_configs(simulated):
 
 
 EXPECTED_CONFIG_JSON_SHA256 = "8ad6a6617a0dbbbffdc2458d7c97395f169e4d0160a32973acee4faf27eb2255"
+
+
+def test_the_plan_makes_a_new_config_and_keeps_its_choice_beside_it():
+    from dpfleet.coordinator.run_privacy.config_plan import (
+        apply_run_plan,
+        make_run_plan,
+        planned_values,
+        read_run_config,
+    )
+
+    values = {**PLANNED_CFG, "dp": {**PLANNED_CFG["dp"], "mechanism": "tree"}}
+    cfg, plan = read_run_config(values)
+    assert plan.given == {"dp.mechanism": "tree"} and plan.record is None and plan.chosen == {}
+    record = make_run_plan(cfg, 40)
+    planned, kept = apply_run_plan(cfg, plan, record)
+    assert (cfg.participation.mode, planned.participation.mode) == ("disjoint", "uniform")
+    assert planned.dp.report_goal == record["chosen"]["report_goal"] != cfg.dp.report_goal
+    assert kept.chosen == planned_values(record) and kept.given == plan.given
+    assert plan.record is None  # the stated plan is not changed either
