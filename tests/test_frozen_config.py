@@ -61,6 +61,17 @@ def test_simulate_validates_the_stated_config_once_and_the_planned_one_once(simu
     assert planned.participation.mode == "uniform" and stated.participation.mode == "disjoint"
 
 
+def test_simulate_validates_an_unplanned_config_once(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(to_toml(TINY))
+    calls = []
+    checks = config_module.missing_extras
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config_module, "missing_extras", lambda cfg: calls.append(cfg) or checks(cfg))
+        main(["simulate", str(path), "--out", str(tmp_path / "run"), "--quiet", "--rounds", "1"])
+    assert len(calls) == 1 and calls[0].rounds == 1  # before: 3 (parse, the CLI, `run`)
+
+
 def test_config_json_is_byte_identical_to_the_mutable_configs(simulated):
     run, _ = simulated
     data = (run / "config.json").read_bytes()
