@@ -61,8 +61,8 @@ from dpfleet.export.checkpoint import (
     python_export_hint,
     require_accepted,
 )
+from dpfleet.export.console_capture import capture, log_path, terminal
 from dpfleet.export.models import ModelConfig, count_parameters
-from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
 from dpfleet.export.policy import ReleasePolicy, run_file

@@ -32,9 +32,9 @@ from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
+from dpfleet.export.console_capture import capture, exporter_step, log_path, terminal
 from dpfleet.export.manifest import write_manifest
 from dpfleet.export.models import ModelConfig
-from dpfleet.export.noise import capture, exporter_step, log_path, terminal
 from dpfleet.export.training import tool_versions
 from dpfleet.io import make_private, private_mkdir
 
@@ -305,7 +305,7 @@ class PhoneExport:
     eager. `model` / `tokenizer`: a custom module (`dpfleet.simulate(model=...)`), whose checkpoint
     has weights but no zoo config to rebuild it from, and the run's tokenizer when the folder's
     cannot be loaded (a caller's own); the folder is still checked (`check_private`) and its
-    tokenizer files are shipped. The exporters' output goes to `<out>.export.log` (`noise.py`)."""
+    tokenizer files are shipped. The exporters' output goes to `<out>.export.log` (`console_capture.py`)."""
 
     checkpoint: Path
     fmt: str
