@@ -149,7 +149,7 @@ class CoordinatorWatch:
                 "(--coordinator-timeout 0 waits for it instead)")
         raise DpfleetError(
             f"no coordinator answers at {self.url} ({why}) after {self.gone_after_s:g} s; "
-            "start `dpfleet coordinator serve` first and pass the URL it prints "
+            "start `dpfleet service serve` first and pass the URL it prints "
             "(--coordinator-timeout 0 waits for it instead)")
 
 
