@@ -32,7 +32,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.cohort import CohortTrainer
 from dpfleet.edge.cohort_lstm import recurrent_grads
-from dpfleet.edge.runtime import batches
+from dpfleet.edge.minibatch import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.export.models import build_model
 from dpfleet.export.params import ParamLayout, get_flat

@@ -42,8 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.edge.runtime import fixed_shape_batches
-from dpfleet.edge.runtime_executorch import PteTrainingProgram, set_threads
+from dpfleet.edge.minibatch import fixed_shape_batches
+from dpfleet.edge.pte_module import set_threads
+from dpfleet.edge.runtime_executorch import PteTrainingProgram
 from dpfleet.edge.runtime_onnx import OnnxTrainingProgram
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.export.models import ModelConfig, build_model, count_parameters, next_token_loss

@@ -1,6 +1,6 @@
 """SecAgg rounds survive dropout in every phase, commit-to-reveal included (issue 22, hole 3).
 
-`benchmarks/fleet_load.py`'s run -- `dpfleet coordinator serve` and `dpfleet fleet emulate`
+`benchmarks/fleet_load.py`'s run -- `dpfleet service serve` and `dpfleet fleet emulate`
 (1,000 emulated devices, signed SecAgg+, loopback) -- with over-selection and a 5% chance that
 a device vanishes before each of its six SecAgg messages (commit, the reveal with its keys,
 shares, masked input, consistency signature, unmask shares). Old main aborted the attempt

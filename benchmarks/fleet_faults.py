@@ -1,7 +1,7 @@
 """Kill -9 the coordinator at 20+ random points over every phase and restart it on its state
 (issue 12, item 8, the full version; the fast subset lives in the tests).
 
-Real processes on loopback: `dpfleet coordinator serve` and one `dpfleet fleet emulate` that
+Real processes on loopback: `dpfleet service serve` and one `dpfleet fleet emulate` that
 lives through every restart (its devices retry with jittered backoff; the coordinator listens
 on one fixed port so they find it again). Each coordinator life is killed with SIGKILL either
 by its own fault hook (`DPFLEET_SERVICE_FAULT=point:n`, service/faults.py: the n-th time it
@@ -173,7 +173,7 @@ def run(kills: int, rounds: int, devices: int, processes: int, seed: int, timed_
     keys_path, registry = fleet_dir / "fleet_keys.json", fleet_dir / "fleet_public.json"
     write_public_registry(registry, public_registry(fleet_keys(keys_path, len(ids)), ids))
     url = f"http://127.0.0.1:{free_port()}"
-    serve_cmd = _dpfleet("coordinator", "serve", config, "--state", state, "--listen",
+    serve_cmd = _dpfleet("service", "serve", config, "--state", state, "--listen",
                          url.removeprefix("http://"), "--fleet-public", registry)
     plan = plan_kills(kills, rng, timed_share)
     lives: list[dict] = []

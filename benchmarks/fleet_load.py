@@ -1,6 +1,6 @@
 """Load on the coordinator service from an emulated fleet over loopback (issue 12's benchmark).
 
-One run = `dpfleet coordinator serve` (subprocess, sampled for RSS and CPU) + `dpfleet fleet
+One run = `dpfleet service serve` (subprocess, sampled for RSS and CPU) + `dpfleet fleet
 emulate` (subprocess, K worker processes) on a shared config: signed SecAgg+ (harary graph),
 uniform participation, a small CIFG model, devices always eligible, no link delay, speed 1, so
 the only device time is real training. Reported per run:
@@ -196,7 +196,7 @@ def fleet_run(devices: int, goal: int, rounds: int, processes: int, retry: float
     state = work / "state"
     began = time.time()
     with open(work / "serve.log", "wb") as out:
-        serve = subprocess.Popen(dpfleet("coordinator", "serve", config, "--state", state,
+        serve = subprocess.Popen(dpfleet("service", "serve", config, "--state", state,
                                          "--fleet-public", work / "fleet_public.json"),
                                  stdout=out, stderr=subprocess.STDOUT)
     sampler = Sampler(serve.pid)

@@ -45,8 +45,8 @@ from host_info import host  # noqa: E402
 from trainer_throughput import PEER, NnLstmTrainer, build_workload  # noqa: E402
 
 from dpfleet.edge.cohort import CohortTrainer  # noqa: E402
+from dpfleet.edge.minibatch import batches  # noqa: E402
 from dpfleet.edge.precision import native_bf16, resolve_precision  # noqa: E402
-from dpfleet.edge.runtime import batches  # noqa: E402
 from dpfleet.edge.tokenizer import PAD  # noqa: E402
 from dpfleet.export.models import build_model  # noqa: E402
 from dpfleet.export.params import get_flat  # noqa: E402

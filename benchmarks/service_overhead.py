@@ -1,4 +1,4 @@
-"""Coordinator overhead per round of `dpfleet coordinator serve`, on loopback, in one process.
+"""Coordinator overhead per round of `dpfleet service serve`, on loopback, in one process.
 
 The coordinator (aiohttp, the round driver, the SQLite commit) and `--devices` emulated devices
 (fleet/link.py + fleet/participant.py, training one at a time in a worker thread) share one

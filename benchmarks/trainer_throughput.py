@@ -39,7 +39,8 @@ from dpfleet.coordinator.engine.backends import SequentialTrainer
 from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.client_update import finish_update
 from dpfleet.edge.cohort import CohortTrainer
-from dpfleet.edge.runtime import EagerRuntime, batches
+from dpfleet.edge.minibatch import batches
+from dpfleet.edge.runtime import EagerRuntime
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.export.models import ModelConfig, build_model, next_token_loss
 from dpfleet.export.params import get_flat

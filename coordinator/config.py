@@ -364,7 +364,7 @@ class FleetSection:
 
 @dataclass(frozen=True)
 class ServiceSection:
-    """The networked coordinator (`dpfleet coordinator serve`, edge/wire/PROTOCOL.md)."""
+    """The networked coordinator (`dpfleet service serve`, edge/wire/PROTOCOL.md)."""
 
     time_scale: float = 1.0
     """Simulated seconds per wall second, shared with the devices."""
@@ -442,7 +442,7 @@ class SimulationConfig:
     fleet: FleetSection = field(default_factory=FleetSection)
     """The emulated devices (`dpfleet fleet`)."""
     service: ServiceSection = field(default_factory=ServiceSection)
-    """The networked coordinator (`dpfleet coordinator serve`)."""
+    """The networked coordinator (`dpfleet service serve`)."""
     projection: ProjectionSection = field(default_factory=ProjectionSection)
     """A projection to a planned cohort and population (a simulation of DP, not a guarantee)."""
 

@@ -32,7 +32,7 @@ SET_HELP = ("Change a config key for this run: dp.noise_multiplier=2, participat
 
 
 def set_option(f: Callable) -> Callable:
-    """The `--set` option of every command that runs a config (simulate, audit, coordinator serve)."""
+    """The `--set` option of every command that runs a config (simulate, audit, service serve)."""
     return click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
                         help=SET_HELP)(f)
 

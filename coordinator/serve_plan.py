@@ -1,4 +1,4 @@
-"""What `coordinator serve` asks of a config before it starts, and the plan a coordinator's state
+"""What `service serve` asks of a config before it starts, and the plan a coordinator's state
 directory keeps: shared by the service and by `fleet run`, which refuses in the service's words
 before it starts anything, and by `fleet emulate`, whose devices follow the coordinator's plan.
 
@@ -44,7 +44,7 @@ def check_secret_noise(cfg: SimulationConfig) -> None:
 
 
 def check_serve_config(cfg: SimulationConfig) -> None:
-    """Everything `coordinator serve` refuses before it starts (`fleet run` asks it before it
+    """Everything `service serve` refuses before it starts (`fleet run` asks it before it
     starts anything): research-mode noise, and what `check_service_config` refuses."""
     check_secret_noise(cfg)
     check_service_config(cfg)

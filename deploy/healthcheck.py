@@ -1,6 +1,6 @@
 """The container's health check: is the coordinator of STATE answering?
 
-Why this and not `dpfleet coordinator status --state STATE`: in a container the service listens
+Why this and not `dpfleet service status --state STATE`: in a container the service listens
 on 0.0.0.0 with a certificate for the host's name, which a check from inside cannot verify for
 127.0.0.1. This asks the public, read-only status route (`GET /v1/public/status`, no token, no
 device ids) over loopback on the port and scheme STATE/admin.json names; exit 0 when it answers

@@ -33,7 +33,8 @@ COMMANDS: dict[str, str] = {
     "export": "dpfleet.export.cli:export",
     "gate": "dpfleet.export.gate:gate",
     "public": "dpfleet.public.cli:public",
-    "coordinator": "dpfleet.service.cli:coordinator",
+    "service": "dpfleet.service.cli:service",
+    "coordinator": "dpfleet.service.cli:coordinator",  # hidden: `service`'s deprecated name
     "fleet": "dpfleet.fleet.cli:fleet",
     "trace": "dpfleet.edge.cli_trace:trace",
 }

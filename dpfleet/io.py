@@ -191,7 +191,7 @@ def release_private_umask() -> None:
 def private_umask() -> Iterator[None]:
     """Umask 077 inside the block, so what libraries write themselves (SQLite and its -wal /
     -shm, tensorboardX events, a tokenizer's files) follows the permission rule too. For a
-    command or a server that owns the process (the CLI, `coordinator serve`), never library
+    command or a server that owns the process (the CLI, `service serve`), never library
     code: a user's Python process keeps its umask. Nested and concurrent holders share it; the
     last one out puts the previous umask back."""
     hold_private_umask()

@@ -6,7 +6,7 @@ one row of a stacked tensor and a local SGD step of every client is one call of
 `vmap(grad(loss))` (torch.func), i.e. batched matmuls over the client axis.
 
 Exactness with the sequential path, client by client:
-* the same shuffled minibatches (`runtime.batches` with the same seed);
+* the same shuffled minibatches (`minibatch.batches` with the same seed);
 * a short last minibatch is filled with all-PAD rows: the loss masks PAD targets, so sum and count
   (hence loss and gradient) are unchanged;
 * clients are sorted by their number of minibatches (longest first), so the clients still training
@@ -37,9 +37,9 @@ from torch.func import functional_call, grad_and_value, vmap
 from dpfleet.edge.client_update import ClientUpdate, finish_update
 from dpfleet.edge.cohort_lstm import RECURRENT, fused_bytes_per_client, recurrent_grads
 from dpfleet.edge.cohort_pool import discard_pool, shared_pool
+from dpfleet.edge.minibatch import batches
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.precision import FLOAT32, Precision, resolve_precision
-from dpfleet.edge.runtime import batches
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model, next_token_loss

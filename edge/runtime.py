@@ -13,11 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dpfleet.edge.minibatch import (  # noqa: F401  (re-exported: runtimes and trainers import them here)
-    batches,
-    check_examples,
-    fixed_shape_batches,
-)
+from dpfleet.edge.minibatch import batches
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError

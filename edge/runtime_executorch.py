@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfleet.edge.pte_module import PteModule, set_threads  # noqa: F401  (re-exported)
-from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
+from dpfleet.edge.minibatch import check_examples, fixed_shape_batches
+from dpfleet.edge.pte_module import PteModule, set_threads
+from dpfleet.edge.runtime import EpochResult, HostWeights
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 from dpfleet.export.params import ParamLayout

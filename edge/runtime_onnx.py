@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.edge.minibatch import check_examples, fixed_shape_batches
 from dpfleet.edge.ort_session import load_session
-from dpfleet.edge.runtime import EpochResult, HostWeights, check_examples, fixed_shape_batches
+from dpfleet.edge.runtime import EpochResult, HostWeights
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 from dpfleet.export.params import ParamLayout

@@ -61,8 +61,8 @@ from dpfleet.export.checkpoint import (
     python_export_hint,
     require_accepted,
 )
+from dpfleet.export.console_capture import capture, log_path, terminal
 from dpfleet.export.models import ModelConfig, count_parameters
-from dpfleet.export.noise import capture, log_path, terminal
 from dpfleet.export.params import ParamLayout, get_flat
 from dpfleet.export.phone import read_heldout_lines
 from dpfleet.export.policy import ReleasePolicy, run_file
@@ -278,6 +278,17 @@ def _run_json(folder: Path, name: str) -> dict | None:
     return run_file(folder.parent / name)
 
 
+def _file_entries(folder: Path) -> dict:
+    """Every file of the bundle but the manifest and its signature, with its size and SHA-256: what
+    the signature covers, so a device can check each file it loads."""
+    return {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,
+                                           "sha256": sha256_hex(p.read_bytes())}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST, SIGNATURE)
+    }
+
+
 @dataclass
 class BundleExport:
     checkpoint: Path
@@ -414,16 +425,6 @@ class BundleExport:
 
     def _write(self, folder: Path, cfg: ModelConfig | None, model, tokenizer, client: dict, seq_len: int,
                max_examples: int) -> dict:
-        from dpfleet.edge.ort_session import load_session
-        from dpfleet.export.phone import (
-            LogitsOf,
-            agreement,
-            latency_ms,
-            random_windows,
-            text_windows,
-            window_program_with_weight_inputs,
-        )
-
         cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
         layout = ParamLayout.of(model)
         stages = 3 + ("executorch" in self.runtimes)
@@ -431,54 +432,12 @@ class BundleExport:
         flat = get_flat(model).astype("<f4")
         (folder / WEIGHTS).write_bytes(flat.tobytes())
         tokenizer.save(folder / TOKENIZER_DIR)
-        training: dict = {}
-        bar.set_postfix_str("ONNX training program")
-        data = self._training_program(cfg, model, tokenizer, seq_len, None, cache)
-        (folder / TRAIN_ONNX).write_bytes(data)
-        training["onnx"] = {"file": TRAIN_ONNX, "dynamic_batch": True, **describe_onnx(data),
-                            "rule": "feed inputs, targets and p.<name> = each weight; get loss and "
-                                    "g.<name> = each gradient; apply SGD on the host"}
-        bar.update()
-        if "executorch" in self.runtimes:
-            bar.set_postfix_str("ExecuTorch training program (minutes)")
-            batch = client["batch_size"]
-            data = self._training_program(cfg, model, tokenizer, seq_len, batch, cache)
-            (folder / TRAIN_PTE).write_bytes(data)
-            training["pte"] = {"file": TRAIN_PTE, **describe_pte(data, layout, batch, seq_len)}
-            bar.update()
+        training = self._write_training(folder, cfg, model, tokenizer, client, seq_len, layout, cache, bar)
         bar.set_postfix_str("inference program")
         training_mode = model.training
         model.eval()  # a custom module may hold dropout: programs and checks run it as eager eval does
-        window_program_with_weight_inputs(model, seq_len, folder / INFER_ONNX)
-        window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
-                  "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
-        inference = {"window": window}
-        weights = {onnx_param_name(n): p.detach().numpy() for n, p in model.named_parameters()}
-        session = load_session((folder / INFER_ONNX).read_bytes(), INFER_ONNX, self.threads)
-
-        def program(tokens):
-            return session.run(None, {"tokens": tokens, **weights})[0]
-
-        if self._lines is not None:
-            rows, lengths = text_windows(tokenizer, self._lines, seq_len)
-            source = f"held-out text ({len(rows)} lines)"
-        else:
-            rows, lengths = random_windows(tokenizer.vocab_size if cfg is None else cfg, seq_len)
-            source = "random token windows (pass --heldout for text)"
-        measured = {
-            "window_vs_eager": {**agreement(LogitsOf(model), program, rows, lengths), "text": source},
-            "window_latency_ms": {**latency_ms(program, seq_len), "threads": self.threads},
-            "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
-                     "loadavg_1m": round(os.getloadavg()[0], 2)},
-        }
-        onnx_files = [TRAIN_ONNX, INFER_ONNX]
-        if cfg is not None:  # the zoo's streaming step program (none is written for a custom module)
-            key = "kv_step" if cfg.arch == "transformer" else "step"
-            inference[key], measured[key] = self._streaming(folder, model, program, seq_len, weights)
-            onnx_files.append(inference[key]["file"])
+        inference, measured = self._write_inference(folder, cfg, model, tokenizer, seq_len)
         model.train(training_mode)
-        (folder / ORT_OPS_CONFIG).write_text(
-            ort_operator_config({name: (folder / name).read_bytes() for name in onnx_files}))
         bar.update()
         manifest = {
             "bundle_version": BUNDLE_VERSION,
@@ -512,16 +471,77 @@ class BundleExport:
             "fully_private": not self._caveats, "caveats": self._caveats,
             **({"release_policy": self._release} if self._release is not None else {}),
         }
-        manifest["files"] = {
-            p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,
-                                               "sha256": sha256_hex(p.read_bytes())}
-            for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name not in (MANIFEST, SIGNATURE)
-        }
+        manifest["files"] = _file_entries(folder)
         bar.update()
         bar.close()
         return manifest
 
+    def _write_training(self, folder: Path, cfg: ModelConfig | None, model, tokenizer, client: dict,
+                        seq_len: int, layout: ParamLayout, cache: Path, bar) -> dict:
+        """The training programs (ONNX always, ExecuTorch when asked: it takes minutes) and the
+        manifest's `training` entry that tells a device how to drive each."""
+        training: dict = {}
+        bar.set_postfix_str("ONNX training program")
+        data = self._training_program(cfg, model, tokenizer, seq_len, None, cache)
+        (folder / TRAIN_ONNX).write_bytes(data)
+        training["onnx"] = {"file": TRAIN_ONNX, "dynamic_batch": True, **describe_onnx(data),
+                            "rule": "feed inputs, targets and p.<name> = each weight; get loss and "
+                                    "g.<name> = each gradient; apply SGD on the host"}
+        bar.update()
+        if "executorch" in self.runtimes:
+            bar.set_postfix_str("ExecuTorch training program (minutes)")
+            batch = client["batch_size"]
+            data = self._training_program(cfg, model, tokenizer, seq_len, batch, cache)
+            (folder / TRAIN_PTE).write_bytes(data)
+            training["pte"] = {"file": TRAIN_PTE, **describe_pte(data, layout, batch, seq_len)}
+            bar.update()
+        return training
+
+    def _write_inference(self, folder: Path, cfg: ModelConfig | None, model, tokenizer,
+                         seq_len: int) -> tuple[dict, dict]:
+        """The inference programs (the window and, for a zoo model, the streaming step) with the
+        ORT operator list a reduced build needs, and what was measured of them against eager: the
+        manifest's `inference` and `measured` entries. `model` is in eval mode."""
+        from dpfleet.edge.ort_session import load_session
+        from dpfleet.export.phone import (
+            LogitsOf,
+            agreement,
+            latency_ms,
+            random_windows,
+            text_windows,
+            window_program_with_weight_inputs,
+        )
+
+        window_program_with_weight_inputs(model, seq_len, folder / INFER_ONNX)
+        window = {"file": INFER_ONNX, **describe_onnx((folder / INFER_ONNX).read_bytes()),
+                  "seq_len": seq_len, "max_prompt_tokens": seq_len - 1}
+        inference = {"window": window}
+        weights = {onnx_param_name(n): p.detach().numpy() for n, p in model.named_parameters()}
+        session = load_session((folder / INFER_ONNX).read_bytes(), INFER_ONNX, self.threads)
+
+        def program(tokens):
+            return session.run(None, {"tokens": tokens, **weights})[0]
+
+        if self._lines is not None:
+            rows, lengths = text_windows(tokenizer, self._lines, seq_len)
+            source = f"held-out text ({len(rows)} lines)"
+        else:
+            rows, lengths = random_windows(tokenizer.vocab_size if cfg is None else cfg, seq_len)
+            source = "random token windows (pass --heldout for text)"
+        measured = {
+            "window_vs_eager": {**agreement(LogitsOf(model), program, rows, lengths), "text": source},
+            "window_latency_ms": {**latency_ms(program, seq_len), "threads": self.threads},
+            "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(),
+                     "loadavg_1m": round(os.getloadavg()[0], 2)},
+        }
+        onnx_files = [TRAIN_ONNX, INFER_ONNX]
+        if cfg is not None:  # the zoo's streaming step program (none is written for a custom module)
+            key = "kv_step" if cfg.arch == "transformer" else "step"
+            inference[key], measured[key] = self._streaming(folder, model, program, seq_len, weights)
+            onnx_files.append(inference[key]["file"])
+        (folder / ORT_OPS_CONFIG).write_text(
+            ort_operator_config({name: (folder / name).read_bytes() for name in onnx_files}))
+        return inference, measured
 
     def _training_program(self, cfg: ModelConfig | None, model: nn.Module, tokenizer, seq_len: int,
                           batch: int | None, cache: Path) -> bytes:

@@ -32,9 +32,9 @@ from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import load_checkpoint
+from dpfleet.export.console_capture import capture, exporter_step, log_path, terminal
 from dpfleet.export.manifest import write_manifest
 from dpfleet.export.models import ModelConfig
-from dpfleet.export.noise import capture, exporter_step, log_path, terminal
 from dpfleet.export.training import tool_versions
 from dpfleet.io import make_private, private_mkdir
 
@@ -305,7 +305,7 @@ class PhoneExport:
     eager. `model` / `tokenizer`: a custom module (`dpfleet.simulate(model=...)`), whose checkpoint
     has weights but no zoo config to rebuild it from, and the run's tokenizer when the folder's
     cannot be loaded (a caller's own); the folder is still checked (`check_private`) and its
-    tokenizer files are shipped. The exporters' output goes to `<out>.export.log` (`noise.py`)."""
+    tokenizer files are shipped. The exporters' output goes to `<out>.export.log` (`console_capture.py`)."""
 
     checkpoint: Path
     fmt: str
@@ -398,18 +398,7 @@ class PhoneExport:
         latency = {**latency_ms(program, self.seq_len), "threads": self.threads}
         agree = {**agreement(model, program, rows, lengths), "text": source}
         del program  # release the program's file before anything is deleted on refusal
-        check = None
-        if self.quantize:
-            check = {"min_top1": self.min_top1, "passed": agree["top1"] >= self.min_top1,
-                     "accepted_below_threshold": False}
-            if not check["passed"]:
-                if not self.accept_int8_drop:
-                    raise DpfleetError(
-                        f"int8 top-1 agreement with eager is {agree['top1']:.4f} (top-3 {agree['top3']:.4f}) "
-                        f"over {agree['positions']} held-out positions, below --min-top1 {self.min_top1}; "
-                        "export fp32, or pass --accept-int8-drop to write it anyway"
-                    )
-                check["accepted_below_threshold"] = True
+        check = self._int8_check(agree)
         architecture = cfg.to_dict() if cfg is not None else {
             "custom": type(model).__qualname__, "parameters": sum(p.numel() for p in model.parameters())}
         manifest = write_manifest(
@@ -457,6 +446,23 @@ class PhoneExport:
             "agreement": agree,
             "int8_check": check,
         }
+
+    def _int8_check(self, agree: dict) -> dict | None:
+        """The int8 export's agreement check (None for fp32): below --min-top1 the export is
+        refused, unless --accept-int8-drop, which the manifest then records."""
+        if not self.quantize:
+            return None
+        check = {"min_top1": self.min_top1, "passed": agree["top1"] >= self.min_top1,
+                 "accepted_below_threshold": False}
+        if not check["passed"]:
+            if not self.accept_int8_drop:
+                raise DpfleetError(
+                    f"int8 top-1 agreement with eager is {agree['top1']:.4f} (top-3 {agree['top3']:.4f}) "
+                    f"over {agree['positions']} held-out positions, below --min-top1 {self.min_top1}; "
+                    "export fp32, or pass --accept-int8-drop to write it anyway"
+                )
+            check["accepted_below_threshold"] = True
+        return check
 
 
 def read_heldout_lines(path: Path) -> list[str]:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from dpfleet.errors import DpfleetError
+from dpfleet.export.console_capture import exporter_step
 from dpfleet.export.models import ModelConfig, RecurrentLM, output_logits
-from dpfleet.export.noise import exporter_step
 from dpfleet.export.weight_inputs import export_with_weight_inputs
 
 STEP_INPUTS = ("token", "state_h", "state_c")

@@ -32,9 +32,9 @@ from tqdm import tqdm
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
+from dpfleet.export.console_capture import capture, exporter_step, terminal
 from dpfleet.export.graph_passes import dedup_nodes, split_addmm
 from dpfleet.export.models import ModelConfig, build_model
-from dpfleet.export.noise import capture, exporter_step, terminal
 from dpfleet.export.params import ParamLayout
 from dpfleet.io import atomic_write, private_mkdir, sha256_hex
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from dpfleet.export.noise import exporter_step
+from dpfleet.export.console_capture import exporter_step
 from dpfleet.export.training import onnx_param_name
 
 

@@ -43,7 +43,7 @@ def _start_hour(value: float | None) -> float:
 @click.option("--coordinator", "url", default=None,
               help="The coordinator's URL (serve prints it; default: the one in --state).")
 @click.option("--state", type=click.Path(path_type=Path), default=None,
-              help="The coordinator's state directory on this machine (`coordinator serve "
+              help="The coordinator's state directory on this machine (`service serve "
                    "--state`): the URL, TLS certificate, plan.json, bundle_key.pub and vocabulary "
                    "not given are taken from it.")
 @click.option("--devices", type=int, default=0, show_default=True, help=DEVICES_HELP)
@@ -218,7 +218,7 @@ def from_coordinator(cfg, state: Path | None, url: str | None, ca_file: Path | N
         if vocabulary is None and needs_coordinator_vocabulary(cfg) and (state / "vocabulary").is_dir():
             vocabulary = state / "vocabulary"
     needed = [
-        (url is None, "--coordinator URL (the URL `coordinator serve` prints)"),
+        (url is None, "--coordinator URL (the URL `service serve` prints)"),
         (plan_file is None and cfg.dp.target_epsilon > 0,
          "--plan STATE/plan.json (dp.target_epsilon: the coordinator's plan of its first start)"),
         (bundle_key is None and cfg.fleet.client == "bundle",
@@ -228,7 +228,7 @@ def from_coordinator(cfg, state: Path | None, url: str | None, ca_file: Path | N
     ]
     missing = [flag for absent, flag in needed if absent]
     if missing:
-        where = (f"{state} does not hold them (is `coordinator serve --state {state}` running?)"
+        where = (f"{state} does not hold them (is `service serve --state {state}` running?)"
                  if state is not None else "or give --state STATE (the coordinator's state "
                                            "directory) to take them from it")
         raise DpfleetError(f"fleet emulate needs {'; '.join(missing)}; {where}")
@@ -285,12 +285,12 @@ def _ms(seconds: float | None) -> str:
 @click.option("--address", default="", help=ADDRESS_HELP)
 def run(config: Path, state: Path, devices: int, processes: int, rounds: int | None,
         seed: int | None, grace: float, backend: str, address: str) -> None:
-    """Start a local coordinator (`coordinator serve`) and an emulated fleet (`fleet emulate`)
+    """Start a local coordinator (`service serve`) and an emulated fleet (`fleet emulate`)
     as subprocesses, show the rounds as they commit, and leave simulate's run directory in
     STATE (plus service.log), and the fleet's keys, registry and both console logs in
     STATE_fleet/ beside it; a finished run ends with the result block `simulate` ends with.
 
-    Ctrl-C stops both cleanly (coordinator stop, then terminate, then kill after --grace
+    Ctrl-C stops both cleanly (service stop, then terminate, then kill after --grace
     seconds) and exits 130; running the same command again continues the run.
     """
     from dpfleet.errors import Interrupted

@@ -54,7 +54,7 @@ PROBE_TIMEOUT_S = 3.0
 
 def fleet_keys(path: Path, devices: int):
     """The identity keys of devices 0..devices-1: read from `path`, or created there if absent."""
-    from dpfleet.secagg.fleet import create_fleet_file, load_fleet_file
+    from dpfleet.secagg.identity_keys import create_fleet_file, load_fleet_file
 
     path = Path(path)
     keys = load_fleet_file(path) if path.exists() else create_fleet_file(path, devices)
@@ -149,7 +149,7 @@ class CoordinatorWatch:
                 "(--coordinator-timeout 0 waits for it instead)")
         raise DpfleetError(
             f"no coordinator answers at {self.url} ({why}) after {self.gone_after_s:g} s; "
-            "start `dpfleet coordinator serve` first and pass the URL it prints "
+            "start `dpfleet service serve` first and pass the URL it prints "
             "(--coordinator-timeout 0 waits for it instead)")
 
 

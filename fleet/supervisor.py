@@ -1,7 +1,7 @@
 """`dpfleet fleet run`: one command for a local coordinator and an emulated fleet.
 
 Why subprocesses (not threads or one event loop): they are the same two programs a user runs
-by hand, `coordinator serve` and `fleet emulate`, so `fleet run` tests what ships, a crash of
+by hand, `service serve` and `fleet emulate`, so `fleet run` tests what ships, a crash of
 one is visible as an exit code, and Ctrl-C can stop them in the right order: the coordinator
 first through its admin API (it finishes or abandons the open round durably), then the fleet.
 Both run in their own sessions so a terminal's Ctrl-C reaches only this supervisor.
@@ -98,13 +98,13 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
         raise DpfleetError("--rounds must be >= 1")
     # a bad config fails here, before anything starts (--rounds checked with it, as serve does)
     cfg = load_config(config, None if rounds is None else {"rounds": rounds})
-    # what `coordinator serve` would refuse, refused here in its words, before anything starts
+    # what `service serve` would refuse, refused here in its words, before anything starts
     # (else it fails inside the subprocess and shows only in serve.console.log)
     check_serve_config(cfg)
     check_kept_plan(cfg, Path(state))
     if needs_coordinator_vocabulary(cfg):
         raise DpfleetError("fleet run: the devices must tokenize with the coordinator's DP word "
-                           "vocabulary; run `coordinator serve` and `fleet emulate --vocabulary "
+                           "vocabulary; run `service serve` and `fleet emulate --vocabulary "
                            "STATE/vocabulary` by hand, or use a public tokenizer")
     state = Path(state)
     fleet_dir = fleet_dir_of(state)  # beside STATE: serve starts only in an empty or its own folder
@@ -114,7 +114,7 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     write_public_registry(registry_path, public_registry(fleet_keys(keys_path, len(ids)), ids))
 
     serve_log, fleet_log = fleet_dir / "serve.console.log", fleet_dir / "emulate.log"
-    serve_cmd = _dpfleet("coordinator", "serve", config, "--state", state, "--listen",
+    serve_cmd = _dpfleet("service", "serve", config, "--state", state, "--listen",
                          "127.0.0.1:0", "--fleet-public", registry_path)
     if rounds is not None:
         serve_cmd += ["--rounds", str(rounds)]

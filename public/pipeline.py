@@ -302,9 +302,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     vocab = teacher_vocab(cfg, log)
-    tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
-    sim = dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
-        cfg.simulation.tokenizer, kind="sentencepiece", path=tok_path))
+    sim = _simulation_with_teacher_tokenizer(cfg, vocab)
     atomic_write(out / "pipeline.json", dumps(
         dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
@@ -328,22 +326,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
             return None
         t0 = time.perf_counter()
         np.save(out / "first_stage_theta.npy", theta)  # the DP checkpoint at round T'
-        if p.selection == "match":
-            model = build_model(model_cfg)
-            set_flat(model, theta)
-            l_priv = student_logprobs(model, pool.sequences)
-            l_pub = teacher.logprobs() if p.match_beta < 1 else None
-            chosen = top_fraction(match_scores(l_pub, l_priv, p.match_beta), p.fraction)
-            np.savez(out / "scores.npz", l_priv=l_priv,
-                     l_pub=l_pub if l_pub is not None else np.full_like(l_priv, np.nan))
-        elif p.selection == "fred":  # FreD (paper 003): rank by likelihood under the DP statistics
-            from dpfleet.public.fred_job import fred_select
-
-            chosen, fred_report = fred_select(Path(p.fred_stats), pool.texts, pool.sources, p.fraction)
-            report.update(fred_report)
-            other_releases[:] = fred_releases(report.get("fred_privacy"))  # once, also on a resume
-        else:
-            chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
+        chosen = _select_public(cfg, pool, teacher, model_cfg, theta, out, report, other_releases)
         corpus = teacher.corpus() if p.kd_beta > 0 else PlainCorpus(pool.sequences)
         used_teacher = p.kd_beta > 0 or (p.selection == "match" and p.match_beta < 1)
         kd_cfg = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=p.kd_beta,
@@ -367,6 +350,49 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                             progress=progress, log=log, before_round=public_training,
                             public_data=public_data(cfg), pretrain=pretrain_on_public,
                             other_releases=other_releases)
+    summary = _summary(report, result, switch, time.perf_counter() - start)
+    atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
+    return summary
+
+
+def _simulation_with_teacher_tokenizer(cfg: PipelineConfig, vocab: TeacherVocab) -> SimulationConfig:
+    """`[simulation]` with the teacher's trimmed SentencePiece tokenizer (unless it names its
+    own): the student is trained and scored in the vocabulary the teacher's labels are in."""
+    tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
+    return dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
+        cfg.simulation.tokenizer, kind="sentencepiece", path=tok_path))
+
+
+def _select_public(cfg: PipelineConfig, pool: Pool, teacher: TeacherWork, model_cfg, theta: np.ndarray,
+                   out: Path, report: dict, other_releases: list[dict]) -> np.ndarray:
+    """The indices of the pool records public training uses, by `public.selection`: distribution
+    matching scores them with the DP checkpoint `theta` (and the teacher), FreD by the DP
+    statistics, whose release then joins `other_releases` (the run composes it), else at random."""
+    from dpfleet.public.fred_privacy import fred_releases
+
+    p = cfg.public
+    if p.selection == "match":
+        model = build_model(model_cfg)
+        set_flat(model, theta)
+        l_priv = student_logprobs(model, pool.sequences)
+        l_pub = teacher.logprobs() if p.match_beta < 1 else None
+        chosen = top_fraction(match_scores(l_pub, l_priv, p.match_beta), p.fraction)
+        np.savez(out / "scores.npz", l_priv=l_priv,
+                 l_pub=l_pub if l_pub is not None else np.full_like(l_priv, np.nan))
+    elif p.selection == "fred":  # FreD (paper 003): rank by likelihood under the DP statistics
+        from dpfleet.public.fred_job import fred_select
+
+        chosen, fred_report = fred_select(Path(p.fred_stats), pool.texts, pool.sources, p.fraction)
+        report.update(fred_report)
+        other_releases[:] = fred_releases(report.get("fred_privacy"))  # once, also on a resume
+    else:
+        chosen = random_fraction(len(pool.sequences), p.fraction, cfg.pool.seed)
+    return chosen
+
+
+def _summary(report: dict, result, switch: int, wall_seconds: float) -> dict:
+    """summary.json: the public stage's report with the finished run's accuracy and privacy (its
+    eps with the FreD statistics of the same users, when they were released)."""
     at_switch = [m for m in result.metrics if m["round"] == switch and m.get("accuracy") is not None]
     summary = {
         **report,
@@ -376,9 +402,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
         "privacy": result.privacy,
         "rounds_completed": len(result.metrics),
         "stopped_early": result.stopped_early,
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": wall_seconds,
     }
     if "total_with_releases" in result.privacy:  # DP-FTRL and the same users' FreD statistics
         summary["epsilon_with_fred"] = result.privacy["total_with_releases"]["epsilon"]
-    atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
     return summary

@@ -256,56 +256,14 @@ def build_corpus(
     public/topk_cache.py) gives every manifest written its `cache_mac`, so that a half-done
     cache entry resumes as well as a finished one is reused."""
     batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
-    sequences = [list(s) for s in sequences if len(s) > 0]
-    if not sequences:
-        raise DpfleetError("no sequences to distill")
-    if any(max(s) >= extractor.student_vocab for s in sequences):  # (a vocabulary <= 32,768 ids)
-        raise DpfleetError(f"token ids must be below the student vocabulary's size "
-                           f"({extractor.student_vocab}): were the sequences encoded with "
-                           "another tokenizer?")
-    if shard_sequences < 1:
-        raise DpfleetError("shard_sequences must be positive")
+    sequences = _checked_sequences(extractor, sequences, shard_sequences)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    head_mode = extractor.head_mode
-    settings = {
-        "format": "dpfleet-topk-v1",
-        "k": extractor.k,
-        "teacher": extractor.teacher.name,
-        "sequences": len(sequences),
-        "tokens": sum(map(len, sequences)),
-        "shard_sequences": shard_sequences,
-        "fingerprint": sequences_fingerprint(sequences),
-    }
-    # options added later are recorded only when not at their default, so older corpora match
-    if extractor.targets != "teacher":
-        settings["targets"] = extractor.targets
-    if head_mode != "float32":
-        settings["head_mode"] = head_mode
+    settings = _corpus_settings(extractor, sequences, shard_sequences)
     manifest_file = out / "manifest.json"
-    old: dict = {}
-    if manifest_file.is_file():
-        old = read_manifest(manifest_file)
-        if ({key: old.get(key) for key in settings} != settings
-                or old.get("targets", "teacher") != extractor.targets
-                or old.get("head_mode", "float32") != head_mode):
-            raise DpfleetError(f"{out} holds a corpus built with other settings or sequences")
-
+    old = _same_corpus_manifest(manifest_file, settings, extractor, out)
     recorded: dict[str, dict] = dict(old.get("shard_files", {}))
-    shards, todo, reasons = [], [], []
-    done_tokens = 0
-    for first in range(0, len(sequences), shard_sequences):
-        name = f"shard-{first // shard_sequences:05d}.npz"
-        chunk = sequences[first : first + shard_sequences]
-        shards.append(name)
-        reason = shard_problem(out / name, recorded.get(name))
-        if reason is None:
-            done_tokens += sum(map(len, chunk))
-            continue
-        recorded.pop(name, None)
-        todo.append((name, chunk))
-        if reason:
-            reasons.append(f"top-k shard {out / name}: {reason}; recomputing it")
+    shards, todo, reasons, done_tokens = _shards_to_label(out, sequences, shard_sequences, recorded)
 
     def sealed(body: dict) -> dict:
         return {**body, "cache_mac": seal(body)} if seal is not None else body
@@ -322,8 +280,103 @@ def build_corpus(
     for line in reasons:
         log(line)
 
+    new_tokens, seconds = _label_shards(extractor, todo, out, recorded, write_manifest,
+                                        batch_tokens=batch_tokens, total=settings["tokens"],
+                                        done_tokens=done_tokens, progress=progress)
+    size = sum((out / name).stat().st_size for name in shards)
+    manifest = sealed({
+        **settings,
+        "shard_files": dict(sorted(recorded.items())),
+        "shards": shards,
+        "bytes_per_token": size / settings["tokens"],
+        # a run that computed nothing keeps the throughput and device of the one that did
+        "tokens_per_s": new_tokens / seconds if seconds else old.get("tokens_per_s"),
+        "device": old.get("device") if not seconds and "device" in old
+        else str(extractor.teacher.device),
+    })
+    if manifest != old:
+        atomic_write(manifest_file, json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _checked_sequences(extractor: TopKExtractor, sequences: Sequence[Sequence[int]],
+                       shard_sequences: int) -> list[list[int]]:
+    """The non-empty sequences as lists, refused in one line before any folder is made: ids the
+    student's vocabulary cannot hold mean the sequences were encoded with another tokenizer."""
+    sequences = [list(s) for s in sequences if len(s) > 0]
+    if not sequences:
+        raise DpfleetError("no sequences to distill")
+    if any(max(s) >= extractor.student_vocab for s in sequences):  # (a vocabulary <= 32,768 ids)
+        raise DpfleetError(f"token ids must be below the student vocabulary's size "
+                           f"({extractor.student_vocab}): were the sequences encoded with "
+                           "another tokenizer?")
+    if shard_sequences < 1:
+        raise DpfleetError("shard_sequences must be positive")
+    return sequences
+
+
+def _corpus_settings(extractor: TopKExtractor, sequences: list[list[int]], shard_sequences: int) -> dict:
+    """What makes two corpora the same: the manifest keys a resumed build must match."""
+    settings = {
+        "format": "dpfleet-topk-v1",
+        "k": extractor.k,
+        "teacher": extractor.teacher.name,
+        "sequences": len(sequences),
+        "tokens": sum(map(len, sequences)),
+        "shard_sequences": shard_sequences,
+        "fingerprint": sequences_fingerprint(sequences),
+    }
+    # options added later are recorded only when not at their default, so older corpora match
+    if extractor.targets != "teacher":
+        settings["targets"] = extractor.targets
+    if extractor.head_mode != "float32":
+        settings["head_mode"] = extractor.head_mode
+    return settings
+
+
+def _same_corpus_manifest(manifest_file: Path, settings: dict, extractor: TopKExtractor,
+                          out: Path) -> dict:
+    """The manifest already in `out` ({} if none), refused when it was built with other settings
+    or sequences: resuming it would mix two corpora's shards."""
+    if not manifest_file.is_file():
+        return {}
+    old = read_manifest(manifest_file)
+    if ({key: old.get(key) for key in settings} != settings
+            or old.get("targets", "teacher") != extractor.targets
+            or old.get("head_mode", "float32") != extractor.head_mode):
+        raise DpfleetError(f"{out} holds a corpus built with other settings or sequences")
+    return old
+
+
+def _shards_to_label(out: Path, sequences: list[list[int]], shard_sequences: int,
+                     recorded: dict[str, dict]) -> tuple[list[str], list, list[str], int]:
+    """Every shard's name, the (name, sequences) still to label, why each found one is redone
+    and the tokens already labelled. A stale record is dropped from `recorded`, so no manifest
+    written from here on names a shard that is not whole on disk."""
+    shards, todo, reasons = [], [], []
+    done_tokens = 0
+    for first in range(0, len(sequences), shard_sequences):
+        name = f"shard-{first // shard_sequences:05d}.npz"
+        chunk = sequences[first : first + shard_sequences]
+        shards.append(name)
+        reason = shard_problem(out / name, recorded.get(name))
+        if reason is None:
+            done_tokens += sum(map(len, chunk))
+            continue
+        recorded.pop(name, None)
+        todo.append((name, chunk))
+        if reason:
+            reasons.append(f"top-k shard {out / name}: {reason}; recomputing it")
+    return shards, todo, reasons, done_tokens
+
+
+def _label_shards(extractor: TopKExtractor, todo: list, out: Path, recorded: dict[str, dict],
+                  write_manifest: Callable[[dict], None], *, batch_tokens: int, total: int,
+                  done_tokens: int, progress: bool) -> tuple[int, float]:
+    """Label and write each shard of `todo`, recording it in the manifest once its file is whole
+    (the resume rule); returns the tokens labelled and the seconds it took (the throughput)."""
     new_tokens, seconds = 0, 0.0
-    bar = tqdm(total=settings["tokens"], initial=done_tokens, unit="tok", desc="top-k",
+    bar = tqdm(total=total, initial=done_tokens, unit="tok", desc="top-k",
                disable=not progress or not todo)
     for name, chunk in todo:
         start = time.perf_counter()
@@ -343,20 +396,7 @@ def build_corpus(
         new_tokens += n_tokens
         bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
     bar.close()
-    size = sum((out / name).stat().st_size for name in shards)
-    manifest = sealed({
-        **settings,
-        "shard_files": dict(sorted(recorded.items())),
-        "shards": shards,
-        "bytes_per_token": size / settings["tokens"],
-        # a run that computed nothing keeps the throughput and device of the one that did
-        "tokens_per_s": new_tokens / seconds if seconds else old.get("tokens_per_s"),
-        "device": old.get("device") if not seconds and "device" in old
-        else str(extractor.teacher.device),
-    })
-    if manifest != old:
-        atomic_write(manifest_file, json.dumps(manifest, indent=2))
-    return manifest
+    return new_tokens, seconds
 
 
 @dataclass

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.count_bit import append_bit
 from dpfleet.secagg.encoding import Discretizer
-from dpfleet.secagg.fleet import load_fleet_file
+from dpfleet.secagg.identity_keys import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.policy import ClientPolicy
@@ -64,7 +64,7 @@ class SecAggAggregator:
         signed: add signatures and the consistency round (malicious-server setting); the
         emulated fleet's identity keys are made once and pinned on every emulated device, and
         each device's local policy demands the planned n, k, t and c; fleet_keys: a fleet key
-        file (`dpfleet.secagg.fleet`) holding those identity keys instead (signed mode);
+        file (`dpfleet.secagg.identity_keys`) holding those identity keys instead (signed mode);
         ring_clients: size the per-client coordinate range for this many clients instead of
         the round's count (fixed scale across rounds, and headroom for integer noise added to
         the ring sum, see `coordinator.ring_noise`)."""

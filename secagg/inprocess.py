@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
-from dpfleet.secagg.fleet import pinned_keys
 from dpfleet.secagg.graph import Graph
+from dpfleet.secagg.identity_keys import pinned_keys
 from dpfleet.secagg.messages import SERVER, Outbound
 from dpfleet.secagg.params import RoundSetup
 from dpfleet.secagg.policy import ClientPolicy

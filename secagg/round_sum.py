@@ -1,6 +1,6 @@
 """A round's clipped updates -> the sum the engine steps with: one owner for both round drivers.
 
-`dpfleet simulate` (in-process, `SecAggAggregator` / `PlainAggregator`) and `dpfleet coordinator
+`dpfleet simulate` (in-process, `SecAggAggregator` / `PlainAggregator`) and `dpfleet service
 serve` (over HTTP, `service/rounds.py`) collect a round's updates differently, but what they hand
 the round engine must not differ: the plain float64 sum in position order (`plain_sum`), or the
 SecAgg ring sum split into the model's part and the survivors' clipped count (`count_bit`),

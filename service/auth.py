@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from dpfleet.edge.wire.auth import (  # noqa: F401  (the protocol's names, as the service's tests use them)
+from dpfleet.edge.wire.auth import (
     CLOCK_WINDOW_S,
     H_DEVICE,
     H_MAC,
@@ -31,11 +31,8 @@ from dpfleet.edge.wire.auth import (  # noqa: F401  (the protocol's names, as th
     NONCE_BYTES,
     SESSION_ID_BYTES,
     AuthError,
-    DeviceHandshake,
     mac_bytes,
-    mac_request,
     session_key,
-    sign_request,
     signed_bytes,
 )
 

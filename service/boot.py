@@ -28,15 +28,7 @@ from dpfleet.coordinator.engine.simulation import load_clients, plan_run, vocabu
 from dpfleet.coordinator.engine.store_engine import open_engine
 from dpfleet.coordinator.run_privacy.config_plan import RunPlan, plan_line
 from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
-from dpfleet.coordinator.serve_plan import (  # noqa: F401  (`coordinator serve` and its tests)
-    PLAN_KEPT,
-    check_kept_plan,
-    check_secret_noise,
-    check_serve_config,
-    check_service_config,
-    checked_plan,
-    follow_plan,
-)
+from dpfleet.coordinator.serve_plan import check_kept_plan, check_service_config, follow_plan
 from dpfleet.coordinator.state.resume import data_fingerprint, fingerprint_secret
 from dpfleet.coordinator.state.run_dir import RunDir
 from dpfleet.coordinator.state.state_store import StateStore

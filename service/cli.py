@@ -1,4 +1,9 @@
-"""`dpfleet coordinator ...`: the coordinator as a long-running HTTP service."""
+"""`dpfleet service ...`: the coordinator as a long-running HTTP service.
+
+The command group is `service`, not `coordinator`: `dpfleet.coordinator` is the package of the
+privacy core and the round engine, which `simulate` runs in-process too. `dpfleet coordinator`,
+the group's earlier name, stays as a hidden alias that says so on stderr.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,16 @@ from dpfleet.coordinator.config_overrides import set_option
 from dpfleet.service.cli_admin import add_admin_commands
 
 
-@click.group(name="coordinator")
-def coordinator() -> None:
-    """The coordinator service: devices register, check in, train and report over HTTP
-    (edge/wire/PROTOCOL.md)."""
+@click.group(name="service")
+def service() -> None:
+    """The coordinator as an HTTP service: devices register, check in, train and report over
+    HTTP (edge/wire/PROTOCOL.md)."""
 
 
-add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_admin.py)
+add_admin_commands(service)  # status | pause | resume | stop | report (cli_admin.py)
 
 
-@coordinator.command()
+@service.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--state", type=click.Path(path_type=Path), required=True,
               help="State directory (SQLite + files); an existing one is continued.")
@@ -40,7 +45,7 @@ add_admin_commands(coordinator)  # status | pause | resume | stop | report (cli_
 def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides: tuple[str, ...],
           fleet_public: Path | None, tls_cert: Path | None, tls_key: Path | None,
           policy: Path | None) -> None:
-    """Run the coordinator of CONFIG until its rounds are done (or `coordinator stop`, Ctrl-C).
+    """Run the coordinator of CONFIG until its rounds are done (or `service stop`, Ctrl-C).
 
     Ctrl-C fails the open round cleanly, commits nothing half-done and exits 130; the same command
     continues the run from its last committed round.
@@ -67,10 +72,10 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
     from dpfleet.coordinator.cli.result_block import result_lines
     from dpfleet.coordinator.config_overrides import describe, parse_overrides
     from dpfleet.coordinator.run_privacy.config_plan import load_run_config
+    from dpfleet.coordinator.serve_plan import check_secret_noise
     from dpfleet.errors import DpfleetError, Interrupted
     from dpfleet.export.policy import ReleasePolicy
     from dpfleet.secagg.registry import load_public_registry
-    from dpfleet.service.boot import check_secret_noise
     from dpfleet.service.server import serve as run
 
     sets = parse_overrides(overrides)
@@ -100,7 +105,7 @@ def serve(config: Path, state: Path, listen: str, rounds: int | None, overrides:
             click.echo(warning)
     if status.get("stopped_by") == "SIGINT" and status["run_state"] != "finished":
         again = "".join(f" --set {shlex.quote(s)}" for s in overrides)
-        click.echo(f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}"
+        click.echo(f"interrupted; continue with: dpfleet service serve {config} --state {state}"
                    f"{again}", err=True)
         raise Interrupted()  # exit 130, as every command on Ctrl-C
 
@@ -127,3 +132,9 @@ def noise_warning(cfg) -> str | None:
     from dpfleet.coordinator.config import honest_participants_only
 
     return f"WARNING: {HONEST_ONLY}" if honest_participants_only(cfg) else None
+
+
+@click.group(name="coordinator", hidden=True, commands=service.commands)
+def coordinator() -> None:
+    """The earlier name of `dpfleet service`, kept so that scripts and deployments keep working."""
+    click.echo("warning: `dpfleet coordinator` is deprecated; use `dpfleet service`", err=True)

@@ -1,6 +1,6 @@
-"""`dpfleet coordinator status | pause | resume | stop | report`: operate a running coordinator.
+"""`dpfleet service status | pause | resume | stop | report`: operate a running coordinator.
 
-Standalone click commands; `add_admin_commands(group)` hangs them under the `coordinator` group
+Standalone click commands; `add_admin_commands(group)` hangs them under the `service` group
 (`service/cli.py`). Each reaches the coordinator through STATE/admin.json (`--state`, a
 coordinator on this machine) or `--url` + `--token-file` (anywhere), and prints a table for a
 person or, with `--json`, the coordinator's own JSON (which always has `rounds_committed`).
@@ -182,7 +182,8 @@ def _reads_finished_state(fn: Callable) -> Callable:
     return fn
 
 
-REPORT_MARK = "written by dpfleet coordinator report"  # the first line of an --out file
+REPORT_MARK = "written by dpfleet coordinator report"  # the first line of an --out file (kept as
+# it was: files written before `coordinator` became `service` stay replaceable)
 
 
 @click.command("report")
@@ -221,7 +222,7 @@ ADMIN_COMMANDS = (status, pause, resume, stop, report)
 
 
 def add_admin_commands(group: click.Group) -> click.Group:
-    """Hang the admin commands under `group` (the `coordinator` group)."""
+    """Hang the admin commands under `group` (the `service` group)."""
     for command in ADMIN_COMMANDS:
         group.add_command(command)
     return group

@@ -1,6 +1,6 @@
 """Starting and stopping one coordinator process: state, engine, HTTP site, admin.json.
 
-`start` is what `dpfleet coordinator serve` and the in-process tests share: boot the engine on
+`start` is what `dpfleet service serve` and the in-process tests share: boot the engine on
 the state directory, bind the site (port 0 picks a free one), write STATE/admin.json (0600:
 URL, admin token, pid, TLS certificate) and start the round driver. While it serves, the
 process umask is 077 (STATE 0700, every file in it 0600, also SQLite's -wal / -shm); off

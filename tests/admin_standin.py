@@ -1,6 +1,6 @@
 """A stand-in for the coordinator's admin API in tests of the operator CLI and the status page.
 
-It stands in for the `service` branch's coordinator (`dpfleet coordinator serve`): a real aiohttp
+It stands in for the `service` branch's coordinator (`dpfleet service serve`): a real aiohttp
 server on a real loopback socket (port 0, optional TLS with a self-signed certificate made with
 `cryptography`) that serves protocol.md-shaped JSON and checks the bearer token, but runs no
 rounds. The CLI under test talks to it exactly as it talks to the real one.
@@ -171,12 +171,12 @@ class StandInCoordinator:
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
-    """`dpfleet coordinator ARGS` in this process: (exit code, stdout, stderr)."""
+    """`dpfleet service ARGS` in this process: (exit code, stdout, stderr)."""
     from dpfleet import cli
 
     code = 0
     try:
-        cli.main(["coordinator", *args])
+        cli.main(["service", *args])
     except SystemExit as exc:
         code = exc.code
     out = capsys.readouterr()

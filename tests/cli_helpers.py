@@ -25,7 +25,7 @@ def run_here(*args: str, env_extra: dict | None = None, cwd: Path | None = None
     "Traceback" in stderr, exit 1), so a test that asserts no traceback still sees one."""
     out, err = io.StringIO(), io.StringIO()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    saved_umask = os.umask(0o022)  # `coordinator serve` sets the process's (077); put it back after
+    saved_umask = os.umask(0o022)  # `service serve` sets the process's (077); put it back after
     os.umask(saved_umask)
     os.environ.update(env_extra or {})
     code = 0

@@ -1,7 +1,7 @@
-"""`dpfleet coordinator status | pause | resume | stop | report` against a live admin API.
+"""`dpfleet service status | pause | resume | stop | report` against a live admin API.
 
 The server is `admin_standin.StandInCoordinator` (a real aiohttp server on loopback standing in
-for `dpfleet coordinator serve`, so that every answer can be controlled; the real service is in
+for `dpfleet service serve`, so that every answer can be controlled; the real service is in
 test_admin_cli_service.py); the CLI runs through dpfleet's own `main` (in-process, or as a
 subprocess where the test is about what a user sees: one line, exit 2, no traceback).
 """
@@ -21,8 +21,8 @@ from dpfleet.service.cli_admin import REPORT_MARK
 
 
 def run_subprocess(*args: str) -> subprocess.CompletedProcess:
-    """`dpfleet coordinator ARGS` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "dpfleet", "coordinator", *args],
+    """`dpfleet service ARGS` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "dpfleet", "service", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -124,7 +124,7 @@ def test_state_without_admin_json(tmp_path):
     proc = run_subprocess("status", "--state", str(tmp_path / "state"))
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
-    assert "has no admin.json" in line and "dpfleet coordinator serve CONFIG --state" in line
+    assert "has no admin.json" in line and "dpfleet service serve CONFIG --state" in line
     proc = run_subprocess("status", "--state", str(tmp_path / "missing"), "--json")
     assert proc.returncode == 2 and "does not exist" in one_error_line(proc.stderr)
 
@@ -232,3 +232,24 @@ def test_help_explains(capsys):
         code, out, _ = run(capsys, command, "--help")
         assert code == 0 and "--state" in out and "--token-file" in out and "--json" in out
     assert "refused by their timer" in run(capsys, "status", "--help")[1]
+
+
+def test_service_is_the_command_and_coordinator_a_hidden_deprecated_alias(tmp_path):
+    """`dpfleet service` runs the HTTP service (the package `dpfleet.coordinator` is the privacy
+    core, not this); `dpfleet coordinator` still works, says once on stderr that it is now
+    `dpfleet service`, and is not listed."""
+    from cli_helpers import run_here
+
+    (tmp_path / "state").mkdir()
+    new = run_here("service", "status", "--state", str(tmp_path / "state"))
+    assert new.returncode == 2
+    assert new.stderr.splitlines() == [new.stderr.strip()]  # one line: the error, nothing else
+    assert "has no admin.json" in new.stderr and "dpfleet service serve CONFIG --state" in new.stderr
+    old = run_here("coordinator", "status", "--state", str(tmp_path / "state"))
+    assert old.returncode == 2
+    lines = old.stderr.splitlines()
+    assert lines[0] == "warning: `dpfleet coordinator` is deprecated; use `dpfleet service`"
+    assert lines[1:] == new.stderr.splitlines()  # then the same command, the same error line
+    listed = [line.split()[0] for line in run_here("--help").stdout.split("Commands:")[1].splitlines()
+              if line.startswith("  ")]
+    assert "service" in listed and "coordinator" not in listed

@@ -1,6 +1,6 @@
-"""The operator CLI and the status page against the real coordinator: `dpfleet coordinator serve`
+"""The operator CLI and the status page against the real coordinator: `dpfleet service serve`
 in a subprocess (it writes STATE/admin.json), real devices (fleet/link.py) training over loopback
-in a thread, and `dpfleet coordinator status | pause | resume | report | stop` in this process."""
+in a thread, and `dpfleet service status | pause | resume | report | stop` in this process."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_cli_operates_a_real_coordinator(capsys, tmp_path):
     config.write_text(to_toml(cfg.resolved()))
     state = tmp_path / "state"
     users, examples = fleet_data(cfg, tmp_path / "fleet")
-    serve = subprocess.Popen([sys.executable, "-m", "dpfleet", "coordinator", "serve", str(config),
+    serve = subprocess.Popen([sys.executable, "-m", "dpfleet", "service", "serve", str(config),
                               "--state", str(state)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:

@@ -44,7 +44,7 @@ WRITERS = {
     "plan": "plan -N 1000 -T 10 --target-zcdp 0.5 --mechanism tree -M 50 --out DEST",
     "export": "export {missing}/checkpoint --format onnx --out DEST",
     "export --bundle": "export {missing}/checkpoint --bundle DEST",
-    "coordinator serve": "coordinator serve {config} --state DEST",
+    "service serve": "service serve {config} --state DEST",
     "fleet run": "fleet run {config} --state DEST",
     "fleet emulate --fleet-dir": "fleet emulate {config} --coordinator http://127.0.0.1:9 --fleet-dir DEST",
     "fleet emulate --summary": "fleet emulate {config} --coordinator http://127.0.0.1:9 "
@@ -130,7 +130,7 @@ def test_a_file_whose_folder_is_missing_is_one_error_line(name, tmp_path, capsys
     assert not (tmp_path / "no").exists()
 
 
-@pytest.mark.parametrize("name", ["simulate", "coordinator serve"])
+@pytest.mark.parametrize("name", ["simulate", "service serve"])
 def test_a_config_refused_after_loading_its_data_leaves_nothing(name, tmp_path, capsys, monkeypatch):
     config = write_config(tmp_path / "bad.toml", NEEDS_MORE_CLIENTS)
     dest = tmp_path / "runs" / "bad"  # its parent is created on the way, and removed again
@@ -158,7 +158,7 @@ def test_a_folder_that_held_anything_is_never_cleaned(tmp_path, capsys):
     assert code == 2 and (out / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("name", ["simulate", "plan", "coordinator serve"])
+@pytest.mark.parametrize("name", ["simulate", "plan", "service serve"])
 def test_a_full_disk_is_one_line_and_leaves_nothing(name, tmp_path, capsys, monkeypatch):
     dest = tmp_path / "out"
     argv = argv_for(name, dest, tmp_path, monkeypatch)

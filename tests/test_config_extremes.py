@@ -68,7 +68,7 @@ def test_delta_at_or_above_one_over_the_population_is_refused(tiny, tmp_path):
 def test_a_coordinator_refuses_such_a_delta_and_leaves_no_state(tiny, tmp_path):
     config = tmp_path / "half.toml"
     config.write_text(to_toml({**CONFIG, "dp": {**CONFIG["dp"], "delta": 0.5}}))
-    proc = run_here("coordinator", "serve", str(config), "--state", str(tmp_path / "state"))
+    proc = run_here("service", "serve", str(config), "--state", str(tmp_path / "state"))
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in proc.stderr and proc.returncode == 2, proc.stderr
     assert "dp.delta = 0.5 is not below 1/N = 1/40" in lines[-1] and not (tmp_path / "state").exists()

@@ -1,6 +1,6 @@
 """`--set SECTION.KEY=VALUE` (coordinator/config_overrides.py): TOML values, applied to the raw
 config before it is parsed, so a typo or a wrong type is the same one-line error as in the file;
-wired into `simulate`, `audit` and `coordinator serve` (the run itself is stubbed here: the config
+wired into `simulate`, `audit` and `service serve` (the run itself is stubbed here: the config
 each command would run is what is checked; tests/test_compare.py runs real overridden runs)."""
 
 import pytest
@@ -106,7 +106,7 @@ def test_cli_a_bad_override_is_one_line_and_writes_nothing(tmp_path, capsys, con
 
 def test_cli_serve_a_bad_override_is_one_line_and_writes_no_state(tmp_path, capsys, config):
     state = tmp_path / "state"
-    line = _error_line(capsys, ["coordinator", "serve", str(config), "--state", str(state),
+    line = _error_line(capsys, ["service", "serve", str(config), "--state", str(state),
                                 "--set", "service.time_scal=2"])
     assert "did you mean 'time_scale'?" in line and not state.exists()
 
@@ -139,12 +139,12 @@ SETS = ["--set", "dp.noise_multiplier=3", "--set", "participation.mode=uniform",
 @pytest.mark.parametrize(("argv", "module", "name"), [
     (["simulate"], "dpfleet.coordinator.run", "run"),
     (["audit"], "dpfleet.coordinator.audit.canaries", "run_audit"),
-    (["coordinator", "serve"], "dpfleet.service.server", "serve"),
+    (["service", "serve"], "dpfleet.service.server", "serve"),
 ])
 def test_cli_each_command_runs_the_overridden_config(tmp_path, capsys, monkeypatch, config, argv,
                                                      module, name):
     seen = _captured_config(monkeypatch, module, name)
-    where = ["--state", str(tmp_path / "state")] if argv[0] == "coordinator" else \
+    where = ["--state", str(tmp_path / "state")] if argv[0] == "service" else \
         ["--out", str(tmp_path / "run")]
     with pytest.raises(SystemExit):
         main([*argv, str(config), *where, *SETS])

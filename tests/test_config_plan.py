@@ -18,9 +18,9 @@ from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine import simulation
 from dpfleet.coordinator.run_privacy.config_plan import read_run_config
+from dpfleet.coordinator.serve_plan import check_service_config
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
-from dpfleet.service.boot import check_service_config
 
 TARGET, ROUNDS = 8.0, 6
 CFG = {**SECRECY_CFG, "rounds": ROUNDS, "eval_every": ROUNDS,
@@ -105,7 +105,7 @@ def test_bad_plan_keys_are_one_error(values, message):
 
 
 def test_service_takes_a_target_it_plans_at_boot():
-    """`coordinator serve` plans dp.target_epsilon itself (tests/test_service_plan.py)."""
+    """`service serve` plans dp.target_epsilon itself (tests/test_service_plan.py)."""
     cfg = parse_config({**CFG, "dp": {**CFG["dp"], "mechanism": "tree"}})
     check_service_config(cfg)  # no refusal
 

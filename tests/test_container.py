@@ -86,11 +86,11 @@ def test_it_runs_as_a_user_with_the_state_as_a_volume_and_the_port_exposed():
 
 def test_its_command_is_a_real_dpfleet_command_with_real_options():
     cmd = command()
-    assert cmd[:3] == ["dpfleet", "coordinator", "serve"]
+    assert cmd[:3] == ["dpfleet", "service", "serve"]
     help_ = CliRunner().invoke(cli, cmd[1:3] + ["--help"])
     assert help_.exit_code == 0, help_.output
     for option in (w for w in cmd[3:] if w.startswith("--")):
-        assert f"{option} " in help_.output, f"`coordinator serve` has no option {option}"
+        assert f"{option} " in help_.output, f"`service serve` has no option {option}"
     # off loopback, serve refuses to start without TLS and the fleet's key registry: the recipe gives both
     assert {"--tls-cert", "--tls-key", "--fleet-public"} <= set(cmd)
 
@@ -141,7 +141,7 @@ def test_the_image_builds_and_serves_help(tmp_path):
         pytest.skip(f"the base image or an index is unreachable: {build.stderr.strip()[-300:]}")
     assert build.returncode == 0, build.stderr[-3000:]
     try:
-        run = subprocess.run([tool, "run", "--rm", tag, "coordinator", "serve", "--help"],
+        run = subprocess.run([tool, "run", "--rm", tag, "service", "serve", "--help"],
                              capture_output=True, text=True)
         assert run.returncode == 0 and "--state" in run.stdout, run.stderr
         [config] = json.loads(subprocess.run([tool, "image", "inspect", tag], capture_output=True,

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from dpfleet.edge.client_update import client_update, clip_l2
-from dpfleet.edge.runtime import EagerRuntime, batches
+from dpfleet.edge.minibatch import batches
+from dpfleet.edge.runtime import EagerRuntime
 from dpfleet.export.models import ModelConfig
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)

@@ -177,7 +177,7 @@ def test_thread_count_cannot_change_under_a_loaded_program(programs):
     run, so it is refused; the same count is a no-op."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
 
-    from dpfleet.edge.runtime_executorch import set_threads
+    from dpfleet.edge.pte_module import set_threads
 
     program = load("pte", programs["pte"])
     current = _threadpool_get_thread_count()

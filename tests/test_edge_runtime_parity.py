@@ -17,7 +17,8 @@ from edge_models import SEQ_LEN, tiny_config
 from numerics import scaled_bound
 
 from dpfleet.edge.client_update import client_update
-from dpfleet.edge.runtime import EagerRuntime, fixed_shape_batches
+from dpfleet.edge.minibatch import fixed_shape_batches
+from dpfleet.edge.runtime import EagerRuntime
 from dpfleet.edge.runtimes import make_runtime
 from dpfleet.export.models import ModelConfig
 from dpfleet.export.training import ProgramSpec, training_program

@@ -27,7 +27,7 @@ from dpfleet.edge.tokenizer import WordTokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.bundle import BundleExport
 from dpfleet.export.checkpoint import save_checkpoint
-from dpfleet.export.noise import ExportRefused
+from dpfleet.export.console_capture import ExportRefused
 from dpfleet.export.params import get_flat
 
 pytest.importorskip("onnxruntime")

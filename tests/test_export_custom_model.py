@@ -20,7 +20,7 @@ from dpfleet.edge.device_client import BundleClient
 from dpfleet.edge.tokenizer import WordTokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
-from dpfleet.export.noise import ExportRefused
+from dpfleet.export.console_capture import ExportRefused
 from dpfleet.export.phone import InferenceProgram, PhoneExport
 
 pytest.importorskip("onnxruntime")

@@ -102,8 +102,8 @@ def pids_in(text: str) -> list[int]:
 
 def committed(state) -> int:
     """Rounds committed so far, from the running coordinator's admin API (token in admin.json)."""
+    from dpfleet.edge.wire.admin_client import AdminClient, target_from_state
     from dpfleet.errors import DpfleetError
-    from dpfleet.service.admin_client import AdminClient, target_from_state
 
     try:
         return AdminClient(target_from_state(state), timeout=5.0).status()["rounds_committed"]
@@ -169,7 +169,7 @@ def test_fleet_run_refuses_what_serve_refuses_before_it_starts_anything(tmp_path
     config = tiny_toml(tmp_path)
     config.write_text(config.read_text().replace("[dp]\n", "[dp]\nnoise_seed = 5\n"))
     state = tmp_path / "state"
-    served = run_here("coordinator", "serve", str(config), "--state", str(tmp_path / "served"))
+    served = run_here("service", "serve", str(config), "--state", str(tmp_path / "served"))
     ran = run_here("fleet", "run", str(config), "--state", str(state))
     assert ran.returncode == 2 and served.returncode == 2
     assert_clean_error(ran, "dp.noise_seed = 5 is research mode")
@@ -203,7 +203,7 @@ def test_emulate_names_every_missing_flag_at_once_or_takes_them_from_state(tmp_p
     text = config.read_text().replace("noise_multiplier = 1.0\n", "").replace("report_goal = 3\n", "")
     config.write_text(text.replace("[dp]\n", "[dp]\ntarget_epsilon = 8.0\n"))
     line = run_here("fleet", "emulate", str(config), "--fleet-dir", str(tmp_path / "f"))
-    assert_clean_error(line, "fleet emulate needs --coordinator URL (the URL `coordinator serve` "
+    assert_clean_error(line, "fleet emulate needs --coordinator URL (the URL `service serve` "
                              "prints); --plan STATE/plan.json (")
     for flag in ("--bundle-key STATE/bundle_key.pub", "or give --state STATE"):
         assert flag in line.stderr
@@ -211,7 +211,7 @@ def test_emulate_names_every_missing_flag_at_once_or_takes_them_from_state(tmp_p
     empty.mkdir()
     assert_clean_error(run_here("fleet", "emulate", str(config), "--state", str(empty)),
                        f"{empty} does not hold them")
-    state = tmp_path / "state"  # what `coordinator serve --state` leaves while it runs
+    state = tmp_path / "state"  # what `service serve --state` leaves while it runs
     state.mkdir()
     (state / "admin.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "token": "t",
                                                   "pid": 1, "tls_cert": None}))

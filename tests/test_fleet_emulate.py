@@ -178,8 +178,8 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     import os
     import signal
 
+    from dpfleet.edge.wire.admin_client import AdminClient, AdminTarget
     from dpfleet.fleet.emulate import Fleet
-    from dpfleet.service.admin_client import AdminClient, AdminTarget
 
     # transfers of 1 s each keep the assigned devices busy long enough to be killed mid-round
     cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},

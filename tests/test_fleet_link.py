@@ -1,5 +1,5 @@
 """The device link on its own, against a stand-in coordinator (an aiohttp app in this test that
-stands in for `dpfleet coordinator serve`'s misbehaviour): 503 and 429 are retried with
+stands in for `dpfleet service serve`'s misbehaviour): 503 and 429 are retried with
 backoff (Retry-After honoured), other errors are raised with the coordinator's code, a blob
 whose bytes do not match its hash is refused, SecAgg frames are split exactly, and every try
 is signed afresh (a retry is never a replay)."""
@@ -13,8 +13,9 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dpfleet.edge.wire.auth import AuthError
 from dpfleet.fleet.link import CoordinatorLink, LinkError, split_frames
-from dpfleet.service.auth import AuthError, NonceCache, verify_request
+from dpfleet.service.auth import NonceCache, verify_request
 
 
 async def with_app(app, body):
@@ -129,7 +130,7 @@ def test_frames_split_exactly_and_truncation_is_an_error():
 def test_a_signature_covers_method_path_body_and_time():
     key = Ed25519PrivateKey.generate()
     pub = key.public_key().public_bytes_raw()
-    from dpfleet.service.auth import sign_request
+    from dpfleet.edge.wire.auth import sign_request
 
     headers = sign_request(key, "dev", "POST", "/v1/rounds/1/report?attempt=1", b"body")
     for method, path, body in (("GET", "/v1/rounds/1/report?attempt=1", b"body"),

@@ -1,6 +1,6 @@
 """Operating the fleet and the coordinator as a person does (issue 32): where `fleet emulate`
 keeps its private keys, a fleet whose coordinator stopped, Ctrl-C (exit 130, nothing left
-running, no traceback), and `coordinator report` on a finished state directory.
+running, no traceback), and `service report` on a finished state directory.
 
 Real subprocesses and sockets on 127.0.0.1 only; every file lives in tmp_path."""
 
@@ -54,7 +54,7 @@ def worker_pids(text: str) -> list[int]:
 
 def start_serve(config: Path, state: Path, log: Path) -> tuple[subprocess.Popen, str]:
     with open(log, "w") as sink:
-        serve = subprocess.Popen(dpfleet("coordinator", "serve", config, "--state", state),
+        serve = subprocess.Popen(dpfleet("service", "serve", config, "--state", state),
                                  stdout=sink, stderr=subprocess.STDOUT)
     wait_for(lambda: (state / "admin.json").is_file(), 240, "serve to write admin.json", serve, log)
     return serve, json.loads((state / "admin.json").read_text())["url"]
@@ -208,7 +208,7 @@ def test_the_watch_reads_the_rounds_the_fleets_bar_counts():
 
 @pytest.mark.slow
 def test_ctrl_c_stops_coordinator_serve_with_130_and_the_resume_hint(tmp_path):
-    """A real SIGINT to `coordinator serve` mid-run: exit 130 (before: 0), the status line, the
+    """A real SIGINT to `service serve` mid-run: exit 130 (before: 0), the status line, the
     command that continues, no traceback; the same command then starts again on the state."""
     config = tiny_toml(tmp_path, rounds=200)  # the run cannot finish before the signal
     state = tmp_path / "state"
@@ -221,7 +221,7 @@ def test_ctrl_c_stops_coordinator_serve_with_130_and_the_resume_hint(tmp_path):
     text = (tmp_path / "serve.log").read_text()
     assert rc == 130, text
     assert "0 of 200 rounds committed, 0 failed" in text, text
-    assert f"interrupted; continue with: dpfleet coordinator serve {config} --state {state}" in text
+    assert f"interrupted; continue with: dpfleet service serve {config} --state {state}" in text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     again, _ = start_serve(config, state, tmp_path / "serve2.log")  # continues on the same state
     stop(again)

@@ -36,8 +36,8 @@ def fleet_parts(cfg, tmp_path):
 
 @pytest.mark.slow  # ~60 s: Ray actors import torch, and the killed round waits its deadline
 def test_ray_fleet_finishes_a_service_run_and_restarts_a_killed_actor(ray_local, tmp_path):
+    from dpfleet.edge.wire.admin_client import AdminClient, AdminTarget
     from dpfleet.fleet.ray_workers import ActorWorker, RayFleet
-    from dpfleet.service.admin_client import AdminClient, AdminTarget
 
     cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
                    service={"overselect": 1.0, "report_deadline_s": 5.0})

@@ -1,5 +1,5 @@
 """Issue 22 hole 4: a round's commit is ONE transaction, release AND metrics row, so `kill -9`
-never leaves a round half-recorded. `dpfleet coordinator serve` (a real process, real sockets,
+never leaves a round half-recorded. `dpfleet service serve` (a real process, real sockets,
 devices training in this process) is SIGKILLed at each write point of round 2's commit and
 between rounds (the service's fault hook, DPFLEET_SERVICE_FAULT=point:n, `service/faults.py`).
 

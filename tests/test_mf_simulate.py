@@ -32,11 +32,11 @@ from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_noise import MF_DOMAIN
 from dpfleet.coordinator.mechanisms.noise_stream import GaussianNodes, key_id, seeded_noise_key
 from dpfleet.coordinator.mechanisms.spec import MechanismSpec, optimize_mechanism
+from dpfleet.coordinator.serve_plan import check_service_config
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.resume import resume_point
 from dpfleet.coordinator.state.run_dir import to_toml
 from dpfleet.errors import DpfleetError
-from dpfleet.service.boot import check_service_config
 
 ROUNDS, M = 6, 4
 # the secrecy tests' tiny run (momentum 0, server lr 1: theta_t - theta_{t-1} = (round sum + round

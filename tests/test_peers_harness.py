@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from peers_worker import PlainLoop, Workload, dpfleet_round, run_rounds  # noqa: E402
 
 from dpfleet.coordinator.engine.backends import SequentialTrainer  # noqa: E402
-from dpfleet.edge.runtime import EagerRuntime, batches  # noqa: E402
+from dpfleet.edge.minibatch import batches  # noqa: E402
+from dpfleet.edge.runtime import EagerRuntime  # noqa: E402
 from dpfleet.edge.tokenizer import PAD  # noqa: E402
 from dpfleet.export.models import ModelConfig, build_model  # noqa: E402
 from dpfleet.export.params import get_flat  # noqa: E402

@@ -133,7 +133,7 @@ def test_a_projection_that_cannot_be_run_is_one_clear_error(change, message):
 
 
 def test_the_service_refuses_a_projection():
-    from dpfleet.service.boot import check_service_config
+    from dpfleet.coordinator.serve_plan import check_service_config
 
     with pytest.raises(DpfleetError, match=r"\[projection\] is a simulation .*`dpfleet simulate`"):
         check_service_config(parse_config(PROJECTED))

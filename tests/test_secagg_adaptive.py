@@ -320,7 +320,7 @@ def test_simulate_with_secagg_gives_the_plain_counts_clip_trajectory_and_epsilon
 
 def test_the_service_and_fleet_count_the_bits_inside_signed_secagg_like_simulate(
         tmp_path, monkeypatch):
-    """Real sockets: `coordinator serve` with signed SecAgg+ and devices of fleet/participant.py
+    """Real sockets: `service serve` with signed SecAgg+ and devices of fleet/participant.py
     that mask their bit with their update. Every committed count is the set bits of exactly the
     devices in the sum (from what each device trained), and the counts, clip norms and epsilon
     equal `simulate`'s with plain aggregation (same config, research noise seed)."""

@@ -122,7 +122,7 @@ def test_explicit_continuous_noise_with_secagg_is_reported_as_honest_participant
         values = json.loads((run / name).read_text())
         assert values["honest_participants_only"] is True
         assert values["honest_participants_only_statement"] == HONEST_ONLY
-    # `coordinator serve` prints the same before it starts and when it ends
+    # `service serve` prints the same before it starts and when it ends
     from dpfleet.service.cli import noise_line, noise_warning
 
     assert noise_warning(cfg) == f"WARNING: {HONEST_ONLY}"
@@ -136,7 +136,7 @@ def test_the_service_sizes_the_ring_for_the_round_size(tmp_path):
     """Over-selection no longer refuses ring noise: the ring holds report goal + over-selected
     devices at +-L plus the noise bound without wrapping."""
     from dpfleet.coordinator.engine.round_engine import discrete_plan
-    from dpfleet.service.boot import check_service_config
+    from dpfleet.coordinator.serve_plan import check_service_config
 
     cfg = tiny_cfg(rounds=2, aggregation={"kind": "secagg"}, service={"overselect": 0.6})
     check_service_config(cfg)  # no refusal

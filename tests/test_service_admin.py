@@ -132,7 +132,7 @@ def test_serve_errors_are_one_line(tmp_path, capsys):
     }
     for i, (args, message) in enumerate(cases.items()):
         with pytest.raises(SystemExit) as exit_:
-            main(["coordinator", "serve", *args, "--state", str(tmp_path / f"s{i}")])
+            main(["service", "serve", *args, "--state", str(tmp_path / f"s{i}")])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("error: ") and message in err, err
         assert err.count("\n") == 1  # one line, no traceback

@@ -18,8 +18,8 @@ from service_fleet import checkin_all, close_all, device_keys, one_round_world, 
 from yarl import URL
 
 from dpfleet.coordinator.engine.simulation import derive_seed
+from dpfleet.edge.wire.auth import sign_request
 from dpfleet.jsonio import dumps
-from dpfleet.service.auth import sign_request
 from dpfleet.service.server import shutdown, start
 
 

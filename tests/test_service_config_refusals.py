@@ -1,4 +1,4 @@
-"""`coordinator serve` refuses, before it writes any state, the configs whose guarantee it could
+"""`service serve` refuses, before it writes any state, the configs whose guarantee it could
 not keep: a generated population (its users repeat, so its epsilon protects nobody). (Secagg with
 adaptive clipping is served since the clipped bit is masked with the update: test_secagg_adaptive.)
 Driven through `boot`, which the CLI calls, so a missing check fails here instead of

@@ -1,4 +1,4 @@
-"""What `dpfleet coordinator serve` tells its console: one line per committed round and, when the
+"""What `dpfleet service serve` tells its console: one line per committed round and, when the
 run finishes, the result block `simulate` ends with (its values those of summary.json and
 privacy.json); a busy port is one line that leaves the state directory as it was. Real sockets
 on 127.0.0.1, the devices of tests/service_fleet.py in the coordinator's own event loop."""
@@ -22,7 +22,7 @@ SECRET = {"noise_seed": -1, "warn_epsilon": 0.5}  # serve's secret noise; eps ab
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`coordinator serve` of a 3-round run (evaluated every 2 rounds) to its end, in this
+    """`service serve` of a 3-round run (evaluated every 2 rounds) to its end, in this
     process, with every device taking part: (completed process, state directory)."""
     import dpfleet.service.server as server
 
@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(server, "start", start_with_devices)
     try:
-        done = run_here("coordinator", "serve", str(config), "--state", str(root / "state"))
+        done = run_here("service", "serve", str(config), "--state", str(root / "state"))
     finally:
         mp.undo()
     return done, root / "state"
@@ -100,7 +100,7 @@ def test_a_busy_port_leaves_the_state_as_it_was(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         for state in (tmp_path / "new", existing):
-            done = run_here("coordinator", "serve", str(config), "--state", str(state),
+            done = run_here("service", "serve", str(config), "--state", str(state),
                             "--listen", f"127.0.0.1:{port}")
             assert done.returncode == 2
             assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")

@@ -12,7 +12,7 @@
    an unexpected exception is a generic 500 JSON without the traceback;
 3. an upload above the clip norm by any amount is refused, an honestly clipped one never;
 4. the state directory is 0700 and every file in it 0600 after a real serve;
-5. `coordinator serve` refuses dp.noise_seed with one error line (exit 2).
+5. `service serve` refuses dp.noise_seed with one error line (exit 2).
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ from service_fleet import checkin_all, close_all, device_keys, register_all, run
 import dpfleet.io as dpfleet_io
 from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.edge.clipping import clip_l2, norm64
+from dpfleet.edge.wire import auth as wire_auth
+from dpfleet.edge.wire.auth import mac_request, sign_request
 from dpfleet.errors import DpfleetError
 from dpfleet.service import auth
-from dpfleet.service.auth import mac_request, sign_request
 from dpfleet.service.server import check_exposure, private_state, shutdown, start
 from dpfleet.service.uploads import UploadError, parse_update
 
-SECRET = {"noise_seed": -1}  # what `coordinator serve` accepts (secret noise)
+SECRET = {"noise_seed": -1}  # what `service serve` accepts (secret noise)
 
 
 # ---------------------------------------------------------------------------- a served coordinator
@@ -312,7 +313,7 @@ def test_serve_refuses_off_loopback_without_a_registry_before_anything_binds(wor
     config = tmp_path / "run.toml"
     config.write_text(to_toml(cfg.resolved()))
     with pytest.raises(SystemExit) as exit_:
-        main(["coordinator", "serve", str(config), "--state", str(tmp_path / "s"), "--listen",
+        main(["service", "serve", str(config), "--state", str(tmp_path / "s"), "--listen",
               "192.0.2.10:8443", "--tls-cert", str(cert), "--tls-key", str(key)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: --listen 192.0.2.10: off loopback")
@@ -572,8 +573,8 @@ def fuzz_request(draw, job, length, device):
     if auth_kind == "signed":
         headers = sign_request(KEYS[device], device, method, path_qs, body)
     elif auth_kind == "garbage":
-        for h in (auth.H_DEVICE, auth.H_TIME, auth.H_NONCE, auth.H_SIG, auth.H_SESSION,
-                  auth.H_MAC):
+        for h in (wire_auth.H_DEVICE, wire_auth.H_TIME, wire_auth.H_NONCE, wire_auth.H_SIG,
+                  wire_auth.H_SESSION, wire_auth.H_MAC):
             if draw(st.booleans()):
                 headers[h] = draw(HEADER_VALUE)
     elif auth_kind == "admin":
@@ -748,7 +749,7 @@ def test_serve_refuses_a_noise_seed_in_one_line(tmp_path, capsys):
     config = tmp_path / "seeded.toml"
     config.write_text(to_toml(tiny_cfg(rounds=1, dp={"noise_seed": 11}).resolved()))
     with pytest.raises(SystemExit) as exit_:
-        main(["coordinator", "serve", str(config), "--state", str(tmp_path / "state")])
+        main(["service", "serve", str(config), "--state", str(tmp_path / "state")])
     captured = capsys.readouterr()
     assert exit_.value.code == 2 and captured.out == ""
     assert captured.err.startswith("error: dp.noise_seed = 11 is research mode")
@@ -765,7 +766,7 @@ def test_attack_a_noise_seed_slipped_in_by_set_is_refused_like_one_in_the_file(t
     config = tmp_path / "secret.toml"
     config.write_text(to_toml(tiny_cfg(rounds=1).resolved()))
     with pytest.raises(SystemExit) as exit_:
-        main(["coordinator", "serve", str(config), "--state", str(tmp_path / "state"),
+        main(["service", "serve", str(config), "--state", str(tmp_path / "state"),
               "--set", "dp.noise_seed=11"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2

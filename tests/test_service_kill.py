@@ -1,4 +1,4 @@
-"""Issue 12 item 8 (the fast subset): `dpfleet coordinator serve` is killed with SIGKILL at
+"""Issue 12 item 8 (the fast subset): `dpfleet service serve` is killed with SIGKILL at
 several points of a round (round just opened, commit files fsynced, inside the commit
 transaction, right after the commit) and restarted on the same state while the devices keep
 going: the run completes, no round is committed twice, no two releases share a noise position
@@ -30,11 +30,11 @@ def free_port() -> int:
 
 
 async def serve_once(config, state, port, fault, started: dict | None = None):
-    """`dpfleet coordinator serve` as a process until it exits: (return code, stderr); with
+    """`dpfleet service serve` as a process until it exits: (return code, stderr); with
     `fault` its DPFLEET_SERVICE_FAULT; `started["pid"]` is its pid once it runs."""
     env = {**os.environ, ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != ENV}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from dpfleet.cli import main; main()", "coordinator", "serve",
+        sys.executable, "-c", "from dpfleet.cli import main; main()", "service", "serve",
         str(config), "--state", str(state), "--listen", f"127.0.0.1:{port}", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     if started is not None:

@@ -1,4 +1,4 @@
-"""`dpfleet coordinator serve` with matrix-factorization noise (dp.mechanism banded / blt), over
+"""`dpfleet service serve` with matrix-factorization noise (dp.mechanism banded / blt), over
 loopback with a tiny fleet: the served run is `simulate`'s bit for bit (plain aggregation); with
 signed SecAgg and adaptive clipping each round's ring sum gets exactly the rounded MF stream of the
 run's key (`mf_ring`, spied in the ring) and the clip norm follows the estimate; killed with

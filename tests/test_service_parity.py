@@ -1,5 +1,5 @@
 """Issue 12 item 1 over real sockets: with uniform participation, plain aggregation, every device
-always there and none dropping, and the same dp.noise_seed, `dpfleet coordinator serve`'s run
+always there and none dropping, and the same dp.noise_seed, `dpfleet service serve`'s run
 (devices training remotely through fleet/link.py + fleet/participant.py) releases the same
 participation, the same DP metrics and the same final model as `simulate`, bit for bit (the
 service sums the float32 reports in position order in float64, as PlainAggregator does)."""

@@ -1,4 +1,4 @@
-"""`coordinator serve` with dp.target_epsilon: the first start plans for the service's training
+"""`service serve` with dp.target_epsilon: the first start plans for the service's training
 clients exactly as `simulate` plans (same planner code, same plan.json, same `plan:` line),
 a restart applies the kept plan.json (never a new plan), and a restart whose config changes the
 target is refused in one line before the state is touched. Also boot's start line: `starting:
@@ -167,7 +167,7 @@ def test_a_restart_with_another_target_is_one_error(tmp_path, capsys):
     config = tmp_path / "other.toml"
     config.write_text(to_toml(other))
     with pytest.raises(SystemExit) as exit_:
-        main(["coordinator", "serve", str(config), "--state", str(state)])
+        main(["service", "serve", str(config), "--state", str(state)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "target_epsilon 8.0 -> 4.0" in err

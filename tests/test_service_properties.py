@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.edge.clipping import norm64
+from dpfleet.edge.wire.auth import AuthError, sign_request
 from dpfleet.secagg.errors import ProtocolViolationError
 from dpfleet.secagg.params import plan_round
 from dpfleet.secagg.setup_wire import decode_setup, encode_setup
-from dpfleet.service.auth import AuthError, NonceCache, sign_request, verify_request
+from dpfleet.service.auth import NonceCache, verify_request
 from dpfleet.service.uploads import UploadError, parse_update
 
 KEY = Ed25519PrivateKey.generate()

@@ -1,4 +1,4 @@
-"""The service's release step: `coordinator serve --policy FILE` publishes the finished model
+"""The service's release step: `service serve --policy FILE` publishes the finished model
 (STATE/release, signed with STATE's bundle key) only when the run meets the release policy.
 
 Attack: a run in research mode (the tiny service config's dp.noise_seed: a caveat) served under
@@ -93,7 +93,7 @@ def test_a_bad_policy_file_is_one_line_before_the_state_is_made(tmp_path, capsys
     (tmp_path / "tiny.toml").write_text(to_toml({**TINY, "dp": {**TINY["dp"], "noise_seed": -1}}))
     (tmp_path / "p.toml").write_text("max_rho = 2.0\nbeat_unigrams = true\n")
     with pytest.raises(SystemExit) as exit_:
-        main(["coordinator", "serve", str(tmp_path / "tiny.toml"), "--state", str(tmp_path / "st"),
+        main(["service", "serve", str(tmp_path / "tiny.toml"), "--state", str(tmp_path / "st"),
               "--policy", str(tmp_path / "p.toml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and err == [

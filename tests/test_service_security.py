@@ -28,9 +28,9 @@ from service_fleet import (
 )
 from yarl import URL
 
+from dpfleet.edge.wire.auth import sign_request
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import train
-from dpfleet.service.auth import sign_request
 from dpfleet.service.server import shutdown, start
 
 

@@ -26,20 +26,18 @@ from service_fleet import (
 )
 from test_service_security import raw
 
-from dpfleet.fleet.link import CoordinatorLink
-from dpfleet.fleet.participant import train
-from dpfleet.service.auth import (
+from dpfleet.edge.wire.auth import (
     H_MAC,
     H_SESSION,
     AuthError,
     DeviceHandshake,
-    NonceCache,
-    Sessions,
     mac_request,
     session_key,
     sign_request,
-    verify_request,
 )
+from dpfleet.fleet.link import CoordinatorLink
+from dpfleet.fleet.participant import train
+from dpfleet.service.auth import NonceCache, Sessions, verify_request
 from dpfleet.service.server import shutdown, start
 
 KEY = Ed25519PrivateKey.generate()

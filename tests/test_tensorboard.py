@@ -161,7 +161,7 @@ def test_the_warning_threshold_is_no_other_config_for_a_resume_but_the_noise_is(
 
 @pytest.mark.slow  # a coordinator and its devices over loopback: ~15 s
 def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
-    """`coordinator serve` with tensorboard = true: STATE/tensorboard/ is STATE/metrics.jsonl."""
+    """`service serve` with tensorboard = true: STATE/tensorboard/ is STATE/metrics.jsonl."""
     import asyncio
 
     from service_fleet import device_keys, fleet_data, serve_to_end, tiny_cfg

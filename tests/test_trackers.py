@@ -239,7 +239,7 @@ def test_switching_a_tracker_is_no_other_config_for_a_resume_or_a_restart():
 
 @pytest.mark.slow  # a coordinator and its devices over loopback, MLflow's sqlite store: ~35 s
 def test_a_served_run_logs_its_metrics_to_both(tmp_path, monkeypatch):
-    """`coordinator serve` with wandb and mlflow on: what they hold is STATE/metrics.jsonl; MLflow
+    """`service serve` with wandb and mlflow on: what they hold is STATE/metrics.jsonl; MLflow
     in its default kind of store, an SQLite database (the mlflow extra's SQLAlchemy)."""
     import asyncio
 

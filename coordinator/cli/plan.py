@@ -164,14 +164,7 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
                      "--config": config_path, "--emit-config": emit_config,
                      "--emit-projection": emit_projection,
                      "--min-rounds": None if min_rounds == 1 else min_rounds}
-    if trace_seed != 0 and generate_devices is None:
-        raise DpfleetError("--trace-seed seeds --generate's trace: give --generate")
-    if generate_devices is not None:
-        if trace is not None or out is None:
-            raise DpfleetError("--generate writes its trace into --out: give --out, not --trace")
-        trace = str(Path(out) / GENERATED)
-        if Path(trace).exists():
-            raise DpfleetError(f"--out {out} already holds {GENERATED}: give a new folder")
+    trace = _trace_to_plan_over(trace, generate_devices, trace_seed, out)
     if trace is None and (given := [k for k, v in trace_options.items() if v is not None]):
         raise DpfleetError(f"{given[0]} plans over a trace: give --trace")
     if trace is not None and rounds is not None:
@@ -179,13 +172,8 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
                            "--days fill")
     if trace is None and (population is None or rounds is None):
         raise DpfleetError("give --population and --rounds (or --trace and --days)")
-    if out is not None:
-        check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
-        check_not_a_run(Path(out), "--out")  # a planned run's plan.json is the plan it ran
     emits = {"--emit-config": emit_config, "--emit-projection": emit_projection}
-    for flag, path in emits.items():
-        if path is not None and Path(path).exists():  # it may be anyone's file
-            raise DpfleetError(f"{flag} {path} exists: give a new file")
+    _check_outputs(out, emits)
     if round_minutes is not None and (problem := round_minutes_error(round_minutes, "--round-minutes")):
         raise DpfleetError(problem)
     if delta is not None and population is not None and population >= 1:
@@ -206,6 +194,42 @@ def plan(population: int | None, rounds: int | None, trace: str | None,
             return plan_trace(trace, days, round_minutes, target_zcdp, delta, method, population,
                               seed, report_goal, timer_hours, mechanism, config_path, min_rounds,
                               out, emits, as_json)
+    plan_population(population, rounds, target_zcdp, delta, method, report_goal, round_minutes,
+                    mechanism, out, as_json)
+
+
+def _trace_to_plan_over(trace: str | None, generate_devices: int | None, trace_seed: int,
+                        out: str | None) -> str | None:
+    """The trace to plan over: --trace, or where --generate will write its trace in --out (a new
+    folder's, so no earlier trace is planned over or overwritten)."""
+    if trace_seed != 0 and generate_devices is None:
+        raise DpfleetError("--trace-seed seeds --generate's trace: give --generate")
+    if generate_devices is None:
+        return trace
+    if trace is not None or out is None:
+        raise DpfleetError("--generate writes its trace into --out: give --out, not --trace")
+    trace = str(Path(out) / GENERATED)
+    if Path(trace).exists():
+        raise DpfleetError(f"--out {out} already holds {GENERATED}: give a new folder")
+    return trace
+
+
+def _check_outputs(out: str | None, emits: dict[str, str | None]) -> None:
+    """Refuse, before the search, an --out that cannot be written or is a run's folder and an
+    --emit-* file that exists: a plan that runs for minutes then fails to write is wasted."""
+    if out is not None:
+        check_writable(Path(out))  # before the search: an unwritable --out is one line, at once
+        check_not_a_run(Path(out), "--out")  # a planned run's plan.json is the plan it ran
+    for flag, path in emits.items():
+        if path is not None and Path(path).exists():  # it may be anyone's file
+            raise DpfleetError(f"{flag} {path} exists: give a new file")
+
+
+def plan_population(population: int, rounds: int, target_zcdp: float, delta: float | None, method: str,
+                    report_goal: int | None, round_minutes: float | None, mechanism: str,
+                    out: str | None, as_json: bool) -> None:
+    """`dpfleet plan -N -T`: `planner.make_plan` over the report-goal grid, each mechanism at the
+    chosen goal, printed and written."""
     result = make_plan(population, rounds, target_zcdp, report_goal=report_goal, delta=delta,
                        method=method, round_minutes=round_minutes)
     rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, candidates(mechanism))

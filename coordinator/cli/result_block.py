@@ -1,4 +1,4 @@
-"""The lines a finished run ends with on the console: `dpfleet simulate` and `dpfleet coordinator
+"""The lines a finished run ends with on the console: `dpfleet simulate` and `dpfleet service
 serve` print the same block, so a result below the unigram baseline, a run that is not fully
 private, or eps above the warning level is said where the user looks, not only in summary.json.
 """

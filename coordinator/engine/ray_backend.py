@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from dpfleet.edge.client_update import ClientUpdate
+from dpfleet.edge.minibatch import batches
 from dpfleet.edge.precision import PRECISIONS, Precision, resolve_precision
-from dpfleet.edge.runtime import batches
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig
 

@@ -284,7 +284,7 @@ def run_simulation(
 
 def load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records=None, tokenizer=None,
                  model=None) -> tuple[Any, FederatedData, ClientStore]:
-    """(tokenizer, held-out data, training population), for `simulate` and `coordinator serve`
+    """(tokenizer, held-out data, training population), for `simulate` and `service serve`
     alike: a TFF / LEAF / jsonl file streams into the memory-mapped population. A caller's model
     or tokenizer is checked against the token ids before any round (a mismatch is one error, not
     an index error later)."""

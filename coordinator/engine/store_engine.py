@@ -1,4 +1,4 @@
-"""The round engine on the SQLite state store (`state.state_store`): what `dpfleet coordinator
+"""The round engine on the SQLite state store (`state.state_store`): what `dpfleet service
 serve` runs. Here, in the engine, not in the store: the store keeps devices, rounds and releases
 and knows no engine; this builds one on it and hands the store its state writer.
 """

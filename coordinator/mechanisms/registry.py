@@ -2,7 +2,7 @@
 package that calls `register` (so adding a mechanism is one file here plus its tests, nothing to
 wire), and every module an installed package names under the entry-point group
 `dpfleet.mechanisms` (a user's mechanism, then usable from a config, `dpfleet simulate` and
-`dpfleet coordinator serve`, which cannot be handed a Python object).
+`dpfleet service serve`, which cannot be handed a Python object).
 
 The built-ins are the classes this package registers under `SHIPPED`, told apart by class identity
 (`is_built_in`), never by a module name a class can set. Everything else registered is a plugin:

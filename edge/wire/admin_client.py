@@ -59,7 +59,7 @@ def target_from_state(state: Path) -> AdminTarget:
         why = "does not exist" if not state.exists() else f"has no {ADMIN_FILE}"
         raise DpfleetError(
             f"state directory {state} {why}: no coordinator is running there "
-            f"(`dpfleet coordinator serve CONFIG --state {state}` writes it while it runs); "
+            f"(`dpfleet service serve CONFIG --state {state}` writes it while it runs); "
             "or give --url and --token-file")
     try:
         data = json.loads(path.read_text())

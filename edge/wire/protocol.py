@@ -49,7 +49,7 @@ PUBLIC_STATUS = f"{PREFIX}/public/status"
 H_NORM, H_CLIPPED, H_LOSS = "X-Dpfleet-Norm", "X-Dpfleet-Clipped", "X-Dpfleet-Loss"
 H_NEXT, H_PHASE = "X-Dpfleet-Next", "X-Dpfleet-Phase"
 
-# what `coordinator serve` writes into its state directory for the fleet and the operator
+# what `service serve` writes into its state directory for the fleet and the operator
 ADMIN_FILE = "admin.json"  # {url, token, pid, tls_cert}, mode 0600
 PLAN_FILE = "plan.json"  # dp.target_epsilon: the plan of the first start, as `simulate` writes it
 PUBLIC_FILE = "bundle_key.pub"  # the run bundle's public key, which devices pin (PEM)

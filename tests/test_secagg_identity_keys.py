@@ -11,7 +11,7 @@ from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import make_aggregator
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.aggregator import SecAggAggregator
-from dpfleet.secagg.fleet import create_fleet_file, load_fleet_file, pinned_keys
+from dpfleet.secagg.identity_keys import create_fleet_file, load_fleet_file, pinned_keys
 
 
 def test_fleet_file_round_trip_is_private_and_never_overwritten(tmp_path):

@@ -1,6 +1,7 @@
-"""The exporters' own output stays out of the terminal (`export/noise.py`): prints, stderr, warnings,
-logging and C-level writes to fds 1 and 2 all land in the log; progress bars still reach the
-terminal; an exporter's exception is one `ExportRefused` line naming the root cause and the log."""
+"""The exporters' own output stays out of the terminal (`export/console_capture.py`): prints,
+stderr, warnings, logging and C-level writes to fds 1 and 2 all land in the log; progress bars
+still reach the terminal; an exporter's exception is one `ExportRefused` line naming the root
+cause and the log."""
 
 import logging
 import os
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dpfleet.errors import DpfleetError
-from dpfleet.export import noise
-from dpfleet.export.noise import ExportRefused, capture, exporter_step, log_path
+from dpfleet.export import console_capture
+from dpfleet.export.console_capture import ExportRefused, capture, exporter_step, log_path
 
 
 def _noisy() -> None:
@@ -35,7 +36,7 @@ def test_everything_written_goes_to_the_log_and_the_terminal_gets_only_the_bar(t
     assert target == tmp_path / "out.export.log"
     with capture(target) as cap:
         _noisy()
-        print("bar 50%", file=noise.terminal())
+        print("bar 50%", file=console_capture.terminal())
     assert cap.path == target
     text = target.read_text()
     for line in ("a print", "to sys.stderr", "a deprecation", "a logged warning", "C-level stdout",
@@ -46,14 +47,14 @@ def test_everything_written_goes_to_the_log_and_the_terminal_gets_only_the_bar(t
     print("after")  # the streams are back
     os.write(2, b"fd after\n")
     assert capfd.readouterr() == ("after\n", "fd after\n")
-    assert noise.terminal() is None
+    assert console_capture.terminal() is None
 
 
 def test_nothing_written_leaves_no_log_and_debug_lets_it_through(tmp_path, capfd, monkeypatch):
     with capture(tmp_path / "quiet.log") as cap:
         pass
     assert cap.path is None and not (tmp_path / "quiet.log").exists()
-    monkeypatch.setenv(noise.DEBUG_ENV, "1")
+    monkeypatch.setenv(console_capture.DEBUG_ENV, "1")
     with capture(tmp_path / "debug.log") as cap:
         print("visible")
     assert cap is None and capfd.readouterr().out == "visible\n"
