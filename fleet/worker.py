@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.edge.devices import Behaviour, DeviceTimer
 from dpfleet.edge.traces import load_replay
 from dpfleet.edge.wire.protocol import PUBLIC_STATUS
-from dpfleet.fleet.behaviour import Behaviour
-from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop
 
 REPORT_EVERY_S = 0.5
@@ -234,10 +234,11 @@ async def _run(spec: WorkerSpec, events) -> None:
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
         devices = []
         # the availability trace both simulate and the fleet replay: client i is trace device i mod T
-        trace = (load_replay(cfg.participation.trace, max(d.index for d in spec.devices) + 1)
-                 if cfg.participation.trace and spec.devices else None)
+        trace = (load_replay(cfg.devices.trace, max(d.index for d in spec.devices) + 1)
+                 if cfg.devices.trace and spec.devices else None)
         for d in spec.devices:
-            state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index, trace),
+            state = DeviceState(d.index, d.device_id, Behaviour(cfg.devices, spec.seed, d.index, trace,
+                                                                  cfg.participation.round_minutes),
                                 DeviceTimer(spec.timer_period_s, d.timer_last),
                                 runtime=cfg.client.runtime, bundle_serials=dict(d.bundle_serials))
             state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),
