@@ -117,6 +117,7 @@ class Selection:
     minutes: float | None = None  # the round's simulated duration (None: not timed, not timer mode)
     # attempts abandoned before this one (too few reports by the deadline): (slot, selected devices)
     abandoned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    attempt: int = 0  # timer mode: selections tried before this one in the round (the dropout draws' key)
 
     @property
     def selected(self) -> list[int]:
@@ -365,7 +366,7 @@ class Participation:
                     return Selection(round_idx, chosen[close.committed].tolist(), slot,
                                      slot - self.slot, refused, chosen[drops].tolist(),
                                      chosen[close.late].tolist(), chosen[close.over_goal].tolist(),
-                                     close.minutes, tuple(abandoned))
+                                     close.minutes, tuple(abandoned), attempt - 1)
                 if not drops.all():  # abandoned: try again one slot later, these devices' timers run
                     abandoned.append((slot, tuple(chosen.tolist())))
                     busy = np.concatenate([busy, chosen])
