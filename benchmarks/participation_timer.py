@@ -69,8 +69,8 @@ def main() -> None:
     cfg.participation.mode = "timer"
     cfg.participation.timer_period = args.timer_hours
     cfg.participation.round_minutes = args.round_minutes
-    cfg.participation.availability = args.availability
-    cfg.participation.diurnal_amplitude = args.diurnal
+    cfg.devices.availability = args.availability
+    cfg.devices.diurnal_amplitude = args.diurnal
     name = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
     setup = {"config": str(name),
              "rounds": cfg.rounds, "report_goal": cfg.dp.report_goal,

@@ -25,9 +25,9 @@ def fleet() -> None:
     """Emulated phones that register, check in, train and report to a coordinator service.
 
     Each device holds only its own user's examples and identity key, keeps its own
-    participation timer, and follows its charging window, speed, link and dropout ([fleet]
-    config section), or the availability trace [participation] trace names (the one `simulate`
-    replays), on the shared simulated clock ([service] time_scale).
+    participation timer, and follows its availability, speed, link and dropout ([devices]
+    config section, the device model `simulate`'s timer mode reads too), on the shared
+    simulated clock ([service] time_scale).
     """
 
 
