@@ -121,7 +121,7 @@ def test_signed_secagg_rounds_reach_every_selected_device(tmp_path):
     their SecAgg assignment at their next check-in (the service once answered them "round full",
     and SecAgg rounds failed for want of commitments)."""
     cfg = tiny_cfg(rounds=3, aggregation={"kind": "secagg", "signed": True},
-                   fleet={"latency_ms": 2.0},
+                   devices={"latency_ms": 2.0},
                    # devices spend longer asleep between check-ins (1.5 s) than held in one (1.2 s)
                    service={"overselect": 1.0, "secagg_phase_deadline_s": 6.0,
                             "checkin_retry_s": 1.5, "checkin_window_s": 0.2})
@@ -181,7 +181,7 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     from dpfleet.service.admin_client import AdminClient, AdminTarget
 
     # transfers of 1 s each keep the assigned devices busy long enough to be killed mid-round
-    cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
+    cfg = tiny_cfg(rounds=3, devices={"latency_ms": 1000.0, "link_sigma": 0.0},
                    service={"overselect": 1.0, "report_deadline_s": 5.0})
     ids, examples, params = load_devices(cfg)
     keys = fleet_keys(tmp_path / "keys.json", len(ids))
