@@ -440,6 +440,7 @@ _CHOICES = {
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
     "fleet.client": ("dpfleet", "bundle"),
+    "devices.failure_draws": ("round", "device"),
     "model.preset": ("", *PRESETS),
 }
 

@@ -19,9 +19,9 @@ Why every draw is keyed, never a shared stream: a run must replay, and a device'
 not depend on who else is simulated or which worker process owns it. The simple model's draw for
 device d at slot s is element d of the stream seeded (seed, 0xA7, s), and a phase's dropout is
 drawn per (seed, device, round, attempt, phase), so `simulate` and the fleet decide the same for
-the same device and round (tests/test_device_model.py). One exception is kept for replay: a
-trace's failure chance in `simulate` is drawn per (round, slot) over the selected devices, as
-recorded runs drew it.
+the same device and round (tests/test_device_model.py). One exception is kept for replay: by default
+(`failure_draws = "round"`) a trace's failure chance in `simulate` is drawn per (round, slot)
+over the selected devices, as recorded runs drew it; "device" draws it as the fleet does.
 
 `simulate`'s clock counts slots of one round's duration: the coordinator starts a round (or,
 when it cannot fill one, retries) once per slot, so every comparison is exact. A timer of P
@@ -52,6 +52,10 @@ class DevicesSection:
     """An availability trace (docs/traces.md) replayed in place of the availability and charging
     keys: client i is trace device i mod the trace's devices, the trace repeats after its
     duration, and a device that joins a round drops out with its failure chance. "": no trace."""
+    failure_draws: str = "round"
+    """How `simulate` draws a trace's failure chance: "round", per (round, slot) over the selected
+    devices, as runs before [devices] drew it; "device", per (device, round, attempt), the draw
+    the emulated fleet makes, so both drop the same devices."""
     availability: float = 1.0
     """The chance that a device is available at a round slot (drawn per slot)."""
     diurnal_amplitude: float = 0.0
@@ -232,18 +236,20 @@ class SlottedDevices:
               ) -> np.ndarray:
         """Which of `devices`, selected for attempt `attempt` of round `round_idx` at `slot`, drop
         out before reporting: in any plain phase by its dropout chance (the draws `Behaviour`
-        makes), or by the trace's failure chance, drawn per (round, slot, device) (module
-        docstring: kept as recorded runs drew it)."""
+        makes), or by the trace's failure chance: drawn per (round, slot) over `devices` by
+        default (module docstring: as recorded runs drew it), else as `Behaviour` draws it."""
         devices = np.asarray(devices, dtype=np.int64)
         dropped = np.zeros(devices.size, dtype=bool)
-        if self.trace is not None:
+        shared = self.trace is not None and self.section.failure_draws == "device"
+        if self.trace is not None and not shared:
             draws = np.random.default_rng([self.seed, 0xA8, round_idx, slot]).random(devices.size)
             dropped = draws < self.trace.failure(devices)
         for phase in PLAIN_PHASES:
-            p = self.section.dropout_chance(phase)
-            if p > 0:
-                dropped |= np.array([drop_draw(self.seed, int(d), round_idx, attempt, phase) < p
-                                     for d in devices], dtype=bool)
+            chance = np.full(devices.size, self.section.dropout_chance(phase))
+            if shared and phase == "train":  # the larger of the two, as `Behaviour.dropout_chance`
+                chance = np.maximum(chance, self.trace.failure(devices))
+            for i in np.flatnonzero(chance > 0):
+                dropped[i] |= drop_draw(self.seed, int(devices[i]), round_idx, attempt, phase) < chance[i]
         return dropped
 
     def finish_minutes(self, devices: np.ndarray | list[int], round_idx: int, slot: int,

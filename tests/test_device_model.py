@@ -79,3 +79,28 @@ def test_bad_device_keys_are_one_line():
                              ({"availability": 0.0}, "devices.availability must be in (0, 1]")):
         with pytest.raises(DpfleetError, match=message.replace("[", r"\[").replace("(", r"\(")):
             parse_config({"participation": {"mode": "timer"}, "devices": devices})
+
+
+def test_with_device_failure_draws_a_trace_drops_the_same_devices_in_simulate_and_the_fleet(tmp_path):
+    """`devices.failure_draws = "device"`: a trace's failure chance is drawn per (device, round,
+    attempt) as the fleet draws it; the default "round" keeps recorded runs (test_production_rounds)."""
+    from test_production_rounds import busy_trace
+
+    from dpfleet.edge.traces import load_replay
+
+    trace = busy_trace(tmp_path / "t.jsonl", failure_mean=0.4)
+    cfg = parse_config({"participation": {"mode": "timer", "timer_period": 1.0, "round_minutes": 30.0},
+                        "devices": {"trace": str(trace), "failure_draws": "device"},
+                        "dp": {"report_goal": 3}})
+    part = Participation(cfg.participation, SIZE, 3, 12, 5, devices=cfg.devices)
+    replay = load_replay(str(trace), SIZE)
+    fleet = [Behaviour(cfg.devices, 5, d, replay, 30.0) for d in range(SIZE)]
+    dropped = 0
+    for r in range(12):
+        sel = part.propose(r)
+        assert sel.dropped == [d for d in sel.selected if fleet[d].drops("train", r, sel.attempt)]
+        dropped += len(sel.dropped)
+        part.commit(sel, sel.devices)
+    assert dropped > 0
+    with pytest.raises(DpfleetError, match="must be one of"):
+        parse_config({"devices": {"failure_draws": "slot"}})
