@@ -40,7 +40,7 @@ def template(overselect: float, dropout: float, phase_s: float, report_s: float)
     text = CONFIG.replace("secagg_phase_deadline_s = 60.0", f"secagg_phase_deadline_s = {phase_s}")
     text = text.replace("report_deadline_s = 120.0", f"report_deadline_s = {report_s}")
     text = text.replace("[service]\n", f"[service]\noverselect = {overselect}\n")
-    return text.replace("[fleet]\n", f"[fleet]\ndropout_secagg = {dropout}\n")
+    return text.replace("[devices]\n", f"[devices]\ndropout_secagg = {dropout}\n")
 
 
 def dropped_at(outcomes: list) -> dict[str, int]:

@@ -98,7 +98,7 @@ report_deadline_s = 120.0
 secagg_phase_deadline_s = 60.0
 rate_per_s = 50.0
 
-[fleet]
+[devices]
 latency_ms = 0.0
 bandwidth_mbps = 1000000.0
 speed_sigma = 0.0

@@ -66,7 +66,7 @@ def main() -> None:
     cfg = load_config(args.config, {
         **({"rounds": args.rounds} if args.rounds else {}), "participation.mode": "timer",
         "participation.timer_period": args.timer_hours, "participation.round_minutes": args.round_minutes,
-        "participation.availability": args.availability, "participation.diurnal_amplitude": args.diurnal})
+        "devices.availability": args.availability, "devices.diurnal_amplitude": args.diurnal})
     name = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
     setup = {"config": str(name),
              "rounds": cfg.rounds, "report_goal": cfg.dp.report_goal,

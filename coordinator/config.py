@@ -28,6 +28,7 @@ from pathlib import Path
 from dpfleet.coordinator.accounting.planner import capped_max_participation
 from dpfleet.coordinator.accounting.zcdp import default_count_stddev, model_noise_multiplier
 from dpfleet.coordinator.config_overrides import apply_overrides, with_values
+from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.traces import read_header
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import PRESETS, ModelConfig, with_preset
@@ -231,7 +232,8 @@ class ProjectionSection:
 
 @dataclass(frozen=True)
 class ParticipationSection:
-    """Who takes part when (see coordinator/engine/participation.py)."""
+    """The coordinator's rules of who takes part when (see coordinator/engine/participation.py);
+    how the devices behave is `[devices]`."""
 
     mode: str = "disjoint"
     """"disjoint" (each device at most once) | "uniform" (any eligible device each round) |
@@ -241,31 +243,16 @@ class ParticipationSection:
     round_minutes: float = 10.0
     """Simulated duration of a round, and of a retry when too few devices check in; between 1/60
     (a second) and 525600 (a year)."""
-    availability: float = 1.0
-    """Timer mode: the chance that a device is charging, idle and unmetered at a check-in."""
-    diurnal_amplitude: float = 0.0
-    """Timer mode: 0, flat availability; up to 1, availability peaks at 2 am."""
     min_separation: int = -1
     """MinS: the coordinator refuses a device with fewer rounds strictly between two
     participations (-1: what the timer nominally gives, ceil(timer_period / round duration) - 1;
     0 otherwise)."""
     max_participation: int = 0
     """MaxP: the coordinator refuses a device past this many rounds; 0: no cap."""
-    trace: str = ""
-    """Timer mode: an availability trace (docs/traces.md) replayed in place of availability /
-    diurnal_amplitude, by `simulate` and the emulated fleet alike: client i is trace device i mod
-    the trace's devices, the trace repeats after its duration, and a device that joins a round
-    drops out with its failure chance. "": no trace."""
     over_selection: float = 1.0
     """Timer mode: the coordinator selects ceil(over_selection x report_goal) of the devices that
     checked in (all of them if fewer; at least the report goal must check in), so that drops and
     stragglers still leave the goal (Bonawitz et al. 2019). 1: exactly the report goal."""
-    train_minutes: float = 2.0
-    """Timer mode: the reference ("mid") device's simulated time to train and report; a device
-    finishes after this x its speed class's multiplier (a trace's; "mid" without one) x a seeded
-    LogNormal(0, train_jitter) jitter."""
-    train_jitter: float = 0.25
-    """Timer mode: sigma of the LogNormal jitter on each device's finishing time (0: none)."""
     deadline_minutes: float = 0.0
     """Timer mode: the round closes at the report goal (the first report_goal finishers are summed,
     later ones are told to stop) or at this many minutes after it opened, whichever comes first;
@@ -327,36 +314,8 @@ class BackendSection:
 
 @dataclass(frozen=True)
 class FleetSection:
-    """The emulated devices' behaviour (`dpfleet fleet emulate`, fleet/behaviour.py); times simulated."""
+    """How the emulated devices train (`dpfleet fleet emulate`); how they behave is `[devices]`."""
 
-    charging_hours: float = 24.0
-    """Length of each device's nightly charging window (24: always charging)."""
-    charging_start: float = 22.0
-    """Mean local hour the window starts (each device: +- 1.5 h)."""
-    timezone_spread: float = 0.0
-    """Devices' local clocks spread uniformly over this many hours."""
-    idle: float = 1.0
-    """The chance the phone is idle, per condition slot, while charging."""
-    unmetered: float = 1.0
-    """The chance of an unmetered network, per condition slot."""
-    condition_minutes: float = 15.0
-    """How long one draw of idle / unmetered lasts."""
-    speed_sigma: float = 0.3
-    """Training time multiplier ~ LogNormal(0, speed_sigma) (median 1)."""
-    bandwidth_mbps: float = 20.0
-    """Median link bandwidth (LogNormal, sigma link_sigma)."""
-    latency_ms: float = 50.0
-    """Median one-way latency added around each transfer (LogNormal, sigma link_sigma)."""
-    link_sigma: float = 0.5
-    """The spread of each device's bandwidth and latency around their medians."""
-    dropout_download: float = 0.0
-    """The chance a device vanishes while downloading the round's model."""
-    dropout_train: float = 0.0
-    """The chance a device vanishes while training."""
-    dropout_report: float = 0.0
-    """The chance a device vanishes while reporting its update."""
-    dropout_secagg: float = 0.0
-    """The chance a device vanishes in each SecAgg phase."""
     client: str = "dpfleet"
     """"dpfleet": devices train with dpfleet's own runtime; "bundle": the coordinator publishes
     one signed phone bundle per run and devices train with its reference client."""
@@ -439,8 +398,11 @@ class SimulationConfig:
     """How a round's updates are summed."""
     backend: BackendSection = field(default_factory=BackendSection)
     """Where a round's clients train."""
+    devices: DevicesSection = field(default_factory=DevicesSection)
+    """How the devices behave: availability, timer, speed, link, dropouts (simulate's timer mode
+    and the emulated fleet)."""
     fleet: FleetSection = field(default_factory=FleetSection)
-    """The emulated devices (`dpfleet fleet`)."""
+    """The emulated devices' runtime (`dpfleet fleet`)."""
     service: ServiceSection = field(default_factory=ServiceSection)
     """The networked coordinator (`dpfleet service serve`)."""
     projection: ProjectionSection = field(default_factory=ProjectionSection)
@@ -468,7 +430,7 @@ MAIN_JOB_CHOICES: dict[str, str] = {
 # folder (the config and its data move together); in a dict or a --set value, from the working
 # folder.
 PATH_KEYS = (("data", "path"), ("tokenizer", "path"), ("tokenizer", "word_counts"), ("tokenizer", "words"),
-             ("aggregation", "fleet_keys"), ("participation", "trace"))
+             ("aggregation", "fleet_keys"), ("devices", "trace"))
 
 
 _CHOICES = {
@@ -484,6 +446,7 @@ _CHOICES = {
     "aggregation.graph": ("harary", "complete"),
     "dp.noise": ("auto", "gaussian", "discrete"),
     "fleet.client": ("dpfleet", "bundle"),
+    "devices.failure_draws": ("round", "device"),
     "model.preset": ("", *PRESETS),
 }
 
@@ -496,7 +459,13 @@ def key_choices(key: str) -> tuple | None:
     return _CHOICES.get(key)
 
 
-_MOVED = {"dp.sampling": "participation.mode"}
+_MOVED = {"dp.sampling": "participation.mode",
+          **{f"participation.{k}": f"devices.{k}" for k in ("availability", "diurnal_amplitude", "trace",
+                                                           "train_minutes", "train_jitter")},
+          **{f"fleet.{k}": f"devices.{k}" for k in (
+              "charging_hours", "charging_start", "timezone_spread", "idle", "unmetered",
+              "condition_minutes", "speed_sigma", "bandwidth_mbps", "latency_ms", "link_sigma",
+              "dropout_download", "dropout_train", "dropout_report", "dropout_secagg")}}
 
 
 def _check_type(key: str, value: object, annotation: object) -> object:
@@ -692,10 +661,10 @@ def validate(cfg: SimulationConfig) -> None:
         *participation_checks(cfg.participation),
         *service_checks(cfg.service),
         *mechanism_checks(cfg),
-        *fleet_checks(cfg.fleet),
+        *devices_checks(cfg.devices),
         *projection_checks(cfg),
-        *trace_checks(cfg.participation, cfg.fleet),
-        *round_close_checks(cfg.participation, cfg.dp.report_goal),
+        *trace_checks(cfg.participation, cfg.devices),
+        *round_close_checks(cfg.participation, cfg.devices, cfg.dp.report_goal),
     ]
     for ok, message in checks:
         if not ok:
@@ -797,9 +766,6 @@ def participation_checks(p: ParticipationSection) -> list[tuple[bool, str]]:
          f"{p.timer_period:g}"),
         (not round_minutes_error(p.round_minutes),
          round_minutes_error(p.round_minutes)),
-        (0 < p.availability <= 1, "participation.availability must be in (0, 1]"),
-        (0 <= p.diurnal_amplitude <= 1,
-         "participation.diurnal_amplitude must be in [0, 1]"),
         (p.min_separation >= -1,
          "participation.min_separation must be >= 0 (or -1: the timer's)"),
         (p.max_participation >= 0,
@@ -893,44 +859,45 @@ def projection_factor(cfg: SimulationConfig) -> float:
     if not cfg.projection.noise_cohort:
         return 1.0
     return cfg.dp.report_goal / cfg.projection.noise_cohort
-def trace_checks(p: ParticipationSection, f: FleetSection) -> list[tuple[bool, str]]:
+def trace_checks(p: ParticipationSection, d: DevicesSection) -> list[tuple[bool, str]]:
     """A replayed trace decides availability on its own, for `simulate` and the emulated fleet
     alike: in timer mode, with no Bernoulli draw nor charging window beside it, from a file whose
     header reads (its devices are read when the run starts)."""
-    if not p.trace:
+    if not d.trace:
         return []
     checks = [
-        (p.mode == "timer", f"participation.trace is replayed in timer mode: set participation.mode = "
+        (p.mode == "timer", f"devices.trace is replayed in timer mode: set participation.mode = "
                             f"'timer' (not {p.mode!r}) or remove the trace"),
-        (p.availability == 1 and p.diurnal_amplitude == 0,
-         "participation.trace and participation.availability / diurnal_amplitude both say when devices "
+        (d.availability == 1 and d.diurnal_amplitude == 0,
+         "devices.trace and devices.availability / diurnal_amplitude both say when devices "
          "are available: keep the trace and remove availability and diurnal_amplitude, or remove the trace"),
-        (f.charging_hours == 24 and f.idle == 1 and f.unmetered == 1,
-         "participation.trace and fleet.charging_hours / idle / unmetered both say when devices are "
-         "available: keep the trace and remove those fleet keys, or remove the trace"),
+        (not d.charging_model(),
+         "devices.trace and devices.charging_hours / idle / unmetered both say when devices are "
+         "available: keep the trace and remove those keys, or remove the trace"),
     ]
     if all(ok for ok, _ in checks):
-        read_header(Path(p.trace))  # one error line when the file is missing or not a trace
+        read_header(Path(d.trace))  # one error line when the file is missing or not a trace
     return checks
 
 
-def round_close_checks(p: ParticipationSection, report_goal: int) -> list[tuple[bool, str]]:
+def round_close_checks(p: ParticipationSection, d: DevicesSection, report_goal: int
+                       ) -> list[tuple[bool, str]]:
     """How a timer-mode round is over-selected and closed (`participation.Participation`): the
     keys mean something only on the simulated clock of timer mode, so elsewhere they must keep
     their defaults rather than be silently ignored."""
-    finite = all(math.isfinite(x) for x in (p.over_selection, p.train_minutes, p.train_jitter,
+    finite = all(math.isfinite(x) for x in (p.over_selection, d.train_minutes, d.train_jitter,
                                               p.deadline_minutes))
     changed = [k for k, default in (("over_selection", 1.0), ("deadline_minutes", 0.0),
                                     ("min_reports", 0)) if getattr(p, k) != default]
     return [
-        (finite, "participation.over_selection, train_minutes, train_jitter and deadline_minutes "
-                 "must be finite numbers"),
+        (finite, "participation.over_selection, deadline_minutes, devices.train_minutes and "
+                 "train_jitter must be finite numbers"),
         (not finite or 1 <= p.over_selection <= 100,
          f"participation.over_selection must be in [1, 100], got {p.over_selection:g}"),
-        (not finite or p.train_minutes > 0,
-         f"participation.train_minutes must be > 0, got {p.train_minutes:g}"),
-        (not finite or 0 <= p.train_jitter <= 3,
-         f"participation.train_jitter must be in [0, 3], got {p.train_jitter:g}"),
+        (not finite or d.train_minutes > 0,
+         f"devices.train_minutes must be > 0, got {d.train_minutes:g}"),
+        (not finite or 0 <= d.train_jitter <= 3,
+         f"devices.train_jitter must be in [0, 3], got {d.train_jitter:g}"),
         (not finite or 0 <= p.deadline_minutes <= p.round_minutes,
          f"participation.deadline_minutes must be in [0, round_minutes = {p.round_minutes:g}] "
          f"(0: no deadline), got {p.deadline_minutes:g}"),
@@ -942,18 +909,20 @@ def round_close_checks(p: ParticipationSection, report_goal: int) -> list[tuple[
     ]
 
 
-def fleet_checks(f: FleetSection) -> list[tuple[bool, str]]:
+def devices_checks(d: DevicesSection) -> list[tuple[bool, str]]:
     probabilities = ("idle", "unmetered", "dropout_download", "dropout_train", "dropout_report",
                      "dropout_secagg")
     return [
-        (0 < f.charging_hours <= 24, "fleet.charging_hours must be in (0, 24]"),
-        (0 <= f.charging_start < 24, "fleet.charging_start must be an hour in [0, 24)"),
-        (0 <= f.timezone_spread <= 24, "fleet.timezone_spread must be in [0, 24] hours"),
-        (f.condition_minutes > 0, "fleet.condition_minutes must be > 0"),
-        (f.speed_sigma >= 0 and f.link_sigma >= 0, "fleet.speed_sigma and link_sigma must be >= 0"),
-        (f.bandwidth_mbps > 0, "fleet.bandwidth_mbps must be > 0"),
-        (f.latency_ms >= 0, "fleet.latency_ms must be >= 0"),
-        *((0 <= getattr(f, k) <= 1, f"fleet.{k} must be a probability in [0, 1]")
+        (0 < d.availability <= 1, "devices.availability must be in (0, 1]"),
+        (0 <= d.diurnal_amplitude <= 1, "devices.diurnal_amplitude must be in [0, 1]"),
+        (0 < d.charging_hours <= 24, "devices.charging_hours must be in (0, 24]"),
+        (0 <= d.charging_start < 24, "devices.charging_start must be an hour in [0, 24)"),
+        (0 <= d.timezone_spread <= 24, "devices.timezone_spread must be in [0, 24] hours"),
+        (d.condition_minutes > 0, "devices.condition_minutes must be > 0"),
+        (d.speed_sigma >= 0 and d.link_sigma >= 0, "devices.speed_sigma and link_sigma must be >= 0"),
+        (d.bandwidth_mbps > 0, "devices.bandwidth_mbps must be > 0"),
+        (d.latency_ms >= 0, "devices.latency_ms must be >= 0"),
+        *((0 <= getattr(d, k) <= 1, f"devices.{k} must be a probability in [0, 1]")
           for k in probabilities),
     ]
 

@@ -22,7 +22,7 @@ Intervals are half-open [start, end) seconds from the trace's start, sorted and 
 device with a `period` (FedScale's `finish_time`) repeats its intervals every `period` seconds.
 
 Why here, on the device side: `simulate`'s timer mode (the coordinator) and the emulated fleet
-both replay a trace (`TraceReplay`, `participation.trace`), and the import layers let both use
+both replay a trace (`TraceReplay`, `devices.trace`, edge/devices.py), and the import layers let both use
 the device side, never the fleet.
 """
 
@@ -425,7 +425,7 @@ def _below(sorted_values: np.ndarray, points: np.ndarray) -> np.ndarray:
 # -- replaying a trace onto a population --------------------------------------------------------------
 class TraceReplay:
     """A trace replayed onto `size` clients: what `simulate`'s timer mode and the emulated fleet
-    both ask of it (one device-behaviour model, `participation.trace`).
+    both ask of it (edge/devices.py, `devices.trace`).
 
     Two stated rules make any trace fit any population and any run length:
     * client i replays trace device i mod T (T: the trace's devices), so a trace of at least

@@ -25,9 +25,9 @@ def fleet() -> None:
     """Emulated phones that register, check in, train and report to a coordinator service.
 
     Each device holds only its own user's examples and identity key, keeps its own
-    participation timer, and follows its charging window, speed, link and dropout ([fleet]
-    config section), or the availability trace [participation] trace names (the one `simulate`
-    replays), on the shared simulated clock ([service] time_scale).
+    participation timer, and follows its availability, speed, link and dropout ([devices]
+    config section, the device model `simulate`'s timer mode reads too), on the shared
+    simulated clock ([service] time_scale).
     """
 
 
@@ -101,7 +101,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     same command reuses them. Ctrl-C stops the workers and exits 130."""
     from dpfleet.coordinator.run_privacy.config_plan import load_run_config
     from dpfleet.coordinator.state.run_dir import check_replaceable
-    from dpfleet.errors import DpfleetError, Interrupted
+    from dpfleet.errors import DpfleetError
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
@@ -145,13 +145,26 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
                        bundle_key=pinned_bundle, **placement)
     del examples
     began = time.perf_counter()
+    drive(runner, CoordinatorWatch(url, str(ca_file) if ca_file else None, timeout), progress,
+          fleet_keys)
+    result = runner.summary(time.perf_counter() - began)
+    if summary:
+        atomic_write(summary, json.dumps({**result, "written_by": SUMMARY_MARK}, indent=1))
+    click.echo(finished_line(result))
+
+
+def drive(runner, watch, progress: bool, fleet_keys: Path) -> None:
+    """Start `runner` (a `Fleet` or `RayFleet`) and poll it until it is done or `watch` sees the
+    coordinator finished and gone, with the coordinator's round count as the progress bar. Ctrl-C
+    stops the workers (`Interrupted`, exit 130); the workers are stopped on every way out."""
+    from dpfleet.errors import Interrupted
+
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=None, desc="rounds committed", unit="round", dynamic_ncols=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
-    watch = CoordinatorWatch(url, str(ca_file) if ca_file else None, timeout)
     runner.start()
     try:
         while not runner.done:
@@ -177,14 +190,15 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
         if bar is not None:
             bar.close()
         runner.stop()
-    result = runner.summary(time.perf_counter() - began)
-    if summary:
-        atomic_write(summary, json.dumps({**result, "written_by": SUMMARY_MARK}, indent=1))
+
+
+def finished_line(result: dict) -> str:
+    """The fleet's last line: devices, assignments, updates sent, dropouts, restarts, latency."""
     counts = result["counts"]
-    click.echo(f"fleet finished: {result['devices']} devices, {counts.get('assigned', 0)} assignments, "
-               f"{counts.get('reported', 0) + counts.get('secagg_done', 0)} updates sent, "
-               f"{counts.get('dropped', 0)} dropped, {result['restarts']} worker restarts; "
-               f"request latency p50 {_ms(result['latency_p50_s'])} p99 {_ms(result['latency_p99_s'])}")
+    return (f"fleet finished: {result['devices']} devices, {counts.get('assigned', 0)} assignments, "
+            f"{counts.get('reported', 0) + counts.get('secagg_done', 0)} updates sent, "
+            f"{counts.get('dropped', 0)} dropped, {result['restarts']} worker restarts; "
+            f"request latency p50 {_ms(result['latency_p50_s'])} p99 {_ms(result['latency_p99_s'])}")
 
 
 FLEET_KEYS = "fleet_keys.json"

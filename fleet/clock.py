@@ -1,4 +1,4 @@
-"""Simulated time for the emulated fleet, and each device's own participation timer.
+"""Simulated time for the emulated fleet (each device's own timer is edge/devices.py `DeviceTimer`).
 
 Why a scaled clock: a participation timer of 24 h (paper 002 Sec. 2.2) must pass in seconds
 for an emulation to finish, on the devices and at the coordinator alike. `[service] time_scale`
@@ -18,7 +18,6 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dpfleet.errors import DpfleetError
 
@@ -62,32 +61,3 @@ class FleetClock:
 
     async def sleep(self, sim_seconds: float) -> None:
         await asyncio.sleep(self.wall_seconds(sim_seconds))
-
-
-@dataclass
-class DeviceTimer:
-    """One device's participation timer (simulated seconds): away `period` after taking part."""
-
-    period: float
-    last: float | None = None  # simulated time it was last assigned to a round
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.period) and self.period >= 0):
-            raise DpfleetError(f"timer period must be >= 0 seconds, got {self.period}")
-
-    def expires_at(self) -> float | None:
-        return None if self.last is None else self.last + self.period
-
-    def expired(self, sim_t: float) -> bool:
-        # elapsed >= period, not sim_t >= last + period: the sum can round down onto sim_t
-        return self.last is None or sim_t - self.last >= self.period
-
-    def remaining(self, sim_t: float) -> float:
-        if self.expired(sim_t):
-            return 0.0
-        return max(self.period - (sim_t - self.last), math.ulp(sim_t))
-
-    def start(self, sim_t: float) -> None:
-        if self.last is not None and sim_t < self.last:
-            raise RuntimeError("a device timer cannot be restarted in the past")
-        self.last = sim_t

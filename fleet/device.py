@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dpfleet.fleet.behaviour import Behaviour
-from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.edge.devices import Behaviour, DeviceTimer
+from dpfleet.fleet.clock import FleetClock
 
 WAKE_MARGIN_S = 1e-3
 MIN_RETRY_S = 0.05

@@ -218,18 +218,38 @@ async def _send(link, number: int, attempt: int, data: bytes, cursor: int, wait:
     return None
 
 
+def _secagg_setup(link, assignment: dict, plan_bytes: bytes, model: bytes, policy, pinned):
+    """(plan, setup, discretizer, count threshold, SecAgg client) of one assignment, checked: the
+    setup must sign the vector's length, the clipped bit's slot and the round's terms, bound to
+    the SHA-256 of the plan and model bytes received (never the server's name for them alone)."""
+    from dpfleet.secagg import round_terms
+    from dpfleet.secagg.client import SecAggClient
+    from dpfleet.secagg.count_bit import check_layout, terms_digest
+    from dpfleet.secagg.encoding import Discretizer
+    from dpfleet.secagg.setup_wire import decode_setup
+
+    plan = device_plan(plan_bytes, assignment)
+    setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
+    disc = Discretizer(**assignment["secagg"]["discretizer"])
+    threshold = assignment["secagg"].get("count_threshold")  # adaptive clipping's C^t
+    threshold = None if threshold is None else float(threshold)
+    terms = round_terms.bind_round(terms_digest(disc, threshold), round_terms.model_digest(model), plan)
+    check_layout(setup, disc, threshold, terms)  # the length, bit slot and terms it signs
+    if callable(policy):
+        policy = policy(setup.n)
+    pins = {u: pinned[d] for u, d in enumerate(assignment["devices"]) if pinned and d in pinned}
+    client = SecAggClient(setup, assignment["position"], link.key if setup.signed else None, policy,
+                          pins if pinned is not None else None)
+    return plan, setup, disc, threshold, client
+
+
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
                   bundle_key=None) -> Outcome:
     from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
-    from dpfleet.secagg import round_terms
-    from dpfleet.secagg.client import SecAggClient
-    from dpfleet.secagg.count_bit import append_bit, check_layout, terms_digest
-    from dpfleet.secagg.encoding import Discretizer
+    from dpfleet.secagg.count_bit import append_bit
     from dpfleet.secagg.errors import SecAggError
-    from dpfleet.secagg.setup_wire import decode_setup
 
-    number, attempt, position = assignment["round"], assignment["attempt"], assignment["position"]
-    devices = assignment["devices"]
+    number, attempt = assignment["round"], assignment["attempt"]
     cpu = CpuClock()
     # the plan and model before the first SecAgg message: the setup must bind the very model
     # bytes this device trains on (THREAT_MODEL.md, "Model consistency")
@@ -237,20 +257,8 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
     model = await link.blob(assignment["model_sha256"])
     try:
         with cpu("setup"):
-            plan = device_plan(plan_bytes, assignment)
-            setup = decode_setup(bytes.fromhex(assignment["secagg"]["setup"]))
-            disc = Discretizer(**assignment["secagg"]["discretizer"])
-            threshold = assignment["secagg"].get("count_threshold")  # adaptive clipping's C^t
-            threshold = None if threshold is None else float(threshold)
-            # SHA-256 of the bytes received, never the server's name for them alone
-            terms = round_terms.bind_round(terms_digest(disc, threshold),
-                                           round_terms.model_digest(model), plan)
-            check_layout(setup, disc, threshold, terms)  # the length, bit slot and terms it signs
-            if callable(policy):
-                policy = policy(setup.n)
-            pins = {u: pinned[d] for u, d in enumerate(devices) if pinned and d in pinned}
-            client = SecAggClient(setup, position, link.key if setup.signed else None, policy,
-                                  pins if pinned is not None else None)
+            plan, setup, disc, threshold, client = _secagg_setup(link, assignment, plan_bytes, model,
+                                                                 policy, pinned)
     except (SecAggError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return Outcome("refused_setup", f"{type(exc).__name__}: {exc}", cpu=cpu.seconds)
     training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,

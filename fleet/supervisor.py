@@ -134,17 +134,8 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
         emulate_cmd = _dpfleet("fleet", "emulate", config, "--coordinator", admin["url"],
                                "--devices", len(ids), "--processes", processes, "--fleet-keys",
                                keys_path, "--registry", registry_path, "--no-progress",
-                               "--summary", fleet_dir / "summary.json")
-        if seed is not None:
-            emulate_cmd += ["--seed", str(seed)]
-        if cfg.dp.target_epsilon > 0:  # serve wrote it at boot, before admin.json
-            emulate_cmd += ["--plan", state / PLAN_FILE]
-        if backend != "local":
-            emulate_cmd += ["--backend", backend] + (["--address", address] if address else [])
-        if admin.get("tls_cert"):
-            emulate_cmd += ["--ca-file", admin["tls_cert"]]
-        if cfg.fleet.client == "bundle":  # serve wrote it at boot, before admin.json
-            emulate_cmd += ["--bundle-key", state / PUBLIC_FILE]
+                               "--summary", fleet_dir / "summary.json",
+                               *_emulate_flags(cfg, state, admin, seed, backend, address))
         with open(fleet_log, "ab") as out:
             fleet = subprocess.Popen(emulate_cmd, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)
@@ -165,6 +156,24 @@ def run_fleet(config: Path, state: Path, *, devices: int = 0, processes: int = 2
     log(f"run directory: {state} (metrics.jsonl, participation.jsonl, privacy report, checkpoint/, "
         f"service.log); fleet: {fleet_dir}")
     return status
+
+
+def _emulate_flags(cfg, state: Path, admin: dict, seed: int | None, backend: str, address: str
+                   ) -> list[object]:
+    """`fleet emulate`'s flags that depend on the run: its seed, the plan and bundle key serve
+    wrote at boot (before admin.json), where the workers go, and the coordinator's certificate."""
+    flags: list[object] = []
+    if seed is not None:
+        flags += ["--seed", str(seed)]
+    if cfg.dp.target_epsilon > 0:
+        flags += ["--plan", state / PLAN_FILE]
+    if backend != "local":
+        flags += ["--backend", backend] + (["--address", address] if address else [])
+    if admin.get("tls_cert"):
+        flags += ["--ca-file", admin["tls_cert"]]
+    if cfg.fleet.client == "bundle":
+        flags += ["--bundle-key", state / PUBLIC_FILE]
+    return flags
 
 
 def _watch(client: AdminClient, serve: subprocess.Popen, fleet: subprocess.Popen, fleet_log: Path,

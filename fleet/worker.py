@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig
+from dpfleet.edge.devices import Behaviour, DeviceTimer
 from dpfleet.edge.traces import load_replay
 from dpfleet.edge.wire.protocol import PUBLIC_STATUS
-from dpfleet.fleet.behaviour import Behaviour
-from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop
 
 REPORT_EVERY_S = 0.5
@@ -164,7 +164,6 @@ class Hooks:
 
 async def _run(spec: WorkerSpec, events) -> None:
     import aiohttp
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dpfleet.fleet.link import LinkError
     from dpfleet.fleet.participant import local_policy, take_part
@@ -209,60 +208,72 @@ async def _run(spec: WorkerSpec, events) -> None:
             await asyncio.sleep(REPORT_EVERY_S)
             events.put(("counts", spec.worker, dict(counts)))
 
-    async def watch_run(session, tasks: list[asyncio.Task]) -> None:
-        """End devices asleep on a long timer once the run is over (they would only learn it at
-        their next check-in), and end the worker if its parent is gone (orphaned by kill -9)."""
-        parent = os.getppid()
-        while True:
-            await asyncio.sleep(WATCH_EVERY_S)
-            finished = os.getppid() != parent
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                async with session.get(spec.url.rstrip("/") + PUBLIC_STATUS,
-                                       ssl=tls) as resp:
-                    if resp.status == 200:
-                        finished |= (await resp.json()).get("run_state") == "finished"
-            if finished:
-                for task in tasks:
-                    task.cancel()
-                return
-
     tls = ssl.create_default_context(cafile=spec.ca_file) if spec.ca_file else True
     link_cls = _timed_link_class()
     link_cls.latencies = latencies
     connector = aiohttp.TCPConnector(limit=0)  # every device may hold a long-poll at once
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
-        devices = []
-        # the availability trace both simulate and the fleet replay: client i is trace device i mod T
-        trace = (load_replay(cfg.participation.trace, max(d.index for d in spec.devices) + 1)
-                 if cfg.participation.trace and spec.devices else None)
-        for d in spec.devices:
-            state = DeviceState(d.index, d.device_id, Behaviour(cfg.fleet, spec.seed, d.index, trace),
-                                DeviceTimer(spec.timer_period_s, d.timer_last),
-                                runtime=cfg.client.runtime, bundle_serials=dict(d.bundle_serials))
-            state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),
-                                  ca_file=spec.ca_file, session=session,
-                                  rng=random.Random(f"{spec.seed}/{d.index}"))
-            devices.append(state)
+        devices = _device_states(spec, link_cls, session)
         reporter = asyncio.ensure_future(report_counts())
         tasks = [asyncio.ensure_future(device_loop(
             dev, dev.link, clock, participate, rng=random.Random(dev.index), on_event=on_event,
             link_errors=(LinkError,))) for dev in devices]
-        watcher = asyncio.ensure_future(watch_run(session, tasks))
+        watcher = asyncio.ensure_future(_watch_run(spec.url, tls, session, tasks))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         reporter.cancel()
         watcher.cancel()
     for r in results:
-        if isinstance(r, asyncio.CancelledError):  # asleep when the run finished
-            counts["done"] = counts.get("done", 0) + 1
-        elif isinstance(r, BaseException):
-            counts[f"crashed_{type(r).__name__}"] = counts.get(f"crashed_{type(r).__name__}", 0) + 1
+        if isinstance(r, BaseException):  # CancelledError: asleep when the run finished
+            name = "done" if isinstance(r, asyncio.CancelledError) else f"crashed_{type(r).__name__}"
+            counts[name] = counts.get(name, 0) + 1
     events.put(("final", spec.worker, dict(counts), latencies, train_seconds, outcomes,
                 executor.busy))
     # the queue's feeder thread must flush before the process exits
     if hasattr(events, "close"):
         events.close()
         events.join_thread()
+
+
+def _device_states(spec: WorkerSpec, link_cls: type, session) -> list[DeviceState]:
+    """The worker's devices: each its behaviour (the `[devices]` model, replaying the trace both
+    simulate and the fleet replay: client i is trace device i mod T), its timer as it was left,
+    and its own signed link over the worker's one HTTP session."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    cfg = spec.cfg
+    trace = (load_replay(cfg.devices.trace, max(d.index for d in spec.devices) + 1)
+             if cfg.devices.trace and spec.devices else None)
+    devices = []
+    for d in spec.devices:
+        state = DeviceState(d.index, d.device_id, Behaviour(cfg.devices, spec.seed, d.index, trace,
+                                                              cfg.participation.round_minutes),
+                            DeviceTimer(spec.timer_period_s, d.timer_last),
+                            runtime=cfg.client.runtime, bundle_serials=dict(d.bundle_serials))
+        state.link = link_cls(spec.url, d.device_id, Ed25519PrivateKey.from_private_bytes(d.key),
+                              ca_file=spec.ca_file, session=session,
+                              rng=random.Random(f"{spec.seed}/{d.index}"))
+        devices.append(state)
+    return devices
+
+
+async def _watch_run(url: str, tls: object, session, tasks: list[asyncio.Task]) -> None:
+    """End devices asleep on a long timer once the run is over (they would only learn it at
+    their next check-in), and end the worker if its parent is gone (orphaned by kill -9)."""
+    import aiohttp
+
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(WATCH_EVERY_S)
+        finished = os.getppid() != parent
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async with session.get(url.rstrip("/") + PUBLIC_STATUS, ssl=tls) as resp:
+                if resp.status == 200:
+                    finished |= (await resp.json()).get("run_state") == "finished"
+        if finished:
+            for task in tasks:
+                task.cancel()
+            return
 
 
 def endpoint(method: str, path_qs: str) -> str:

@@ -91,7 +91,7 @@ def test_relative_paths_are_read_from_the_config_files_folder(tmp_path, monkeypa
     assert parse_config({"data": {"dataset": "jsonl", "path": "users.jsonl"}}).data.path == "users.jsonl"
     assert {f"{s}.{k}" for s, k in PATH_KEYS} == {"data.path", "tokenizer.path", "tokenizer.word_counts",
                                                  "tokenizer.words", "aggregation.fleet_keys",
-                                                 "participation.trace"}
+                                                 "devices.trace"}
 
 
 def test_a_jsonl_config_runs_from_another_folder(tmp_path, monkeypatch):

@@ -39,8 +39,8 @@ CFG = {
     "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 4, "momentum": 0.5,
            "adaptive_clipping": True, "clip_count_stddev": 1.0, "restart_rounds": [3],
            "noise_seed": 5},
-    "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0,
-                      "availability": 0.6},
+    "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0},
+    "devices": {"availability": 0.6},
 }
 QUIET = {"progress": False, "log": lambda s: None}
 

@@ -1,4 +1,4 @@
-"""Emulated device behaviour (fleet/behaviour.py) and the [fleet] config section."""
+"""Emulated device behaviour (edge/devices.py `Behaviour`) and the [devices] config section."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.config import FleetSection, parse_config
+from dpfleet.coordinator.config import parse_config
+from dpfleet.edge.devices import Behaviour, DevicesSection
 from dpfleet.errors import DpfleetError
-from dpfleet.fleet.behaviour import Behaviour
 
-NIGHTS = FleetSection(charging_hours=8.0, charging_start=22.0, timezone_spread=6.0, idle=0.8,
+NIGHTS = DevicesSection(charging_hours=8.0, charging_start=22.0, timezone_spread=6.0, idle=0.8,
                       unmetered=0.7, condition_minutes=15.0)
 
 
@@ -27,7 +27,7 @@ def test_profile_is_seeded_per_device_not_per_stream():
 
 
 def test_always_plugged_in_by_default():
-    b = Behaviour(FleetSection(), 0, 0)
+    b = Behaviour(DevicesSection(), 0, 0)
     assert all(b.charging(h) for h in np.linspace(0, 24, 97))
     assert all(b.eligible(t, 0.0) for t in np.arange(0, 86_400, 900.0))
 
@@ -84,7 +84,7 @@ def test_dropout_per_phase_is_seeded_and_at_its_rate():
 
 
 def test_link_and_speed_spread_around_their_medians():
-    cfg = FleetSection(bandwidth_mbps=8.0, latency_ms=100.0, link_sigma=0.5, speed_sigma=0.3)
+    cfg = DevicesSection(bandwidth_mbps=8.0, latency_ms=100.0, link_sigma=0.5, speed_sigma=0.3)
     profiles = [Behaviour(cfg, 0, d).profile for d in range(2000)]
     assert np.median([p.bandwidth for p in profiles]) == pytest.approx(1e6, rel=0.06)
     assert np.median([p.latency for p in profiles]) == pytest.approx(0.1, rel=0.06)
@@ -95,12 +95,12 @@ def test_link_and_speed_spread_around_their_medians():
 
 
 def test_fleet_config_is_validated():
-    cfg = parse_config({"fleet": {"charging_hours": 6, "dropout_train": 0.1}})
-    assert cfg.fleet.charging_hours == 6.0 and cfg.fleet.dropout_train == 0.1
-    assert cfg.resolved()["fleet"]["speed_sigma"] == 0.3
+    cfg = parse_config({"devices": {"charging_hours": 6, "dropout_train": 0.1}})
+    assert cfg.devices.charging_hours == 6.0 and cfg.devices.dropout_train == 0.1
+    assert cfg.resolved()["devices"]["speed_sigma"] == 0.3
     for bad in ({"dropout_train": 1.5}, {"charging_hours": 0}, {"bandwidth_mbps": 0},
                 {"latency_ms": -1}, {"idle": -0.1}):
-        with pytest.raises(DpfleetError, match="fleet."):
-            parse_config({"fleet": bad})
-    with pytest.raises(DpfleetError, match="did you mean 'fleet.dropout_train'"):
-        parse_config({"fleet": {"dropout_trian": 0.1}})
+        with pytest.raises(DpfleetError, match="devices."):
+            parse_config({"devices": bad})
+    with pytest.raises(DpfleetError, match="did you mean 'devices.dropout_train'"):
+        parse_config({"devices": {"dropout_trian": 0.1}})

@@ -187,7 +187,7 @@ def bundle_toml(tmp_path, runtime="onnx", rounds=2):
     path = tiny_toml(tmp_path, rounds=rounds)
     text = path.read_text().replace('trainer = "sequential"',
                                     f'trainer = "sequential"\nruntime = "{runtime}"')
-    path.write_text(text + 'client = "bundle"\n')
+    path.write_text(text + '\n[fleet]\nclient = "bundle"\n')
     return path
 
 

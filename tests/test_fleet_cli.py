@@ -55,7 +55,7 @@ checkin_retry_s = 0.2
 checkin_window_s = 1.0
 report_deadline_s = 10.0
 
-[fleet]
+[devices]
 latency_ms = {latency_ms}
 link_sigma = 0.0
 """
@@ -69,12 +69,15 @@ def tiny_toml(tmp_path, rounds=3, latency_ms=2.0):
 
 def test_bad_fleet_config_is_one_clean_line(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[fleet]\ndropout_trian = 0.1\n")
+    cfg.write_text("[devices]\ndropout_trian = 0.1\n")
     assert_clean_error(run_here("fleet", "emulate", str(cfg), "--coordinator", "http://127.0.0.1:9"),
-                       "did you mean 'fleet.dropout_train'")
-    cfg.write_text("[fleet]\ndropout_train = 2.0\n")
+                       "did you mean 'devices.dropout_train'")
+    cfg.write_text("[devices]\ndropout_train = 2.0\n")
     assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
-                       "fleet.dropout_train must be a probability")
+                       "devices.dropout_train must be a probability")
+    cfg.write_text("[fleet]\ndropout_train = 0.1\n")  # a config written before [devices]
+    assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
+                       "config key 'fleet.dropout_train' moved to 'devices.dropout_train'")
     cfg.write_text('[tokenizer]\nkind = "word"\n')
     assert_clean_error(run_here("fleet", "run", str(cfg), "--state", str(tmp_path / "s")),
                        "DP word vocabulary")

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpfleet.edge.devices import DeviceTimer
 from dpfleet.errors import DpfleetError
-from dpfleet.fleet.clock import DeviceTimer, FleetClock, read_time_scale
+from dpfleet.fleet.clock import FleetClock, read_time_scale
 
 
 class Wall:

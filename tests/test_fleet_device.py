@@ -8,10 +8,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.config import FleetSection
+from dpfleet.edge.devices import Behaviour, DevicesSection, DeviceTimer
 from dpfleet.edge.traces import load_replay
-from dpfleet.fleet.behaviour import Behaviour
-from dpfleet.fleet.clock import DeviceTimer, FleetClock
+from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.device import DeviceState, device_loop, wait_before_checkin
 
 T0 = 1_700_000_000.0
@@ -84,7 +83,7 @@ def run(device: DeviceState, coordinator: ScriptedCoordinator, clock: SteppedClo
 def test_device_never_checks_in_before_its_timer_expires(script, period_h, scale, after_s,
                                                           charging_hours, train_wall_s):
     clock = SteppedClock(scale, start_hour=12.0)
-    section = FleetSection(charging_hours=charging_hours, idle=0.9, unmetered=0.9)
+    section = DevicesSection(charging_hours=charging_hours, idle=0.9, unmetered=0.9)
     device = DeviceState(0, "u0", Behaviour(section, 3, 0), DeviceTimer(period_h * 3600.0))
     coordinator = ScriptedCoordinator(clock, script, after_s)
     assigned = run(device, coordinator, clock, train_wall_s)
@@ -101,7 +100,7 @@ def test_device_never_checks_in_before_its_timer_expires(script, period_h, scale
 
 
 def test_ineligible_device_sleeps_to_its_window_in_one_step():
-    section = FleetSection(charging_hours=6.0, charging_start=22.0)
+    section = DevicesSection(charging_hours=6.0, charging_start=22.0)
     clock = SteppedClock(86_400.0, start_hour=12.0)  # noon: outside every window
     behaviour = Behaviour(section, 0, 4)
     device = DeviceState(4, "u4", behaviour, DeviceTimer(0.0))
@@ -113,7 +112,7 @@ def test_ineligible_device_sleeps_to_its_window_in_one_step():
 
 def test_timer_state_is_the_devices_own():
     clock = SteppedClock(86_400.0)
-    devices = [DeviceState(i, f"u{i}", Behaviour(FleetSection(), 0, i), DeviceTimer(86_400.0))
+    devices = [DeviceState(i, f"u{i}", Behaviour(DevicesSection(), 0, i), DeviceTimer(86_400.0))
                for i in range(2)]
     coordinator = ScriptedCoordinator(clock, ["assignment"], 0.5)
     run(devices[0], coordinator, clock)
@@ -149,7 +148,7 @@ def test_a_device_outlasts_a_coordinator_outage_and_stops_on_410():
                 return await super().checkin(**kw)
             raise Flaky(410)
 
-    device = DeviceState(0, "u0", Behaviour(FleetSection(), 0, 0), DeviceTimer(0.0))
+    device = DeviceState(0, "u0", Behaviour(DevicesSection(), 0, 0), DeviceTimer(0.0))
     run_with = Outage(clock, ["retry"], 0.5)
 
     async def never(dev, assignment):
@@ -186,7 +185,7 @@ def test_a_replayed_trace_device_checks_in_only_inside_its_intervals(tmp_path):
                      '{"id": "y", "intervals": [[0, 3600], [10800, 14400]], "speed": "slow"}\n')
     replay = load_replay(trace, 4)
     clock = SteppedClock(600.0)
-    behaviour = Behaviour(FleetSection(), 0, 3, replay)
+    behaviour = Behaviour(DevicesSection(), 0, 3, replay)
     device = DeviceState(3, "u3", behaviour, DeviceTimer(0.0))
     coordinator = ScriptedCoordinator(clock, ["retry"] * 30, 1.0)
     run(device, coordinator, clock)

@@ -14,8 +14,7 @@ import pytest
 from service_fleet import tiny_cfg
 
 from dpfleet.coordinator.accounting.zcdp import account_participation_log
-from dpfleet.coordinator.config import FleetSection
-from dpfleet.fleet.behaviour import Behaviour
+from dpfleet.edge.devices import Behaviour, DevicesSection
 from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.emulate import fleet_keys, load_devices
 from dpfleet.fleet.participant import DropOut
@@ -56,8 +55,8 @@ def check_committed_log(state, cfg, outcomes=None):
 
 def test_hooks_drop_and_delay_by_the_devices_behaviour():
     clock = FleetClock(1e6, origin=time.time())
-    always = Behaviour(FleetSection(dropout_train=1.0), 0, 0)
-    never = Behaviour(FleetSection(latency_ms=1000.0, link_sigma=0.0), 0, 0)
+    always = Behaviour(DevicesSection(dropout_train=1.0), 0, 0)
+    never = Behaviour(DevicesSection(latency_ms=1000.0, link_sigma=0.0), 0, 0)
 
     async def go():
         with pytest.raises(DropOut, match="train"):
@@ -104,7 +103,7 @@ def run_one_worker(cfg, tmp_path, seed=3):
 
 
 def test_a_fleet_worker_with_dropouts_runs_a_service_run_to_the_end(tmp_path):
-    cfg = tiny_cfg(rounds=3, fleet={"dropout_train": 0.3, "dropout_report": 0.1, "latency_ms": 2.0},
+    cfg = tiny_cfg(rounds=3, devices={"dropout_train": 0.3, "dropout_report": 0.1, "latency_ms": 2.0},
                    service={"overselect": 1.0, "report_deadline_s": 6.0})
     status, counts, outcomes, ids = run_one_worker(cfg, tmp_path)
     assert status["rounds_committed"] == cfg.rounds and status["run_state"] == "finished"
@@ -122,7 +121,7 @@ def test_signed_secagg_rounds_reach_every_selected_device(tmp_path):
     their SecAgg assignment at their next check-in (the service once answered them "round full",
     and SecAgg rounds failed for want of commitments)."""
     cfg = tiny_cfg(rounds=3, aggregation={"kind": "secagg", "signed": True},
-                   fleet={"latency_ms": 2.0},
+                   devices={"latency_ms": 2.0},
                    # devices spend longer asleep between check-ins (1.5 s) than held in one (1.2 s)
                    service={"overselect": 1.0, "secagg_phase_deadline_s": 6.0,
                             "checkin_retry_s": 1.5, "checkin_window_s": 0.2})
@@ -182,7 +181,7 @@ def test_sigkill_of_a_worker_mid_round_the_run_still_finishes_and_accounts(tmp_p
     from dpfleet.fleet.emulate import Fleet
 
     # transfers of 1 s each keep the assigned devices busy long enough to be killed mid-round
-    cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
+    cfg = tiny_cfg(rounds=3, devices={"latency_ms": 1000.0, "link_sigma": 0.0},
                    service={"overselect": 1.0, "report_deadline_s": 5.0})
     ids, examples, params = load_devices(cfg)
     keys = fleet_keys(tmp_path / "keys.json", len(ids))
@@ -228,7 +227,8 @@ def test_fleet_workers_replay_the_participation_trace(tmp_path):
     trace.write_text("".join(json.dumps(x) + "\n" for x in [
         {"format": "dpfleet-trace", "version": 1, "duration": 10_000_000},
         *({"id": f"d{i}", "intervals": [[0, 10_000_000]] if i < 3 else []} for i in range(len(ids)))]))
-    cfg = tiny_cfg(rounds=2, participation={"mode": "timer", "timer_period": 0.0, "trace": str(trace)})
+    cfg = tiny_cfg(rounds=2, participation={"mode": "timer", "timer_period": 0.0},
+                   devices={"trace": str(trace)})
     status, counts, outcomes, ids = run_one_worker(cfg, tmp_path)
     assert status["rounds_committed"] == cfg.rounds
     assert {o[0] for o in outcomes} == set(ids[:3])

@@ -39,7 +39,7 @@ def test_ray_fleet_finishes_a_service_run_and_restarts_a_killed_actor(ray_local,
     from dpfleet.edge.wire.admin_client import AdminClient, AdminTarget
     from dpfleet.fleet.ray_workers import ActorWorker, RayFleet
 
-    cfg = tiny_cfg(rounds=3, fleet={"latency_ms": 1000.0, "link_sigma": 0.0},
+    cfg = tiny_cfg(rounds=3, devices={"latency_ms": 1000.0, "link_sigma": 0.0},
                    service={"overselect": 1.0, "report_deadline_s": 5.0})
     ids, examples, keys, registry, params = fleet_parts(cfg, tmp_path)
     server = ServerThread(cfg, tmp_path / "state", registry)

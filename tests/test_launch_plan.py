@@ -17,6 +17,7 @@ from dpfleet.coordinator.engine.launch_plan import (
     replay,
 )
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.trace_gen import generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
@@ -43,7 +44,11 @@ def write_five(path):
 
 
 def _section(path, timer):
-    return ParticipationSection(mode="timer", timer_period=timer, round_minutes=60.0, trace=str(path))
+    return ParticipationSection(mode="timer", timer_period=timer, round_minutes=60.0)
+
+
+def _devices(path):
+    return DevicesSection(trace=str(path))
 
 
 def test_realised_min_separation_and_max_participation_by_hand(tmp_path):
@@ -52,13 +57,13 @@ def test_realised_min_separation_and_max_participation_by_hand(tmp_path):
     # both available devices at each of the 6 slots of a quarter day:
     # rounds {0,2} {1,2} {0,3} {1,3} {1,4} {0,4}; device 0 in rounds 0, 2, 5 (gaps 1, 2), device 1
     # in 1, 3, 4 (gaps 1, 0), devices 2, 3, 4 twice in a row (gap 0): MinS 0, MaxP 3
-    run = replay(_section(path, 1.0), 5, 2, 0, 0.25)
+    run = replay(_section(path, 1.0), _devices(path), 5, 2, 0, 0.25)
     assert (run.rounds, run.slots, run.enforced_min_separation) == (6, [0, 1, 2, 3, 4, 5], 0)
     assert (run.min_separation, run.max_participation) == (0, 3)
     # a 2 h timer: back 2 slots later, the guard's MinS 1. slot 0: {0,2}; slot 1: 2 is away, wait;
     # slot 2: the guard refuses 0 (0 rounds between), wait; slot 3: {1,3}; slot 4: 1 is away, wait;
     # slot 5: {0,4} (device 0: round 0 then round 2, 1 round between); slot 6 is after the launch
-    run = replay(_section(path, 2.0), 5, 2, 0, 0.25)
+    run = replay(_section(path, 2.0), _devices(path), 5, 2, 0, 0.25)
     assert (run.rounds, run.slots, run.enforced_min_separation) == (3, [0, 3, 5], 1)
     assert (run.min_separation, run.max_participation) == (1, 2)
     assert realised_participation([[0, 2], [1, 3], [0, 4]]) == (1, 2)
@@ -69,14 +74,14 @@ def test_realised_min_separation_and_max_participation_by_hand(tmp_path):
 def test_a_replay_stops_scanning_the_trace_at_the_launchs_end(tmp_path, monkeypatch):
     """A round that cannot fill before the launch ends fails at the end, not after scanning up to
     30 simulated days of the trace (for a 10^5-device trace, minutes per candidate)."""
-    from dpfleet.edge.fleet import EmulatedFleet
+    from dpfleet.edge.devices import SlottedDevices
     path = write_five(tmp_path / "five.jsonl")
     scanned = []
-    check_in = EmulatedFleet.check_in
-    monkeypatch.setattr(EmulatedFleet, "check_in", lambda self, slot: scanned.append(slot)
+    check_in = SlottedDevices.check_in
+    monkeypatch.setattr(SlottedDevices, "check_in", lambda self, slot: scanned.append(slot)
                         or check_in(self, slot))
     # report goal 3: never more than two devices at a slot, so no round fills in the 6 slots
-    run = replay(_section(path, 1.0), 5, 3, 0, 0.25)
+    run = replay(_section(path, 1.0), _devices(path), 5, 3, 0, 0.25)
     assert (run.rounds, scanned) == (0, [0, 1, 2, 3, 4, 5])
 
 def _row(m, timer, rounds, nsr):
@@ -154,7 +159,7 @@ def test_a_trace_plan_is_what_simulate_replays(tmp_path):
     chosen = plan["chosen"]
     assert chosen["rounds"] >= 3 and (tmp_path / "plan" / "plan.png").stat().st_size > 0
     fragment = tomllib.loads(emitted.read_text())
-    assert fragment["dp"]["report_goal"] == 3 and fragment["participation"]["trace"] == str(trace)
+    assert fragment["dp"]["report_goal"] == 3 and fragment["devices"]["trace"] == str(trace)
     cfg = parse_config({**TINY, **{k: v for k, v in fragment.items() if k != "dp"},
                         "dp": {**TINY["dp"], **fragment["dp"]}})
     result = run_simulation(cfg, tmp_path / "run", progress=False, log=lambda s: None)
@@ -195,7 +200,7 @@ def test_plan_over_a_generated_trace_writes_it_beside_the_plan(tmp_path, capsys)
           "--target-zcdp", "1", "-M", "2", "--timer-hours", "1", "--mechanism", "tree", "--out", str(out)])
     plan = json.loads((out / "plan.json").read_text())
     assert plan["trace"] == str((out / "trace.jsonl.gz").absolute()) and plan["population"] == 60
-    assert plan["chosen"]["rounds"] >= 1 and plan["config"]["participation"]["trace"] == plan["trace"]
+    assert plan["chosen"]["rounds"] >= 1 and plan["config"]["devices"]["trace"] == plan["trace"]
     assert "plan: report goal 2, timer 1 h" in capsys.readouterr().out
     # a second plan into the same folder would replay another trace under the first one's name
     with pytest.raises(SystemExit):

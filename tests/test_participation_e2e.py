@@ -28,8 +28,8 @@ TINY = {
 # 12 devices, 4 per round, a 30-minute timer at 10-minute rounds (nominal MinS 2 = the most 12
 # devices allow), devices available 60% of the time: rounds wait, and the coordinator refuses
 # devices whose timer expired during a wait but that took part fewer than 3 rounds ago.
-TIMER = {**TINY, "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0,
-                                   "availability": 0.6, "diurnal_amplitude": 0.3},
+TIMER = {**TINY, "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0},
+         "devices": {"availability": 0.6, "diurnal_amplitude": 0.3},
          "dp": {**TINY["dp"], "adaptive_clipping": True, "clip_count_stddev": 1.0,
                 "restart_rounds": [4, 8]}}
 

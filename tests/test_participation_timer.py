@@ -9,7 +9,7 @@ from dpfleet.coordinator.accounting.planner import max_min_separation, timer_for
 from dpfleet.coordinator.accounting.zcdp import observe_participation
 from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine.participation import Participation, ParticipationGuard, RoundUnfillable
-from dpfleet.edge.fleet import Availability, EmulatedFleet, timer_slots
+from dpfleet.edge.devices import Availability, DevicesSection, SlottedDevices, timer_slots
 from dpfleet.errors import DpfleetError
 
 
@@ -24,7 +24,7 @@ def run_rounds(part: Participation, rounds: int) -> tuple[list[dict], list]:
     return log, selections
 
 
-class IgnoresTimer(EmulatedFleet):
+class IgnoresTimer(SlottedDevices):
     """A misbehaving fleet: every device checks in every slot, timers or not."""
 
     def check_in(self, slot):
@@ -81,8 +81,9 @@ def test_waiting_advances_the_clock():
 
 
 def test_low_availability_makes_rounds_wait_and_stay_reproducible():
-    section = timer_section(timer_period=0.0, availability=0.05)
-    a, b = (Participation(section, 100, 8, 10, seed=4) for _ in range(2))
+    section = timer_section(timer_period=0.0)
+    a, b = (Participation(section, 100, 8, 10, seed=4, devices=DevicesSection(availability=0.05))
+            for _ in range(2))
     sels_a, sels_b = run_rounds(a, 10)[1], run_rounds(b, 10)[1]
     assert sels_a == sels_b
     assert sum(s.waited_slots for s in sels_a) > 0  # ~5 of 100 available, 8 needed
@@ -134,14 +135,16 @@ def test_disjoint_and_uniform_modes():
 
 
 def test_config_section_and_the_moved_sampling_key():
-    cfg = parse_config({"participation": {"mode": "timer", "timer_period": 2, "availability": 0.5}})
+    cfg = parse_config({"participation": {"mode": "timer", "timer_period": 2},
+                        "devices": {"availability": 0.5}})
     assert cfg.participation.timer_period == 2.0 and cfg.participation.mode == "timer"
+    assert cfg.devices.availability == 0.5
     with pytest.raises(DpfleetError, match="'dp.sampling' moved to 'participation.mode'"):
         parse_config({"dp": {"sampling": "uniform"}})
     with pytest.raises(DpfleetError, match="must be one of"):
         parse_config({"participation": {"mode": "poisson"}})
-    with pytest.raises(DpfleetError, match="availability must be in"):
-        parse_config({"participation": {"availability": 1.5}})
+    with pytest.raises(DpfleetError, match="devices.availability must be in"):
+        parse_config({"devices": {"availability": 1.5}})
 
 
 @settings(max_examples=40, deadline=None)
@@ -153,9 +156,8 @@ def test_config_section_and_the_moved_sampling_key():
 def test_observed_participation_never_breaks_the_enforced_limits(size, goal, mins, cap, slots,
                                                                  availability, broken, seed):
     goal = min(goal, size)
-    section = timer_section(timer_period=slots * 10 / 60, availability=availability,
-                            min_separation=mins, max_participation=cap)
-    fleet_cls = IgnoresTimer if broken else EmulatedFleet
+    section = timer_section(timer_period=slots * 10 / 60, min_separation=mins, max_participation=cap)
+    fleet_cls = IgnoresTimer if broken else SlottedDevices
     fleet = fleet_cls(size, section.timer_period, 10.0, Availability(availability), seed)
     part = Participation(section, size, goal, 30, seed, fleet=fleet)
     log = []

@@ -17,6 +17,7 @@ from dpfleet.coordinator.engine.participation import Participation, RoundUnfilla
 from dpfleet.coordinator.engine.restore import replay
 from dpfleet.coordinator.engine.simulation import run_simulation, train_plan
 from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
+from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
@@ -37,9 +38,9 @@ def write_speed_trace(path, late_fast=0):
 
 
 def speed_participation(path, size, goal, timer_hours=1.0, **keys) -> Participation:
-    section = ParticipationSection(mode="timer", timer_period=timer_hours, round_minutes=10.0,
-                                   trace=str(path), train_minutes=4.0, train_jitter=0.0, **keys)
-    return Participation(section, size, goal, 20, seed=1)
+    section = ParticipationSection(mode="timer", timer_period=timer_hours, round_minutes=10.0, **keys)
+    devices = DevicesSection(trace=str(path), train_minutes=4.0, train_jitter=0.0)
+    return Participation(section, size, goal, 20, seed=1, devices=devices)
 
 
 def test_the_round_closes_at_the_goal_and_the_rest_are_over_it(tmp_path):
@@ -134,9 +135,9 @@ def test_defaults_select_exactly_as_before(tmp_path):
     before = [(0, [12, 19, 21], []), (1, [6, 10, 25], []), (3, [3, 12], [24]), (4, [18, 20], [11]),
               (5, [3, 19], [12]), (6, [2, 10], [1]), (7, [6, 15, 21], []), (8, [7, 11], [2]),
               (9, [15, 17, 18], []), (10, [21], [12, 24]), (11, [11, 18], [15]), (12, [2, 12], [24])]
-    section = ParticipationSection(mode="timer", timer_period=1.0, round_minutes=30.0,
-                                   trace=str(busy_trace(tmp_path / "t.jsonl", failure_mean=0.4)))
-    part = Participation(section, 30, 3, 12, seed=5)
+    section = ParticipationSection(mode="timer", timer_period=1.0, round_minutes=30.0)
+    devices = DevicesSection(trace=str(busy_trace(tmp_path / "t.jsonl", failure_mean=0.4)))
+    part = Participation(section, 30, 3, 12, seed=5, devices=devices)
     got = []
     for r in range(12):
         sel = part.propose(r)
@@ -155,10 +156,11 @@ def test_committed_devices_are_the_goal_at_most_selected_and_in_time(tmp_path_fa
     path = tmp_path_factory.getbasetemp() / f"busy{trace_seed}.jsonl"
     if not path.exists():
         busy_trace(path, failure_mean=0.3, seed=trace_seed)
-    section = ParticipationSection(mode="timer", timer_period=1.0, round_minutes=10.0, trace=str(path),
-                                   over_selection=over, deadline_minutes=deadline, train_minutes=3.0,
+    section = ParticipationSection(mode="timer", timer_period=1.0, round_minutes=10.0,
+                                   over_selection=over, deadline_minutes=deadline,
                                    min_reports=min(min_reports, goal))
-    part = Participation(section, 30, goal, 4, seed=seed)
+    devices = DevicesSection(trace=str(path), train_minutes=3.0)
+    part = Participation(section, 30, goal, 4, seed=seed, devices=devices)
     for r in range(3):
         try:
             sel = part.propose(r)
@@ -167,7 +169,7 @@ def test_committed_devices_are_the_goal_at_most_selected_and_in_time(tmp_path_fa
         assert 1 <= len(sel.devices) <= goal and len(sel.devices) >= min(min_reports, goal)
         assert set(sel.devices) <= set(sel.selected) and len(sel.selected) <= max(goal, np.ceil(over * goal))
         chosen = np.array(sel.selected)
-        finish = part.fleet.finish_minutes(chosen, r, sel.slot, 3.0, section.train_jitter)
+        finish = part.fleet.finish_minutes(chosen, r, sel.slot, 3.0, devices.train_jitter)
         at = dict(zip(chosen.tolist(), finish.tolist(), strict=True))
         assert all(at[d] <= sel.minutes for d in sel.devices)  # every committed device reported in time
         assert all(at[d] >= sel.minutes for d in sel.over_goal)
@@ -180,7 +182,6 @@ def test_committed_devices_are_the_goal_at_most_selected_and_in_time(tmp_path_fa
     ({"over_selection": 0.5}, "participation.over_selection must be in [1, 100]"),
     ({"deadline_minutes": 45.0}, "participation.deadline_minutes must be in [0, round_minutes = 30]"),
     ({"min_reports": 4}, "participation.min_reports must be in [0, dp.report_goal = 3]"),
-    ({"train_minutes": 0.0}, "participation.train_minutes must be > 0"),
     ({"mode": "uniform", "over_selection": 1.5}, "close rounds on the simulated clock of timer mode"),
 ])
 def test_bad_round_close_keys_are_one_line(keys, message):
@@ -195,8 +196,8 @@ def production_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prodrounds")
     trace = busy_trace(folder / "trace.jsonl")
     cfg = parse_config({**TINY, "participation": {
-        "mode": "timer", "timer_period": 1.0, "round_minutes": 30.0, "trace": str(trace),
-        "over_selection": 1.3, "train_minutes": 8.0, "deadline_minutes": 15.0}})
+        "mode": "timer", "timer_period": 1.0, "round_minutes": 30.0, "over_selection": 1.3,
+        "deadline_minutes": 15.0}, "devices": {"trace": str(trace), "train_minutes": 8.0}})
     lines, trained = [], []
 
     def spy(cfg, trainer, clients, plan):  # who the in-process trainer is asked to train

@@ -41,8 +41,8 @@ CFG = {
     "dp": {"noise_multiplier": 1.0, "clip_norm": 0.5, "report_goal": 3, "momentum": 0.5,
            "adaptive_clipping": True, "clip_count_stddev": 1.0, "restart_rounds": [4],
            "noise_seed": 11},
-    "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0,
-                      "availability": 0.7},
+    "participation": {"mode": "timer", "timer_period": 0.5, "round_minutes": 10.0},
+    "devices": {"availability": 0.7},
 }
 QUIET = {"progress": False, "log": lambda s: None}
 LOGS = ("participation.jsonl", RELEASES, "metrics.jsonl")

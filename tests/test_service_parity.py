@@ -49,7 +49,7 @@ def lines(path):
 
 # timer participation (every device available, a 15-minute timer: MinS 1 over 10-minute rounds)
 # and adaptive clipping (plain: the count from the reports' norms; SecAgg: masked in the vector)
-TIMER_ADAPTIVE = {"participation": {"mode": "timer", "timer_period": 0.25, "availability": 1.0},
+TIMER_ADAPTIVE = {"participation": {"mode": "timer", "timer_period": 0.25}, "devices": {"availability": 1.0},
                   "dp": {"adaptive_clipping": True, "clip_count_stddev": 1.0}}
 
 

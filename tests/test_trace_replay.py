@@ -1,4 +1,4 @@
-"""Replaying an availability trace (`participation.trace`): simulate's timer mode selects only
+"""Replaying an availability trace (`devices.trace`): simulate's timer mode selects only
 devices the trace says are available, drops them by its failure chance, and a tiny run accounts
 exactly the participation it committed."""
 
@@ -17,6 +17,7 @@ from dpfleet.coordinator.engine.restore import replay
 from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.run_dir import to_toml
+from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.trace_gen import GeneratorSettings, generate
 from dpfleet.edge.traces import TraceReplay, load, write_trace
 from dpfleet.errors import DpfleetError
@@ -43,8 +44,8 @@ def write_hand_trace(path, failure3=None):
 
 def hand_participation(path) -> Participation:
     # report goal 2, a 2 h timer at 1 h rounds: a device returns 2 slots after it took part
-    section = ParticipationSection(mode="timer", timer_period=2.0, round_minutes=60.0, trace=str(path))
-    return Participation(section, 4, 2, 4, seed=3)
+    section = ParticipationSection(mode="timer", timer_period=2.0, round_minutes=60.0)
+    return Participation(section, 4, 2, 4, seed=3, devices=DevicesSection(trace=str(path)))
 
 
 def drive(part: Participation, rounds: int):
@@ -143,19 +144,19 @@ def generated_run(tmp_path_factory):
     busy = GeneratorSettings(sessions_per_day=4, night_hours=8, timezone_spread=2)
     write_trace(trace_path, generate(40, days=1, seed=4, settings=busy))
     cfg = parse_config({**TINY, "dp": {**TINY["dp"], "report_goal": 2},
-                        "participation": {"mode": "timer", "timer_period": 1.0, "round_minutes": 30.0,
-                                          "trace": str(trace_path)}})
+                        "participation": {"mode": "timer", "timer_period": 1.0, "round_minutes": 30.0},
+                        "devices": {"trace": str(trace_path)}})
     result = run_simulation(cfg, folder / "run", progress=False, log=lambda s: None)
-    return result, load(trace_path), cfg.participation
+    return result, load(trace_path), cfg
 
 
 def test_a_generated_trace_runs_end_to_end_inside_its_intervals(generated_run):
-    result, trace, section = generated_run
+    result, trace, cfg = generated_run
     assert result.stopped_early is None and len(result.metrics) == 6
     log = [json.loads(x) for x in (result.run_dir / "participation.jsonl").read_text().splitlines()]
     # the engine's rounds are the participation control's, driven alone on the same trace and seed
     size = json.loads((result.run_dir / "privacy.json").read_text())["population"]
-    part = Participation(section, size, 2, 6, seed=TINY["seed"])
+    part = Participation(cfg.participation, size, 2, 6, seed=TINY["seed"], devices=cfg.devices)
     sels = drive(part, 6)
     assert [len(e["devices"]) for e in log] == [len(s.devices) for s in sels]
     assert [m["clock_hours"] for m in result.metrics] == [part.hours(s.slot) for s in sels]
@@ -168,18 +169,17 @@ def test_a_generated_trace_runs_end_to_end_inside_its_intervals(generated_run):
     assert result.privacy["epsilon"] == pytest.approx(ref["epsilon"], rel=1e-9)
 
 
-@pytest.mark.parametrize("participation, message", [
-    ({"mode": "timer", "availability": 0.5}, "participation.trace and participation.availability"),
-    ({"mode": "uniform"}, "participation.trace is replayed in timer mode"),
-    ({"mode": "timer", "fleet_idle": 0.5}, "participation.trace and fleet.charging_hours"),
-    ({"mode": "timer", "trace_missing": True}, "no such trace file"),
+@pytest.mark.parametrize("participation, devices, message", [
+    ({"mode": "timer"}, {"availability": 0.5}, "devices.trace and devices.availability"),
+    ({"mode": "uniform"}, {}, "devices.trace is replayed in timer mode"),
+    ({"mode": "timer"}, {"idle": 0.5}, "devices.trace and devices.charging_hours"),
+    ({"mode": "timer"}, {"trace_missing": True}, "no such trace file"),
 ])
-def test_a_bad_trace_setting_is_one_error_line(tmp_path, capsys, participation, message):
+def test_a_bad_trace_setting_is_one_error_line(tmp_path, capsys, participation, devices, message):
     trace = write_hand_trace(tmp_path / "t.jsonl")
-    missing = participation.pop("trace_missing", False)
-    fleet = {"idle": participation.pop("fleet_idle")} if "fleet_idle" in participation else {}
-    cfg = {**TINY, "fleet": fleet, "participation": {
-        **participation, "trace": str(tmp_path / "nope.jsonl") if missing else str(trace)}}
+    missing = devices.pop("trace_missing", False)
+    cfg = {**TINY, "participation": participation, "devices": {
+        **devices, "trace": str(tmp_path / "nope.jsonl") if missing else str(trace)}}
     (tmp_path / "c.toml").write_text(to_toml(cfg))
     with pytest.raises(SystemExit) as exc:
         main(["simulate", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--quiet"])

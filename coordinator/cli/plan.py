@@ -99,11 +99,12 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
 @click.option("--seed", type=int, default=None,
               help="With --trace: the run's seed (client selection); default --config's, else 0.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="With --trace: a run config whose [participation] (its other keys) and seed "
-                   "the replay uses.")
+              help="With --trace: a run config whose [participation], [devices] (their other keys) "
+                   "and seed the replay uses.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), default=None,
               help="With --trace: write the plan's config keys (rounds, seed, [dp], "
-                   "[participation]) as TOML to this new file, to merge into a run config.")
+                   "[participation], [devices]) as TOML to this new file, to merge into a run "
+                   "config.")
 @click.option("--emit-projection", type=click.Path(dir_okay=False), default=None,
               help="With --trace: write the keys of a laptop rehearsal of the planned launch "
                    "(rounds, [dp] z and mechanism, [projection] with the plan's report goal, "
@@ -294,14 +295,15 @@ def plan_trace(trace: str, days: float | None, round_minutes: float | None, targ
     --emit-config / --emit-projection files)."""
     if days is None or round_minutes is None:
         raise DpfleetError("--trace needs --days and --round-minutes")
-    section, run_seed = None, 0
+    section, devices, run_seed = None, None, 0
     if config_path is not None:
         cfg = parse_config(read_toml(Path(config_path)))
-        section, run_seed = cfg.participation, cfg.seed
+        section, devices, run_seed = cfg.participation, cfg.devices, cfg.seed
     result = plan_over_trace(trace, days, round_minutes, target_zcdp, delta=delta, method=method,
                              population=population, seed=run_seed if seed is None else seed,
                              report_goals=None if report_goal is None else [report_goal],
                              timer_hours=timer_hours or None, mechanism=mechanism, section=section,
+                             devices=devices,
                              min_rounds=min_rounds)
     record = result.to_dict()
     click.echo(dumps(record) if as_json else format_trace_plan(result))

@@ -49,6 +49,7 @@ from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sen
 from dpfleet.coordinator.config import ParticipationSection, check_delta, round_minutes_error
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.mechanisms.registry import rebuild
+from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.traces import TraceReplay, load
 from dpfleet.errors import DpfleetError
 
@@ -89,12 +90,13 @@ def launch_slots(days: float, round_minutes: float) -> int:
     return math.ceil(days * 24 * 60 / round_minutes - 1e-9)
 
 
-def replay(section: ParticipationSection, population: int, report_goal: int, seed: int,
-           days: float) -> Realised:
+def replay(section: ParticipationSection, devices: DevicesSection, population: int, report_goal: int,
+           seed: int, days: float) -> Realised:
     """Propose and commit rounds as `simulate` does (no training) until a round would start after
-    `days`, or none can be filled. `section` is passed whole (any field the engine reads flows in)."""
+    `days`, or none can be filled. `section` and `devices` are passed whole (any field the engine
+    reads flows in)."""
     slots = launch_slots(days, section.round_minutes)
-    part = Participation(section, population, report_goal, slots, seed, end_slot=slots)
+    part = Participation(section, population, report_goal, slots, seed, end_slot=slots, devices=devices)
     log: list[list[int]] = []
     starts: list[int] = []
     while True:
@@ -166,6 +168,7 @@ class TracePlan:
     candidates: list[Candidate]
     chosen: Candidate
     section: ParticipationSection  # the chosen participation, as simulate will run it
+    devices: DevicesSection  # the devices replayed: the trace (and the run's other [devices] keys)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -181,14 +184,15 @@ class TracePlan:
 
 
 def config_fragment(plan: TracePlan) -> dict:
-    """The config keys the plan implies ([participation] whole, [dp], rounds, seed): merged into a
-    run config, `dpfleet simulate` replays exactly the planned participation."""
+    """The config keys the plan implies ([participation] and [devices] whole, [dp], rounds, seed):
+    merged into a run config, `dpfleet simulate` replays exactly the planned participation."""
     c = plan.chosen
     dp = {"target_epsilon": 0.0, "report_goal": c.report_goal, "noise_multiplier": c.noise_multiplier,
           "mechanism": c.mechanism}
     if plan.delta is not None:
         dp["delta"] = plan.delta
-    return {"rounds": c.rounds, "seed": plan.seed, "dp": dp, "participation": asdict(plan.section)}
+    return {"rounds": c.rounds, "seed": plan.seed, "dp": dp, "participation": asdict(plan.section),
+            "devices": asdict(plan.devices)}
 
 
 def projection_fragment(plan: TracePlan) -> dict:
@@ -246,13 +250,14 @@ def plan_over_trace(trace: str | Path, days: float, round_minutes: float, target
                     seed: int = 0, report_goals: Sequence[int] | None = None,
                     timer_hours: Sequence[float] | None = None, mechanism: str = "auto",
                     section: ParticipationSection | None = None, min_rounds: int = 1,
-                    progress: bool = True) -> TracePlan:
+                    progress: bool = True, devices: DevicesSection | None = None) -> TracePlan:
     """Replay each (report goal, timer) candidate over `days` of the trace and choose (`choose`).
 
     `population`: the training clients the run will have (client i replays trace device i mod
     the trace's devices; default: the trace's devices). `section`: the run's [participation]
     (its other fields, e.g. over-selection, are replayed as they are); mode, timer_period,
-    round_minutes, trace and max_participation are the plan's. `min_rounds`: see `choose`."""
+    round_minutes and max_participation are the plan's; `devices`: the run's [devices], whose
+    trace is the plan's. `min_rounds`: see `choose`."""
     if not (days > 0 and math.isfinite(days)):
         raise DpfleetError(f"--days must be a positive number of days, got {days:g}")
     if problem := round_minutes_error(round_minutes, "--round-minutes"):
@@ -282,26 +287,27 @@ def plan_over_trace(trace: str | Path, days: float, round_minutes: float, target
     timers = sorted(set(timer_hours)) if timer_hours else sorted(
         {max(h, round_minutes / 60.0) for h in DEFAULT_TIMER_HOURS})
     base = section if section is not None else ParticipationSection()
+    replayed_devices = replace(devices if devices is not None else DevicesSection(), trace=str(path))
     kinds = candidates(mechanism)
     grid = [(m, t) for t in timers for m in goals]
     rows = []
     for m, t in tqdm(grid, desc="replaying candidates", unit="candidate",
                      disable=None if progress else True):
-        run_section = replace(base, mode="timer", timer_period=t, round_minutes=round_minutes,
-                              trace=str(path))
+        run_section = replace(base, mode="timer", timer_period=t, round_minutes=round_minutes)
         run, cap = Realised(0, [], -1, None, 0), 0
         if m <= peak:  # else never fillable: no replay (it would wait MAX_WAIT_DAYS of slots)
-            run = replay(run_section, population, m, seed, days)
+            run = replay(run_section, replayed_devices, population, m, seed, days)
             cap = run.max_participation
             if run.rounds:  # the realised MaxP becomes the cap; the capped replay is the plan's
-                run = replay(replace(run_section, max_participation=cap), population, m, seed, days)
+                run = replay(replace(run_section, max_participation=cap), replayed_devices, population,
+                             m, seed, days)
         rows.append(_account(m, t, run, cap, slots, days, target_zcdp, delta, method, kinds))
     chosen = choose(rows, min_rounds)
     chosen_section = replace(base, mode="timer", timer_period=chosen.timer_hours,
-                             round_minutes=round_minutes, trace=str(path), max_participation=chosen.cap,
+                             round_minutes=round_minutes, max_participation=chosen.cap,
                              min_separation=chosen.min_separation)  # stated, as enforced
     return TracePlan(str(path), population, days, round_minutes, seed, target_zcdp, delta, method,
-                     min_rounds, slots, available, rows, chosen, chosen_section)
+                     min_rounds, slots, available, rows, chosen, chosen_section, replayed_devices)
 
 
 def per_hour(plan: TracePlan) -> tuple[np.ndarray, np.ndarray]:

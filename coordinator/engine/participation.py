@@ -4,13 +4,14 @@ Modes (`[participation] mode`):
   disjoint  one seeded permutation cut into blocks of the report goal (paper 000 App. C): each
             device takes part at most once, so single-participation accounting applies.
   uniform   a fresh seeded draw of report-goal devices each round among those the guard allows.
-  timer     paper 002 Sec. 2.2: the devices of an `EmulatedFleet` check in when their own timer
-            has expired and they are available; the coordinator takes the report goal from the
-            devices it accepts (a seeded draw) and, when too few are accepted, waits one slot
-            (a round's duration) on the simulated clock and tries again. With
-            `participation.trace` the devices are available when the trace says so
-            (edge/traces.py `TraceReplay`) and a selected device drops out of the round with the
-            trace's failure chance: it is not trained and not in the sum, its timer still starts.
+  timer     paper 002 Sec. 2.2: the devices (`[devices]`, edge/devices.py `SlottedDevices`)
+            check in when their own timer has expired and they are available; the coordinator
+            takes the report goal from the devices it accepts (a seeded draw) and, when too few
+            are accepted, waits one slot (a round's duration) on the simulated clock and tries
+            again. With `devices.trace` the devices are available when the trace says so
+            (edge/traces.py `TraceReplay`); a selected device drops out of the round with the
+            trace's failure chance or a phase's `devices.dropout_*`: it is not trained and not in
+            the sum, its timer still starts.
             Rounds close as production's do (Bonawitz et al. 2019): the coordinator over-selects
             (`over_selection`), each selected device reports after its training time (speed
             class x seeded jitter), the round closes at the report goal or the deadline, and only
@@ -33,8 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfleet.coordinator.config import ParticipationSection, over_selected
-from dpfleet.edge.fleet import Availability, EmulatedFleet
-from dpfleet.edge.traces import load_replay
+from dpfleet.edge.devices import DevicesSection, SlottedDevices
 from dpfleet.errors import DpfleetError
 
 NEVER = -(1 << 40)  # "last participation" of a device that never took part
@@ -117,6 +117,7 @@ class Selection:
     minutes: float | None = None  # the round's simulated duration (None: not timed, not timer mode)
     # attempts abandoned before this one (too few reports by the deadline): (slot, selected devices)
     abandoned: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    attempt: int = 0  # timer mode: selections tried before this one in the round (the dropout draws' key)
 
     @property
     def selected(self) -> list[int]:
@@ -242,14 +243,17 @@ class Participation:
     """Selects each round's devices under the configured mode and enforces the guard."""
 
     def __init__(self, section: ParticipationSection, size: int, report_goal: int, rounds: int,
-                 seed: int, fleet: EmulatedFleet | None = None, policy=None,
-                 users: Sequence[str] | None = None, end_slot: int | None = None):
+                 seed: int, fleet: SlottedDevices | None = None, policy=None,
+                 users: Sequence[str] | None = None, end_slot: int | None = None,
+                 devices: DevicesSection | None = None):
         """`policy`: a caller's `dpfleet.extensions.ParticipationPolicy` in place of the mode's
         built-in draw (uniform mode only); its choice is checked against the guard every round.
         `users`: each device's user key, which the policy sees (`Eligible.users`).
         `end_slot`: timer mode, a launch's end (the planner's replay): no round starts at or after
         this slot, so a round that cannot fill before it fails there instead of scanning up to
-        `MAX_WAIT_DAYS` of a large trace. None: a run waits as long as that."""
+        `MAX_WAIT_DAYS` of a large trace. None: a run waits as long as that.
+        `devices`: how the devices behave in timer mode (the config's `[devices]`; default: always
+        available, no trace, no dropout)."""
         if policy is not None and section.mode != "uniform":
             raise DpfleetError(f"a custom participation policy runs with participation.mode = "
                                f"'uniform' (its guard's MinS / MaxP apply), not {section.mode!r}")
@@ -265,12 +269,11 @@ class Participation:
         self.section, self.size, self.report_goal, self.seed = section, size, report_goal, seed
         self.end_slot = end_slot
         self.fleet, self.users = fleet, users
+        self.devices = devices if devices is not None else (
+            fleet.section if fleet is not None else DevicesSection())
         if section.mode == "timer" and fleet is None:
-            self.fleet = EmulatedFleet(
-                size, section.timer_period, section.round_minutes,
-                Availability(section.availability, section.diurnal_amplitude), seed,
-                trace=load_replay(section.trace, size) if section.trace else None,
-            )
+            self.fleet = SlottedDevices.from_section(self.devices, size, section.timer_period,
+                                                     section.round_minutes, seed)
         mins = section.min_separation
         if mins < 0:  # default: what the timer nominally gives (no waiting), else no refusal
             mins = self.fleet.timer_slots - 1 if section.mode == "timer" else 0
@@ -337,6 +340,7 @@ class Participation:
         max_wait = int(MAX_WAIT_DAYS * 24 * 60 / section.round_minutes)
         slot, refused = self.slot, 0
         abandoned: list[tuple[int, tuple[int, ...]]] = []
+        attempt = 0  # selections tried in this round (the phases' dropout draws' key)
         busy = np.zeros(0, dtype=np.int64)  # devices of abandoned attempts whose timers run
         busy_until = np.zeros(0, dtype=np.int64)
         while True:
@@ -352,16 +356,17 @@ class Participation:
                 rng = np.random.default_rng([self.seed, 0x5C, round_idx])
                 size = min(self.round_size, accepted.size)
                 chosen = np.sort(rng.choice(accepted, size, replace=False))
-                drops = self.fleet.drops(chosen, round_idx, slot)
-                finish = self.fleet.finish_minutes(chosen, round_idx, slot, section.train_minutes,
-                                                   section.train_jitter)
+                drops = self.fleet.drops(chosen, round_idx, slot, attempt)
+                attempt += 1
+                finish = self.fleet.finish_minutes(chosen, round_idx, slot, self.devices.train_minutes,
+                                                   self.devices.train_jitter)
                 close = round_close(np.where(drops, np.inf, finish), self.report_goal,
                                     section.deadline_minutes)
                 if close.committed.size >= self.min_reports:
                     return Selection(round_idx, chosen[close.committed].tolist(), slot,
                                      slot - self.slot, refused, chosen[drops].tolist(),
                                      chosen[close.late].tolist(), chosen[close.over_goal].tolist(),
-                                     close.minutes, tuple(abandoned))
+                                     close.minutes, tuple(abandoned), attempt - 1)
                 if not drops.all():  # abandoned: try again one slot later, these devices' timers run
                     abandoned.append((slot, tuple(chosen.tolist())))
                     busy = np.concatenate([busy, chosen])
@@ -375,7 +380,7 @@ class Participation:
                 )
             if slot - self.slot >= max_wait:
                 hint = ("the trace has too few devices available" if self.fleet.trace is not None
-                        else "raise participation.availability")
+                        else "raise devices.availability")
                 raise RoundUnfillable(
                     f"round {round_idx} could not be filled within {MAX_WAIT_DAYS} simulated days "
                     f"(at most {accepted.size} of the report goal {self.report_goal} checked in); "

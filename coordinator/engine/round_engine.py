@@ -191,7 +191,7 @@ class RoundEngine:
         self.other_releases = other_releases if other_releases is not None else []
         check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
-                                           cfg.rounds, cfg.seed, users=self.users)
+                                           cfg.rounds, cfg.seed, users=self.users, devices=cfg.devices)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced
         # participation), bound to the run directory (`mechanism_binding`)
         self.mechanism, self.mechanism_optimised_for = run_mechanism(

@@ -44,7 +44,7 @@ from dpfleet.coordinator.mechanisms.matrix import as_mechanism
 from dpfleet.coordinator.mechanisms.registry import source
 from dpfleet.coordinator.run_privacy.not_covered import nonprivate_vocabulary, not_covered, vocabulary_source
 from dpfleet.coordinator.run_privacy.projection import projected_privacy
-from dpfleet.edge.fleet import EmulatedFleet
+from dpfleet.edge.devices import SlottedDevices
 from dpfleet.errors import DpfleetError
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class EnforcedParticipation(Protocol):
     not the class: this layer sits below the engine that owns participation."""
 
     min_separation: int
-    fleet: EmulatedFleet | None
+    fleet: SlottedDevices | None
 
 
 def conversion_for(cfg: SimulationConfig, cls: type[Mechanism], declared: bool) -> str:
