@@ -43,7 +43,7 @@ from dpfleet.errors import DpfleetError
 PLAIN_PHASES = ("download", "train", "report")  # any other phase name is a SecAgg phase
 
 
-@dataclass
+@dataclass(frozen=True)
 class DevicesSection:
     """How the devices behave, for `simulate`'s timer mode and the emulated fleet alike
     (edge/devices.py); times are simulated."""

@@ -15,12 +15,7 @@ MAX_LINES = 80
 ALLOWED = {
     "coordinator/engine/simulation.py::run_simulation",
     "coordinator/engine/round_engine.py::RoundEngine.__init__",
-    "coordinator/config.py::validate",
     "edge/cohort_lstm.py::_output_layer",
-    "fleet/cli.py::emulate",
-    "fleet/worker.py::_run",
-    "fleet/participant.py::_secagg",
-    "fleet/supervisor.py::run_fleet",
 }
 
 
