@@ -1,0 +1,69 @@
+"""The run's privacy ledger: every eps dpfleet states is the conversion of one composed DpEvent.
+
+Pins: privacy.json's figures of a DP-vocabulary run and of an adaptive-clipping run are the ones
+the run stated before its privacy was kept as a ledger, bit for bit (values recorded from the
+code before the ledger, and checked against a hand-composed sum of rho)."""
+
+import json
+
+import pytest
+
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
+from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.engine.simulation import run_simulation
+
+
+def _run(tmp_path_factory, name, tokenizer=None, **dp):
+    tmp = tmp_path_factory.mktemp(name)
+    data = tmp / "users.jsonl"
+    words = ["thee", "thou", "lord", "love", "sweet", "night", "king", "good"]
+    lines = [{"user": f"u{i}", "text": " ".join(words[(i + j) % 8] for j in range(5)) + f" own{i}"}
+             for i in range(120)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    values = {"rounds": 3, "eval_every": 3, "checkpoint_every": 0,
+              "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
+                       "test_fraction": 0.2},
+              "tokenizer": tokenizer or {"kind": "word", "vocab_size": 64, "allow_nonprivate_vocabulary": True},
+              "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
+                        "max_length": 8},
+              "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4, **dp}}
+    result = run_simulation(parse_config(values), tmp / "run", progress=False, log=lambda s: None)
+    return json.loads((result.run_dir / "privacy.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def vocabulary_run(tmp_path_factory):
+    return _run(tmp_path_factory, "vocab", {"kind": "word", "vocab_size": 64, "dp_words_per_user": 8})
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tmp_path_factory):
+    return _run(tmp_path_factory, "adaptive", adaptive_clipping=True, clip_count_stddev=2.0)
+
+
+def test_a_vocabulary_runs_figures_are_unchanged(vocabulary_run):
+    p = vocabulary_run
+    training = zcdp_from_sensitivity(1.0, p["sensitivity_squared"])
+    assert p["zcdp"] == training
+    assert p["epsilon"] == epsilon_from_zcdp(training, 1e-6)
+    total = p["total_with_vocabulary"]
+    assert total["zcdp"] == training + 0.5  # the vocabulary: sigma 1, sensitivity 1
+    assert total["epsilon"] == epsilon_from_zcdp(training + 0.5, 1e-6)
+    assert total["delta"] == 1e-6 + 1e-7
+    assert total["vocabulary_epsilon"] == epsilon_from_zcdp(0.5, 1e-6)
+    # recorded from the code before the ledger
+    assert (p["zcdp"].hex(), p["epsilon"].hex()) == PINNED["vocab"][:2]
+    assert (total["zcdp"].hex(), total["epsilon"].hex()) == PINNED["vocab"][2:]
+
+
+def test_an_adaptive_clipping_runs_figures_are_unchanged(adaptive_run):
+    """The model noise and the clipped-count noise are one Gaussian of multiplier z (Thm. 1)."""
+    p = adaptive_run
+    assert p["zcdp"] == zcdp_from_sensitivity(1.0, p["sensitivity_squared"])
+    assert p["epsilon"] == epsilon_from_zcdp(p["zcdp"], 1e-6)
+    assert (p["zcdp"].hex(), p["epsilon"].hex()) == PINNED["adaptive"]
+
+
+PINNED = {"vocab": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2", "0x1.8000000000000p+0",
+                   "0x1.2822f33200d0bp+3"),
+          "adaptive": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2")}
