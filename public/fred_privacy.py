@@ -21,6 +21,7 @@ from pathlib import Path
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
+from dpfleet.coordinator.accounting.ledger import check_ledger
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
 
@@ -54,11 +55,17 @@ def gaussians_epsilon(noise_multipliers: list[float], delta: float) -> float:
 
 def dpftrl_zcdp(run_dir: Path) -> tuple[float, bool]:
     """rho-zCDP of a finished simulation run (its privacy.json), and whether its noise was the
-    discrete Gaussian in the SecAgg ring (composition must then avoid the Gaussian PLD)."""
+    discrete Gaussian in the SecAgg ring (composition must then avoid the Gaussian PLD). The
+    file's figures must be its ledger's (`ledger.check_ledger`): an edited privacy.json, e.g. one
+    with a release dropped from its ledger, is refused rather than composed."""
     path = Path(run_dir) / "privacy.json"
     if not path.is_file():
         raise DpfleetError(f"{run_dir} holds no privacy.json (not a finished `dpfleet simulate` run)")
-    privacy = json.loads(path.read_text())
+    try:
+        privacy = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DpfleetError(f"{path} is not JSON ({exc.msg})") from None
+    check_ledger(privacy)
     rho = privacy.get("zcdp")
     if not isinstance(rho, (int, float)) or rho < 0:
         raise DpfleetError(f"{path} has no usable zcdp figure")

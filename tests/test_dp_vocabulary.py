@@ -203,7 +203,8 @@ def test_budget_counts_the_vocabulary():
     from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
     plain = RunAccountant(1.0, 1e-6, budget_epsilon=5.0)
-    spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0, spent_zcdp=0.5)
+    spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0,
+                          vocabulary=VocabularyDP(noise=1.0, delta=1e-7).describe())
     assert spent.rho_budget == pytest.approx(plain.rho_budget - 0.5)
     assert not plain.would_exceed(["a"], False)
     assert spent.would_exceed(["a"], False)

@@ -4,13 +4,16 @@ Pins: privacy.json's figures of a DP-vocabulary run and of an adaptive-clipping 
 the run stated before its privacy was kept as a ledger, bit for bit (values recorded from the
 code before the ledger, and checked against a hand-composed sum of rho)."""
 
+import copy
 import json
 
 import pytest
 
+from dpfleet.coordinator.accounting.ledger import check_ledger
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.errors import DpfleetError
 
 
 def _run(tmp_path_factory, name, tokenizer=None, **dp):
@@ -23,7 +26,8 @@ def _run(tmp_path_factory, name, tokenizer=None, **dp):
     values = {"rounds": 3, "eval_every": 3, "checkpoint_every": 0,
               "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
                        "test_fraction": 0.2},
-              "tokenizer": tokenizer or {"kind": "word", "vocab_size": 64, "allow_nonprivate_vocabulary": True},
+              "tokenizer": tokenizer or {"kind": "word", "vocab_size": 64,
+                                         "allow_nonprivate_vocabulary": True},
               "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
                         "max_length": 8},
               "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4, **dp}}
@@ -67,3 +71,54 @@ def test_an_adaptive_clipping_runs_figures_are_unchanged(adaptive_run):
 PINNED = {"vocab": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2", "0x1.8000000000000p+0",
                    "0x1.2822f33200d0bp+3"),
           "adaptive": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2")}
+
+
+def test_privacy_json_holds_the_runs_ledger(vocabulary_run, adaptive_run):
+    ledger = vocabulary_run["ledger"]
+    assert [e["name"] for e in ledger["entries"]] == ["dp_ftrl", "dp_vocabulary"]
+    assert [p["name"] for p in ledger["entries"][0]["parts"]] == ["model_noise"]
+    assert ledger["entries"][1]["event"] == {"module_name": "dp_accounting.dp_event",
+                                             "class_name": "GaussianDpEvent", "noise_multiplier": 1.0}
+    assert (ledger["zcdp"], ledger["epsilon"]) == (1.5, vocabulary_run["total_with_vocabulary"]["epsilon"])
+    assert check_ledger(vocabulary_run).zcdp == 1.5
+    # adaptive clipping: z_delta^-2 = 1 - 1/16; the counts' 2 sigma_b = 4, sens^2 = 2
+    parts = adaptive_run["ledger"]["entries"][0]["parts"]
+    assert [p["name"] for p in parts] == ["model_noise", "clipped_count_noise"]
+    assert parts[0]["zcdp"] == pytest.approx(2 * (1 - 1 / 16) / 2)
+    assert parts[1]["zcdp"] == pytest.approx(2 / (2 * 16)) and parts[1]["epsilon"] < adaptive_run["epsilon"]
+    assert parts[1]["event"]["noise_multiplier"] == pytest.approx(4 / 2**0.5)
+
+
+def test_a_ledger_with_a_release_removed_is_refused(vocabulary_run):
+    """Attack: drop the vocabulary's entry from privacy.json's ledger; the reader recomputes the
+    ledger's rho (1.0, training only) against the 1.5 the file states, and refuses it."""
+    edited = copy.deepcopy(vocabulary_run)
+    del edited["ledger"]["entries"][1]
+    with pytest.raises(DpfleetError, match=r"ledger's zcdp 1\.5 disagrees with its ledger \(1\)"):
+        check_ledger(edited)
+    edited["ledger"].update(zcdp=1.0, epsilon=vocabulary_run["epsilon"])  # and its total edited too
+    with pytest.raises(DpfleetError, match=r"total_with_vocabulary zcdp 1\.5 disagrees .* \(1\)"):
+        check_ledger(edited)
+
+
+def test_a_ledger_entry_must_match_its_event_and_name_only_dp_accounting_events(vocabulary_run):
+    edited = copy.deepcopy(vocabulary_run)
+    edited["ledger"]["entries"][1]["zcdp"] = 0.05  # rho 0.05 for sigma = 1
+    with pytest.raises(DpfleetError, match=r"'dp_vocabulary' states rho 0\.05, its event 0\.5"):
+        check_ledger(edited)
+    edited = copy.deepcopy(vocabulary_run)
+    edited["ledger"]["entries"][1]["event"].update(module_name="os", class_name="system")
+    with pytest.raises(DpfleetError, match="unknown event 'system'"):
+        check_ledger(edited)
+
+
+def test_fred_refuses_to_compose_with_an_edited_run(vocabulary_run, tmp_path):
+    from dpfleet.public.fred_privacy import dpftrl_zcdp
+
+    (tmp_path / "privacy.json").write_text(json.dumps(vocabulary_run))
+    assert dpftrl_zcdp(tmp_path) == (1.0, False)
+    edited = copy.deepcopy(vocabulary_run)
+    edited["zcdp"] = 0.25  # the training's rho understated
+    (tmp_path / "privacy.json").write_text(json.dumps(edited))
+    with pytest.raises(DpfleetError, match=r"training zcdp 0\.25 disagrees with its ledger \(1\)"):
+        dpftrl_zcdp(tmp_path)
