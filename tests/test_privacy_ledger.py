@@ -122,3 +122,18 @@ def test_fred_refuses_to_compose_with_an_edited_run(vocabulary_run, tmp_path):
     (tmp_path / "privacy.json").write_text(json.dumps(edited))
     with pytest.raises(DpfleetError, match=r"training zcdp 0\.25 disagrees with its ledger \(1\)"):
         dpftrl_zcdp(tmp_path)
+
+
+def test_fred_figures_through_the_ledger_are_unchanged():
+    """FreD's own and composed eps (PLD of the composed events; RDP beside ring noise), recorded
+    from the code before the ledger."""
+    from dpfleet.public.fred_privacy import fred_releases, privacy_figures
+
+    fig = privacy_figures(3.1, 4.7, 2e-6, "user", 0.37)
+    ring = privacy_figures(3.1, 4.7, 2e-6, "user", 0.37, dpftrl_discrete=True)
+    assert fig["zcdp"] == 0.5 / 3.1**2 + 0.5 / 4.7**2 and fig["composed_zcdp"] == fig["zcdp"] + 0.37
+    assert [fig["epsilon"].hex(), fig["composed_epsilon"].hex(), ring["composed_epsilon"].hex()] == [
+        "0x1.a434e5573634bp+0", "0x1.1ba5efe25c8f7p+2", "0x1.301d32ac0a01ep+2"]
+    (release,) = fred_releases(fig)
+    assert (release["key"], release["noise_multipliers"]) == ("fred", [3.1, 4.7])
+    assert release["zcdp"] == fig["zcdp"]

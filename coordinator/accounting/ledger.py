@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
 
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
@@ -124,6 +125,16 @@ class Ledger:
 
     def epsilon(self, delta: float, conversion: str) -> float:
         return epsilon_of(self.zcdp, delta, conversion)
+
+    def pld_epsilon(self, delta: float) -> float:
+        """eps at delta of the composed event by dp_accounting's PLD accountant, event by event
+        (each on one grid relative to the eps scale, the zCDP bound): for Gaussian entries the
+        same guarantee as `epsilon` by "pld" (FreD's figures are stated this way)."""
+        rho = event_zcdp(self.event())
+        scale = epsilon_from_zcdp(rho, delta, "zcdp_bound")
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4 * scale)
+        acc.compose(self.event())
+        return float(acc.get_epsilon(delta))
 
     def only(self, names: Iterable[str]) -> Ledger:
         names = set(names)

@@ -202,9 +202,9 @@ class RunAccountant:
                 "max_participation": max_participation, "sensitivity_squared": s,
                 "zcdp": training.zcdp, "epsilon": training.epsilon(self.delta, self.conversion)}
 
-    def with_vocabulary(self, vocabulary: dict | None) -> dict | None:
-        """Training composed with the DP vocabulary, from the ledger."""
-        if vocabulary is None:
+    def with_vocabulary(self) -> dict | None:
+        """Training composed with the DP vocabulary, from the ledger (None without one)."""
+        if not self.spent:
             return None
         ledger = self.ledger().only([TRAINING, DP_VOCABULARY])
         return {**ledger.total(self.delta, self.conversion),
@@ -331,10 +331,12 @@ def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, acc
 
     `optimised_for`: the MinS / MaxP the config enforces (`mechanism_binding`), for the enforced
     worst case over the planned rounds; `vocabulary`: the DP word vocabulary's summary
-    (dp_vocabulary.py), composed with training; `public_data`: public data the caller trained on
-    (listed, not accounted); `ring`: the ring noise's plan; `debug_file`: un-noised telemetry
-    was written (listed as not covered); `releases`: other DP releases about the same devices
-    ({name, zcdp, delta, what}, e.g. FreD statistics), composed with training and the vocabulary."""
+    (dp_vocabulary.py; the accountant composes the one it was given into its ledger);
+    `public_data`: public data the caller trained on (listed, not accounted); `ring`: the ring
+    noise's plan; `debug_file`: un-noised telemetry was written (listed as not covered);
+    `releases`: other DP releases about the same devices ({name, zcdp, delta, what}, e.g. FreD
+    statistics), composed with training and the vocabulary. privacy.json's "ledger" holds
+    every release as a DpEvent, and every figure here is its conversion (`accounting.ledger`)."""
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
     mechanism = accountant.mechanism
@@ -389,7 +391,7 @@ def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, acc
     privacy.update(accountant.figures())
     privacy["timer_worst_case"] = accountant.enforced_figures(
         cfg.rounds, optimised_for["min_separation"], optimised_for["max_participation"])
-    total = accountant.with_vocabulary(vocabulary)
+    total = accountant.with_vocabulary()
     if total is not None:
         privacy["total_with_vocabulary"] = total
     if releases:
