@@ -37,6 +37,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.mechanisms.base import gaussian_event
+from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP
 from dpfleet.errors import DpfleetError
 
 # the entries' names, in the order a run composes them
@@ -98,7 +99,8 @@ def release_entry(release: Mapping) -> Entry:
 def vocabulary_entry(vocabulary: Mapping) -> Entry:
     """The DP vocabulary (`mechanisms.dp_vocabulary`): a Gaussian of std `noise` on weights of
     L2 sensitivity 1, and the threshold's delta."""
-    return Entry(DP_VOCABULARY, dp_accounting.GaussianDpEvent(float(vocabulary["noise"])),
+    event = VocabularyDP(float(vocabulary["noise"]), delta=float(vocabulary["delta"])).event()
+    return Entry(DP_VOCABULARY, event,
                  float(vocabulary["zcdp"]), float(vocabulary["delta"]), "DP word vocabulary")
 
 
