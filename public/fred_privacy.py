@@ -5,7 +5,9 @@ and z2. They are accounted with dp-accounting's PLD accountant, and, for the sam
 composed with the DP-FTRL run's Gaussian (the tree's rho-zCDP is one Gaussian mechanism with
 noise multiplier 1 / sqrt(2 rho), see `coordinator.accounting`). Calibration splits a target
 (eps, delta) between the rounds by zCDP (Gaussians compose exactly: rho adds), then the PLD
-accountant confirms the composed eps.
+accountant confirms the composed eps. Both go through the run's privacy ledger
+(`coordinator.accounting.ledger`): FreD is its `fred` entry, the DP-FTRL run is read from its
+privacy.json's ledger (refused when the file's figures are not the ledger's).
 
 Units: user-level FreD and device-level DP-FTRL both protect all of one device's data
 (add/remove and zero-out give the same Gaussian sensitivity), so they compose. Sample-level
@@ -18,8 +20,10 @@ import json
 import math
 from pathlib import Path
 
+import dp_accounting
+
 from dpfleet.coordinator.accounting.ledger import FRED, TRAINING, Entry, Ledger, check_ledger, release_entry
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
 
 FRED_HONEST_ONLY = (
@@ -98,12 +102,11 @@ def privacy_figures(z_mean: float, z_cov: float, delta: float, level: str,
         if level != "user":
             raise DpfleetError("sample-level FreD protects one sentence, not a device: it cannot be "
                                "composed with device-level DP-FTRL; use level = \"user\"")
-        # the run's DP-FTRL as one Gaussian of its rho (its ledger's training entry), then FreD
-        training = ([gaussians_entry(TRAINING, [1 / math.sqrt(2 * dpftrl_rho)])] if dpftrl_rho > 0
-                    else [])
+        # FreD, then the run's DP-FTRL as one Gaussian of its rho (its ledger's training entry)
+        training = ([Entry(TRAINING, dp_accounting.GaussianDpEvent(1 / math.sqrt(2 * dpftrl_rho)),
+                           dpftrl_rho)] if dpftrl_rho > 0 else [])
         ledger = Ledger((gaussians_entry(FRED, [z_mean, z_cov]), *training))
-        composed = (epsilon_from_zcdp(rho + dpftrl_rho, delta, "rdp") if dpftrl_discrete
-                    else ledger.pld_epsilon(delta))
+        composed = ledger.epsilon(delta, "rdp") if dpftrl_discrete else ledger.pld_epsilon(delta)
         out.update(dpftrl_zcdp=dpftrl_rho, composed_zcdp=rho + dpftrl_rho, composed_epsilon=composed,
                    composed_accounting="zCDP -> RDP (the DP-FTRL noise is a discrete Gaussian)"
                    if dpftrl_discrete else "PLD of the three Gaussian mechanisms")
