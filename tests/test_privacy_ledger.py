@@ -16,7 +16,7 @@ from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.errors import DpfleetError
 
 
-def _run(tmp_path_factory, name, tokenizer=None, **dp):
+def _run(tmp_path_factory, name, tokenizer=None, aggregation="plain", **dp):
     tmp = tmp_path_factory.mktemp(name)
     data = tmp / "users.jsonl"
     words = ["thee", "thou", "lord", "love", "sweet", "night", "king", "good"]
@@ -30,6 +30,7 @@ def _run(tmp_path_factory, name, tokenizer=None, **dp):
                                          "allow_nonprivate_vocabulary": True},
               "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
                         "max_length": 8},
+              "aggregation": {"kind": aggregation},
               "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4, **dp}}
     result = run_simulation(parse_config(values), tmp / "run", progress=False, log=lambda s: None)
     return json.loads((result.run_dir / "privacy.json").read_text())
@@ -137,3 +138,19 @@ def test_fred_figures_through_the_ledger_are_unchanged():
     (release,) = fred_releases(fig)
     assert (release["key"], release["noise_multipliers"]) == ("fred", [3.1, 4.7])
     assert release["zcdp"] == fig["zcdp"]
+
+
+def test_a_ring_noise_runs_ledger_checks_by_rdp_also_where_its_figures_moved(tmp_path_factory):
+    """The tree's ring noise converts by RDP, and the reader checks by the ledger's conversion;
+    a run whose eps is no guarantee keeps its figures in `accounted_not_a_guarantee` (with_caveats)
+    and the reader checks them there."""
+    p = _run(tmp_path_factory, "ring", aggregation="secagg", noise_seed=3, adaptive_clipping=True,
+             clip_count_stddev=2.0)
+    assert p["ledger"]["conversion"] == "rdp" and p["epsilon"] == epsilon_from_zcdp(p["zcdp"], 1e-6, "rdp")
+    assert check_ledger(p).zcdp == p["zcdp"]
+    moved = {**p, "accounted_not_a_guarantee": {k: p[k] for k in ("zcdp", "epsilon", "epsilon_rdp")},
+             "zcdp": None, "epsilon": None, "epsilon_rdp": None}
+    assert check_ledger(moved).zcdp == p["zcdp"]
+    moved["accounted_not_a_guarantee"]["epsilon"] *= 0.5
+    with pytest.raises(DpfleetError, match="training epsilon"):
+        check_ledger(moved)

@@ -245,7 +245,8 @@ def check_ledger(privacy: Mapping) -> Ledger:
     ledger = read_ledger(privacy)
     block = privacy["ledger"]
     delta, conversion = float(block.get("epsilon_at_delta", 0.0)), str(block.get("conversion"))
-    figures = privacy.get("accounted_not_a_guarantee") or privacy
+    moved = privacy.get("accounted_not_a_guarantee")
+    figures = moved if isinstance(moved, Mapping) and "zcdp" in moved else privacy
     stated = [("", ledger, block), ("training", ledger.only([TRAINING]), figures)]
     if figures.get("total_with_vocabulary"):
         stated.append(("total_with_vocabulary", ledger.only([TRAINING, DP_VOCABULARY]),
