@@ -154,3 +154,26 @@ def test_a_ring_noise_runs_ledger_checks_by_rdp_also_where_its_figures_moved(tmp
     moved["accounted_not_a_guarantee"]["epsilon"] *= 0.5
     with pytest.raises(DpfleetError, match="training epsilon"):
         check_ledger(moved)
+
+
+def test_dpfleet_account_checks_a_runs_privacy_json(vocabulary_run, tmp_path):
+    """`dpfleet account --privacy-json`: the ledger, each release's figures; an edited file (the
+    vocabulary's entry removed) is one error line naming the stated and the recomputed rho."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "privacy.json"
+    path.write_text(json.dumps(vocabulary_run))
+    account = [sys.executable, "-m", "dpfleet", "account", "--privacy-json", str(path)]
+    text = subprocess.run(account, capture_output=True, text=True, check=True).stdout
+    assert "  dp_vocabulary          zCDP 0.5  epsilon 4.887  (+ delta 1e-07)" in text
+    assert ("  dp_ftrl                zCDP 1  epsilon 7.286\n"
+            "    model_noise          zCDP 1  epsilon 7.286\n") in text
+    assert "  composed               zCDP 1.5  epsilon 9.254 at delta 1e-06, pld" in text
+    edited = copy.deepcopy(vocabulary_run)
+    del edited["ledger"]["entries"][1]
+    path.write_text(json.dumps(edited))
+    proc = subprocess.run(account, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("error: privacy.json's the ledger's zcdp 1.5 disagrees with its "
+                                   "ledger (1): the file was edited or is damaged")
