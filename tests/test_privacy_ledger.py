@@ -10,6 +10,7 @@ import json
 import pytest
 
 from dpfleet.coordinator.accounting.ledger import check_ledger
+from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import run_simulation
@@ -82,6 +83,9 @@ def test_privacy_json_holds_the_runs_ledger(vocabulary_run, adaptive_run):
                                              "class_name": "GaussianDpEvent", "noise_multiplier": 1.0}
     assert (ledger["zcdp"], ledger["epsilon"]) == (1.5, vocabulary_run["total_with_vocabulary"]["epsilon"])
     assert check_ledger(vocabulary_run).zcdp == 1.5
+    report = render_privacy_report(vocabulary_run)
+    assert "| dp_vocabulary | GaussianDpEvent(noise_multiplier = 1) | 0.5 | 4.887 | 1e-07 |" in report
+    assert "| **composed** | | **1.5** | **9.254** | **1.1e-06** (total) |" in report
     # adaptive clipping: z_delta^-2 = 1 - 1/16; the counts' 2 sigma_b = 4, sens^2 = 2
     parts = adaptive_run["ledger"]["entries"][0]["parts"]
     assert [p["name"] for p in parts] == ["model_noise", "clipped_count_noise"]
