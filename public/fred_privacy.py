@@ -16,13 +16,19 @@ FreD (the paper's notion) protects one sentence only and is refused for composit
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import dp_accounting
 
-from dpfleet.coordinator.accounting.ledger import FRED, TRAINING, Entry, Ledger, check_ledger, release_entry
+from dpfleet.coordinator.accounting.ledger import (
+    FRED,
+    TRAINING,
+    Entry,
+    Ledger,
+    read_checked_privacy,
+    release_entry,
+)
 from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
 
@@ -63,11 +69,7 @@ def dpftrl_zcdp(run_dir: Path) -> tuple[float, bool]:
     path = Path(run_dir) / "privacy.json"
     if not path.is_file():
         raise DpfleetError(f"{run_dir} holds no privacy.json (not a finished `dpfleet simulate` run)")
-    try:
-        privacy = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DpfleetError(f"{path} is not JSON ({exc.msg})") from None
-    check_ledger(privacy)
+    privacy = read_checked_privacy(path)
     rho = privacy.get("zcdp")
     if not isinstance(rho, (int, float)) or rho < 0:
         raise DpfleetError(f"{path} has no usable zcdp figure")

@@ -23,9 +23,11 @@ module a file names), recomputes each figure and refuses a file whose stated eps
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import dp_accounting
@@ -263,3 +265,18 @@ def check_ledger(privacy: Mapping) -> Ledger:
                 raise DpfleetError(f"privacy.json's {where}{key} {given!r} disagrees with its ledger "
                                    f"({value:.6g}): the file was edited or is damaged")
     return ledger
+
+
+def read_checked_privacy(path: Path) -> dict:
+    """A run's privacy.json, its figures checked against its ledger (`check_ledger`); one-line
+    errors for a missing, unreadable or edited file."""
+    try:
+        privacy = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise DpfleetError(f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise DpfleetError(f"{path} is not JSON ({exc.msg})") from None
+    if not isinstance(privacy, dict):
+        raise DpfleetError(f"{path} is not a run's privacy.json")
+    check_ledger(privacy)
+    return privacy

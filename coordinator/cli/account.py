@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dpfleet.coordinator.accounting.ledger import check_ledger
+from dpfleet.coordinator.accounting.ledger import read_checked_privacy
 from dpfleet.coordinator.accounting.privacy_report import noise_mechanism
 from dpfleet.coordinator.accounting.zcdp import (
     ADJACENCY,
@@ -37,16 +37,7 @@ from dpfleet.jsonio import dumps
 def _checked_ledger(path: Path, as_json: bool) -> str:
     """A run's privacy ledger, checked against the figures its privacy.json states, as text or
     JSON: each release's rho and eps, and their composition."""
-    try:
-        privacy = json.loads(path.read_text())
-    except OSError as exc:
-        raise DpfleetError(f"cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise DpfleetError(f"{path} is not JSON ({exc.msg})") from None
-    if not isinstance(privacy, dict):
-        raise DpfleetError(f"{path} is not a run's privacy.json")
-    check_ledger(privacy)
-    block = privacy["ledger"]
+    block = read_checked_privacy(path)["ledger"]
     if as_json:
         return dumps(block)
     at = f"delta {block['epsilon_at_delta']:g}, {block['conversion']}"
