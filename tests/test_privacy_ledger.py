@@ -7,6 +7,7 @@ code before the ledger, and checked against a hand-composed sum of rho)."""
 import copy
 import json
 
+import dp_accounting
 import pytest
 
 from dpfleet.coordinator.accounting.ledger import check_ledger
@@ -181,3 +182,25 @@ def test_dpfleet_account_checks_a_runs_privacy_json(vocabulary_run, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("error: privacy.json's the ledger's zcdp 1.5 disagrees with its "
                                    "ledger (1): the file was edited or is damaged")
+
+
+def test_training_vocabulary_and_fred_compose_into_one_event():
+    """The accountant's ledger with a vocabulary and FreD: one ComposedDpEvent of the three, rho
+    as the run always added it (training + (vocabulary + FreD)), the thresholds' delta added."""
+    from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP
+    from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
+    from dpfleet.public.fred_privacy import fred_releases
+
+    acc = RunAccountant(1.3, 1e-6, vocabulary=VocabularyDP(noise=2.0, delta=1e-7).describe())
+    for r in range(3):
+        acc.record(["a", f"b{r}"], False)
+    ledger = acc.ledger(fred_releases({"level": "user", "z_mean": 3.0, "z_cov": 4.0}))
+    training = acc.figures()["zcdp"]
+    assert [e.name for e in ledger.entries] == ["dp_ftrl", "dp_vocabulary", "fred"]
+    assert ledger.zcdp == training + (0.125 + (0.5 / 9 + 0.5 / 16))
+    assert ledger.total(1e-6, "pld")["delta"] == 1e-6 + 1e-7
+    assert ledger.event() == dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(1.3 / acc.figures()["sensitivity_squared"] ** 0.5),
+        dp_accounting.GaussianDpEvent(2.0),
+        dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(3.0),
+                                       dp_accounting.GaussianDpEvent(4.0)])])
