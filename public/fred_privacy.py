@@ -5,7 +5,9 @@ and z2. They are accounted with dp-accounting's PLD accountant, and, for the sam
 composed with the DP-FTRL run's Gaussian (the tree's rho-zCDP is one Gaussian mechanism with
 noise multiplier 1 / sqrt(2 rho), see `coordinator.accounting`). Calibration splits a target
 (eps, delta) between the rounds by zCDP (Gaussians compose exactly: rho adds), then the PLD
-accountant confirms the composed eps.
+accountant confirms the composed eps. Both go through the run's privacy ledger
+(`coordinator.accounting.ledger`): FreD is its `fred` entry, the DP-FTRL run is read from its
+privacy.json's ledger (refused when the file's figures are not the ledger's).
 
 Units: user-level FreD and device-level DP-FTRL both protect all of one device's data
 (add/remove and zero-out give the same Gaussian sensitivity), so they compose. Sample-level
@@ -14,14 +16,20 @@ FreD (the paper's notion) protects one sentence only and is refused for composit
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
 
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.accounting.ledger import (
+    FRED,
+    TRAINING,
+    Entry,
+    Ledger,
+    read_checked_privacy,
+    release_entry,
+)
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.errors import DpfleetError
 
 FRED_HONEST_ONLY = (
@@ -44,21 +52,24 @@ def gaussians_epsilon(noise_multipliers: list[float], delta: float) -> float:
     """eps at delta of the composition of sensitivity-1 Gaussians (PLD accountant)."""
     if not noise_multipliers or any(not z > 0 for z in noise_multipliers):
         raise DpfleetError("noise multipliers must be > 0")
-    rho = sum(0.5 / z ** 2 for z in noise_multipliers)
-    scale = rho + 2 * math.sqrt(rho * math.log(1 / delta))  # grid relative to the eps scale
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4 * scale)
-    acc.compose(dp_accounting.ComposedDpEvent(
-        [dp_accounting.GaussianDpEvent(z) for z in noise_multipliers]))
-    return float(acc.get_epsilon(delta))
+    return Ledger((gaussians_entry(FRED, noise_multipliers),)).pld_epsilon(delta)
+
+
+def gaussians_entry(name: str, noise_multipliers: list[float], what: str = "") -> Entry:
+    """A ledger entry of sensitivity-1 Gaussian sums: rho = sum of 1 / (2 z^2)."""
+    return release_entry({"key": name, "name": what or name, "noise_multipliers": noise_multipliers,
+                          "zcdp": sum(0.5 / z ** 2 for z in noise_multipliers)})
 
 
 def dpftrl_zcdp(run_dir: Path) -> tuple[float, bool]:
     """rho-zCDP of a finished simulation run (its privacy.json), and whether its noise was the
-    discrete Gaussian in the SecAgg ring (composition must then avoid the Gaussian PLD)."""
+    discrete Gaussian in the SecAgg ring (composition must then avoid the Gaussian PLD). The
+    file's figures must be its ledger's (`ledger.check_ledger`): an edited privacy.json, e.g. one
+    with a release dropped from its ledger, is refused rather than composed."""
     path = Path(run_dir) / "privacy.json"
     if not path.is_file():
         raise DpfleetError(f"{run_dir} holds no privacy.json (not a finished `dpfleet simulate` run)")
-    privacy = json.loads(path.read_text())
+    privacy = read_checked_privacy(path)
     rho = privacy.get("zcdp")
     if not isinstance(rho, (int, float)) or rho < 0:
         raise DpfleetError(f"{path} has no usable zcdp figure")
@@ -72,7 +83,8 @@ def fred_releases(fig: dict | None) -> list[dict]:
     if not fig or fig.get("level") != "user":
         return []
     rho = 0.5 / fig["z_mean"] ** 2 + 0.5 / fig["z_cov"] ** 2
-    return [{"name": "FreD statistics (paper 003)", "zcdp": rho, "delta": 0.0,
+    return [{"key": FRED, "name": "FreD statistics (paper 003)", "zcdp": rho, "delta": 0.0,
+             "noise_multipliers": [fig["z_mean"], fig["z_cov"]],
              "what": f"two Gaussian sums of the same users' embeddings, z1 = {fig['z_mean']:.4g}, "
                      f"z2 = {fig['z_cov']:.4g}"}]
 
@@ -92,10 +104,11 @@ def privacy_figures(z_mean: float, z_cov: float, delta: float, level: str,
         if level != "user":
             raise DpfleetError("sample-level FreD protects one sentence, not a device: it cannot be "
                                "composed with device-level DP-FTRL; use level = \"user\"")
-        z_ftrl = math.inf if dpftrl_rho == 0 else 1 / math.sqrt(2 * dpftrl_rho)
-        zs = [z_mean, z_cov] + ([z_ftrl] if dpftrl_rho > 0 else [])
-        composed = (epsilon_from_zcdp(rho + dpftrl_rho, delta, "rdp") if dpftrl_discrete
-                    else gaussians_epsilon(zs, delta))
+        # FreD, then the run's DP-FTRL as one Gaussian of its rho (its ledger's training entry)
+        training = ([Entry(TRAINING, dp_accounting.GaussianDpEvent(1 / math.sqrt(2 * dpftrl_rho)),
+                           dpftrl_rho)] if dpftrl_rho > 0 else [])
+        ledger = Ledger((gaussians_entry(FRED, [z_mean, z_cov]), *training))
+        composed = ledger.epsilon(delta, "rdp") if dpftrl_discrete else ledger.pld_epsilon(delta)
         out.update(dpftrl_zcdp=dpftrl_rho, composed_zcdp=rho + dpftrl_rho, composed_epsilon=composed,
                    composed_accounting="zCDP -> RDP (the DP-FTRL noise is a discrete Gaussian)"
                    if dpftrl_discrete else "PLD of the three Gaussian mechanisms")

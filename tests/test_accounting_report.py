@@ -27,7 +27,7 @@ def pattern():
 
 def summary(mechanism="tree", enforced=ENFORCED, vocabulary=None, **dp):
     cfg = parse_config({**CFG, "dp": {**CFG["dp"], **dp}})
-    acc = RunAccountant(2.0, 1e-6, mechanism=build(mechanism, 40, 3, 10))
+    acc = RunAccountant(2.0, 1e-6, mechanism=build(mechanism, 40, 3, 10), vocabulary=vocabulary)
     for entry in pattern():
         acc.record(entry["devices"], entry["restart"] and mechanism == "tree")
     participation = Participation(cfg.participation, 8, 2, 40, 0)
@@ -84,7 +84,7 @@ def test_a_dp_vocabulary_composes_with_the_runs_own_mechanism(kind):
     """Attack 3 of issue 31: a banded / BLT run reported total_with_vocabulary from the TREE's
     zCDP (5.5 instead of 2.48) and its report omitted the vocabulary."""
     vocab = {"zcdp": 0.05, "delta": 1e-9, "mechanism": "Gaussian partition selection",
-             "words_per_user": 8, "noise": 3.0, "threshold": 9.0, "kept": 100, "candidates": 900}
+             "words_per_user": 8, "noise": 10 ** 0.5, "threshold": 9.0, "kept": 100, "candidates": 900}
     p = summary(kind, vocabulary=vocab)
     assert p["total_with_vocabulary"]["zcdp"] == pytest.approx(p["zcdp"] + 0.05, rel=1e-12)
     if kind != "tree":

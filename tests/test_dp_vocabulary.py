@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import make_tokenizer, run_simulation
+from dpfleet.coordinator.engine.vocabulary import build_dp_vocabulary, words_by_user
 from dpfleet.coordinator.mechanisms.dp_vocabulary import (
     VocabularyDP,
-    build_dp_vocabulary,
     dp_word_weights,
     select_words,
     user_words,
@@ -56,7 +56,7 @@ def test_canary_word_of_one_client_is_never_released():
     params = VocabularyDP(noise=1.0, words_per_user=8, delta=1e-7)
     hits = common_kept = 0
     for trial in range(200):
-        words, info = select_words(users, 64, params, trial.to_bytes(32, "little"))
+        words, info = select_words(words_by_user(users), 64, params, trial.to_bytes(32, "little"))
         hits += CANARY in words
         common_kept += all(w in words for w in COMMON)
         assert not any(w.startswith("own") for w in words)  # nobody else's own words either
@@ -70,7 +70,8 @@ def test_canary_release_rate_matches_the_stated_probability():
     users = with_canary(population(100))
     params = VocabularyDP(noise=1.0, words_per_user=1, delta=0.2)  # k = 1: the stated rate
     trials = 2000
-    hits = sum(CANARY in select_words(users, 64, params, (7 + i).to_bytes(32, "little"))[0]
+    words = list(words_by_user(users))
+    hits = sum(CANARY in select_words(words, 64, params, (7 + i).to_bytes(32, "little"))[0]
                for i in range(trials))
     band = 4 * math.sqrt(trials * 0.2 * 0.8)
     assert abs(hits - 0.2 * trials) < band
@@ -96,8 +97,8 @@ def test_the_old_build_leaks_the_canary_and_the_dp_build_does_not(tmp_path):
        st.integers(1, 6))
 def test_one_user_moves_the_weights_by_at_most_one_in_l2(texts, k):
     """Contribution bounding: adding any user changes the weight vector by L2 norm <= 1."""
-    others = [[" ".join(t)] for t in texts[:-1]]
-    added = [" ".join(texts[-1])]
+    others = list(words_by_user([" ".join(t)] for t in texts[:-1]))
+    (added,) = words_by_user([[" ".join(texts[-1])]])
     before, after = dp_word_weights(others, k), dp_word_weights(others + [added], k)
     diff = [after.get(w, 0.0) - before.get(w, 0.0) for w in set(before) | set(after)]
     assert math.sqrt(sum(d * d for d in diff)) <= 1.0 + 1e-12
@@ -203,7 +204,8 @@ def test_budget_counts_the_vocabulary():
     from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 
     plain = RunAccountant(1.0, 1e-6, budget_epsilon=5.0)
-    spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0, spent_zcdp=0.5)
+    spent = RunAccountant(1.0, 1e-6, budget_epsilon=5.0,
+                          vocabulary=VocabularyDP(noise=1.0, delta=1e-7).describe())
     assert spent.rho_budget == pytest.approx(plain.rho_budget - 0.5)
     assert not plain.would_exceed(["a"], False)
     assert spent.would_exceed(["a"], False)

@@ -80,13 +80,22 @@ def test_fred_stats_then_rank(files):
     assert report["fred_by_source"]["shakespeare-collab"] < report["fred_by_source"]["wikitext2"]
 
 
+def _run_privacy(rho: float, conversion: str = "pld") -> dict:
+    """privacy.json of a run whose DP-FTRL is rho-zCDP, with its ledger."""
+    from dpfleet.coordinator.accounting.ledger import Ledger, training_entry
+
+    ledger = Ledger((training_entry((0.5 / rho) ** 0.5, 1.0),))
+    return {"zcdp": ledger.zcdp, "epsilon": ledger.epsilon(1e-6, conversion),
+            "ledger": ledger.to_json(1e-6, conversion)}
+
+
 def test_composition_with_a_dpftrl_run(files):
     from dpfleet.public.fred_job import load_fred_config, run_fred_stats
 
     run = files["root"] / "sim"
     run.mkdir()
-    # stands in for a finished `dpfleet simulate` run: only its privacy.json is read
-    (run / "privacy.json").write_text(json.dumps({"zcdp": 0.2}))
+    # stands in for a finished `dpfleet simulate` run: only its privacy.json (and ledger) is read
+    (run / "privacy.json").write_text(json.dumps(_run_privacy(0.2)))
     cfg = load_fred_config(_config(files, dpftrl_run=str(run)))
     summary = run_fred_stats(cfg, files["root"] / "composed", progress=False, log=lambda s: None)
     fig = summary["privacy"]
@@ -96,7 +105,7 @@ def test_composition_with_a_dpftrl_run(files):
     assert "Composed with the same users' DP-FTRL" in report
     assert "PLD of the three Gaussian" in report
     # a run whose noise was the discrete Gaussian in the SecAgg ring composes by RDP
-    (run / "privacy.json").write_text(json.dumps({"zcdp": 0.2, "noise_kind": "discrete"}))
+    (run / "privacy.json").write_text(json.dumps({**_run_privacy(0.2, "rdp"), "noise_kind": "discrete"}))
     ring = run_fred_stats(cfg, files["root"] / "ring", progress=False, log=lambda s: None)["privacy"]
     assert ring["composed_zcdp"] == pytest.approx(fig["composed_zcdp"])
     assert ring["composed_epsilon"] > fig["composed_epsilon"]

@@ -10,9 +10,9 @@ import pytest
 
 import dpfleet.coordinator.run as coordinator_run
 from dpfleet.cli import main
+from dpfleet.coordinator.accounting import ledger
 from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.coordinator.config import parse_config, validate
-from dpfleet.coordinator.run_privacy import run_accountant
 from dpfleet.coordinator.run_privacy.result_warnings import (
     NOISE_PER_REPORT_LIMIT,
     plan_warnings,
@@ -79,15 +79,15 @@ def test_budget_no_round_fits_is_an_error_and_one_that_fits_is_not():
         RunAccountant(1.0, 1e-6, budget_epsilon=0.5).check_first_round()
     spent = zcdp_for_epsilon(first * 1.001, 1e-6) - 0.4  # the vocabulary leaves less than a round
     with pytest.raises(DpfleetError, match="with the DP vocabulary's share"):
-        RunAccountant(1.0, 1e-6, budget_epsilon=first * 1.001, spent_zcdp=spent).check_first_round()
+        RunAccountant(1.0, 1e-6, budget_epsilon=first * 1.001, vocabulary={
+            "noise": (0.5 / spent) ** 0.5, "zcdp": spent, "delta": 1e-7}).check_first_round()
 
 
 def test_per_round_epsilon_is_the_reports_conversion_and_converted_once(monkeypatch):
     calls = []
-    real = run_accountant.epsilon_from_zcdp
-    monkeypatch.setattr(run_accountant, "epsilon_from_zcdp",
-                        lambda *a: calls.append(a) or real(*a))
-    run_accountant._epsilon.cache_clear()
+    real = ledger.epsilon_from_zcdp
+    monkeypatch.setattr(ledger, "epsilon_from_zcdp", lambda *a: calls.append(a) or real(*a))
+    ledger.epsilon_of.cache_clear()
     acc = RunAccountant(1.37, 1e-6)  # a z no other test converts (the cache is per process)
     spent = [acc.record([f"d{r}"], False)["epsilon"] for r in range(6)]  # disjoint
     assert spent[-1] == acc.figures()["epsilon"] == epsilon_from_zcdp(acc.figures()["zcdp"], 1e-6, "pld")

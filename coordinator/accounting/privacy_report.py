@@ -136,7 +136,8 @@ def render_privacy_report(p: dict) -> str:
         return "\n".join(lines + _not_covered_section(p) + _audit_section(p))
     return "\n".join(lines + _vocabulary_source_line(p) + _vocabulary_statement(p) + _setting_sections(p)
                      + _accounting_section(p)
-                     + _vocabulary_section(p) + _releases_section(p) + _not_covered_section(p)
+                     + _vocabulary_section(p) + _releases_section(p) + _ledger_section(p)
+                     + _not_covered_section(p)
                      + _audit_section(p)
                      + _parameters_section(p))
 
@@ -296,6 +297,30 @@ def _releases_section(p: dict) -> list[str]:
             f"releases above): rho = {total['zcdp']:.4g} zCDP, (eps, delta)-DP with eps = "
             f"{total['epsilon']:.4g} at delta = {total['delta']:.4g} (Gaussian mechanisms compose by "
             "adding zCDP; eps by " + p["method"] + ").", ""]
+
+
+def _ledger_section(p: dict) -> list[str]:
+    """privacy.json's ledger (`ledger.Ledger.to_json`): every release as its DpEvent, and their
+    composition, which every figure above converts."""
+    ledger = p.get("ledger")
+    if not ledger:  # a privacy.json written before the ledger
+        return []
+
+    def event(e: dict) -> str:
+        if e["class_name"] == "ComposedDpEvent":
+            return " + ".join(event(x) for x in e["events"])
+        fields = ", ".join(f"{k} = {v:.4g}" for k, v in e.items() if k not in ("module_name", "class_name"))
+        return f"{e['class_name']}({fields})"
+
+    rows = [f"| {indent}{r['name']} | {event(r['event'])} | {r['zcdp']:.4g} | {r['epsilon']:.4g} | "
+            f"{r['delta']:g} |" for e in ledger["entries"]
+            for r, indent in [(e, ""), *((x, "- ") for x in e.get("parts", ()))]]
+    return ["## Privacy ledger", "",
+            "Every release about the devices as a dp_accounting event (privacy.json's `ledger`); "
+            f"eps at delta {ledger['epsilon_at_delta']:g} by {ledger['conversion']}.", "",
+            "| release | event | zCDP rho | eps | added delta |", "|---|---|---|---|---|", *rows,
+            f"| **composed** | | **{ledger['zcdp']:.4g}** | **{ledger['epsilon']:.4g}** | "
+            f"**{ledger['delta']:g}** (total) |", ""]
 
 
 def _not_covered_section(p: dict) -> list[str]:

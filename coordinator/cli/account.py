@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from dpfleet.coordinator.accounting.ledger import read_checked_privacy
 from dpfleet.coordinator.accounting.privacy_report import noise_mechanism
 from dpfleet.coordinator.accounting.zcdp import (
     ADJACENCY,
@@ -31,6 +32,27 @@ from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.coordinator.mechanisms.tree_sensitivity import NODES
 from dpfleet.errors import DpfleetError
 from dpfleet.jsonio import dumps
+
+
+def _checked_ledger(path: Path, as_json: bool) -> str:
+    """A run's privacy ledger, checked against the figures its privacy.json states, as text or
+    JSON: each release's rho and eps, and their composition."""
+    block = read_checked_privacy(path)["ledger"]
+    if as_json:
+        return dumps(block)
+    at = f"delta {block['epsilon_at_delta']:g}, {block['conversion']}"
+    lines = [f"privacy ledger of {path} (consistent with every figure it states)"]
+    def figure(value: float | None) -> str:  # inf is null in strict JSON
+        return "inf" if value is None else f"{value:.4g}"
+
+    for entry in block["entries"]:
+        for item, indent in [(entry, "  "), *((p, "    ") for p in entry.get("parts", ()))]:
+            added = f"  (+ delta {item['delta']:g})" if item["delta"] else ""
+            lines.append(f"{indent}{item['name']:<{24 - len(indent)}} zCDP {figure(item['zcdp'])}  "
+                         f"epsilon {figure(item['epsilon'])}{added}")
+    lines.append(f"  {'composed':<22} zCDP {figure(block['zcdp'])}  epsilon {figure(block['epsilon'])} "
+                 f"at {at}; total delta {block['delta']:g}")
+    return "\n".join(lines)
 
 
 def parse_rounds_list(text: str | None) -> list[int]:
@@ -201,9 +223,9 @@ def _format_all(rows: list[dict]) -> str:
 
 @click.command("account")
 @with_mechanism_help
-@click.option("--noise-multiplier", "-z", type=float, required=True,
+@click.option("--noise-multiplier", "-z", type=float, default=None,
               help="Noise std / clip norm of the tree (for adaptive clipping: the z of the "
-                   "App. A transform, not z_delta).")
+                   "App. A transform, not z_delta). Required unless --privacy-json.")
 @click.option("--rounds", "-T", type=int, default=None,
               help="Total rounds (leaves of the tree). With --participation-log: optional, "
                    "accounts the model after the log's first T rounds.")
@@ -248,10 +270,15 @@ def _format_all(rows: list[dict]) -> str:
                    "account instead of one optimised for the given participation.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (--mechanism all: one per line).")
-def account(noise_multiplier: float, rounds: int | None, max_participation: int | None,
+@click.option("--privacy-json", type=click.Path(dir_okay=False), default=None,
+              help="A run's privacy.json: check every figure it states against its ledger (the "
+                   "run's releases as dp_accounting events) and print the ledger; a file whose "
+                   "figures disagree is refused. The other options are not used.")
+def account(noise_multiplier: float | None, rounds: int | None, max_participation: int | None,
             min_separation: int | None, restarts: str | None, delta: float, method: str | None,
             noise: str, adjacency: str, tree_nodes: str, participation_log: str | None,
-            mechanism: str | None, mechanism_spec: str | None, as_json: bool) -> None:
+            mechanism: str | None, mechanism_spec: str | None, as_json: bool,
+            privacy_json: str | None) -> None:
     """Privacy of DP-FTRL: exact worst-case tree sensitivity -> rho-zCDP -> (eps, delta).
 
     rho = S / (2 z^2), where S is the largest squared sensitivity of the tree mechanism over
@@ -270,7 +297,13 @@ def account(noise_multiplier: float, rounds: int | None, max_participation: int 
       dpfleet account -z 7 --participation-log runs/x/participation.jsonl --json
       dpfleet account -z 1 --noise discrete --participation-log runs/secagg/participation.jsonl
       dpfleet account -z 8.881 -T 60 -P 15 -S 3 --delta 1e-6 --mechanism all
+      dpfleet account --privacy-json runs/x/privacy.json
     """
+    if privacy_json is not None:
+        click.echo(_checked_ledger(Path(privacy_json), as_json))
+        return
+    if noise_multiplier is None:
+        raise DpfleetError("give --noise-multiplier (-z), or --privacy-json to check a run's figures")
     given, source = None, ""
     if mechanism_spec is not None:
         given, source = load_mechanism(mechanism_spec), mechanism_spec

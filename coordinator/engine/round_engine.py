@@ -203,7 +203,8 @@ class RoundEngine:
         self.noise_scale = projection_factor(cfg)
         self.accountant = RunAccountant(
             cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
-            spent_zcdp=(vocabulary or {}).get("zcdp", 0), mechanism=self.mechanism,
+            vocabulary=vocabulary, mechanism=self.mechanism,
+            count_stddev=clip_count_stddev(cfg) if cfg.dp.adaptive_clipping else None,
             conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
         self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
         self.restarts = restart_rounds(cfg, self.mechanism)

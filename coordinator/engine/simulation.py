@@ -45,7 +45,8 @@ from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPEND
     round_close_line,
     round_totals,
 )
-from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, build_dp_vocabulary
+from dpfleet.coordinator.engine.vocabulary import build_dp_vocabulary
+from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP
 from dpfleet.coordinator.run_privacy.config_plan import RunPlan
 from dpfleet.coordinator.run_privacy.result_warnings import plan_warnings
 from dpfleet.coordinator.state.resume import (

@@ -123,11 +123,7 @@ class Mechanism(abc.ABC):
         """The privacy event of the releases: one Gaussian at the effective noise multiplier
         z / sqrt(sens^2) (DP-FTRL with any linear strategy is one Gaussian mechanism)."""
         s = float(self.sensitivity_squared(rounds, min_separation, max_participation, restarts))
-        if s == 0:
-            return dp_accounting.NoOpDpEvent()
-        if noise_multiplier == 0:
-            return dp_accounting.NonPrivateDpEvent()
-        return dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(s))
+        return gaussian_event(noise_multiplier, s)
 
     def prefix_error(self, rounds: int) -> float:
         """The worst round's prefix-sum noise variance over `rounds` at unit noise multiplier (how
@@ -138,6 +134,16 @@ class Mechanism(abc.ABC):
     def describe(self) -> str:
         """One sentence on the strategy for the privacy report."""
         return f"{self.name} noise"
+
+
+def gaussian_event(noise_multiplier: float, sensitivity_squared: float) -> dp_accounting.DpEvent:
+    """A Gaussian release of multiplier z and squared sensitivity s as a DpEvent: the Gaussian
+    at z / sqrt(s); nothing released about anyone with s = 0; no privacy with z = 0."""
+    if sensitivity_squared == 0:
+        return dp_accounting.NoOpDpEvent()
+    if noise_multiplier == 0:
+        return dp_accounting.NonPrivateDpEvent()
+    return dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(sensitivity_squared))
 
 
 def check_purpose(purpose: str) -> str:

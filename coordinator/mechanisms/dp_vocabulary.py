@@ -23,6 +23,10 @@ every delta, and composed with DP-FTRL's rho_train the run is
 (eps(rho_train + rho_vocab, delta), delta + delta_vocab)-DP: Gaussian mechanisms compose by
 adding rho exactly (their PLDs compose into a Gaussian's), and the thresholding delta adds.
 
+This module is the mechanism only (selection and its privacy event), over each user's words:
+how a text becomes words, and the tokenizer over the kept words, are the caller's
+(`engine.vocabulary`), so the privacy layer depends on no tokenizer.
+
 The noise is the AES-CTR Gaussian of `noise_stream` under a fresh 256-bit key that is never
 stored: rebuilding the vocabulary of a run is neither possible nor needed (the run directory
 keeps the result). Like the default DP-FTRL noise it samples Gaussians in floating point.
@@ -36,10 +40,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
 
+import dp_accounting
 import numpy as np
 
 from dpfleet.coordinator.mechanisms.noise_stream import NodeStream, new_noise_key, standard_normals
-from dpfleet.edge.tokenizer import WordTokenizer, split_words
 from dpfleet.errors import DpfleetError
 
 CITATION = ("Gaussian-thresholded partition selection with user-level contribution bounding "
@@ -77,34 +81,40 @@ class VocabularyDP:
     def zcdp(self) -> float:
         return 1.0 / (2.0 * self.noise**2)
 
+    def event(self) -> dp_accounting.DpEvent:
+        """The selection's privacy event on the words both neighbours hold: the Gaussian of std
+        `noise` on weights of L2 sensitivity 1 (the threshold adds `delta`, module doc)."""
+        return dp_accounting.GaussianDpEvent(self.noise)
+
     def describe(self) -> dict:
         return {"mechanism": CITATION, "noise": self.noise, "words_per_user": self.words_per_user,
                 "weight": self.weight, "threshold": self.threshold, "zcdp": self.zcdp,
                 "delta": self.delta}
 
 
-def user_words(texts: Iterable[str], k: int) -> list[str]:
+def user_words(words: Iterable[str], k: int) -> list[str]:
     """The user's k most frequent distinct words (ties by the word): their bounded contribution."""
-    counts = collections.Counter(w for t in texts for w in split_words(t))
+    counts = collections.Counter(words)
     return [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
 
 
 def dp_word_weights(users: Iterable[Iterable[str]], k: int) -> dict[str, float]:
     """Each word's summed weight: the number of users who contribute it, times 1/sqrt(k).
 
-    `users` is read once, one user at a time, so a generator over a file (`simulation.load_clients`)
-    holds one user's words and the count table, never the training text; the counts do not depend
-    on the users' order."""
+    `users`: each user's words, read once, one user at a time, so a generator over a file
+    (`simulation.load_clients`, `engine.vocabulary.words_by_user`) holds one user's words and the
+    count table, never the training text; the counts do not depend on the users' order."""
     counts: collections.Counter[str] = collections.Counter()
-    for texts in users:
-        counts.update(user_words(texts, k))
+    for words in users:
+        counts.update(user_words(words, k))
     weight = 1.0 / math.sqrt(k)
     return {w: c * weight for w, c in counts.items()}
 
 
 def select_words(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
                  key: bytes | None = None) -> tuple[list[str], dict]:
-    """The DP vocabulary's words (best noisy weight first) and a summary without any word.
+    """The DP vocabulary's words (best noisy weight first) and a summary without any word;
+    `users`: each user's words.
 
     The noise is the project's CSPRNG Gaussian (AES-256-CTR, `noise_stream`, domain b"vocab")
     under `key`, a fresh 256-bit secret by default (tests pass their own)."""
@@ -119,15 +129,3 @@ def select_words(users: Iterable[Iterable[str]], vocab_size: int, params: Vocabu
     kept = [words[i] for i in order]
     return kept, {**params.describe(), "candidates": len(words), "passed": int(len(passed)),
                   "kept": len(kept)}
-
-
-def build_dp_vocabulary(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
-                        key: bytes | None = None) -> tuple[WordTokenizer, dict]:
-    """A `WordTokenizer` over the DP-selected words, and the summary for the privacy report."""
-    kept, info = select_words(users, vocab_size, params, key)
-    if not kept:
-        raise DpfleetError(
-            f"the DP vocabulary kept no word: no word's noisy user count passed the threshold "
-            f"{info['threshold']:.3g} (in units of 1/sqrt(k)); lower tokenizer.dp_noise, raise "
-            "tokenizer.dp_delta, or use the public SentencePiece tokenizer")
-    return WordTokenizer(kept), info

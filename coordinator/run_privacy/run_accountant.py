@@ -22,21 +22,28 @@ and privacy.json with the same numbers.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.ledger import (
+    DP_VOCABULARY,
+    TRAINING,
+    Entry,
+    Ledger,
+    epsilon_of,
+    release_entry,
+    training_entry,
+    vocabulary_entry,
+)
 from dpfleet.coordinator.accounting.privacy_report import (
     HONEST_ONLY,
     noise_mechanism,
 )
 from dpfleet.coordinator.accounting.zcdp import (
-    epsilon_from_zcdp,
     zcdp_for_epsilon,
-    zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.config import SimulationConfig, honest_participants_only, public_words, resolve_noise
 from dpfleet.coordinator.mechanisms.base import Mechanism
@@ -53,21 +60,27 @@ if TYPE_CHECKING:
 
 class RunAccountant:
     """Observed participation of a running simulation and its privacy after each round: the one
-    place a run's privacy is computed, for every mechanism (`mechanisms.base.Mechanism`)."""
+    place a run's privacy is computed, for every mechanism (`mechanisms.base.Mechanism`), as the
+    run's ledger (`accounting.ledger`)."""
 
     def __init__(self, noise_multiplier: float, delta: float, budget_epsilon: float = 0.0,
-                 spent_zcdp: float = 0.0, conversion: str = "pld", *,
-                 mechanism: Mechanism | None = None, declared: bool = False):
-        """`spent_zcdp`: spent before training (a DP vocabulary), counted against the budget;
-        `conversion`: "rdp" for noise whose zCDP the Gaussian PLD does not bound (discrete, or a
-        caller's); `mechanism`: default the tree; `declared`: its sensitivity is a caller's claim
-        (dpfleet converts it, cannot verify it)."""
+                 conversion: str = "pld", *, vocabulary: dict | None = None,
+                 count_stddev: float | None = None, mechanism: Mechanism | None = None,
+                 declared: bool = False):
+        """`vocabulary`: the DP vocabulary's summary (`dp_vocabulary`), spent before training and
+        counted against the budget; `count_stddev`: adaptive clipping's clipped-count noise
+        sigma_b (its share of z, a ledger entry of its own); `conversion`: "rdp" for noise whose
+        zCDP the Gaussian PLD does not bound (discrete, or a caller's); `mechanism`: default the
+        tree; `declared`: its sensitivity is a caller's claim (dpfleet converts it, cannot verify
+        it)."""
         if budget_epsilon and noise_multiplier <= 0:
             raise DpfleetError("a privacy budget needs dp.noise_multiplier > 0 (z = 0 means eps = inf)")
         self.noise_multiplier, self.delta = float(noise_multiplier), float(delta)
         self.mechanism, self.conversion, self.declared = as_mechanism(mechanism), conversion, declared
-        self.budget_epsilon, self.spent_zcdp = float(budget_epsilon), float(spent_zcdp)
-        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) - spent_zcdp
+        self.vocabulary, self.count_stddev = vocabulary, count_stddev
+        self.spent: tuple[Entry, ...] = (vocabulary_entry(vocabulary),) if vocabulary else ()
+        self.budget_epsilon = float(budget_epsilon)
+        self.rho_budget = (zcdp_for_epsilon(budget_epsilon, delta, conversion) - Ledger(self.spent).zcdp
                            if budget_epsilon else math.inf)
         self.rounds = 0
         self.restarts: list[int] = []
@@ -78,8 +91,9 @@ class RunAccountant:
 
     def fresh(self) -> RunAccountant:
         """The same accountant before any round (to replay a log of committed rounds)."""
-        return RunAccountant(self.noise_multiplier, self.delta, self.budget_epsilon, self.spent_zcdp,
-                             self.conversion, mechanism=self.mechanism, declared=self.declared)
+        return RunAccountant(self.noise_multiplier, self.delta, self.budget_epsilon, self.conversion,
+                             vocabulary=self.vocabulary, count_stddev=self.count_stddev,
+                             mechanism=self.mechanism, declared=self.declared)
 
     def _observed_after(self, devices: Sequence[str]) -> tuple[int, int | None]:
         """(MaxP, MinS) if `devices` took part in the next round."""
@@ -103,10 +117,14 @@ class RunAccountant:
                 f"returned {s!r}; it must be a finite number >= 0, and > 0 once a device took part")
         return s
 
+    def training(self, s: float) -> Entry:
+        """The ledger's DP-FTRL entry for worst-case sens^2 `s`: the model noise and, with
+        adaptive clipping, the clipped-count noise (2 sigma_b), together of multiplier z."""
+        count = None if self.count_stddev is None else 2.0 * self.count_stddev
+        return training_entry(self.noise_multiplier, s, count)
+
     def zcdp_of(self, s: float) -> float:
-        if s == 0:
-            return 0.0
-        return math.inf if self.noise_multiplier == 0 else zcdp_from_sensitivity(self.noise_multiplier, s)
+        return self.training(s).zcdp
 
     def zcdp_after(self, devices: Sequence[str], restart: bool) -> float:
         """Worst-case zCDP after the next round if `devices` take part in it."""
@@ -130,12 +148,13 @@ class RunAccountant:
         s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
                                      self.restarts)
         rho = self.zcdp_of(s)
-        return {"zcdp": rho, "epsilon": self.epsilon_of(rho), "sensitivity_squared": s,
+        return {"zcdp": rho, "epsilon": Ledger((self.training(s),)).epsilon(self.delta, self.conversion),
+                "sensitivity_squared": s,
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
 
     def epsilon_of(self, rho: float) -> float:
         """eps at the run's delta by the run's conversion: the figure privacy.json states."""
-        return _epsilon(rho, self.delta, self.conversion)
+        return epsilon_of(rho, self.delta, self.conversion)
 
     def check_first_round(self) -> None:
         """A budget that no round fits is an error before any round, not a run of 0 rounds: the
@@ -143,50 +162,53 @@ class RunAccountant:
         before training (a DP vocabulary) against `budget_epsilon`."""
         if not self.budget_epsilon or self.rounds:
             return
-        first = self.zcdp_of(self.sensitivity_squared(1, 1, None, []))
-        if first <= self.rho_budget:
+        first = self.training(self.sensitivity_squared(1, 1, None, []))
+        if first.zcdp <= self.rho_budget:
             return
-        eps = self.epsilon_of(first + self.spent_zcdp)
-        vocabulary = " with the DP vocabulary's share" if self.spent_zcdp else ""
+        eps = Ledger((first, *self.spent)).epsilon(self.delta, self.conversion)
+        vocabulary = " with the DP vocabulary's share" if self.spent else ""
         raise DpfleetError(
             f"dp.budget_epsilon = {self.budget_epsilon:g} stops the run before round 1: one round "
             f"already costs eps {eps:.3g} at delta {self.delta:g}{vocabulary} (noise multiplier "
             f"{self.noise_multiplier:g}, {self.mechanism.name} noise); raise dp.budget_epsilon or "
             "dp.noise_multiplier")
 
+    def _sensitivity_now(self) -> float:
+        if self.rounds == 0:  # nothing released yet
+            return 0.0
+        return self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
+                                        self.restarts)
+
+    def ledger(self, releases: Sequence[dict] = ()) -> Ledger:
+        """The run's ledger now: DP-FTRL for the worst case of the participation so far, the DP
+        vocabulary, then the other releases ({name, zcdp, delta, what}, `ledger.release_entry`)."""
+        return Ledger((self.training(self._sensitivity_now()), *self.spent,
+                       *(release_entry(r) for r in releases)))
+
     def figures(self) -> dict:
         """The observed run's headline: sens^2, rho, eps (by `conversion`) and eps by RDP."""
-        s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
-                                     self.restarts)
-        rho = self.zcdp_of(s)
-        return {"sensitivity_squared": s, "zcdp": rho, "epsilon": self.epsilon_of(rho),
-                "epsilon_rdp": epsilon_from_zcdp(rho, self.delta, "rdp")}
+        s = self._sensitivity_now()
+        training = Ledger((self.training(s),))
+        return {"sensitivity_squared": s, "zcdp": training.zcdp,
+                "epsilon": training.epsilon(self.delta, self.conversion),
+                "epsilon_rdp": training.epsilon(self.delta, "rdp")}
 
     def enforced_figures(self, rounds: int, min_separation: int, max_participation: int) -> dict:
         """The worst case the config enforces over its planned `rounds` (MinS / MaxP the strategy
         was optimised for, `mechanism_binding.accounted_participation`), with the restarts so far."""
         s = self.sensitivity_squared(rounds, max_participation, min_separation, self.restarts)
-        rho = self.zcdp_of(s)
+        training = Ledger((self.training(s),))
         return {"rounds": rounds, "min_separation": min_separation, "restarts": list(self.restarts),
-                "max_participation": max_participation, "sensitivity_squared": s, "zcdp": rho,
-                "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion)}
+                "max_participation": max_participation, "sensitivity_squared": s,
+                "zcdp": training.zcdp, "epsilon": training.epsilon(self.delta, self.conversion)}
 
-    def with_vocabulary(self, vocabulary: dict | None) -> dict | None:
-        """Training composed with the DP vocabulary (`compose`)."""
-        if vocabulary is None:
+    def with_vocabulary(self) -> dict | None:
+        """Training composed with the DP vocabulary, from the ledger (None without one)."""
+        if not self.spent:
             return None
-        total = self.compose([{"zcdp": vocabulary["zcdp"], "delta": vocabulary["delta"]}])
-        return {**total, "vocabulary_epsilon": epsilon_from_zcdp(vocabulary["zcdp"], self.delta,
-                                                                 self.conversion)}
-
-    def compose(self, releases: Sequence[dict]) -> dict:
-        """Training composed with other releases about the same devices, each a Gaussian
-        mechanism given by its zCDP (a DP vocabulary, FreD statistics, ...): zCDP adds (the PLD
-        of the sum of Gaussians is exact) and each release's own delta (a threshold's) adds."""
-        rho = self.figures()["zcdp"] + sum(r["zcdp"] for r in releases)
-        return {"zcdp": rho, "epsilon": epsilon_from_zcdp(rho, self.delta, self.conversion),
-                "delta": self.delta + sum(r.get("delta", 0.0) for r in releases)}
-
+        ledger = self.ledger().only([TRAINING, DP_VOCABULARY])
+        return {**ledger.total(self.delta, self.conversion),
+                "vocabulary_epsilon": ledger.only([DP_VOCABULARY]).epsilon(self.delta, self.conversion)}
 
 
 class EnforcedParticipation(Protocol):
@@ -206,12 +228,6 @@ def conversion_for(cfg: SimulationConfig, cls: type[Mechanism], declared: bool) 
     if declared or (resolve_noise(cfg) == "discrete" and not cls.ring_is_rounded_gaussian):
         return "rdp"
     return "pld"
-
-
-@functools.lru_cache(maxsize=4096)
-def _epsilon(rho: float, delta: float, conversion: str) -> float:
-    """`epsilon_from_zcdp`, cached: a pure function of its arguments (PLD ~40 ms a call)."""
-    return epsilon_from_zcdp(rho, delta, conversion)
 
 
 def _public_data(cfg: SimulationConfig, public_data: Sequence[str]) -> list[str]:
@@ -315,10 +331,12 @@ def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, acc
 
     `optimised_for`: the MinS / MaxP the config enforces (`mechanism_binding`), for the enforced
     worst case over the planned rounds; `vocabulary`: the DP word vocabulary's summary
-    (dp_vocabulary.py), composed with training; `public_data`: public data the caller trained on
-    (listed, not accounted); `ring`: the ring noise's plan; `debug_file`: un-noised telemetry
-    was written (listed as not covered); `releases`: other DP releases about the same devices
-    ({name, zcdp, delta, what}, e.g. FreD statistics), composed with training and the vocabulary."""
+    (dp_vocabulary.py; the accountant composes the one it was given into its ledger);
+    `public_data`: public data the caller trained on (listed, not accounted); `ring`: the ring
+    noise's plan; `debug_file`: un-noised telemetry was written (listed as not covered);
+    `releases`: other DP releases about the same devices ({name, zcdp, delta, what}, e.g. FreD
+    statistics), composed with training and the vocabulary. privacy.json's "ledger" holds
+    every release as a DpEvent, and every figure here is its conversion (`accounting.ledger`)."""
     setting = _report_setting(cfg, participation, max(accountant.rounds, 1), population,
                               public_data)
     mechanism = accountant.mechanism
@@ -364,6 +382,8 @@ def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, acc
     projection = projected_privacy(cfg, mechanism, accountant.conversion, accountant.restarts)
     if projection is not None:  # the planned launch's figures, labelled: never this run's
         privacy["projection"] = projection
+    ledger = accountant.ledger(releases)
+    privacy["ledger"] = ledger.to_json(accountant.delta, accountant.conversion)
     if accountant.rounds == 0 or cfg.dp.noise_multiplier == 0:
         eps = 0.0 if accountant.rounds == 0 else math.inf
         privacy.update(zcdp=eps, epsilon=eps, epsilon_rdp=eps, timer_worst_case=None)
@@ -371,11 +391,10 @@ def run_privacy(cfg: SimulationConfig, participation: EnforcedParticipation, acc
     privacy.update(accountant.figures())
     privacy["timer_worst_case"] = accountant.enforced_figures(
         cfg.rounds, optimised_for["min_separation"], optimised_for["max_participation"])
-    total = accountant.with_vocabulary(vocabulary)
+    total = accountant.with_vocabulary()
     if total is not None:
         privacy["total_with_vocabulary"] = total
     if releases:
-        others = [*([{"name": "DP vocabulary", **vocabulary}] if vocabulary else []), *releases]
         privacy["other_releases"] = list(releases)
-        privacy["total_with_releases"] = accountant.compose(others)
+        privacy["total_with_releases"] = ledger.total(accountant.delta, accountant.conversion)
     return privacy
