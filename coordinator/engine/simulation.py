@@ -37,7 +37,7 @@ from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
 from dpfleet.coordinator.engine.population import generated_population_notice, open_population
-from dpfleet.coordinator.engine.round_driver import Collected, drive, run_to_end, selection_extra
+from dpfleet.coordinator.engine.round_driver import Collected, Failed, drive, run_to_end, selection_extra
 from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGGREGATION re-exported)
     DATA_DEPENDENT_AGGREGATION,
     DEBUG_NONPRIVATE,
@@ -75,6 +75,7 @@ from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
 from dpfleet.io import atomic_write
+from dpfleet.secagg.errors import SecAggError
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]],
@@ -456,6 +457,9 @@ def _log_resume(cfg: SimulationConfig, engine: RoundEngine, resume: bool,
             "fresh noise tree")
 
 
+MAX_ATTEMPTS = 10  # in-process attempts of one round before the run stops with an error
+
+
 class InProcessCollector:
     """`simulate`'s `Collector` (`round_driver`): each round's devices trained in this process
     (`train_plan`, or the audit's), every clipped delta checked, then summed in the clear or
@@ -463,8 +467,8 @@ class InProcessCollector:
     driver abandons opens again; its next attempt's SecAgg draws (rounding, dropouts) are keyed
     by the attempt too, and `before_round` runs once per round."""
 
-    # test only: (round, attempt) -> {SecAgg phase: positions that vanish before it}
-    dropout_schedule: Callable[[int, int], dict] | None = None
+    # test only: (plan, attempt) -> {SecAgg phase: positions that vanish before its message}
+    dropout_schedule: Callable[[RoundPlan, int], dict] | None = None
 
     def __init__(self, cfg: SimulationConfig, engine: RoundEngine, trainer, population, *,
                  before_round=None, audit=None, clipping=None, bar=None,
@@ -486,7 +490,7 @@ class InProcessCollector:
         first = self.attempt[1] == 1  # public training between rounds happens once a round
         return engine.open_round(self.before_round if first else None, extra=selection_extra(self.cfg))
 
-    async def collect(self, plan: RoundPlan) -> Collected:
+    async def collect(self, plan: RoundPlan) -> Collected | Failed:
         cfg, audit, attempt = self.cfg, self.audit, self.attempt[1]
         updates = (train_plan(cfg, self.trainer, self.population, plan) if audit is None
                    else audit.train_plan(cfg, self.trainer, self.population, plan))
@@ -499,9 +503,12 @@ class InProcessCollector:
         if cfg.aggregation.kind == "secagg":
             schedule = type(self).dropout_schedule
             secagg = {"disc": round_discretizer(cfg, self.dim, plan.clip_norm, seed, self.ring_clients),
-                      "dropouts": schedule(plan.round, attempt) if schedule else None}
-        agg = self.aggregator.aggregate([u.delta for u in updates], seed, bits=bits,
-                                        clip_norm=plan.clip_norm, dim=self.dim, **secagg)
+                      "dropouts": schedule(plan, attempt) if schedule else None}
+        try:
+            agg = self.aggregator.aggregate([u.delta for u in updates], seed, bits=bits,
+                                            clip_norm=plan.clip_norm, dim=self.dim, **secagg)
+        except SecAggError as exc:  # below the threshold: the round fails, as over HTTP
+            return Failed(f"secure aggregation aborted: {exc}")
         return Collected(agg, updates)
 
     def closing(self, plan: RoundPlan) -> None:
@@ -518,6 +525,9 @@ class InProcessCollector:
 
     def failed(self, plan: RoundPlan, reason: str) -> None:
         self.log(f"round {plan.round + 1} (attempt {self.attempt[1]}) abandoned: {reason}")
+        if self.attempt[1] >= MAX_ATTEMPTS:  # seeded: a round that aborts this often always will
+            raise DpfleetError(f"round {plan.round + 1} was abandoned {MAX_ATTEMPTS} times in a row "
+                               f"({reason}); raise service.overselect or lower aggregation.dropout")
 
 
 def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population, before_round, audit,
