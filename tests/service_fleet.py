@@ -156,10 +156,13 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
             if reply["kind"] in ("retry", "refused"):
                 await asyncio.sleep(reply["after_s"])
                 continue
-            kw = take_part_kw
-            if any(d[:2] == (reply["round"], reply["attempt"]) for d in drops):
-                kw = {**take_part_kw, "before_phase": drop_before(drops, reply["round"], reply["attempt"])}
-            outcomes.append((reply["round"], reply["attempt"], await take_part(link, reply, examples, **kw)))
+            kw, attempt = take_part_kw, (reply["round"], reply["attempt"])
+            if any(d[:2] == attempt for d in drops):
+                if any(o[:2] == attempt for o in outcomes):  # vanished: it does not come back
+                    await asyncio.sleep(0.2)
+                    continue
+                kw = {**take_part_kw, "before_phase": drop_before(drops, *attempt)}
+            outcomes.append((*attempt, await take_part(link, reply, examples, **kw)))
     return outcomes
 
 

@@ -95,6 +95,46 @@ def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime, extra)
     assert not (state / "admin.json").exists()  # the token goes with the process
 
 
+def assert_same_secagg_rounds(root, sim, survivors: int, cost_keys=()) -> list[dict]:
+    """serve's run in root/state and `sim` (in root/sim): the same participation, per-round DP
+    figures and SecAgg protocol facts (and `cost_keys`' values), `survivors` in every sum, the
+    same privacy.json figures. Returns serve's metrics records."""
+    state = root / "state"
+    assert lines(state / "participation.jsonl") == lines(root / "sim" / "participation.jsonl")
+    served = lines(state / "metrics.jsonl")
+    for a, b in zip(served, sim.metrics, strict=True):
+        for key in ("round", "clients", "clip", "noise_std", "epsilon", "zcdp", "min_separation",
+                    "max_participation", "restart", "clip_estimate", "refused"):
+            assert a.get(key) == b.get(key), key
+        for key in PROTOCOL_FACTS + tuple(cost_keys):
+            assert a["aggregation"][key] == b["aggregation"][key], key
+        assert a["clients"] == a["aggregation"]["survivors"] == survivors
+    ours, theirs = (json.loads((d / "privacy.json").read_text()) for d in (state, root / "sim"))
+    assert (ours["epsilon"], ours["zcdp"]) == (theirs["epsilon"], theirs["zcdp"])
+    return served
+
+
+def assert_first_sums_close(served_sums, simulated_sums, bound: float) -> None:
+    """The first committed sums of both drivers (the same model, the same clipped deltas), each
+    within the encoding's quantization `bound` of the exact sum, and not trivially small."""
+    gap = float(np.linalg.norm(served_sums[0].total - simulated_sums[0].total))
+    assert gap <= 2 * bound, (gap, bound)
+    assert float(np.linalg.norm(simulated_sums[0].total)) > 100 * gap
+
+
+@pytest.fixture
+def engine_sums(monkeypatch) -> list:
+    """Every aggregate `RoundEngine.close_round` is handed, in order (both drivers')."""
+    sums, close = [], RoundEngine.close_round
+
+    def spy(self, plan, aggregate, stats):
+        sums.append(aggregate)
+        return close(self, plan, aggregate, stats)
+
+    monkeypatch.setattr(RoundEngine, "close_round", spy)
+    return sums
+
+
 # The aggregation record's figures that are facts of the protocol and the encoding: the same from
 # both drivers for the same config and survivors (`secagg.round_sum`). Of its costs, the SecAgg
 # message bytes agree too when every device stays; the `*seconds` cannot: simulate times the
@@ -106,7 +146,7 @@ PROTOCOL_FACTS = ("aggregation", "graph", "k", "threshold", "threshold_bounded",
 
 @pytest.mark.slow  # ~35-60 s each on a loaded machine: a simulation and a served run, SecAgg in both
 @pytest.mark.parametrize("extra", [{}, TIMER_ADAPTIVE], ids=["uniform", "timer-adaptive"])
-def test_a_secagg_service_run_matches_the_simulation(tmp_path, monkeypatch, extra):
+def test_a_secagg_service_run_matches_the_simulation(tmp_path, engine_sums, extra):
     """SecAgg (signed, discrete noise in the ring) through `simulate` and through `serve` with an
     emulated fleet: the same participation, per-round DP figures, privacy.json figures and the
     same `aggregation` record (its keys; its protocol facts' and message bytes' values). Not the
@@ -114,43 +154,24 @@ def test_a_secagg_service_run_matches_the_simulation(tmp_path, monkeypatch, extr
     design: the coordinator must not know it), the simulation with a seeded one, so the two ring
     sums differ within the encoding's quantization bound; round 1 (the same model, the same
     clipped deltas) is checked against that bound. Dropouts: the next test."""
-    sums = []
-    close = RoundEngine.close_round
-
-    def spy(self, plan, aggregate, stats):
-        sums.append(aggregate)
-        return close(self, plan, aggregate, stats)
-
-    monkeypatch.setattr(RoundEngine, "close_round", spy)
+    sums = engine_sums
     cfg = tiny_cfg(rounds=2, eval_every=2, aggregation={"kind": "secagg", "signed": True},
                    service={"report_deadline_s": 60.0, "secagg_phase_deadline_s": 30.0},
                    **with_extra(extra))
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)
     simulated_sums, sums[:] = list(sums), []
     status, _ = run_service(cfg, tmp_path)
-    state = tmp_path / "state"
     assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds
     assert status["rounds_failed"] == 0
-    assert lines(state / "participation.jsonl") == lines(tmp_path / "sim" / "participation.jsonl")
-    served, simulated = lines(state / "metrics.jsonl"), sim.metrics
-    for a, b in zip(served, simulated, strict=True):
-        for key in ("round", "clients", "clip", "noise_std", "epsilon", "zcdp", "min_separation",
-                    "max_participation", "restart", "clip_estimate", "refused"):
-            assert a.get(key) == b.get(key), key
+    served = assert_same_secagg_rounds(tmp_path, sim, 3, ("bytes_sent_per_client",
+                                                          "bytes_received_per_client"))
+    for a, b in zip(served, sim.metrics, strict=True):
         assert ("clip_estimate" in a) == cfg.dp.adaptive_clipping
         assert sorted(a["aggregation"]) == sorted(b["aggregation"])
-        for key in PROTOCOL_FACTS + ("bytes_sent_per_client", "bytes_received_per_client"):
-            assert a["aggregation"][key] == b["aggregation"][key], key
         assert a["aggregation"]["encode_seconds"] is None  # the devices' time: serve cannot see it
-        assert a["aggregation"]["survivors"] == 3 and a["aggregation"]["aggregation"] == "secagg"
-    ours, theirs = (json.loads(p.read_text()) for p in (state / "privacy.json",
-                                                          tmp_path / "sim" / "privacy.json"))
-    assert (ours["epsilon"], ours["zcdp"]) == (theirs["epsilon"], theirs["zcdp"])
-    bound = simulated[0]["aggregation"]["quantization_bound"]  # of 3 survivors
+        assert a["aggregation"]["aggregation"] == "secagg"
     assert len(sums) == len(simulated_sums) == cfg.rounds
-    gap = float(np.linalg.norm(sums[0].total - simulated_sums[0].total))
-    assert gap <= 2 * bound, (gap, bound)  # each within `bound` of the same exact sum
-    assert float(np.linalg.norm(simulated_sums[0].total)) > 100 * gap  # not trivially small
+    assert_first_sums_close(sums, simulated_sums, sim.metrics[0]["aggregation"]["quantization_bound"])
 
 
 # (round, attempt) -> the SecAgg phase before whose message the plan's first device vanishes: a
@@ -163,19 +184,15 @@ DROPS = {(1, 1): "commit", (1, 2): "unmask", (2, 1): "advertise", (2, 2): "consi
 
 
 @pytest.mark.slow  # ~2-4 min on a loaded machine: 9 round attempts each way, 6 waiting on a deadline
-def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tmp_path, monkeypatch):
+def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tmp_path, monkeypatch,
+                                                                             engine_sums):
     """SecAgg (signed), timer participation, adaptive clipping, and the same scheduled dropouts
     (simulate: the in-process collector's test schedule; serve: the same devices vanishing in the
     same round, attempt and phase): the same abandoned attempts, participation, per-round DP
     figures, SecAgg protocol facts and privacy.json figures. The devices round their updates
     with their own randomness (the coordinator must not know it, `fleet.participant`), so the
     models are not the same bits; the first committed sum is checked against the bound."""
-    sums, close = [], RoundEngine.close_round
-
-    def spy(self, plan, aggregate, stats):
-        sums.append(aggregate)
-        return close(self, plan, aggregate, stats)
-
+    sums = engine_sums
     dropped = {}  # (round, attempt, phase) -> the device simulate's plan dropped
 
     def schedule(plan, attempt):
@@ -185,7 +202,6 @@ def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tm
         dropped[(plan.round + 1, attempt, phase)] = plan.device_ids[0]
         return {phase: [0]}
 
-    monkeypatch.setattr(RoundEngine, "close_round", spy)
     monkeypatch.setattr(InProcessCollector, "dropout_schedule", staticmethod(schedule))
     cfg = tiny_cfg(aggregation={"kind": "secagg", "signed": True},
                    service={"report_deadline_s": 20.0, "secagg_phase_deadline_s": 3.0,
@@ -202,24 +218,10 @@ def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tm
     for key, user in dropped.items():
         per_device.setdefault(user, {"drops": set()})["drops"].add(key)
     status, outcomes = run_service(cfg, tmp_path, per_device=per_device)
-    state = tmp_path / "state"
     assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds == 3
     assert status["rounds_failed"] == 6
     vanished = sorted((r, a, d) for d, outs in outcomes.items() for r, a, o in outs if o.kind == "dropped")
     assert vanished == sorted((r, a, d) for (r, a, _), d in dropped.items())
-    assert lines(state / "participation.jsonl") == lines(tmp_path / "sim" / "participation.jsonl")
-    served, simulated = lines(state / "metrics.jsonl"), sim.metrics
-    for a, b in zip(served, simulated, strict=True):
-        for key in ("round", "clients", "clip", "noise_std", "epsilon", "zcdp", "min_separation",
-                    "max_participation", "restart", "clip_estimate", "refused"):
-            assert a.get(key) == b.get(key), key
-        for key in PROTOCOL_FACTS:
-            assert a["aggregation"][key] == b["aggregation"][key], key
-        assert a["clients"] == a["aggregation"]["survivors"] == 3
-    ours, theirs = (json.loads(p.read_text()) for p in (state / "privacy.json",
-                                                          tmp_path / "sim" / "privacy.json"))
-    assert (ours["epsilon"], ours["zcdp"]) == (theirs["epsilon"], theirs["zcdp"])
-    bound = simulated[0]["aggregation"]["quantization_bound"]
-    gap = float(np.linalg.norm(sums[0].total - simulated_sums[0].total))
-    assert gap <= 2 * bound, (gap, bound)
-    assert float(np.linalg.norm(simulated_sums[0].total)) > 100 * gap
+    assert_same_secagg_rounds(tmp_path, sim, 3)
+    assert len(sums) == len(simulated_sums) == cfg.rounds  # abandoned attempts hand in no sum
+    assert_first_sums_close(sums, simulated_sums, sim.metrics[0]["aggregation"]["quantization_bound"])
