@@ -2,8 +2,9 @@
 
 Why a separate engine: the same rounds must run in-process (`simulation.run_simulation`, which
 trains the clients itself) and, next, in a networked coordinator whose devices train remotely and
-whose sums arrive as SecAgg messages. Both drivers call the same phases, so selection, the budget
-check, tree restarts, the release log and the accounting cannot drift apart:
+whose sums arrive as SecAgg messages. Both call the same phases, in the order of the one round
+driver (`round_driver.drive`), so selection, the budget check, tree restarts, the release log
+and the accounting cannot drift apart:
 
     plan = engine.open_round(before_round)   # selection, budget, restart -> RoundPlan | Stop
     ... the driver trains the plan's devices and aggregates their clipped deltas ...
