@@ -23,7 +23,7 @@ service's rounds use too, so both drivers hand the engine the same kind of resul
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from dpfleet.secagg.count_bit import append_bit
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.identity_keys import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
-from dpfleet.secagg.params import plan_round
+from dpfleet.secagg.params import fleet_margins, plan_round
 from dpfleet.secagg.policy import ClientPolicy
 from dpfleet.secagg.round_sum import RingCosts, ring_sum
 from dpfleet.secagg.sums import AggregateResult, check_shapes
@@ -56,6 +56,7 @@ class SecAggAggregator:
         block_size: int = 1 << 14,
         fleet_keys: str | Path | None = None,
         ring_clients: int | None = None,
+        report_goal: int | None = None,
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
@@ -67,7 +68,9 @@ class SecAggAggregator:
         file (`dpfleet.secagg.identity_keys`) holding those identity keys instead (signed mode);
         ring_clients: size the per-client coordinate range for this many clients instead of
         the round's count (fixed scale across rounds, and headroom for integer noise added to
-        the ring sum, see `coordinator.ring_noise`)."""
+        the ring sum, see `coordinator.ring_noise`); report_goal: the inputs a round must keep,
+        which plans the dropout k and t absorb as the coordinator service plans them
+        (`params.fleet_margins`) instead of from assumed_dropout."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
         if not 0 <= dropout < 1:
@@ -80,16 +83,20 @@ class SecAggAggregator:
         self._fleet: dict[int, Ed25519PrivateKey] = (
             load_fleet_file(Path(fleet_keys)) if fleet_keys and signed else {})
         self._fleet_file = fleet_keys if signed else None
-        self.ring_clients = ring_clients
+        self.ring_clients, self.report_goal = ring_clients, report_goal
 
     def aggregate(self, deltas: Sequence[np.ndarray], round_seed: int, *,
                   bits: Sequence[int] | None = None, clip_norm: float | None = None,
-                  dim: int | None = None) -> AggregateResult:
+                  dim: int | None = None, disc: Discretizer | None = None,
+                  dropouts: Mapping[str, Collection[int]] | None = None) -> AggregateResult:
         """`bits`: each device's clipped bit (adaptive clipping), masked as one more exact
         coordinate after its model part (`count_bit`); the result's `clipped_count`.
         `clip_norm`: the round's clip (adaptive clipping moves it at tree restarts); the
         discretizer is scaled to it (None: the constructor's). `dim`: the model's length, which
-        every delta must have (`check_shapes`; None: the first delta's)."""
+        every delta must have (`check_shapes`; None: the first delta's). `disc`: the round's
+        discretizer (`round_engine.round_discretizer`; None: one built here). `dropouts`: more
+        clients vanishing before a phase's message (`inprocess.run_round`; a test's schedule),
+        besides the seeded `dropout`'s before the masked input."""
         length = check_shapes(deltas, dim)
         if bits is not None and len(bits) != len(deltas):
             raise ValueError(f"{len(bits)} clipped bits for {len(deltas)} deltas")
@@ -97,21 +104,25 @@ class SecAggAggregator:
         n = len(deltas)
         if self.ring_clients is not None and n > self.ring_clients:
             raise ValueError(f"{n} clients exceed the ring's {self.ring_clients}")
-        disc = Discretizer(length, clip_norm or self.clip_norm, self.bits,
-                           self.ring_clients or n, round_seed,
-                           block_size=self.block_size)
+        if disc is None:
+            disc = Discretizer(length, clip_norm or self.clip_norm, self.bits,
+                               self.ring_clients or n, round_seed, block_size=self.block_size)
         if self.signed and self._fleet_file and len(self._fleet) < n:
             raise DpfleetError(f"fleet key file {self._fleet_file} holds {len(self._fleet)} "
                                f"identity keys, the round has {n} clients")
         if self.signed:
             for u in range(len(self._fleet), n):
                 self._fleet[u] = Ed25519PrivateKey.generate()
+        dropout, unrevealed = self._margins(n)
         setup, identities, plan = plan_round(
             n, disc.padded_length + (bits is not None), self.bits, self.graph, self.threshold,
-            self.assumed_dropout, self.corruption, self.signed,
-            identity_keys={u: self._fleet[u] for u in range(n)} if self.signed else None)
+            dropout, self.corruption, self.signed,
+            identity_keys={u: self._fleet[u] for u in range(n)} if self.signed else None,
+            unrevealed=unrevealed)
         rng = np.random.default_rng([round_seed, 0xA66])
         dropped = rng.choice(n, size=round(self.dropout * n), replace=False).tolist()
+        gone = {p: set(d) for p, d in (dropouts or {}).items()}
+        gone["mask"] = gone.get("mask", set()) | set(dropped)
         encodings = {}
         encode_seconds = 0.0
 
@@ -123,7 +134,7 @@ class SecAggAggregator:
             values = encodings[u].values
             return values if bits is None else append_bit(values, int(bits[u]))
 
-        report = run_round(setup, encode, identities, dropouts={"mask": dropped},
+        report = run_round(setup, encode, identities, dropouts=gone,
                            policy=ClientPolicy.for_setup(setup))
         costs = RingCosts(
             bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
@@ -133,3 +144,16 @@ class SecAggAggregator:
             server_seconds=report.server_seconds)
         return ring_sum(report.total, disc, setup, report.survivors, counted=bits is not None,
                         bounded=plan.bounded, costs=costs, encodings=encodings)
+
+    def _margins(self, n: int) -> tuple[float, int]:
+        """(dropout, d) k and t are planned for: the service's `fleet_margins` with a report
+        goal, else `assumed_dropout` and no d. A seeded `dropout` that leaves fewer than the
+        goal every round is one clear error (the round driver would abandon every round)."""
+        if self.report_goal is None:
+            return self.assumed_dropout, 0
+        if n - round(self.dropout * n) < min(self.report_goal, n):
+            raise DpfleetError(f"aggregation.dropout = {self.dropout:g} drops {round(self.dropout * n)} "
+                               f"of a round's {n} devices, leaving fewer than the report goal "
+                               f"{self.report_goal}: every round would be abandoned; raise "
+                               "service.overselect")
+        return fleet_margins(n, min(self.report_goal, n))

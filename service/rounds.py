@@ -1,4 +1,9 @@
-"""The round driver: the shared `RoundEngine` driven by devices that check in over the network.
+"""The HTTP side of the one round driver: devices that check in over the network collect the rounds.
+
+The round's policy (open, collect, too few inputs -> abandon and reopen, else commit, stop) is
+`coordinator.engine.round_driver.drive`'s, the same as `simulate`'s; `RoundDriver` is its
+`Collector` over HTTP and holds what only a service has: check-ins, assignments, deadlines,
+SecAgg's phases as messages arrive, pause / stop, the status figures.
 
 Why one asyncio task drives everything: selection, deadlines, the DP step and the commit happen
 in one place and in order, while request handlers only record what devices sent and wake it.
@@ -23,9 +28,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpfleet.coordinator.config import resolve_noise, round_size
+from dpfleet.coordinator.config import resolve_noise
 from dpfleet.coordinator.engine.participation import ParticipationGuard
-from dpfleet.coordinator.engine.round_engine import RoundPlan, Stop
+from dpfleet.coordinator.engine.round_driver import (
+    Collected,
+    Failed,
+    drive,
+    selection_extra,
+    survivors_short,
+)
+from dpfleet.coordinator.engine.round_engine import RoundEngine, RoundPlan, Stop, round_discretizer
 from dpfleet.coordinator.engine.simulation import derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.edge.wire import messages as msg
@@ -34,7 +46,6 @@ from dpfleet.export.policy import PolicyRefused, ReleasePolicy
 from dpfleet.io import atomic_write, sha256_hex
 from dpfleet.jsonio import dumps
 from dpfleet.secagg.round_sum import RingCosts, ring_sum
-from dpfleet.secagg.sums import AggregateResult
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
 from dpfleet.service.run_bundle import release_bundle
@@ -311,32 +322,58 @@ class RoundDriver:
         self.phase_seconds.setdefault(phase, []).append(seconds)
 
     async def run(self) -> None:
-        """Open, run and close rounds until the run ends or a stop is asked for."""
+        """Open, run and close rounds (the one round policy, `round_driver.drive`, with this
+        driver as its HTTP `Collector`) until the run ends or a stop is asked for."""
         if self.run_state == "starting":
             self.run_state = "running"
         self.log.event("start", after_round=self.store.last_committed())
-        waiting_since = time.monotonic()
+        self.selecting_since = time.monotonic()
         try:
-            while not self.stop_requested:
-                if self.run_state == "paused":
-                    await self._nap(1.0)
-                    continue
-                self.open_due = None
-                opened = await self._try_open()
-                if isinstance(opened, Stop):
-                    self.stopped_early = None if opened.reason == "done" else opened.message
-                    await self._finish()
-                    return
-                if opened is None:  # wake when the check-in window closes, not up to 0.2 s late
-                    left = (self.open_due or 0.0) - time.monotonic()
-                    await self._nap(left if 0.0 < left < 0.2 else 0.2)
-                    continue
-                self._time("select", time.monotonic() - waiting_since)
-                await self._execute(opened)
-                waiting_since = time.monotonic()
+            stop = await drive(self.engine, self)
+            if stop is not None:
+                self.stopped_early = None if stop.reason == "done" else stop.message
+                await self._finish()
         finally:
             if self.current is not None and self.current.state in ("open", "closing"):
-                self._fail(self.current, "the coordinator stopped")
+                self.engine.abandon_round(self.current.plan)
+                self.failed(self.current.plan, "the coordinator stopped")
+
+    # ------------------------------------------------------------------ the Collector
+
+    async def open(self, engine: RoundEngine) -> RoundPlan | Stop | None:
+        """The next round, once enough allowed devices checked in (pause waits; None: stopped)."""
+        while not self.stop_requested:
+            if self.run_state == "paused":
+                await self._nap(1.0)
+                continue
+            self.open_due = None
+            opened = await self._try_open()
+            if isinstance(opened, Stop):
+                return opened
+            if opened is None:  # wake when the check-in window closes, not up to 0.2 s late
+                left = (self.open_due or 0.0) - time.monotonic()
+                await self._nap(left if 0.0 < left < 0.2 else 0.2)
+                continue
+            self._time("select", time.monotonic() - self.selecting_since)
+            return opened.plan
+        return None
+
+    async def collect(self, plan: RoundPlan) -> Collected | Failed | None:
+        """The open round's reports (plain) or SecAgg sum by the deadlines; None: stopped."""
+        cur = self.current
+        if cur.plain is None:
+            return await self._run_secagg(cur)
+        started = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(cur.done.wait(), self.svc.report_deadline_s)
+        self._time("report", time.monotonic() - started)
+        if self.stop_requested:
+            return None
+        if not cur.plain.complete:
+            return Failed(f"{len(cur.plain.updates)} of {self.cfg.dp.report_goal} reports by the "
+                          "deadline")
+        return Collected(cur.plain.total(plan.count_threshold),
+                         [cur.plain.stats.get(u, NO_STATS) for u in range(len(plan.devices))])
 
     async def _nap(self, seconds: float) -> None:
         self.wake.clear()
@@ -365,7 +402,7 @@ class RoundDriver:
                          else max(self.waiting_since[i] for i in avail))
         if len(avail) < total and now - ready_since < self.svc.checkin_window_s:
             return None  # gather more check-ins (everyone there opens at once)
-        extra = min(round_size(self.cfg) - m, len(avail) - m)
+        extra = min(selection_extra(self.cfg), len(avail) - m)
         plan = eng.open_round(available=avail, extra=extra)
         if isinstance(plan, Stop):
             return plan
@@ -434,15 +471,14 @@ class RoundDriver:
         from what it downloaded (THREAT_MODEL.md, "Model consistency")."""
         from dpfleet.secagg import round_terms
         from dpfleet.secagg.count_bit import input_length, terms_digest
-        from dpfleet.secagg.encoding import Discretizer
         from dpfleet.secagg.params import fleet_margins, plan_round
         from dpfleet.secagg.setup_wire import encode_setup
 
         cfg, eng, plan = self.cfg, self.engine, cur.plan
         agg = cfg.aggregation
-        clients = eng.ring.ring_clients if eng.ring else round_size(cfg)
-        disc = Discretizer(plan.theta.size, plan.clip_norm, agg.bits, clients,
-                           derive_seed(cfg.seed, "agg", plan.round))
+        disc = round_discretizer(cfg, plan.theta.size, plan.clip_norm,
+                                 derive_seed(cfg.seed, "agg", plan.round),
+                                 eng.ring.ring_clients if eng.ring else None)
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
         threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too
         # the dropout the over-selection absorbs, and d missing reveals (the devices' policy
@@ -461,27 +497,6 @@ class RoundDriver:
                                 "bits": disc.bits, "clients": disc.clients, "seed": disc.seed},
                 "count_threshold": threshold}
 
-    async def _execute(self, cur: OpenRound) -> None:
-        started = time.monotonic()
-        if cur.plain is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(cur.done.wait(), self.svc.report_deadline_s)
-            self._time("report", time.monotonic() - started)
-            if self.stop_requested:
-                return
-            if not cur.plain.complete:
-                self._fail(cur, f"{len(cur.plain.updates)} of {self.cfg.dp.report_goal} reports "
-                                "by the deadline")
-                return
-            agg = cur.plain.total(cur.plan.count_threshold)
-            stats = [cur.plain.stats.get(u, NO_STATS) for u in range(len(cur.plan.devices))]
-        else:
-            agg = await self._run_secagg(cur)
-            if agg is None:
-                return
-            stats = [NO_STATS] * len(cur.plan.devices)
-        await self._commit(cur, agg, stats)
-
     async def _phase_change_or_stop(self, sa, phase: str, limit: float) -> None:
         """Wait for the SecAgg phase to move on, its deadline, or a stop: Ctrl-C, SIGTERM or an
         operator's stop must not sit out a phase deadline (30 s by default, the masked phase's
@@ -495,7 +510,7 @@ class RoundDriver:
                 task.cancel()
             await asyncio.gather(changed, stopped, return_exceptions=True)
 
-    async def _run_secagg(self, cur: OpenRound) -> AggregateResult | None:
+    async def _run_secagg(self, cur: OpenRound) -> Collected | Failed | None:
         sa, svc = cur.secagg, self.svc
         while not sa.finished and not self.stop_requested:
             phase, began = sa.phase, time.monotonic()
@@ -511,29 +526,27 @@ class RoundDriver:
             self._time(f"secagg_{phase}", time.monotonic() - began)
             self.fault(f"secagg_{phase}")
         if sa.phase != "done":
-            self._fail(cur, f"secure aggregation aborted: {sa.server.error}")
-            return None
+            return Failed(f"secure aggregation aborted: {sa.server.error}")
         survivors = list(sa.server.survivors)
-        if len(survivors) < self.cfg.dp.report_goal:
-            self._fail(cur, f"{len(survivors)} SecAgg survivors, report goal "
-                            f"{self.cfg.dp.report_goal}")
-            return None
+        if short := survivors_short(self.cfg, cur.plan, len(survivors)):  # the driver's rule,
+            return Failed(short)  # before a decode of too few inputs
         # the decode, the survivors' clipped count and the record: as `simulate`'s (`round_sum`);
         # the costs are the coordinator's (the devices' encoding is theirs, unseen: None)
         costs = RingCosts(bytes_sent=sa.bytes_in, bytes_received=sa.bytes_out(),
                           seconds=time.monotonic() - cur.opened_at, rejected_messages=sa.rejected)
-        return ring_sum(sa.server.result(), cur.disc, sa.setup, survivors,
-                        counted=cur.plan.count_threshold is not None, bounded=cur.bounded,
-                        costs=costs)
+        return Collected(ring_sum(sa.server.result(), cur.disc, sa.setup, survivors,
+                                  counted=cur.plan.count_threshold is not None, bounded=cur.bounded,
+                                  costs=costs), [NO_STATS] * len(cur.plan.devices))
 
-    async def _commit(self, cur: OpenRound, agg: AggregateResult, stats: list) -> None:
-        cur.state = "closing"
+    def closing(self, plan: RoundPlan) -> None:
+        # the engine commits in the event loop's thread: the store's SQLite connection belongs
+        # to it, and nothing may be answered about this round while its commit is under way
+        self.current.state = "closing"
         self.fault("before_commit")
-        began = time.monotonic()
-        # in the event loop's thread: the store's SQLite connection belongs to it, and nothing
-        # may be answered about this round while its commit is under way
-        record = self.engine.close_round(cur.plan, agg, stats)
-        self._time("commit", time.monotonic() - began)
+
+    def committed(self, plan: RoundPlan, record: dict, seconds: float) -> None:
+        cur = self.current
+        self._time("commit", seconds)
         inputs_in = cur.secagg.changed_at if cur.secagg is not None else cur.collected_at
         if cur.secagg is not None:
             cur.critical.update({f"secagg_{p}": t for p, t in cur.secagg.critical.items()})
@@ -543,8 +556,7 @@ class RoundDriver:
         self.history.append({"round": cur.number, "status": "committed",
                              "clients": record["clients"], "epsilon": record["epsilon"],
                              "accuracy": record["accuracy"], "loss": record["loss"],
-                             "wall_s": time.monotonic() - cur.opened_at,
-                             "commit_s": time.monotonic() - began,
+                             "wall_s": time.monotonic() - cur.opened_at, "commit_s": seconds,
                              "secagg_server_s": cur.secagg_seconds if cur.secagg else None})
         self.log.event("commit", round=cur.number, attempt=cur.attempt, clients=record["clients"],
                        epsilon=record["epsilon"], accuracy=record["accuracy"])
@@ -554,10 +566,12 @@ class RoundDriver:
             cur.critical["commit"] = time.monotonic() - inputs_in
         self.log.event("critical", round=cur.number, attempt=cur.attempt, seconds=cur.critical)
         self.fault("after_commit")
+        self.selecting_since = time.monotonic()
 
-    def _fail(self, cur: OpenRound, reason: str) -> None:
+    def failed(self, plan: RoundPlan, reason: str) -> None:
+        """The round was abandoned (by the round driver, or as the coordinator stops)."""
+        cur = self.current
         cur.state = "failed"
-        self.engine.abandon_round(cur.plan)
         self.store.fail_round(cur.number, reason)
         self.outcomes[(cur.number, cur.attempt)] = "failed"
         self.current, self.ended_at = None, time.monotonic()
@@ -567,6 +581,7 @@ class RoundDriver:
         self.log.event("fail", round=cur.number, attempt=cur.attempt, reason=reason)
         self.say(f"round {cur.number}/{self.cfg.rounds} failed (attempt {cur.attempt}): {reason}")
         self.held.wake(cur.positions)
+        self.selecting_since = time.monotonic()
 
     async def _finish(self) -> None:
         b = self.b

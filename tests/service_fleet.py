@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import prepare_data
 from dpfleet.fleet.link import CoordinatorLink, LinkError
-from dpfleet.fleet.participant import take_part
+from dpfleet.fleet.participant import DropOut, take_part
 from dpfleet.service.server import shutdown, start
 
 TINY = {
@@ -115,12 +116,24 @@ def one_round_world(root: Path):
     return cfg, root, users, examples
 
 
+def drop_before(drops: Collection[tuple[int, int, str]], number: int, attempt: int):
+    """A `take_part` hook: the device vanishes before the phases `drops` names for this attempt."""
+
+    def hook(phase: str) -> None:
+        if (number, attempt, phase) in drops:
+            raise DropOut(f"scheduled: round {number} attempt {attempt}, before {phase}")
+
+    return hook
+
+
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
                       replies: list | None = None, runtime: str = "eager",
-                      link_kw: dict | None = None, **take_part_kw) -> list:
+                      link_kw: dict | None = None, drops: Collection[tuple[int, int, str]] = (),
+                      **take_part_kw) -> list:
     """One phone: register, then check in and take part until the run is done (`replies`
-    collects (device, next round, check-in reply); `link_kw`: more `CoordinatorLink` options)."""
+    collects (device, next round, check-in reply); `link_kw`: more `CoordinatorLink` options;
+    `drops`: the (round, attempt, SecAgg phase) before whose message it vanishes)."""
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
                                max_backoff_s=0.5, retries=8, **(link_kw or {})) as link:
@@ -143,8 +156,13 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
             if reply["kind"] in ("retry", "refused"):
                 await asyncio.sleep(reply["after_s"])
                 continue
-            outcomes.append((reply["round"], reply["attempt"],
-                             await take_part(link, reply, examples, **take_part_kw)))
+            kw, attempt = take_part_kw, (reply["round"], reply["attempt"])
+            if any(d[:2] == attempt for d in drops):
+                if any(o[:2] == attempt for o in outcomes):  # vanished: it does not come back
+                    await asyncio.sleep(0.2)
+                    continue
+                kw = {**take_part_kw, "before_phase": drop_before(drops, *attempt)}
+            outcomes.append((*attempt, await take_part(link, reply, examples, **kw)))
     return outcomes
 
 

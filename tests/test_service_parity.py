@@ -1,8 +1,10 @@
-"""Issue 12 item 1 over real sockets: with uniform participation, plain aggregation, every device
-always there and none dropping, and the same dp.noise_seed, `dpfleet service serve`'s run
-(devices training remotely through fleet/link.py + fleet/participant.py) releases the same
-participation, the same DP metrics and the same final model as `simulate`, bit for bit (the
-service sums the float32 reports in position order in float64, as PlainAggregator does)."""
+"""`simulate` and `dpfleet service serve` are one round driver (`round_driver.drive`) over two
+collectors; over real sockets, with the same dp.noise_seed, serve's run (devices training
+remotely through fleet/link.py + fleet/participant.py) releases what simulate releases. Plain
+aggregation: the same participation, DP metrics and final model, bit for bit (the service sums
+the float32 reports in position order in float64, as PlainAggregator does). SecAgg: the same
+participation and privacy figures, with the same dropouts in each SecAgg phase too (abandoned
+and reopened rounds included); the models agree within the encoding's quantization bound."""
 
 import asyncio
 import json
@@ -14,14 +16,15 @@ from safetensors.numpy import load_file
 from service_fleet import TINY, fleet_data, run_devices, tiny_cfg
 
 from dpfleet.coordinator.engine.round_engine import RoundEngine
-from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.engine.simulation import InProcessCollector, run_simulation
 from dpfleet.fleet.participant import local_policy
 from dpfleet.service.server import shutdown, start
 
 
-def run_service(cfg, root, device_kw=None, **start_kw):
+def run_service(cfg, root, device_kw=None, per_device=None, **start_kw):
     """Serve `cfg` on loopback to its end, every train client an emulated device (`device_kw`:
-    more `take_part` arguments, e.g. the pinned fleet keys SecAgg's signed mode needs)."""
+    more `take_part` arguments, e.g. the pinned fleet keys SecAgg's signed mode needs;
+    `per_device`: one device's own `device_loop` arguments, e.g. its scheduled dropouts)."""
     users, examples = fleet_data(cfg, root / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
     if cfg.aggregation.kind == "secagg":  # each device pins the fleet's keys and its policy
@@ -32,7 +35,7 @@ def run_service(cfg, root, device_kw=None, **start_kw):
 
     async def main():
         running = await start(cfg, root / "state", log=lambda s: None, **start_kw)
-        devices = asyncio.create_task(run_devices(running.url, keys, examples,
+        devices = asyncio.create_task(run_devices(running.url, keys, examples, per_device,
                                                   runtime=cfg.client.runtime, **(device_kw or {})))
         await asyncio.wait_for(asyncio.shield(running.task), 120)
         outcomes = await asyncio.wait_for(devices, 30)
@@ -92,6 +95,46 @@ def test_the_service_run_is_the_simulation_bit_for_bit(tmp_path, runtime, extra)
     assert not (state / "admin.json").exists()  # the token goes with the process
 
 
+def assert_same_secagg_rounds(root, sim, survivors: int, cost_keys=()) -> list[dict]:
+    """serve's run in root/state and `sim` (in root/sim): the same participation, per-round DP
+    figures and SecAgg protocol facts (and `cost_keys`' values), `survivors` in every sum, the
+    same privacy.json figures. Returns serve's metrics records."""
+    state = root / "state"
+    assert lines(state / "participation.jsonl") == lines(root / "sim" / "participation.jsonl")
+    served = lines(state / "metrics.jsonl")
+    for a, b in zip(served, sim.metrics, strict=True):
+        for key in ("round", "clients", "clip", "noise_std", "epsilon", "zcdp", "min_separation",
+                    "max_participation", "restart", "clip_estimate", "refused"):
+            assert a.get(key) == b.get(key), key
+        for key in PROTOCOL_FACTS + tuple(cost_keys):
+            assert a["aggregation"][key] == b["aggregation"][key], key
+        assert a["clients"] == a["aggregation"]["survivors"] == survivors
+    ours, theirs = (json.loads((d / "privacy.json").read_text()) for d in (state, root / "sim"))
+    assert (ours["epsilon"], ours["zcdp"]) == (theirs["epsilon"], theirs["zcdp"])
+    return served
+
+
+def assert_first_sums_close(served_sums, simulated_sums, bound: float) -> None:
+    """The first committed sums of both drivers (the same model, the same clipped deltas), each
+    within the encoding's quantization `bound` of the exact sum, and not trivially small."""
+    gap = float(np.linalg.norm(served_sums[0].total - simulated_sums[0].total))
+    assert gap <= 2 * bound, (gap, bound)
+    assert float(np.linalg.norm(simulated_sums[0].total)) > 100 * gap
+
+
+@pytest.fixture
+def engine_sums(monkeypatch) -> list:
+    """Every aggregate `RoundEngine.close_round` is handed, in order (both drivers')."""
+    sums, close = [], RoundEngine.close_round
+
+    def spy(self, plan, aggregate, stats):
+        sums.append(aggregate)
+        return close(self, plan, aggregate, stats)
+
+    monkeypatch.setattr(RoundEngine, "close_round", spy)
+    return sums
+
+
 # The aggregation record's figures that are facts of the protocol and the encoding: the same from
 # both drivers for the same config and survivors (`secagg.round_sum`). Of its costs, the SecAgg
 # message bytes agree too when every device stays; the `*seconds` cannot: simulate times the
@@ -103,54 +146,82 @@ PROTOCOL_FACTS = ("aggregation", "graph", "k", "threshold", "threshold_bounded",
 
 @pytest.mark.slow  # ~35-60 s each on a loaded machine: a simulation and a served run, SecAgg in both
 @pytest.mark.parametrize("extra", [{}, TIMER_ADAPTIVE], ids=["uniform", "timer-adaptive"])
-def test_a_secagg_service_run_matches_the_simulation(tmp_path, monkeypatch, extra):
+def test_a_secagg_service_run_matches_the_simulation(tmp_path, engine_sums, extra):
     """SecAgg (signed, discrete noise in the ring) through `simulate` and through `serve` with an
     emulated fleet: the same participation, per-round DP figures, privacy.json figures and the
     same `aggregation` record (its keys; its protocol facts' and message bytes' values). Not the
     same model bits: a device rounds its update with its own randomness (`fleet.participant`, by
     design: the coordinator must not know it), the simulation with a seeded one, so the two ring
     sums differ within the encoding's quantization bound; round 1 (the same model, the same
-    clipped deltas) is checked against that bound.
-
-    Not here, because the drivers differ by design: a device dropping out in a SecAgg phase.
-    `serve` assigns report goal x (1 + overselect) devices, plans k and t for that dropout
-    (`fleet_margins`) and fails and reopens a round with fewer survivors than the goal;
-    `simulate` selects report-goal devices and sums whoever its seeded `aggregation.dropout`
-    leaves (tests/test_service_secagg.py checks serve's record and survivors then)."""
-    sums = []
-    close = RoundEngine.close_round
-
-    def spy(self, plan, aggregate, stats):
-        sums.append(aggregate)
-        return close(self, plan, aggregate, stats)
-
-    monkeypatch.setattr(RoundEngine, "close_round", spy)
+    clipped deltas) is checked against that bound. Dropouts: the next test."""
+    sums = engine_sums
     cfg = tiny_cfg(rounds=2, eval_every=2, aggregation={"kind": "secagg", "signed": True},
                    service={"report_deadline_s": 60.0, "secagg_phase_deadline_s": 30.0},
                    **with_extra(extra))
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=lambda s: None)
     simulated_sums, sums[:] = list(sums), []
     status, _ = run_service(cfg, tmp_path)
-    state = tmp_path / "state"
     assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds
     assert status["rounds_failed"] == 0
-    assert lines(state / "participation.jsonl") == lines(tmp_path / "sim" / "participation.jsonl")
-    served, simulated = lines(state / "metrics.jsonl"), sim.metrics
-    for a, b in zip(served, simulated, strict=True):
-        for key in ("round", "clients", "clip", "noise_std", "epsilon", "zcdp", "min_separation",
-                    "max_participation", "restart", "clip_estimate", "refused"):
-            assert a.get(key) == b.get(key), key
+    served = assert_same_secagg_rounds(tmp_path, sim, 3, ("bytes_sent_per_client",
+                                                          "bytes_received_per_client"))
+    for a, b in zip(served, sim.metrics, strict=True):
         assert ("clip_estimate" in a) == cfg.dp.adaptive_clipping
         assert sorted(a["aggregation"]) == sorted(b["aggregation"])
-        for key in PROTOCOL_FACTS + ("bytes_sent_per_client", "bytes_received_per_client"):
-            assert a["aggregation"][key] == b["aggregation"][key], key
         assert a["aggregation"]["encode_seconds"] is None  # the devices' time: serve cannot see it
-        assert a["aggregation"]["survivors"] == 3 and a["aggregation"]["aggregation"] == "secagg"
-    ours, theirs = (json.loads(p.read_text()) for p in (state / "privacy.json",
-                                                          tmp_path / "sim" / "privacy.json"))
-    assert (ours["epsilon"], ours["zcdp"]) == (theirs["epsilon"], theirs["zcdp"])
-    bound = simulated[0]["aggregation"]["quantization_bound"]  # of 3 survivors
+        assert a["aggregation"]["aggregation"] == "secagg"
     assert len(sums) == len(simulated_sums) == cfg.rounds
-    gap = float(np.linalg.norm(sums[0].total - simulated_sums[0].total))
-    assert gap <= 2 * bound, (gap, bound)  # each within `bound` of the same exact sum
-    assert float(np.linalg.norm(simulated_sums[0].total)) > 100 * gap  # not trivially small
+    assert_first_sums_close(sums, simulated_sums, sim.metrics[0]["aggregation"]["quantization_bound"])
+
+
+# (round, attempt) -> the SecAgg phase before whose message the plan's first device vanishes: a
+# dropout in each phase. A timer round selects the report goal's 3 devices, for which k and t are
+# planned with 10% dropout (`fleet_margins`): t = 2 of 3, so any one device gone aborts the
+# attempt (hand-checked: every phase's abort). Each is abandoned, nothing released, and the
+# round opens again with the same devices: 6 abandoned attempts, every round commits at its third.
+DROPS = {(1, 1): "commit", (1, 2): "unmask", (2, 1): "advertise", (2, 2): "consistency",
+         (3, 1): "share", (3, 2): "mask"}
+
+
+@pytest.mark.slow  # ~2-4 min on a loaded machine: 9 round attempts each way, 6 waiting on a deadline
+def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tmp_path, monkeypatch,
+                                                                             engine_sums):
+    """SecAgg (signed), timer participation, adaptive clipping, and the same scheduled dropouts
+    (simulate: the in-process collector's test schedule; serve: the same devices vanishing in the
+    same round, attempt and phase): the same abandoned attempts, participation, per-round DP
+    figures, SecAgg protocol facts and privacy.json figures. The devices round their updates
+    with their own randomness (the coordinator must not know it, `fleet.participant`), so the
+    models are not the same bits; the first committed sum is checked against the bound."""
+    sums = engine_sums
+    dropped = {}  # (round, attempt, phase) -> the device simulate's plan dropped
+
+    def schedule(plan, attempt):
+        phase = DROPS.get((plan.round + 1, attempt))
+        if phase is None:
+            return {}
+        dropped[(plan.round + 1, attempt, phase)] = plan.device_ids[0]
+        return {phase: [0]}
+
+    monkeypatch.setattr(InProcessCollector, "dropout_schedule", staticmethod(schedule))
+    cfg = tiny_cfg(aggregation={"kind": "secagg", "signed": True},
+                   service={"report_deadline_s": 20.0, "secagg_phase_deadline_s": 3.0,
+                            "checkin_window_s": 10.0}, **with_extra(TIMER_ADAPTIVE))
+    said = []
+    sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=said.append)
+    simulated_sums, sums[:] = list(sums), []
+    assert sorted(dropped) == sorted((r, a, p) for (r, a), p in DROPS.items())
+    abandoned = [line for line in said if " abandoned: " in line]
+    assert [line.split(" abandoned")[0] for line in abandoned] == [
+        f"round {r} (attempt {a})" for r, a in DROPS]
+    assert all(": secure aggregation aborted: " in line for line in abandoned)
+    per_device = {}
+    for key, user in dropped.items():
+        per_device.setdefault(user, {"drops": set()})["drops"].add(key)
+    status, outcomes = run_service(cfg, tmp_path, per_device=per_device)
+    assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds == 3
+    assert status["rounds_failed"] == 6
+    vanished = sorted((r, a, d) for d, outs in outcomes.items() for r, a, o in outs if o.kind == "dropped")
+    assert vanished == sorted((r, a, d) for (r, a, _), d in dropped.items())
+    assert_same_secagg_rounds(tmp_path, sim, 3)
+    assert len(sums) == len(simulated_sums) == cfg.rounds  # abandoned attempts hand in no sum
+    assert_first_sums_close(sums, simulated_sums, sim.metrics[0]["aggregation"]["quantization_bound"])

@@ -2,8 +2,9 @@
 
 Why a separate engine: the same rounds must run in-process (`simulation.run_simulation`, which
 trains the clients itself) and, next, in a networked coordinator whose devices train remotely and
-whose sums arrive as SecAgg messages. Both drivers call the same phases, so selection, the budget
-check, tree restarts, the release log and the accounting cannot drift apart:
+whose sums arrive as SecAgg messages. Both call the same phases, in the order of the one round
+driver (`round_driver.drive`), so selection, the budget check, tree restarts, the release log
+and the accounting cannot drift apart:
 
     plan = engine.open_round(before_round)   # selection, budget, restart -> RoundPlan | Stop
     ... the driver trains the plan's devices and aggregates their clipped deltas ...
@@ -64,6 +65,7 @@ from dpfleet.edge.tokenizer import oov_ids_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.checkpoint import save_checkpoint
 from dpfleet.export.params import get_flat, set_flat
+from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.sums import AggregateResult
 
 # secure aggregation's per-round counts that depend on the clients' data (not noised)
@@ -95,14 +97,22 @@ def discrete_plan(cfg: SimulationConfig, dim: int, variance_factor: float | None
                      variance_factor=variance_factor)
 
 
+def round_discretizer(cfg: SimulationConfig, dim: int, clip_norm: float, seed: int,
+                      ring_clients: int | None = None) -> Discretizer:
+    """THE discretizer of a SecAgg sum, for the noise calibration, `simulate`'s in-process sum
+    and `serve`'s devices alike: the round's clip norm, `aggregation.bits`, and a per-client
+    range sized for the most inputs one sum may hold, `ring_clients` (discrete noise's plan) or
+    `round_size` (the report goal plus over-selection), so its scale is the same every round
+    whoever drops. `seed` is the round's (`derive_seed(seed, "agg", round)`; 0 for the
+    calibration, which reads only the scale)."""
+    return Discretizer(dim, clip_norm, cfg.aggregation.bits, ring_clients or round_size(cfg), seed)
+
+
 def sensitivity_factor(cfg: SimulationConfig, dim: int) -> float:
     """How much secure aggregation's discretization inflates one client's L2 contribution."""
     if cfg.aggregation.kind == "plain":
         return 1.0
-    from dpfleet.secagg.encoding import Discretizer
-
-    disc = Discretizer(dim, cfg.dp.clip_norm, cfg.aggregation.bits, round_size(cfg), seed=0)
-    return disc.norm_inflation
+    return round_discretizer(cfg, dim, cfg.dp.clip_norm, 0).norm_inflation
 
 
 class RoundStateError(DpfleetError):
@@ -197,47 +207,10 @@ class RoundEngine:
         self.mechanism, self.mechanism_optimised_for = run_mechanism(
             cfg, self.participation.min_separation, run.path, resume, mechanism, binding)
         check_supported(cfg, self.mechanism)
-        custom = not is_built_in(self.mechanism)
-        # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
-        # sum, and the run's own guarantee is accounted at that noise (`run_privacy/projection.py`)
-        self.noise_scale = projection_factor(cfg)
-        self.accountant = RunAccountant(
-            cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
-            vocabulary=vocabulary, mechanism=self.mechanism,
-            count_stddev=clip_count_stddev(cfg) if cfg.dp.adaptive_clipping else None,
-            conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
-        self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
-        self.restarts = restart_rounds(cfg, self.mechanism)
-        self.z_model, self.estimator = cfg.dp.noise_multiplier, None
         noise_key = seeded_noise_key(cfg.dp.noise_seed) if cfg.dp.noise_seed >= 0 else new_noise_key()
-        if cfg.dp.adaptive_clipping:
-            self.z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
-            self.estimator = QuantileClipEstimator(
-                cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
-                learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
-                noise_key=noise_key, mechanism=self.mechanism,
-            )
-        # what every release and resume point is bound to, and a resume checked against
-        # (`guarantee`): the config as it runs (the planner's z in it), with what was derived
-        self.guarantee = guarantee(guarantee_inputs(
-            cfg, mechanism=self.mechanism, population=len(self.users), restarts=self.restarts,
-            model_noise_multiplier=self.z_model * self.noise_scale, vocabulary=vocabulary))
-        theta0 = get_flat(model)
-        self.ring = None  # dp.noise = "discrete": integer tree noise on the SecAgg ring sum
+        self._privacy_state(vocabulary, noise_key, custom=not is_built_in(self.mechanism))
         self.audit_break: dict | None = None  # `dpfleet audit --break`: {mode, what} (caveats.py)
-        if resolve_noise(cfg) == "discrete":
-            self.ring = discrete_plan(cfg, theta0.size, self.mechanism.ring_variance_factor())
-        self.server = DPFTRLServer(
-            theta0,
-            DPFTRLConfig(
-                noise_multiplier=self.z_model, clip_norm=cfg.dp.clip_norm,
-                report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr,
-                momentum=cfg.dp.momentum, restart_rounds=tuple(self.restarts),
-                sensitivity_factor=sensitivity_factor(cfg, theta0.size), mechanism=self.mechanism,
-                noise_scale=self.noise_scale,
-            ),
-            noise_key=noise_key, ring=self.ring,
-        )
+        self.server = self._make_server(get_flat(model), noise_key)
         self.releases = releases if releases is not None else ReleaseLog(self.run_path / RELEASES)
         self.start, self.metrics, self.fresh_tree_at, self.lost = 0, [], None, []
         # round 0, while the server holds theta_0: where the run's accuracy starts from
@@ -257,6 +230,52 @@ class RoundEngine:
         self._run_dir_points = releases is None  # not the state store's (it commits every round)
         # `tensorboard` / `wandb` / `mlflow = true`: the records to those trackers, the rounds so far first
         self.trackers = open_trackers(cfg, self.run_path, self.metrics)
+
+    def _privacy_state(self, vocabulary: dict | None, noise_key: bytes, *, custom: bool) -> None:
+        """The accountant, restarts, model noise multiplier, clip estimator and guarantee."""
+        cfg = self.cfg
+        # a projection's one factor (`[projection]`): the server adds z C M_train / M_noise to the
+        # sum, and the run's own guarantee is accounted at that noise (`run_privacy/projection.py`)
+        self.noise_scale = projection_factor(cfg)
+        self.accountant = RunAccountant(
+            cfg.dp.noise_multiplier * self.noise_scale, cfg.dp.delta, cfg.dp.budget_epsilon,
+            vocabulary=vocabulary, mechanism=self.mechanism,
+            count_stddev=clip_count_stddev(cfg) if cfg.dp.adaptive_clipping else None,
+            conversion=conversion_for(cfg, type(self.mechanism), custom), declared=custom)
+        self.accountant.check_first_round()  # a budget no round fits: an error, not 0 rounds
+        self.restarts = restart_rounds(cfg, self.mechanism)
+        self.z_model, self.estimator = cfg.dp.noise_multiplier, None
+        if cfg.dp.adaptive_clipping:
+            self.z_model = model_noise_multiplier(cfg.dp.noise_multiplier, clip_count_stddev(cfg))
+            self.estimator = QuantileClipEstimator(
+                cfg.dp.clip_norm, cfg.dp.report_goal, target_quantile=cfg.dp.target_quantile,
+                learning_rate=cfg.dp.clip_lr, count_stddev=clip_count_stddev(cfg),
+                noise_key=noise_key, mechanism=self.mechanism,
+            )
+        # what every release and resume point is bound to, and a resume checked against
+        # (`guarantee`): the config as it runs (the planner's z in it), with what was derived
+        self.guarantee = guarantee(guarantee_inputs(
+            cfg, mechanism=self.mechanism, population=len(self.users), restarts=self.restarts,
+            model_noise_multiplier=self.z_model * self.noise_scale, vocabulary=vocabulary))
+
+    def _make_server(self, theta0: np.ndarray, noise_key: bytes) -> DPFTRLServer:
+        """The DP-FTRL server at theta_0 (and, with `dp.noise = "discrete"`, the ring plan of the
+        integer tree noise added to the SecAgg ring sum: `self.ring`)."""
+        cfg = self.cfg
+        self.ring = None
+        if resolve_noise(cfg) == "discrete":
+            self.ring = discrete_plan(cfg, theta0.size, self.mechanism.ring_variance_factor())
+        return DPFTRLServer(
+            theta0,
+            DPFTRLConfig(
+                noise_multiplier=self.z_model, clip_norm=cfg.dp.clip_norm,
+                report_goal=cfg.dp.report_goal, server_lr=cfg.dp.server_lr,
+                momentum=cfg.dp.momentum, restart_rounds=tuple(self.restarts),
+                sensitivity_factor=sensitivity_factor(cfg, theta0.size), mechanism=self.mechanism,
+                noise_scale=self.noise_scale,
+            ),
+            noise_key=noise_key, ring=self.ring,
+        )
 
     def _starting_model(self, resume: bool) -> dict | None:
         """Round 0: the starting model's held-out evaluation, in initial_eval.json (atomically) when
@@ -430,9 +449,10 @@ class RoundEngine:
         return record
 
     def resume_point_due(self) -> bool:
-        """Whether the config asks for a resume point after the rounds closed so far."""
+        """Whether the config asks for a resume point after the rounds closed so far (never with
+        the state store, which commits every round: `store_engine`)."""
         done, every = self.next_round, self.cfg.checkpoint_every
-        return bool(every) and done % every == 0 and 0 < done < self.cfg.rounds
+        return self._run_dir_points and bool(every) and done % every == 0 and 0 < done < self.cfg.rounds
 
     def save_resume_point(self) -> None:
         """Atomically replace the resume point with the state after the rounds closed so far."""

@@ -4,9 +4,10 @@ Why a driver: the round's coordinator side (selection with the MinS / MaxP refus
 check, tree restarts, the DP-FTRL step, the release log, accounting, resume) lives in the
 transport-free `round_engine`, shared with the networked coordinator. This module does what
 the devices and the aggregation would do elsewhere: it loads the data, builds the tokenizer and
-the runtime, trains each planned client in-process (one local epoch, delta, clip;
-`backends`), sums the deltas (plain or secure aggregation) and hands the sum to the engine, with
-a progress bar. Selection, batching and init are seeded by `seed`; the DP noise is not: it comes
+the runtime, and is the in-process `Collector` of the one round driver (`round_driver`, which
+`coordinator serve` drives over HTTP): it trains each planned client in-process (one local
+epoch, delta, clip; `backends`) and sums the deltas (plain or secure aggregation), with a
+progress bar. Selection, batching and init are seeded by `seed`; the DP noise is not: it comes
 from a fresh secret 256-bit key per run (`noise_stream`), so the same config gives fresh noise,
 unless `dp.noise_seed` (research mode, no privacy against whoever knows it) makes it
 reproducible. Each round is written to the release log before it is released (`release_log`).
@@ -20,7 +21,7 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from dpfleet.coordinator.engine.backends import make_trainer, trainer_precision
 from dpfleet.coordinator.engine.evaluation import split_held_out, unigram_baseline
 from dpfleet.coordinator.engine.extensions import check_clipped, custom_trainer, install, noise_mechanism
 from dpfleet.coordinator.engine.population import generated_population_notice, open_population
+from dpfleet.coordinator.engine.round_driver import Collected, Failed, drive, run_to_end, selection_extra
 from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPENDENT_AGGREGATION re-exported)
     DATA_DEPENDENT_AGGREGATION,
     DEBUG_NONPRIVATE,
@@ -43,6 +45,7 @@ from dpfleet.coordinator.engine.round_engine import (  # noqa: F401 (DATA_DEPEND
     RoundPlan,
     Stop,
     round_close_line,
+    round_discretizer,
     round_totals,
 )
 from dpfleet.coordinator.engine.vocabulary import build_dp_vocabulary
@@ -74,6 +77,7 @@ from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
 from dpfleet.io import atomic_write
+from dpfleet.secagg.errors import SecAggError
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]],
@@ -155,7 +159,8 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
                             graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
                             signed=cfg.aggregation.signed, corruption=cfg.aggregation.corruption,
-                            fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients)
+                            fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients,
+                            report_goal=cfg.dp.report_goal)
 
 
 DP_VOCABULARY = "dp_vocabulary.json"
@@ -241,36 +246,16 @@ def run_simulation(
         log(generated_notice["warning"])
     ext = {k: v for k, v in (extensions or {}).items() if v is not None}  # `dpfleet.extensions`
     setup = _setup_training(cfg, model, tokenizer, pretrain, ext, log, progress)
-    engine = RoundEngine(
-        cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
-        users=population.user_ids() if audit is None else audit.users(population.user_ids()),
-        fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
-                                     tokenizer,
-                                     fingerprint_secret(run.path, create=not resume)),
-        test_rows=test_rows, vocabulary=vocabulary_privacy(vocabulary_folder), resume=resume,
-        mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
-        keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
-        precision=trainer_precision(setup.trainer)["used"], binding=plan.binding,
-    )
-    install(engine, participation=ext.get("participation"))
-    if audit is not None:
-        audit.engine_ready(engine)
+    engine = _make_engine(cfg, run, setup, tokenizer, population, test_rows, baseline_clients,
+                          resume=resume, audit=audit, ext=ext, other_releases=other_releases,
+                          binding=plan.binding)
     baseline = unigram_baseline((c.examples for c in baseline_clients), test_rows, oov_ids_of(tokenizer))
     baseline["fitted_on_held_out_clients"] = len(baseline_clients)
-    log(
-        f"data: {len(population)} train clients, {len(data.test)} held-out clients "
-        f"({len(data.test) - len(baseline_clients)} give {len(test_rows)} eval rows, "
-        f"{len(baseline_clients)} fit the unigram baseline); model "
-        f"{type(setup.model).__name__ if setup.model_cfg is None else setup.model_cfg.arch} with "
-        f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
-    )
-    if engine.initial is not None:  # round 0: what the private rounds start from
-        log(f"starting model (round 0, before any private round; no privacy cost): held-out accuracy "
-            f"{engine.initial['accuracy']:.4f}, unigram baseline {baseline['accuracy']:.4f}")
+    _log_setup(engine, setup, data, population, baseline, len(baseline_clients), log)
     _log_resume(cfg, engine, resume, log)
     with engine.resume_point_on_interrupt():  # Ctrl-C / SIGTERM: --resume loses no released round
         stopped_early = _run_rounds(cfg, engine, setup.trainer, population, before_round, audit,
-                                    ext.get("clipping"), progress, on_round)
+                                    ext.get("clipping"), progress, on_round, log)
     if stopped_early:
         log(stopped_early)
     if closes := round_totals(engine.metrics).get("round_close"):  # timer mode: how rounds closed
@@ -281,6 +266,43 @@ def run_simulation(
                                    public_data=public_data, started=t_start,
                                    extra=_summary_extra(setup, records is not None, generated_notice))
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
+
+
+def _make_engine(cfg: SimulationConfig, run: RunDir, setup: TrainingSetup, tokenizer, population,
+                 test_rows, baseline_clients, *, resume: bool, audit, ext: dict,
+                 other_releases: list[dict] | None, binding: Mapping[str, str] | None) -> RoundEngine:
+    """The run's round engine, a caller's participation policy installed and the audit told."""
+    engine = RoundEngine(
+        cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
+        users=population.user_ids() if audit is None else audit.users(population.user_ids()),
+        fingerprint=data_fingerprint((population.examples(i) for i in population.real_clients()),
+                                     tokenizer,
+                                     fingerprint_secret(run.path, create=not resume)),
+        test_rows=test_rows, vocabulary=vocabulary_privacy(run.path / "vocabulary"), resume=resume,
+        mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
+        keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
+        precision=trainer_precision(setup.trainer)["used"], binding=binding,
+    )
+    install(engine, participation=ext.get("participation"))
+    if audit is not None:
+        audit.engine_ready(engine)
+    return engine
+
+
+def _log_setup(engine: RoundEngine, setup: TrainingSetup, data: FederatedData, population,
+               baseline: dict, baseline_clients: int, log: Callable[[str], None]) -> None:
+    """The run log's lines on the data, the model and the starting model's accuracy."""
+    tokenizer = engine.tokenizer
+    log(
+        f"data: {len(population)} train clients, {len(data.test)} held-out clients "
+        f"({len(data.test) - baseline_clients} give {len(engine.test_rows)} eval rows, "
+        f"{baseline_clients} fit the unigram baseline); model "
+        f"{type(setup.model).__name__ if setup.model_cfg is None else setup.model_cfg.arch} with "
+        f"{engine.server.theta.size:,} parameters; tokenizer {tokenizer.kind} ({tokenizer.vocab_size})"
+    )
+    if engine.initial is not None:  # round 0: what the private rounds start from
+        log(f"starting model (round 0, before any private round; no privacy cost): held-out accuracy "
+            f"{engine.initial['accuracy']:.4f}, unigram baseline {baseline['accuracy']:.4f}")
 
 
 def load_clients(cfg: SimulationConfig, vocabulary_folder: Path, records=None, tokenizer=None,
@@ -442,44 +464,98 @@ def _log_resume(cfg: SimulationConfig, engine: RoundEngine, resume: bool,
             "fresh noise tree")
 
 
+MAX_ATTEMPTS = 10  # in-process attempts of one round before the run stops with an error
+
+
+class InProcessCollector:
+    """`simulate`'s `Collector` (`round_driver`): each round's devices trained in this process
+    (`train_plan`, or the audit's), every clipped delta checked, then summed in the clear or
+    through the in-process SecAgg protocol with its dropouts, with a progress bar. A round the
+    driver abandons opens again; its next attempt's SecAgg draws (rounding, dropouts) are keyed
+    by the attempt too, and `before_round` runs once per round."""
+
+    # test only: (plan, attempt) -> {SecAgg phase: positions that vanish before its message}
+    dropout_schedule: Callable[[RoundPlan, int], dict] | None = None
+
+    def __init__(self, cfg: SimulationConfig, engine: RoundEngine, trainer, population, *,
+                 before_round=None, audit=None, clipping=None, bar=None,
+                 log: Callable[[str], None] = print):
+        self.cfg, self.engine, self.trainer, self.population = cfg, engine, trainer, population
+        self.before_round, self.audit, self.clipping, self.bar, self.log = (
+            before_round, audit, clipping, bar, log)
+        self.ring_clients = engine.ring.ring_clients if engine.ring else None
+        self.aggregator = make_aggregator(cfg, self.ring_clients)
+        self.dim = engine.server.theta.size  # every device's delta has exactly this shape
+        self.attempt = (engine.next_round, 0)  # (round, attempts opened)
+        # round 0's (the starting model's) accuracy until the first evaluation; n/a on resume
+        initial = engine.initial if not engine.start else None
+        self.acc = "n/a" if initial is None else f"{initial['accuracy']:.4f}"
+
+    async def open(self, engine: RoundEngine) -> RoundPlan | Stop:
+        r = engine.next_round
+        self.attempt = (r, self.attempt[1] + 1 if self.attempt[0] == r else 1)
+        first = self.attempt[1] == 1  # public training between rounds happens once a round
+        return engine.open_round(self.before_round if first else None, extra=selection_extra(self.cfg))
+
+    async def collect(self, plan: RoundPlan) -> Collected | Failed:
+        cfg, audit, attempt = self.cfg, self.audit, self.attempt[1]
+        updates = (train_plan(cfg, self.trainer, self.population, plan) if audit is None
+                   else audit.train_plan(cfg, self.trainer, self.population, plan))
+        bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
+        check_clipped(updates, bound, self.dim, self.clipping, plan.round)  # before any sum
+        bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
+                [clipped_bit(u.norm, plan.count_threshold) for u in updates])
+        seed = derive_seed(cfg.seed, "agg", plan.round, *([attempt] if attempt > 1 else []))
+        secagg = {}
+        if cfg.aggregation.kind == "secagg":
+            schedule = type(self).dropout_schedule
+            secagg = {"disc": round_discretizer(cfg, self.dim, plan.clip_norm, seed, self.ring_clients),
+                      "dropouts": schedule(plan, attempt) if schedule else None}
+        try:
+            agg = self.aggregator.aggregate([u.delta for u in updates], seed, bits=bits,
+                                            clip_norm=plan.clip_norm, dim=self.dim, **secagg)
+        except SecAggError as exc:  # below the threshold: the round fails, as over HTTP
+            return Failed(f"secure aggregation aborted: {exc}")
+        return Collected(agg, updates)
+
+    def closing(self, plan: RoundPlan) -> None:
+        pass
+
+    def committed(self, plan: RoundPlan, record: dict, seconds: float) -> None:
+        if self.bar is None:  # eps so far, every round: privacy.json's figure (one conversion, PLD)
+            return
+        self.acc = self.acc if record["accuracy"] is None else f"{record['accuracy']:.4f}"
+        # a projection's bar shows the run's own eps, named so (never the projected one)
+        eps_key = "eps_this_run" if self.cfg.projection.noise_cohort else "eps"
+        self.bar.set_postfix({"acc": self.acc, eps_key: f"{record['epsilon']:.2f}"})
+        self.bar.update(1)
+
+    def failed(self, plan: RoundPlan, reason: str) -> None:
+        self.log(f"round {plan.round + 1} (attempt {self.attempt[1]}) abandoned: {reason}")
+        if self.attempt[1] >= MAX_ATTEMPTS:  # seeded: a round that aborts this often always will
+            raise DpfleetError(f"round {plan.round + 1} was abandoned {MAX_ATTEMPTS} times in a row "
+                               f"({reason}); raise service.overselect or lower aggregation.dropout")
+
+
 def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population, before_round, audit,
-                clipping, progress: bool, on_round: Callable[[dict], None] | None = None) -> str | None:
-    """The rounds: open (select, budget), train the plan's clients, check every clipped delta,
-    sum, close (DP step, release, accounting), resume points; returns why it stopped early."""
-    aggregator = make_aggregator(cfg, engine.ring.ring_clients if engine.ring else None)
-    dim = engine.server.theta.size  # every device's delta has exactly this shape (check_clipped)
-    rounds = range(engine.start, cfg.rounds)
+                clipping, progress: bool, on_round: Callable[[dict], None] | None = None,
+                log: Callable[[str], None] = print) -> str | None:
+    """The rounds through the one round driver (`round_driver.drive`) with the in-process
+    collector; returns why the run stopped early (None: all its rounds were done)."""
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
-                      total=cfg.rounds)
-        # round 0's (the starting model's) until the first evaluation (eval_every); n/a on resume
-        initial = engine.initial if not engine.start else None
-        acc = "n/a" if initial is None else f"{initial['accuracy']:.4f}"
-    for r in rounds:
-        plan = engine.open_round(before_round)
-        if isinstance(plan, Stop):
-            return plan.message
-        updates = (train_plan(cfg, trainer, population, plan) if audit is None
-                   else audit.train_plan(cfg, trainer, population, plan))
-        bound = plan.clip_norm if audit is None else audit.clip_bound(plan)  # audit: --break clipping
-        check_clipped(updates, bound, dim, clipping, plan.round)  # before any sum
-        bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
-                [clipped_bit(u.norm, plan.count_threshold) for u in updates])
-        agg = aggregator.aggregate([u.delta for u in updates], derive_seed(cfg.seed, "agg", r),
-                                   bits=bits, clip_norm=plan.clip_norm, dim=dim)
-        record = engine.close_round(plan, agg, updates)
-        if progress:  # eps so far, every round: privacy.json's figure (one conversion, PLD)
-            acc = acc if record["accuracy"] is None else f"{record['accuracy']:.4f}"
-            # a projection's bar shows the run's own eps, named so (never the projected one)
-            eps_key = "eps_this_run" if cfg.projection.noise_cohort else "eps"
-            rounds.set_postfix({"acc": acc, eps_key: f"{record['epsilon']:.2f}"})
-        if engine.resume_point_due():
-            engine.save_resume_point()
-        if on_round is not None:  # after the resume point: a callback that raises loses nothing
-            on_round(copy.deepcopy(record))
-    return None
+        bar = tqdm(desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
+                   total=cfg.rounds)
+    collector = InProcessCollector(cfg, engine, trainer, population, before_round=before_round,
+                                   audit=audit, clipping=clipping, bar=bar, log=log)
+    try:
+        stop = run_to_end(drive(engine, collector, on_round))
+    finally:
+        if bar is not None:
+            bar.close()
+    return None if stop is None or stop.reason == "done" else stop.message
 
 
 def plan_run(cfg: SimulationConfig, run: RunDir, population: int, resume: bool,
