@@ -19,7 +19,6 @@ runtimes check before handing any bytes to native code.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.noise import capture, exporter_step, terminal
 from dpfleet.export.params import ParamLayout
 from dpfleet.io import atomic_write, private_mkdir, sha256_hex
+from dpfleet.jsonio import SPACED, canonical_sha256, write_json
 
 FORMATS = ("pte", "onnx")
 # Bump when the program contents change for the same spec (graph passes, signature, ...).
@@ -70,11 +70,8 @@ class ProgramSpec:
 
     def key(self) -> str:
         """Content hash of the spec, the program version and the exporting tools' versions."""
-        blob = json.dumps(
-            {**self.to_dict(), "program_version": PROGRAM_VERSION, "tools": tool_versions()},
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:20]
+        spec = {**self.to_dict(), "program_version": PROGRAM_VERSION, "tools": tool_versions()}
+        return canonical_sha256(spec, separators=SPACED).hexdigest()[:20]  # cached programs keep their names
 
     def file_name(self) -> str:
         batch = "dyn" if self.batch is None else f"b{self.batch}"
@@ -312,7 +309,7 @@ def write_program(path: Path, spec: ProgramSpec, data: bytes) -> ProgramFile:
     }
     private_mkdir(path.parent)  # the permission rule (dpfleet/io.py): the cache is the user's
     atomic_write(path, data)
-    atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode())
+    write_json(_meta_path(path), meta, indent=1)
     return read_program_file(path)
 
 

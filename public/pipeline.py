@@ -38,7 +38,6 @@ Config layout (strict, like the simulate config):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
 from dpfleet.io import atomic_write
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import SPACED, canonical_sha256, dumps
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (
     Pool,
@@ -189,7 +188,7 @@ def load_pipeline(path: Path) -> PipelineConfig:
 
 
 def cache_key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return canonical_sha256(parts, separators=SPACED, default=str).hexdigest()[:16]  # old entries hit
 
 
 def teacher_vocab(cfg: PipelineConfig, log: Callable[[str], None]) -> TeacherVocab:
