@@ -55,7 +55,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
 from dpfleet.io import atomic_write
-from dpfleet.jsonio import SPACED, canonical_sha256, dumps
+from dpfleet.jsonio import SPACED, canonical_sha256, write_json
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (
     Pool,
@@ -304,8 +304,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     tok_path = cfg.simulation.tokenizer.path or str(vocab.tokenizer.model_file.parent)
     sim = dataclasses.replace(cfg.simulation, tokenizer=dataclasses.replace(
         cfg.simulation.tokenizer, kind="sentencepiece", path=tok_path))
-    atomic_write(out / "pipeline.json", dumps(
-        dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
+    write_json(out / "pipeline.json", dataclasses.replace(cfg, simulation=sim).resolved(), indent=2)
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
                       cfg.pool.seed)
     check_pool_is_public(cfg, pool)
@@ -356,7 +355,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                       selected_indices=[int(i) for i in chosen],
                       precision={"teacher": _stated(teacher.precision) if used_teacher else None,
                                  "public_training": _stated(training_precision)})
-        atomic_write(stage_file, dumps(report, default=float))
+        write_json(stage_file, report, default=float)
         shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
         log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")
         return new_theta
@@ -379,5 +378,5 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     }
     if "total_with_releases" in result.privacy:  # DP-FTRL and the same users' FreD statistics
         summary["epsilon_with_fred"] = result.privacy["total_with_releases"]["epsilon"]
-    atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
+    write_json(out / "summary.json", summary, indent=2, default=float)
     return summary

@@ -63,6 +63,7 @@ from tqdm import tqdm
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, sha256_file, sha256_hex
+from dpfleet.jsonio import write_json
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -312,7 +313,7 @@ def build_corpus(
 
     def write_manifest(extra: dict) -> None:
         body = {**settings, "shard_files": dict(sorted(recorded.items())), **extra}
-        atomic_write(manifest_file, json.dumps(sealed(body), indent=2))
+        write_json(manifest_file, sealed(body), indent=2)
 
     if todo:
         write_manifest({})  # without the shard list, and without any record found stale
@@ -355,7 +356,7 @@ def build_corpus(
         else str(extractor.teacher.device),
     })
     if manifest != old:
-        atomic_write(manifest_file, json.dumps(manifest, indent=2))
+        write_json(manifest_file, manifest, indent=2)
     return manifest
 
 

@@ -72,6 +72,7 @@ from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
 from dpfleet.io import atomic_write
+from dpfleet.jsonio import write_json
 
 
 def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]],
@@ -103,7 +104,7 @@ def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]]
         tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params)
         if folder is not None:
             tokenizer.save(folder)
-            atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
+            write_json(folder / DP_VOCABULARY, info, indent=2)
         return tokenizer
     from dpfleet.edge.overlap import check_public_sources
     from dpfleet.edge.spm_public import public_sentencepiece
