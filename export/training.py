@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
@@ -37,6 +36,7 @@ from dpfleet.export.noise import capture, exporter_step, terminal
 from dpfleet.export.params import ParamLayout
 from dpfleet.io import atomic_write, private_mkdir, sha256_hex
 from dpfleet.jsonio import SPACED, canonical_sha256, write_json
+from dpfleet.progress import progress_bar
 
 FORMATS = ("pte", "onnx")
 # Bump when the program contents change for the same spec (graph passes, signature, ...).
@@ -251,7 +251,7 @@ def export_module_program(source: ModuleProgram, fmt: str, what: str | None = No
         raise DpfleetError(f"unknown program format {fmt!r}; choose from {FORMATS}")
     desc = f"export {fmt} training program ({what or type(source.model).__name__})"
     exporter = "ExecuTorch export" if fmt == "pte" else "ONNX export"
-    with capture(), tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False, file=terminal()) as bar:
+    with capture(), progress_bar(total=3, desc=desc, unit="stage", leave=False, file=terminal()) as bar:
         bar.set_postfix_str("joint forward-backward graph")
 
         def step(stage: str) -> None:

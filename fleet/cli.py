@@ -148,9 +148,9 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     began = time.perf_counter()
     bar = None
     if progress:
-        from tqdm import tqdm
+        from dpfleet.progress import progress_bar
 
-        bar = tqdm(total=None, desc="rounds committed", unit="round", dynamic_ncols=True)
+        bar = progress_bar(desc="rounds committed", unit="round", dynamic_ncols=True, terminal_only=False)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     watch = CoordinatorWatch(url, str(ca_file) if ca_file else None, timeout)
     runner.start()

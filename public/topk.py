@@ -58,12 +58,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, sha256_file, sha256_hex
 from dpfleet.jsonio import write_json
+from dpfleet.progress import progress_bar
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -324,8 +324,8 @@ def build_corpus(
         log(line)
 
     new_tokens, seconds = 0, 0.0
-    bar = tqdm(total=settings["tokens"], initial=done_tokens, unit="tok", desc="top-k",
-               disable=not progress or not todo)
+    bar = progress_bar(total=settings["tokens"], initial=done_tokens, unit="tok", desc="top-k",
+                       enabled=progress and bool(todo), terminal_only=False)
     for name, chunk in todo:
         start = time.perf_counter()
         parts = []

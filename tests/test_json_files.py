@@ -52,8 +52,8 @@ def test_a_run_directorys_json_files_keep_their_bytes(tmp_path):
     run = RunDir(tmp_path / "run")
     resolved = {"rounds": 3, "dp": {"clip_norm": 0.5, "target_epsilon": float("inf")}, "seed": 1}
     run.write_config(resolved)
-    assert (run.path / "config.json").read_text() == \
-        '{\n  "rounds": 3,\n  "dp": {\n    "clip_norm": 0.5,\n    "target_epsilon": null\n  },\n  "seed": 1\n}'
+    assert (run.path / "config.json").read_text() == '{\n  "rounds": 3,\n  "dp": {\n    "clip_norm": 0.5,' \
+        '\n    "target_epsilon": null\n  },\n  "seed": 1\n}'
     run.write_json("privacy.json", {"epsilon": 1.25, "delta": 1e-06})
     assert (run.path / "privacy.json").read_text() == '{\n  "epsilon": 1.25,\n  "delta": 1e-06\n}'
     WordTokenizer(["the", "cat"]).save(run.path / "tokenizer")

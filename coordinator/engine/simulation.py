@@ -445,10 +445,10 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
     dim = engine.server.theta.size  # every device's delta has exactly this shape (check_clipped)
     rounds = range(engine.start, cfg.rounds)
     if progress:
-        from tqdm import tqdm
+        from dpfleet.progress import progress_bar
 
-        rounds = tqdm(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
-                      total=cfg.rounds)
+        rounds = progress_bar(rounds, desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
+                              total=cfg.rounds, terminal_only=False)
         # round 0's (the starting model's) until the first evaluation (eval_every); n/a on resume
         initial = engine.initial if not engine.start else None
         acc = "n/a" if initial is None else f"{initial['accuracy']:.4f}"
