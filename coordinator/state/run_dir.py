@@ -1,8 +1,9 @@
 """A run directory: config, per-round metrics, participation log, checkpoint, plots, privacy.
 
-Every file is written by the floor's helpers (`dpfleet.io`): atomically (a crash never leaves a
-half-written file) and under its permission rule, the folder 0700 and every file 0600 (a resume
-point next to config.json and the model is one reader's business). Layout:
+Every file is written by the floor's helpers (`dpfleet.io`; a JSON file by `dpfleet.jsonio.write_json`):
+atomically (a crash never leaves a half-written file) and under its permission rule, the folder
+0700 and every file 0600 (a resume point next to config.json and the model is one reader's
+business). Layout:
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
     initial_eval.json           round 0: the starting model's held-out evaluation, written when the
