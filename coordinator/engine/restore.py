@@ -269,7 +269,7 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
         spent = replay(participation, accountant, entries, users, source.networked)
         resumed.metrics = _metrics_after_resume(source.metrics, done, released, spent)
         return resumed
-    atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
+    atomic_write(run_path / "participation.jsonl", "".join(dumps(e) + "\n" for e in entries))
     path = run_path / "metrics.jsonl"
     logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if len(logged) < done:  # the saved rounds must all be there
