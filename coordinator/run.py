@@ -35,7 +35,8 @@ from dpfleet.coordinator.state.release_log import RELEASES
 from dpfleet.edge.datasets import TextRecord
 from dpfleet.edge.tokenizer import load_tokenizer
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, private_mkdir, removed_on_failure
+from dpfleet.io import private_mkdir, removed_on_failure
+from dpfleet.jsonio import write_json
 
 __all__ = ["Result", "TokenizerLike", "cli_pretrain", "fresh_run_dir", "released_any", "run",
            "user_records"]
@@ -231,8 +232,8 @@ class _UserTokenizer:
         if callable(getattr(self.inner, "save", None)):
             self.inner.save(folder)
         else:
-            atomic_write(folder / "tokenizer.json", json.dumps(
-                {"kind": self.kind, "class": type(self.inner).__qualname__, "vocab_size": self.vocab_size}))
+            write_json(folder / "tokenizer.json", {"kind": self.kind, "class": type(self.inner).__qualname__,
+                                                   "vocab_size": self.vocab_size})
         return folder
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from dpfleet.coordinator.config_overrides import toml_value
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 SWEEP_FILE = "sweep.json"
 FIGURES = ("accuracy", "perplexity", "epsilon")  # the final figures a sweep summarises
@@ -119,7 +119,7 @@ def open_sweep(folder: Path, spec: dict) -> None:
         raise DpfleetError(f"{folder} exists and is not a sweep's folder (no {SWEEP_FILE}); choose "
                            "another --out")
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(marker, dumps(spec, indent=2))
+    write_json(marker, spec, indent=2)
 
 
 def read_sweep(folder: Path) -> dict:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from dpfleet.errors import DpfleetError
 from dpfleet.io import sha256_hex
+from dpfleet.jsonio import canonical_bytes
 
 BUNDLE_VERSION = 1
 MANIFEST = "manifest.json"
@@ -36,7 +37,7 @@ class BundleError(DpfleetError):
 
 def canonical_json(obj: object) -> bytes:
     """The one byte string a manifest is signed as (and written as)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return canonical_bytes(obj)
 
 
 def sign_manifest(manifest: dict, key: Ed25519PrivateKey) -> tuple[bytes, bytes]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from dpfleet.edge.client_data import ClientData
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
+from dpfleet.jsonio import write_json
 
 
 def _dtype(vocab_size: int) -> np.dtype:
@@ -141,10 +141,10 @@ def write_store(clients: Iterable[ClientData], vocab_size: int, cache: Path, sou
             del rows, scratch
             (tmp / "rows.raw").unlink()
             np.save(tmp / "offsets.npy", offsets)
-            (tmp / "users.json").write_text(json.dumps(users))
+            write_json(tmp / "users.json", users)
             meta = {"clients": len(users), "rows": total, "width": width,
                     "source": source, "vocab_size": vocab_size, "generated": False}
-            atomic_write(tmp / "meta.json", json.dumps(meta, indent=2))  # written last: complete
+            write_json(tmp / "meta.json", meta, indent=2)  # written last: complete
             with contextlib.suppress(OSError):  # another run renamed its identical copy first
                 tmp.rename(folder)
     finally:

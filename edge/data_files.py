@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.edge import data_leaf, data_tff_h5, data_tff_sql
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 
 ClientTexts = Iterator[tuple[str, list[str]]]
 
@@ -152,7 +152,7 @@ def summarize(path: Path, fmt: str = "", split: str = "train", feature: str = ""
     fmt = fmt or infer_format(path)
     per_user: dict[str, list[int]] = {}
     clients = iter_clients(path, fmt, split, feature)
-    bar = tqdm(clients, desc="reading", unit="user", disable=None if progress else True, leave=False)
+    bar = progress_bar(clients, desc="reading", unit="user", enabled=progress, leave=False)
     for user, texts in bar:
         counts = per_user.setdefault(user, [0, 0])
         counts[0] += len(texts)

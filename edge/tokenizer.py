@@ -27,6 +27,7 @@ from typing import Protocol
 from dpfleet.edge.data_tff_sql import TFF_DOWNLOADS
 from dpfleet.edge.lexicon import LEXICON_FILE, Lexicon, is_word
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import write_json
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 _WORD_RE = re.compile(r"[\w']+|[^\w\s]")
@@ -110,7 +111,7 @@ class SentencePieceTokenizer(_SpecialIds):
         if self.lexicon is not None:
             (folder / LEXICON_FILE).write_text(self.lexicon.to_text())
             meta["lexicon"] = LEXICON_FILE
-        (folder / "tokenizer.json").write_text(json.dumps(meta, indent=2))
+        write_json(folder / "tokenizer.json", meta, indent=2)
         return folder
 
 
@@ -255,7 +256,7 @@ class WordTokenizer(_SpecialIds):
         meta = {"kind": self.kind, "vocab_size": self.vocab_size, "words": self.words[self._first:]}
         if self.oov_buckets != 1 or self.split != "words" or self.source:  # older files stay as they were
             meta.update(oov_buckets=self.oov_buckets, split=self.split, source=self.source)
-        (folder / "tokenizer.json").write_text(json.dumps(meta))
+        write_json(folder / "tokenizer.json", meta)
         return folder
 
 
@@ -301,7 +302,7 @@ class CharTokenizer(_SpecialIds):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         meta = {"kind": self.kind, "vocab_size": self.vocab_size, "chars": self.chars}
-        (folder / "tokenizer.json").write_text(json.dumps(meta))
+        write_json(folder / "tokenizer.json", meta)
         return folder
 
 

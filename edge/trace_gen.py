@@ -22,10 +22,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.edge.traces import SPEED_CLASSES, Header, Trace
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 
 CHUNK = 16_384  # devices per draw; part of the seed's meaning (do not change lightly)
 
@@ -77,7 +77,7 @@ def generate(devices: int, days: float, seed: int, settings: GeneratorSettings |
     duration = float(round(days * 86400.0))
     parts = []
     chunks = range(0, devices, CHUNK)
-    bar = tqdm(chunks, desc="generating", unit="chunk", disable=None if progress else True, leave=False)
+    bar = progress_bar(chunks, desc="generating", unit="chunk", enabled=progress, leave=False)
     for index, first in enumerate(bar):
         n = min(CHUNK, devices - first)
         parts.append(_chunk(np.random.default_rng([seed, index]), n, duration, start_hour, s))

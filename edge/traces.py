@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
+from dpfleet.progress import progress_bar
 
 FORMAT = "dpfleet-trace"
 VERSION = 1
@@ -291,8 +291,8 @@ def load(path: Path, progress: bool = False) -> Trace:
     blocks: list[np.ndarray] = []
     pending: list[str] = []
     speed_index = {name: i for i, name in enumerate(SPEED_CLASSES)}
-    records = tqdm(iter_devices(path), desc="reading trace", unit="device", total=header.devices,
-                   disable=None if progress else True, leave=False)
+    records = progress_bar(iter_devices(path), desc="reading trace", unit="device", total=header.devices,
+                           enabled=progress, leave=False)
     for rec in records:
         pending.append(rec.id)
         if len(pending) == ID_BLOCK:
@@ -337,8 +337,8 @@ def write_records(path: Path, header: Header, records: Iterable[DeviceRecord], p
         sink: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if path.name.endswith(".gz") else raw
         buffered = io.BufferedWriter(sink, buffer_size=1 << 20) if sink is not raw else raw
         buffered.write((json.dumps(header.line()) + "\n").encode())
-        bar = tqdm(records, desc="writing trace", unit="device", total=total,
-                   disable=None if progress else True, leave=False)
+        bar = progress_bar(records, desc="writing trace", unit="device", total=total,
+                           enabled=progress, leave=False)
         for rec in bar:
             buffered.write((json.dumps(rec.line_json(), separators=(",", ":")) + "\n").encode())
         buffered.flush()

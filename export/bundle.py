@@ -36,7 +36,6 @@ import torch
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
-from tqdm import tqdm
 
 from dpfleet.edge.bundle_format import (
     BUNDLE_VERSION,
@@ -76,6 +75,7 @@ from dpfleet.export.training import (
     training_program,
 )
 from dpfleet.io import atomic_write, make_private, sha256_hex, write_secret
+from dpfleet.progress import progress_bar
 
 BUNDLE_RUNTIMES = ("onnx", "executorch")
 WEIGHTS = "weights.bin"
@@ -428,7 +428,7 @@ class BundleExport:
         cache = Path(self.cache_dir) if self.cache_dir else default_program_cache()
         layout = ParamLayout.of(model)
         stages = 3 + ("executorch" in self.runtimes)
-        bar = tqdm(total=stages, desc="bundle", unit="stage", disable=None, file=terminal())
+        bar = progress_bar(total=stages, desc="bundle", unit="stage", file=terminal())
         flat = get_flat(model).astype("<f4")
         (folder / WEIGHTS).write_bytes(flat.tobytes())
         tokenizer.save(folder / TOKENIZER_DIR)

@@ -17,6 +17,7 @@ from dpfleet.edge.tokenizer import SentencePieceTokenizer, WordTokenizer, load_t
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.io import atomic_write, private_mkdir
+from dpfleet.jsonio import write_json
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
@@ -72,23 +73,21 @@ def save_checkpoint(
     folder = Path(folder)
     private_mkdir(folder)
     if not_private:
-        atomic_write(folder / NOT_PRIVATE, json.dumps({"private": False, "why": not_private}, indent=2))
+        write_json(folder / NOT_PRIVATE, {"private": False, "why": not_private}, indent=2)
     else:
         (folder / NOT_PRIVATE).unlink(missing_ok=True)
     if caveats:
-        atomic_write(folder / CAVEATS, json.dumps({"fully_private": False, "caveats": list(caveats)},
-                                                  indent=2))
+        write_json(folder / CAVEATS, {"fully_private": False, "caveats": list(caveats)}, indent=2)
     else:
         (folder / CAVEATS).unlink(missing_ok=True)
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     atomic_write(folder / WEIGHTS, save(tensors))  # 0600 (dpfleet/io.py)
     if cfg is not None:
-        atomic_write(folder / CONFIG, json.dumps(cfg.to_dict(), indent=2))
+        write_json(folder / CONFIG, cfg.to_dict(), indent=2)
         (folder / CUSTOM).unlink(missing_ok=True)
     else:
-        atomic_write(folder / CUSTOM, json.dumps({"class": type(model).__qualname__,
-                                                  "module": type(model).__module__,
-                                                  "parameters": sum(t.numel() for t in tensors.values())}))
+        write_json(folder / CUSTOM, {"class": type(model).__qualname__, "module": type(model).__module__,
+                                     "parameters": sum(t.numel() for t in tensors.values())})
     tokenizer.save(folder / TOKENIZER)
     return folder
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dpfleet.errors import DpfleetError
 from dpfleet.io import sha256_file
+from dpfleet.jsonio import write_json
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -32,7 +33,7 @@ def write_manifest(folder: Path, info: dict) -> dict:
         **info,
         "files": files,
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    write_json(folder / MANIFEST, manifest, indent=2)
     return manifest
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, oov_ids_of
@@ -37,6 +36,7 @@ from dpfleet.export.manifest import write_manifest
 from dpfleet.export.models import ModelConfig
 from dpfleet.export.training import tool_versions
 from dpfleet.io import make_private, private_mkdir
+from dpfleet.progress import progress_bar
 
 PHONE_FORMATS = ("pte", "onnx")
 FORMAT_NAMES = {"executorch": "pte"}  # what users also call a format: the runtime's name
@@ -375,7 +375,7 @@ class PhoneExport:
         return self.fmt == "pte" and self.pte_int8_embedding and not _tied(model)
 
     def _export(self, cfg: ModelConfig | None, model: nn.Module, tokenizer, lines: list[str] | None) -> dict:
-        bar = tqdm(total=3, desc=f"export {self.fmt}", unit="stage", disable=None, file=terminal())
+        bar = progress_bar(total=3, desc=f"export {self.fmt}", unit="stage", file=terminal())
         program_path = self.out / PROGRAM_FILE[self.fmt]
         with torch.no_grad():
             vocab = int(model(window_ids(self.seq_len)).shape[-1])

@@ -19,7 +19,6 @@ runtimes check before handing any bytes to native code.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.tokenizer import PAD
@@ -37,6 +35,8 @@ from dpfleet.export.graph_passes import dedup_nodes, split_addmm
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import ParamLayout
 from dpfleet.io import atomic_write, private_mkdir, sha256_hex
+from dpfleet.jsonio import SPACED, canonical_sha256, write_json
+from dpfleet.progress import progress_bar
 
 FORMATS = ("pte", "onnx")
 # Bump when the program contents change for the same spec (graph passes, signature, ...).
@@ -70,11 +70,8 @@ class ProgramSpec:
 
     def key(self) -> str:
         """Content hash of the spec, the program version and the exporting tools' versions."""
-        blob = json.dumps(
-            {**self.to_dict(), "program_version": PROGRAM_VERSION, "tools": tool_versions()},
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:20]
+        spec = {**self.to_dict(), "program_version": PROGRAM_VERSION, "tools": tool_versions()}
+        return canonical_sha256(spec, separators=SPACED).hexdigest()[:20]  # cached programs keep their names
 
     def file_name(self) -> str:
         batch = "dyn" if self.batch is None else f"b{self.batch}"
@@ -254,7 +251,7 @@ def export_module_program(source: ModuleProgram, fmt: str, what: str | None = No
         raise DpfleetError(f"unknown program format {fmt!r}; choose from {FORMATS}")
     desc = f"export {fmt} training program ({what or type(source.model).__name__})"
     exporter = "ExecuTorch export" if fmt == "pte" else "ONNX export"
-    with capture(), tqdm(total=3, desc=desc, unit="stage", disable=None, leave=False, file=terminal()) as bar:
+    with capture(), progress_bar(total=3, desc=desc, unit="stage", leave=False, file=terminal()) as bar:
         bar.set_postfix_str("joint forward-backward graph")
 
         def step(stage: str) -> None:
@@ -312,7 +309,7 @@ def write_program(path: Path, spec: ProgramSpec, data: bytes) -> ProgramFile:
     }
     private_mkdir(path.parent)  # the permission rule (dpfleet/io.py): the cache is the user's
     atomic_write(path, data)
-    atomic_write(_meta_path(path), json.dumps(meta, indent=1).encode())
+    write_json(_meta_path(path), meta, indent=1)
     return read_program_file(path)
 
 

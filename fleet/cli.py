@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
 from pathlib import Path
 
 import click
+
+from dpfleet.jsonio import write_json
 
 DEVICES_HELP = "Emulate the first N train clients of the config (0: all of them)."
 PROCESSES_HELP = "Worker processes; each trains one device at a time (torch threads = 1)."
@@ -105,7 +106,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
     from dpfleet.fleet.bundle_device import pinned_bundle_key
     from dpfleet.fleet.emulate import GONE_AFTER_S, CoordinatorWatch, Fleet, load_devices
     from dpfleet.fleet.emulate import fleet_keys as read_keys
-    from dpfleet.io import atomic_write, check_writable
+    from dpfleet.io import check_writable
     from dpfleet.secagg.registry import public_registry, write_public_registry
 
     if address and backend != "ray":
@@ -149,7 +150,7 @@ def emulate(config: Path, url: str | None, state: Path | None, devices: int, pro
           fleet_keys)
     result = runner.summary(time.perf_counter() - began)
     if summary:
-        atomic_write(summary, json.dumps({**result, "written_by": SUMMARY_MARK}, indent=1))
+        write_json(summary, {**result, "written_by": SUMMARY_MARK}, indent=1)
     click.echo(finished_line(result))
 
 
@@ -161,9 +162,9 @@ def drive(runner, watch, progress: bool, fleet_keys: Path) -> None:
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        from dpfleet.progress import progress_bar
 
-        bar = tqdm(total=None, desc="rounds committed", unit="round", dynamic_ncols=True)
+        bar = progress_bar(desc="rounds committed", unit="round", dynamic_ncols=True, terminal_only=False)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     runner.start()
     try:

@@ -189,10 +189,10 @@ def _watch(client: AdminClient, serve: subprocess.Popen, fleet: subprocess.Popen
                                    f"{last_line(fleet_log)} (log: {fleet_log})")
             if progress and status:
                 if bar is None:
-                    from tqdm import tqdm
+                    from dpfleet.progress import progress_bar
 
-                    bar = tqdm(total=status.get("rounds_planned"), desc="rounds", unit="round",
-                               dynamic_ncols=True)
+                    bar = progress_bar(total=status.get("rounds_planned"), desc="rounds", unit="round",
+                                       dynamic_ncols=True, terminal_only=False)
                 bar.n = status.get("rounds_committed", 0)
                 acc = status.get("last_accuracy")
                 bar.set_postfix(eps=f"{status.get('epsilon', 0.0):.2f}",

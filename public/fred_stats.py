@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.coordinator.engine.aggregation import Aggregator, PlainAggregator
 from dpfleet.coordinator.mechanisms.noise_stream import (
@@ -38,6 +37,7 @@ from dpfleet.coordinator.mechanisms.noise_stream import (
     standard_normals,
 )
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 from dpfleet.public.fred import psd_projection
 
 LEVELS = ("user", "sample")
@@ -152,7 +152,7 @@ def private_moments(users: Sequence[np.ndarray], *, clip: float, z_mean: float, 
             return aggregator_for(bound)
         return aggregator or PlainAggregator()
 
-    bar = tqdm(total=2 * len(users), desc="FreD statistics", disable=not progress)
+    bar = progress_bar(total=2 * len(users), desc="FreD statistics", enabled=progress, terminal_only=False)
     firsts = []
     for u in users:
         firsts.append(mean_contribution(u, clip, level))

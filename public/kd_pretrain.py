@@ -132,9 +132,10 @@ def kd_train(
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rng = np.random.default_rng(cfg.seed)
     if progress:
-        from tqdm import tqdm
+        from dpfleet.progress import progress_bar
 
-        bar = tqdm(total=cfg.steps, desc=f"{desc} ({device})", unit="step", leave=False)
+        bar = progress_bar(total=cfg.steps, desc=f"{desc} ({device})", unit="step", leave=False,
+                           terminal_only=False)
     history, ema, start = [], None, 0
     fingerprint = _fingerprint(model_cfg, cfg, pool)
     if state_file is not None and Path(state_file).is_file():

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from dpfleet.edge.datasets import load_records
 from dpfleet.edge.tokenizer import BOS, PAD, Tokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 from dpfleet.public.teacher_head import (
     reduce_batch,
     resolve_batch_tokens,
@@ -129,7 +129,8 @@ def teacher_logprobs(extractor: TopKExtractor, tokenizer: Tokenizer,
         raise DpfleetError("a record decodes to no text the teacher can read")
     batch_tokens = resolve_batch_tokens(batch_tokens, extractor.body_tokens)
     totals = np.zeros(len(own))
-    bar = tqdm(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", disable=not progress)
+    bar = progress_bar(total=sum(map(len, own)), unit="tok", desc="teacher log-probs", enabled=progress,
+                       terminal_only=False)
     first = 0
     for batch in token_batches(own, batch_tokens):  # consecutive runs of records
         targets, mask = right_padded(batch, 0)

@@ -27,8 +27,8 @@ import torch
 from dpfleet.edge.staged import STAGED_MANIFEST, check_pin, file_sha256, read_staged
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, sha256_file
-from dpfleet.jsonio import dumps
+from dpfleet.io import sha256_file
+from dpfleet.jsonio import write_json
 from dpfleet.public.teacher import PACKAGED, resolve_teacher
 
 
@@ -65,7 +65,7 @@ def stage_bundle(out: Path, teachers: Sequence[str], datasets: Sequence[str]) ->
             staged["data_wheels"].append(wheel.name)
     files = {str(f.relative_to(out)): sha256_file(f) for f in sorted(out.rglob("*"))
              if f.is_file() and f.name != STAGED_MANIFEST}
-    atomic_write(out / STAGED_MANIFEST, dumps({"sha256": files}, indent=1))
+    write_json(out / STAGED_MANIFEST, {"sha256": files}, indent=1)
     staged["staged_sha256"] = sha256_file(out / STAGED_MANIFEST)
     return staged
 

@@ -38,7 +38,6 @@ Config layout (strict, like the simulate config):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import build_model
 from dpfleet.export.params import set_flat
 from dpfleet.io import atomic_write
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import SPACED, canonical_sha256, write_json
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train, student_device
 from dpfleet.public.matching import (
     Pool,
@@ -189,7 +188,7 @@ def load_pipeline(path: Path) -> PipelineConfig:
 
 
 def cache_key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return canonical_sha256(parts, separators=SPACED, default=str).hexdigest()[:16]  # old entries hit
 
 
 def teacher_vocab(cfg: PipelineConfig, log: Callable[[str], None]) -> TeacherVocab:
@@ -303,8 +302,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     start = time.perf_counter()
     vocab = teacher_vocab(cfg, log)
     sim = _simulation_with_teacher_tokenizer(cfg, vocab)
-    atomic_write(out / "pipeline.json", dumps(
-        dataclasses.replace(cfg, simulation=sim).resolved(), indent=2))
+    write_json(out / "pipeline.json", dataclasses.replace(cfg, simulation=sim).resolved(), indent=2)
     pool = build_pool(cfg.pool.sources, cfg.pool.records, vocab.tokenizer, cfg.pool.seq_len,
                       cfg.pool.seed)
     check_pool_is_public(cfg, pool)
@@ -340,7 +338,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                       selected_indices=[int(i) for i in chosen],
                       precision={"teacher": _stated(teacher.precision) if used_teacher else None,
                                  "public_training": _stated(training_precision)})
-        atomic_write(stage_file, dumps(report, default=float))
+        write_json(stage_file, report, default=float)
         shares = ", ".join(f"{s} {v['selected']}/{v['pool']}" for s, v in report["sources"].items())
         log(f"public {stage}: {len(chosen)} of {len(pool.sequences)} records ({shares})")
         return new_theta
@@ -351,7 +349,7 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
                             public_data=public_data(cfg), pretrain=pretrain_on_public,
                             other_releases=other_releases)
     summary = _summary(report, result, switch, time.perf_counter() - start)
-    atomic_write(out / "summary.json", dumps(summary, indent=2, default=float))
+    write_json(out / "summary.json", summary, indent=2, default=float)
     return summary
 
 

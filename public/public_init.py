@@ -17,8 +17,6 @@ sets sampling and noise) starts from the same public model without paying for it
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -35,6 +33,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat, set_flat
 from dpfleet.io import atomic_write
+from dpfleet.jsonio import SPACED, canonical_sha256
 from dpfleet.public.kd_pretrain import KDTrainConfig, PlainCorpus, kd_train
 
 
@@ -53,7 +52,8 @@ def public_sequences(sources: list[str], tokenizer, seq_len: int) -> list[list[i
 
 
 def _key(sequences: list[list[int]], model_cfg: ModelConfig, train: KDTrainConfig, sources: list[str]) -> str:
-    digest = hashlib.sha256(json.dumps([sources, asdict(model_cfg), asdict(train)], sort_keys=True).encode())
+    # SPACED: the separators of the entries cached before (they still hit)
+    digest = canonical_sha256([sources, asdict(model_cfg), asdict(train)], separators=SPACED)
     for s in sequences:
         digest.update(np.asarray(s, dtype=np.int32).tobytes() + b"\xff\xff\xff\xff")
     return digest.hexdigest()[:24]

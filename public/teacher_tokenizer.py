@@ -43,6 +43,7 @@ import numpy as np
 
 from dpfleet.edge.tokenizer import BOS, EOS, PAD, UNK, SentencePieceTokenizer
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import write_json
 
 # Student ids are stored as uint16 with the top bit free (see public/topk.py).
 MAX_STUDENT_VOCAB = 32_768
@@ -332,5 +333,5 @@ def build_teacher_vocab(
         # share of the public text's teacher tokens that are kept pieces (encoded identically)
         "token_coverage": float(counts[kept].sum() / max(1, counts.sum())),
     }
-    (out / "teacher.json").write_text(json.dumps(meta, indent=2))
+    write_json(out / "teacher.json", meta, indent=2)
     return TeacherVocab.load(out)

@@ -58,11 +58,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from dpfleet.edge.tokenizer import BOS, PAD, UNK, Tokenizer
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, sha256_file, sha256_hex
+from dpfleet.jsonio import write_json
+from dpfleet.progress import progress_bar
 from dpfleet.public.teacher import Teacher
 from dpfleet.public.teacher_head import (
     DEFAULT_CHUNK_TOKENS,
@@ -270,7 +271,7 @@ def build_corpus(
 
     def write_manifest(extra: dict) -> None:
         body = {**settings, "shard_files": dict(sorted(recorded.items())), **extra}
-        atomic_write(manifest_file, json.dumps(sealed(body), indent=2))
+        write_json(manifest_file, sealed(body), indent=2)
 
     if todo:
         write_manifest({})  # without the shard list, and without any record found stale
@@ -295,7 +296,7 @@ def build_corpus(
         else str(extractor.teacher.device),
     })
     if manifest != old:
-        atomic_write(manifest_file, json.dumps(manifest, indent=2))
+        write_json(manifest_file, manifest, indent=2)
     return manifest
 
 
@@ -376,8 +377,8 @@ def _label_shards(extractor: TopKExtractor, todo: list, out: Path, recorded: dic
     """Label and write each shard of `todo`, recording it in the manifest once its file is whole
     (the resume rule); returns the tokens labelled and the seconds it took (the throughput)."""
     new_tokens, seconds = 0, 0.0
-    bar = tqdm(total=total, initial=done_tokens, unit="tok", desc="top-k",
-               disable=not progress or not todo)
+    bar = progress_bar(total=total, initial=done_tokens, unit="tok", desc="top-k",
+                       enabled=progress and bool(todo), terminal_only=False)
     for name, chunk in todo:
         start = time.perf_counter()
         parts = []

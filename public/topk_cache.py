@@ -48,7 +48,8 @@ import numpy as np
 from dpfleet.edge.staged import file_stamps, hashed_with_stamps
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write, write_secret
+from dpfleet.io import write_secret
+from dpfleet.jsonio import SPACED, canonical_bytes, canonical_sha256, write_json
 from dpfleet.public.topk import (
     TopKExtractor,
     build_corpus,
@@ -89,7 +90,7 @@ def cached_sha256(paths: Sequence[Path], sidecar: Path) -> dict[str, str]:
                 known[key], changed = entry, True
         out[path.name] = entry["sha256"]
     if changed:
-        atomic_write(sidecar, json.dumps(known, indent=1, sort_keys=True))
+        write_json(sidecar, known, indent=1, sort_keys=True)
     return out
 
 
@@ -143,9 +144,9 @@ def manifest_mac(secret: bytes, key_sha256: str, manifest: dict) -> str:
     """HMAC-SHA256 binding a manifest's shards (each name and SHA-256, and the finished list)
     to the labels' key: what `build_corpus(seal=)` records as `cache_mac`."""
     shards = {name: record.get("sha256") for name, record in manifest.get("shard_files", {}).items()}
-    text = json.dumps({"key_sha256": key_sha256, "shard_files": shards,
-                       "shards": manifest.get("shards")}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(secret, _MAC_LABEL + text.encode(), hashlib.sha256).hexdigest()
+    text = canonical_bytes({"key_sha256": key_sha256, "shard_files": shards,
+                            "shards": manifest.get("shards")})
+    return hmac.new(secret, _MAC_LABEL + text, hashlib.sha256).hexdigest()
 
 
 def _entry_problem(folder: Path, key: dict, manifest: dict | None, mac) -> str | None:
@@ -187,7 +188,7 @@ def cached_topk_corpus(
     line "top-k labels: cached in PATH"); a missing, half-done or damaged one is built, resumed
     or repaired by `build_corpus` (whole shards kept). Load it with `TopKCorpus`."""
     key = labels_key(extractor, sequences)
-    key_sha256 = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    key_sha256 = canonical_sha256(key, separators=SPACED).hexdigest()  # old entries still hit
     root = topk_cache_root()
     secret = cache_secret(root)
 
@@ -205,7 +206,7 @@ def cached_topk_corpus(
         print(f"top-k labels: refused the cached entry {folder}: {problem}; labelling it again",
               file=sys.stderr)
         manifest_file.unlink(missing_ok=True)
-        atomic_write(folder / "key.json", json.dumps(key, indent=2))
+        write_json(folder / "key.json", key, indent=2)
     manifest = {} if problem is not None or manifest is None else manifest
     records = manifest.get("shard_files", {})
     if "shards" in manifest and all(shard_problem(folder / name, records.get(name)) is None
@@ -214,7 +215,7 @@ def cached_topk_corpus(
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "key.json").is_file():
-        atomic_write(folder / "key.json", json.dumps(key, indent=2))
+        write_json(folder / "key.json", key, indent=2)
     log(f"top-k labels: labelling into {folder} (once: later jobs with the same teacher, "
         "vocabulary, k, targets and text reuse them)")
     build_corpus(extractor, sequences, folder, manifest.get("shard_sequences", shard_sequences),

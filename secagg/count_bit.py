@@ -18,11 +18,9 @@ against the slot it expects (`check_layout`) before it sends anything.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import numpy as np
 
+from dpfleet.jsonio import SPACED, canonical_sha256
 from dpfleet.secagg.encoding import Discretizer
 from dpfleet.secagg.errors import ProtocolViolationError
 from dpfleet.secagg.params import RoundSetup
@@ -41,7 +39,7 @@ def terms_digest(disc: Discretizer, count_threshold: float | None) -> bytes:
     terms = {"length": disc.length, "clip_norm": repr(float(disc.clip_norm)), "bits": disc.bits,
              "clients": disc.clients, "seed": disc.seed, "block_size": disc.block_size,
              "count_threshold": None if count_threshold is None else repr(float(count_threshold))}
-    return hashlib.sha256(TERMS_LABEL + json.dumps(terms, sort_keys=True).encode()).digest()
+    return canonical_sha256(terms, TERMS_LABEL, separators=SPACED).digest()  # signed: bytes kept
 
 
 def check_layout(setup: RoundSetup, disc: Discretizer, count_threshold: float | None,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from tqdm import tqdm
 
+from dpfleet.progress import progress_bar
 from dpfleet.secagg.client import SecAggClient
 from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.graph import Graph
@@ -145,7 +145,8 @@ class _Round:
         """Deliver each server message and pass the client's reply straight to the server.
         Returns what the server sent when the phase filled up (nothing while it is open)."""
         following: list[Outbound] = []
-        for u, data in tqdm(batch, desc=phase, disable=not self.progress, leave=False):
+        for u, data in progress_bar(batch, desc=phase, enabled=self.progress, terminal_only=False,
+                                    leave=False):
             if u in self.gone or u in self.dropouts.get(phase, ()):
                 self.gone.add(u)
                 continue

@@ -18,7 +18,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
+from dpfleet.jsonio import write_json
 
 VERSION = 1
 
@@ -31,8 +31,7 @@ def public_registry(keys: Mapping[int, Ed25519PrivateKey], users: Sequence[str])
 
 
 def write_public_registry(path: Path, registry: Mapping[str, bytes]) -> None:
-    atomic_write(Path(path), json.dumps(
-        {"version": VERSION, "keys": {d: k.hex() for d, k in registry.items()}}, indent=1))
+    write_json(Path(path), {"version": VERSION, "keys": {d: k.hex() for d, k in registry.items()}}, indent=1)
 
 
 def load_public_registry(path: Path) -> dict[str, bytes]:

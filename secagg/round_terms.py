@@ -17,8 +17,9 @@ cannot take part in one sum (THREAT_MODEL.md, "Model consistency").
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
+
+from dpfleet.jsonio import canonical_bytes
 
 LABEL = b"dpfleet/secagg/round-terms/v1"
 # plan fields that differ from device to device by design (its identity and training seed)
@@ -41,8 +42,7 @@ def bind_round(inputs_terms: bytes, model_sha256: bytes, plan: Mapping[str, obje
     left out). The plan goes in as canonical JSON: keys sorted, floats as `repr` (exact)."""
     if len(model_sha256) != 32:
         raise ValueError("model_sha256 must be the 32-byte SHA-256 digest of the model's bytes")
-    text = json.dumps(shared_plan(plan), sort_keys=True, separators=(",", ":"), allow_nan=False)
     digest = hashlib.sha256(LABEL)
-    for part in (inputs_terms, model_sha256, text.encode()):
+    for part in (inputs_terms, model_sha256, canonical_bytes(shared_plan(plan))):
         digest.update(len(part).to_bytes(8, "little") + part)
     return digest.digest()

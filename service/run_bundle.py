@@ -15,7 +15,6 @@ same key: published only when the service was given a release policy and the run
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from dpfleet.edge.bundle_format import (
 from dpfleet.edge.wire.protocol import PUBLIC_FILE
 from dpfleet.export.policy import ReleasePolicy
 from dpfleet.io import atomic_write, write_secret
+from dpfleet.jsonio import write_json
 from dpfleet.service.blobs import BlobStore
 
 BUNDLE_DIR = "bundle"
@@ -125,7 +125,7 @@ def build_run_bundle(cfg: SimulationConfig, state: Path, model, model_cfg, token
         checkpoint = Path(tmp) / "checkpoint"
         save_checkpoint(checkpoint, model, model_cfg, tokenizer)
         # BundleExport reads lr, batch size, clip norm, seq_len, max_examples from here
-        atomic_write(Path(tmp) / "config.json", json.dumps(cfg.resolved()))
+        write_json(Path(tmp) / "config.json", cfg.resolved())
         BundleExport(checkpoint, folder, runtimes=_runtimes(cfg), signing_key=state / KEY_FILE,
                      seq_len=cfg.data.seq_len, batch_size=cfg.client.batch_size,
                      caveats=_caveats(cfg), accept_caveats=True).run()

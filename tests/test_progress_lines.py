@@ -56,9 +56,14 @@ def test_sentencepiece_training_says_it_starts_and_ends(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("progress", [True, False])
+@pytest.mark.parametrize("progress, variable", [(True, None), (False, None), (True, "0")])
 def test_pretraining_says_it_trains_and_shows_its_bar_unless_progress_is_off(tmp_path, monkeypatch,
-                                                                              capsys, progress):
+                                                                              capsys, progress, variable):
+    """Off by `progress=False` or by DPFLEET_PROGRESS=0 (dpfleet/progress.py)."""
+    if variable is None:
+        monkeypatch.delenv("DPFLEET_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("DPFLEET_PROGRESS", variable)
     monkeypatch.setattr(public_init, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(public_init, "check_public_sources", lambda *a: None)
     monkeypatch.setattr(public_init, "public_sequences", lambda *a: [[5, 6, 7, 8, 9, 10]] * 8)
@@ -75,7 +80,7 @@ def test_pretraining_says_it_trains_and_shows_its_bar_unless_progress_is_off(tmp
     assert log[1].startswith("public pretraining: kjv (8 rows), 3 steps, ")  # its end
     assert log[2].startswith("public pretraining: kjv (8 rows), 3 steps (cached), ") and len(log) == 3
     bar = [part for part in err.replace("\r", "\n").splitlines() if "public pretraining" in part]
-    if progress:  # tqdm: steps done of the total, elapsed < remaining (the ETA)
+    if progress and variable is None:  # tqdm: steps done of the total, elapsed < remaining (the ETA)
         assert any("/3 [" in part and "<" in part for part in bar), err
     else:
         assert bar == []

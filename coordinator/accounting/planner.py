@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
@@ -36,6 +35,7 @@ from dpfleet.coordinator.accounting.zcdp import (
 )
 from dpfleet.coordinator.mechanisms.registry import build, entry, planned_names
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 
 MAX_POPULATION = 10 ** 12  # devices: above any fleet, well inside numpy's int64
 
@@ -157,7 +157,7 @@ def make_plan(population: int, rounds: int, target_zcdp: float, *,
         max_min_separation(population, report_goal)  # validates
         goals = sorted({*goals, report_goal})
     rows = [plan_row(population, rounds, m, target_zcdp)
-            for m in tqdm(goals, desc="planning", unit="report goal", leave=False, disable=None)]
+            for m in progress_bar(goals, desc="planning", unit="report goal", leave=False)]
     if report_goal is not None:
         chosen = next(r for r in rows if r.report_goal == report_goal)
     else:
@@ -245,7 +245,7 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     chosen = plan.chosen
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     populations = [plan.population // 4, plan.population, plan.population * 4]
-    for n in tqdm(populations, desc="plot: report goal", leave=False, disable=None):
+    for n in progress_bar(populations, desc="plot: report goal", leave=False):
         goals = report_goal_grid(n, plan.rounds)
         ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report),
                   marker="o", ms=3, label=f"population {n:,}")
@@ -255,8 +255,8 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
              title=f"(a) {plan.rounds} rounds, largest MinS per report goal")
     top = max(plan.rounds * 2 - 1, 2)
     mins = sorted({int(round(s)) for s in np.geomspace(max(1, plan.rounds // 100), top, 16)})
-    for t in tqdm([max(plan.rounds // 2, 1), plan.rounds, plan.rounds * 2],
-                  desc="plot: MinS", leave=False, disable=None):
+    for t in progress_bar([max(plan.rounds // 2, 1), plan.rounds, plan.rounds * 2],
+                          desc="plot: MinS", leave=False):
         ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier),
                   marker="o", ms=3, label=f"{t} rounds")
     ax_b.plot([chosen.min_separation], [chosen.zcdp], "k*", ms=12, label="plan")

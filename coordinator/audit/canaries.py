@@ -51,7 +51,7 @@ from dpfleet.edge.model_output import logits_of
 from dpfleet.errors import DpfleetError
 from dpfleet.export.params import set_flat
 from dpfleet.io import atomic_write, private_mkdir
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import write_json
 
 # deliberately broken runs, for the tests and benchmark that show the audit can fail
 BROKEN = {
@@ -442,9 +442,9 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         entry = summarise([scores], epsilon, run_cfg, settings, result.privacy)
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),
                      accuracy=result.accuracy, stopped_early=result.stopped_early)
-        atomic_write(result.run_dir / "audit.json", dumps(entry, indent=2))
+        write_json(result.run_dir / "audit.json", entry, indent=2)
         privacy = {**result.privacy, "audit": entry}  # the report renders its audit section
-        atomic_write(result.run_dir / "privacy.json", dumps(privacy, indent=2))
+        write_json(result.run_dir / "privacy.json", privacy, indent=2)
         atomic_write(result.run_dir / "privacy_report.md", render_privacy_report(privacy))
         entries.append(entry)
         pooled.append(scores)
@@ -454,5 +454,5 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
     top = summarise(pooled, max(accounted), cfg, settings, {"noise_mechanism": entries[0]["noise"]})
     top["seeds"] = entries
     private_mkdir(out)
-    atomic_write(out / "audit.json", dumps(top, indent=2))
+    write_json(out / "audit.json", top, indent=2)
     return top

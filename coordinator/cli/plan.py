@@ -26,7 +26,7 @@ from dpfleet.edge.trace_gen import generate
 from dpfleet.edge.traces import write_trace
 from dpfleet.errors import DpfleetError
 from dpfleet.io import atomic_write, check_writable, private_mkdir, removed_on_failure
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 GENERATED = "trace.jsonl.gz"  # --generate's trace, in --out
 
@@ -250,7 +250,7 @@ def write_out(out_dir: Path, record: dict, plot) -> None:
     """--out: plan.json and the figure `plot(path)` draws to plan.png, or nothing at all."""
     with removed_on_failure(out_dir):  # a full disk leaves no empty or half-written folder
         private_mkdir(out_dir)
-        atomic_write(out_dir / "plan.json", dumps(record, indent=1) + "\n")
+        write_json(out_dir / "plan.json", record, indent=1, end="\n")
         figure = plot(out_dir / "plan.png")
     click.echo(f"wrote {out_dir / 'plan.json'} and {figure}")
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from torch import nn
-from tqdm import tqdm
 
 from dpfleet.coordinator.engine.field_metrics import (
     STRIP_SLOTS,
@@ -33,6 +32,7 @@ from dpfleet.coordinator.engine.field_metrics import (
 )
 from dpfleet.edge.suggest import Predictor
 from dpfleet.edge.tokenizer import oov_ids_of
+from dpfleet.progress import progress_bar
 
 if TYPE_CHECKING:
     from dpfleet.edge.device_client import BundleClient
@@ -94,7 +94,7 @@ def strip_block(suggest: Callable[..., list[str]], tokenizer: object, rows: np.n
     if not cases:
         return None
     characters = sum(len(w) for _, w in cases)
-    with tqdm(total=characters, desc="keyboard metrics", unit="char", leave=False, disable=None) as bar:
+    with progress_bar(total=characters, desc="keyboard metrics", unit="char", leave=False) as bar:
         def strip(context: str) -> list[str]:
             bar.update(1)
             return suggest(context, k=STRIP_SLOTS)

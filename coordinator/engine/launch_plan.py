@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from dpfleet.coordinator.accounting.planner import (
     candidates,
@@ -52,6 +51,7 @@ from dpfleet.coordinator.mechanisms.registry import rebuild
 from dpfleet.edge.devices import DevicesSection
 from dpfleet.edge.traces import TraceReplay, load
 from dpfleet.errors import DpfleetError
+from dpfleet.progress import progress_bar
 
 DEFAULT_TIMER_HOURS = (1.0, 6.0, 24.0)
 GOAL_POINTS = 6  # report goals on the default grid
@@ -274,8 +274,8 @@ def plan_over_trace(trace: str | Path, days: float, round_minutes: float, target
         check_delta(delta, population, "--delta")
     slots = launch_slots(days, round_minutes)
     available = [int(replayed.eligible(s * round_minutes * 60.0).sum())
-                 for s in tqdm(range(slots), desc="availability", unit="slot", leave=False,
-                               disable=None if progress else True)]
+                 for s in progress_bar(range(slots), desc="availability", unit="slot", leave=False,
+                                       enabled=progress)]
     peak = max(available)
     if peak == 0:
         raise DpfleetError(f"{trace}: no device is available at any round slot of the {days:g} "
@@ -291,8 +291,7 @@ def plan_over_trace(trace: str | Path, days: float, round_minutes: float, target
     kinds = candidates(mechanism)
     grid = [(m, t) for t in timers for m in goals]
     rows = []
-    for m, t in tqdm(grid, desc="replaying candidates", unit="candidate",
-                     disable=None if progress else True):
+    for m, t in progress_bar(grid, desc="replaying candidates", unit="candidate", enabled=progress):
         run_section = replace(base, mode="timer", timer_period=t, round_minutes=round_minutes)
         run, cap = Realised(0, [], -1, None, 0), 0
         if m <= peak:  # else never fillable: no replay (it would wait MAX_WAIT_DAYS of slots)

@@ -66,7 +66,7 @@ from dpfleet.coordinator.state.resume import (
 from dpfleet.coordinator.state.run_dir import atomic_write
 from dpfleet.errors import DpfleetError
 from dpfleet.io import fsync_path, private_mkdir
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 
 def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict | None,
@@ -76,13 +76,14 @@ def save_server_state(folder: Path, server: DPFTRLServer, clip_estimator: dict |
     s = server.state_dict()
     arrays = {"theta": s["theta"], "momentum": s["momentum"]}
     atomic_write(folder / "server_state.safetensors", numpy_bytes(arrays))
-    atomic_write(folder / "server_state.json", json.dumps(
+    write_json(
+        folder / "server_state.json",
         {"round": s["round"], "clip_norm": s["clip_norm"],
          "tree": _stream_state(server.mechanism, s["tree"]),
          "clip_estimator": None if clip_estimator is None else dict(
              clip_estimator, tree=_stream_state(server.mechanism, clip_estimator["tree"])),
          "mechanism": binding(server.mechanism), **(extra or {})},
-        indent=2))
+        indent=2)
 
 
 def _stream_state(mechanism, state: object) -> dict:
@@ -268,7 +269,7 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
         spent = replay(participation, accountant, entries, users, source.networked)
         resumed.metrics = _metrics_after_resume(source.metrics, done, released, spent)
         return resumed
-    atomic_write(run_path / "participation.jsonl", "".join(json.dumps(e) + "\n" for e in entries))
+    atomic_write(run_path / "participation.jsonl", "".join(dumps(e) + "\n" for e in entries))
     path = run_path / "metrics.jsonl"
     logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if len(logged) < done:  # the saved rounds must all be there

@@ -77,6 +77,7 @@ from dpfleet.export.models import build_model
 from dpfleet.export.params import get_flat
 from dpfleet.export.training import default_program_cache
 from dpfleet.io import atomic_write
+from dpfleet.jsonio import write_json
 from dpfleet.secagg.errors import SecAggError
 
 
@@ -109,7 +110,7 @@ def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]]
         tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params)
         if folder is not None:
             tokenizer.save(folder)
-            atomic_write(folder / DP_VOCABULARY, json.dumps(info, indent=2))
+            write_json(folder / DP_VOCABULARY, info, indent=2)
         return tokenizer
     from dpfleet.edge.overlap import check_public_sources
     from dpfleet.edge.spm_public import public_sentencepiece
@@ -544,10 +545,10 @@ def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population,
     collector; returns why the run stopped early (None: all its rounds were done)."""
     bar = None
     if progress:
-        from tqdm import tqdm
+        from dpfleet.progress import progress_bar
 
-        bar = tqdm(desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
-                   total=cfg.rounds)
+        bar = progress_bar(desc="rounds", unit="round", dynamic_ncols=True, initial=engine.start,
+                           total=cfg.rounds, terminal_only=False)
     collector = InProcessCollector(cfg, engine, trainer, population, before_round=before_round,
                                    audit=audit, clipping=clipping, bar=bar, log=log)
     try:

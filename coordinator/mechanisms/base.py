@@ -26,8 +26,6 @@ resume with another mechanism, strategy or custom part is refused (`binding`).
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
 import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -36,6 +34,7 @@ import dp_accounting
 import numpy as np
 
 from dpfleet.errors import DpfleetError
+from dpfleet.jsonio import canonical_sha256
 
 # squared-sensitivity factor of each adjacency: replace-one moves each contribution by up to 2C
 # (here, with the sensitivities: `spec` and the accountants both scale by it)
@@ -77,9 +76,7 @@ class Mechanism(abc.ABC):
         """The strategy's parameters (JSON-ready); with `name`, what `fingerprint` hashes."""
 
     def fingerprint(self) -> str:
-        blob = json.dumps({"name": self.name, "identity": self.identity()}, sort_keys=True,
-                          separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return canonical_sha256({"name": self.name, "identity": self.identity()}).hexdigest()
 
     @abc.abstractmethod
     def sensitivity_squared(self, rounds: int, min_separation: int | None, max_participation: int,

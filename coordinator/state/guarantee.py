@@ -21,7 +21,6 @@ SHA-256 of the canonical JSON (sorted keys, no spaces) of the inputs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 
@@ -29,7 +28,7 @@ from dpfleet.coordinator.config import SimulationConfig, resolve_noise, round_si
 from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.registry import is_built_in
 from dpfleet.errors import DpfleetError
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import canonical_bytes, canonical_sha256, dumps, finite
 
 SECTIONS = ("dp", "participation", "data", "tokenizer")  # bound whole, but for NOT_INPUTS
 # settings of those sections that touch no noise, no sensitivity and no accounting: the server's
@@ -69,7 +68,7 @@ def guarantee_inputs(cfg: SimulationConfig, *, mechanism: Mechanism, population:
 
 def digest(inputs: dict) -> str:
     """SHA-256 of the canonical JSON of `inputs`."""
-    return hashlib.sha256(dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return canonical_sha256(finite(inputs)).hexdigest()
 
 
 def guarantee(inputs: dict) -> dict:
@@ -81,7 +80,7 @@ _MISSING = object()
 
 
 def _canonical(value: object) -> str | None:
-    return None if value is _MISSING else dumps(value, sort_keys=True, separators=(",", ":"))
+    return None if value is _MISSING else canonical_bytes(finite(value)).decode()
 
 
 def _shown(value: object) -> str:

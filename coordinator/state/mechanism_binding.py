@@ -24,8 +24,7 @@ from dpfleet.coordinator.mechanisms.base import Mechanism
 from dpfleet.coordinator.mechanisms.mf_sensitivity import gap_from_min_separation, true_max_participations
 from dpfleet.coordinator.mechanisms.registry import build, is_built_in, rebuild, source
 from dpfleet.errors import DpfleetError
-from dpfleet.io import atomic_write
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import write_json
 
 MECHANISM_FILE = "mechanism.json"
 
@@ -104,7 +103,7 @@ def run_mechanism(cfg, min_separation: int, run_path: Path, resume: bool,
         check_bound(mechanism, dict(pin), "the config's mechanism binding")
     optimised_for = {"min_separation": mins, "max_participation": maxp,
                      "participation": cfg.participation.mode}
-    atomic_write(path, dumps(_record(mechanism, not is_built_in(mechanism), optimised_for), indent=2))
+    write_json(path, _record(mechanism, not is_built_in(mechanism), optimised_for), indent=2)
     _bind_config(run_path, mechanism)
     return mechanism, optimised_for
 
@@ -127,7 +126,7 @@ def _bind_config(run_path: Path, mechanism: Mechanism) -> None:
         return
     config = json.loads(path.read_text())
     config["mechanism"] = binding(mechanism)
-    atomic_write(path, dumps(config, indent=2))
+    write_json(path, config, indent=2)
 
 
 def check_supported(cfg, mechanism: Mechanism) -> None:

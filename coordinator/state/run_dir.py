@@ -1,8 +1,9 @@
 """A run directory: config, per-round metrics, participation log, checkpoint, plots, privacy.
 
-Every file is written by the floor's helpers (`dpfleet.io`): atomically (a crash never leaves a
-half-written file) and under its permission rule, the folder 0700 and every file 0600 (a resume
-point next to config.json and the model is one reader's business). Layout:
+Every file is written by the floor's helpers (`dpfleet.io`; a JSON file by `dpfleet.jsonio.write_json`):
+atomically (a crash never leaves a half-written file) and under its permission rule, the folder
+0700 and every file 0600 (a resume point next to config.json and the model is one reader's
+business). Layout:
     config.toml / config.json   the resolved config
     metrics.jsonl               one JSON object per round (DP quantities and held-out evaluation)
     initial_eval.json           round 0: the starting model's held-out evaluation, written when the
@@ -33,7 +34,7 @@ from dpfleet.io import (  # noqa: F401 (the run directory's writers: the floor's
     private_mkdir,
     write_secret,
 )
-from dpfleet.jsonio import dumps
+from dpfleet.jsonio import dumps, write_json
 
 INITIAL_EVAL = "initial_eval.json"  # round 0: the starting model's held-out evaluation
 # what round 0 is, said with its figure
@@ -119,14 +120,13 @@ class RunDir:
         path = self.path / "config.json"
         bound = json.loads(path.read_text()).get("mechanism") if path.is_file() else None
         atomic_write(self.path / "config.toml", to_toml(resolved))
-        atomic_write(path, dumps({**resolved, **({"mechanism": bound} if bound else {})}, indent=2))
+        write_json(path, {**resolved, **({"mechanism": bound} if bound else {})}, indent=2)
 
     def append(self, name: str, record: dict) -> None:
         append_text(self.path / name, dumps(record) + "\n")
 
     def write_json(self, name: str, obj: dict) -> Path:
-        atomic_write(self.path / name, dumps(obj, indent=2))
-        return self.path / name
+        return write_json(self.path / name, obj, indent=2)
 
     def write_initial(self, evaluation: dict) -> dict:
         """Round 0's record (the starting model's held-out `evaluation`, said to cost no privacy)
