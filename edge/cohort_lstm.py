@@ -56,8 +56,9 @@ and rounds its result once, to bfloat16 (torch on CPU has no float32 output for 
 are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
 1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
 file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
-the softmax, loss and its gradient (the logits are copied to float32), and the SGD step on the
-float32 weights. Gradients are within 2^-5 of
+the softmax, loss and its gradient (a few logit rows at a time copied to a cache-sized float32
+buffer, the gradient rounded back into the bfloat16 logits buffer: `_softmax_grad`), and the
+SGD step on the float32 weights. Gradients are within 2^-5 of
 float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
 as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
 
