@@ -32,9 +32,10 @@ from dpfleet.errors import DpfleetError
 PRECISIONS = ("auto", "float32", "bfloat16")
 # "auto" runs bfloat16 only for a model of at least this many parameters (about its GEMMs'
 # multiply-adds per token): below it the GEMMs are too small for the faster multiply to pay for the
-# casts. Measured (benchmarks/precision_throughput.py, AMX-BF16, cohort bfloat16 over float32,
-# paired): the main job's CIFG (81,088 parameters) 1.0x at 1 thread and 0.48x at 2, the Gboard-size
-# CIFG (1.42M) 1.3x; 2**18 lies between them.
+# casts. Measured (benchmarks/precision_throughput.py, AMX-BF16, cohort steps/s bfloat16 over
+# float32, one run on a quiet machine): the main job's CIFG (81,088 parameters) 1.0x at 1 thread
+# and 0.48x at 2; the Gboard-size CIFG (1.42M) 1.26x at 1 thread, 0.95x at 2. 2**18 lies between
+# the two models; only these two sizes were measured, so the bound is coarse.
 AUTO_BF16_MIN_PARAMS = 2**18
 
 
