@@ -18,9 +18,13 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
 * the cohort's achieved GFLOP/s (model FLOPs: 6 x the GEMM weights a token passes x real target
   tokens, padding not counted) against this CPU's square GEMM rate at the same precision;
 * the teacher's tokens/s (body, and body + float32 head) on a random-weight Llama (`--teacher`:
-  a packaged name or a Hugging Face folder instead).
+  a packaged name or a Hugging Face folder instead);
+* what "auto" resolves to for each workload (`edge.precision`: the CPU and the model's size,
+  `AUTO_BF16_MIN_PARAMS`), and with `--profile` where a Gboard-size cohort round spends its time
+  (fractions per part of `edge/cohort_lstm.py`: recurrence forward, output layer, recurrence
+  backward, local derivatives, other).
 
-    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3]
+    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--profile]
 
 Goals on a CPU with BF16: the Gboard-size cohort >= 3x the plain float32 loop, and >= 60% of
 the bfloat16 GEMM rate. Saves results/precision_throughput.json with the CPU model and flags.
@@ -46,7 +50,7 @@ from trainer_throughput import PEER, NnLstmTrainer, build_workload  # noqa: E402
 
 from dpfleet.edge.cohort import CohortTrainer  # noqa: E402
 from dpfleet.edge.minibatch import batches  # noqa: E402
-from dpfleet.edge.precision import native_bf16, resolve_precision  # noqa: E402
+from dpfleet.edge.precision import AUTO_BF16_MIN_PARAMS, native_bf16, resolve_precision  # noqa: E402
 from dpfleet.edge.tokenizer import PAD  # noqa: E402
 from dpfleet.export.models import build_model  # noqa: E402
 from dpfleet.export.params import get_flat  # noqa: E402
@@ -115,12 +119,61 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
     return {
         "model": f"{m.arch} {m.embedding_dim}/{m.hidden_dim}/{m.projection_dim}, vocab {m.vocab_size}, "
                  f"{sum(p.numel() for p in build_model(m).parameters()):,} parameters",
+        "auto": resolve_precision("auto", params=len(theta)).reason,
         "clients": len(chosen), "local_steps": steps, "real_tokens": tokens, "chunk": cohort.chunk,
         "steps_per_s": {k: round(steps / s, 1) for k, s in seconds.items()},
         "cohort_over_plain_float32": round(seconds["plain_float32"] / seconds["cohort"], 2),
         "cohort_achieved_gflop_s": round(flops / seconds["cohort"] / 1e9, 2),
         **paired,
     }
+
+
+PARTS = ("_layer_forward", "_output_layer", "_layer_backward", "_local_derivatives")
+
+
+def profile_parts(raw: dict, precision: str, clients: int) -> dict:
+    """Where one round of the cohort's hand-written LSTM step spends its time: wall seconds inside
+    each part of `cohort_lstm` (the recurrence forward, the output layer with its softmax and
+    gradient, the recurrence backward without its local derivatives, those) as fractions of the
+    round, the rest (packing rows, the embedding update, Python) as "other". In this process
+    (`processes=False`), timed by wrapping the parts: cheap next to the torch profiler."""
+    from dpfleet.edge import cohort_lstm
+
+    cfg, model_cfg, data = build_workload(raw)
+    bs = cfg.client.batch_size
+    chosen = [c.examples for c in data.train if len(c.examples) >= bs][:clients]
+    theta = get_flat(build_model(model_cfg))
+    trainer = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=bs, device="cpu",
+                            precision=precision, processes=False)
+    seconds = dict.fromkeys(PARTS, 0.0)
+    originals = {name: getattr(cohort_lstm, name) for name in PARTS}
+
+    def timed(name):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - t0
+        return run
+
+    def one_round():
+        trainer.train_round(theta, chosen, list(range(len(chosen))), lr=cfg.client.lr, batch_size=bs,
+                            clip_norm=1e6)
+
+    one_round()  # warm-up, untimed
+    try:
+        for name in PARTS:
+            setattr(cohort_lstm, name, timed(name))
+        t0 = time.perf_counter()
+        one_round()
+        total = time.perf_counter() - t0
+    finally:
+        for name, fn in originals.items():
+            setattr(cohort_lstm, name, fn)
+    seconds["_layer_backward"] -= seconds["_local_derivatives"]  # called inside it
+    shares = {name.strip("_"): round(sec / total, 3) for name, sec in seconds.items()}
+    return {"round_s": round(total, 2), **shares, "other": round(1 - sum(shares.values()), 3)}
 
 
 def _paired_ratio(slow, fast, reps: int) -> float:
@@ -174,13 +227,16 @@ def main() -> None:
     ap.add_argument("--teacher-hidden", type=int, default=640)
     ap.add_argument("--teacher-layers", type=int, default=6)
     ap.add_argument("--teacher-tokens", type=int, default=1024, help="tokens per body pass (x 128 long)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also record where a Gboard-size cohort round spends its time, per part")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "precision_throughput.json")
     args = ap.parse_args()
     precisions = ["float32"] + (["bfloat16"] if native_bf16() else [])
     threads_list = [int(t) for t in args.threads.split(",")]
     configs = workload_configs(args.gboard_vocab)
     result = {"host_start": host(threads_list[0]), "native_bf16": native_bf16(),
-              "auto": resolve_precision("auto").reason, "by_torch_threads": {}}
+              "auto": resolve_precision("auto").reason, "auto_min_params": AUTO_BF16_MIN_PARAMS,
+              "by_torch_threads": {}}
     if not native_bf16():
         result["note"] = ("no native BF16 here: float32 only. A CPU with AMX-BF16 multiplies a 1,024^2 "
                           "bfloat16 GEMM at ~2.4x its float32 rate (2 threads, measured once)")
@@ -197,6 +253,9 @@ def main() -> None:
                     one["cohort_of_gemm_rate"] = round(one["cohort_achieved_gflop_s"]
                                                        / entry[precision]["gemm_gflop_s"], 3)
                     entry[precision][name] = one
+                if args.profile:
+                    entry[precision]["gboard_step_profile"] = profile_parts(
+                        configs["gboard"], precision, args.clients)
                 rows = max(1, args.teacher_tokens // 128)
                 entry[precision]["teacher"] = measure_teacher(spec, precision, rows, 128, args.reps)
                 print(json.dumps({threads: {precision: entry[precision]}}, indent=1), flush=True)

@@ -132,16 +132,16 @@ class ClientSection:
     """The cohort trainer's device: "auto" (CUDA when present) | "cpu" | "cuda"."""
     cohort_memory_mb: int = 160
     """Cohort chunk budget on CPU: clients per chunk = this / one client's working memory."""
-    precision: str = "float32"
-    """The cohort trainer's and public pretraining's GEMMs: "float32" | "auto" (bfloat16 where the
-    CPU has native BF16, AMX or AVX512-BF16, else float32) | "bfloat16" (an error on a CPU without
-    it). The LSTM/CIFG cohort then runs its own bfloat16 GEMMs (bfloat16 weight copies once per
-    local step), the transformer and pretraining run under bfloat16 autocast. float32 by
-    default: on a CPU with AMX-BF16, bfloat16 autocast trained the main job's CIFG at 0.48x
-    float32's steps/s and the Gboard-size one at 0.95x (2 threads;
-    benchmarks/precision_throughput.py); the own-kernel path is to be measured there before the
-    default changes. Weights, deltas, clipping and the DP sum stay float32; summary.json says
-    which ran and why."""
+    precision: str = "auto"
+    """The cohort trainer's and public pretraining's GEMMs: "auto" (bfloat16 where the CPU has
+    native BF16, AMX or AVX512-BF16, and the model has at least `edge.precision`'s
+    AUTO_BF16_MIN_PARAMS parameters; else float32) | "float32" | "bfloat16" (an error on a CPU
+    without it). The LSTM/CIFG cohort then runs its own bfloat16 GEMMs (bfloat16 weight copies once
+    per local step), the transformer and pretraining run under bfloat16 autocast. "auto" by
+    default: on a CPU with AMX-BF16 the Gboard-size CIFG (1.4M parameters) trained 1.26x faster
+    in bfloat16 at 1 thread, the main job's CIFG (81k) no faster, so it stays float32 there and its
+    results are float32's (benchmarks/precision_throughput.py). Weights, deltas, clipping and the DP sum stay
+    float32; summary.json says which ran and why."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ from dpfleet.export.params import ParamLayout
 DEFAULT_MEMORY_MB = 160
 
 
+def model_params(cfg: ModelConfig) -> int:
+    """The zoo model's parameter count (what "auto" precision's size rule reads)."""
+    return ParamLayout.of(build_model(cfg)).total
+
+
 def bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, fused: bool = False) -> int:
     """Working memory of one client in a chunk (float32), the rule the chunk size is chosen by.
 
@@ -62,7 +67,7 @@ def bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, fused: boo
     minibatch: the vocabulary-sized logits, log-softmax and their gradients (4 x V per token), and
     per recurrent step / block about 12 x hidden + 8 x embedding floats per token and layer.
     """
-    params = ParamLayout.of(build_model(cfg)).total
+    params = model_params(cfg)
     if fused:
         return fused_bytes_per_client(cfg, batch_size, seq_len, params)
     tokens = batch_size * seq_len
@@ -206,9 +211,10 @@ class CohortTrainer:
         self.cfg = cfg
         self.processes = processes
         self.device = resolve_device(device)
-        self.precision = resolve_precision(precision, self.device.type, "client.precision")
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
+        self.precision = resolve_precision(precision, self.device.type, "client.precision",
+                                           params=self.layout.total)
         # recurrent models take the hand-written path (cohort_lstm.py); `fused=False` keeps them
         # on torch.func, the path the transformer always takes
         self.fused = fused and model is None and cfg.arch in RECURRENT

@@ -56,8 +56,9 @@ and rounds its result once, to bfloat16 (torch on CPU has no float32 output for 
 are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
 1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
 file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
-the softmax, loss and its gradient (the logits are copied to float32), and the SGD step on the
-float32 weights. Gradients are within 2^-5 of
+the softmax, loss and its gradient (a few logit rows at a time copied to a cache-sized float32
+buffer, the gradient rounded back into the bfloat16 logits buffer: `_softmax_grad`), and the
+SGD step on the float32 weights. Gradients are within 2^-5 of
 float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
 as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
 
@@ -78,6 +79,8 @@ RECURRENT = ("lstm", "cifg")
 # logits (38 MB) ran its log-softmax 2x slower than 9 per-client blocks (fresh pages each call);
 # with the buffers reused across groups 2**20 is still the fastest of 2**18 .. 2**21 (peer workload)
 LOGITS_FLOATS = 2**20
+# floats of one row block of the softmax (`_softmax_grad`): two such float32 buffers stay in the cache
+SOFTMAX_FLOATS = 2**16
 
 
 def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_params: int) -> int:
@@ -135,7 +138,12 @@ def _gate_order(t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous copy of `t` in `dtype` (the cast and the copy in one pass)."""
+    """A contiguous copy of `t` in `dtype` (the cast and the copy in one pass). A cast runs first
+    in `t`'s own memory order and then the copy to contiguous: a transposed view's strided copy
+    with the cast in it ran 2x slower than the two (the input projection's [W_x, b]^T at the
+    Gboard size, paired); the same floats either way."""
+    if dtype != t.dtype:
+        return t.to(dtype).contiguous()
     return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
@@ -302,31 +310,51 @@ def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple
     return out
 
 
-def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
-                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str,
-                  low: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits, mean cross-entropy and its gradient at real target positions only.
+def _softmax_grad(scores: torch.Tensor, tgt: torch.Tensor, work: torch.Tensor,
+                  grads: torch.Tensor) -> torch.Tensor:
+    """scores [N, V] logits (float32 or bfloat16) -> each row's nll [N] (float32); `grads` [N, V]
+    (float32: another buffer, as a float32 GEMM writes the logits; bfloat16: `scores` itself)
+    becomes softmax - onehot(target), rounded to its dtype.
 
-    y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
-    block in a packed [rows, P] matrix; consecutive clients with similar n_j share one batched
-    GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in every
-    gradient. Returns (loss [k], d_y [T, k, B, P]).
+    A few rows at a time (`work`: two float32 buffers of SOFTMAX_FLOATS): at bfloat16 each
+    block's float32 copy of the logits, its softmax (one exp per logit), the loss and the gradient
+    stay in the cache and the gradient goes back in place, so no vocabulary-sized float32 tensor is
+    made (the whole-tensor softmax made and read two float32 copies of the logits: Gboard-size
+    output layer 1.1x faster, paired, loaded machine). float32 runs all rows in one block (in
+    blocks its per-op cost made the main job's output layer 1.2x slower). Every row is normalised
+    on its own, so the floats are a whole-tensor softmax's."""
+    n, vocab = scores.shape
+    nll = scores.new_empty(n, 1, dtype=torch.float32)
+    step = n if scores.dtype == torch.float32 else max(1, work.shape[1] // vocab)
+    for r0 in range(0, n, step):
+        blk, tg = scores[r0 : r0 + step], tgt[r0 : r0 + step]
+        size = blk.numel()
+        logits = blk if blk.dtype == torch.float32 else work[0, :size].view_as(blk).copy_(blk)
+        dst = grads[r0 : r0 + step]
+        grad = torch._softmax(logits, -1, False, out=dst if dst.dtype == torch.float32
+                              else work[1, :size].view_as(blk))
+        p_t = grad.gather(1, tg)
+        out = torch.log(p_t, out=nll[r0 : r0 + step]).neg_()
+        tiny = (p_t < 1e-30).nonzero()[:, 0]  # underflowed or denormal p_t: exact log-sum-exp there
+        if len(tiny):  # nll = (top - l_t) + log(sum exp(l - top)), the sum's inverse the softmax at
+            # the top logit (exp(0) / sum): no second exp pass (logsumexp's was 12% of a step on
+            # rounds where clients diverge and most targets underflow)
+            rows_t = logits[tiny]
+            top, arg = rows_t.max(1, keepdim=True)
+            out[tiny] = (top - rows_t.gather(1, tg[tiny])).sub_(grad[tiny.unsqueeze(1), arg].log_())
+        # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
+        grad.scatter_add_(1, tg, grad.new_full((len(blk), 1), -1.0))
+        if grad is not dst:
+            dst.copy_(grad)
+    return nll.view(-1)
 
-    `low` bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast once
-    per call, the softmax's gradient once per group) and the logits are copied to float32 for
-    the softmax, the loss and its gradient; loss and d_y are float32.
-    """
+
+def _pack(y: torch.Tensor, flat_real: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor,
+          groups: list[tuple[int, int, int]], low: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Each client's real positions packed into the rows of its group's block (see `_output_layer`):
+    (packed [y, 1] in `low`, targets [N, 1], weights [N, 1] (1 / n_j, 0 on fill rows), dst, src)."""
     steps, k, rows, proj = y.shape
-    f32 = torch.float32
     positions = steps * rows
-    flat_real = real.reshape(k, positions)
-    counts = flat_real.sum(1)
-    d_y = torch.zeros_like(y)
-    loss = y.new_zeros(k)
-    groups = [g for g in _groups(counts.tolist(), LOGITS_FLOATS // w_out.shape[1])
-              if counts[g[0] : g[1]].any()]
-    if not groups:  # no real target anywhere: loss 0 and a zero gradient, as next_token_loss gives
-        return loss, d_y
     offset = torch.zeros(k, dtype=torch.int64)
     base = 0
     for first, end, n in groups:
@@ -342,17 +370,46 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     packed[:, proj] = 1.0
     tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
     tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
-    inv = 1.0 / counts.clamp_min(1).to(f32)
-    weight = y.new_zeros(base, 1, dtype=f32)  # 1 / n_j on client j's real rows, 0 on fill rows
+    inv = 1.0 / counts.clamp_min(1).to(torch.float32)
+    weight = y.new_zeros(base, 1, dtype=torch.float32)
     weight[dst, 0] = inv[client]
-    d_packed = y.new_empty(base, proj, dtype=f32)
+    return packed, tgt, weight, dst, src
+
+
+def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
+                  b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str,
+                  low: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits, mean cross-entropy and its gradient at real target positions only.
+
+    y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
+    block in a packed [rows, P] matrix (`_pack`); consecutive clients with similar n_j share one
+    batched GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in
+    every gradient. Returns (loss [k], d_y [T, k, B, P]).
+
+    `low` bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast
+    once per call); the logits GEMM writes bfloat16 and `_softmax_grad` turns them, a few rows at a
+    time in float32, into the loss and the softmax's gradient in the same bfloat16 buffer, the two
+    backward GEMMs' operand; loss and d_y are float32.
+    """
+    steps, k, rows, proj = y.shape
+    f32 = torch.float32
+    flat_real = real.reshape(k, steps * rows)
+    counts = flat_real.sum(1)
+    d_y = torch.zeros_like(y)
+    loss = y.new_zeros(k)
+    groups = [g for g in _groups(counts.tolist(), LOGITS_FLOATS // w_out.shape[1])
+              if counts[g[0] : g[1]].any()]
+    if not groups:  # no real target anywhere: loss 0 and a zero gradient, as next_token_loss gives
+        return loss, d_y
+    packed, tgt, weight, dst, src = _pack(y, flat_real, targets, counts, groups, low)
+    d_packed = y.new_empty(len(packed), proj, dtype=f32)
     vocab = w_out.shape[1]
-    # one logits and one softmax buffer for all groups: each fresh multi-MB tensor costs its page
-    # faults (the logits GEMM ran 4x slower into fresh pages than into reused ones)
+    # one logits buffer for all groups: each fresh multi-MB tensor costs its page faults (the
+    # logits GEMM ran 4x slower into fresh pages than into reused ones)
+    # (float32: a second one for the softmax's gradient; bfloat16: it overwrites the logits)
     most = max((end - first) * n for first, end, n in groups) * vocab
-    scores = y.new_empty(2, most, dtype=f32)
-    # bfloat16: the logits GEMM's output and the softmax gradient as the backward GEMMs' operand
-    low_scores = None if low == f32 else y.new_empty(2, most, dtype=low)
+    scores = y.new_empty(2 if low == f32 else 1, most, dtype=low)
+    work = y.new_empty(2, max(SOFTMAX_FLOATS, vocab), dtype=f32)
     base = 0
     for first, end, n in groups:
         m = end - first
@@ -363,39 +420,19 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
         # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
         w_b = y.new_empty(m, vocab, proj + 1, dtype=low)  # bfloat16: cast in the copy
         w_b[..., :proj], w_b[..., proj] = w_g, b_out[first:end]
-        size = m * n * vocab
-        logits = scores[0, :size].view(m, n, vocab)
-        if low_scores is None:
-            torch.bmm(yg, w_b.transpose(1, 2), out=logits)
-        else:
-            logits.copy_(torch.bmm(yg, w_b.transpose(1, 2), out=low_scores[0, :size].view(m, n, vocab)))
-        # one exp per logit (log-softmax + exp took two)
-        grad = torch._softmax(logits, -1, False, out=scores[1, :size].view(m, n, vocab))
-        tg = tgt[block]
-        flat = grad.view(-1, vocab)
-        p_t = flat.gather(1, tg)
-        nll = -torch.log(p_t)
-        tiny = (p_t < 1e-30).nonzero()[:, 0]  # underflowed or denormal p_t: exact log-sum-exp there
-        if len(tiny):  # nll = (top - l_t) + log(sum exp(l - top)), the sum's inverse the softmax at
-            # the top logit (exp(0) / sum): no second exp pass (logsumexp's was 12% of a step on
-            # rounds where clients diverge and most targets underflow)
-            rows_t = logits.view(-1, vocab)[tiny]
-            top, arg = rows_t.max(1, keepdim=True)
-            nll[tiny] = (top - rows_t.gather(1, tg[tiny])).sub_(flat[tiny.unsqueeze(1), arg].log_())
+        logits = torch.bmm(yg, w_b.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
+        grad = scores[-1, : m * n * vocab].view(m, n, vocab)
+        nll = _softmax_grad(logits.view(-1, vocab), tgt[block], work, grad.view(-1, vocab))
         loss[first:end] = (nll.view(m, n) * (wg.view(m, n) > 0)).sum(1) / counts[first:end].clamp_min(1)
-        # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
-        flat.scatter_add_(1, tg, grad.new_full((m * n, 1), -1.0))
-        if low_scores is None:
+        if low == f32:
             torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
-        else:  # w_b's bias column makes d_packed one column wider, cut off
-            grad = low_scores[1, :size].view(m, n, vocab).copy_(grad)
-            d_packed[block] = torch.bmm(grad, w_b)[..., :proj].reshape(m * n, proj)
-        if low_scores is None:
             # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
             g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
             parts = [(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])]
-        else:  # in bfloat16 [V, P+1] is the faster shape: the float32 update adds it row by row
-            # (the transposed add of [P+1, V] took 1.4x the GEMM and the add, paired)
+        else:  # w_b's bias column makes d_packed one column wider, cut off; in bfloat16 [V, P+1] is
+            # the faster shape of the weight gradient: the float32 update adds it row by row (the
+            # transposed add of [P+1, V] took 1.4x the GEMM and the add, paired)
+            d_packed[block] = torch.bmm(grad, w_b)[..., :proj].reshape(m * n, proj)
             g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(low))
             parts = [(w_name, (), g_v[..., :proj]), (b_name, (), g_v[..., proj])]
         sink.add(parts, slice(first, end))

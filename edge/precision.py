@@ -5,7 +5,9 @@ has native BF16 (AMX-BF16, AVX512-BF16) a bfloat16 GEMM runs at 2x or more the f
 the larger models sit near the GEMM floor; elsewhere bfloat16 is emulated and slower than
 float32. So `[client] precision = "auto"` asks the CPU (through torch's cpuinfo queries, which
 work on every OS) and torch (its kernels: `ATEN_CPU_CAPABILITY=default`, the portable kernels,
-counts as no native BF16, so that path runs and is tested in float32).
+counts as no native BF16, so that path runs and is tested in float32), and the model: a small
+model's GEMMs (the main job's 81k-parameter CIFG) ran no faster in bfloat16, so "auto" keeps
+float32 below `AUTO_BF16_MIN_PARAMS` parameters.
 
 bfloat16 means the GEMMs take bfloat16 operands and accumulate in float32: autocast
 (`torch.autocast`, `Precision.autocast`) for the transformer, public training and the teacher,
@@ -28,6 +30,13 @@ import torch
 from dpfleet.errors import DpfleetError
 
 PRECISIONS = ("auto", "float32", "bfloat16")
+# "auto" runs bfloat16 only for a model of at least this many parameters (about its GEMMs'
+# multiply-adds per token): below it the GEMMs are too small for the faster multiply to pay for the
+# casts. Measured (benchmarks/precision_throughput.py, AMX-BF16, cohort steps/s bfloat16 over
+# float32, one run on a quiet machine): the main job's CIFG (81,088 parameters) 1.0x at 1 thread
+# and 0.48x at 2; the Gboard-size CIFG (1.42M) 1.26x at 1 thread, 0.95x at 2. 2**18 lies between
+# the two models; only these two sizes were measured, so the bound is coarse.
+AUTO_BF16_MIN_PARAMS = 2**18
 
 
 @dataclass(frozen=True)
@@ -65,12 +74,15 @@ def native_bf16() -> str | None:
     return None
 
 
-def resolve_precision(requested: str, device_type: str = "cpu", key: str = "precision") -> Precision:
+def resolve_precision(requested: str, device_type: str = "cpu", key: str = "precision",
+                      params: int | None = None) -> Precision:
     """"auto" | "float32" | "bfloat16" -> the precision to run at on `device_type`, with why.
 
-    "auto" on CPU: bfloat16 where the CPU has native BF16, else float32; on CUDA float32 (the
-    rule is the CPU's; CUDA runs are not measured here). "bfloat16" where the CPU lacks it: a
-    DpfleetError naming `key` (the config key or option it came from)."""
+    "auto" on CPU: bfloat16 where the CPU has native BF16 and the model is large enough to gain
+    from it (`params`, its parameter count, >= AUTO_BF16_MIN_PARAMS; None: no size rule, as for a
+    teacher), else float32; on CUDA float32 (the rule is the CPU's; CUDA runs are not measured
+    here). "bfloat16" where the CPU lacks it: a DpfleetError naming `key` (the config key or
+    option it came from); "bfloat16" on a small model runs bfloat16 as asked."""
     if requested not in PRECISIONS:
         raise DpfleetError(f"{key} must be one of {PRECISIONS}, not {requested!r}")
     if requested == "float32":
@@ -87,6 +99,9 @@ def resolve_precision(requested: str, device_type: str = "cpu", key: str = "prec
         return Precision("bfloat16", f"precision = 'bfloat16' (CPU has {feature})")
     if feature is None:
         return Precision("float32", f"auto: {_why_not()}")
+    if params is not None and params < AUTO_BF16_MIN_PARAMS:
+        return Precision("float32", f"auto: CPU has {feature}, but the model's {params:,} parameters "
+                         f"are under {AUTO_BF16_MIN_PARAMS:,}: its GEMMs ran no faster in bfloat16")
     return Precision("bfloat16", f"auto: CPU has {feature}")
 
 

@@ -7,7 +7,8 @@ first private round is post-processing of public data: it costs no privacy, and 
 privacy report names the corpora. The same tokenizer (trained on WikiText-2) cuts the public
 text into rows of `data.seq_len` tokens; the loop is public/kd_pretrain.py's with beta = 0
 (plain next-token loss, Adam, gradient clipping at 1), at `client.precision` (bfloat16 autocast
-where the CPU has native BF16 under "auto"; the resolved precision is part of the cache key).
+under "auto" where the CPU has native BF16 and the model is large enough, `edge.precision`; the
+resolved precision is part of the cache key and summary.json states it with why).
 
 Pretraining starts from the model's init at `pretrain.seed` (not the run's seed), so its result
 is a function of the token rows, the model config and the training settings alone: it is cached
@@ -69,7 +70,8 @@ def pretrain_on_public(cfg: SimulationConfig, model_cfg: ModelConfig, model: tor
     check_public_sources(p.corpus, cfg.data.dataset, "pretrain.corpus")
     t0 = time.perf_counter()
     sequences = public_sequences(list(p.corpus), tokenizer, cfg.data.seq_len)
-    precision = resolve_precision(cfg.client.precision, key="client.precision")  # keys the cache
+    precision = resolve_precision(cfg.client.precision, key="client.precision",  # keys the cache
+                                  params=sum(p.numel() for p in model.parameters()))
     train = KDTrainConfig(steps=p.steps, batch_size=p.batch_size, lr=p.lr, beta=0.0, seed=p.seed,
                           precision=precision.name)
     path = cache_dir() / "pretrain" / f"{_key(sequences, model_cfg, train, list(p.corpus))}.npy"

@@ -171,3 +171,40 @@ def test_bfloat16_on_a_cpu_without_it_is_one_error_line_and_no_run(tmp_path, mon
     assert err == ["error: client.precision = 'bfloat16' but this CPU has no native BF16 (torch runs its "
                    "portable kernels, ATEN_CPU_CAPABILITY=default); use 'auto' or 'float32'"]
     assert not (tmp_path / "run").exists()  # refused before the run folder is made
+
+
+@pytest.mark.parametrize("feature", ["AMX-BF16", None])
+def test_auto_keeps_float32_for_a_small_model_and_bfloat16_for_a_large_one(feature, monkeypatch):
+    """On a CPU with BF16 (simulated) "auto" is bfloat16 from AUTO_BF16_MIN_PARAMS parameters up
+    and float32 below (the main job's 81,088-parameter CIFG ran no faster in bfloat16), saying why;
+    without BF16 float32 at any size. An explicit "bfloat16" is not overruled by the size."""
+    from dpfleet.edge import precision as precision_mod
+
+    monkeypatch.setattr(precision_mod, "native_bf16", lambda: feature)
+    assert precision_mod.AUTO_BF16_MIN_PARAMS == 2**18
+    small = resolve_precision("auto", params=81_088)
+    large = resolve_precision("auto", params=2**18)
+    assert small.name == "float32"
+    if feature is None:
+        assert large.name == "float32"
+        return
+    assert small.reason == ("auto: CPU has AMX-BF16, but the model's 81,088 parameters are under "
+                            "262,144: its GEMMs ran no faster in bfloat16")
+    assert (large.name, large.reason) == ("bfloat16", "auto: CPU has AMX-BF16")
+    assert resolve_precision("bfloat16", params=81_088).name == "bfloat16"
+    assert resolve_precision("auto").name == "bfloat16"  # no size given (a teacher): the CPU rule
+
+
+def test_auto_cohort_trainer_reads_its_model_size(monkeypatch):
+    """The cohort trainer passes its model's parameter count: a tiny CIFG trains float32 under
+    "auto" on a CPU with BF16 (simulated), a Gboard-size one bfloat16."""
+    from dpfleet.edge import precision as precision_mod
+
+    monkeypatch.setattr(precision_mod, "native_bf16", lambda: "AMX-BF16")
+    tiny = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", precision="auto", processes=False)
+    assert tiny.precision.name == "float32" and "parameters are under" in tiny.precision.reason
+    big_cfg = ModelConfig(arch="cifg", vocab_size=10_000, embedding_dim=96, hidden_dim=670,
+                          projection_dim=96, tie_embeddings=True)  # the gboard_cifg preset
+    big = CohortTrainer(big_cfg, seq_len=L, batch_size=BATCH, device="cpu", precision="auto",
+                        processes=False)
+    assert big.precision.name == "bfloat16" and big.layout.total == 1_422_250

@@ -52,7 +52,8 @@ def test_the_first_round_starts_from_the_public_weights(tmp_path):
     assert pre_log == plain_log  # paired: the same devices in every round
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary["public_pretraining"]["corpus"] == ["kjv"] and not summary["public_pretraining"]["cached"]
-    default = resolve_precision("float32")  # client.precision's default (config.py says why)
+    # client.precision's default "auto" (config.py says why) for this model's size
+    default = resolve_precision("auto", params=sum(p.numel() for p in result.model.parameters()))
     assert summary["public_pretraining"]["precision"] == {"used": default.name, "reason": default.reason}
     assert "kjv" in (result.run_dir / "privacy_report.md").read_text()
     again, _, result = start_of(tmp_path, "again", {**CFG, "pretrain": PRE})

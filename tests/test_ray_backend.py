@@ -86,7 +86,7 @@ def test_ray_workers_train_at_the_precision_their_cpus_resolve(ray_local):
     examples = [np.concatenate([np.ones((n, 1), np.int32), rng.integers(4, 64, (n, 9), np.int32)], 1)
                 for n in (5, 11, 7)]
     kw = {"lr": 0.5, "batch_size": 8, "clip_norm": 0.2}
-    here = resolve_precision("auto")
+    here = resolve_precision("auto", params=sum(p.numel() for p in build_model(cfg).parameters()))
     remote = RayTrainer(cfg, seq_len=9, batch_size=8, workers=2, precision="auto")
     assert remote.precision.name == here.name and "Ray worker" in remote.precision.reason
     local = CohortTrainer(cfg, seq_len=9, batch_size=8, device="cpu", precision="auto",
@@ -116,7 +116,8 @@ def test_simulate_on_ray_gives_the_local_model(ray_local, tmp_path):
     summary = json.loads((remote.run_dir / "summary.json").read_text())
     assert summary["client_trainer"] == "ray"
     # what the workers ran (client.precision = "auto" resolved on their CPUs), not a float32 default
-    assert summary["precision"]["used"] == resolve_precision("auto").name
+    size = sum(p.numel() for p in local.model.parameters())  # "auto" reads the model's size too
+    assert summary["precision"]["used"] == resolve_precision("auto", params=size).name
     assert "Ray worker" in summary["precision"]["reason"]
     participation = [(run.run_dir / "participation.jsonl").read_text() for run in (local, remote)]
     assert participation[0] == participation[1]  # the same clients (train loss is debug-only now)

@@ -277,6 +277,7 @@ def test_resume_refuses_clients_that_would_train_at_another_precision(interrupte
     saved = json.loads((resume_point(interrupted) / "server_state.json").read_text())["precision"]
     assert saved == "float32"  # CFG takes client.precision's default
     monkeypatch.setattr(precision, "native_bf16", lambda: "AMX-BF16")
+    monkeypatch.setattr(precision, "AUTO_BF16_MIN_PARAMS", 0)  # this tiny model counts as large
     auto = dict(CFG, client={**CFG["client"], "precision": "auto"})
     before = (interrupted / "releases.jsonl").read_bytes()
     with pytest.raises(DpfleetError, match="trained at float32, this resume would train at bfloat16"):

@@ -47,10 +47,13 @@ class _Worker:
         self.trainer = None
 
     def cpu(self) -> tuple[str, Precision]:
-        """(host, what "auto" resolves to on this worker's CPU)."""
+        """(host, what "auto" resolves to on this worker's CPU, for this model's size)."""
         import socket
 
-        return socket.gethostname(), resolve_precision("auto", self.args[4])
+        from dpfleet.edge.cohort import model_params
+
+        cfg, device = self.args[0], self.args[4]
+        return socket.gethostname(), resolve_precision("auto", device, params=model_params(cfg))
 
     def start(self, precision: str) -> None:
         from dpfleet.edge.cohort import CohortTrainer
