@@ -15,6 +15,13 @@ Hooks for the emulated fleet: `before_phase(phase)` (sync or async; raise `DropO
 silently, or sleep to be slow) is called before each message the device would send, phases
 "train", "report" (plain) or "commit", "advertise", "share", "mask", "consistency", "unmask"
 (SecAgg); `speed` stretches the measured training time (2.0: a phone twice as slow).
+
+Whose randomness rounds the update to the SecAgg ring: the device's own, unless it was set up
+for a research-mode run (`research_rounding`, a test fleet's: `serve` refuses `dp.noise_seed`),
+where it takes the assignment's `rounding_seed` so that the run releases `simulate`'s bits. A
+device not set up so ignores that field and rounds with its own randomness: it cannot tell a
+research run from a coordinator that wants to know (or choose) its rounding, and ignoring the
+field leaves it exactly as private as without one, while refusing would only fail the round.
 """
 
 from __future__ import annotations
@@ -176,13 +183,15 @@ async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarra
                     policy=None, pinned: Mapping[str, bytes] | None = None,
                     before_phase: Hook | None = None, speed: float = 1.0,
                     threads: int = 1, bundle_key=None,
-                    bundle_serials: dict[str, int] | None = None) -> Outcome:
+                    bundle_serials: dict[str, int] | None = None,
+                    research_rounding: bool = False) -> Outcome:
     """Run this device's part of `assignment` to the end. `policy`: a `ClientPolicy`, or a
     callable n -> ClientPolicy (`local_policy`); `pinned`: device id -> identity public key,
     the fleet registry the device got out of band (SecAgg); `bundle_key`: the run's bundle
     public key, also pinned out of band: the device trains only with a bundle it signed, and
     refuses the round ("refused_bundle", nothing sent) otherwise; `bundle_serials`: the
-    device's {key hex: highest bundle serial accepted}, below which it refuses (a rollback)."""
+    device's {key hex: highest bundle serial accepted}, below which it refuses (a rollback);
+    `research_rounding`: take a SecAgg assignment's `rounding_seed` (else ignore it, see above)."""
     try:
         if bundle_key is not None:  # before any byte of the round is sent (SecAgg commit too)
             from dpfleet.fleet.bundle_device import fetch_bundle
@@ -190,7 +199,7 @@ async def take_part(link: CoordinatorLink, assignment: dict, examples: np.ndarra
             await fetch_bundle(link, assignment.get("bundle"), bundle_key, bundle_serials)
         if assignment["aggregation"] == "secagg":
             return await _secagg(link, assignment, examples, policy, pinned, before_phase, speed,
-                                 threads, bundle_key)
+                                 threads, bundle_key, research_rounding)
         await _hook(before_phase, "train")
         cpu = CpuClock()
         _, update, seconds = await train(link, assignment, examples, speed=speed, threads=threads,
@@ -243,8 +252,21 @@ def _secagg_setup(link, assignment: dict, plan_bytes: bytes, model: bytes, polic
     return plan, setup, disc, threshold, client
 
 
+def _rounding(assignment: dict, research_rounding: bool) -> np.random.Generator:
+    """The generator that rounds this device's update to the ring: its own (the coordinator never
+    learns it), or, set up for research runs and sent one, the assignment's keyed one
+    (`secagg.encoding.rounding_rng`; a malformed seed is a ValueError: the round is refused
+    before any message)."""
+    from dpfleet.secagg.encoding import rounding_rng
+
+    seed = assignment.get("rounding_seed")
+    if seed is None or not research_rounding:
+        return np.random.default_rng()
+    return rounding_rng(seed)
+
+
 async def _secagg(link, assignment, examples, policy, pinned, before_phase, speed, threads,
-                  bundle_key=None) -> Outcome:
+                  bundle_key=None, research_rounding=False) -> Outcome:
     from dpfleet.coordinator.engine.adaptive_clipping import clipped_bit
     from dpfleet.secagg.count_bit import append_bit
     from dpfleet.secagg.errors import SecAggError
@@ -259,6 +281,7 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
         with cpu("setup"):
             plan, setup, disc, threshold, client = _secagg_setup(link, assignment, plan_bytes, model,
                                                                  policy, pinned)
+            rng = _rounding(assignment, research_rounding)
     except (SecAggError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return Outcome("refused_setup", f"{type(exc).__name__}: {exc}", cpu=cpu.seconds)
     training = asyncio.ensure_future(train(link, assignment, examples, speed=speed,
@@ -288,7 +311,6 @@ async def _secagg(link, assignment, examples, policy, pinned, before_phase, spee
             for k, data in enumerate(messages, 1):
                 if client.phase == "shared" and update is None:  # masking needs the input
                     _, update, seconds = await training
-                    rng = np.random.default_rng()  # the rounding is the device's own randomness
                     with cpu("encode"):
                         values = disc.encode(update.delta, rng).values
                         if threshold is not None:  # the clipped bit, masked with the update

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.errors import DpfleetError
 from dpfleet.secagg.count_bit import append_bit
-from dpfleet.secagg.encoding import Discretizer
+from dpfleet.secagg.encoding import Discretizer, rounding_seed
 from dpfleet.secagg.identity_keys import load_fleet_file
 from dpfleet.secagg.inprocess import PHASES, run_round
 from dpfleet.secagg.params import fleet_margins, plan_round
@@ -129,7 +129,7 @@ class SecAggAggregator:
         def encode(u: int) -> np.ndarray:
             nonlocal encode_seconds
             begun = time.perf_counter()
-            encodings[u] = disc.encode(deltas[u], np.random.default_rng([round_seed, 0xE1C, u]))
+            encodings[u] = disc.encode(deltas[u], np.random.default_rng(rounding_seed(round_seed, u)))
             encode_seconds += time.perf_counter() - begun
             values = encodings[u].values
             return values if bits is None else append_bit(values, int(bits[u]))

@@ -24,6 +24,13 @@ client (`encode`):
 
 `decode` maps the ring sum back to signed integers, divides by s and rotates back.
 
+Whose randomness rounds (step 4): a real device's own, unseen by the coordinator, unless the
+run is in research mode (`dp.noise_seed` >= 0), where the coordinator hands each device
+`rounding_seed(round seed, position)` and the in-process simulation rounds with the same, so
+`simulate` and `serve` release the same bits. Only the rotation signs and the rounding are
+random here, and neither the sensitivity nor the quantization bound depends on their secrecy:
+both hold for every draw (secagg/THREAT_MODEL.md, "Research-mode rounding").
+
 Guarantees (for DP accounting and for the tests):
 - sensitivity: every client's decoded contribution has L2 norm <= `sensitivity` =
   Delta_s / s, Delta_s^2 = min((sC)^2 + d'/4 + sqrt(2 ln(1/beta)) (sC + sqrt(d')/2),
@@ -46,6 +53,25 @@ from dpfleet.secagg.crypto import ring_dtype
 
 HADAMARD_GROUP = 1 << 15  # float64 entries transformed together: 256 KiB stays in L2
 MAX_ROUNDING_DRAWS = 64  # each draw passes with probability >= 1 - beta, beta = e^-1/2
+ROUNDING_TAG = 0xE1C  # separates the rounding streams from the round seed's other uses
+
+
+def rounding_seed(round_seed: int, position: int) -> list[int]:
+    """The seed (NumPy `SeedSequence` entropy words) of the rounding randomness of the client at
+    `position` in the round (attempt) whose discretizer has `round_seed`: keyed by round,
+    attempt and position, so a reopened attempt never reuses a draw. The in-process simulation
+    always rounds with it; a served device only in research mode, sent in its assignment."""
+    return [int(round_seed), ROUNDING_TAG, int(position)]
+
+
+def rounding_rng(seed: object) -> np.random.Generator:
+    """The generator of a `rounding_seed` as received over the wire: exactly three 32-bit
+    words, anything else a ValueError (a device refuses such an assignment)."""
+    if (not isinstance(seed, list) or len(seed) != 3
+            or not all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 1 << 32
+                       for w in seed)):
+        raise ValueError(f"rounding_seed must be three 32-bit words, got {seed!r}")
+    return np.random.default_rng(seed)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from dpfleet.errors import DpfleetError
 from dpfleet.export.policy import PolicyRefused, ReleasePolicy
 from dpfleet.io import atomic_write, sha256_hex
 from dpfleet.jsonio import dumps
+from dpfleet.secagg.encoding import rounding_seed
 from dpfleet.secagg.round_sum import RingCosts, ring_sum
 from dpfleet.service.boot import Booted
 from dpfleet.service.faults import fault_from_env
@@ -444,6 +445,9 @@ class RoundDriver:
             cur.plain = PlainCollector(n, plan.theta.size, plan.clip_norm, cfg.dp.report_goal)
             deadlines = {"report": now + self.svc.report_deadline_s}
         keep = {model_sha, plan_sha}
+        # research mode only: each device rounds to the ring with the simulation's keyed draw
+        # (secagg/encoding.py; THREAT_MODEL.md, "Research-mode rounding"); else its own
+        research = secagg_json is not None and cfg.dp.noise_seed >= 0
         for u, d in enumerate(plan.devices):
             cur.assignments[u] = msg.assignment(
                 round=number, attempt=attempt, position=u, model_sha256=model_sha,
@@ -453,7 +457,8 @@ class RoundDriver:
                 # SecAgg's design: each device pins its peers' keys
                 devices=plan.device_ids if secagg_json is not None else None,
                 # the signed program the device trains with (PROTOCOL.md)
-                bundle=b.bundle.assignment_field() if b.bundle is not None else None)
+                bundle=b.bundle.assignment_field() if b.bundle is not None else None,
+                rounding_seed=rounding_seed(cur.disc.seed, u) if research else None)
         b.blobs.retain(keep)
         self.current = cur
         for d in plan.devices:
@@ -476,8 +481,10 @@ class RoundDriver:
 
         cfg, eng, plan = self.cfg, self.engine, cur.plan
         agg = cfg.aggregation
+        # the round seed of `simulate`'s collector: a reopened attempt's is keyed by it too
+        again = [cur.attempt] if cur.attempt > 1 else []
         disc = round_discretizer(cfg, plan.theta.size, plan.clip_norm,
-                                 derive_seed(cfg.seed, "agg", plan.round),
+                                 derive_seed(cfg.seed, "agg", plan.round, *again),
                                  eng.ring.ring_clients if eng.ring else None)
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
         threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too

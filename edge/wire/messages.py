@@ -134,8 +134,10 @@ def done() -> dict:
 def assignment(*, round: int, attempt: int, position: int, model_sha256: str, plan_sha256: str,
                client_seed: int, aggregation: str, secagg: dict | None, deadlines: dict,
                time_scale: float, devices: list[str] | None = None,
-               bundle: dict | None = None) -> dict:
-    """One device's assignment; `devices` only in SecAgg rounds, `bundle` only in bundle mode."""
+               bundle: dict | None = None, rounding_seed: list[int] | None = None) -> dict:
+    """One device's assignment; `devices` only in SecAgg rounds, `bundle` only in bundle mode,
+    `rounding_seed` only in research-mode SecAgg rounds (the ring rounding's seed words,
+    `secagg.encoding.rounding_seed`: absent, the device draws its own)."""
     out = {"kind": "assignment", "round": round, "attempt": attempt, "position": position,
            "model_sha256": model_sha256, "plan_sha256": plan_sha256, "client_seed": client_seed,
            "aggregation": aggregation, "secagg": secagg, "deadlines": deadlines,
@@ -144,6 +146,8 @@ def assignment(*, round: int, attempt: int, position: int, model_sha256: str, pl
         out["devices"] = devices
     if bundle is not None:
         out["bundle"] = bundle
+    if rounding_seed is not None:
+        out["rounding_seed"] = rounding_seed
     return out
 
 
