@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from dpfleet.export.noise import capture, log_path, terminal
+from dpfleet.export.console_capture import capture, log_path, terminal
 from dpfleet.progress import progress_bar
 
 
