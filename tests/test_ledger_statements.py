@@ -14,8 +14,8 @@ from test_api import CONFIG, USERS, TinyLM, WordIds
 from test_launch_plan import write_five
 
 import dpfleet
-from dpfleet.coordinator.accounting import ledger
 from dpfleet.cli import main
+from dpfleet.coordinator.accounting import ledger
 from dpfleet.coordinator.mechanisms.base import gaussian_event
 from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.errors import DpfleetError
@@ -38,8 +38,8 @@ def _json(capsys, args: list[str]) -> dict:
 def test_account_worst_case_prints_the_pinned_eps(capsys):
     # tree, T = 8, MaxP 2, MinS 3: sens^2 10 (hand: the worst pair of 2 leaves' root paths),
     # rho = 10 / (2 * 2^2) = 1.25; eps by PLD at 1e-6 as printed before the ledger
-    out = _json(capsys, ["account", "-z", "2", "-T", "8", "--max-participation", "2", "--min-separation", "3",
-                 "--delta", "1e-6", "--json"])
+    out = _json(capsys, ["account", "-z", "2", "-T", "8", "--max-participation", "2",
+                         "--min-separation", "3", "--delta", "1e-6", "--json"])
     assert (out["sensitivity_squared"], out["zcdp"]) == (10, 1.25)
     assert out["epsilon"] == 8.306225456309951
 
@@ -55,7 +55,8 @@ def test_account_participation_log_prints_the_pinned_eps(tmp_path, capsys):
 
 
 def test_plan_prints_the_pinned_eps(capsys):
-    out = _json(capsys, ["plan", "-N", "200", "-T", "10", "--target-zcdp", "0.5", "--delta", "1e-6", "--json"])
+    out = _json(capsys, ["plan", "-N", "200", "-T", "10", "--target-zcdp", "0.5", "--delta", "1e-6",
+                         "--json"])
     assert out["epsilon"] == 4.88655430032725
 
 
@@ -125,7 +126,8 @@ def test_a_built_in_speaks_its_own_event_and_it_is_the_gaussian_of_its_sensitivi
 
 
 def test_attack_a_mechanism_whose_event_under_reports_is_refused(tmp_path):
-    with pytest.raises(DpfleetError, match="under-reports.*event.*claims rho 0.03125.*sensitivity implies 0.125"):
+    refused = "under-reports.*event.*claims rho 0.03125.*sensitivity implies 0.125"
+    with pytest.raises(DpfleetError, match=refused):
         ledger.mechanism_entry(UnderReports(), 2.0, 1.0, (1, None, 1, ()))
     config = {**CONFIG, "rounds": 2, "dp": {**CONFIG["dp"], "noise_seed": 7},
               "participation": {"mode": "uniform", "min_separation": 1}}
