@@ -14,6 +14,16 @@ plus the others'; eps at delta is `zcdp.epsilon_from_zcdp` of that rho by the ru
 (PLD for Gaussian noise, RDP for discrete or declared noise; the caller picks, `run_accountant.
 conversion_for`). A PLD conversion costs ~40 ms, so it is cached by (rho, delta, conversion).
 
+Figures that are no run's are one-entry ledgers: a target or planned rho (`stated_epsilon`), a
+planned Gaussian (`planned_epsilon`), a worst case or a participation log (`account_worst_case`,
+`account_participation_log`, over zcdp.py's rho-only figures). zcdp.py holds the conversion but
+never calls it to state a figure (it cannot import this module: the ledger imports it), so the
+rule "every eps is a ledger's" is one grep (tests/test_ledger_statements.py).
+
+The training entry's event is the mechanism's own (`mechanism_entry`): `Mechanism.event`, which
+must be the Gaussian of z and the accountant's checked sens^2 (every built-in's is, exactly) or
+claim at least its rho; an event that under-reports is refused.
+
 privacy.json keeps the ledger (`to_json`): each entry's name, its event as dp_accounting's own
 named-tuple form (`DpEvent.to_named_tuple`, as JSON), its rho and its own eps; nothing secret.
 `check_ledger` rebuilds it from there (only dp_accounting's event classes, never an arbitrary
@@ -154,17 +164,14 @@ def _with_epsilon(figures: dict, entry: Entry, delta: float, method: str) -> dic
     return out
 
 
-def account_worst_case(noise_multiplier: float, rounds: int, max_participation: int = 1,
-                       min_separation: int | None = None,
-                       restarts: Sequence[int] | None = None, delta: float = 1e-10,
-                       method: str = "pld", *, adjacency: str = "zero-out",
-                       nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
-    """`zcdp.worst_case_zcdp` with its eps: the one-entry ledger of `mechanism`'s event for the
-    worst participation MaxP / MinS allow (default the tree over `nodes`)."""
+def account_worst_case(noise_multiplier: float, rounds: int, *args, nodes: str = "all",
+                       mechanism: Mechanism | None = None, **kwargs) -> dict:
+    """`zcdp.worst_case_zcdp` (the same arguments) with its eps: the one-entry ledger of
+    `mechanism`'s event for the worst participation MaxP / MinS allow (default the tree over
+    `nodes`)."""
     mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
-    worst = worst_case_zcdp(noise_multiplier, rounds, max_participation, min_separation, restarts,
-                            delta, method, adjacency=adjacency, mechanism=mechanism)
-    return _with_epsilon(worst, _worst_entry(worst, mechanism), delta, method)
+    worst = worst_case_zcdp(noise_multiplier, rounds, *args, mechanism=mechanism, **kwargs)
+    return _with_epsilon(worst, _worst_entry(worst, mechanism), worst["delta"], worst["method"])
 
 
 def _worst_entry(worst: Mapping, mechanism: Mechanism) -> Entry:
