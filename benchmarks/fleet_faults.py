@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dpfleet.coordinator.accounting.zcdp import account_participation_log
+from dpfleet.coordinator.accounting.ledger import account_participation_log
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.run_dir import to_toml

@@ -637,9 +637,10 @@ class RoundDriver:
         return sum(1 for h in self.history if h["status"] == "failed")
 
     def epsilon(self) -> float:
-        """eps spent by the committed rounds: the last metrics record's (every committed round
-        has one with the DP fields; a record without the key is skipped, never a 500). A stored
-        null is eps = inf (no noise: JSON has no inf); 0 before any round."""
+        """eps spent by the committed rounds: the last metrics record's, the run's ledger's figure
+        (`RunAccountant.record`; never converted here, so status and privacy.json agree). Every
+        committed round has one with the DP fields; a record without the key is skipped, never a
+        500. A stored null is eps = inf (no noise: JSON has no inf); 0 before any round."""
         for m in reversed(self.engine.metrics):
             if "epsilon" in m:
                 eps = m["epsilon"]

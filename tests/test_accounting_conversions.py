@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dpfleet.coordinator.accounting.ledger import account_worst_case
 from dpfleet.coordinator.accounting.zcdp import (
     METHODS,
-    account_worst_case,
     epsilon_from_zcdp,
     noise_for_zcdp,
     zcdp_for_epsilon,

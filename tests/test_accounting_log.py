@@ -7,11 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import (
-    account_participation_log,
-    observe_participation,
-    zcdp_from_noise,
-)
+from dpfleet.coordinator.accounting.ledger import account_participation_log
+from dpfleet.coordinator.accounting.zcdp import observe_participation, zcdp_from_noise
 from dpfleet.coordinator.mechanisms.tree_sensitivity import pattern_sensitivity_squared
 from dpfleet.errors import DpfleetError
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from dpfleet.coordinator.accounting.ledger import account_participation_log
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
-from dpfleet.coordinator.accounting.zcdp import account_participation_log, zcdp_from_sensitivity
+from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.mechanisms.registry import build

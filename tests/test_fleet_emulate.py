@@ -13,7 +13,7 @@ import time
 import pytest
 from service_fleet import tiny_cfg
 
-from dpfleet.coordinator.accounting.zcdp import account_participation_log
+from dpfleet.coordinator.accounting.ledger import account_participation_log
 from dpfleet.edge.devices import Behaviour, DevicesSection
 from dpfleet.fleet.clock import FleetClock
 from dpfleet.fleet.emulate import fleet_keys, load_devices

@@ -20,7 +20,7 @@ import pytest
 from service_fleet import device_keys, fleet_data, run_devices, tiny_cfg
 from test_service_kill import check_run, free_port, serve_once
 
-from dpfleet.coordinator.accounting.zcdp import account_participation_log
+from dpfleet.coordinator.accounting.ledger import account_participation_log
 from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.coordinator.state.release_log import check_no_reuse
 from dpfleet.coordinator.state.run_dir import to_toml

@@ -6,12 +6,8 @@ import math
 import pytest
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import (
-    account_worst_case,
-    epsilon_from_zcdp,
-    zcdp_for_epsilon,
-    zcdp_from_sensitivity,
-)
+from dpfleet.coordinator.accounting.ledger import account_worst_case
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon, zcdp_from_sensitivity
 from dpfleet.coordinator.mechanisms.registry import rebuild
 from dpfleet.coordinator.mechanisms.spec import (
     DESCRIPTIONS,

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting.zcdp import account_worst_case, zcdp_from_noise
+from dpfleet.coordinator.accounting.ledger import account_worst_case
+from dpfleet.coordinator.accounting.zcdp import zcdp_from_noise
 from dpfleet.coordinator.mechanisms.blt import BLT, banded_toeplitz_matrix
 from dpfleet.coordinator.mechanisms.matrix import MatrixMechanism
 from dpfleet.coordinator.mechanisms.mf_optimize import optimize_blt, tree_loss

@@ -8,11 +8,8 @@ from dp_accounting import rdp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpfleet.coordinator.accounting.zcdp import (
-    account_participation_log,
-    epsilon_from_zcdp,
-    zcdp_for_epsilon,
-)
+from dpfleet.coordinator.accounting.ledger import account_participation_log
+from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
 from dpfleet.coordinator.run_privacy.run_accountant import RunAccountant
 from dpfleet.errors import DpfleetError
 

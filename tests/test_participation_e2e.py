@@ -6,11 +6,8 @@ import json
 import pytest
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import (
-    account_participation_log,
-    model_noise_multiplier,
-    observe_participation,
-)
+from dpfleet.coordinator.accounting.ledger import account_participation_log
+from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier, observe_participation
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import run_simulation
 from dpfleet.coordinator.state.run_dir import to_toml

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
-from dpfleet.coordinator.accounting.zcdp import account_participation_log
+from dpfleet.coordinator.accounting.ledger import account_participation_log
 from dpfleet.coordinator.config import ParticipationSection, parse_config
 from dpfleet.coordinator.engine.participation import Participation
 from dpfleet.coordinator.engine.restore import replay

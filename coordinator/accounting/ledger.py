@@ -14,6 +14,16 @@ plus the others'; eps at delta is `zcdp.epsilon_from_zcdp` of that rho by the ru
 (PLD for Gaussian noise, RDP for discrete or declared noise; the caller picks, `run_accountant.
 conversion_for`). A PLD conversion costs ~40 ms, so it is cached by (rho, delta, conversion).
 
+Figures that are no run's are one-entry ledgers: a target or planned rho (`stated_epsilon`), a
+planned Gaussian (`planned_epsilon`), a worst case or a participation log (`account_worst_case`,
+`account_participation_log`, over zcdp.py's rho-only figures). zcdp.py holds the conversion but
+never calls it to state a figure (it cannot import this module: the ledger imports it), so the
+rule "every eps is a ledger's" is one grep (tests/test_ledger_statements.py).
+
+The training entry's event is the mechanism's own (`mechanism_entry`): `Mechanism.event`, which
+must be the Gaussian of z and the accountant's checked sens^2 (every built-in's is, exactly) or
+claim at least its rho; an event that under-reports is refused.
+
 privacy.json keeps the ledger (`to_json`): each entry's name, its event as dp_accounting's own
 named-tuple form (`DpEvent.to_named_tuple`, as JSON), its rho and its own eps; nothing secret.
 `check_ledger` rebuilds it from there (only dp_accounting's event classes, never an arbitrary
@@ -25,7 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -36,10 +46,13 @@ from dp_accounting.pld import pld_privacy_accountant
 from dpfleet.coordinator.accounting.zcdp import (
     epsilon_from_zcdp,
     model_noise_multiplier,
+    participation_log_zcdp,
+    worst_case_zcdp,
     zcdp_from_sensitivity,
 )
-from dpfleet.coordinator.mechanisms.base import gaussian_event
+from dpfleet.coordinator.mechanisms.base import ADJACENCY, Mechanism, gaussian_event
 from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP
+from dpfleet.coordinator.mechanisms.tree import TreeMechanism
 from dpfleet.errors import DpfleetError
 
 # the entries' names, in the order a run composes them
@@ -86,6 +99,104 @@ def training_entry(noise_multiplier: float, sensitivity_squared: float,
              gaussian_entry(CLIPPED_COUNT_NOISE, count_multiplier, sensitivity_squared))
     return Entry(TRAINING, dp_accounting.ComposedDpEvent([p.event for p in parts]), whole.zcdp,
                  what="DP-FTRL with adaptive clipping", parts=parts)
+
+
+def mechanism_entry(mechanism: Mechanism, noise_multiplier: float, sensitivity_squared: float,
+                    participation: tuple[int, int | None, int, Sequence[int]],
+                    count_multiplier: float | None = None, adjacency: int = 1) -> Entry:
+    """`training_entry` for the checked sens^2 `s`, its event the one `mechanism.event` states for
+    `participation` (rounds, MinS, MaxP, restarts) under an adjacency factor (4: replace-one,
+    a doubled L2 sensitivity, the event of z / 2).
+
+    Why checked: the mechanism speaks its own event, but a caller's could claim less than its
+    noise gives. A built-in's is the Gaussian of z and s exactly (the entry is unchanged); another
+    event is taken at its own rho when that is at least s / (2 z^2), else refused in one line."""
+    entry = training_entry(noise_multiplier, sensitivity_squared, count_multiplier)
+    if noise_multiplier == 0 or sensitivity_squared == 0:  # no privacy / nothing released: no claim
+        return entry
+    rounds, min_separation, max_participation, restarts = participation
+    claimed = mechanism.event(noise_multiplier / math.sqrt(adjacency), rounds, min_separation,
+                              max_participation, list(restarts))
+    if claimed == gaussian_event(noise_multiplier, sensitivity_squared):
+        return entry
+    if not isinstance(claimed, dp_accounting.DpEvent) or type(claimed).__name__ not in EVENTS:
+        raise DpfleetError(f"noise mechanism {mechanism.name!r}: event() returned {claimed!r}; the "
+                           f"ledger accounts only {', '.join(EVENTS)}")
+    rho = event_zcdp(claimed)
+    if rho < entry.zcdp and not _close(rho, entry.zcdp):
+        raise DpfleetError(
+            f"noise mechanism {mechanism.name!r}: its event() claims rho {rho:.6g} where its "
+            f"sensitivity implies {entry.zcdp:.6g} (sens^2 / (2 z^2)): refused, an event may not "
+            "state less privacy loss than its noise gives")
+    return Entry(TRAINING, claimed, rho, what=entry.what, parts=entry.parts)
+
+
+def stated_entry(rho: float, name: str = TRAINING, what: str = "") -> Entry:
+    """A release of rho-zCDP as the Gaussian it is (multiplier 1 / sqrt(2 rho)): how a target or
+    a planned rho is stated (the planner's, a plan's)."""
+    rho = float(rho)
+    event = (dp_accounting.NoOpDpEvent() if rho == 0 else dp_accounting.NonPrivateDpEvent()
+             if math.isinf(rho) else dp_accounting.GaussianDpEvent(1.0 / math.sqrt(2.0 * rho)))
+    return Entry(name, event, rho, what=what)
+
+
+def stated_epsilon(rho: float, delta: float, conversion: str = "pld") -> float:
+    """eps at `delta` of a hypothetical release of rho-zCDP: its one-entry ledger's."""
+    return Ledger((stated_entry(rho),)).epsilon(delta, conversion)
+
+
+def planned_epsilon(noise_multiplier: float, sensitivity_squared: float, delta: float,
+                    conversion: str = "pld") -> float:
+    """eps at `delta` of a planned Gaussian release (multiplier z, worst-case sens^2 s): its
+    one-entry ledger's (the launch plan's figures)."""
+    planned = gaussian_entry(TRAINING, noise_multiplier, sensitivity_squared)
+    return Ledger((planned,)).epsilon(delta, conversion)
+
+
+def _with_epsilon(figures: dict, entry: Entry, delta: float, method: str) -> dict:
+    """`figures` with its zcdp and eps as the one-entry ledger of `entry` states them (eps right
+    after "method", where the figures have always put it)."""
+    out = {}
+    for key, value in figures.items():
+        out[key] = entry.zcdp if key == "zcdp" else value
+        if key == "method":
+            out["epsilon"] = Ledger((entry,)).epsilon(delta, method)
+    return out
+
+
+def account_worst_case(noise_multiplier: float, rounds: int, *args, nodes: str = "all",
+                       mechanism: Mechanism | None = None, **kwargs) -> dict:
+    """`zcdp.worst_case_zcdp` (the same arguments) with its eps: the one-entry ledger of
+    `mechanism`'s event for the worst participation MaxP / MinS allow (default the tree over
+    `nodes`)."""
+    mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
+    worst = worst_case_zcdp(noise_multiplier, rounds, *args, mechanism=mechanism, **kwargs)
+    return _with_epsilon(worst, _worst_entry(worst, mechanism), worst["delta"], worst["method"])
+
+
+def _worst_entry(worst: Mapping, mechanism: Mechanism) -> Entry:
+    participation = (worst["rounds"], worst["min_separation"], max(worst["max_participation"], 1),
+                     worst["restarts"])
+    return mechanism_entry(mechanism, worst["noise_multiplier"], worst["sensitivity_squared"],
+                           participation, adjacency=ADJACENCY[worst["adjacency"]])
+
+
+def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
+                              noise_multiplier: float, delta: float, method: str = "pld", *,
+                              rounds: int | None = None, adjacency: str = "zero-out",
+                              nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
+    """`zcdp.participation_log_zcdp` with its eps (the headline: the one-entry ledger of the
+    mechanism's event for the observed MinS / MaxP; the worst device's: of its own Gaussian)."""
+    mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
+    worst = participation_log_zcdp(path_or_records, noise_multiplier, delta, method, rounds=rounds,
+                                   adjacency=adjacency, mechanism=mechanism)
+    out = _with_epsilon(worst, _worst_entry(worst, mechanism), delta, method)  # nobody: s = 0
+    device = worst["worst_device"]
+    if device is not None:
+        entry = gaussian_entry("worst_device", noise_multiplier, device["sensitivity_squared"])
+        out["worst_device"] = {**device, "zcdp": entry.zcdp,
+                               "epsilon": Ledger((entry,)).epsilon(delta, method)}
+    return out
 
 
 def release_entry(release: Mapping) -> Entry:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.ledger import stated_epsilon
 from dpfleet.coordinator.accounting.zcdp import (
-    epsilon_from_zcdp,
     noise_for_zcdp,
     zcdp_from_sensitivity,
 )
@@ -151,7 +151,7 @@ def make_plan(population: int, rounds: int, target_zcdp: float, *,
         raise DpfleetError("population and rounds must be >= 1")
     if population > MAX_POPULATION:  # beyond numpy's integers (the report goal grid)
         raise DpfleetError(f"population must be at most {MAX_POPULATION:.0e} devices, got {population}")
-    eps = None if delta is None else epsilon_from_zcdp(target_zcdp, delta, method)
+    eps = None if delta is None else stated_epsilon(target_zcdp, delta, method)
     goals = report_goal_grid(population, rounds)
     if report_goal is not None:
         max_min_separation(population, report_goal)  # validates

@@ -190,13 +190,14 @@ def zcdp_for_epsilon(epsilon: float, delta: float, method: str = "pld") -> float
     return lo
 
 
-def account_worst_case(noise_multiplier: float, rounds: int, max_participation: int = 1,
-                       min_separation: int | None = None,
-                       restarts: Sequence[int] | None = None, delta: float = 1e-10,
-                       method: str = "pld", *, adjacency: str = "zero-out",
-                       nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
-    """zCDP and eps of the worst participation pattern allowed by MaxP / MinS, as one dict, for
-    `mechanism` (default the tree over `nodes`)."""
+def worst_case_zcdp(noise_multiplier: float, rounds: int, max_participation: int = 1,
+                    min_separation: int | None = None,
+                    restarts: Sequence[int] | None = None, delta: float = 1e-10,
+                    method: str = "pld", *, adjacency: str = "zero-out",
+                    nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
+    """zCDP of the worst participation pattern allowed by MaxP / MinS, as one dict, for
+    `mechanism` (default the tree over `nodes`). Its eps is the ledger's to state
+    (`ledger.account_worst_case`): this layer converts nothing it prints."""
     _check_positive(noise_multiplier, "noise multiplier")
     _check_delta(delta), _check_method(method)
     check_int(max_participation, "max_participation", 1)
@@ -220,7 +221,6 @@ def account_worst_case(noise_multiplier: float, rounds: int, max_participation: 
         "zcdp": rho,
         "delta": float(delta),
         "method": method,
-        "epsilon": epsilon_from_zcdp(rho, delta, method),
     }
 
 
@@ -307,12 +307,13 @@ def observe_participation_log(path_or_records: str | Path | Iterable[Mapping],
     return observe_participation(records)
 
 
-def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
-                              noise_multiplier: float, delta: float, method: str = "pld", *,
-                              rounds: int | None = None, adjacency: str = "zero-out",
-                              nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
-    """Account a run (or, with `rounds`, the model after its first `rounds` rounds) from its log,
-    for `mechanism` (default the tree over `nodes`).
+def participation_log_zcdp(path_or_records: str | Path | Iterable[Mapping],
+                           noise_multiplier: float, delta: float, method: str = "pld", *,
+                           rounds: int | None = None, adjacency: str = "zero-out",
+                           nodes: str = "all", mechanism: Mechanism | None = None) -> dict:
+    """zCDP of a run (or, with `rounds`, the model after its first `rounds` rounds) from its log,
+    for `mechanism` (default the tree over `nodes`); the ledger states its eps
+    (`ledger.account_participation_log`).
 
     The headline (`sensitivity_squared`, `zcdp`, `epsilon`) is the worst case over every
     pattern with the observed MaxP and MinS, as paper 002 reports it. `worst_device` (the tree
@@ -322,9 +323,9 @@ def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
     _check_delta(delta), _check_method(method), _adjacency_factor(adjacency)
     mechanism = TreeMechanism(nodes) if mechanism is None else mechanism
     obs = observe_participation_log(path_or_records, rounds)
-    worst = account_worst_case(noise_multiplier, obs.rounds, max(obs.max_participation, 1),
+    worst = worst_case_zcdp(noise_multiplier, obs.rounds, max(obs.max_participation, 1),
                                obs.min_separation, obs.restarts, delta, method,
-                               adjacency=adjacency, mechanism=mechanism)
+                             adjacency=adjacency, mechanism=mechanism)
     worst.update(
         max_participation=obs.max_participation,
         devices=len(obs.devices),
@@ -332,7 +333,7 @@ def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
         worst_device=None,
     )
     if not obs.devices:  # nobody took part: nothing was released about anyone
-        worst.update(sensitivity_squared=0, zcdp=0.0, epsilon=0.0)
+        worst.update(sensitivity_squared=0, zcdp=0.0)
         return worst
     per_device = getattr(mechanism, "device_sensitivity_squared", None)
     if per_device is None:
@@ -345,6 +346,5 @@ def account_participation_log(path_or_records: str | Path | Iterable[Mapping],
         "participations": len(obs.patterns[i]),
         "sensitivity_squared": int(per_device[i]),
         "zcdp": rho,
-        "epsilon": epsilon_from_zcdp(rho, delta, method),
     }
     return worst

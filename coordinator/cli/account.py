@@ -8,14 +8,16 @@ from pathlib import Path
 
 import click
 
-from dpfleet.coordinator.accounting.ledger import read_checked_privacy
+from dpfleet.coordinator.accounting.ledger import (
+    account_participation_log,
+    account_worst_case,
+    read_checked_privacy,
+)
 from dpfleet.coordinator.accounting.privacy_report import noise_mechanism
 from dpfleet.coordinator.accounting.zcdp import (
     ADJACENCY,
     METHODS,
     MIN_SEPARATION_CONVENTION,
-    account_participation_log,
-    account_worst_case,
     observe_participation_log,
 )
 from dpfleet.coordinator.mechanisms.base import Mechanism

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.ledger import planned_epsilon
 from dpfleet.coordinator.accounting.planner import (
     candidates,
     capped_max_participation,
@@ -44,7 +45,7 @@ from dpfleet.coordinator.accounting.planner import (
     pick_mechanism,
     row_for,
 )
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
+from dpfleet.coordinator.accounting.zcdp import zcdp_from_sensitivity
 from dpfleet.coordinator.config import ParticipationSection, check_delta, round_minutes_error
 from dpfleet.coordinator.engine.participation import Participation, RoundUnfillable
 from dpfleet.coordinator.mechanisms.registry import rebuild
@@ -236,9 +237,9 @@ def _account(report_goal: int, timer: float, run: Realised, cap: int, slots: int
     mechanism = rebuild(picked.mechanism, picked.spec)
     s = mechanism.sensitivity_squared(run.rounds, run.min_separation, run.max_participation, [])
     rho = zcdp_from_sensitivity(picked.noise_multiplier, picked.sensitivity_squared)
-    eps = None if delta is None else epsilon_from_zcdp(rho, delta, method)
-    realised = (None if delta is None
-                else epsilon_from_zcdp(zcdp_from_sensitivity(picked.noise_multiplier, s), delta, method))
+    eps = None if delta is None else planned_epsilon(picked.noise_multiplier, picked.sensitivity_squared,
+                                                     delta, method)
+    realised = None if delta is None else planned_epsilon(picked.noise_multiplier, s, delta, method)
     return Candidate(**base, max_participation=maxp, mechanism=picked.mechanism,
                      noise_multiplier=picked.noise_multiplier, noise_factor=picked.noise_factor,
                      noise_to_signal=picked.noise_multiplier * picked.noise_factor / report_goal,

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dpfleet.coordinator.accounting.ledger import stated_epsilon
 from dpfleet.coordinator.accounting.planner import candidates, make_plan, mechanism_rows, pick_mechanism
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_for_epsilon
+from dpfleet.coordinator.accounting.zcdp import zcdp_for_epsilon
 from dpfleet.coordinator.config import (
     SimulationConfig,
     config_values,
@@ -92,7 +93,7 @@ def make_run_plan(cfg: SimulationConfig, population: int) -> dict:
     return {
         "population": population, "rounds": cfg.rounds, "target_epsilon": target,
         "delta": cfg.dp.delta, "target_zcdp": rho,
-        "epsilon_of_target_zcdp": epsilon_from_zcdp(rho, cfg.dp.delta),
+        "epsilon_of_target_zcdp": stated_epsilon(rho, cfg.dp.delta),
         "mechanism_choice": asked,
         "chosen": {"report_goal": c.report_goal, "min_separation": c.min_separation,
                    "max_participation": c.max_participation, "mechanism": picked.mechanism,

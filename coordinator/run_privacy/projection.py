@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dpfleet.coordinator.accounting.ledger import Ledger, mechanism_entry
 from dpfleet.coordinator.accounting.planner import capped_max_participation, max_min_separation
-from dpfleet.coordinator.accounting.zcdp import epsilon_from_zcdp, zcdp_from_sensitivity
 from dpfleet.coordinator.config import SimulationConfig, projection_factor
 from dpfleet.coordinator.mechanisms.base import Mechanism
 
@@ -47,14 +47,16 @@ def projected_privacy(cfg: SimulationConfig, mechanism: Mechanism, conversion: s
             else max_min_separation(proj.population, proj.noise_cohort))
     maxp = capped_max_participation(cfg.rounds, mins, proj.max_participation)
     s = mechanism.sensitivity_squared(cfg.rounds, mins, maxp, list(restarts))
-    rho = zcdp_from_sensitivity(dp.noise_multiplier, s) if dp.noise_multiplier else float("inf")
+    # the one-entry ledger of the mechanism's own event for the planned launch's participation
+    entry = mechanism_entry(mechanism, dp.noise_multiplier, s, (cfg.rounds, mins, maxp, restarts))
+    planned = Ledger((entry,))
     return {
         "label": projection_label(proj.population), "epsilon_is_a_guarantee": False,
         "population": proj.population, "noise_cohort": proj.noise_cohort, "train_cohort": dp.report_goal,
         "noise_multiplier": dp.noise_multiplier, "noise_scale": projection_factor(cfg),
         "rounds": cfg.rounds, "min_separation": mins, "max_participation": maxp,
-        "sensitivity_squared": s, "zcdp": rho, "delta": dp.delta, "method": conversion,
-        "epsilon": epsilon_from_zcdp(rho, dp.delta, conversion),
+        "sensitivity_squared": s, "zcdp": planned.zcdp, "delta": dp.delta, "method": conversion,
+        "epsilon": planned.epsilon(dp.delta, conversion),
     }
 
 

@@ -34,8 +34,8 @@ from dpfleet.coordinator.accounting.ledger import (
     Entry,
     Ledger,
     epsilon_of,
+    mechanism_entry,
     release_entry,
-    training_entry,
     vocabulary_entry,
 )
 from dpfleet.coordinator.accounting.privacy_report import (
@@ -117,20 +117,21 @@ class RunAccountant:
                 f"returned {s!r}; it must be a finite number >= 0, and > 0 once a device took part")
         return s
 
-    def training(self, s: float) -> Entry:
-        """The ledger's DP-FTRL entry for worst-case sens^2 `s`: the model noise and, with
+    def training(self, rounds: int, maxp: int, mins: int | None,
+                 restarts: Sequence[int]) -> tuple[float, Entry]:
+        """(sens^2, the ledger's DP-FTRL entry) for this participation: the mechanism's own event
+        (`ledger.mechanism_entry`, checked against the checked sens^2), the model noise and, with
         adaptive clipping, the clipped-count noise (2 sigma_b), together of multiplier z."""
+        s = self.sensitivity_squared(rounds, maxp, mins, restarts) if rounds else 0.0  # 0: nothing released
         count = None if self.count_stddev is None else 2.0 * self.count_stddev
-        return training_entry(self.noise_multiplier, s, count)
-
-    def zcdp_of(self, s: float) -> float:
-        return self.training(s).zcdp
+        return s, mechanism_entry(self.mechanism, self.noise_multiplier, s,
+                                  (rounds, mins, maxp, list(restarts)), count)
 
     def zcdp_after(self, devices: Sequence[str], restart: bool) -> float:
         """Worst-case zCDP after the next round if `devices` take part in it."""
         maxp, mins = self._observed_after(devices)
         restarts = self.restarts + [self.rounds] * restart
-        return self.zcdp_of(self.sensitivity_squared(self.rounds + 1, maxp, mins, restarts))
+        return self.training(self.rounds + 1, maxp, mins, restarts)[1].zcdp
 
     def would_exceed(self, devices: Sequence[str], restart: bool) -> bool:
         return self.zcdp_after(devices, restart) > self.rho_budget
@@ -145,10 +146,8 @@ class RunAccountant:
             self.last[d] = self.rounds
             self.count[d] = self.count.get(d, 0) + 1
         self.rounds += 1
-        s = self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
-                                     self.restarts)
-        rho = self.zcdp_of(s)
-        return {"zcdp": rho, "epsilon": Ledger((self.training(s),)).epsilon(self.delta, self.conversion),
+        s, training = self._training_now()
+        return {"zcdp": training.zcdp, "epsilon": Ledger((training,)).epsilon(self.delta, self.conversion),
                 "sensitivity_squared": s,
                 "min_separation": self.min_separation, "max_participation": self.max_participation}
 
@@ -162,7 +161,7 @@ class RunAccountant:
         before training (a DP vocabulary) against `budget_epsilon`."""
         if not self.budget_epsilon or self.rounds:
             return
-        first = self.training(self.sensitivity_squared(1, 1, None, []))
+        first = self.training(1, 1, None, [])[1]
         if first.zcdp <= self.rho_budget:
             return
         eps = Ledger((first, *self.spent)).epsilon(self.delta, self.conversion)
@@ -173,22 +172,19 @@ class RunAccountant:
             f"{self.noise_multiplier:g}, {self.mechanism.name} noise); raise dp.budget_epsilon or "
             "dp.noise_multiplier")
 
-    def _sensitivity_now(self) -> float:
-        if self.rounds == 0:  # nothing released yet
-            return 0.0
-        return self.sensitivity_squared(self.rounds, self.max_participation, self.min_separation,
-                                        self.restarts)
+    def _training_now(self) -> tuple[float, Entry]:
+        return self.training(self.rounds, self.max_participation, self.min_separation, self.restarts)
 
     def ledger(self, releases: Sequence[dict] = ()) -> Ledger:
         """The run's ledger now: DP-FTRL for the worst case of the participation so far, the DP
         vocabulary, then the other releases ({name, zcdp, delta, what}, `ledger.release_entry`)."""
-        return Ledger((self.training(self._sensitivity_now()), *self.spent,
+        return Ledger((self._training_now()[1], *self.spent,
                        *(release_entry(r) for r in releases)))
 
     def figures(self) -> dict:
         """The observed run's headline: sens^2, rho, eps (by `conversion`) and eps by RDP."""
-        s = self._sensitivity_now()
-        training = Ledger((self.training(s),))
+        s, entry = self._training_now()
+        training = Ledger((entry,))
         return {"sensitivity_squared": s, "zcdp": training.zcdp,
                 "epsilon": training.epsilon(self.delta, self.conversion),
                 "epsilon_rdp": training.epsilon(self.delta, "rdp")}
@@ -196,8 +192,8 @@ class RunAccountant:
     def enforced_figures(self, rounds: int, min_separation: int, max_participation: int) -> dict:
         """The worst case the config enforces over its planned `rounds` (MinS / MaxP the strategy
         was optimised for, `mechanism_binding.accounted_participation`), with the restarts so far."""
-        s = self.sensitivity_squared(rounds, max_participation, min_separation, self.restarts)
-        training = Ledger((self.training(s),))
+        s, entry = self.training(rounds, max_participation, min_separation, self.restarts)
+        training = Ledger((entry,))
         return {"rounds": rounds, "min_separation": min_separation, "restarts": list(self.restarts),
                 "max_participation": max_participation, "sensitivity_squared": s,
                 "zcdp": training.zcdp, "epsilon": training.epsilon(self.delta, self.conversion)}
