@@ -93,8 +93,8 @@ class DevicesSection:
     dropout_report: float = 0.0
     """The chance a device vanishes while reporting its update."""
     dropout_secagg: float = 0.0
-    """The emulated fleet: the chance a device vanishes in each SecAgg phase (`simulate`'s is
-    aggregation.dropout)."""
+    """The chance a device vanishes before each of its SecAgg messages' phases (commit, advertise,
+    share, mask, consistency in signed mode, unmask), in `simulate` as in the emulated fleet."""
 
     def charging_model(self) -> bool:
         """Whether the charging window or the idle / unmetered draws can make a device unavailable."""
@@ -144,6 +144,25 @@ def drop_draw(seed: int, device: int, round_idx: int, attempt: int, phase: str) 
     """The uniform draw that decides whether `device` vanishes at `phase` of (round, attempt)."""
     return float(np.random.default_rng(
         [seed, 0xF2, device, round_idx, attempt, _phase_tag(phase)]).random())
+
+
+def secagg_drops(section: DevicesSection, seed: int, devices: list[int], round_number: int,
+                 attempt: int, phases: tuple[str, ...]) -> dict[str, list[int]]:
+    """{phase: positions} of `devices` (a SecAgg round's, in position order) that vanish before
+    their message of `phase`, each at the first of `phases` (in protocol order) whose draw says so:
+    the draw an emulated device makes before each message (`Behaviour.drops`, keyed by the
+    service's 1-based round number and attempt), so `simulate` drops the devices, attempts and
+    phases the fleet does."""
+    chance = section.dropout_secagg
+    gone: dict[str, list[int]] = {}
+    if chance <= 0:
+        return gone
+    for position, device in enumerate(devices):
+        for phase in phases:
+            if drop_draw(seed, int(device), round_number, attempt, phase) < chance:
+                gone.setdefault(phase, []).append(position)
+                break
+    return gone
 
 
 @dataclass
