@@ -10,9 +10,10 @@ import json
 import pytest
 from service_fleet import tiny_cfg
 
-from dpfleet.coordinator.engine.round_driver import survivors_short
 from dpfleet.coordinator.config import parse_config
+from dpfleet.coordinator.engine.round_driver import survivors_short
 from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.coordinator.serve_plan import check_service_config
 from dpfleet.errors import DpfleetError
 
 SECAGG = {"aggregation": {"kind": "secagg"}, "rounds": 2, "eval_every": 2}
@@ -97,3 +98,20 @@ def test_a_round_that_always_aborts_stops_the_run_with_one_error(tmp_path):
     assert sum(" abandoned: " in s for s in said) == 10
     releases = tmp_path / "run" / "releases.jsonl"
     assert not releases.is_file() or not lines(releases)  # nothing released
+
+
+def test_each_over_selection_key_is_refused_where_it_would_be_ignored(tmp_path):
+    """Timer-mode `simulate` and `serve` select the same devices: `service.overselect` (every
+    assigned device stays in the round) would be ignored by simulate's timer rounds, and
+    `participation.over_selection` (simulate's race to the goal) by serve, so each is one error."""
+    timer = {"mode": "timer", "timer_period": 0.25}
+    with pytest.raises(DpfleetError, match=r"^service.overselect adds devices to serve's rounds; "
+                                           r"simulate's timer mode over-selects with "
+                                           r"participation.over_selection"):
+        run_simulation(tiny_cfg(participation=timer, service={"overselect": 0.3}), tmp_path / "run",
+                       progress=False, log=lambda s: None)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
+    with pytest.raises(DpfleetError, match=r"^participation.over_selection races simulated finishing "
+                                           r"times .* over-select with service.overselect$"):
+        check_service_config(tiny_cfg(participation={**timer, "over_selection": 1.5}))
+    check_service_config(tiny_cfg(participation=timer))  # the goal exactly: both select 3

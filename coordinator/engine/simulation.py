@@ -178,6 +178,18 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
+def check_timer_selection(cfg: SimulationConfig) -> None:
+    """One over-selection key per round rule, never one silently ignored: `service.overselect`
+    adds devices that all stay in the round (serve in every mode, simulate's uniform and disjoint
+    rounds), `participation.over_selection` is simulate's timer-mode race, whose first report_goal
+    finishers commit (serve refuses it: `serve_plan`). Timer-mode `simulate` has no room for the
+    former, so a config with it would select fewer devices than `serve` does."""
+    if cfg.participation.mode == "timer" and cfg.service.overselect > 0:
+        raise DpfleetError("service.overselect adds devices to serve's rounds; simulate's timer mode "
+                           "over-selects with participation.over_selection (its first report_goal "
+                           "finishers commit): remove service.overselect to simulate this config")
+
+
 @dataclass
 class SimulationResult:
     run_dir: Path
@@ -227,6 +239,7 @@ def run_simulation(
     a config.json's mechanism pin); None: nothing.
     """
     plan = plan or RunPlan()
+    check_timer_selection(cfg)
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
     torch.manual_seed(cfg.seed)
