@@ -19,7 +19,8 @@ Why every draw is keyed, never a shared stream: a run must replay, and a device'
 not depend on who else is simulated or which worker process owns it. The simple model's draw for
 device d at slot s is element d of the stream seeded (seed, 0xA7, s), and a phase's dropout is
 drawn per (seed, device, round, attempt, phase), so `simulate` and the fleet decide the same for
-the same device and round (tests/test_device_model.py). One exception is kept for replay: by default
+the same device and round (tests/test_device_model.py), SecAgg's phases included (`secagg_drops`,
+tests/test_service_parity.py). One exception is kept for replay: by default
 (`failure_draws = "round"`) a trace's failure chance in `simulate` is drawn per (round, slot)
 over the selected devices, as recorded runs drew it; "device" draws it as the fleet does.
 

@@ -3,8 +3,9 @@ collectors; over real sockets, with the same dp.noise_seed, serve's run (devices
 remotely through fleet/link.py + fleet/participant.py) releases what simulate releases. Plain
 aggregation: the same participation, DP metrics and final model, bit for bit (the service sums
 the float32 reports in position order in float64, as PlainAggregator does). SecAgg: the same
-participation and privacy figures, with the same dropouts in each SecAgg phase too (abandoned
-and reopened rounds included); the models agree within the encoding's quantization bound."""
+participation and privacy figures, with the device model's dropouts in each SecAgg phase too
+(abandoned and reopened rounds included); the models agree within the encoding's quantization
+bound."""
 
 import asyncio
 import json
