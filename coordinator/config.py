@@ -290,8 +290,6 @@ class AggregationSection:
     """SecAgg: the ring Z_(2^bits), 1..32 bits."""
     graph: str = "harary"
     """SecAgg: the masking graph, "harary" (SecAgg+) | "complete" (SecAgg)."""
-    dropout: float = 0.0
-    """SecAgg: the fraction of clients simulated to drop after sharing keys."""
     signed: bool = False
     """SecAgg: malicious-server mode (signatures, consistency checks, pinned keys)."""
     corruption: float = 0.05
@@ -465,7 +463,8 @@ _MOVED = {"dp.sampling": "participation.mode",
           **{f"fleet.{k}": f"devices.{k}" for k in (
               "charging_hours", "charging_start", "timezone_spread", "idle", "unmetered",
               "condition_minutes", "speed_sigma", "bandwidth_mbps", "latency_ms", "link_sigma",
-              "dropout_download", "dropout_train", "dropout_report", "dropout_secagg")}}
+              "dropout_download", "dropout_train", "dropout_report", "dropout_secagg")},
+          "aggregation.dropout": "devices.dropout_secagg"}
 
 
 def _check_type(key: str, value: object, annotation: object) -> object:

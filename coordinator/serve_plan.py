@@ -20,9 +20,10 @@ from dpfleet.errors import DpfleetError
 
 def check_service_config(cfg: SimulationConfig) -> None:
     """What the service refuses up front (clear errors, never a silent weaker guarantee)."""
-    if cfg.aggregation.kind == "secagg" and cfg.aggregation.dropout:
-        raise DpfleetError("aggregation.dropout simulates dropouts in-process; over the network "
-                           "devices drop by themselves: set it to 0 for the service")
+    if cfg.participation.over_selection != 1:  # simulate's race to the goal (`participation`)
+        raise DpfleetError("participation.over_selection races simulated finishing times to the report "
+                           "goal in `simulate`; serve keeps every assigned device in the round: "
+                           "over-select with service.overselect")
     if cfg.data.generated_population:
         raise DpfleetError("data.generated_population cycles real users for scale tests; its epsilon "
                            "protects nobody, so the service refuses it: use `dpfleet simulate`")

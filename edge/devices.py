@@ -19,7 +19,8 @@ Why every draw is keyed, never a shared stream: a run must replay, and a device'
 not depend on who else is simulated or which worker process owns it. The simple model's draw for
 device d at slot s is element d of the stream seeded (seed, 0xA7, s), and a phase's dropout is
 drawn per (seed, device, round, attempt, phase), so `simulate` and the fleet decide the same for
-the same device and round (tests/test_device_model.py). One exception is kept for replay: by default
+the same device and round (tests/test_device_model.py), SecAgg's phases included (`secagg_drops`,
+tests/test_service_parity.py). One exception is kept for replay: by default
 (`failure_draws = "round"`) a trace's failure chance in `simulate` is drawn per (round, slot)
 over the selected devices, as recorded runs drew it; "device" draws it as the fleet does.
 
@@ -93,8 +94,8 @@ class DevicesSection:
     dropout_report: float = 0.0
     """The chance a device vanishes while reporting its update."""
     dropout_secagg: float = 0.0
-    """The emulated fleet: the chance a device vanishes in each SecAgg phase (`simulate`'s is
-    aggregation.dropout)."""
+    """The chance a device vanishes before each of its SecAgg messages' phases (commit, advertise,
+    share, mask, consistency in signed mode, unmask), in `simulate` as in the emulated fleet."""
 
     def charging_model(self) -> bool:
         """Whether the charging window or the idle / unmetered draws can make a device unavailable."""
@@ -144,6 +145,25 @@ def drop_draw(seed: int, device: int, round_idx: int, attempt: int, phase: str) 
     """The uniform draw that decides whether `device` vanishes at `phase` of (round, attempt)."""
     return float(np.random.default_rng(
         [seed, 0xF2, device, round_idx, attempt, _phase_tag(phase)]).random())
+
+
+def secagg_drops(section: DevicesSection, seed: int, devices: list[int], round_number: int,
+                 attempt: int, phases: tuple[str, ...]) -> dict[str, list[int]]:
+    """{phase: positions} of `devices` (a SecAgg round's, in position order) that vanish before
+    their message of `phase`, each at the first of `phases` (in protocol order) whose draw says so:
+    the draw an emulated device makes before each message (`Behaviour.drops`, keyed by the
+    service's 1-based round number and attempt), so `simulate` drops the devices, attempts and
+    phases the fleet does."""
+    chance = section.dropout_secagg
+    gone: dict[str, list[int]] = {}
+    if chance <= 0:
+        return gone
+    for position, device in enumerate(devices):
+        for phase in phases:
+            if drop_draw(seed, int(device), round_number, attempt, phase) < chance:
+                gone.setdefault(phase, []).append(position)
+                break
+    return gone
 
 
 @dataclass

@@ -12,8 +12,9 @@ The differences it must account for are in `info`:
 - `clipped_count` (adaptive clipping, when `bits` are given): each device's clipped bit rides
   in the same masked vector as one exact extra coordinate, so the count covers exactly the
   survivors (`count_bit`);
-- `survivors`: simulated dropouts after key sharing leave clients out of the sum, as on a real
-  fleet; DP accounting must count only them;
+- `survivors`: clients that vanish in the protocol's phases (the caller's `dropouts`: the device
+  model's draws in `simulate`) are left out of the sum, as on a real fleet; DP accounting must
+  count only them;
 - costs: bytes sent/received per client, per-phase client and server seconds.
 
 The decode, the count's split and the record are `round_sum.ring_sum`'s, which the coordinator
@@ -49,7 +50,6 @@ class SecAggAggregator:
         bits: int = 32,
         graph: str = "harary",
         threshold: int | None = None,
-        dropout: float = 0.0,
         assumed_dropout: float = 0.1,
         corruption: float = 0.05,
         signed: bool = False,
@@ -60,11 +60,11 @@ class SecAggAggregator:
     ) -> None:
         """clip_norm: the L2 clip C of the deltas; bits: ring Z_(2^bits), at most 32;
         graph: "harary" (SecAgg+) or "complete" (SecAgg); threshold: Shamir t (derived from
-        assumed_dropout and corruption when None, see `dpfleet.secagg.graph`); dropout: the
-        fraction of clients simulated to vanish after sharing keys (the costliest moment);
-        signed: add signatures and the consistency round (malicious-server setting); the
-        emulated fleet's identity keys are made once and pinned on every emulated device, and
-        each device's local policy demands the planned n, k, t and c; fleet_keys: a fleet key
+        assumed_dropout and corruption when None, see `dpfleet.secagg.graph`); assumed_dropout:
+        the fraction of clients k and t are planned to lose; signed: add signatures and the
+        consistency round (malicious-server setting); the emulated fleet's identity keys are
+        made once and pinned on every emulated device, and each device's local policy demands
+        the planned n, k, t and c; fleet_keys: a fleet key
         file (`dpfleet.secagg.identity_keys`) holding those identity keys instead (signed mode);
         ring_clients: size the per-client coordinate range for this many clients instead of
         the round's count (fixed scale across rounds, and headroom for integer noise added to
@@ -73,11 +73,8 @@ class SecAggAggregator:
         (`params.fleet_margins`) instead of from assumed_dropout."""
         if clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive, got {clip_norm}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.clip_norm, self.bits, self.graph = clip_norm, bits, graph
-        self.threshold, self.dropout = threshold, dropout
-        self.assumed_dropout, self.corruption = max(assumed_dropout, dropout), corruption
+        self.threshold, self.assumed_dropout, self.corruption = threshold, assumed_dropout, corruption
         self.signed, self.block_size = signed, block_size
         # the emulated devices' identity keys: from the fleet key file, or made once per run
         self._fleet: dict[int, Ed25519PrivateKey] = (
@@ -94,9 +91,8 @@ class SecAggAggregator:
         `clip_norm`: the round's clip (adaptive clipping moves it at tree restarts); the
         discretizer is scaled to it (None: the constructor's). `dim`: the model's length, which
         every delta must have (`check_shapes`; None: the first delta's). `disc`: the round's
-        discretizer (`round_engine.round_discretizer`; None: one built here). `dropouts`: more
-        clients vanishing before a phase's message (`inprocess.run_round`; a test's schedule),
-        besides the seeded `dropout`'s before the masked input."""
+        discretizer (`round_engine.round_discretizer`; None: one built here). `dropouts`: the
+        clients (positions) vanishing before each phase's message (`inprocess.run_round`)."""
         length = check_shapes(deltas, dim)
         if bits is not None and len(bits) != len(deltas):
             raise ValueError(f"{len(bits)} clipped bits for {len(deltas)} deltas")
@@ -119,10 +115,7 @@ class SecAggAggregator:
             dropout, self.corruption, self.signed,
             identity_keys={u: self._fleet[u] for u in range(n)} if self.signed else None,
             unrevealed=unrevealed)
-        rng = np.random.default_rng([round_seed, 0xA66])
-        dropped = rng.choice(n, size=round(self.dropout * n), replace=False).tolist()
         gone = {p: set(d) for p, d in (dropouts or {}).items()}
-        gone["mask"] = gone.get("mask", set()) | set(dropped)
         encodings = {}
         encode_seconds = 0.0
 
@@ -147,13 +140,7 @@ class SecAggAggregator:
 
     def _margins(self, n: int) -> tuple[float, int]:
         """(dropout, d) k and t are planned for: the service's `fleet_margins` with a report
-        goal, else `assumed_dropout` and no d. A seeded `dropout` that leaves fewer than the
-        goal every round is one clear error (the round driver would abandon every round)."""
+        goal, else `assumed_dropout` and no d."""
         if self.report_goal is None:
             return self.assumed_dropout, 0
-        if n - round(self.dropout * n) < min(self.report_goal, n):
-            raise DpfleetError(f"aggregation.dropout = {self.dropout:g} drops {round(self.dropout * n)} "
-                               f"of a round's {n} devices, leaving fewer than the report goal "
-                               f"{self.report_goal}: every round would be abandoned; raise "
-                               "service.overselect")
         return fleet_margins(n, min(self.report_goal, n))

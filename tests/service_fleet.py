@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpfleet.coordinator.config import parse_config
 from dpfleet.coordinator.engine.simulation import prepare_data
+from dpfleet.edge.devices import Behaviour
 from dpfleet.fleet.link import CoordinatorLink, LinkError
 from dpfleet.fleet.participant import DropOut, take_part
 from dpfleet.service.server import shutdown, start
@@ -116,12 +116,14 @@ def one_round_world(root: Path):
     return cfg, root, users, examples
 
 
-def drop_before(drops: Collection[tuple[int, int, str]], number: int, attempt: int):
-    """A `take_part` hook: the device vanishes before the phases `drops` names for this attempt."""
+def model_hook(behaviour: Behaviour, number: int, attempt: int):
+    """A `take_part` hook: the device vanishes where the device model says (fleet/worker.py's
+    `Hooks` without the link delays: a download drop is drawn before the first message)."""
 
     def hook(phase: str) -> None:
-        if (number, attempt, phase) in drops:
-            raise DropOut(f"scheduled: round {number} attempt {attempt}, before {phase}")
+        for p in (("download",) if phase in ("train", "commit") else ()) + (phase,):
+            if behaviour.drops(p, number, attempt):
+                raise DropOut(f"emulated dropout in phase {p}")
 
     return hook
 
@@ -129,11 +131,11 @@ def drop_before(drops: Collection[tuple[int, int, str]], number: int, attempt: i
 async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples, *,
                       outcomes: list | None = None, ca_file=None, stop: asyncio.Event | None = None,
                       replies: list | None = None, runtime: str = "eager",
-                      link_kw: dict | None = None, drops: Collection[tuple[int, int, str]] = (),
+                      link_kw: dict | None = None, behaviour: Behaviour | None = None,
                       **take_part_kw) -> list:
     """One phone: register, then check in and take part until the run is done (`replies`
     collects (device, next round, check-in reply); `link_kw`: more `CoordinatorLink` options;
-    `drops`: the (round, attempt, SecAgg phase) before whose message it vanishes)."""
+    `behaviour`: the device model that decides where it vanishes, as an emulated device's)."""
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
                                max_backoff_s=0.5, retries=8, **(link_kw or {})) as link:
@@ -157,11 +159,11 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
                 await asyncio.sleep(reply["after_s"])
                 continue
             kw, attempt = take_part_kw, (reply["round"], reply["attempt"])
-            if any(d[:2] == attempt for d in drops):
-                if any(o[:2] == attempt for o in outcomes):  # vanished: it does not come back
-                    await asyncio.sleep(0.2)
-                    continue
-                kw = {**take_part_kw, "before_phase": drop_before(drops, *attempt)}
+            if any(o[:2] == attempt and o[2].kind == "dropped" for o in outcomes):
+                await asyncio.sleep(0.2)  # vanished: it does not come back to this attempt
+                continue
+            if behaviour is not None:
+                kw = {**take_part_kw, "before_phase": model_hook(behaviour, *attempt)}
             outcomes.append((*attempt, await take_part(link, reply, examples, **kw)))
     return outcomes
 

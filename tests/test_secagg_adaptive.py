@@ -97,7 +97,8 @@ def test_the_aggregator_counts_its_survivors_only_with_simulated_dropouts():
     rng = np.random.default_rng(4)
     deltas = _deltas(rng, 12, clip=0.5)
     bits = [int(b) for b in rng.integers(0, 2, 12)]
-    agg = SecAggAggregator(clip_norm=0.5, dropout=0.25).aggregate(deltas, 9, bits=bits)
+    agg = SecAggAggregator(clip_norm=0.5, assumed_dropout=0.25).aggregate(
+        deltas, 9, bits=bits, dropouts={"mask": [1, 4, 10]})
     assert len(agg.survivors) == 9
     assert agg.clipped_count == sum(bits[u] for u in agg.survivors)
     assert agg.clipped_count != sum(bits) or sum(bits[u] for u in agg.info["dropped"]) == 0

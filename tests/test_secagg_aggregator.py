@@ -34,8 +34,9 @@ def _deltas(n, d, clip, seed):
 def test_sum_equals_the_plain_sum_within_the_quantization_bound(n, d, bits, graph, dropout, seed):
     clip = 0.5
     deltas = _deltas(n, d, clip, seed)
-    agg = SecAggAggregator(clip_norm=clip, bits=bits, graph=graph, dropout=dropout)
-    result = agg.aggregate(deltas, round_seed=seed)
+    agg = SecAggAggregator(clip_norm=clip, bits=bits, graph=graph, assumed_dropout=max(dropout, 0.1))
+    gone = np.random.default_rng(seed).choice(n, size=round(dropout * n), replace=False).tolist()
+    result = agg.aggregate(deltas, round_seed=seed, dropouts={"mask": gone})
     plain = PlainAggregator().aggregate([deltas[i] for i in result.survivors], seed).total
     info = result.info
     assert result.total.shape == (d,) and result.total.dtype == np.float64
@@ -69,15 +70,13 @@ def test_overlong_deltas_are_clipped_not_trusted():
 
 def test_too_many_dropouts_abort():
     with pytest.raises(ThresholdError):
-        SecAggAggregator(clip_norm=1.0, threshold=5, dropout=0.5).aggregate(
-            _deltas(6, 10, 1.0, 1), round_seed=1)
+        SecAggAggregator(clip_norm=1.0, threshold=5, assumed_dropout=0.5).aggregate(
+            _deltas(6, 10, 1.0, 1), round_seed=1, dropouts={"mask": [0, 2, 4]})
 
 
 def test_bad_settings():
     with pytest.raises(ValueError):
         SecAggAggregator(clip_norm=0)
-    with pytest.raises(ValueError):
-        SecAggAggregator(clip_norm=1.0, dropout=1.0)
     with pytest.raises(ValueError):
         SecAggAggregator(clip_norm=1.0).aggregate([], round_seed=0)
 

@@ -120,14 +120,15 @@ def test_serve_errors_are_one_line(tmp_path, capsys):
     config = tmp_path / "c.toml"
     secret = {"noise_seed": -1}  # serve refuses research mode's seeded noise
     config.write_text(to_toml(tiny_cfg(rounds=1, dp=secret).resolved()))
-    dropout = tmp_path / "d.toml"
+    dropout = tmp_path / "d.toml"  # a key moved to [devices]
     dropout.write_text(to_toml(tiny_cfg(rounds=1, dp=secret, aggregation={
-        "kind": "secagg", "signed": True, "dropout": 0.2}).resolved()))
+        "kind": "secagg", "signed": True}).resolved()).replace("[aggregation]\n",
+                                                                "[aggregation]\ndropout = 0.2\n"))
     cases = {
         (str(config), "--listen", "0.0.0.0:0"): "needs --tls-cert",
         (str(config), "--listen", "localhost"): "HOST:PORT",
         (str(tmp_path / "none.toml"),): "not found",
-        (str(dropout),): "aggregation.dropout",
+        (str(dropout),): "config key 'aggregation.dropout' moved to 'devices.dropout_secagg'",
         (str(config), "--tls-cert", str(config)): "both --tls-cert and --tls-key",
     }
     for i, (args, message) in enumerate(cases.items()):

@@ -31,9 +31,7 @@ def test_serve_refuses_a_config_whose_guarantee_it_cannot_keep(tmp_path, data, d
 
 
 @pytest.mark.parametrize("text, message", [
-    # simulator-only knobs mean nothing to devices that train and drop by themselves
-    (BASE.format(data="", dp="", agg="secagg") + "dropout = 0.2\n",
-     "aggregation.dropout simulates dropouts in-process"),
+    # simulator-only knobs mean nothing to devices that train by themselves
     (BASE.format(data="", dp="", agg="secagg") + "[backend]\nkind = \"ray\"\n",
      "backend.kind must be 'local'"),
 ])

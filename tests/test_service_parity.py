@@ -3,13 +3,14 @@ collectors; over real sockets, with the same dp.noise_seed, serve's run (devices
 remotely through fleet/link.py + fleet/participant.py) releases what simulate releases. Plain
 aggregation: the same participation, DP metrics and final model, bit for bit (the service sums
 the float32 reports in position order in float64, as PlainAggregator does). SecAgg: the same
-participation and privacy figures, with the same dropouts in each SecAgg phase too (abandoned
-and reopened rounds included), and in research mode (`dp.noise_seed`, as here) the same final
-model bit for bit: each device rounds its update to the ring with the keyed randomness its
-assignment carries (`secagg.encoding.rounding_seed`), the simulation with the same."""
+participation and privacy figures, with the device model's dropouts in each SecAgg phase too
+(abandoned and reopened rounds included), and in research mode (`dp.noise_seed`, as here) the
+same final model bit for bit: each device rounds its update to the ring with the keyed randomness
+its assignment carries (`secagg.encoding.rounding_seed`), the simulation with the same."""
 
 import asyncio
 import json
+import re
 
 import numpy as np
 import pytest
@@ -18,16 +19,20 @@ from safetensors.numpy import load_file
 from service_fleet import TINY, fleet_data, run_devices, tiny_cfg
 
 from dpfleet.coordinator.engine.round_engine import RoundEngine
-from dpfleet.coordinator.engine.simulation import InProcessCollector, run_simulation
+from dpfleet.coordinator.engine.simulation import run_simulation
+from dpfleet.edge.devices import Behaviour
 from dpfleet.fleet.participant import local_policy
 from dpfleet.service.server import shutdown, start
 
 
 def run_service(cfg, root, device_kw=None, per_device=None, **start_kw):
-    """Serve `cfg` on loopback to its end, every train client an emulated device (`device_kw`:
-    more `take_part` arguments, e.g. the pinned fleet keys SecAgg's signed mode needs;
-    `per_device`: one device's own `device_loop` arguments, e.g. its scheduled dropouts)."""
+    """Serve `cfg` on loopback to its end, every train client an emulated device that vanishes
+    where the device model says (`Behaviour`: client i is device i, as `simulate` and the fleet
+    number them; `device_kw`: more `take_part` arguments, e.g. the pinned fleet keys SecAgg's
+    signed mode needs; `per_device`: one device's own `device_loop` arguments)."""
     users, examples = fleet_data(cfg, root / "fleet")
+    per_device = {u: {"behaviour": Behaviour(cfg.devices, cfg.seed, i, None, cfg.participation.round_minutes),
+                      **(per_device or {}).get(u, {})} for i, u in enumerate(users)}
     keys = {u: Ed25519PrivateKey.generate() for u in users}
     if cfg.aggregation.kind == "secagg":  # each device pins the fleet's keys and its policy,
         # and in research mode takes the assignment's rounding seed
@@ -179,53 +184,71 @@ def test_a_secagg_service_run_matches_the_simulation(tmp_path, engine_sums, extr
     assert_same_models(tmp_path, sums, simulated_sums)
 
 
-# (round, attempt) -> the SecAgg phase before whose message the plan's first device vanishes: a
-# dropout in each phase. A timer round selects the report goal's 3 devices, for which k and t are
-# planned with 10% dropout (`fleet_margins`): t = 2 of 3, so any one device gone aborts the
-# attempt (hand-checked: every phase's abort). Each is abandoned, nothing released, and the
-# round opens again with the same devices: 6 abandoned attempts, every round commits at its third.
-DROPS = {(1, 1): "commit", (1, 2): "unmask", (2, 1): "advertise", (2, 2): "consistency",
-         (3, 1): "share", (3, 2): "mask"}
+SECAGG_PHASES = ("commit", "advertise", "share", "mask", "consistency", "unmask")
 
 
-@pytest.mark.slow  # ~2-4 min on a loaded machine: 9 round attempts each way, 6 waiting on a deadline
-def test_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(tmp_path, monkeypatch,
-                                                                             engine_sums):
-    """SecAgg (signed), timer participation, adaptive clipping, and the same scheduled dropouts
-    (simulate: the in-process collector's test schedule; serve: the same devices vanishing in the
-    same round, attempt and phase): the same abandoned attempts, participation, per-round DP
-    figures, SecAgg protocol facts and privacy.json figures, and (research mode) the same sums
-    and final model bit for bit: a reopened attempt's rounding is keyed by its attempt too."""
+def simulated_drops(said: list[str]) -> dict[tuple[int, int], set[tuple[str, str]]]:
+    """{(round, attempt): {(device, phase)}}: the SecAgg dropouts `simulate` drew and logged."""
+    drawn = {}
+    for line in said:
+        m = re.fullmatch(r"round (\d+) \(attempt (\d+)\): SecAgg dropouts \((.*)\)", line)
+        if m:
+            drawn[int(m[1]), int(m[2])] = {(d, phase) for part in m[3].split("; ")
+                                           for phase, ds in [part.split(": ")] for d in ds.split(", ")}
+    return drawn
+
+
+# devices.dropout_secagg 0.11 over 2 timer rounds of 3 devices (the report goal; k and t planned
+# for 10% dropout, `fleet_margins`: t = 2 of 3, so a device gone aborts the attempt in the phase
+# it vanishes, and a later drawn dropout of that attempt is never reached). With seed 5 the device
+# model (edge.devices.drop_draw, hand-listed from its draws) drops, by (round, attempt), the plan's
+# positions in these phases (the earliest phase first): (1, 1) 2 share; (1, 2) 2 commit, 0 unmask;
+# (1, 3) 1 commit; (1, 4) 0 commit, 2 advertise; (1, 5) 1 share; (1, 6) 0, 1 commit, 2 share;
+# (1, 7) 0 unmask; (1, 8) 1 advertise, 0 share; (1, 9) 0 share; (2, 1) 0, 1 consistency; (2, 2)
+# 1, 2 mask; (2, 3) 2 commit, 0 advertise, 1 unmask; (2, 4) 2 share, 1 mask. Round 1 commits at
+# attempt 10, round 2 at 5: every phase is some attempt's earliest.
+DROPOUT_SECAGG = 0.11
+ABANDONED = [(1, a) for a in range(1, 10)] + [(2, a) for a in range(1, 5)]
+
+
+@pytest.mark.slow  # 15 round attempts each way, 13 waiting on a SecAgg phase deadline
+def test_device_model_dropouts_in_each_secagg_phase_give_the_same_rounds_from_both_drivers(
+        tmp_path, engine_sums):
+    """SecAgg (signed), timer participation, adaptive clipping and the device model's SecAgg
+    dropouts (`devices.dropout_secagg`): simulate draws them in process, serve's emulated devices
+    draw them before each message. The same abandoned attempts, participation, per-round DP
+    figures, SecAgg protocol facts and privacy.json figures; every device serve saw vanish is
+    one simulate drew, the first of each attempt included, and over the run devices vanished in
+    every SecAgg phase. Research mode: the same sums and final model bit for bit (a reopened
+    attempt's rounding is keyed by its attempt too)."""
     sums = engine_sums
-    dropped = {}  # (round, attempt, phase) -> the device simulate's plan dropped
-
-    def schedule(plan, attempt):
-        phase = DROPS.get((plan.round + 1, attempt))
-        if phase is None:
-            return {}
-        dropped[(plan.round + 1, attempt, phase)] = plan.device_ids[0]
-        return {phase: [0]}
-
-    monkeypatch.setattr(InProcessCollector, "dropout_schedule", staticmethod(schedule))
-    cfg = tiny_cfg(aggregation={"kind": "secagg", "signed": True},
+    extra = with_extra({**TIMER_ADAPTIVE, "devices": {**TIMER_ADAPTIVE["devices"],
+                                                       "dropout_secagg": DROPOUT_SECAGG}})
+    cfg = tiny_cfg(rounds=2, eval_every=2, aggregation={"kind": "secagg", "signed": True},
                    service={"report_deadline_s": 20.0, "secagg_phase_deadline_s": 3.0,
-                            "checkin_window_s": 10.0}, **with_extra(TIMER_ADAPTIVE))
+                            "checkin_window_s": 10.0}, **extra)
     said = []
     sim = run_simulation(cfg, tmp_path / "sim", progress=False, log=said.append)
     simulated_sums, sums[:] = list(sums), []
-    assert sorted(dropped) == sorted((r, a, p) for (r, a), p in DROPS.items())
-    abandoned = [line for line in said if " abandoned: " in line]
-    assert [line.split(" abandoned")[0] for line in abandoned] == [
-        f"round {r} (attempt {a})" for r, a in DROPS]
-    assert all(": secure aggregation aborted: " in line for line in abandoned)
-    per_device = {}
-    for key, user in dropped.items():
-        per_device.setdefault(user, {"drops": set()})["drops"].add(key)
-    status, outcomes = run_service(cfg, tmp_path, per_device=per_device)
-    assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds == 3
-    assert status["rounds_failed"] == 6
-    vanished = sorted((r, a, d) for d, outs in outcomes.items() for r, a, o in outs if o.kind == "dropped")
-    assert vanished == sorted((r, a, d) for (r, a, _), d in dropped.items())
+    drawn = simulated_drops(said)
+    assert sorted(drawn) == ABANDONED
+    assert [line.split(" abandoned")[0] for line in said if " abandoned: " in line] == [
+        f"round {r} (attempt {a})" for r, a in ABANDONED]
+    assert {p for drops in drawn.values() for _, p in drops} == set(SECAGG_PHASES)
+    status, outcomes = run_service(cfg, tmp_path)
+    assert status["run_state"] == "finished" and status["rounds_committed"] == cfg.rounds == 2
+    assert status["rounds_failed"] == len(ABANDONED)
+    vanished = {}
+    for d, outs in outcomes.items():
+        for r, a, o in outs:
+            if o.kind == "dropped":
+                vanished.setdefault((r, a), set()).add((d, o.detail.rsplit(" ", 1)[1]))
+    assert sorted(vanished) == ABANDONED
+    order = SECAGG_PHASES.index
+    for key, gone in vanished.items():  # a later drawn drop is not reached when the attempt aborted first
+        assert gone <= drawn[key], key
+        assert min(drawn[key], key=lambda x: order(x[1])) in gone, key
+    assert {p for gone in vanished.values() for _, p in gone} == set(SECAGG_PHASES), vanished
     assert_same_secagg_rounds(tmp_path, sim, 3)
     assert len(sums) == len(simulated_sums) == cfg.rounds  # abandoned attempts hand in no sum
     assert_same_models(tmp_path, sums, simulated_sums)

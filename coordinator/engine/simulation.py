@@ -69,6 +69,7 @@ from dpfleet.edge.client_data import (
 from dpfleet.edge.client_store import ClientStore
 from dpfleet.edge.data_files import READERS, client_ids, iter_clients
 from dpfleet.edge.datasets import TextRecord, load_records
+from dpfleet.edge.devices import secagg_drops
 from dpfleet.edge.model_output import logits_of
 from dpfleet.edge.runtime import EagerRuntime, TrainingRuntime
 from dpfleet.edge.tokenizer import CharTokenizer, WordTokenizer, load_tokenizer, oov_ids_of
@@ -158,8 +159,8 @@ def make_aggregator(cfg: SimulationConfig, ring_clients: int | None = None) -> A
     from dpfleet.secagg.aggregator import SecAggAggregator
 
     return SecAggAggregator(clip_norm=cfg.dp.clip_norm, bits=cfg.aggregation.bits,
-                            graph=cfg.aggregation.graph, dropout=cfg.aggregation.dropout,
-                            signed=cfg.aggregation.signed, corruption=cfg.aggregation.corruption,
+                            graph=cfg.aggregation.graph, signed=cfg.aggregation.signed,
+                            corruption=cfg.aggregation.corruption,
                             fleet_keys=cfg.aggregation.fleet_keys or None, ring_clients=ring_clients,
                             report_goal=cfg.dp.report_goal)
 
@@ -175,6 +176,18 @@ def derive_seed(*parts: object) -> int:
     """A 32-bit seed from `parts` (the run's seed, a round, a device or "agg"): the simulation, the
     service and the audit derive the same client and aggregation seeds from the same parts."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def check_timer_selection(cfg: SimulationConfig) -> None:
+    """One over-selection key per round rule, never one silently ignored: `service.overselect`
+    adds devices that all stay in the round (serve in every mode, simulate's uniform and disjoint
+    rounds), `participation.over_selection` is simulate's timer-mode race, whose first report_goal
+    finishers commit (serve refuses it: `serve_plan`). Timer-mode `simulate` has no room for the
+    former, so a config with it would select fewer devices than `serve` does."""
+    if cfg.participation.mode == "timer" and cfg.service.overselect > 0:
+        raise DpfleetError("service.overselect adds devices to serve's rounds; simulate's timer mode "
+                           "over-selects with participation.over_selection (its first report_goal "
+                           "finishers commit): remove service.overselect to simulate this config")
 
 
 @dataclass
@@ -226,6 +239,7 @@ def run_simulation(
     a config.json's mechanism pin); None: nothing.
     """
     plan = plan or RunPlan()
+    check_timer_selection(cfg)
     run = _open_run(cfg, out, overwrite, resume)
     planned = cfg.dp.target_epsilon > 0  # config.json once the plan is in it (plan_run)
     torch.manual_seed(cfg.seed)
@@ -471,12 +485,11 @@ MAX_ATTEMPTS = 10  # in-process attempts of one round before the run stops with 
 class InProcessCollector:
     """`simulate`'s `Collector` (`round_driver`): each round's devices trained in this process
     (`train_plan`, or the audit's), every clipped delta checked, then summed in the clear or
-    through the in-process SecAgg protocol with its dropouts, with a progress bar. A round the
-    driver abandons opens again; its next attempt's SecAgg draws (rounding, dropouts) are keyed
-    by the attempt too, and `before_round` runs once per round."""
-
-    # test only: (plan, attempt) -> {SecAgg phase: positions that vanish before its message}
-    dropout_schedule: Callable[[RoundPlan, int], dict] | None = None
+    through the in-process SecAgg protocol, with a progress bar. Its devices vanish in SecAgg's
+    phases as the device model's emulated devices do (`edge.devices.secagg_drops`: the same
+    devices, attempts and phases as a served run's). A round the driver abandons opens again;
+    its next attempt's SecAgg draws (rounding, dropouts) are keyed by the attempt too, and
+    `before_round` runs once per round."""
 
     def __init__(self, cfg: SimulationConfig, engine: RoundEngine, trainer, population, *,
                  before_round=None, audit=None, clipping=None, bar=None,
@@ -509,15 +522,28 @@ class InProcessCollector:
         seed = derive_seed(cfg.seed, "agg", plan.round, *([attempt] if attempt > 1 else []))
         secagg = {}
         if cfg.aggregation.kind == "secagg":
-            schedule = type(self).dropout_schedule
             secagg = {"disc": round_discretizer(cfg, self.dim, plan.clip_norm, seed, self.ring_clients),
-                      "dropouts": schedule(plan, attempt) if schedule else None}
+                      "dropouts": self.secagg_dropouts(plan, attempt)}
         try:
             agg = self.aggregator.aggregate([u.delta for u in updates], seed, bits=bits,
                                             clip_norm=plan.clip_norm, dim=self.dim, **secagg)
         except SecAggError as exc:  # below the threshold: the round fails, as over HTTP
             return Failed(f"secure aggregation aborted: {exc}")
         return Collected(agg, updates)
+
+    def secagg_dropouts(self, plan: RoundPlan, attempt: int) -> dict[str, list[int]]:
+        """{SecAgg phase: positions vanishing before its message} of this attempt (said in the
+        log, device ids by phase): the service numbers rounds and attempts from 1."""
+        from dpfleet.secagg.inprocess import PHASES
+
+        phases = tuple(p for p in PHASES if p != "consistency" or self.cfg.aggregation.signed)
+        gone = secagg_drops(self.cfg.devices, self.cfg.seed, plan.devices, plan.round + 1, attempt,
+                            phases)
+        if gone:
+            said = "; ".join(f"{p}: {', '.join(plan.device_ids[u] for u in gone[p])}" for p in phases
+                             if p in gone)
+            self.log(f"round {plan.round + 1} (attempt {attempt}): SecAgg dropouts ({said})")
+        return gone
 
     def closing(self, plan: RoundPlan) -> None:
         pass
@@ -535,7 +561,7 @@ class InProcessCollector:
         self.log(f"round {plan.round + 1} (attempt {self.attempt[1]}) abandoned: {reason}")
         if self.attempt[1] >= MAX_ATTEMPTS:  # seeded: a round that aborts this often always will
             raise DpfleetError(f"round {plan.round + 1} was abandoned {MAX_ATTEMPTS} times in a row "
-                               f"({reason}); raise service.overselect or lower aggregation.dropout")
+                               f"({reason}); raise service.overselect or lower devices.dropout_secagg")
 
 
 def _run_rounds(cfg: SimulationConfig, engine: RoundEngine, trainer, population, before_round, audit,
