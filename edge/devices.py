@@ -254,10 +254,11 @@ class SlottedDevices:
 
     def drops(self, devices: np.ndarray | list[int], round_idx: int, slot: int, attempt: int = 0
               ) -> np.ndarray:
-        """Which of `devices`, selected for attempt `attempt` of round `round_idx` at `slot`, drop
-        out before reporting: in any plain phase by its dropout chance (the draws `Behaviour`
-        makes), or by the trace's failure chance: drawn per (round, slot) over `devices` by
-        default (module docstring: as recorded runs drew it), else as `Behaviour` draws it."""
+        """Which of `devices`, selected for attempt `attempt` (0-based) of round `round_idx`
+        (0-based) at `slot`, drop out before reporting: in any plain phase by its dropout chance
+        (the draws `Behaviour` makes), or by the trace's failure chance: drawn per (round, slot)
+        over `devices` by default (module docstring: as recorded runs drew it), else as
+        `Behaviour` draws it."""
         devices = np.asarray(devices, dtype=np.int64)
         dropped = np.zeros(devices.size, dtype=bool)
         shared = self.trace is not None and self.section.failure_draws == "device"
@@ -269,7 +270,10 @@ class SlottedDevices:
             if shared and phase == "train":  # the larger of the two, as `Behaviour.dropout_chance`
                 chance = np.maximum(chance, self.trace.failure(devices))
             for i in np.flatnonzero(chance > 0):
-                dropped[i] |= drop_draw(self.seed, int(devices[i]), round_idx, attempt, phase) < chance[i]
+                # keyed as the service numbers rounds and attempts (from 1), which is what a fleet
+                # device's `Behaviour.drops` is given: the same device drops in the same round
+                dropped[i] |= drop_draw(self.seed, int(devices[i]), round_idx + 1, attempt + 1,
+                                        phase) < chance[i]
         return dropped
 
     def finish_minutes(self, devices: np.ndarray | list[int], round_idx: int, slot: int,

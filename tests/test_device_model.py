@@ -52,7 +52,7 @@ def test_simulate_drops_the_devices_the_fleet_would_drop_in_the_same_round():
     for r in range(12):
         sel = part.propose(r)
         expected = [d for d in sel.selected  # attempt: > 0 after an attempt in which all dropped
-                    if any(fleet[d].drops(phase, r, sel.attempt) for phase in PLAIN_PHASES)]
+                    if any(fleet[d].drops(phase, r + 1, sel.attempt + 1) for phase in PLAIN_PHASES)]
         assert sel.dropped == expected
         # and the fleet's availability at the round's start agrees on every selected device
         t = sel.slot * ROUND_MINUTES * 60.0
@@ -98,7 +98,7 @@ def test_with_device_failure_draws_a_trace_drops_the_same_devices_in_simulate_an
     dropped = 0
     for r in range(12):
         sel = part.propose(r)
-        assert sel.dropped == [d for d in sel.selected if fleet[d].drops("train", r, sel.attempt)]
+        assert sel.dropped == [d for d in sel.selected if fleet[d].drops("train", r + 1, sel.attempt + 1)]
         dropped += len(sel.dropped)
         part.commit(sel, sel.devices)
     assert dropped > 0
