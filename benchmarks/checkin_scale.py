@@ -2,7 +2,7 @@
 after the service asked the guard per device (`admits`, `allowed_waiting`) instead of building
 `guard.allowed(r)`, a mask over every registered device, on each check-in and round open.
 
-What runs: the real `RoundDriver.checkin` coroutine on a refused check-in (the device is inside
+What runs: the real `HttpCollector.checkin` coroutine on a refused check-in (the device is inside
 its MinS window: the handler's whole path up to the answer, no hold), driven with a stand-in
 for the booted run (a `ParticipationGuard` with the registered population and a recent history;
 no SQLite store, no HTTP; registering devices in a store does not enter this path). "before"
@@ -25,18 +25,18 @@ import numpy as np
 import torch
 
 from dpfleet.coordinator.engine.participation import ParticipationGuard
-from dpfleet.service.rounds import RoundDriver, allowed_waiting
+from dpfleet.service.rounds import HttpCollector, allowed_waiting
 from dpfleet.service.wakeups import Wakeups
 
 MINS, GOAL, POOL, BLOCKS = 3, 100, 300, 7
 BODY = {"eligibility": {"charging": True, "idle": True, "unmetered": True}, "runtime": "eager"}
 
 
-def _driver(size: int) -> tuple[RoundDriver, ParticipationGuard]:
+def _driver(size: int) -> tuple[HttpCollector, ParticipationGuard]:
     guard = ParticipationGuard(size, MINS, 4)
     for r in range(10):
         guard.record(list(range(r * GOAL, (r + 1) * GOAL)), r)
-    d = object.__new__(RoundDriver)  # stand-in for a booted run: only what checkin reads
+    d = object.__new__(HttpCollector)  # stand-in for a booted run: only what checkin reads
     d.index = {f"d{i}": i for i in range(size)}
     d.svc = SimpleNamespace(checkin_retry_s=1.0, checkin_window_s=1.0)
     d.cfg = SimpleNamespace(client=SimpleNamespace(runtime="eager"))

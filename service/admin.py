@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.engine.field_metrics import last_evaluated, tff_figures
-from dpfleet.service.rounds import ApiError, RoundDriver
+from dpfleet.service.rounds import ApiError, HttpCollector
 
 
-def privacy_report(driver: RoundDriver) -> str:
+def privacy_report(driver: HttpCollector) -> str:
     """privacy_report.md: the finished run's, or one accounted now from the committed rounds
     (the store's release rows, never the engine's memory), rendered in memory."""
     final = driver.store.path / "privacy_report.md"
@@ -21,7 +21,7 @@ def privacy_report(driver: RoundDriver) -> str:
     return render_privacy_report(driver.engine.privacy(committed=driver.store.releases()))
 
 
-def public_status(driver: RoundDriver) -> dict:
+def public_status(driver: HttpCollector) -> dict:
     """The status page's data; `caveats` first: a run that is not fully private says so (caveats.py)."""
     from dpfleet.coordinator.run_privacy.caveats import caveat_fields, config_facts
 

@@ -30,10 +30,10 @@ from dpfleet.edge.wire.auth import H_DEVICE, H_SIG, AuthError
 from dpfleet.jsonio import dumps
 from dpfleet.service.auth import NonceCache, Sessions, check_admin, verify_register, verify_request
 from dpfleet.service.limits import RateLimiter
-from dpfleet.service.rounds import ApiError, RoundDriver, registration_refused
+from dpfleet.service.rounds import ApiError, HttpCollector, registration_refused
 from dpfleet.service.status_page import add_status_routes
 
-DRIVER = web.AppKey("driver", RoundDriver)
+DRIVER = web.AppKey("driver", HttpCollector)
 CONTEXT = web.AppKey("context", dict)
 POLL_S = 25.0
 
@@ -191,7 +191,7 @@ async def round_status(request: web.Request) -> web.Response:
     return _json(request.app[DRIVER].round_status(number, attempt))
 
 
-def admin(request: web.Request) -> RoundDriver:
+def admin(request: web.Request) -> HttpCollector:
     check_admin(request.headers.get("Authorization"), request.app[CONTEXT]["token"])
     return request.app[DRIVER]
 
@@ -234,7 +234,7 @@ async def public_status(request: web.Request) -> web.Response:
     return _json(public(request.app[DRIVER]))
 
 
-def make_app(driver: RoundDriver, token: str, max_body_mb: float | None = None,
+def make_app(driver: HttpCollector, token: str, max_body_mb: float | None = None,
              poll_s: float = POLL_S) -> web.Application:
     svc = driver.cfg.service
     limit = int((max_body_mb or svc.max_body_mb) * 2**20)

@@ -1,9 +1,10 @@
 """The HTTP side of the one round driver: devices that check in over the network collect the rounds.
 
 The round's policy (open, collect, too few inputs -> abandon and reopen, else commit, stop) is
-`coordinator.engine.round_driver.drive`'s, the same as `simulate`'s; `RoundDriver` is its
-`Collector` over HTTP and holds what only a service has: check-ins, assignments, deadlines,
-SecAgg's phases as messages arrive, pause / stop, the status figures.
+`coordinator.engine.round_driver.drive`'s, the same as `simulate`'s; `HttpCollector` is its
+`Collector` over HTTP (named so: the one driver is `drive`) and holds what only a service has:
+check-ins, assignments, deadlines, SecAgg's phases as messages arrive, pause / stop, the status
+figures.
 
 Why one asyncio task drives everything: selection, deadlines, the DP step and the commit happen
 in one place and in order, while request handlers only record what devices sent and wake it.
@@ -38,7 +39,7 @@ from dpfleet.coordinator.engine.round_driver import (
     survivors_short,
 )
 from dpfleet.coordinator.engine.round_engine import RoundEngine, RoundPlan, Stop, round_discretizer
-from dpfleet.coordinator.engine.simulation import derive_seed
+from dpfleet.coordinator.engine.simulation import aggregation_seed, derive_seed
 from dpfleet.coordinator.state.state_store import finish_run
 from dpfleet.edge.wire import messages as msg
 from dpfleet.errors import DpfleetError
@@ -100,8 +101,9 @@ class OpenRound:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class RoundDriver:
-    """The coordinator's rounds and the device API's logic (service/app.py maps HTTP onto it)."""
+class HttpCollector:
+    """The rounds' collector over HTTP and the device API's logic (service/app.py maps HTTP onto
+    it); `round_driver.drive` runs the rounds through it."""
 
     def __init__(self, booted: Booted, log: ServiceLog, registry: dict[str, bytes] | None = None,
                  say: Callable[[str], None] = lambda s: None, policy: ReleasePolicy | None = None):
@@ -481,10 +483,8 @@ class RoundDriver:
 
         cfg, eng, plan = self.cfg, self.engine, cur.plan
         agg = cfg.aggregation
-        # the round seed of `simulate`'s collector: a reopened attempt's is keyed by it too
-        again = [cur.attempt] if cur.attempt > 1 else []
         disc = round_discretizer(cfg, plan.theta.size, plan.clip_norm,
-                                 derive_seed(cfg.seed, "agg", plan.round, *again),
+                                 aggregation_seed(cfg.seed, plan.round, cur.attempt),
                                  eng.ring.ring_clients if eng.ring else None)
         identities = {u: self.keys[self.b.users[d]] for u, d in enumerate(plan.devices)}
         threshold = plan.count_threshold  # adaptive clipping: each device masks its bit too

@@ -33,7 +33,7 @@ from dpfleet.io import hold_private_umask, release_private_umask, removed_on_fai
 from dpfleet.service.app import HTTP_LOG, POLL_S, make_app
 from dpfleet.service.auth import new_admin_token
 from dpfleet.service.boot import boot
-from dpfleet.service.rounds import RoundDriver
+from dpfleet.service.rounds import HttpCollector
 from dpfleet.service.servelog import ServiceLog
 
 SERVICE_LOG = "service.log"
@@ -43,7 +43,7 @@ SERVICE_LOG = "service.log"
 class Running:
     url: str
     token: str
-    driver: RoundDriver
+    driver: HttpCollector
     runner: web.AppRunner
     task: asyncio.Task
     log: ServiceLog
@@ -147,7 +147,7 @@ async def start(cfg: SimulationConfig, state: Path, *, listen: str = "127.0.0.1:
         log("registration is open: the first key to register a device id of this run claims it "
             "(loopback emulation only; off loopback serve needs --fleet-public)")
     service_log = ServiceLog(state / SERVICE_LOG)
-    driver = RoundDriver(booted, service_log, registry, say=log, policy=policy)
+    driver = HttpCollector(booted, service_log, registry, say=log, policy=policy)
     token = new_admin_token()
     runner = web.AppRunner(make_app(driver, token, poll_s=poll_s), access_log=None,
                            logger=HTTP_LOG)

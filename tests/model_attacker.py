@@ -2,7 +2,7 @@
 CCS 2022), run as the REAL service over loopback with real devices, real signed SecAgg and real
 training; shared by tests/test_model_inconsistency.py and benchmarks/adversarial/.
 
-The attacker patches the service's round opening (`RoundDriver._publish`): the device at
+The attacker patches the service's round opening (`HttpCollector._publish`): the device at
 position 0 gets another model blob (the honest theta plus a perturbation) and a SecAgg setup
 whose terms are what that device would compute for the crafted model (the smartest setup the
 attacker can give it; `round_terms.bind_round`), everyone else the honest model and setup.
@@ -55,7 +55,7 @@ def _patched(owner, name: str, value):
 
 def _crafting(seen: dict):
     """A `_publish` that hands position VICTIM a crafted model and a setup binding it."""
-    real = rounds.RoundDriver._publish
+    real = rounds.HttpCollector._publish
 
     async def publish(self, plan):
         cur = await real(self, plan)
@@ -111,7 +111,7 @@ def crafted_model_round(root: Path, bind: bool = True) -> dict:
         return sums, outcomes, history
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(rounds.RoundDriver, "_publish", _crafting(seen)))
+        stack.enter_context(_patched(rounds.HttpCollector, "_publish", _crafting(seen)))
         if not bind and round_terms is not None:
             stack.enter_context(_patched(round_terms, "bind_round", _unbound()))
         sums, outcomes, history = asyncio.run(main())

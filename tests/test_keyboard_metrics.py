@@ -179,7 +179,7 @@ def test_the_services_finish_scores_the_strip_and_the_status_page_shows_it(tmp_p
     from dpfleet.coordinator.state.state_store import finish_run
     from dpfleet.service.admin import public_status
     from dpfleet.service.boot import boot
-    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.rounds import HttpCollector
     from dpfleet.service.servelog import ServiceLog
     from dpfleet.service.status_page import render
 
@@ -187,7 +187,7 @@ def test_the_services_finish_scores_the_strip_and_the_status_page_shows_it(tmp_p
     booted = boot(cfg, tmp_path / "state", log=lambda s: None)
     log = ServiceLog(tmp_path / "service.log")
     try:
-        driver = RoundDriver(booted, log)
+        driver = HttpCollector(booted, log)
         assert public_status(driver)["top3_recall"] is None  # not finished: no figure
         finish_run(booted.store, booted.engine, stopped_early=None, baseline=booted.baseline,
                    started=booted.started)

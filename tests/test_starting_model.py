@@ -164,7 +164,7 @@ def test_the_cli_result_block_shows_the_starting_model(tmp_path, capsys):
 def test_the_status_page_shows_the_starting_model(tmp_path):
     from dpfleet.service.admin import public_status
     from dpfleet.service.boot import boot
-    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.rounds import HttpCollector
     from dpfleet.service.servelog import ServiceLog
     from dpfleet.service.status_page import render
 
@@ -175,7 +175,7 @@ def test_the_status_page_shows_the_starting_model(tmp_path):
         model = build_model(engine.model_cfg)  # the starting weights, on a model of our own
         set_flat(model, engine.server.theta)
         expected = evaluate(model, engine.test_rows)["accuracy"]
-        status = public_status(RoundDriver(booted, log))
+        status = public_status(HttpCollector(booted, log))
     finally:
         log.close()
         booted.store.close()

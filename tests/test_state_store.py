@@ -295,7 +295,7 @@ def test_a_state_missing_a_metrics_row_is_rebuilt_on_open_and_status_reads_it(re
     reader (status, history, metrics.jsonl) finds the DP fields."""
     from types import SimpleNamespace
 
-    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.rounds import HttpCollector
 
     cfg, _, _, info = reference
     store, engine, train_and_sum = engine_on(cfg, tmp_path / "state")
@@ -309,10 +309,10 @@ def test_a_state_missing_a_metrics_row_is_rebuilt_on_open_and_status_reads_it(re
         assert m["rebuilt_after_crash"] and m["accuracy"] is None
         for k in ("epsilon", "zcdp", "min_separation", "max_participation", "clients", "restart"):
             assert m[k] == ref[k], k
-    assert RoundDriver.epsilon(SimpleNamespace(engine=engine)) == info["metrics"][2]["epsilon"]
+    assert HttpCollector.epsilon(SimpleNamespace(engine=engine)) == info["metrics"][2]["epsilon"]
     # a record without the key (whatever wrote it) is skipped, never a KeyError / 500
     bare = SimpleNamespace(engine=SimpleNamespace(metrics=[rows[0], {"round": 2, "clients": 3}]))
-    assert RoundDriver.epsilon(bare) == info["metrics"][0]["epsilon"]
+    assert HttpCollector.epsilon(bare) == info["metrics"][0]["epsilon"]
     assert run_rounds(engine, train_and_sum, store).reason == "done"
     check_consistent(store)
     store.close()

@@ -196,13 +196,13 @@ def test_the_status_shows_the_last_evaluated_rounds_tff_accuracies(tmp_path):
 
     from dpfleet.service.admin import public_status
     from dpfleet.service.boot import boot
-    from dpfleet.service.rounds import RoundDriver
+    from dpfleet.service.rounds import HttpCollector
     from dpfleet.service.servelog import ServiceLog
 
     booted = boot(tiny_cfg(rounds=2), tmp_path / "state", log=lambda s: None)
     log = ServiceLog(tmp_path / "service.log")
     try:
-        driver = RoundDriver(booted, log)
+        driver = HttpCollector(booted, log)
         before = public_status(driver)
         evaluated = {k: v for k, v in booted.engine.evaluate().items() if k.startswith("tff_")}
         booted.engine.metrics += [{"round": 1, **evaluated}, {"round": 2, "accuracy": None}]

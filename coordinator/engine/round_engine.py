@@ -103,7 +103,7 @@ def round_discretizer(cfg: SimulationConfig, dim: int, clip_norm: float, seed: i
     and `serve`'s devices alike: the round's clip norm, `aggregation.bits`, and a per-client
     range sized for the most inputs one sum may hold, `ring_clients` (discrete noise's plan) or
     `round_size` (the report goal plus over-selection), so its scale is the same every round
-    whoever drops. `seed` is the round's (`derive_seed(seed, "agg", round)`; 0 for the
+    whoever drops. `seed` is the round's (`simulation.aggregation_seed`; 0 for the
     calibration, which reads only the scale)."""
     return Discretizer(dim, clip_norm, cfg.aggregation.bits, ring_clients or round_size(cfg), seed)
 

@@ -178,6 +178,12 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
+def aggregation_seed(seed: int, round_idx: int, attempt: int) -> int:
+    """A round's aggregation seed (SecAgg's rounding and rotation) for both drivers: a reopened
+    attempt (2, 3, ...) is keyed by its number, the first by the round alone (as before reopens)."""
+    return derive_seed(seed, "agg", round_idx, *([attempt] if attempt > 1 else []))
+
+
 def check_timer_selection(cfg: SimulationConfig) -> None:
     """One over-selection key per round rule, never one silently ignored: `service.overselect`
     adds devices that all stay in the round (serve in every mode, simulate's uniform and disjoint
@@ -519,7 +525,7 @@ class InProcessCollector:
         check_clipped(updates, bound, self.dim, self.clipping, plan.round)  # before any sum
         bits = (None if plan.count_threshold is None else  # adaptive clipping's device bits
                 [clipped_bit(u.norm, plan.count_threshold) for u in updates])
-        seed = derive_seed(cfg.seed, "agg", plan.round, *([attempt] if attempt > 1 else []))
+        seed = aggregation_seed(cfg.seed, plan.round, attempt)
         secagg = {}
         if cfg.aggregation.kind == "secagg":
             secagg = {"disc": round_discretizer(cfg, self.dim, plan.clip_norm, seed, self.ring_clients),
