@@ -54,7 +54,7 @@ def test_diurnal_availability_peaks_at_night():
 def test_timer_gives_its_nominal_min_separation_when_no_round_waits():
     # 1 h timer at 10-minute rounds = 6 slots: a device can return 6 rounds later (MinS 5)
     part = Participation(timer_section(timer_period=1.0), 60, 5, 30, seed=1)
-    assert part.fleet.timer_slots == 6 and part.min_separation == 5
+    assert part.slotted.timer_slots == 6 and part.min_separation == 5
     log, sels = run_rounds(part, 30)
     obs = observe_participation(log)
     assert obs.min_separation == 5 and obs.max_participation >= 2
@@ -93,7 +93,7 @@ def test_low_availability_makes_rounds_wait_and_stay_reproducible():
 def test_coordinator_refuses_what_a_misbehaving_timer_lets_through():
     section = timer_section(timer_period=0.0, min_separation=3)
     fleet = IgnoresTimer(12, 0.0, 10.0, Availability(), seed=0)
-    part = Participation(section, 12, 3, 40, seed=2, fleet=fleet)
+    part = Participation(section, 12, 3, 40, seed=2, slotted=fleet)
     log, sels = run_rounds(part, 40)
     assert observe_participation(log).min_separation == 3
     assert sum(s.refused for s in sels) > 0
@@ -159,7 +159,7 @@ def test_observed_participation_never_breaks_the_enforced_limits(size, goal, min
     section = timer_section(timer_period=slots * 10 / 60, min_separation=mins, max_participation=cap)
     fleet_cls = IgnoresTimer if broken else SlottedDevices
     fleet = fleet_cls(size, section.timer_period, 10.0, Availability(availability), seed)
-    part = Participation(section, size, goal, 30, seed, fleet=fleet)
+    part = Participation(section, size, goal, 30, seed, slotted=fleet)
     log = []
     for r in range(30):
         try:

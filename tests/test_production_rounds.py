@@ -68,7 +68,7 @@ def test_the_slow_devices_miss_the_deadline(tmp_path):
     assert sel.minutes == 8.0
     part.commit(sel, sel.devices)
     assert part.guard.count.tolist() == [1] * 5 + [0] * 5
-    assert part.fleet.ready_slot.tolist() == [6] * 10  # every selected device's timer runs (1 h)
+    assert part.slotted.ready_slot.tolist() == [6] * 10  # every selected device's timer runs (1 h)
 
 
 def test_an_abandoned_round_retries_and_its_devices_timers_run(tmp_path):
@@ -84,10 +84,10 @@ def test_an_abandoned_round_retries_and_its_devices_timers_run(tmp_path):
     assert sel.slot == 6 and sel.waited_slots == 6
     assert sel.devices == [0, 1, 2, 3, 10, 11] and sel.over_goal == [4, 5, 6, 7, 8, 9]
     assert sel.minutes == 4.0 and sel.outcome()["abandoned_selected"] == 10
-    assert part.fleet.ready_slot.tolist() == [0] * 12  # propose changed nothing
+    assert part.slotted.ready_slot.tolist() == [0] * 12  # propose changed nothing
     part.commit(sel, sel.devices)
     assert part.guard.count.tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
-    assert part.fleet.ready_slot.tolist() == [12] * 12  # the later round's timers
+    assert part.slotted.ready_slot.tolist() == [12] * 12  # the later round's timers
 
 
 def test_a_round_that_never_fills_min_reports_stops_cleanly(tmp_path):
@@ -169,7 +169,7 @@ def test_committed_devices_are_the_goal_at_most_selected_and_in_time(tmp_path_fa
         assert 1 <= len(sel.devices) <= goal and len(sel.devices) >= min(min_reports, goal)
         assert set(sel.devices) <= set(sel.selected) and len(sel.selected) <= max(goal, np.ceil(over * goal))
         chosen = np.array(sel.selected)
-        finish = part.fleet.finish_minutes(chosen, r, sel.slot, 3.0, devices.train_jitter)
+        finish = part.slotted.finish_minutes(chosen, r, sel.slot, 3.0, devices.train_jitter)
         at = dict(zip(chosen.tolist(), finish.tolist(), strict=True))
         assert all(at[d] <= sel.minutes for d in sel.devices)  # every committed device reported in time
         assert all(at[d] >= sel.minutes for d in sel.over_goal)
@@ -248,6 +248,6 @@ def test_a_resumed_run_replays_over_selection_and_abandoned_rounds(tmp_path):
     logged = [{"round": s.round, "devices": [f"u{i}" for i in s.devices], "restart": False} for s in sels]
     again = speed_participation(path, 12, 6, **keys)
     replay(again, RunAccountant(1.0, 1e-6), logged, [f"u{i}" for i in range(12)])
-    assert again.slot == first.slot and again.fleet.ready_slot.tolist() == first.fleet.ready_slot.tolist()
+    assert again.slot == first.slot and again.slotted.ready_slot.tolist() == first.slotted.ready_slot.tolist()
     assert again.guard.count.tolist() == first.guard.count.tolist()
     assert again.propose(3) == first.propose(3)

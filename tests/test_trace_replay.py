@@ -79,7 +79,7 @@ def test_the_trace_failure_drops_a_device_from_the_sum_and_starts_its_timer(tmp_
     assert [s.dropped for s in sels] == [[], [3], [], [3]]
     assert [s.slot for s in sels] == [0, 2, 6, 8]
     assert part.guard.count.tolist() == [2, 2, 2, 0]  # the guard records only who contributed
-    assert part.guard.count[3] == 0 and part.fleet.ready_slot[3] == 8 + 2
+    assert part.guard.count[3] == 0 and part.slotted.ready_slot[3] == 8 + 2
 
 
 def test_replay_maps_clients_onto_devices_and_wraps_time(tmp_path):
@@ -200,6 +200,6 @@ def test_a_resumed_run_replays_the_same_trace_rounds_and_dropouts(tmp_path):
               for s in sels]
     again = hand_participation(path)
     replay(again, RunAccountant(1.0, 1e-6), logged, [f"u{i}" for i in range(4)])
-    assert again.slot == first.slot and again.fleet.ready_slot.tolist() == first.fleet.ready_slot.tolist()
+    assert again.slot == first.slot and again.slotted.ready_slot.tolist() == first.slotted.ready_slot.tolist()
     assert again.guard.count.tolist() == first.guard.count.tolist()
     assert again.propose(4) == first.propose(4)

@@ -107,7 +107,7 @@ class Selection:
     """The devices of one round and when it starts on the simulated clock."""
 
     round: int
-    devices: list[int]  # indices into the fleet, ascending
+    devices: list[int]  # indices into the population, ascending
     slot: int  # clock slot (round durations since the start) at which the round starts
     waited_slots: int  # slots spent waiting because too few devices were accepted
     refused: int  # devices that checked in but the guard refused (summed over the waits)
@@ -243,7 +243,7 @@ class Participation:
     """Selects each round's devices under the configured mode and enforces the guard."""
 
     def __init__(self, section: ParticipationSection, size: int, report_goal: int, rounds: int,
-                 seed: int, fleet: SlottedDevices | None = None, policy=None,
+                 seed: int, slotted: SlottedDevices | None = None, policy=None,
                  users: Sequence[str] | None = None, end_slot: int | None = None,
                  devices: DevicesSection | None = None):
         """`policy`: a caller's `dpfleet.extensions.ParticipationPolicy` in place of the mode's
@@ -268,15 +268,15 @@ class Participation:
             )
         self.section, self.size, self.report_goal, self.seed = section, size, report_goal, seed
         self.end_slot = end_slot
-        self.fleet, self.users = fleet, users
+        self.slotted, self.users = slotted, users
         self.devices = devices if devices is not None else (
-            fleet.section if fleet is not None else DevicesSection())
-        if section.mode == "timer" and fleet is None:
-            self.fleet = SlottedDevices.from_section(self.devices, size, section.timer_period,
+            slotted.section if slotted is not None else DevicesSection())
+        if section.mode == "timer" and slotted is None:
+            self.slotted = SlottedDevices.from_section(self.devices, size, section.timer_period,
                                                      section.round_minutes, seed)
         mins = section.min_separation
         if mins < 0:  # default: what the timer nominally gives (no waiting), else no refusal
-            mins = self.fleet.timer_slots - 1 if section.mode == "timer" else 0
+            mins = self.slotted.timer_slots - 1 if section.mode == "timer" else 0
         self.guard = ParticipationGuard(size, max(mins, 0), section.max_participation)
         self.slot = 0
         self.policy = policy if policy is not None else (
@@ -316,7 +316,7 @@ class Participation:
             )
         mode = self.section.mode
         if mode == "timer" and available is None:
-            return self._propose_timer(round_idx, self.guard.allowed(round_idx))  # the fleet scans all
+            return self._propose_timer(round_idx, self.guard.allowed(round_idx))  # the devices scan all
         # timer + available: the devices' timers decided who checked in, a uniform draw among them.
         # Drawing positions in the allowed pool by count gives the same devices as rng.choice over
         # the pool array did (numpy draws positions either way)
@@ -347,7 +347,7 @@ class Participation:
             if self.end_slot is not None and slot >= self.end_slot:
                 raise RoundUnfillable(f"round {round_idx} did not fill before the launch's end "
                                       f"(slot {self.end_slot})")
-            checked_in = self.fleet.check_in(slot)
+            checked_in = self.slotted.check_in(slot)
             if busy.size:
                 checked_in = checked_in[~np.isin(checked_in, busy[busy_until > slot])]
             accepted = checked_in[allowed[checked_in]]
@@ -356,9 +356,9 @@ class Participation:
                 rng = np.random.default_rng([self.seed, 0x5C, round_idx])
                 size = min(self.round_size, accepted.size)
                 chosen = np.sort(rng.choice(accepted, size, replace=False))
-                drops = self.fleet.drops(chosen, round_idx, slot, attempt)
+                drops = self.slotted.drops(chosen, round_idx, slot, attempt)
                 attempt += 1
-                finish = self.fleet.finish_minutes(chosen, round_idx, slot, self.devices.train_minutes,
+                finish = self.slotted.finish_minutes(chosen, round_idx, slot, self.devices.train_minutes,
                                                    self.devices.train_jitter)
                 close = round_close(np.where(drops, np.inf, finish), self.report_goal,
                                     section.deadline_minutes)
@@ -370,7 +370,7 @@ class Participation:
                 if not drops.all():  # abandoned: try again one slot later, these devices' timers run
                     abandoned.append((slot, tuple(chosen.tolist())))
                     busy = np.concatenate([busy, chosen])
-                    busy_until = np.concatenate([busy_until, np.full(size, slot + self.fleet.timer_slots)])
+                    busy_until = np.concatenate([busy_until, np.full(size, slot + self.slotted.timer_slots)])
             if slot - self.slot >= max_wait and abandoned:
                 raise RoundUnfillable(
                     f"round {round_idx} was abandoned {len(abandoned)} times in {MAX_WAIT_DAYS} "
@@ -379,7 +379,7 @@ class Participation:
                     "or lower min_reports"
                 )
             if slot - self.slot >= max_wait:
-                hint = ("the trace has too few devices available" if self.fleet.trace is not None
+                hint = ("the trace has too few devices available" if self.slotted.trace is not None
                         else "raise devices.availability")
                 raise RoundUnfillable(
                     f"round {round_idx} could not be filled within {MAX_WAIT_DAYS} simulated days "
@@ -391,10 +391,10 @@ class Participation:
     def commit(self, selection: Selection, contributed: list[int]) -> None:
         """The round ran: record who contributed, start the selected devices' timers, tick."""
         self.guard.record(contributed, selection.round)
-        if self.fleet is not None:
+        if self.slotted is not None:
             for slot, devices in selection.abandoned:  # they trained for a round that never closed
-                self.fleet.took_part(list(devices), slot)
-            self.fleet.took_part(selection.selected, selection.slot)
+                self.slotted.took_part(list(devices), slot)
+            self.slotted.took_part(selection.selected, selection.slot)
         self.slot = selection.slot + 1
 
 

@@ -254,7 +254,7 @@ def _report_setting(cfg: SimulationConfig, participation: EnforcedParticipation,
         setting.update(noise="discrete", method="rdp")
     mins = participation.min_separation
     if part.mode == "timer":
-        slots = participation.fleet.timer_slots
+        slots = participation.slotted.timer_slots
         setting["timer_min_separation"] = mins
         setting["timer_period"] = (f"{part.timer_period:g} h = {slots} rounds of "
                                    f"{part.round_minutes:g} min: nominal MinS {slots - 1}; "
