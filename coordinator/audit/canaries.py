@@ -439,7 +439,9 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         scores = canaries.score(participants(result.run_dir))
         # a broken run states no eps (caveats.py): the audit compares against what was accounted
         epsilon = result.privacy.get("accounted_not_a_guarantee", {}).get("epsilon", result.epsilon)
-        entry = summarise([scores], epsilon, run_cfg, settings, result.privacy)
+        # the config the run ran: the planner's choice when the config states dp.target_epsilon
+        ran = canaries.engine.cfg
+        entry = summarise([scores], epsilon, ran, settings, result.privacy)
         entry.update(seed=run_cfg.seed, run_dir=str(result.run_dir),
                      accuracy=result.accuracy, stopped_early=result.stopped_early)
         write_json(result.run_dir / "audit.json", entry, indent=2)
@@ -451,7 +453,7 @@ def run_audit(cfg, out: Path, settings: AuditSettings, *, seeds: int = 1, overwr
         accounted.append(epsilon)
     if seeds == 1:
         return entries[0]
-    top = summarise(pooled, max(accounted), cfg, settings, {"noise_mechanism": entries[0]["noise"]})
+    top = summarise(pooled, max(accounted), ran, settings, {"noise_mechanism": entries[0]["noise"]})
     top["seeds"] = entries
     private_mkdir(out)
     write_json(out / "audit.json", top, indent=2)
