@@ -75,13 +75,14 @@ def test_simulate_validates_an_unplanned_config_once(tmp_path):
 def test_config_json_is_byte_identical_to_the_mutable_configs(simulated):
     run, _ = simulated
     data = (run / "config.json").read_bytes()
-    # recorded from main (b7f5f6b) before the config was frozen (8ad6a661...), then re-recorded when
-    # [devices] took the device keys of [participation] and [fleet] (the only difference); a new
-    # config key changes it
+    # recorded from main (b7f5f6b) before the config was frozen (8ad6a661...), then re-recorded
+    # after a diff of the two files showed only these changes: [devices] took the device keys of
+    # [participation] and [fleet], aggregation.dropout became devices.dropout_secagg, and
+    # client.precision's default is "auto"; a new config key changes it
     assert hashlib.sha256(data).hexdigest() == EXPECTED_CONFIG_JSON_SHA256, data.decode()
 
 
-EXPECTED_CONFIG_JSON_SHA256 = "bd6fae3ce58cf5043b105457a22d3cc697f5d7291a18b40b44a40b4c079251e5"
+EXPECTED_CONFIG_JSON_SHA256 = "8d2ce7a0561ce9282374422b9ca9e991f571e49fd80ac6fe366073ade7c30915"
 
 
 def test_the_plan_makes_a_new_config_and_keeps_its_choice_beside_it():
