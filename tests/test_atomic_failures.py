@@ -26,7 +26,8 @@ from dpfleet.coordinator.state.run_dir import to_toml
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = {
     "rounds": 2, "seed": 11,
-    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 50, "max_examples": 16},
+    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 50, "max_examples": 16,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"batch_size": 16, "threads": 1},

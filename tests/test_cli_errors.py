@@ -98,6 +98,8 @@ def test_typo_in_a_command_names_the_nearest_one():
 
 
 def test_bare_dpfleet_prints_help_and_succeeds():
-    proc = run_cli()
+    # in process: the help imports every command's module (torch, dp_accounting), ~5 s in a fresh
+    # interpreter; `python -m dpfleet` itself is run by the typo test below
+    proc = run_here()
     assert proc.returncode == 0, proc.stderr
     assert "Commands:" in proc.stdout and "simulate" in proc.stdout

@@ -92,28 +92,29 @@ def test_bfloat16_chunks_in_processes_give_the_bits_of_threads(two_threads):
     assert not np.array_equal(in_workers, round_deltas(False, examples, seeds, theta))
 
 
-def test_a_task_that_raises_in_a_worker_carries_its_traceback():
+@pytest.fixture(scope="module")
+def one_worker():
+    """One worker for the protocol tests that leave it serving (each asserts that it does): a
+    worker's start imports torch, seconds each."""
     pool = WorkerPool(1)
-    try:
-        with pytest.raises(WorkerError, match="math domain error") as info:
-            pool.map(math.sqrt, [(-1.0,)])
-        assert "Traceback" in str(info.value)
-        assert pool.map(math.sqrt, [(4.0,)]) == [2.0]  # the worker lives on
-    finally:
-        pool.close()
+    yield pool
+    pool.close()
 
 
-def test_a_stray_write_to_stdout_in_a_worker_cannot_forge_or_break_a_reply():
+def test_a_task_that_raises_in_a_worker_carries_its_traceback(one_worker):
+    with pytest.raises(WorkerError, match="math domain error") as info:
+        one_worker.map(math.sqrt, [(-1.0,)])
+    assert "Traceback" in str(info.value)
+    assert one_worker.map(math.sqrt, [(4.0,)]) == [2.0]  # the worker lives on
+
+
+def test_a_stray_write_to_stdout_in_a_worker_cannot_forge_or_break_a_reply(one_worker):
     """A C library (OpenMP's 'OMP: Info', a print in native code) writes straight to fd 1: the
     protocol must not share it. Attack: bytes that look like a reply header are written to fd 1
     during a task; the parent still gets each task's own result."""
     forged = struct.pack("<Q", 4) + b"junk"  # a well-formed header of a 4-byte 'reply'
-    pool = WorkerPool(1)
-    try:
-        assert pool.map(os.write, [(1, forged)]) == [len(forged)]  # os.write returns its count
-        assert pool.map(math.sqrt, [(25.0,)]) == [5.0]  # the stream is still in step
-    finally:
-        pool.close()
+    assert one_worker.map(os.write, [(1, forged)]) == [len(forged)]  # os.write returns its count
+    assert one_worker.map(math.sqrt, [(25.0,)]) == [5.0]  # the stream is still in step
 
 
 def test_ctrl_c_is_left_to_the_parent():

@@ -32,7 +32,8 @@ from dpfleet.coordinator.state.run_dir import to_toml
 # tree) or the release log replays (device timers, the accountant) is exercised
 CFG = {
     "rounds": 6, "eval_every": 3, "seed": 11, "checkpoint_every": 100,
-    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 100, "max_examples": 16},
+    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 100, "max_examples": 16,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"lr": 1.0, "batch_size": 16, "threads": 1},

@@ -17,7 +17,8 @@ from dpfleet.coordinator.state.release_log import ReleaseLog, check_no_reuse
 
 CFG = {
     "rounds": 1, "eval_every": 1, "seed": 5, "checkpoint_every": 0,
-    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 100, "max_examples": 16},
+    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 100, "max_examples": 16,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"lr": 1.0, "batch_size": 16},

@@ -138,7 +138,7 @@ def test_a_bundle_the_pinned_key_did_not_sign_is_refused_before_onnxruntime(
         tmp_path, monkeypatch, attack):
     from cryptography.hazmat.primitives import serialization
 
-    cfg = bundle_cfg(rounds=2, service={"report_deadline_s": 3.0})
+    cfg = bundle_cfg(rounds=2, service={"report_deadline_s": 1.0})  # all refuse: no wait
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     keys = {u: Ed25519PrivateKey.generate() for u in users}
     state = tmp_path / "state"

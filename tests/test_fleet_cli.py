@@ -25,6 +25,7 @@ dataset = "shakespeare"
 max_clients = 8
 eval_examples = 40
 max_examples = 8
+keyboard_words = 0  # no keyboard metrics: seconds a run, read by none
 
 [tokenizer]
 kind = "sentencepiece"

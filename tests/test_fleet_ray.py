@@ -12,8 +12,9 @@ import sys
 import time
 
 import pytest
+from cli_helpers import run_here
 from service_fleet import tiny_cfg
-from test_cli_errors import assert_clean_error, run_cli
+from test_cli_errors import assert_clean_error
 from test_fleet_cli import tiny_toml
 from test_fleet_emulate import ServerThread, check_committed_log
 
@@ -23,8 +24,8 @@ from dpfleet.secagg.registry import public_registry
 
 
 def test_address_without_ray_backend_is_one_clean_line(tmp_path):
-    proc = run_cli("fleet", "emulate", str(tiny_toml(tmp_path)), "--coordinator",
-                   "http://127.0.0.1:9", "--address", "10.0.0.1:6379")
+    proc = run_here("fleet", "emulate", str(tiny_toml(tmp_path)), "--coordinator",  # in process: the
+                    "http://127.0.0.1:9", "--address", "10.0.0.1:6379")  # same line, no torch import
     assert_clean_error(proc, "--address is a Ray cluster's address")
 
 

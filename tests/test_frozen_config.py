@@ -39,8 +39,9 @@ def simulated(tmp_path_factory):
     given on the command line too), with the config checks counted."""
     tmp = tmp_path_factory.mktemp("frozen")
     path = tmp / "tiny.toml"
+    # keyboard_words at its default: the config.json hash below was recorded with it
     path.write_text(to_toml({**PLANNED_CFG, "rounds": 3, "eval_every": 2, "checkpoint_every": 0,
-                             "data": {**PLANNED_CFG["data"], "max_clients": 20}}))
+                             "data": {**PLANNED_CFG["data"], "max_clients": 20, "keyboard_words": 30}}))
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         checks = config_module.missing_extras

@@ -76,15 +76,14 @@ def test_a_hypothetical_release_is_a_one_entry_ledger():
 
 def _conversions(path: Path):
     """(line, innermost function or None) of each call of a conversion in the file at `path`."""
-    tree = ast.parse(path.read_text())
-    owner = {}
-    for fn in ast.walk(tree):  # breadth first: an inner function overrides its outer one
-        if isinstance(fn, ast.FunctionDef):
-            owner.update({id(node): fn.name for node in ast.walk(fn) if isinstance(node, ast.Call)})
-    for node in ast.walk(tree):
-        func = node.func if isinstance(node, ast.Call) else None
-        if (getattr(func, "id", None) or getattr(func, "attr", None)) in CONVERSIONS:
-            yield node.lineno, owner.get(id(node))
+    def visit(node: ast.AST, owner: str | None):  # one walk, the innermost def carried down
+        for child in ast.iter_child_nodes(node):
+            func = child.func if isinstance(child, ast.Call) else None
+            if (getattr(func, "id", None) or getattr(func, "attr", None)) in CONVERSIONS:
+                yield child.lineno, owner
+            yield from visit(child, child.name if isinstance(child, ast.FunctionDef) else owner)
+
+    yield from visit(ast.parse(path.read_text()), None)
 
 
 def test_no_library_module_converts_zcdp_to_eps_but_the_ledger():

@@ -30,7 +30,10 @@ from dpfleet.errors import DpfleetError
 ROUNDS = 3
 CFG = {
     "rounds": ROUNDS, "eval_every": ROUNDS, "seed": 7, "checkpoint_every": 2,
-    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 60, "max_examples": 8},
+    # no keyboard metrics (its beam search is the costliest part of a finished run this size):
+    # nothing that uses this config reads them; tests/test_keyboard_metrics.py does
+    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 60, "max_examples": 8,
+             "keyboard_words": 0},
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"lr": 1.0, "batch_size": 8},

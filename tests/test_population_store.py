@@ -32,7 +32,8 @@ from dpfleet.export.models import build_model
 
 CFG = {
     "rounds": 5, "eval_every": 5, "seed": 4, "checkpoint_every": 0,
-    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 40, "max_examples": 8},
+    "data": {"dataset": "shakespeare", "max_clients": 40, "eval_examples": 40, "max_examples": 8,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
     "client": {"lr": 1.0, "batch_size": 8},

@@ -9,6 +9,7 @@ import json
 
 import dp_accounting
 import pytest
+from cli_helpers import run_here
 
 from dpfleet.coordinator.accounting.ledger import check_ledger
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
@@ -163,14 +164,14 @@ def test_a_ring_noise_runs_ledger_checks_by_rdp_also_where_its_figures_moved(tmp
 
 def test_dpfleet_account_checks_a_runs_privacy_json(vocabulary_run, tmp_path):
     """`dpfleet account --privacy-json`: the ledger, each release's figures; an edited file (the
-    vocabulary's entry removed) is one error line naming the stated and the recomputed rho."""
-    import subprocess
-    import sys
-
+    vocabulary's entry removed) is one error line naming the stated and the recomputed rho.
+    In process (`run_here`): a subprocess would spend seconds importing dp_accounting again."""
     path = tmp_path / "privacy.json"
     path.write_text(json.dumps(vocabulary_run))
-    account = [sys.executable, "-m", "dpfleet", "account", "--privacy-json", str(path)]
-    text = subprocess.run(account, capture_output=True, text=True, check=True).stdout
+    account = ["account", "--privacy-json", str(path)]
+    proc = run_here(*account)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
     assert "  dp_vocabulary          zCDP 0.5  epsilon 4.887  (+ delta 1e-07)" in text
     assert ("  dp_ftrl                zCDP 1  epsilon 7.286\n"
             "    model_noise          zCDP 1  epsilon 7.286\n") in text
@@ -178,7 +179,7 @@ def test_dpfleet_account_checks_a_runs_privacy_json(vocabulary_run, tmp_path):
     edited = copy.deepcopy(vocabulary_run)
     del edited["ledger"]["entries"][1]
     path.write_text(json.dumps(edited))
-    proc = subprocess.run(account, capture_output=True, text=True)
+    proc = run_here(*account)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("error: privacy.json's the ledger's zcdp 1.5 disagrees with its "
                                    "ledger (1): the file was edited or is damaged")

@@ -25,7 +25,8 @@ from dpfleet.errors import DpfleetError
 ROUNDS = 6
 CFG = {
     "rounds": ROUNDS, "eval_every": ROUNDS, "seed": 2, "checkpoint_every": 2,
-    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 40, "max_examples": 8},
+    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 40, "max_examples": 8,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
     "client": {"lr": 1.0, "batch_size": 8},

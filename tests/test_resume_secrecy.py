@@ -29,7 +29,8 @@ from dpfleet.coordinator.state.run_dir import to_toml
 
 CFG = {
     "rounds": 6, "eval_every": 6, "seed": 3, "checkpoint_every": 3,
-    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 60, "max_examples": 8},
+    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 60, "max_examples": 8,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 16, "projection_dim": 8},
     "client": {"lr": 1.0, "batch_size": 8},

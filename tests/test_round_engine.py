@@ -34,7 +34,8 @@ ROUNDS = 6
 # noise (dp.noise_seed) so that two runs of the config can be compared exactly
 CFG = {
     "rounds": ROUNDS, "eval_every": 3, "seed": 3, "checkpoint_every": 2,
-    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 40, "max_examples": 8},
+    "data": {"dataset": "shakespeare", "max_clients": 10, "eval_examples": 40, "max_examples": 8,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8},
     "client": {"lr": 1.0, "batch_size": 8},

@@ -17,7 +17,8 @@ SHORT = {
     "seed": 3,
     "checkpoint_every": 0,
     "debug_nonprivate": True,  # the per-client telemetry the two trainers must agree on
-    "data": {"dataset": "shakespeare", "max_clients": 120, "eval_examples": 200, "max_examples": 40},
+    "data": {"dataset": "shakespeare", "max_clients": 120, "eval_examples": 200, "max_examples": 40,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     # the comparison needs the same vocabulary and noise in every run: non-DP vocabulary, research mode
     "tokenizer": {"kind": "word", "vocab_size": 512, "allow_nonprivate_vocabulary": True},
     "model": {"arch": "lstm", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},

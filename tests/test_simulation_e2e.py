@@ -13,7 +13,7 @@ SMALL = {
     "eval_every": 20,
     "seed": 3,
     "data": {"dataset": "shakespeare", "max_clients": 400, "eval_examples": 400,
-             "max_examples": 64},
+             "max_examples": 64, "keyboard_words": 0},  # no keyboard metrics: seconds, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 32, "hidden_dim": 64, "projection_dim": 32},
     "client": {"lr": 5.0, "batch_size": 16},

@@ -166,7 +166,7 @@ def test_a_served_run_writes_its_scalars_to_the_state(tmp_path):
 
     from service_fleet import device_keys, fleet_data, serve_to_end, tiny_cfg
 
-    cfg = tiny_cfg(rounds=2, tensorboard=True)
+    cfg = tiny_cfg(rounds=2, tensorboard=True, data={"keyboard_words": 30})  # the strip too
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     state = tmp_path / "state"
     status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))

@@ -128,7 +128,8 @@ def _empty(path):
 
 TINY = {
     "rounds": 6, "eval_every": 6, "seed": 5,
-    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 200, "max_examples": 16},
+    "data": {"dataset": "shakespeare", "max_clients": 12, "eval_examples": 200, "max_examples": 16,
+             "keyboard_words": 0},  # no keyboard metrics: seconds a run, read by none
     "tokenizer": {"kind": "sentencepiece", "vocab_size": 1024},
     "model": {"arch": "cifg", "embedding_dim": 16, "hidden_dim": 32, "projection_dim": 16},
     "client": {"lr": 1.0, "batch_size": 16},

@@ -246,7 +246,7 @@ def test_a_served_run_logs_its_metrics_to_both(tmp_path, monkeypatch):
     from service_fleet import device_keys, fleet_data, serve_to_end, tiny_cfg
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg = tiny_cfg(rounds=2, wandb=True, mlflow=True)
+    cfg = tiny_cfg(rounds=2, wandb=True, mlflow=True, data={"keyboard_words": 30})  # the strip too
     users, examples = fleet_data(cfg, tmp_path / "fleet")
     state = tmp_path / "state"
     status = asyncio.run(serve_to_end(cfg, state, device_keys(users), examples, devices_s=30))
