@@ -46,21 +46,21 @@ client that diverges amplifies either to ~1e-4).
 
 bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
 CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
-(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs
-saved). bfloat16 are the GEMMs over all time steps and the output layer's: the input projection
-of all steps (one GEMM, then copied to float32), the gates' and projection's weight gradients,
-d_x, and the logits with both of their backward GEMMs; their weights are cast once per call
-(inside the copies made anyway), their other operands once (the inputs [h_{t-1}, x_t, 1] as they
-are written, dz and the gated outputs after their loop). A bfloat16 GEMM accumulates in float32
-and rounds its result once, to bfloat16 (torch on CPU has no float32 output for it). float32
-are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
-1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
-file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
-the softmax, loss and its gradient (a few logit rows at a time copied to a cache-sized float32
-buffer, the gradient rounded back into the bfloat16 logits buffer: `_softmax_grad`), and the
-SGD step on the float32 weights. Gradients are within 2^-5 of
-float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
-as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
+(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs saved).
+Every GEMM but the per-step projection's (m_t W_p^T and its backward, float32) is bfloat16: the
+input projection of all steps (one GEMM, then copied to float32), the per-step recurrent GEMMs
+(h_{t-1} W_h and dz_t W_h^T: their operands are the casts the weight gradients' GEMMs take anyway,
+written as each step makes them; the product is added to the float32 gates or dh), the gates' and
+projection's weight gradients, d_x, and the output layer's three GEMMs with inner or outer
+dimension P (no bias column: 97 against 96 ran them up to 2.1x slower; the bias is added to the
+bfloat16 logits, its gradient a column sum). The weights are cast once per call (inside the copies
+made anyway). A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16
+(torch on CPU has no float32 output for it). The nonlinearities, cell state and local derivatives
+stay float32 (mixed-dtype elementwise ops convert through a slow generic path), and so does the
+SGD step on the float32 weights. The softmax runs on the bfloat16 logits in one op (float32 inside
+each row, each probability rounded once; `_softmax_grad`). Gradients are within 2^-5 of float32's
+(relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made as [V, P]
+there (in bfloat16 the transposed add of [P, V] cost more than its GEMM).
 
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
