@@ -9,9 +9,9 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
   and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
   `--gboard-vocab` words); the cohort's ratio to the plain float32 loop. The cohort at bfloat16
-  is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs over all time steps and in the
-  output layer from weight copies cast once per local step; float32 recurrence, softmax and
-  weights; not autocast); at bfloat16
+  is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs from weight copies cast once per
+  local step, a bfloat16 softmax; float32 elementwise recurrence and weights; not autocast); at
+  bfloat16
   it is also timed against the cohort at float32 round by round, alternating, in one process
   (`cohort_bfloat16_over_float32_paired`, the median of the pairs' ratios: what a loaded
   machine still measures fairly);
@@ -22,7 +22,9 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
 * what "auto" resolves to for each workload (`edge.precision`: the CPU and the model's size,
   `AUTO_BF16_MIN_PARAMS`), and with `--profile` where a Gboard-size cohort round spends its time
   (fractions per part of `edge/cohort_lstm.py`: recurrence forward, output layer, recurrence
-  backward, local derivatives, other).
+  backward, local derivatives, other), with the share of the round in GEMMs and the rate of the
+  GEMMs alone at the shapes the kernel gives them (`gemm_only_gflop_s`: an upper bound on the
+  achieved rate of any schedule of those GEMMs).
 
     python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--profile]
 
@@ -173,7 +175,30 @@ def profile_parts(raw: dict, precision: str, clients: int) -> dict:
             setattr(cohort_lstm, name, fn)
     seconds["_layer_backward"] -= seconds["_local_derivatives"]  # called inside it
     shares = {name.strip("_"): round(sec / total, 3) for name, sec in seconds.items()}
-    return {"round_s": round(total, 2), **shares, "other": round(1 - sum(shares.values()), 3)}
+    flops = model_flops_per_token(model_cfg) * sum(int((x[:, 1:] != PAD).sum()) for x in chosen)
+    return {"round_s": round(total, 2), **shares, "other": round(1 - sum(shares.values()), 3),
+            **gemm_bound(one_round, flops)}
+
+
+GEMMS = ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm")
+
+
+def gemm_bound(one_round, flops: int) -> dict:
+    """The round's GEMMs alone, at the shapes the kernel gives them (torch profiler, self time of
+    the GEMM ops; in-place variants included): their share of the round and the model FLOPs over
+    their seconds. No schedule of the same GEMMs runs faster than this rate, so it bounds the
+    achieved rate from above: the part of the gap to the square GEMM rate the shapes explain."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        t0 = time.perf_counter()
+        one_round()
+        total = time.perf_counter() - t0
+    gemm = sum(e.self_cpu_time_total for e in prof.key_averages()
+               if e.key.rstrip("_") in GEMMS) / 1e6
+    if not gemm:  # the chunks ran on other threads, which this profiler does not see
+        return {"gemm_share_profiled": None, "gemm_only_gflop_s": None}
+    return {"gemm_share_profiled": round(gemm / total, 3), "gemm_only_gflop_s": round(flops / gemm / 1e9, 1)}
 
 
 def _paired_ratio(slow, fast, reps: int) -> float:

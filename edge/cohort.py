@@ -44,6 +44,7 @@ from dpfleet.edge.tokenizer import PAD
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model, next_token_loss
 from dpfleet.export.params import ParamLayout
+from dpfleet.heap import keep_freed_memory
 
 # CPU budget for one chunk's weights, gradients and activations. Small on purpose: on CPU the
 # stacked weight gradients of a big chunk fall out of cache (issue 15 workload, 1 thread: chunks of
@@ -211,6 +212,7 @@ class CohortTrainer:
         self.cfg = cfg
         self.processes = processes
         self.device = resolve_device(device)
+        self.heap = keep_freed_memory()  # the steps' multi-MB temporaries reuse pages (dpfleet.heap)
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.precision = resolve_precision(precision, self.device.type, "client.precision",

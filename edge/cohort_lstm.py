@@ -46,21 +46,21 @@ client that diverges amplifies either to ~1e-4).
 
 bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
 CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
-(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs
-saved). bfloat16 are the GEMMs over all time steps and the output layer's: the input projection
-of all steps (one GEMM, then copied to float32), the gates' and projection's weight gradients,
-d_x, and the logits with both of their backward GEMMs; their weights are cast once per call
-(inside the copies made anyway), their other operands once (the inputs [h_{t-1}, x_t, 1] as they
-are written, dz and the gated outputs after their loop). A bfloat16 GEMM accumulates in float32
-and rounds its result once, to bfloat16 (torch on CPU has no float32 output for it). float32
-are the per-step recurrent and projection GEMMs (16 rows a client: bfloat16 ran them only
-1.1-1.7x faster, and each would need a cast per step; an all-bfloat16 recurrence, in this
-file's history, ran the same on a loaded machine, paired), the nonlinearities and cell state,
-the softmax, loss and its gradient (a few logit rows at a time copied to a cache-sized float32
-buffer, the gradient rounded back into the bfloat16 logits buffer: `_softmax_grad`), and the
-SGD step on the float32 weights. Gradients are within 2^-5 of
-float32's (relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made
-as [V, P+1] there (in bfloat16 the transposed add of [P+1, V] cost more than its GEMM).
+(which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs saved).
+Every GEMM but the per-step projection's (m_t W_p^T and its backward, float32) is bfloat16: the
+input projection of all steps (one GEMM, then copied to float32), the per-step recurrent GEMMs
+(h_{t-1} W_h and dz_t W_h^T: their operands are the casts the weight gradients' GEMMs take anyway,
+written as each step makes them; the product is added to the float32 gates or dh), the gates' and
+projection's weight gradients, d_x, and the output layer's three GEMMs with inner or outer
+dimension P (no bias column: 97 against 96 ran them up to 2.1x slower; the bias is added to the
+bfloat16 logits, its gradient a column sum). The weights are cast once per call (inside the copies
+made anyway). A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16
+(torch on CPU has no float32 output for it). The nonlinearities, cell state and local derivatives
+stay float32 (mixed-dtype elementwise ops convert through a slow generic path), and so does the
+SGD step on the float32 weights. The softmax runs on the bfloat16 logits in one op (float32 inside
+each row, each probability rounded once; `_softmax_grad`). Gradients are within 2^-5 of float32's
+(relative L2, tests/test_cohort_lstm.py). The output layer's weight gradient is made as [V, P]
+there (in bfloat16 the transposed add of [P, V] cost more than its GEMM).
 
 Gradients are those of each client's own mean next-token loss (`next_token_loss`): clients never
 share a tensor row, so client j's gradient depends on client j's rows only (tested as an attack
@@ -79,8 +79,6 @@ RECURRENT = ("lstm", "cifg")
 # logits (38 MB) ran its log-softmax 2x slower than 9 per-client blocks (fresh pages each call);
 # with the buffers reused across groups 2**20 is still the fastest of 2**18 .. 2**21 (peer workload)
 LOGITS_FLOATS = 2**20
-# floats of one row block of the softmax (`_softmax_grad`): two such float32 buffers stay in the cache
-SOFTMAX_FLOATS = 2**16
 
 
 def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_params: int) -> int:
@@ -183,10 +181,17 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     os_, fs = acts[..., :hidden].unbind(0), acts[..., hidden:2 * hidden].unbind(0)
     i_s = acts[..., 2 * hidden:3 * hidden].unbind(0)
     cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
+    # bfloat16: h_{t-1} @ W_h in bfloat16 too (h_{t-1} is cast into `inputs` as it is made, where the
+    # weight gradient's GEMM reads it; the product is added to the float32 gates): 0.5x the time
+    # of the float32 GEMM with the cast and the add
+    h_low, wh_low = inputs[..., :proj].unbind(1), _dense(wh, low) if hoisted else None
+    product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
     for t in range(steps):
         # activated in place: acts holds the gates
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
-        if t:
+        if t and hoisted:
+            a.add_(torch.bmm(h_low[t], wh_low, out=product))
+        elif t:
             a.baddbmm_(hs[t - 1], wh)
         sigs[t].sigmoid_()
         g = gs[t].tanh_()
@@ -202,8 +207,11 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
                 c.addcmul_(f, cs[t - 1])
         m = torch.mul(os_[t], torch.tanh(c, out=tcs[t]), out=ms[t])
         torch.bmm(m, wp_t, out=hs[t])
+        if hoisted and t + 1 < steps:
+            h_low[t + 1].copy_(hs[t])
     inputs[:, 0, :, :proj] = 0.0
-    inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
+    if not hoisted:
+        inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
     return out, (inputs, acts, cells, tanh_cells, gated.to(low), w_k, wh)
 
 
@@ -239,15 +247,20 @@ def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torc
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
                     sink: _Sink, name: str) -> torch.Tensor:
     """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
-    go to `sink`. At bfloat16 (the saved inputs' dtype) the recurrence runs as at float32 and dz
-    is cast once, after it, for the two GEMMs over all time steps."""
+    go to `sink`. At bfloat16 (the saved inputs' dtype) the elementwise recurrence runs in float32;
+    each step's dz_t is cast once, for its bfloat16 recurrent GEMM and the two GEMMs over all time
+    steps after the loop."""
     inputs, acts, cells, tanh_cells, gated, w_k, wh = saved
     low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
     to_cell, to_o, to_gates = _local_derivatives(acts, cells, tanh_cells, coupled)
-    wh_back = wh.transpose(1, 2).contiguous()  # [k, G, P]
+    # [k, G, P]; bfloat16: the per-step GEMM dz_t @ W_h in bfloat16, dz_t cast into the bfloat16
+    # dz that the weight GEMMs take after the loop (the cast is made once either way)
+    wh_back = _dense(wh.transpose(1, 2), low)
+    dz_low = acts.new_empty(k, steps, rows, n_gates, dtype=low) if low != torch.float32 else None
+    product = acts.new_empty(k, rows, proj, dtype=low) if dz_low is not None else None
     dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
     dc = cells.new_zeros(k, rows, hidden)
     dc_b = dc.unsqueeze(2)
@@ -262,10 +275,15 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
         dc.addcmul_(dm, tcell[t])
         torch.mul(dm, to_os[t], out=dz_o[t])
         torch.mul(dc_b, tgs[t], out=dz_rest[t])
+        if dz_low is not None:
+            dz_t = dz_low[:, t].copy_(dzs[t])
         if t:
             dc.mul_(fs[t])
-            dhs[t - 1].baddbmm_(dzs[t], wh_back)
-    dz = dz_all.view(k, steps * rows, n_gates).to(low)  # bfloat16: one cast for the two GEMMs
+            if dz_low is None:
+                dhs[t - 1].baddbmm_(dzs[t], wh_back)
+            else:
+                dhs[t - 1].add_(torch.bmm(dz_t, wh_back, out=product))
+    dz = (dz_all if dz_low is None else dz_low).view(k, steps * rows, n_gates)
     # before w is updated; float32 (under bfloat16 autocast or on the bfloat16 path the product is
     # bfloat16, and the gradient carried down the layers and into the embedding stays float32)
     w_x = w_k[:, :, :d] if low == torch.float32 else _dense(w_k[:, :, :d], low)
@@ -310,49 +328,39 @@ def _groups(counts: list[int], max_rows: int, slack: float = 1.25) -> list[tuple
     return out
 
 
-def _softmax_grad(scores: torch.Tensor, tgt: torch.Tensor, work: torch.Tensor,
-                  grads: torch.Tensor) -> torch.Tensor:
+def _softmax_grad(scores: torch.Tensor, tgt: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """scores [N, V] logits (float32 or bfloat16) -> each row's nll [N] (float32); `grads` [N, V]
-    (float32: another buffer, as a float32 GEMM writes the logits; bfloat16: `scores` itself)
-    becomes softmax - onehot(target), rounded to its dtype.
+    (another buffer of the same dtype) becomes softmax - onehot(target).
 
-    A few rows at a time (`work`: two float32 buffers of SOFTMAX_FLOATS): at bfloat16 each
-    block's float32 copy of the logits, its softmax (one exp per logit), the loss and the gradient
-    stay in the cache and the gradient goes back in place, so no vocabulary-sized float32 tensor is
-    made (the whole-tensor softmax made and read two float32 copies of the logits: Gboard-size
-    output layer 1.1x faster, paired, loaded machine). float32 runs all rows in one block (in
-    blocks its per-op cost made the main job's output layer 1.2x slower). Every row is normalised
-    on its own, so the floats are a whole-tensor softmax's."""
-    n, vocab = scores.shape
+    At bfloat16 torch's softmax works in float32 inside each row and rounds each probability
+    once; the loss is taken from the rounded p_t (relative error 2^-9: the nll moves by at most
+    0.002) and the one-hot is subtracted in bfloat16 (rounded once more, as the gradient is
+    anyway). No float32 copy of the logits is made: the float32 softmax of a few rows at a time
+    in cache-sized buffers, with a float32 bias add, ran the whole Gboard-size output layer 2x
+    slower than this at the same GEMMs (mixed-dtype ops convert through a generic path)."""
+    n, _ = scores.shape
     nll = scores.new_empty(n, 1, dtype=torch.float32)
-    step = n if scores.dtype == torch.float32 else max(1, work.shape[1] // vocab)
-    for r0 in range(0, n, step):
-        blk, tg = scores[r0 : r0 + step], tgt[r0 : r0 + step]
-        size = blk.numel()
-        logits = blk if blk.dtype == torch.float32 else work[0, :size].view_as(blk).copy_(blk)
-        dst = grads[r0 : r0 + step]
-        grad = torch._softmax(logits, -1, False, out=dst if dst.dtype == torch.float32
-                              else work[1, :size].view_as(blk))
-        p_t = grad.gather(1, tg)
-        out = torch.log(p_t, out=nll[r0 : r0 + step]).neg_()
-        tiny = (p_t < 1e-30).nonzero()[:, 0]  # underflowed or denormal p_t: exact log-sum-exp there
-        if len(tiny):  # nll = (top - l_t) + log(sum exp(l - top)), the sum's inverse the softmax at
-            # the top logit (exp(0) / sum): no second exp pass (logsumexp's was 12% of a step on
-            # rounds where clients diverge and most targets underflow)
-            rows_t = logits[tiny]
-            top, arg = rows_t.max(1, keepdim=True)
-            out[tiny] = (top - rows_t.gather(1, tg[tiny])).sub_(grad[tiny.unsqueeze(1), arg].log_())
-        # softmax - onehot, unscaled: the weights enter on the GEMMs' other side
-        grad.scatter_add_(1, tg, grad.new_full((len(blk), 1), -1.0))
-        if grad is not dst:
-            dst.copy_(grad)
+    grad = torch._softmax(scores, -1, False, out=grads)
+    p_t = grad.gather(1, tgt)
+    out = torch.log(p_t.float(), out=nll).neg_()
+    tiny = (p_t < 1e-30).nonzero()[:, 0]  # underflowed or denormal p_t: exact log-sum-exp there
+    if len(tiny):  # nll = (top - l_t) + log(sum exp(l - top)), the sum's inverse the softmax at
+        # the top logit (exp(0) / sum): no second exp pass (logsumexp's was 12% of a step on
+        # rounds where clients diverge and most targets underflow)
+        rows_t = scores[tiny].float()
+        top, arg = rows_t.max(1, keepdim=True)
+        out[tiny] = (top - rows_t.gather(1, tgt[tiny])).sub_(grad[tiny.unsqueeze(1), arg].float().log_())
+    # softmax - onehot, unscaled: the weights enter on the GEMMs' other side (written at the targets'
+    # flat offsets: a bfloat16 scatter_add_ converted the whole [N, V] tensor twice)
+    grad.view(-1)[torch.arange(n, device=tgt.device) * scores.shape[1] + tgt[:, 0]] = p_t[:, 0] - 1.0
     return nll.view(-1)
 
 
 def _pack(y: torch.Tensor, flat_real: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor,
           groups: list[tuple[int, int, int]], low: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Each client's real positions packed into the rows of its group's block (see `_output_layer`):
-    (packed [y, 1] in `low`, targets [N, 1], weights [N, 1] (1 / n_j, 0 on fill rows), dst, src)."""
+    (packed y in `low` (float32: [y, 1], the output bias rides in the GEMMs), targets [N, 1],
+    weights [N, 1] (1 / n_j, 0 on fill rows), dst, src)."""
     steps, k, rows, proj = y.shape
     positions = steps * rows
     offset = torch.zeros(k, dtype=torch.int64)
@@ -365,15 +373,60 @@ def _pack(y: torch.Tensor, flat_real: torch.Tensor, targets: torch.Tensor, count
     dst = offset[client] + slot
     t, r = pos // rows, pos % rows
     src = (t * k + client) * rows + r  # row of y's time-major [T * k * B, P] view
-    packed = y.new_zeros(base, proj + 1, dtype=low)  # [y, 1]: the output bias rides in the GEMMs
+    ones = low == torch.float32
+    packed = y.new_zeros(base, proj + ones, dtype=low)
     packed[dst, :proj] = y.reshape(-1, proj)[src].to(low)
-    packed[:, proj] = 1.0
+    if ones:
+        packed[:, proj] = 1.0
     tgt = torch.zeros(base, 1, dtype=torch.int64, device=y.device)
     tgt[dst, 0] = targets.reshape(-1)[client * positions + pos]
     inv = 1.0 / counts.clamp_min(1).to(torch.float32)
     weight = y.new_zeros(base, 1, dtype=torch.float32)
     weight[dst, 0] = inv[client]
     return packed, tgt, weight, dst, src
+
+
+def _group_f32(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch.Tensor,
+               b_g: torch.Tensor, scores: torch.Tensor, d_packed: torch.Tensor,
+               names: tuple[str, str]) -> tuple[torch.Tensor, list]:
+    """One group's output layer in float32: yg [m, n, P+1] ([y, 1]), wg [m, n, 1] row weights.
+    Returns each row's nll and the weight and bias gradients as sink parts; d_packed [m, n, P]
+    gets the gradient of y (unscaled)."""
+    m, n, width = yg.shape
+    vocab = w_g.shape[1]
+    # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
+    w_b = yg.new_empty(m, vocab, width)
+    w_b[..., :-1], w_b[..., -1] = w_g, b_g
+    logits = torch.bmm(yg, w_b.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
+    grad = scores[1, : m * n * vocab].view(m, n, vocab)
+    nll = _softmax_grad(logits.view(-1, vocab), tgt, grad.view(-1, vocab))
+    torch.bmm(grad, w_g, out=d_packed)  # before w_out is updated
+    # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
+    g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
+    return nll, [(names[0], (), g_t[:, :-1].transpose(1, 2)), (names[1], (), g_t[:, -1])]
+
+
+def _group_low(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch.Tensor,
+               b_g: torch.Tensor, scores: torch.Tensor, d_packed: torch.Tensor,
+               names: tuple[str, str]) -> tuple[torch.Tensor, list]:
+    """`_group_f32` at bfloat16 (yg [m, n, P] in `low`, no ones column): GEMMs with an inner or
+    outer dimension of P, not P + 1 (96 against 97 ran the three GEMMs 1.3x, 2.1x and 1.2x faster
+    at the Gboard size: AMX tiles hold 32 bfloat16); the bias is added to the bfloat16 logits
+    (rounded once with the product, as in a GEMM with a bias column) and its gradient is the
+    column sum of each client's real rows of the softmax's gradient (accumulated in float32 by
+    torch's reduction, rounded to bfloat16, scaled by 1 / n_j in float32)."""
+    m, n, _ = yg.shape
+    vocab = w_g.shape[1]
+    w_lo = _dense(w_g, yg.dtype)  # [m, V, P]: contiguous, cast in one pass
+    logits = torch.bmm(yg, w_lo.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
+    logits.add_(b_g.to(yg.dtype).unsqueeze(1))  # rounded once with the product, as a bias column was
+    grad = scores[1, : m * n * vocab].view(m, n, vocab)
+    nll = _softmax_grad(logits.view(-1, vocab), tgt, grad.view(-1, vocab))
+    d_packed.copy_(torch.bmm(grad, w_lo))  # before w_out is updated
+    g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(yg.dtype))  # [V, P]: no transposed add
+    real = (wg.view(m, n) > 0).sum(1).tolist()  # a client's real rows come first in its block
+    g_b = torch.stack([grad[j, : real[j]].sum(0) for j in range(m)]).float().mul_(wg.view(m, n)[:, :1])
+    return nll, [(names[0], (), g_v), (names[1], (), g_b)]
 
 
 def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
@@ -386,10 +439,10 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     batched GEMM (`_groups`), each padded to the group's largest n_j; a fill row has weight 0 in
     every gradient. Returns (loss [k], d_y [T, k, B, P]).
 
-    `low` bfloat16 (the bfloat16 path): the three GEMMs take bfloat16 operands (the weights cast
-    once per call); the logits GEMM writes bfloat16 and `_softmax_grad` turns them, a few rows at a
-    time in float32, into the loss and the softmax's gradient in the same bfloat16 buffer, the two
-    backward GEMMs' operand; loss and d_y are float32.
+    `low` bfloat16 (the bfloat16 path, `_group_low`): the three GEMMs take bfloat16 operands (the
+    weights cast once per call); the logits GEMM writes bfloat16 and `_softmax_grad` turns them, a
+    few rows at a time in float32, into the loss and the softmax's gradient in the same bfloat16
+    buffer, the two backward GEMMs' operand; loss and d_y are float32.
     """
     steps, k, rows, proj = y.shape
     f32 = torch.float32
@@ -408,33 +461,18 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     # logits GEMM ran 4x slower into fresh pages than into reused ones)
     # (float32: a second one for the softmax's gradient; bfloat16: it overwrites the logits)
     most = max((end - first) * n for first, end, n in groups) * vocab
-    scores = y.new_empty(2 if low == f32 else 1, most, dtype=low)
-    work = y.new_empty(2, max(SOFTMAX_FLOATS, vocab), dtype=f32)
+    scores = y.new_empty(2, most, dtype=low)
+    group = _group_f32 if low == f32 else _group_low
     base = 0
     for first, end, n in groups:
         m = end - first
         block = slice(base, base + m * n)
         base += m * n
-        yg, wg = packed[block].view(m, n, proj + 1), weight[block].view(m, n, 1)
-        w_g = w_out[first:end]
-        # [W, b] (a copy of P+1 floats per word; baddbmm copied the bias into every logit row)
-        w_b = y.new_empty(m, vocab, proj + 1, dtype=low)  # bfloat16: cast in the copy
-        w_b[..., :proj], w_b[..., proj] = w_g, b_out[first:end]
-        logits = torch.bmm(yg, w_b.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
-        grad = scores[-1, : m * n * vocab].view(m, n, vocab)
-        nll = _softmax_grad(logits.view(-1, vocab), tgt[block], work, grad.view(-1, vocab))
+        wg = weight[block].view(m, n, 1)
+        nll, parts = group(packed[block].view(m, n, -1), wg, tgt[block], w_out[first:end],
+                           b_out[first:end], scores, d_packed[block].view(m, n, proj),
+                           (w_name, b_name))
         loss[first:end] = (nll.view(m, n) * (wg.view(m, n) > 0)).sum(1) / counts[first:end].clamp_min(1)
-        if low == f32:
-            torch.bmm(grad, w_g, out=d_packed[block].view(m, n, proj))  # before w_out is updated
-            # [dW, db]^T in one GEMM ([P+1, V]: the faster shape; the bias row from the ones column)
-            g_t = torch.bmm((yg * wg).transpose(1, 2), grad)
-            parts = [(w_name, (), g_t[:, :proj].transpose(1, 2)), (b_name, (), g_t[:, proj])]
-        else:  # w_b's bias column makes d_packed one column wider, cut off; in bfloat16 [V, P+1] is
-            # the faster shape of the weight gradient: the float32 update adds it row by row (the
-            # transposed add of [P+1, V] took 1.4x the GEMM and the add, paired)
-            d_packed[block] = torch.bmm(grad, w_b)[..., :proj].reshape(m * n, proj)
-            g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(low))
-            parts = [(w_name, (), g_v[..., :proj]), (b_name, (), g_v[..., proj])]
         sink.add(parts, slice(first, end))
     d_y.view(-1, proj)[src] = d_packed[dst].mul_(weight[dst])
     return loss, d_y

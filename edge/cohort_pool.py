@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from dpfleet.errors import DpfleetError
+from dpfleet.heap import keep_freed_memory
 
 _HEADER = struct.Struct("<Q")
 _READY = b"ready"
@@ -82,6 +83,7 @@ def serve(preload: str = "") -> None:
     # to resume); a worker ends when the parent closes its stdin, without a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the parent's CohortTrainer does: the steps' temporaries reuse pages
     if preload:  # what the tasks call: imported before "ready"
         importlib.import_module(preload)
 

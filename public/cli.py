@@ -180,8 +180,9 @@ def distill_corpus(teacher, tokenizer_dir, out, dataset, split, path, max_record
 @click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True,
               help="the student's forward/backward GEMMs (weights and Adam stay float32): "
-                   "bfloat16 where the CPU has native BF16 (AMX, AVX512-BF16) under auto, else "
-                   "float32; bfloat16 on a CPU without it is an error")
+                   "auto picks bfloat16 where the CPU has native BF16 (AMX, AVX512-BF16) and the "
+                   "student has 2^18+ parameters (smaller ones ran no faster), else float32; "
+                   "pretrain.json says which and why; bfloat16 on a CPU without it is an error")
 def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, path, max_records,
              seq_len, arch, embedding_dim, hidden_dim, projection_dim, steps, batch_size, lr, seed,
              save_every, resume, overwrite, device, precision) -> None:
@@ -235,9 +236,11 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     from dpfleet.public.kd_pretrain import student_device
 
     # the resolved name: a resume on a machine that would choose otherwise is refused
-    chosen = resolve_precision(precision, student_device(device).type, "--precision").name
+    # "auto" reads the student's size: a small student ran slower in bfloat16 (edge.precision)
+    chosen = resolve_precision(precision, student_device(device).type, "--precision",
+                               params=len(theta0))
     cfg = KDTrainConfig(steps=steps, batch_size=batch_size, lr=lr, beta=beta,
-                        temperature=temperature, seed=seed, device=device, precision=chosen)
+                        temperature=temperature, seed=seed, device=device, precision=chosen.name)
     Path(out).mkdir(parents=True, exist_ok=True)
     with resume_hint("the same `dpfleet public pretrain ...` command with --resume"):
         theta, history = kd_train(model_cfg, theta0, corpus, None, cfg,
@@ -248,6 +251,7 @@ def pretrain(tokenizer_dir, out, kd_corpus, beta, temperature, dataset, split, p
     save_checkpoint(out, model, model_cfg, tokenizer)
     held = range(min(len(corpus), 512))
     result = {"steps": steps, "beta": beta, "sequences": len(corpus), "history": history,
+              "precision": {"name": chosen.name, "reason": chosen.reason},
               "before": kd_evaluate(model_cfg, theta0, corpus, held, temperature),
               "after": kd_evaluate(model_cfg, theta, corpus, held, temperature)}
     write_json(Path(out) / "pretrain.json", result, indent=2, default=float)

@@ -48,6 +48,7 @@ import numpy as np
 
 from dpfleet.coordinator.config import SimulationConfig, build_section, parse_config, read_toml
 from dpfleet.coordinator.state.resume import differing_keys
+from dpfleet.edge.cohort import model_params
 from dpfleet.edge.overlap import check_public_sources, check_public_texts
 from dpfleet.edge.precision import PRECISIONS, Precision, resolve_precision
 from dpfleet.edge.wheel_cache import cache_dir
@@ -291,9 +292,8 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
 
     out = Path(out)
     p = cfg.public
-    # resolved before the run folder exists: "bfloat16" on a CPU without it is one line, no folder
-    training_precision = resolve_precision(p.precision, student_device(p.student_device).type,
-                                           "public.precision")
+    # checked before the run folder exists: "bfloat16" on a CPU without it is one line, no folder
+    resolve_precision(p.precision, student_device(p.student_device).type, "public.precision")
     if (out / "summary.json").is_file() and not overwrite:
         raise DpfleetError(f"{out} holds a finished pipeline; pass --overwrite or choose another --out")
     if resume:
@@ -309,6 +309,9 @@ def run_pipeline(cfg: PipelineConfig, out: Path, *, overwrite: bool = False, res
     pool.save(out / "pool.npz")
     teacher = teacher_work(cfg, vocab, pool, progress)
     model_cfg = dataclasses.replace(sim.model, vocab_size=vocab.tokenizer.vocab_size)
+    # once the student's size is known, "auto" reads it (a small student ran slower in bfloat16)
+    training_precision = resolve_precision(p.precision, student_device(p.student_device).type,
+                                           "public.precision", params=model_params(model_cfg))
     switch = cfg.switch_round
     report: dict = {"switch_round": switch, "selection": p.selection, "pool_size": len(pool.sequences)}
     stage_file = out / "public_stage.json"  # the public stage's report, once it is done

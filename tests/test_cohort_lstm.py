@@ -252,21 +252,19 @@ def test_bfloat16_sgd_step_keeps_float32_weights_near_the_float32_step():
         assert float((step_b - step_f).norm() / step_f.norm()) <= BF16_RTOL, name
 
 
-def test_bfloat16_softmax_in_row_blocks_gives_the_one_block_bits(monkeypatch):
-    """The bfloat16 output layer's softmax runs a few rows at a time in float32 buffers: one row
-    per block gives the same bits as all rows in one block (loss and every gradient), including
-    a client whose targets underflow (its output bias ~ N(0, 200^2))."""
-    from dpfleet.edge import cohort_lstm
-
+def test_bfloat16_loss_of_a_diverged_client_is_finite_and_near_float32():
+    """A client whose targets underflow (its output bias ~ N(0, 200^2)): the bfloat16 path takes
+    its loss by log-sum-exp from the rounded softmax, finite and within 1% of float32's, and its
+    gradients (the output bias's included) stay within bfloat16 rounding of float32's."""
     cfg = cfg_of("cifg", True, 1)
     _, params = stacked(cfg, k=3, seed=5)
     params["output_bias"][1] = 200.0 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     rows = rows_block(np.random.default_rng(13), 3, 5)
-    results = []
-    for floats in (1, 2**24):  # one row per block (the buffers are at least a row), all rows
-        monkeypatch.setattr(cohort_lstm, "SOFTMAX_FLOATS", floats)
-        results.append(recurrent_grads(cfg, params, rows, dtype=torch.bfloat16))
-    (g1, l1), (g2, l2) = results
-    assert torch.isfinite(l1).all() and float(l1[1]) > 20 and torch.equal(l1, l2)
-    for name in g1:
-        assert torch.equal(g1[name], g2[name]), name
+    ref, ref_loss = recurrent_grads(cfg, params, rows)
+    got, loss = recurrent_grads(cfg, params, rows, dtype=torch.bfloat16)
+    assert torch.isfinite(loss).all() and float(loss[1]) > 20
+    np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-2)
+    for name, g in got.items():
+        for j in range(3):
+            err = float((g[j] - ref[name][j]).norm() / ref[name][j].norm())
+            assert err <= BF16_RTOL, (name, j, err)

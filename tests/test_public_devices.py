@@ -199,3 +199,20 @@ def test_cpu_teacher_body_follows_the_cpus_precision(tiny_teacher_dir, tiny_teac
     assert v_a.dtype == torch.float32 and torch.allclose(v_a, v_r, atol=0.1)
     assert torch.equal(v_a, v_r) == (expected.name == "float32")
     assert (ids_a[:, 0] == ids_r[:, 0]).float().mean() > 0.9
+
+
+def test_pretrain_auto_precision_reads_the_students_size(tiny_teacher_vocab, tmp_path, monkeypatch):
+    """On a CPU with BF16 (simulated), `public pretrain --precision auto` keeps a small student
+    at float32 (its GEMMs ran no faster in bfloat16) and pretrain.json says so and why."""
+    import json
+
+    from dpfleet.edge import precision as precision_mod
+
+    monkeypatch.setattr(precision_mod, "native_bf16", lambda: "AMX-BF16")
+    folder = tiny_teacher_vocab.tokenizer.model_file.parent
+    out = tmp_path / "ck"
+    main(["public", "pretrain", "--tokenizer", str(folder), "--out", str(out), "--dataset",
+          "wikitext2", "--max-records", "20", "--steps", "2", "--hidden-dim", "32",
+          "--embedding-dim", "16", "--projection-dim", "16"])
+    stated = json.loads((out / "pretrain.json").read_text())["precision"]
+    assert stated["name"] == "float32" and "parameters are under 262,144" in stated["reason"]
