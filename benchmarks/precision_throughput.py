@@ -253,7 +253,7 @@ def main() -> None:
     ap.add_argument("--teacher-layers", type=int, default=6)
     ap.add_argument("--teacher-tokens", type=int, default=1024, help="tokens per body pass (x 128 long)")
     ap.add_argument("--profile", action="store_true",
-                    help="also record where a Gboard-size cohort round spends its time, per part")
+                    help="also record where a Gboard-size cohort round spends its time, per part (1 thread)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "precision_throughput.json")
     args = ap.parse_args()
     precisions = ["float32"] + (["bfloat16"] if native_bf16() else [])
@@ -278,7 +278,7 @@ def main() -> None:
                     one["cohort_of_gemm_rate"] = round(one["cohort_achieved_gflop_s"]
                                                        / entry[precision]["gemm_gflop_s"], 3)
                     entry[precision][name] = one
-                if args.profile:
+                if args.profile and threads == 1:  # with 2+ the chunks' parts overlap in time
                     entry[precision]["gboard_step_profile"] = profile_parts(
                         configs["gboard"], precision, args.clients)
                 rows = max(1, args.teacher_tokens // 128)
