@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfleet.cli import main
+from dpfleet.edge.cohort import model_params
 from dpfleet.edge.precision import resolve_precision
 from dpfleet.edge.wheel_cache import cache_dir
 from dpfleet.errors import DpfleetError
@@ -234,9 +235,13 @@ def test_pipeline_end_to_end_on_cpu(tiny_teacher_dir, tiny_teacher_vocab, tmp_pa
     assert summary["selected"] == 10 and summary["switch_round"] == 2
     assert sum(v["selected"] for v in summary["sources"].values()) == 10
     assert summary["rounds_completed"] == 4 and 0 < summary["epsilon"] < float("inf")
-    chosen = resolve_precision("auto")  # public.precision's default, as this CPU resolves it
-    stated = {"used": chosen.name, "reason": chosen.reason}
-    assert summary["precision"] == {"teacher": stated, "public_training": stated}
+    # public.precision's default, as this CPU resolves it: the teacher by the CPU, the student by
+    # the CPU and its size (a small student keeps float32 where the CPU has BF16)
+    teacher = resolve_precision("auto")
+    student = resolve_precision("auto", params=model_params(
+        ModelConfig(vocab_size=tiny_teacher_vocab.tokenizer.vocab_size, **TINY)))
+    assert summary["precision"] == {"teacher": {"used": teacher.name, "reason": teacher.reason},
+                                    "public_training": {"used": student.name, "reason": student.reason}}
     # the server continued: one tree over all T rounds, privacy accounted over all of them
     privacy = json.loads((out / "simulation" / "privacy.json").read_text())
     assert privacy["rounds"] == 4 and privacy["restarts"] == []
