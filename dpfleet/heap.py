@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -25,19 +26,11 @@ MMAP_CEILING = 32 * 2**20  # glibc refuses a larger mmap threshold on 64-bit (HE
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 TOP_PAD = 64 * 2**20  # grow the heap in steps of 64 MiB: fewer brk calls while it reaches its peak
 
-_state: list[str] = []
 
-
+@functools.cache
 def keep_freed_memory() -> str:
     """Set glibc's malloc to keep freed memory (once per process); returns what was done, for logs
     and benchmarks."""
-    if _state:
-        return _state[0]
-    _state.append(_apply())
-    return _state[0]
-
-
-def _apply() -> str:
     if os.environ.get("DPFLEET_KEEP_HEAP", "1") == "0":
         return "unchanged: DPFLEET_KEEP_HEAP=0"
     if not sys.platform.startswith("linux"):

@@ -212,7 +212,7 @@ class CohortTrainer:
         self.cfg = cfg
         self.processes = processes
         self.device = resolve_device(device)
-        self.heap = keep_freed_memory()  # the steps' multi-MB temporaries reuse pages (dpfleet.heap)
+        keep_freed_memory()  # the steps' multi-MB temporaries reuse pages (dpfleet.heap)
         self.model = (build_model(cfg) if model is None else copy.deepcopy(model)).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.precision = resolve_precision(precision, self.device.type, "client.precision",

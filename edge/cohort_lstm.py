@@ -184,7 +184,8 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     # bfloat16: h_{t-1} @ W_h in bfloat16 too (h_{t-1} is cast into `inputs` as it is made, where the
     # weight gradient's GEMM reads it; the product is added to the float32 gates): 0.5x the time
     # of the float32 GEMM with the cast and the add
-    h_low, wh_low = inputs[..., :proj].unbind(1), _dense(wh, low) if hoisted else None
+    h_low = inputs[..., :proj].unbind(1)
+    wh_low = _dense(wh, low) if hoisted else None
     product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
     for t in range(steps):
         # activated in place: acts holds the gates
@@ -440,9 +441,9 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     every gradient. Returns (loss [k], d_y [T, k, B, P]).
 
     `low` bfloat16 (the bfloat16 path, `_group_low`): the three GEMMs take bfloat16 operands (the
-    weights cast once per call); the logits GEMM writes bfloat16 and `_softmax_grad` turns them, a
-    few rows at a time in float32, into the loss and the softmax's gradient in the same bfloat16
-    buffer, the two backward GEMMs' operand; loss and d_y are float32.
+    weights cast once per call); the logits GEMM writes bfloat16 and `_softmax_grad` turns them
+    into the loss and the softmax's gradient, bfloat16, the two backward GEMMs' operand; loss and
+    d_y are float32.
     """
     steps, k, rows, proj = y.shape
     f32 = torch.float32
@@ -459,7 +460,7 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     vocab = w_out.shape[1]
     # one logits buffer for all groups: each fresh multi-MB tensor costs its page faults (the
     # logits GEMM ran 4x slower into fresh pages than into reused ones)
-    # (float32: a second one for the softmax's gradient; bfloat16: it overwrites the logits)
+    # (and a second one for the softmax's gradient)
     most = max((end - first) * n for first, end, n in groups) * vocab
     scores = y.new_empty(2, most, dtype=low)
     group = _group_f32 if low == f32 else _group_low
