@@ -112,15 +112,17 @@ def test_underflowed_target_probability_still_gives_the_exact_loss(tie):
                                    err_msg=name)
 
 
-def test_a_client_gradient_depends_on_its_own_rows_only():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_client_gradient_depends_on_its_own_rows_only(dtype):
     """Attack on batching over clients: change client 1's rows; clients 0 and 2 keep their exact
-    gradients while client 1's moves by far more than the tolerance."""
+    gradients while client 1's moves by far more than the tolerance. bfloat16 too: its output
+    layer adds each client's bias and sums its bias gradient over that client's rows."""
     cfg = cfg_of("lstm", tie=True, layers=2)
     _, params = stacked(cfg, k=3, seed=0)
     rows = rows_block(np.random.default_rng(1), 3, 4)
-    before, _ = recurrent_grads(cfg, params, rows)
+    before, _ = recurrent_grads(cfg, params, rows, dtype=dtype)
     rows[1] = rows_block(np.random.default_rng(2), 1, 4)[0]
-    after, _ = recurrent_grads(cfg, params, rows)
+    after, _ = recurrent_grads(cfg, params, rows, dtype=dtype)
     for name in before:
         for j in (0, 2):
             np.testing.assert_allclose(after[name][j].numpy(), before[name][j].numpy(), rtol=0,
