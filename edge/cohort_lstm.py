@@ -53,8 +53,14 @@ input projection of all steps (one GEMM, then copied to float32), the per-step r
 written as each step makes them; the product is added to the float32 gates or dh), the gates' and
 projection's weight gradients, d_x, and the output layer's three GEMMs with inner or outer
 dimension P (no bias column: 97 against 96 ran them up to 2.1x slower; the bias is added to the
-bfloat16 logits, its gradient a column sum). The weights are cast once per call (inside the copies
-made anyway). A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16
+bfloat16 logits, its gradient a column sum). The gate weights are cast once per call into two
+blocks, W_h and [W_x, b], that every GEMM takes as they are or as a transposed view (`_gate_weights`:
+the float32 path's transposed copies, cast again, were 8% of a Gboard-size step), and the local
+derivatives take 9 passes instead of 17 (`_local_derivatives_low`): 0.949x the time of the
+previous bfloat16 kernel [0.921, 0.977] (150 in-process pairs, 6 Gboard-size clients, 1 thread;
+the same bits but for the local derivatives' rounding). The backward writes dz in bfloat16 straight
+from its float32 products (the same bits; no float32 dz of 31 MB; time 0.994x [0.955, 1.034]).
+A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16
 (torch on CPU has no float32 output for it). The nonlinearities, cell state and local derivatives
 stay float32 (mixed-dtype elementwise ops convert through a slow generic path), and so does the
 SGD step on the float32 weights. The softmax runs on the bfloat16 logits in one op (float32 inside
@@ -145,6 +151,23 @@ def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
+def _gate_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_h [k, G, P] and [W_x, b] [k, G, D + 1] in the kernel's gate order, cast to `dtype` in one
+    pass each. Every GEMM of the layer takes one of them or its transposed view (torch's `bmm`
+    takes a contiguous or transposed-contiguous operand as it is; a column slice it copies), so
+    the weights are cast once per call and never copied into transposed layouts."""
+    k, n_gates, width = w.shape
+    d = width - proj
+    w_h = w.new_empty(k, n_gates, proj, dtype=dtype)
+    w_xb = w.new_empty(k, n_gates, d + 1, dtype=dtype)
+    for dst, src in ((slice(0, hidden), slice(-hidden, None)), (slice(hidden, None), slice(0, -hidden))):
+        w_h[:, dst] = w[:, src, d:]
+        w_xb[:, dst, :-1] = w[:, src, :d]
+        w_xb[:, dst, -1] = b[:, src]
+    return w_h, w_xb
+
+
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
                    coupled: bool, low: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple]:
     """x [k, T, B, D] (client-major) -> outputs [T, k, B, P] (time-major) and what backward needs.
@@ -157,16 +180,22 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     gated outputs) are bfloat16 for the weight gradients' GEMMs."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
-    w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
+    hoisted = low != torch.float32
     # [h_{t-1}, x_t, 1] for every step, client-major: the rows of the weight gradient's GEMM
     inputs = x.new_empty(k, steps, rows, proj + d + 1, dtype=low)
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
-    wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
-    wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
+    if hoisted:  # every GEMM reads a view of one cast of [W_h, W_x, b] (the inputs' column order)
+        w_h, w_xb = _gate_weights(w, b, hidden, proj, low)
+        wx, wh = w_xb.transpose(1, 2), w_h.transpose(1, 2)
+        back = (w_xb, w_h)  # d_x takes all D + 1 columns of [W_x, b] and drops the last
+    else:
+        w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
+        wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
+        wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
+        back = (w_k[:, :, :d], _dense(wh.transpose(1, 2), low))
     wp_t = wp.transpose(1, 2).contiguous()
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
-    hoisted = low != torch.float32
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
         # GEMM, copied to float32 in one pass; each step adds its recurrent GEMM in float32
         x_proj = torch.bmm(inputs[..., proj:].view(k, steps * rows, d + 1), wx)
@@ -185,13 +214,12 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     # weight gradient's GEMM reads it; the product is added to the float32 gates): 0.5x the time
     # of the float32 GEMM with the cast and the add
     h_low = inputs[..., :proj].unbind(1)
-    wh_low = _dense(wh, low) if hoisted else None
     product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
     for t in range(steps):
         # activated in place: acts holds the gates
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
         if t and hoisted:
-            a.add_(torch.bmm(h_low[t], wh_low, out=product))
+            a.add_(torch.bmm(h_low[t], wh, out=product))
         elif t:
             a.baddbmm_(hs[t - 1], wh)
         sigs[t].sigmoid_()
@@ -213,7 +241,7 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     inputs[:, 0, :, :proj] = 0.0
     if not hoisted:
         inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
-    return out, (inputs, acts, cells, tanh_cells, gated.to(low), w_k, wh)
+    return out, (inputs, acts, cells, tanh_cells, gated.to(low), *back)
 
 
 def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
@@ -245,28 +273,56 @@ def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torc
     return to_cell, to_o, to_gates
 
 
+def _local_derivatives_low(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
+                           coupled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_local_derivatives` in 9 passes over the [T, k, B, H] tensors instead of 17 (the bfloat16
+    path's: at the Gboard size the tensors are several MB each and every pass goes to memory).
+    The same derivatives with other roundings: o (1 - tc^2) as o - (o tc) tc, o (1 - o) tc as
+    o tc - o (o tc), and so on; float32 keeps its own order, whose bits the parity grid pins."""
+    hidden = cells.shape[-1]
+    o, f, g = acts[..., :hidden], acts[..., hidden:2 * hidden], acts[..., -hidden:]
+    o_tc = o * tanh_cells
+    to_cell = torch.addcmul(o, o_tc, tanh_cells, value=-1.0)
+    to_o = o_tc.addcmul_(o, o_tc, value=-1.0)
+    to_gates = cells.new_empty(*cells.shape[:-1], 2 if coupled else 3, hidden)
+    c_prev = to_gates[..., 0, :]  # c_{t-1} (- g_t if coupled), times sigmoid'(f) = f (1 - f)
+    one_f = 1.0 - f
+    if coupled:  # c = f c' + (1 - f) g: dc/df = c' - g, dc/dg = 1 - f
+        torch.sub(cells[:-1], g[1:], out=c_prev[1:])
+        torch.neg(g[0], out=c_prev[0])
+        one_f_g = one_f * g
+        torch.addcmul(one_f, one_f_g, g, value=-1.0, out=to_gates[..., 1, :])
+    else:  # c = f c' + i g
+        i = acts[..., 2 * hidden:3 * hidden]
+        c_prev[0] = 0.0
+        c_prev[1:] = cells[:-1]
+        i_g = i * g
+        torch.addcmul(i, i_g, g, value=-1.0, out=to_gates[..., 2, :])
+        torch.addcmul(i_g, i, i_g, value=-1.0, out=to_gates[..., 1, :])
+    c_prev.mul_(f).mul_(one_f)
+    return to_cell, to_o, to_gates
+
+
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
                     sink: _Sink, name: str) -> torch.Tensor:
     """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
-    go to `sink`. At bfloat16 (the saved inputs' dtype) the elementwise recurrence runs in float32;
-    each step's dz_t is cast once, for its bfloat16 recurrent GEMM and the two GEMMs over all time
-    steps after the loop."""
-    inputs, acts, cells, tanh_cells, gated, w_k, wh = saved
+    go to `sink`. At bfloat16 (the saved inputs' dtype) the elementwise recurrence runs in float32
+    and writes each step's dz_t in bfloat16 (each product rounded once), the operand of its
+    recurrent GEMM and of the two GEMMs over all time steps after the loop: no float32 dz (31 MB at
+    the Gboard size) and no cast of it."""
+    inputs, acts, cells, tanh_cells, gated, w_x, wh_back = saved
     low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
-    to_cell, to_o, to_gates = _local_derivatives(acts, cells, tanh_cells, coupled)
-    # [k, G, P]; bfloat16: the per-step GEMM dz_t @ W_h in bfloat16, dz_t cast into the bfloat16
-    # dz that the weight GEMMs take after the loop (the cast is made once either way)
-    wh_back = _dense(wh.transpose(1, 2), low)
-    dz_low = acts.new_empty(k, steps, rows, n_gates, dtype=low) if low != torch.float32 else None
-    product = acts.new_empty(k, rows, proj, dtype=low) if dz_low is not None else None
+    local = _local_derivatives if low == torch.float32 else _local_derivatives_low
+    to_cell, to_o, to_gates = local(acts, cells, tanh_cells, coupled)
+    product = acts.new_empty(k, rows, proj, dtype=low) if low != torch.float32 else None
     dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
     dc = cells.new_zeros(k, rows, hidden)
     dc_b = dc.unsqueeze(2)
     # client-major, written per step by the elementwise ops: the weight GEMMs' layout, no copy
-    dz_all = acts.new_empty(k, steps, rows, n_gates)
+    dz_all = acts.new_empty(k, steps, rows, n_gates, dtype=low)
     dzs, dz_o = dz_all.unbind(1), dz_all[..., :hidden].unbind(1)
     dz_rest = dz_all[..., hidden:].unflatten(-1, (-1, hidden)).unbind(1)
     dhs, fs = dh.unbind(0), acts[..., hidden:2 * hidden].unbind(0)
@@ -276,19 +332,16 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
         dc.addcmul_(dm, tcell[t])
         torch.mul(dm, to_os[t], out=dz_o[t])
         torch.mul(dc_b, tgs[t], out=dz_rest[t])
-        if dz_low is not None:
-            dz_t = dz_low[:, t].copy_(dzs[t])
         if t:
             dc.mul_(fs[t])
-            if dz_low is None:
+            if product is None:
                 dhs[t - 1].baddbmm_(dzs[t], wh_back)
             else:
-                dhs[t - 1].add_(torch.bmm(dz_t, wh_back, out=product))
-    dz = (dz_all if dz_low is None else dz_low).view(k, steps * rows, n_gates)
+                dhs[t - 1].add_(torch.bmm(dzs[t], wh_back, out=product))
+    dz = dz_all.view(k, steps * rows, n_gates)
     # before w is updated; float32 (under bfloat16 autocast or on the bfloat16 path the product is
     # bfloat16, and the gradient carried down the layers and into the embedding stays float32)
-    w_x = w_k[:, :, :d] if low == torch.float32 else _dense(w_k[:, :, :d], low)
-    d_x = torch.bmm(dz, w_x).float().view(k, steps, rows, d)
+    d_x = torch.bmm(dz, w_x)[..., :d].float().view(k, steps, rows, d)
     # the weight and bias gradients of all time steps in one GEMM on the inputs [h_{t-1}, x_t, 1]
     grad = torch.bmm(dz.transpose(1, 2), inputs.view(k, steps * rows, width))
     every = slice(None)

@@ -270,3 +270,22 @@ def test_bfloat16_loss_of_a_diverged_client_is_finite_and_near_float32():
         for j in range(3):
             err = float((g[j] - ref[name][j]).norm() / ref[name][j].norm())
             assert err <= BF16_RTOL, (name, j, err)
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_bfloat16_paths_local_derivatives_are_the_float32_paths(coupled):
+    """The bfloat16 path's fewer-pass local derivatives are the same functions as float32's: equal
+    in float64 to 1e-12 on random gates (a wrong sign, gate or time shift moves them by O(1))."""
+    from dpfleet.edge.cohort_lstm import _local_derivatives, _local_derivatives_low
+
+    torch.manual_seed(3)
+    steps, k, rows, hidden = 5, 2, 3, 4
+    n_gates = (3 if coupled else 4) * hidden
+    acts = torch.rand(steps, k, rows, n_gates, dtype=torch.float64)
+    cells = torch.randn(steps, k, rows, hidden, dtype=torch.float64)
+    tanh_cells = torch.tanh(cells)
+    want = _local_derivatives(acts, cells, tanh_cells, coupled)
+    got = _local_derivatives_low(acts, cells, tanh_cells, coupled)
+    for w, g in zip(want, got, strict=True):
+        assert w.shape == g.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
