@@ -75,8 +75,11 @@ in tests/test_cohort_lstm.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from dpfleet.edge.native_cell import Cell, cell
 from dpfleet.edge.tokenizer import PAD
 from dpfleet.export.models import ModelConfig
 
@@ -104,11 +107,19 @@ def fused_bytes_per_client(cfg: ModelConfig, batch_size: int, seq_len: int, n_pa
 
 class _Sink:
     """Where a gradient goes: a zero-initialised gradient tensor (`lr` None) or, with `lr`, the
-    parameter itself scaled by -lr (the SGD step fused into the gradient's GEMM)."""
+    parameter itself scaled by -lr (the SGD step fused into the gradient's GEMM). With `fused`, a
+    bfloat16 gradient is added to its float32 target in one C pass (`Cell.axpy`)."""
 
-    def __init__(self, params: dict[str, torch.Tensor], lr: float | None):
-        self.params, self.lr = params, lr
+    def __init__(self, params: dict[str, torch.Tensor], lr: float | None, fused: Cell | None = None):
+        self.params, self.lr, self.fused = params, lr, fused
         self.grads = {} if lr is not None else {n: torch.zeros_like(p) for n, p in params.items()}
+
+    def _axpy(self, target: torch.Tensor, value: torch.Tensor, alpha: float) -> None:
+        if (self.fused is not None and value.dtype == torch.bfloat16 and target.dtype == torch.float32
+                and value.dim() <= 3 and value.stride(-1) == 1 and target.stride(-1) == 1):
+            self.fused.axpy(target, value, alpha)
+        else:
+            target.add_(value, alpha=alpha)
 
     def target(self, name: str) -> tuple[torch.Tensor, float]:
         if self.lr is not None:
@@ -119,19 +130,20 @@ class _Sink:
         """gradient[name][clients][index] += value for each (name, index, value), or the SGD step."""
         for name, index, value in parts:
             target, alpha = self.target(name)
-            target[clients][index].add_(value, alpha=alpha)
+            self._axpy(target[clients][index], value, alpha)
 
     def gemm(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """gradient += a @ b (batched), or the SGD step with it (a bfloat16 product is summed in
         float32 inside the GEMM, rounded once, and added to the float32 gradient or weight)."""
-        target, _ = self.target(name)
-        if self.lr is None:
-            if a.dtype == target.dtype:
-                target.baddbmm_(a, b)
-            else:
-                target.add_(torch.bmm(a, b))
-        else:
+        target, alpha = self.target(name)
+        if self.lr is None and a.dtype == target.dtype:
+            target.baddbmm_(a, b)
+        elif self.lr is None:
+            self._axpy(target, torch.bmm(a, b), 1.0)
+        elif a.dtype == target.dtype:
             target.sub_(torch.bmm(a, b), alpha=self.lr)
+        else:
+            self._axpy(target, torch.bmm(a, b), alpha)
 
 
 def _gate_order(t: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -169,7 +181,8 @@ def _gate_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
 
 
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
-                   coupled: bool, low: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple]:
+                   coupled: bool, low: torch.dtype = torch.float32,
+                   fused: Cell | None = None) -> tuple[torch.Tensor, tuple]:
     """x [k, T, B, D] (client-major) -> outputs [T, k, B, P] (time-major) and what backward needs.
 
     Each step's gates are two batched GEMMs, [x_t, 1] @ [W_x, b]^T and h_{t-1} @ W_h^T added in
@@ -177,7 +190,8 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     (copied once) weights, else torch copies or loops over the clients with one GEMM each.
     `low` bfloat16: the input projection of all steps is one bfloat16 GEMM copied into the float32
     gates, each step adds its float32 recurrent GEMM in place; the saved GEMM operands (inputs,
-    gated outputs) are bfloat16 for the weight gradients' GEMMs."""
+    gated outputs) are bfloat16 for the weight gradients' GEMMs. `fused`: each step's elementwise
+    work is one call of the C cell (`edge/native_cell.py`) instead of five torch ops."""
     k, steps, rows, d = x.shape
     n_gates, hidden, proj = w.shape[1], wp.shape[2], wp.shape[1]
     hoisted = low != torch.float32
@@ -199,10 +213,13 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
         # GEMM, copied to float32 in one pass; each step adds its recurrent GEMM in float32
         x_proj = torch.bmm(inputs[..., proj:].view(k, steps * rows, d + 1), wx)
-        acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
+        if fused is None:
+            acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
     cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
-    gated = x.new_empty(k, steps, rows, hidden)  # client-major: the projection's weight gradient
+    # client-major: the projection's weight gradient (`fused`: written in bfloat16 by the cell, which
+    # also writes each step's float32 m into `m_step` for the projection's GEMM)
+    gated = x.new_empty(k, steps, rows, hidden, dtype=low if fused is not None else torch.float32)
     out = x.new_empty(steps, k, rows, proj)
     # per-step views made once (one unbind call instead of a slice per step and view)
     xs, a_s = inputs[..., proj:].unbind(1), acts.unbind(0)
@@ -215,9 +232,21 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     # of the float32 GEMM with the cast and the add
     h_low = inputs[..., :proj].unbind(1)
     product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
+    if fused is not None:  # the input projections (the cell adds them to the recurrent products)
+        x_steps = x_proj.view(k, steps, rows, n_gates).unbind(1)
+        zeros, m_step = cells.new_zeros(k, rows, hidden), cells.new_empty(k, rows, hidden)  # c_{-1}
+        product.zero_()  # the recurrent product at t = 0
     for t in range(steps):
         # activated in place: acts holds the gates
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
+        if fused is not None:
+            rec = torch.bmm(h_low[t], wh, out=product) if t else product
+            fused.forward(x_steps[t], rec, a, cs[t - 1] if t else zeros, cs[t], tcs[t], m_step,
+                          ms[t], coupled)
+            torch.bmm(m_step, wp_t, out=hs[t])
+            if t + 1 < steps:
+                h_low[t + 1].copy_(hs[t])
+            continue
         if t and hoisted:
             a.add_(torch.bmm(h_low[t], wh, out=product))
         elif t:
@@ -304,19 +333,18 @@ def _local_derivatives_low(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: 
 
 
 def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled: bool,
-                    sink: _Sink, name: str) -> torch.Tensor:
+                    sink: _Sink, name: str, fused: Cell | None = None) -> torch.Tensor:
     """d_out [T, k, B, P] (float32, overwritten) -> d_x [k, T, B, D] (float32); weight gradients
     go to `sink`. At bfloat16 (the saved inputs' dtype) the elementwise recurrence runs in float32
     and writes each step's dz_t in bfloat16 (each product rounded once), the operand of its
     recurrent GEMM and of the two GEMMs over all time steps after the loop: no float32 dz (31 MB at
-    the Gboard size) and no cast of it."""
+    the Gboard size) and no cast of it. `fused`: each step's elementwise work, the local
+    derivatives included, is one call of the C cell (no [T, k, B, H] derivative tensors)."""
     inputs, acts, cells, tanh_cells, gated, w_x, wh_back = saved
     low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
     d = width - proj - 1
-    local = _local_derivatives if low == torch.float32 else _local_derivatives_low
-    to_cell, to_o, to_gates = local(acts, cells, tanh_cells, coupled)
     product = acts.new_empty(k, rows, proj, dtype=low) if low != torch.float32 else None
     dh = d_out  # dh[t] becomes d loss / d h_t once step t+1's recurrent term is added
     dc = cells.new_zeros(k, rows, hidden)
@@ -326,14 +354,22 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
     dzs, dz_o = dz_all.unbind(1), dz_all[..., :hidden].unbind(1)
     dz_rest = dz_all[..., hidden:].unflatten(-1, (-1, hidden)).unbind(1)
     dhs, fs = dh.unbind(0), acts[..., hidden:2 * hidden].unbind(0)
-    tcell, to_os, tgs = to_cell.unbind(0), to_o.unbind(0), to_gates.unbind(0)
+    if fused is None:
+        local = _local_derivatives if low == torch.float32 else _local_derivatives_low
+        tcell, to_os, tgs = (t.unbind(0) for t in local(acts, cells, tanh_cells, coupled))
+    else:
+        zeros = cells.new_zeros(k, rows, hidden)  # c_{-1}
     for t in reversed(range(steps)):
         dm = torch.bmm(dhs[t], wp)
-        dc.addcmul_(dm, tcell[t])
-        torch.mul(dm, to_os[t], out=dz_o[t])
-        torch.mul(dc_b, tgs[t], out=dz_rest[t])
+        if fused is not None:
+            fused.backward(dm, acts[t], tanh_cells[t], cells[t - 1] if t else zeros, dc, dzs[t], coupled)
+        else:
+            dc.addcmul_(dm, tcell[t])
+            torch.mul(dm, to_os[t], out=dz_o[t])
+            torch.mul(dc_b, tgs[t], out=dz_rest[t])
+            if t:
+                dc.mul_(fs[t])
         if t:
-            dc.mul_(fs[t])
             if product is None:
                 dhs[t - 1].baddbmm_(dzs[t], wh_back)
             else:
@@ -462,7 +498,7 @@ def _group_f32(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch
 
 def _group_low(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch.Tensor,
                b_g: torch.Tensor, scores: torch.Tensor, d_packed: torch.Tensor,
-               names: tuple[str, str]) -> tuple[torch.Tensor, list]:
+               names: tuple[str, str], fused: Cell | None = None) -> tuple[torch.Tensor, list]:
     """`_group_f32` at bfloat16 (yg [m, n, P] in `low`, no ones column): GEMMs with an inner or
     outer dimension of P, not P + 1 (96 against 97 ran the three GEMMs 1.3x, 2.1x and 1.2x faster
     at the Gboard size: AMX tiles hold 32 bfloat16); the bias is added to the bfloat16 logits
@@ -473,19 +509,23 @@ def _group_low(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch
     vocab = w_g.shape[1]
     w_lo = _dense(w_g, yg.dtype)  # [m, V, P]: contiguous, cast in one pass
     logits = torch.bmm(yg, w_lo.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
-    logits.add_(b_g.to(yg.dtype).unsqueeze(1))  # rounded once with the product, as a bias column was
     grad = scores[1, : m * n * vocab].view(m, n, vocab)
-    nll = _softmax_grad(logits.view(-1, vocab), tgt, grad.view(-1, vocab))
+    if fused is not None:  # bias, softmax, loss, one-hot and the bias gradient in one C pass per row
+        nll, g_b = fused.softmax_xent(logits, b_g, tgt, wg, grad)
+    else:
+        logits.add_(b_g.to(yg.dtype).unsqueeze(1))  # rounded once with the product, as a bias column was
+        nll = _softmax_grad(logits.view(-1, vocab), tgt, grad.view(-1, vocab))
+        real = (wg.view(m, n) > 0).sum(1).tolist()  # a client's real rows come first in its block
+        g_b = torch.stack([grad[j, : real[j]].sum(0) for j in range(m)]).float().mul_(wg.view(m, n)[:, :1])
     d_packed.copy_(torch.bmm(grad, w_lo))  # before w_out is updated
     g_v = torch.bmm(grad.transpose(1, 2), (yg * wg).to(yg.dtype))  # [V, P]: no transposed add
-    real = (wg.view(m, n) > 0).sum(1).tolist()  # a client's real rows come first in its block
-    g_b = torch.stack([grad[j, : real[j]].sum(0) for j in range(m)]).float().mul_(wg.view(m, n)[:, :1])
     return nll, [(names[0], (), g_v), (names[1], (), g_b)]
 
 
 def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_out: torch.Tensor,
                   b_out: torch.Tensor, sink: _Sink, w_name: str, b_name: str,
-                  low: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                  low: torch.dtype = torch.float32,
+                  fused: Cell | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits, mean cross-entropy and its gradient at real target positions only.
 
     y [T, k, B, P]; real/targets [k, T, B]. Client j's real positions fill rows 0..n_j-1 of its
@@ -516,7 +556,7 @@ def _output_layer(y: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, w_
     # (and a second one for the softmax's gradient)
     most = max((end - first) * n for first, end, n in groups) * vocab
     scores = y.new_empty(2, most, dtype=low)
-    group = _group_f32 if low == f32 else _group_low
+    group = _group_f32 if low == f32 else functools.partial(_group_low, fused=fused)
     base = 0
     for first, end, n in groups:
         m = end - first
@@ -557,21 +597,23 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
     flat_ids = (inputs + torch.arange(k, device=rows.device).view(k, 1, 1) * vocab).reshape(-1)
     x = embed.reshape(k * vocab, dim)[flat_ids].view(*inputs.shape, dim)
     coupled = cfg.arch == "cifg"
+    fused = cell() if dtype != torch.float32 else None
+    fused = fused if fused is not None and fused.lib is not None else None
     names = [f"layers.{i}" for i in range(cfg.num_layers)]
     saved = []
     for depth, name in enumerate(names):
         if depth:  # the next layer's input, client-major
             x = x.transpose(0, 1).contiguous()
         x, keep = _layer_forward(x, params[f"{name}.gates.weight"], params[f"{name}.gates.bias"],
-                                 params[f"{name}.proj.weight"], coupled, dtype)
+                                 params[f"{name}.proj.weight"], coupled, dtype, fused)
         saved.append(keep)
-    sink = _Sink(params, lr)
+    sink = _Sink(params, lr, fused)
     out_names = ("embed.weight", "output_bias") if cfg.tie_embeddings else ("output.weight", "output.bias")
     loss, d_x = _output_layer(x, real, targets, params[out_names[0]], params[out_names[1]], sink,
-                              *out_names, dtype)
+                              *out_names, dtype, fused)
     for depth, name, keep in zip(reversed(range(len(names))), reversed(names), reversed(saved),
                                  strict=True):
-        d_x = _layer_backward(d_x, keep, params[f"{name}.proj.weight"], coupled, sink, name)
+        d_x = _layer_backward(d_x, keep, params[f"{name}.proj.weight"], coupled, sink, name, fused)
         if depth:  # the layer below takes its output gradient time-major
             d_x = d_x.transpose(0, 1).contiguous()
     # a frequent token's gradient is summed first and applied once (added to the weight one

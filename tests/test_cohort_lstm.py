@@ -113,7 +113,7 @@ def test_underflowed_target_probability_still_gives_the_exact_loss(tie):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_client_gradient_depends_on_its_own_rows_only(dtype):
+def test_a_client_gradient_depends_on_its_own_rows_only(dtype, bf16_kernels):
     """Attack on batching over clients: change client 1's rows; clients 0 and 2 keep their exact
     gradients while client 1's moves by far more than the tolerance. bfloat16 too: its output
     layer adds each client's bias and sums its bias gradient over that client's rows."""
@@ -218,10 +218,24 @@ def test_chunks_on_two_threads_equal_the_sequential_path(monkeypatch):
 BF16_RTOL = 2**-5
 
 
+@pytest.fixture(params=["fused", "torch-ops"])
+def bf16_kernels(request, monkeypatch):
+    """The bfloat16 path's elementwise work both ways: the C kernels (edge/lstm_cell.c) and the
+    torch ops a machine without a C compiler runs."""
+    from dpfleet.edge import cohort_lstm, native_cell
+
+    if request.param == "fused" and native_cell.cell().lib is None:
+        pytest.skip(native_cell.cell().reason)
+    if request.param == "torch-ops":
+        monkeypatch.setattr(cohort_lstm, "cell", lambda: native_cell.Cell(None, "torch ops: test"))
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["lstm", "cifg"])
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_bfloat16_gemms_give_the_float32_gradients_within_bfloat16_rounding(arch, tie, layers):
+def test_bfloat16_gemms_give_the_float32_gradients_within_bfloat16_rounding(arch, tie, layers,
+                                                                            bf16_kernels):
     """The bfloat16 path's gradients (float32 tensors) against the float32 path's, per parameter
     and client: relative L2 error <= 2^-5, and not the same bits (the GEMMs did run in bfloat16)."""
     cfg = cfg_of(arch, tie, layers)
@@ -239,7 +253,7 @@ def test_bfloat16_gemms_give_the_float32_gradients_within_bfloat16_rounding(arch
     np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-3)
 
 
-def test_bfloat16_sgd_step_keeps_float32_weights_near_the_float32_step():
+def test_bfloat16_sgd_step_keeps_float32_weights_near_the_float32_step(bf16_kernels):
     """With `lr` the SGD step is fused: the weights stay float32 and move as float32's do."""
     cfg = cfg_of("cifg", True, 1)
     _, start = stacked(cfg, k=2, seed=3)
@@ -254,9 +268,10 @@ def test_bfloat16_sgd_step_keeps_float32_weights_near_the_float32_step():
         assert float((step_b - step_f).norm() / step_f.norm()) <= BF16_RTOL, name
 
 
-def test_bfloat16_loss_of_a_diverged_client_is_finite_and_near_float32():
+def test_bfloat16_loss_of_a_diverged_client_is_finite_and_near_float32(bf16_kernels):
     """A client whose targets underflow (its output bias ~ N(0, 200^2)): the bfloat16 path takes
-    its loss by log-sum-exp from the rounded softmax, finite and within 1% of float32's, and its
+    its loss by log-sum-exp (torch ops: from the rounded softmax; the C kernel: exact in float32),
+    finite and within 1% of float32's, and its
     gradients (the output bias's included) stay within bfloat16 rounding of float32's."""
     cfg = cfg_of("cifg", True, 1)
     _, params = stacked(cfg, k=3, seed=5)
@@ -289,3 +304,26 @@ def test_bfloat16_paths_local_derivatives_are_the_float32_paths(coupled):
     for w, g in zip(want, got, strict=True):
         assert w.shape == g.shape
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_the_bfloat16_path_runs_the_c_kernels_where_they_built(monkeypatch):
+    """A spy on the kernels: every time step of every layer goes through the C cell forward and
+    backward, every output group through the C softmax; float32 never calls them."""
+    from dpfleet.edge import native_cell
+
+    if native_cell.cell().lib is None:
+        pytest.skip(native_cell.cell().reason)
+    calls = {"forward": 0, "backward": 0, "softmax_xent": 0}
+    for name in calls:
+        real = getattr(native_cell.Cell, name)
+        monkeypatch.setattr(native_cell.Cell, name,
+                            lambda self, *a, _real=real, _name=name, **kw: (
+                                calls.__setitem__(_name, calls[_name] + 1), _real(self, *a, **kw))[1])
+    cfg = cfg_of("cifg", True, 2)
+    _, params = stacked(cfg, k=2, seed=4)
+    rows = rows_block(np.random.default_rng(14), 2, 3)
+    recurrent_grads(cfg, params, rows)
+    assert calls == {"forward": 0, "backward": 0, "softmax_xent": 0}
+    recurrent_grads(cfg, params, rows, dtype=torch.bfloat16)
+    steps = int((rows[:, :, 1:] != PAD).any(0).any(0).nonzero()[-1]) + 1
+    assert calls["forward"] == calls["backward"] == 2 * steps and calls["softmax_xent"] >= 1

@@ -85,9 +85,15 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
 
 
 def trainer_precision(trainer: object) -> dict:
-    """summary.json's `precision`: what a trainer's GEMMs ran at and why. A trainer without a
-    `precision` (sequential, a caller's client update) runs float32."""
+    """summary.json's `precision`: what a trainer's GEMMs ran at and why (and for the recurrent
+    cohort at bfloat16 which elementwise kernels ran: the C cell, or torch ops and why). A
+    trainer without a `precision` (sequential, a caller's client update) runs float32."""
     precision = getattr(trainer, "precision", None)
     if precision is None:
         return {"used": "float32", "reason": f"the {getattr(trainer, 'name', 'custom')} trainer runs float32"}
-    return {"used": precision.name, "reason": precision.reason}
+    out = {"used": precision.name, "reason": precision.reason}
+    if precision.name == "bfloat16" and getattr(trainer, "fused", False):
+        from dpfleet.edge.native_cell import cell  # the recurrent cohort's elementwise work
+
+        out["elementwise"] = cell().reason
+    return out

@@ -1,0 +1,175 @@
+"""The bfloat16 recurrent cohort's fused elementwise kernels (`lstm_cell.c`: the cell's step forward
+and backward, the output layer's softmax cross-entropy, a bfloat16-into-float32 axpy), built at
+first use with the machine's C compiler and called through ctypes.
+
+Why build here and not ship a binary: the kernel is compiled for the CPU it runs on
+(`-march=native`: AVX-512 where there is one), which a wheel cannot know; it needs only a C
+compiler, not torch's headers (a torch C++ extension takes a minute to build and needs ninja),
+and it is one small file. The library is cached per source, compiler and CPU
+(`~/.cache/dpfleet/kernels`, or `DPFLEET_KERNEL_CACHE`), so a home folder shared between
+machines never loads a library built for another CPU. Where there is no compiler, or
+`DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run instead (`edge/cohort_lstm.py`).
+
+Every call checks each tensor's dtype, shape and strides against what the C loops index: a
+mismatch is a bug here and raises rather than writing out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("lstm_cell.c")
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-shared")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The loaded kernel, or why there is none (`lib` None)."""
+
+    lib: ctypes.CDLL | None
+    reason: str
+
+    def forward(self, x_pre: torch.Tensor, rec: torch.Tensor, a: torch.Tensor, c_prev: torch.Tensor,
+                c: torch.Tensor, tc: torch.Tensor, m: torch.Tensor, m_low: torch.Tensor,
+                coupled: bool) -> None:
+        """One step: the gates' pre-activations x_pre + rec [k, B, G] (bfloat16, summed in
+        float32) -> their activations in a (float32); c, tanh(c), m = o tanh(c) [k, B, H]
+        written (float32), and m again in m_low (bfloat16); c_prev [k, B, H] (zeros at t = 0)."""
+        k, rows, gates = a.shape
+        hidden = c.shape[-1]
+        _check(gates == (3 if coupled else 4) * hidden, "gates", a.shape, hidden)
+        args = [_rows(x_pre, k, rows, gates, torch.bfloat16), _rows(rec, k, rows, gates, torch.bfloat16)]
+        args += [_rows(t, k, rows, w, torch.float32) for t, w in
+                 ((a, gates), (c_prev, hidden), (c, hidden), (tc, hidden), (m, hidden))]
+        args.append(_rows(m_low, k, rows, hidden, torch.bfloat16))
+        self.lib.cell_forward(k, rows, hidden, int(coupled), *[x for pair in args for x in pair])
+
+    def backward(self, dm: torch.Tensor, a: torch.Tensor, tc: torch.Tensor, c_prev: torch.Tensor,
+                 dc: torch.Tensor, dz: torch.Tensor, coupled: bool) -> None:
+        """One backward step: dz [k, B, G] (bfloat16) gets the gates' pre-activation gradients;
+        dc [k, B, H] carries dL/dc_t in and f_t dL/dc_t out. float32 but dz."""
+        k, rows, gates = a.shape
+        hidden = dm.shape[-1]
+        _check(gates == (3 if coupled else 4) * hidden, "gates", a.shape, hidden)
+        args = [_rows(t, k, rows, w, torch.float32) for t, w in
+                ((dm, hidden), (a, gates), (tc, hidden), (c_prev, hidden), (dc, hidden))]
+        args.append(_rows(dz, k, rows, gates, torch.bfloat16))
+        self.lib.cell_backward(k, rows, hidden, int(coupled), *[x for pair in args for x in pair])
+
+
+    def softmax_xent(self, logits: torch.Tensor, bias: torch.Tensor, target: torch.Tensor,
+                     weight: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [m, n, V] (bfloat16, no bias) of m clients with bias [m, V] (float32), target and
+        weight [m * n, 1] -> (nll [m * n], bias gradient sum_r w_r grad_r [m, V], float32); grad
+        [m, n, V] (bfloat16) becomes softmax(logits + bias) - onehot(target)."""
+        m, n, vocab = logits.shape
+        _check(logits.dtype == grad.dtype == torch.bfloat16 and logits.is_contiguous()
+               and grad.is_contiguous() and grad.shape == logits.shape, "logits", logits.shape)
+        _check(bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (m, vocab),
+               "bias", bias.shape)
+        _check(target.dtype == torch.int64 and target.is_contiguous() and target.numel() == m * n,
+               "target", target.shape)
+        _check(weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() == m * n,
+               "weight", weight.shape)
+        _check(bool(((target >= 0) & (target < vocab)).all()), "target range", vocab)
+        nll = logits.new_empty(m * n, dtype=torch.float32)
+        bias_grad = logits.new_empty(m, vocab, dtype=torch.float32)
+        scratch = logits.new_empty(vocab, dtype=torch.float32)
+        self.lib.softmax_xent(m, n, vocab, *(t.data_ptr() for t in (
+            logits, bias, target, weight, grad, nll, bias_grad, scratch)))
+        return nll, bias_grad
+
+
+    def axpy(self, dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+        """dst += alpha * src for a float32 dst and a bfloat16 src of the same shape (up to 3
+        dimensions, each with a unit last stride)."""
+        _check(dst.dtype == torch.float32 and src.dtype == torch.bfloat16 and dst.shape == src.shape
+               and 1 <= dst.dim() <= 3, "axpy operands", dst.dtype, src.dtype, dst.shape, src.shape)
+        d3, s3 = (t.view((1,) * (3 - t.dim()) + tuple(t.shape)) if t.dim() < 3 else t for t in (dst, src))
+        _check(d3.stride(2) == 1 and s3.stride(2) == 1, "axpy strides", d3.stride(), s3.stride())
+        a, r, c = d3.shape
+        self.lib.axpy_bf16(a, r, c, d3.data_ptr(), d3.stride(0), d3.stride(1),
+                           s3.data_ptr(), s3.stride(0), s3.stride(1), alpha)
+
+
+def _check(ok: bool, what: str, *detail: object) -> None:
+    if not ok:
+        raise ValueError(f"native cell: bad {what}: {detail}")
+
+
+def _rows(t: torch.Tensor, k: int, rows: int, width: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(data pointer, client stride) of a [k, rows, width] tensor whose rows are contiguous."""
+    _check(t.dtype == dtype and t.device.type == "cpu", "dtype", t.dtype, t.device)
+    _check(tuple(t.shape) == (k, rows, width), "shape", tuple(t.shape), (k, rows, width))
+    _check(t.stride(2) == 1 and (rows == 1 or t.stride(1) == width), "row layout", t.stride())
+    _check(k == 1 or t.stride(0) >= rows * width, "client stride", t.stride())
+    return t.data_ptr(), t.stride(0)
+
+
+def _cpu_key() -> str:
+    """The CPU's model and flags (Linux), else the platform: what `-march=native` compiles for."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # compile aside, then rename: two
+        # processes building at once each get a whole library
+        part = Path(tmp) / out.name
+        subprocess.run([compiler, *FLAGS, "-o", str(part), str(SOURCE)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(part, out)
+
+
+@functools.cache
+def cell() -> Cell:
+    """The fused cell kernel of this process (built or loaded once)."""
+    return load(os.environ)
+
+
+def load(env: Mapping[str, str]) -> Cell:
+    """Build (if its cache has no library for this source, compiler and CPU) and load the kernel,
+    or say why not: `DPFLEET_NATIVE=0`, no compiler (`CC`, else cc or gcc on PATH), a failed build."""
+    if env.get("DPFLEET_NATIVE", "1") == "0":
+        return Cell(None, "torch ops: DPFLEET_NATIVE=0")
+    compiler = shutil.which(env.get("CC", "cc")) or (None if "CC" in env else shutil.which("gcc"))
+    if compiler is None:
+        return Cell(None, f"torch ops: no C compiler ({env.get('CC', 'cc or gcc')} not on PATH)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()])
+                             .encode()).hexdigest()[:16]
+        cache = Path(env.get("DPFLEET_KERNEL_CACHE", Path.home() / ".cache" / "dpfleet" / "kernels"))
+        lib_path = cache / f"lstm_cell-{key}.so"
+        if not lib_path.exists():
+            _build(compiler, lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        return Cell(None, f"torch ops: the C kernel did not build ({detail.strip()[:200]})")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.cell_forward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 8
+    lib.cell_backward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 6
+    lib.softmax_xent.argtypes = [i64, i64, i64] + [ptr] * 8
+    lib.axpy_bf16.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_float]
+    for fn in (lib.cell_forward, lib.cell_backward, lib.softmax_xent, lib.axpy_bf16):
+        fn.restype = None
+    return Cell(lib, f"fused C kernels ({Path(compiler).name} -march=native, {lib_path.name})")

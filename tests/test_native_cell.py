@@ -1,0 +1,166 @@
+"""The fused C kernels of the bfloat16 recurrent cohort (edge/lstm_cell.c) against torch in float64.
+
+Tolerances: the kernels' exp is a polynomial (relative error ~1e-7), so float32 outputs are checked
+to 2e-6; bfloat16 outputs to one bfloat16 rounding (2^-8 relative) plus 1e-6. A diverged client's
+NaN must stay NaN (a kernel that clamped it into a finite value would hide the divergence from
+the clipping and the loss), and a tensor whose layout the C loops do not index must be refused,
+not written out of bounds.
+"""
+
+import os
+
+import pytest
+import torch
+
+from dpfleet.edge.native_cell import cell, load
+
+pytestmark = pytest.mark.skipif(cell().lib is None, reason=cell().reason)
+BF16_RTOL = 2.0**-8
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+def _reference_forward(pre, c_prev, coupled, hidden):
+    o, f = torch.sigmoid(pre[..., :hidden]), torch.sigmoid(pre[..., hidden:2 * hidden])
+    g = torch.tanh(pre[..., -hidden:])
+    if coupled:
+        c = g + f * (c_prev - g)
+        acts = torch.cat([o, f, g], -1)
+    else:
+        i = torch.sigmoid(pre[..., 2 * hidden:3 * hidden])
+        c = f * c_prev + i * g
+        acts = torch.cat([o, f, i, g], -1)
+    return acts, c, torch.tanh(c), o * torch.tanh(c)
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_forward_step_is_the_cell(coupled):
+    k, rows, hidden = 3, 5, 37  # 37: loop tails that are not a multiple of the vector width
+    gates = (3 if coupled else 4) * hidden
+    x_pre, rec = _bf16(k, rows, gates, scale=3, seed=1), _bf16(k, rows, gates, scale=3, seed=2)
+    c_prev = torch.randn(k, rows, hidden, generator=torch.Generator().manual_seed(3))
+    a = torch.empty(k, rows, gates)
+    c, tc, m = (torch.empty(k, rows, hidden) for _ in range(3))
+    m_low = torch.empty(k, rows, hidden, dtype=torch.bfloat16)
+    cell().forward(x_pre, rec, a, c_prev, c, tc, m, m_low, coupled)
+    want = _reference_forward(x_pre.double() + rec.double(), c_prev.double(), coupled, hidden)
+    for got, ref in zip((a, c, tc, m), want, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(m_low.double(), want[3], rtol=BF16_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_backward_step_is_the_cells_derivative(coupled):
+    """dz and the carried dc against autograd through the reference cell, in float64."""
+    k, rows, hidden = 2, 4, 21
+    gates = (3 if coupled else 4) * hidden
+    pre = (torch.randn(k, rows, gates, dtype=torch.float64) * 2).requires_grad_()
+    c_prev = torch.randn(k, rows, hidden, dtype=torch.float64).requires_grad_()
+    acts, c, tc, m = _reference_forward(pre, c_prev, coupled, hidden)
+    dm = torch.randn(k, rows, hidden, dtype=torch.float64)
+    dc_next = torch.randn(k, rows, hidden, dtype=torch.float64)
+    (m * dm + c * dc_next).sum().backward()  # dc_next: dL/dc_t from later steps
+    dc = dc_next.float().clone()
+    dz = torch.empty(k, rows, gates, dtype=torch.bfloat16)
+    cell().backward(dm.float(), acts.detach().float(), tc.detach().float(), c_prev.detach().float(),
+                    dc, dz, coupled)
+    torch.testing.assert_close(dz.double(), pre.grad, rtol=BF16_RTOL, atol=1e-5)
+    torch.testing.assert_close(dc.double(), c_prev.grad, rtol=0, atol=1e-5)
+
+
+def test_a_nan_pre_activation_stays_nan():
+    k, rows, hidden = 1, 2, 16
+    x_pre = _bf16(k, rows, 3 * hidden)
+    x_pre[0, 1, 5] = float("nan")  # the o gate of row 1
+    a, (c, tc, m) = torch.empty(k, rows, 3 * hidden), (torch.empty(k, rows, hidden) for _ in range(3))
+    cell().forward(x_pre, torch.zeros_like(x_pre), a, torch.zeros(k, rows, hidden), c, tc, m,
+                   torch.empty(k, rows, hidden, dtype=torch.bfloat16), True)
+    assert torch.isnan(a[0, 1, 5]) and torch.isnan(m[0, 1, 5])
+    assert torch.isfinite(m[0, 0]).all()
+
+
+def _reference_xent(logits, bias, target, weight):
+    x = logits.double() + bias.double().unsqueeze(1)
+    logp = torch.log_softmax(x, -1)
+    m, n, vocab = x.shape
+    nll = -logp.reshape(m * n, vocab).gather(1, target).view(-1)
+    grad = logp.exp().reshape(m * n, vocab)
+    grad[torch.arange(m * n), target[:, 0]] -= 1.0
+    bias_grad = (grad * weight.double()).view(m, n, vocab).sum(1)
+    return nll, grad.view(m, n, vocab), bias_grad
+
+
+def test_softmax_cross_entropy_is_log_softmax():
+    """Two clients, the second's last row a fill row (weight 0), and a target whose probability
+    underflows float32 (its logit 120 below the rest): its loss is still exact."""
+    m, n, vocab = 2, 3, 1037
+    logits = _bf16(m, n, vocab, scale=4, seed=5)
+    bias = torch.randn(m, vocab, generator=torch.Generator().manual_seed(6))
+    target = torch.tensor([[3], [1036], [0], [500], [7], [0]])
+    logits[0, 2, 0] = -120.0
+    weight = torch.tensor([[1 / 3]] * 3 + [[0.5], [0.5], [0.0]])
+    grad = torch.empty(m, n, vocab, dtype=torch.bfloat16)
+    nll, bias_grad = cell().softmax_xent(logits, bias, target, weight, grad)
+    want_nll, want_grad, want_bias = _reference_xent(logits, bias, target, weight)
+    assert want_nll[2] > 110  # the underflowing row
+    torch.testing.assert_close(nll.double(), want_nll, rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=BF16_RTOL, atol=1e-6)
+    torch.testing.assert_close(bias_grad.double(), want_bias, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_logit_makes_its_row_nan_only():
+    logits = _bf16(1, 2, 64)
+    logits[0, 0, 9] = float("nan")
+    grad = torch.empty(1, 2, 64, dtype=torch.bfloat16)
+    nll, _ = cell().softmax_xent(logits, torch.zeros(1, 64), torch.tensor([[1], [2]]),
+                                 torch.full((2, 1), 0.5), grad)
+    assert torch.isnan(nll[0]) and torch.isnan(grad[0, 0]).all()
+    assert torch.isfinite(nll[1]) and torch.isfinite(grad[0, 1]).all()
+
+
+def test_axpy_adds_a_bfloat16_gradient_into_float32_views():
+    dst = torch.randn(3, 10, 40, dtype=torch.float64).float()
+    src = _bf16(3, 10, 40, seed=8)
+    view_dst, view_src = dst[:, 2:7, 5:30], src[:, 1:6, 0:25]  # strided rows and clients
+    want = dst.double().clone()
+    want[:, 2:7, 5:30] += -0.25 * view_src.double()
+    cell().axpy(view_dst, view_src, -0.25)
+    torch.testing.assert_close(dst.double(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_layouts_the_loops_do_not_index_are_refused():
+    k, rows, hidden = 2, 3, 8
+    ok = dict(x_pre=_bf16(k, rows, 24), rec=_bf16(k, rows, 24), a=torch.empty(k, rows, 24),
+              c_prev=torch.zeros(k, rows, hidden), c=torch.empty(k, rows, hidden),
+              tc=torch.empty(k, rows, hidden), m=torch.empty(k, rows, hidden),
+              m_low=torch.empty(k, rows, hidden, dtype=torch.bfloat16))
+    bad = [("a", torch.empty(k, 24, rows).transpose(1, 2)),  # columns not contiguous
+           ("c", torch.empty(k, rows, 2 * hidden)[..., ::2]),
+           ("x_pre", _bf16(k, rows, 24).float()),  # wrong dtype
+           ("m", torch.empty(k, rows + 1, hidden))]  # wrong shape
+    for name, tensor in bad:
+        with pytest.raises(ValueError, match="native cell"):
+            cell().forward(**{**ok, name: tensor}, coupled=True)
+    with pytest.raises(ValueError, match="target range"):
+        cell().softmax_xent(_bf16(1, 1, 8), torch.zeros(1, 8), torch.tensor([[8]]),
+                            torch.ones(1, 1), torch.empty(1, 1, 8, dtype=torch.bfloat16))
+
+
+def test_load_says_why_it_falls_back_and_caches_the_library(tmp_path):
+    assert load({"DPFLEET_NATIVE": "0"}).lib is None
+    missing = load({"CC": str(tmp_path / "no-such-cc")})
+    assert missing.lib is None and "no C compiler" in missing.reason
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'cc: error: no such target' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    broken = load({"CC": str(failing), "DPFLEET_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert broken.lib is None and "did not build" in broken.reason and "no such target" in broken.reason
+    env = {"DPFLEET_KERNEL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+    first = load(env)
+    (built,) = (tmp_path / "cache").glob("lstm_cell-*.so")
+    stamp = built.stat().st_mtime_ns
+    assert first.lib is not None and load(env).lib is not None
+    assert built.stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
