@@ -7,7 +7,9 @@ Why build here and not ship a binary: the kernel is compiled for the CPU it runs
 compiler, not torch's headers (a torch C++ extension takes a minute to build and needs ninja),
 and it is one small file. The library is cached per source, compiler and CPU
 (`~/.cache/dpfleet/kernels`, or `DPFLEET_KERNEL_CACHE`), so a home folder shared between
-machines never loads a library built for another CPU. Where there is no compiler, or
+machines never loads a library built for another CPU; a cache folder that other users can write
+is not used (a library planted there would run as this user): the kernel is built in a private
+temporary folder instead. Where there is no compiler, or
 `DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run instead (`edge/cohort_lstm.py`).
 
 Every call checks each tensor's dtype, shape and strides against what the C loops index: a
@@ -129,13 +131,30 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # compile aside, then rename: two
         # processes building at once each get a whole library
         part = Path(tmp) / out.name
         subprocess.run([compiler, *FLAGS, "-o", str(part), str(SOURCE)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(part, out)
+
+
+def _private_dir(path: Path) -> Path:
+    """`path` if only this user can write it, else a fresh private folder: a library loaded from
+    a folder others can write could be theirs (a planted `.so` runs as this user)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return path
+    return Path(tempfile.mkdtemp(prefix="dpfleet-kernels-"))
+
+
+def library_name(compiler: str) -> str:
+    """The cached library's file name: the source, the compiler's version, the flags and the CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()])
+                         .encode()).hexdigest()[:16]
+    return f"lstm_cell-{key}.so"
 
 
 @functools.cache
@@ -153,23 +172,19 @@ def load(env: Mapping[str, str]) -> Cell:
     if compiler is None:
         return Cell(None, f"torch ops: no C compiler ({env.get('CC', 'cc or gcc')} not on PATH)")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()])
-                             .encode()).hexdigest()[:16]
         cache = Path(env.get("DPFLEET_KERNEL_CACHE", Path.home() / ".cache" / "dpfleet" / "kernels"))
-        lib_path = cache / f"lstm_cell-{key}.so"
+        lib_path = _private_dir(cache) / library_name(compiler)
         if not lib_path.exists():
             _build(compiler, lib_path)
         lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError) as err:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.cell_forward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 8
+        lib.cell_backward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 6
+        lib.softmax_xent.argtypes = [i64, i64, i64] + [ptr] * 8
+        lib.axpy_bf16.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_float]
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        return Cell(None, f"torch ops: the C kernel did not build ({detail.strip()[:200]})")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cell_forward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 8
-    lib.cell_backward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 6
-    lib.softmax_xent.argtypes = [i64, i64, i64] + [ptr] * 8
-    lib.axpy_bf16.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_float]
+        return Cell(None, f"torch ops: the C kernel did not build or load ({detail.strip()[:200]})")
     for fn in (lib.cell_forward, lib.cell_backward, lib.softmax_xent, lib.axpy_bf16):
         fn.restype = None
     return Cell(lib, f"fused C kernels ({Path(compiler).name} -march=native, {lib_path.name})")

@@ -7,12 +7,15 @@ the clipping and the loss), and a tensor whose layout the C loops do not index m
 not written out of bounds.
 """
 
+import ctypes
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from dpfleet.edge.native_cell import cell, load
+from dpfleet.edge.native_cell import cell, library_name, load
 
 pytestmark = pytest.mark.skipif(cell().lib is None, reason=cell().reason)
 BF16_RTOL = 2.0**-8
@@ -164,3 +167,23 @@ def test_load_says_why_it_falls_back_and_caches_the_library(tmp_path):
     stamp = built.stat().st_mtime_ns
     assert first.lib is not None and load(env).lib is not None
     assert built.stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+
+
+def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path):
+    """Attack: another user plants a library under the exact cached name in a shared, world-
+    writable cache folder; its constructor would run as us. The loader builds its own in a private
+    folder instead: the planted constructor never runs, and the kernel still works."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    shared, marker = tmp_path / "shared", tmp_path / "planted-code-ran"
+    shared.mkdir()
+    shared.chmod(0o777)
+    evil = tmp_path / "evil.c"
+    evil.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                    f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    planted = shared / library_name(compiler)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(planted), str(evil)], check=True)
+    loaded = load({"DPFLEET_KERNEL_CACHE": str(shared)})
+    assert not marker.exists()
+    assert loaded.lib is not None and not loaded.lib._name.startswith(str(shared))
+    ctypes.CDLL(str(planted))  # the control: loading the planted file does run its code
+    assert marker.exists()
