@@ -60,7 +60,14 @@ derivatives take 9 passes instead of 17 (`_local_derivatives_low`): 0.949x the t
 previous bfloat16 kernel [0.921, 0.977] (150 in-process pairs, 6 Gboard-size clients, 1 thread;
 the same bits but for the local derivatives' rounding). The backward writes dz in bfloat16 straight
 from its float32 products (the same bits; no float32 dz of 31 MB; time 0.994x [0.955, 1.034]).
-A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16
+Where the machine has a C compiler (`edge/native_cell.py`, `edge/lstm_cell.c`; float32 never
+uses them) the elementwise work runs in fused C kernels instead: each step's cell forward (the two
+bfloat16 pre-activations summed, the gates, the cell, m in float32 and bfloat16: no float32 copy of
+the input projection, no float32 `gated`), each step's backward with the local derivatives made
+inline (no [T, k, B, H] derivative tensors), the output layer's bias, softmax, loss, one-hot and
+bias gradient in one pass per row (the loss exact where the target's probability underflows),
+and every bfloat16 gradient added into its float32 weight in one pass. A bfloat16 GEMM
+accumulates in float32 and rounds its result once, to bfloat16
 (torch on CPU has no float32 output for it). The nonlinearities, cell state and local derivatives
 stay float32 (mixed-dtype elementwise ops convert through a slow generic path), and so does the
 SGD step on the float32 weights. The softmax runs on the bfloat16 logits in one op (float32 inside
