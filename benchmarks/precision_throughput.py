@@ -8,13 +8,13 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   plain PyTorch loop over `nn.LSTM` (trainer_throughput.py's `NnLstmTrainer`; at bfloat16 under
   autocast), same torch threads, on the main job's CIFG (examples/shakespeare_cifg.toml)
   and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
-  `--gboard-vocab` words); the cohort's ratio to the plain float32 loop. The cohort at bfloat16
-  is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs from weight copies cast once per
-  local step, a bfloat16 softmax; float32 elementwise recurrence and weights; not autocast); at
-  bfloat16
-  it is also timed against the cohort at float32 round by round, alternating, in one process
-  (`cohort_bfloat16_over_float32_paired`, the median of the pairs' ratios: what a loaded
-  machine still measures fairly);
+  `--gboard-vocab` words); the cohort's ratio to the plain float32 loop, from the two medians and
+  again round by round, alternating, in one process (`cohort_over_plain_float32_paired`, the
+  median of at least 5 pairs' ratios: what a machine whose speed drifts still measures fairly).
+  The cohort at bfloat16 is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs from
+  weight copies cast once per local step; the elementwise work in the fused C kernels where they
+  built, `bfloat16_elementwise` says; float32 weights; not autocast); at bfloat16 it is also
+  timed against the cohort at float32 the same way (`cohort_bfloat16_over_float32_paired`);
 * the cohort's achieved GFLOP/s (model FLOPs: 6 x the GEMM weights a token passes x real target
   tokens, padding not counted) against this CPU's square GEMM rate at the same precision;
 * the teacher's tokens/s (body, and body + float32 head) on a random-weight Llama (`--teacher`:
@@ -52,6 +52,7 @@ from trainer_throughput import PEER, NnLstmTrainer, build_workload  # noqa: E402
 
 from dpfleet.edge.cohort import CohortTrainer  # noqa: E402
 from dpfleet.edge.minibatch import batches  # noqa: E402
+from dpfleet.edge.native_cell import cell  # noqa: E402
 from dpfleet.edge.precision import AUTO_BF16_MIN_PARAMS, native_bf16, resolve_precision  # noqa: E402
 from dpfleet.edge.tokenizer import PAD  # noqa: E402
 from dpfleet.export.models import build_model  # noqa: E402
@@ -106,7 +107,11 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
         "cohort": _median_s(lambda: cohort.train_round(theta, chosen, seeds, **args), reps),
         "plain_float32": _median_s(lambda: plain.train_round(theta, chosen, seeds, **args), reps),
     }
-    paired = {}
+    # the goal's ratio again, alternating round by round (the two medians above are minutes apart,
+    # and this machine's speed drifts 10-25% in that time)
+    paired = {"cohort_over_plain_float32_paired": _paired_ratio(
+        lambda: plain.train_round(theta, chosen, seeds, **args),
+        lambda: cohort.train_round(theta, chosen, seeds, **args), max(reps, 5))}
     if chosen_p.name == "bfloat16":
         with chosen_p.autocast():
             seconds["plain_bfloat16"] = _median_s(
@@ -130,6 +135,7 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
     }
 
 
+# (with the C kernels the bfloat16 backward makes its local derivatives inside its step: 0 here)
 PARTS = ("_layer_forward", "_output_layer", "_layer_backward", "_local_derivatives")
 
 
@@ -260,6 +266,7 @@ def main() -> None:
     threads_list = [int(t) for t in args.threads.split(",")]
     configs = workload_configs(args.gboard_vocab)
     result = {"host_start": host(threads_list[0]), "native_bf16": native_bf16(),
+              "bfloat16_elementwise": cell().reason,
               "auto": resolve_precision("auto").reason, "auto_min_params": AUTO_BF16_MIN_PARAMS,
               "by_torch_threads": {}}
     if not native_bf16():

@@ -514,7 +514,8 @@ def _group_low(yg: torch.Tensor, wg: torch.Tensor, tgt: torch.Tensor, w_g: torch
     torch's reduction, rounded to bfloat16, scaled by 1 / n_j in float32)."""
     m, n, _ = yg.shape
     vocab = w_g.shape[1]
-    w_lo = _dense(w_g, yg.dtype)  # [m, V, P]: contiguous, cast in one pass
+    # [m, V, P]: contiguous, cast in one pass
+    w_lo = fused.to_bf16(w_g) if fused is not None and w_g.is_contiguous() else _dense(w_g, yg.dtype)
     logits = torch.bmm(yg, w_lo.transpose(1, 2), out=scores[0, : m * n * vocab].view(m, n, vocab))
     grad = scores[1, : m * n * vocab].view(m, n, vocab)
     if fused is not None:  # bias, softmax, loss, one-hot and the bias gradient in one C pass per row

@@ -236,3 +236,8 @@ void axpy_bf16(int64_t a, int64_t r, int64_t c, float *dst, int64_t d_sa, int64_
         }
     }
 }
+
+/* dst = bfloat16(src), n contiguous floats (the output layer's weights, cast once per step) */
+void cast_bf16(int64_t n, const float *restrict src, uint16_t *restrict dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+}

@@ -187,3 +187,13 @@ def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path)
     assert loaded.lib is not None and not loaded.lib._name.startswith(str(shared))
     ctypes.CDLL(str(planted))  # the control: loading the planted file does run its code
     assert marker.exists()
+
+
+def test_the_cast_rounds_as_torch_does():
+    """Round to nearest even, ties included, and inf kept: the same bits as torch's cast; NaN stays
+    a NaN (its payload bits may differ: torch's vectorized cast writes 0xFFFF)."""
+    x = torch.randn(10_007) * 1e3
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2.0**-8])  # a tie
+    got = cell().to_bf16(x)
+    assert torch.isnan(got[0])
+    assert torch.equal(got[1:].view(torch.int16), x[1:].bfloat16().view(torch.int16))
