@@ -187,6 +187,22 @@ def _gate_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
     return w_h, w_xb
 
 
+def _layer_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
+                   low: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The gate weights as the layer's GEMMs take them: [W_x, b]^T [k, D+1, G] and W_h^T [k, P, G]
+    for the forward, and (W_x, W_h [k, G, P]) for the backward. float32: contiguous copies in the
+    kernel's gate order; bfloat16: views of one cast (`_gate_weights`)."""
+    d = w.shape[2] - proj
+    if low != torch.float32:
+        w_h, w_xb = _gate_weights(w, b, hidden, proj, low)
+        # d_x takes all D + 1 columns of [W_x, b] and drops the last
+        return w_xb.transpose(1, 2), w_h.transpose(1, 2), (w_xb, w_h)
+    w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
+    wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)
+    wh = w_k[:, :, d:].transpose(1, 2).contiguous()
+    return wx, wh, (w_k[:, :, :d], _dense(wh.transpose(1, 2), low))
+
+
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
                    coupled: bool, low: torch.dtype = torch.float32,
                    fused: Cell | None = None) -> tuple[torch.Tensor, tuple]:
@@ -206,15 +222,7 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     inputs = x.new_empty(k, steps, rows, proj + d + 1, dtype=low)
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
-    if hoisted:  # every GEMM reads a view of one cast of [W_h, W_x, b] (the inputs' column order)
-        w_h, w_xb = _gate_weights(w, b, hidden, proj, low)
-        wx, wh = w_xb.transpose(1, 2), w_h.transpose(1, 2)
-        back = (w_xb, w_h)  # d_x takes all D + 1 columns of [W_x, b] and drops the last
-    else:
-        w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
-        wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)  # [k, D+1, G]
-        wh = w_k[:, :, d:].transpose(1, 2).contiguous()  # [k, P, G]
-        back = (w_k[:, :, :d], _dense(wh.transpose(1, 2), low))
+    wx, wh, back = _layer_weights(w, b, hidden, proj, low)
     wp_t = wp.transpose(1, 2).contiguous()
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
@@ -248,29 +256,26 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
         if fused is not None:
             rec = torch.bmm(h_low[t], wh, out=product) if t else product
-            fused.forward(x_steps[t], rec, a, cs[t - 1] if t else zeros, cs[t], tcs[t], m_step,
-                          ms[t], coupled)
-            torch.bmm(m_step, wp_t, out=hs[t])
-            if t + 1 < steps:
-                h_low[t + 1].copy_(hs[t])
-            continue
-        if t and hoisted:
-            a.add_(torch.bmm(h_low[t], wh, out=product))
-        elif t:
-            a.baddbmm_(hs[t - 1], wh)
-        sigs[t].sigmoid_()
-        g = gs[t].tanh_()
-        f, c = fs[t], cs[t]
-        if coupled:  # c = f c' + (1 - f) g = g + f (c' - g)
-            if t:
-                torch.addcmul(g, f, cs[t - 1] - g, out=c)
-            else:
-                torch.addcmul(g, f, g, value=-1.0, out=c)
-        else:  # c = f c' + i g
-            torch.mul(i_s[t], g, out=c)
-            if t:
-                c.addcmul_(f, cs[t - 1])
-        m = torch.mul(os_[t], torch.tanh(c, out=tcs[t]), out=ms[t])
+            m = m_step
+            fused.forward(x_steps[t], rec, a, cs[t - 1] if t else zeros, cs[t], tcs[t], m, ms[t], coupled)
+        else:
+            if t and hoisted:
+                a.add_(torch.bmm(h_low[t], wh, out=product))
+            elif t:
+                a.baddbmm_(hs[t - 1], wh)
+            sigs[t].sigmoid_()
+            g = gs[t].tanh_()
+            f, c = fs[t], cs[t]
+            if coupled:  # c = f c' + (1 - f) g = g + f (c' - g)
+                if t:
+                    torch.addcmul(g, f, cs[t - 1] - g, out=c)
+                else:
+                    torch.addcmul(g, f, g, value=-1.0, out=c)
+            else:  # c = f c' + i g
+                torch.mul(i_s[t], g, out=c)
+                if t:
+                    c.addcmul_(f, cs[t - 1])
+            m = torch.mul(os_[t], torch.tanh(c, out=tcs[t]), out=ms[t])
         torch.bmm(m, wp_t, out=hs[t])
         if hoisted and t + 1 < steps:
             h_low[t + 1].copy_(hs[t])
