@@ -610,7 +610,8 @@ def recurrent_grads(cfg: ModelConfig, params: dict[str, torch.Tensor], rows: tor
     flat_ids = (inputs + torch.arange(k, device=rows.device).view(k, 1, 1) * vocab).reshape(-1)
     x = embed.reshape(k * vocab, dim)[flat_ids].view(*inputs.shape, dim)
     coupled = cfg.arch == "cifg"
-    fused = cell() if dtype != torch.float32 else None
+    # the C kernels are the CPU's (a CUDA cohort runs the torch ops)
+    fused = cell() if dtype != torch.float32 and embed.device.type == "cpu" else None
     fused = fused if fused is not None and fused.lib is not None else None
     names = [f"layers.{i}" for i in range(cfg.num_layers)]
     saved = []

@@ -116,6 +116,23 @@ def test_bfloat16_cohort_clips_adversarial_devices_exactly(fused, monkeypatch):
 
 
 @needs_bf16
+def test_summary_precision_names_the_elementwise_kernels_that_ran(monkeypatch):
+    """summary.json's `precision` of a recurrent bfloat16 cohort says which elementwise path ran
+    (the C kernels, or torch ops and why); float32 and a non-recurrent trainer say nothing of it."""
+    from dpfleet.coordinator.engine.backends import trainer_precision
+    from dpfleet.edge import native_cell
+
+    bf16 = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", precision="bfloat16",
+                         processes=False)
+    assert trainer_precision(bf16)["elementwise"] == native_cell.cell().reason
+    f32 = CohortTrainer(CFG, seq_len=L, batch_size=BATCH, device="cpu", precision="float32",
+                        processes=False)
+    assert "elementwise" not in trainer_precision(f32)
+    monkeypatch.setattr(bf16, "device", torch.device("cuda"))  # what a CUDA cohort would state
+    assert trainer_precision(bf16)["elementwise"].startswith("torch ops")
+
+
+@needs_bf16
 def test_bfloat16_cohort_runs_its_gemms_in_bfloat16_and_is_close_to_float32():
     """Same round at both precisions: different bits (the GEMMs ran in bfloat16), close deltas,
     and the same bits on a second bfloat16 run (reproducible at a precision)."""

@@ -95,5 +95,6 @@ def trainer_precision(trainer: object) -> dict:
     if precision.name == "bfloat16" and getattr(trainer, "fused", False):
         from dpfleet.edge.native_cell import cell  # the recurrent cohort's elementwise work
 
-        out["elementwise"] = cell().reason
+        on_cpu = getattr(getattr(trainer, "device", None), "type", "cpu") == "cpu"
+        out["elementwise"] = cell().reason if on_cpu else "torch ops (the C kernels are the CPU's)"
     return out
