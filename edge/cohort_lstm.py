@@ -60,6 +60,8 @@ derivatives take 9 passes instead of 17 (`_local_derivatives_low`): 0.949x the t
 previous bfloat16 kernel [0.921, 0.977] (150 in-process pairs, 6 Gboard-size clients, 1 thread;
 the same bits but for the local derivatives' rounding). The backward writes dz in bfloat16 straight
 from its float32 products (the same bits; no float32 dz of 31 MB; time 0.994x [0.955, 1.034]).
+With the C kernels below, a step takes 0.736x the previous kernel's time [0.704, 0.769]
+(`benchmarks/kernel_pairs.py`, 100 pairs).
 Where the machine has a C compiler (`edge/native_cell.py`, `edge/lstm_cell.c`; float32 never
 uses them) the elementwise work runs in fused C kernels instead: each step's cell forward (the two
 bfloat16 pre-activations summed, the gates, the cell, m in float32 and bfloat16: no float32 copy of
