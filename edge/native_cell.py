@@ -9,7 +9,7 @@ and it is one small file. The library is cached per source, compiler and CPU
 (`~/.cache/dpfleet/kernels`, or `DPFLEET_KERNEL_CACHE`), so a home folder shared between
 machines never loads a library built for another CPU; a cache folder that other users can write
 is not used (a library planted there would run as this user): the kernel is built in a private
-temporary folder instead. Where there is no compiler, or
+temporary folder instead, removed once the library is loaded. Where there is no compiler, or
 `DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run instead (`edge/cohort_lstm.py`).
 
 Every call checks each tensor's dtype, shape and strides against what the C loops index: a
@@ -152,14 +152,15 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(part, out)
 
 
-def _private_dir(path: Path) -> Path:
-    """`path` if only this user can write it, else a fresh private folder: a library loaded from
-    a folder others can write could be theirs (a planted `.so` runs as this user)."""
+def _private_dir(path: Path) -> tuple[Path, bool]:
+    """(`path`, False) if only this user can write it, else (a fresh private folder, True): a
+    library loaded from a folder others can write could be theirs (a planted `.so` runs as this
+    user)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-        return path
-    return Path(tempfile.mkdtemp(prefix="dpfleet-kernels-"))
+        return path, False
+    return Path(tempfile.mkdtemp(prefix="dpfleet-kernels-")), True
 
 
 def library_name(compiler: str) -> str:
@@ -186,10 +187,13 @@ def load(env: Mapping[str, str]) -> Cell:
         return Cell(None, f"torch ops: no C compiler ({env.get('CC', 'cc or gcc')} not on PATH)")
     try:
         cache = Path(env.get("DPFLEET_KERNEL_CACHE", Path.home() / ".cache" / "dpfleet" / "kernels"))
-        lib_path = _private_dir(cache) / library_name(compiler)
+        folder, temporary = _private_dir(cache)
+        lib_path = folder / library_name(compiler)
         if not lib_path.exists():
             _build(compiler, lib_path)
         lib = ctypes.CDLL(str(lib_path))
+        if temporary:  # the loaded library stays mapped; its private folder is not kept
+            shutil.rmtree(folder, ignore_errors=True)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.cell_forward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 8
         lib.cell_backward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 6

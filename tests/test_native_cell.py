@@ -11,6 +11,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,9 @@ def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path)
     loaded = load({"DPFLEET_KERNEL_CACHE": str(shared)})
     assert not marker.exists()
     assert loaded.lib is not None and not loaded.lib._name.startswith(str(shared))
+    assert not Path(loaded.lib._name).parent.exists()  # its private folder is not left behind
+    x = torch.randn(33)  # and the loaded library still runs
+    assert torch.equal(loaded.to_bf16(x).view(torch.int16), x.bfloat16().view(torch.int16))
     ctypes.CDLL(str(planted))  # the control: loading the planted file does run its code
     assert marker.exists()
 
