@@ -5,8 +5,8 @@ first use with the machine's C compiler and called through ctypes.
 Why build here and not ship a binary: the kernel is compiled for the CPU it runs on
 (`-march=native`: AVX-512 where there is one), which a wheel cannot know; it needs only a C
 compiler, not torch's headers (a torch C++ extension takes a minute to build and needs ninja),
-and it is one small file. The library is cached per source, compiler and CPU
-(`~/.cache/dpfleet/kernels`, or `DPFLEET_KERNEL_CACHE`), so a home folder shared between
+and it is one small file. The library is cached per source, compiler and CPU in dpfleet's cache
+(`$DPFLEET_CACHE/kernels`, `edge/wheel_cache.cache_dir`), so a home folder shared between
 machines never loads a library built for another CPU; a cache folder that other users can write
 is not used (a library planted there would run as this user): the kernel is built in a private
 temporary folder instead, removed once the library is loaded. Where there is no compiler, or
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dpfleet.edge.wheel_cache import cache_dir
+from dpfleet.io import private_mkdir
 
 SOURCE = Path(__file__).with_name("lstm_cell.c")
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-shared",
@@ -153,12 +156,13 @@ def _build(compiler: str, out: Path) -> None:
 
 
 def _private_dir(path: Path) -> tuple[Path, bool]:
-    """(`path`, False) if only this user can write it, else (a fresh private folder, True): a
-    library loaded from a folder others can write could be theirs (a planted `.so` runs as this
-    user)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """(`path`, False) if it is ours and only we can write it (made 0700 if missing), else (a
+    fresh private folder, True): a library loaded from a folder others can write could be theirs
+    (a planted `.so` runs as this user). Checked before anything changes the folder's mode."""
+    if not os.path.lexists(path):
+        return private_mkdir(path), False
     st = path.stat()
-    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+    if path.is_dir() and st.st_uid == os.getuid() and not st.st_mode & 0o022:
         return path, False
     return Path(tempfile.mkdtemp(prefix="dpfleet-kernels-")), True
 
@@ -186,8 +190,7 @@ def load(env: Mapping[str, str]) -> Cell:
     if compiler is None:
         return Cell(None, f"torch ops: no C compiler ({env.get('CC', 'cc or gcc')} not on PATH)")
     try:
-        cache = Path(env.get("DPFLEET_KERNEL_CACHE", Path.home() / ".cache" / "dpfleet" / "kernels"))
-        folder, temporary = _private_dir(cache)
+        folder, temporary = _private_dir(cache_dir() / "kernels")
         lib_path = folder / library_name(compiler)
         if not lib_path.exists():
             _build(compiler, lib_path)

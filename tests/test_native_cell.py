@@ -153,37 +153,39 @@ def test_layouts_the_loops_do_not_index_are_refused():
                             torch.ones(1, 1), torch.empty(1, 1, 8, dtype=torch.bfloat16))
 
 
-def test_load_says_why_it_falls_back_and_caches_the_library(tmp_path):
+def test_load_says_why_it_falls_back_and_caches_the_library(tmp_path, monkeypatch):
     assert load({"DPFLEET_NATIVE": "0"}).lib is None
     missing = load({"CC": str(tmp_path / "no-such-cc")})
     assert missing.lib is None and "no C compiler" in missing.reason
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\necho 'cc: error: no such target' >&2\nexit 1\n")
     failing.chmod(0o755)
-    broken = load({"CC": str(failing), "DPFLEET_KERNEL_CACHE": str(tmp_path / "cache")})
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
+    broken = load({"CC": str(failing)})
     assert broken.lib is None and "did not build" in broken.reason and "no such target" in broken.reason
-    env = {"DPFLEET_KERNEL_CACHE": str(tmp_path / "cache"), "PATH": os.environ["PATH"]}
+    env = {"PATH": os.environ["PATH"]}
     first = load(env)
-    (built,) = (tmp_path / "cache").glob("lstm_cell-*.so")
+    (built,) = (tmp_path / "cache" / "kernels").glob("lstm_cell-*.so")
     stamp = built.stat().st_mtime_ns
     assert first.lib is not None and load(env).lib is not None
     assert built.stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
 
 
-def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path):
+def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path, monkeypatch):
     """Attack: another user plants a library under the exact cached name in a shared, world-
     writable cache folder; its constructor would run as us. The loader builds its own in a private
     folder instead: the planted constructor never runs, and the kernel still works."""
     compiler = shutil.which("cc") or shutil.which("gcc")
-    shared, marker = tmp_path / "shared", tmp_path / "planted-code-ran"
-    shared.mkdir()
+    shared, marker = tmp_path / "cache" / "kernels", tmp_path / "planted-code-ran"
+    shared.mkdir(parents=True)
     shared.chmod(0o777)
+    monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
     evil = tmp_path / "evil.c"
     evil.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
                     f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
     planted = shared / library_name(compiler)
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(planted), str(evil)], check=True)
-    loaded = load({"DPFLEET_KERNEL_CACHE": str(shared)})
+    loaded = load({})
     assert not marker.exists()
     assert loaded.lib is not None and not loaded.lib._name.startswith(str(shared))
     assert not Path(loaded.lib._name).parent.exists()  # its private folder is not left behind
