@@ -48,6 +48,9 @@ class Cell:
 
     lib: ctypes.CDLL | None
     reason: str
+    # what decides the bfloat16 path's bits: the library's name (its source, compiler, flags and
+    # CPU) or "torch ops" (every fallback runs the same ops); kept by a run's resume points
+    identity: str = "torch ops"
 
     def forward(self, x_pre: torch.Tensor, rec: torch.Tensor, a: torch.Tensor, c_prev: torch.Tensor,
                 c: torch.Tensor, tc: torch.Tensor, m: torch.Tensor, m_low: torch.Tensor,
@@ -208,4 +211,5 @@ def load(env: Mapping[str, str]) -> Cell:
         return Cell(None, f"torch ops: the C kernel did not build or load ({detail.strip()[:200]})")
     for fn in (lib.cell_forward, lib.cell_backward, lib.softmax_xent, lib.axpy_bf16, lib.cast_bf16):
         fn.restype = None
-    return Cell(lib, f"fused C kernels ({Path(compiler).name} -march=native, {lib_path.name})")
+    return Cell(lib, f"fused C kernels ({Path(compiler).name} -march=native, {lib_path.name})",
+                lib_path.name)

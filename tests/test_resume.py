@@ -4,7 +4,9 @@ rounds were lost keeps them, accounts them and goes on with fresh noise; a run t
 same run (other config, other data, tampered log, finished) is refused rather than silently
 mixed. The crash-point property test is in test_release_log.py."""
 
+import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -293,3 +295,34 @@ def test_naming_the_resolved_precision_is_not_another_config(interrupted):
     saved = json.loads((resume_point(interrupted) / "server_state.json").read_text())["precision"]
     check_resumable(interrupted, parse_config(dict(CFG, client={**CFG["client"], "precision": saved}))
                     .resolved())
+
+
+@pytest.mark.skipif(__import__("dpfleet.edge.precision", fromlist=["x"]).native_bf16() is None,
+                    reason="client.precision = 'bfloat16' needs a CPU with native BF16")
+def test_a_resume_on_other_bfloat16_kernels_is_said_in_the_log_and_in_the_summary(tmp_path, monkeypatch):
+    """At bfloat16 the bits come from the C kernels as this machine builds them (source, compiler,
+    flags, CPU: `native_cell.Cell.identity`). A resume where they differ (here: the loaded
+    kernel renamed, standing in for another compiler's build) continues, but says so: the
+    resume point keeps the kernels of the rounds so far, the log warns and summary.json lists
+    both. A resume on the same kernels (the control) says nothing."""
+    from dpfleet.edge import native_cell
+
+    bf16 = parse_config(dict(CFG, client={**CFG["client"], "precision": "bfloat16"}))
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        run_simulation(bf16, crashed, before_round=crash_before(6), **QUIET)
+    here = native_cell.cell().identity
+    assert json.loads((resume_point(crashed) / "server_state.json").read_text())["kernels"] == [here]
+    results = {}
+    for case, identity in (("same", here), ("other", "lstm_cell-0123456789abcdef.so")):
+        monkeypatch.setattr(native_cell, "cell", lambda i=identity: dataclasses.replace(
+            native_cell.load(os.environ), identity=i))
+        out = Path(shutil.copytree(crashed, tmp_path / case, symlinks=True))
+        lines: list[str] = []
+        run_simulation(bf16, out, resume=True, progress=False, log=lines.append)
+        summary = json.loads((out / "summary.json").read_text())
+        results[case] = (summary["precision"].get("kernels_used"), [ln for ln in lines if "kernels" in ln])
+    assert results["same"] == (None, [])
+    used, warned = results["other"]
+    assert used == [here, "lstm_cell-0123456789abcdef.so"]
+    assert len(warned) == 1 and f"earlier rounds ran the bfloat16 kernels {here}" in warned[0]

@@ -86,8 +86,9 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
 
 def trainer_precision(trainer: object) -> dict:
     """summary.json's `precision`: what a trainer's GEMMs ran at and why (and for the recurrent
-    cohort at bfloat16 which elementwise kernels ran: the C cell, or torch ops and why). A
-    trainer without a `precision` (sequential, a caller's client update) runs float32."""
+    cohort at bfloat16 which elementwise kernels ran: the C cell, or torch ops and why, and
+    `kernels`, what decides that path's bits, which a resume point keeps). A trainer without a
+    `precision` (sequential, a caller's client update) runs float32."""
     precision = getattr(trainer, "precision", None)
     if precision is None:
         return {"used": "float32", "reason": f"the {getattr(trainer, 'name', 'custom')} trainer runs float32"}
@@ -97,4 +98,5 @@ def trainer_precision(trainer: object) -> dict:
 
         on_cpu = getattr(getattr(trainer, "device", None), "type", "cpu") == "cpu"
         out["elementwise"] = cell().reason if on_cpu else "torch ops (the C kernels are the CPU's)"
+        out["kernels"] = cell().identity if on_cpu else "torch ops"
     return out

@@ -109,11 +109,13 @@ def load_clip_estimator(estimator: QuantileClipEstimator, state: dict) -> None:
 
 def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
                 estimator: QuantileClipEstimator | None, guarantee: dict | None = None,
-                precision: str = "float32") -> None:
+                precision: str = "float32", kernels: Sequence[str] = ()) -> None:
     """Replace the run's resume point with the state after `rounds_done` rounds (`server` and
     `estimator` may be `Frozen` states of theirs), with the run's `guarantee` (`guarantee.py`:
-    a resume that would run under another one is refused, `restore`) and the `precision` its
-    clients trained at (a resume at another one is refused: the run would switch silently).
+    a resume that would run under another one is refused, `restore`), the `precision` its
+    clients trained at (a resume at another one is refused: the run would switch silently) and
+    the `kernels` that decided the bits at bfloat16, in the order the run used them
+    (`backends.trainer_precision`: a resume with others is said, `restore`).
 
     Written to resume.tmp (every file fsynced), then swapped in, so a crash at any moment leaves
     one whole resume point (`resume/`, or `resume.old/` if the crash fell between the two
@@ -123,7 +125,8 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
     shutil.rmtree(tmp, ignore_errors=True)
     private_mkdir(tmp)
     save_server_state(tmp, server, estimator.state_dict() if estimator else None,
-                      {"rounds_done": rounds_done, "guarantee": guarantee, "precision": precision})
+                      {"rounds_done": rounds_done, "guarantee": guarantee, "precision": precision,
+                       **({"kernels": list(kernels)} if kernels else {})})
     write_key(tmp, server.noise_key)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -134,13 +137,18 @@ def save_resume(run_path: Path, rounds_done: int, server: DPFTRLServer,
 
 
 def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimator | None,
-            source: ResumeSource | None = None, *, guarantee: dict, precision: str = "float32") -> int:
-    """Load the resume point into `server` / `estimator`; returns the number of rounds done.
-    The point must have been saved under `guarantee`, the one this resume runs with, by clients
-    training at `precision` (`client.precision` as this machine resolves it)."""
+            source: ResumeSource | None = None, *, guarantee: dict,
+            precision: str = "float32") -> tuple[int, list[str]]:
+    """Load the resume point into `server` / `estimator`; returns the number of rounds done and
+    the bfloat16 kernels its rounds ran, in order (`save_resume`). The point must have been saved
+    under `guarantee`, the one this resume runs with, by clients training at `precision`
+    (`client.precision` as this machine resolves it). Other kernels than the resume's (another
+    compiler, CPU or kernel source) are not refused: privacy does not depend on them and both
+    round at the same precision; but the later rounds are not the bits an uninterrupted run
+    would have made, which the run's log and summary.json say (`RoundEngine.kernels_changed`)."""
     folder = resume_point(run_path) if source is None else source.point
     if folder is None:
-        return 0
+        return 0, []
     state, meta = load_server_state(folder)
     if state["theta"].shape != server.theta.shape:
         raise DpfleetError(f"{folder} holds a model of {state['theta'].size} parameters, the config "
@@ -159,7 +167,7 @@ def restore(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEstimat
             raise DpfleetError(f"{folder} has no adaptive-clipping state but the config clips adaptively")
         estimator.key = server.noise_key
         load_clip_estimator(estimator, meta["clip_estimator"])
-    return int(meta["rounds_done"])
+    return int(meta["rounds_done"]), list(meta.get("kernels", []))
 
 
 def replay(participation: Participation, accountant: RunAccountant, logged: list[dict],
@@ -202,6 +210,7 @@ class Resumed:
     rounds_done: int  # rounds in the resume point's state
     metrics: list[dict] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)  # 1-based rounds released but not in the state
+    kernels: list[str] = field(default_factory=list)  # the bfloat16 kernels of the rounds so far
 
     @property
     def fresh_tree_at(self) -> int | None:
@@ -248,7 +257,8 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
     if released and released[-1]["data_sha256"] != fingerprint:
         raise DpfleetError(f"{run_path} was trained on other client data (the tokenized training "
                            "clients or the tokenizer changed): resuming would mix two datasets")
-    done = restore(run_path, server, estimator, source, guarantee=guarantee, precision=precision)
+    done, kernels = restore(run_path, server, estimator, source, guarantee=guarantee,
+                            precision=precision)
     if len(released) < done:
         raise DpfleetError(f"{releases.path} has {len(released)} released rounds but the resume "
                            f"point has {done}: the release log was edited")
@@ -256,7 +266,7 @@ def resume_run(run_path: Path, server: DPFTRLServer, estimator: QuantileClipEsti
         raise DpfleetError(f"{run_path}: the resume point's noise key is not the one round {done} "
                            "was released with: the resume point belongs to another run")
     resumed = Resumed(start=len(released), rounds_done=done,
-                      lost=[r["round"] for r in released[done:]])
+                      lost=[r["round"] for r in released[done:]], kernels=kernels)
     if resumed.lost:  # never reuse the lost rounds' nodes: a fresh tree from the saved model
         tree_id = releases.next_tree_id()
         server.round = resumed.start

@@ -178,7 +178,7 @@ class RoundEngine:
                  releases: ReleaseLog | None = None, resume_source: ResumeSource | None = None,
                  mechanism: Mechanism | None = None, other_releases: list[dict] | None = None,
                  keyboard_rows: np.ndarray | None = None, precision: str = "float32",
-                 binding: Mapping[str, str] | None = None):
+                 binding: Mapping[str, str] | None = None, kernels: str | None = None):
         """`model` is the initial model (and the one evaluated); `users` the fleet's user ids;
         `fingerprint` the training data's (`resume.data_fingerprint`); `vocabulary` the DP
         vocabulary's privacy summary, already spent. `resume=True` continues `run`.
@@ -189,7 +189,9 @@ class RoundEngine:
         (FreD statistics), composed into the run's privacy (`run_accountant.run_privacy`).
         `keyboard_rows`: held-out rows of other users than `test_rows`' (the unigram baseline's),
         whose word counts make the keyboard's most-frequent-word strip (`keyboard_eval`).
-        `binding`: a run's config.json pin of its mechanism (`config_plan.RunPlan.binding`)."""
+        `binding`: a run's config.json pin of its mechanism (`config_plan.RunPlan.binding`).
+        `precision` / `kernels`: what the clients train at and, at bfloat16, the kernels that decide
+        the bits (`backends.trainer_precision`), kept by resume points."""
         self.cfg, self.run, self.run_path = cfg, run, run.path
         self.sink = sink if sink is not None else RunDirSink(run)
         self.model, self.model_cfg, self.tokenizer = model, model_cfg, tokenizer
@@ -198,6 +200,10 @@ class RoundEngine:
         self.fingerprint, self.test_rows = fingerprint, test_rows
         self.vocabulary, self.keyboard_rows = vocabulary, keyboard_rows
         self.precision = precision  # the clients' (`client.precision` resolved): kept by resume points
+        self.kernels = kernels
+        # the bfloat16 kernels of every round so far, in order (a resume may bring others)
+        self.kernels_used: list[str] = [kernels] if kernels else []
+        self.kernels_changed = False
         self.other_releases = other_releases if other_releases is not None else []
         check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
@@ -220,6 +226,9 @@ class RoundEngine:
                                  self.participation, self.accountant, self.users, fingerprint,
                                  resume_source, guarantee=self.guarantee, precision=precision)
             self.start, self.metrics = resumed.start, resumed.metrics
+            # a resume with other kernels than the last rounds': said in the log and summary.json
+            self.kernels_changed = bool(resumed.kernels and kernels and resumed.kernels[-1] != kernels)
+            self.kernels_used = resumed.kernels + ([kernels] if self.kernels_changed else [])
             self.fresh_tree_at, self.lost = resumed.fresh_tree_at, resumed.lost
         self.next_round = self.start  # 0-based index of the round open_round opens next
         self._open: RoundPlan | None = None
@@ -461,7 +470,7 @@ class RoundEngine:
                                   "between rounds")
         with interrupts_deferred():
             save_resume(self.run_path, self.next_round, self.server, self.estimator, self.guarantee,
-                        self.precision)
+                        self.precision, self.kernels_used)
             self._saved_at = self.next_round
 
     def _frozen(self) -> tuple[Frozen, Frozen | None]:
@@ -490,7 +499,8 @@ class RoundEngine:
         else:  # cannot happen while close_round defers interrupts; never save a mixed state
             return None
         with interrupts_deferred():  # a second Ctrl-C does not cut the point in two
-            save_resume(self.run_path, released, server, estimator, self.guarantee, self.precision)
+            save_resume(self.run_path, released, server, estimator, self.guarantee, self.precision,
+                        self.kernels_used)
             self._saved_at = released
         return released
 

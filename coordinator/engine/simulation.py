@@ -285,7 +285,8 @@ def run_simulation(
     log(f"finishing: final evaluation ({len(test_rows):,} held-out rows), checkpoint, privacy report ...")
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
-                                   extra=_summary_extra(setup, records is not None, generated_notice))
+                                   extra=_summary_extra(setup, records is not None, generated_notice,
+                                                        engine.kernels_used))
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
 
 
@@ -303,6 +304,7 @@ def _make_engine(cfg: SimulationConfig, run: RunDir, setup: TrainingSetup, token
         mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
         keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
         precision=trainer_precision(setup.trainer)["used"], binding=binding,
+        kernels=trainer_precision(setup.trainer).get("kernels"),
     )
     install(engine, participation=ext.get("participation"))
     if audit is not None:
@@ -378,10 +380,15 @@ def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
     return tokenizer, data, population
 
 
-def _summary_extra(setup: TrainingSetup, records_given: bool, generated_notice: dict | None) -> dict:
-    """What summary.json says of how this run trained, beyond the engine's own figures."""
+def _summary_extra(setup: TrainingSetup, records_given: bool, generated_notice: dict | None,
+                   kernels_used: list[str] | None = None) -> dict:
+    """What summary.json says of how this run trained, beyond the engine's own figures
+    (`kernels_used`: the bfloat16 kernels of all rounds, listed when a resume changed them)."""
+    precision = trainer_precision(setup.trainer)
+    if kernels_used and len(kernels_used) > 1:
+        precision["kernels_used"] = kernels_used
     return {"client_trainer": setup.trainer.name,  # cohort / sequential
-            "precision": trainer_precision(setup.trainer),
+            "precision": precision,
             **({"client_trainer_note": setup.trainer_note} if setup.trainer_note else {}),
             **({"data": "records given in Python"} if records_given else {}),
             **({"public_pretraining": setup.pretrained} if setup.pretrained else {}),
@@ -483,6 +490,11 @@ def _log_resume(cfg: SimulationConfig, engine: RoundEngine, resume: bool,
         log(f"rounds {lost[0]}-{lost[-1]} were released but their state was lost: they stay "
             f"accounted, and the run goes on from round {start - len(lost)}'s model on a "
             "fresh noise tree")
+    if engine.kernels_changed:
+        log(f"warning: earlier rounds ran the bfloat16 kernels {', '.join(engine.kernels_used[:-1])}; "
+            f"this machine runs {engine.kernels} (another compiler, CPU or kernel source): the "
+            "rounds from here round differently from an uninterrupted run's (the privacy is the "
+            "same; summary.json's precision.kernels_used lists them)")
 
 
 MAX_ATTEMPTS = 10  # in-process attempts of one round before the run stops with an error
