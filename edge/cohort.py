@@ -144,8 +144,14 @@ def train_chunk(cfg: ModelConfig, layout: ParamLayout, theta: torch.Tensor, exam
     else:
         with precision.autocast(theta.device.type):
             _local_steps(cfg, params, plans, examples, steps, width, theta.device, lr, step, loss_sum)
-    flat = torch.cat([params[name].reshape(n, -1).float() for name in layout.names], dim=1)
-    deltas = (flat - theta.float()).cpu().numpy()  # float32: what finish_update clips and sums
+    # float32: what finish_update clips and sums; each weight's delta written in place (a
+    # concatenated copy of the local weights, then their difference, cost two more passes over
+    # [n, params]: 4% of a Gboard-size bfloat16 round)
+    deltas = torch.empty(n, len(theta), dtype=torch.float32)
+    for name, dst, part in zip(layout.names, deltas.split(layout.sizes, dim=1), theta.split(layout.sizes),
+                               strict=True):
+        torch.sub(params[name].reshape(n, -1).float().cpu(), part.float().cpu(), out=dst)
+    deltas = deltas.numpy()
     losses = [float(loss_sum[j]) / steps[j] if steps[j] else float("nan") for j in range(n)]
     return deltas, losses
 
