@@ -18,6 +18,8 @@ error ~1e-7). NaN propagates (no fminf, which would turn NaN into a bound). */
 #include <stdint.h>
 #include <string.h>
 
+#define LANES 16
+
 static inline float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
@@ -152,22 +154,30 @@ void cell_backward(int64_t k, int64_t rows, int64_t hidden, int coupled,
     }
 }
 
-#define LANES 16
 
-/* x = l + b (float32) and its maximum (16 partial maxima over x, which is in L1 by then: one
-   loop doing both did not vectorize) */
+
+/* 16 floats: GCC's and clang's vector extension, lowered to the target's widest vectors (the
+   max loops below written with scalars did not vectorize) */
+typedef float f16v __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t i16v __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* x = l + b (float32) and its maximum (16 partial maxima; NaN is skipped here, as a comparison
+   with NaN is false, and propagates through the sum) */
 static float shifted_max(int64_t vocab, const uint16_t *restrict l, const float *restrict b,
                          float *restrict x) {
     for (int64_t v = 0; v < vocab; v++) x[v] = from_bf16(l[v]) + b[v];
-    float top[LANES];
+    f16v top;
     for (int q = 0; q < LANES; q++) top[q] = -3.402823466e38f;
     int64_t v = 0;
     for (; v + LANES <= vocab; v += LANES) {
-        for (int q = 0; q < LANES; q++) top[q] = x[v + q] > top[q] ? x[v + q] : top[q];
+        f16v xv;
+        memcpy(&xv, x + v, sizeof xv);
+        i16v more = xv > top;
+        top = (f16v)(((i16v)xv & more) | ((i16v)top & ~more));
     }
-    for (; v < vocab; v++) top[0] = x[v] > top[0] ? x[v] : top[0];
     float out = top[0];
     for (int q = 1; q < LANES; q++) out = top[q] > out ? top[q] : out;
+    for (; v < vocab; v++) out = x[v] > out ? x[v] : out;
     return out;
 }
 
