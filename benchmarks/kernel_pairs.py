@@ -1,7 +1,8 @@
 """The recurrent cohort kernel of this tree against the one at another commit, round-robin in one
 process: what a machine whose speed drifts 10-25% within minutes still measures fairly.
 
-Both `edge/cohort_lstm.py` files (the other read with `git show REV:edge/cohort_lstm.py`) train
+Both `edge/cohort_lstm.py` files (the other read with `git show REV:edge/cohort_lstm.py`, with
+that commit's C kernels, `edge/native_cell.py` and `edge/lstm_cell.c`, where it has them) train
 the same k clients of one chunk, from the same weights, one local step each in turn (the order
 reversed every other round), on the Gboard-size CIFG (or the main job's with `--main`). Prints
 and saves each file's median ms per step and this tree's time over the other's: the geometric
@@ -36,13 +37,36 @@ from dpfleet.heap import keep_freed_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "edge/cohort_lstm.py"
+NATIVE = ("edge/native_cell.py", "edge/lstm_cell.c")  # the C kernels, since 6da8352's parent
 
 
 def _module(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # before it runs: a dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def _show(rev: str, path: str) -> str | None:
+    out = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else None
+
+
+def _base_kernel(rev: str, tmp: Path):
+    """The commit's `cohort_lstm` module, importing that commit's C kernels (built from its own
+    `lstm_cell.c`) where it has them, not this tree's."""
+    source = _show(rev, KERNEL)
+    if source is None:
+        raise SystemExit(f"{rev} has no {KERNEL}")
+    native = [_show(rev, path) for path in NATIVE]
+    if all(text is not None for text in native):
+        for path, text in zip(NATIVE, native, strict=True):
+            (tmp / Path(path).name.replace("native_cell", "base_native_cell")).write_text(text)
+        _module(tmp / "base_native_cell.py", "base_native_cell")
+        source = source.replace("from dpfleet.edge.native_cell import", "from base_native_cell import")
+    (tmp / "base_kernel.py").write_text(source)
+    return _module(tmp / "base_kernel.py", "base_kernel")
 
 
 def _workload(main: bool, k: int) -> tuple[ModelConfig, dict, torch.Tensor]:
@@ -71,11 +95,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     dtype = getattr(torch, args.dtype)
-    with tempfile.TemporaryDirectory() as tmp:
-        base_file = Path(tmp) / "base_kernel.py"
-        base_file.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{KERNEL}"],
-                                            check=True, capture_output=True, text=True).stdout)
-        kernels = {"base": _module(base_file, "base_kernel"), "this": _module(ROOT / KERNEL, "this_kernel")}
+    tmp = tempfile.TemporaryDirectory()  # the base's C source is read when its kernel first runs
+    kernels = {"base": _base_kernel(args.base, Path(tmp.name)), "this": _module(ROOT / KERNEL, "this_kernel")}
     cfg, params0, rows = _workload(args.main, args.clients)
     params = {name: {n: p.clone() for n, p in params0.items()} for name in kernels}
     for _ in range(2):

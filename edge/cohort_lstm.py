@@ -47,25 +47,31 @@ client that diverges amplifies either to ~1e-4).
 bfloat16 (`recurrent_grads(dtype=torch.bfloat16)`, `client.precision` "bfloat16" or "auto" on a
 CPU with native BF16): the same regrouped arithmetic with bfloat16 GEMM operands, not autocast
 (which cast each GEMM's operands anew: at these sizes the casts cost what the faster GEMMs saved).
-Every GEMM but the per-step projection's (m_t W_p^T and its backward, float32) is bfloat16: the
-input projection of all steps (one GEMM, then copied to float32), the per-step recurrent GEMMs
-(h_{t-1} W_h and dz_t W_h^T: their operands are the casts the weight gradients' GEMMs take anyway,
-written as each step makes them; the product is added to the float32 gates or dh), the gates' and
-projection's weight gradients, d_x, and the output layer's three GEMMs with inner or outer
-dimension P (no bias column: 97 against 96 ran them up to 2.1x slower; the bias is added to the
-bfloat16 logits, its gradient a column sum). The gate weights are cast once per call into two
-blocks, W_h and [W_x, b], that every GEMM takes as they are or as a transposed view (`_gate_weights`:
-the float32 path's transposed copies, cast again, were 8% of a Gboard-size step), and the local
+Every GEMM is bfloat16 (without the C kernels below, the per-step projection's, m_t W_p^T and
+its backward, stays float32): the input projection of all steps (one GEMM with inner dimension D,
+no bias column: 97 against 96 ran it 1.6x slower, and d_x's too; the float32 bias is added where
+the pre-activations are summed), the per-step recurrent GEMMs (h_{t-1} W_h and dz_t W_h^T: their
+operands are the casts the weight gradients' GEMMs take anyway, written as each step makes them;
+the product is added to the float32 gates or dh), with the C kernels the per-step projection's
+(m_t W_p^T from the cell's bfloat16 m_t, h_t rounded once; dh_t W_p from dh_t cast, dm_t rounded
+once: 0.8x and 0.7x the float32 GEMMs' time), the gates' and projection's weight gradients, d_x,
+and the output layer's three GEMMs with inner or outer dimension P (no bias column: 97 against 96
+ran them up to 2.1x slower; the bias is added to the bfloat16 logits, its gradient a column
+sum). The gate weights are cast once per call into two blocks, W_h and W_x, that every GEMM takes
+as they are or as a transposed view (`_gate_weights`: the float32 path's transposed copies, cast
+again, were 8% of a Gboard-size step), and the local
 derivatives take 9 passes instead of 17 (`_local_derivatives_low`): 0.949x the time of the
 previous bfloat16 kernel [0.921, 0.977] (150 in-process pairs, 6 Gboard-size clients, 1 thread;
 the same bits but for the local derivatives' rounding). The backward writes dz in bfloat16 straight
 from its float32 products (the same bits; no float32 dz of 31 MB; time 0.994x [0.955, 1.034]).
 With the C kernels below, a step takes 0.736x the previous kernel's time [0.704, 0.769]
-(`benchmarks/kernel_pairs.py`, 100 pairs).
+(`benchmarks/kernel_pairs.py`, 100 pairs); with the bias out of the input projection, the
+projection's GEMMs in bfloat16 and the softmax's maximum vectorized, 0.944x that [0.885, 1.005]
+(40 pairs).
 Where the machine has a C compiler (`edge/native_cell.py`, `edge/lstm_cell.c`; float32 never
 uses them) the elementwise work runs in fused C kernels instead: each step's cell forward (the two
-bfloat16 pre-activations summed, the gates, the cell, m in float32 and bfloat16: no float32 copy of
-the input projection, no float32 `gated`), each step's backward with the local derivatives made
+bfloat16 pre-activations and the float32 bias summed, the gates, the cell, m in bfloat16: no
+float32 copy of the input projection, no float32 `gated`), each step's backward with the local derivatives made
 inline (no [T, k, B, H] derivative tensors), the output layer's bias, softmax, loss, one-hot and
 bias gradient in one pass per row (the loss exact where the target's probability underflows),
 and every bfloat16 gradient added into its float32 weight in one pass. A bfloat16 GEMM
@@ -173,36 +179,41 @@ def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gate_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """W_h [k, G, P] and [W_x, b] [k, G, D + 1] in the kernel's gate order, cast to `dtype` in one
-    pass each. Every GEMM of the layer takes one of them or its transposed view (torch's `bmm`
-    takes a contiguous or transposed-contiguous operand as it is; a column slice it copies), so
-    the weights are cast once per call and never copied into transposed layouts."""
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W_h [k, G, P] and W_x [k, G, D] in the kernel's gate order, cast to `dtype` in one pass
+    each, and the bias [k, G] in that order (float32: added where the pre-activations are summed,
+    not a GEMM's ones column, which made its inner dimension D + 1: 97 against 96 ran the input
+    projection 1.6x slower at the Gboard size, and d_x's outer one too). Every GEMM of the layer
+    takes W_h or W_x or its transposed view (torch's `bmm` takes a contiguous or
+    transposed-contiguous operand as it is; a column slice it copies), so the weights are cast
+    once per call and never copied into transposed layouts."""
     k, n_gates, width = w.shape
     d = width - proj
     w_h = w.new_empty(k, n_gates, proj, dtype=dtype)
-    w_xb = w.new_empty(k, n_gates, d + 1, dtype=dtype)
+    w_x = w.new_empty(k, n_gates, d, dtype=dtype)
+    bias = torch.empty_like(b)
     for dst, src in ((slice(0, hidden), slice(-hidden, None)), (slice(hidden, None), slice(0, -hidden))):
         w_h[:, dst] = w[:, src, d:]
-        w_xb[:, dst, :-1] = w[:, src, :d]
-        w_xb[:, dst, -1] = b[:, src]
-    return w_h, w_xb
+        w_x[:, dst] = w[:, src, :d]
+        bias[:, dst] = b[:, src]
+    return w_h, w_x, bias
 
 
 def _layer_weights(w: torch.Tensor, b: torch.Tensor, hidden: int, proj: int,
-                   low: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """The gate weights as the layer's GEMMs take them: [W_x, b]^T [k, D+1, G] and W_h^T [k, P, G]
-    for the forward, and (W_x, W_h [k, G, P]) for the backward. float32: contiguous copies in the
-    kernel's gate order; bfloat16: views of one cast (`_gate_weights`)."""
+                   low: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, tuple, torch.Tensor | None]:
+    """The gate weights as the layer's GEMMs take them: the input projection's (float32:
+    [W_x, b]^T [k, D+1, G], the bias folded in; bfloat16: W_x^T [k, D, G]) and W_h^T [k, P, G]
+    for the forward, (W_x [k, G, D], W_h [k, G, P]) for the backward, and the bias [k, G] in the
+    kernel's gate order where it is not folded (bfloat16), else None. float32: contiguous copies
+    in the kernel's gate order; bfloat16: views of one cast (`_gate_weights`)."""
     d = w.shape[2] - proj
     if low != torch.float32:
-        w_h, w_xb = _gate_weights(w, b, hidden, proj, low)
-        # d_x takes all D + 1 columns of [W_x, b] and drops the last
-        return w_xb.transpose(1, 2), w_h.transpose(1, 2), (w_xb, w_h)
+        w_h, w_x, bias = _gate_weights(w, b, hidden, proj, low)
+        return w_x.transpose(1, 2), w_h.transpose(1, 2), (w_x, w_h), bias
     w_k, b_k = _gate_order(w, hidden), _gate_order(b.unsqueeze(2), hidden)
     wx = _dense(torch.cat([w_k[:, :, :d], b_k], 2).transpose(1, 2), low)
     wh = w_k[:, :, d:].transpose(1, 2).contiguous()
-    return wx, wh, (w_k[:, :, :d], _dense(wh.transpose(1, 2), low))
+    return wx, wh, (w_k[:, :, :d], _dense(wh.transpose(1, 2), low)), None
 
 
 def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.Tensor,
@@ -224,18 +235,23 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     inputs = x.new_empty(k, steps, rows, proj + d + 1, dtype=low)
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
-    wx, wh, back = _layer_weights(w, b, hidden, proj, low)
-    wp_t = wp.transpose(1, 2).contiguous()
+    wx, wh, back, bias = _layer_weights(w, b, hidden, proj, low)
+    # the projection's weights: `fused`, one bfloat16 cast [k, P, H] that both directions' GEMMs
+    # take (the forward its transposed view); else a float32 copy of W_p^T
+    wp_low = fused.to_bf16(wp) if fused is not None and wp.is_contiguous() else None
+    wp_low = _dense(wp, low) if fused is not None and wp_low is None else wp_low
+    wp_t = wp.transpose(1, 2).contiguous() if wp_low is None else wp_low.transpose(1, 2)
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
-        # GEMM, copied to float32 in one pass; each step adds its recurrent GEMM in float32
-        x_proj = torch.bmm(inputs[..., proj:].view(k, steps * rows, d + 1), wx)
+        # GEMM (no bias column), copied to float32 with the bias added; each step adds its
+        # recurrent GEMM in float32 (`fused`: the cell sums all three)
+        x_proj = torch.bmm(inputs[..., proj:proj + d].view(k, steps * rows, d), wx)
         if fused is None:
-            acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1))
+            acts.copy_(x_proj.view(k, steps, rows, n_gates).transpose(0, 1)).add_(bias.view(1, k, 1, -1))
     cells = x.new_empty(steps, k, rows, hidden, dtype=torch.float32)
     tanh_cells = torch.empty_like(cells)
-    # client-major: the projection's weight gradient (`fused`: written in bfloat16 by the cell, which
-    # also writes each step's float32 m into `m_step` for the projection's GEMM)
+    # client-major: the projection's weight gradient (`fused`: written in bfloat16 by the cell; the
+    # projection's GEMM of each step takes it too, its product h_t rounded once to bfloat16)
     gated = x.new_empty(k, steps, rows, hidden, dtype=low if fused is not None else torch.float32)
     out = x.new_empty(steps, k, rows, proj)
     # per-step views made once (one unbind call instead of a slice per step and view)
@@ -251,40 +267,42 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
     if fused is not None:  # the input projections (the cell adds them to the recurrent products)
         x_steps = x_proj.view(k, steps, rows, n_gates).unbind(1)
-        zeros, m_step = cells.new_zeros(k, rows, hidden), cells.new_empty(k, rows, hidden)  # c_{-1}
+        zeros, h_step = cells.new_zeros(k, rows, hidden), x.new_empty(k, rows, proj, dtype=low)  # c_{-1}
         product.zero_()  # the recurrent product at t = 0
     for t in range(steps):
         # activated in place: acts holds the gates
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
         if fused is not None:
             rec = torch.bmm(h_low[t], wh, out=product) if t else product
-            m = m_step
-            fused.forward(x_steps[t], rec, a, cs[t - 1] if t else zeros, cs[t], tcs[t], m, ms[t], coupled)
-        else:
-            if t and hoisted:
-                a.add_(torch.bmm(h_low[t], wh, out=product))
-            elif t:
-                a.baddbmm_(hs[t - 1], wh)
-            sigs[t].sigmoid_()
-            g = gs[t].tanh_()
-            f, c = fs[t], cs[t]
-            if coupled:  # c = f c' + (1 - f) g = g + f (c' - g)
-                if t:
-                    torch.addcmul(g, f, cs[t - 1] - g, out=c)
-                else:
-                    torch.addcmul(g, f, g, value=-1.0, out=c)
-            else:  # c = f c' + i g
-                torch.mul(i_s[t], g, out=c)
-                if t:
-                    c.addcmul_(f, cs[t - 1])
-            m = torch.mul(os_[t], torch.tanh(c, out=tcs[t]), out=ms[t])
+            fused.forward(x_steps[t], rec, bias, a, cs[t - 1] if t else zeros, cs[t], tcs[t], ms[t], coupled)
+            hs[t].copy_(torch.bmm(ms[t], wp_t, out=h_step))
+            if t + 1 < steps:
+                h_low[t + 1].copy_(h_step)
+            continue
+        if t and hoisted:
+            a.add_(torch.bmm(h_low[t], wh, out=product))
+        elif t:
+            a.baddbmm_(hs[t - 1], wh)
+        sigs[t].sigmoid_()
+        g = gs[t].tanh_()
+        f, c = fs[t], cs[t]
+        if coupled:  # c = f c' + (1 - f) g = g + f (c' - g)
+            if t:
+                torch.addcmul(g, f, cs[t - 1] - g, out=c)
+            else:
+                torch.addcmul(g, f, g, value=-1.0, out=c)
+        else:  # c = f c' + i g
+            torch.mul(i_s[t], g, out=c)
+            if t:
+                c.addcmul_(f, cs[t - 1])
+        m = torch.mul(os_[t], torch.tanh(c, out=tcs[t]), out=ms[t])
         torch.bmm(m, wp_t, out=hs[t])
         if hoisted and t + 1 < steps:
             h_low[t + 1].copy_(hs[t])
     inputs[:, 0, :, :proj] = 0.0
     if not hoisted:
         inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
-    return out, (inputs, acts, cells, tanh_cells, gated.to(low), *back)
+    return out, (inputs, acts, cells, tanh_cells, gated.to(low), *back, wp_low)
 
 
 def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
@@ -354,7 +372,7 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
     recurrent GEMM and of the two GEMMs over all time steps after the loop: no float32 dz (31 MB at
     the Gboard size) and no cast of it. `fused`: each step's elementwise work, the local
     derivatives included, is one call of the C cell (no [T, k, B, H] derivative tensors)."""
-    inputs, acts, cells, tanh_cells, gated, w_x, wh_back = saved
+    inputs, acts, cells, tanh_cells, gated, w_x, wh_back, wp_low = saved
     low = inputs.dtype
     k, steps, rows, width = inputs.shape
     hidden, proj, n_gates = wp.shape[2], wp.shape[1], acts.shape[-1]
@@ -371,13 +389,15 @@ def _layer_backward(d_out: torch.Tensor, saved: tuple, wp: torch.Tensor, coupled
     if fused is None:
         local = _local_derivatives if low == torch.float32 else _local_derivatives_low
         tcell, to_os, tgs = (t.unbind(0) for t in local(acts, cells, tanh_cells, coupled))
-    else:
+    else:  # dm_t = dh_t W_p in bfloat16 (the forward's cast of W_p; dh_t cast, dm_t rounded once)
         zeros = cells.new_zeros(k, rows, hidden)  # c_{-1}
+        dh_low, dm_low = (dh.new_empty(k, rows, n, dtype=low) for n in (proj, hidden))
     for t in reversed(range(steps)):
-        dm = torch.bmm(dhs[t], wp)
         if fused is not None:
+            dm = torch.bmm(dh_low.copy_(dhs[t]), wp_low, out=dm_low)
             fused.backward(dm, acts[t], tanh_cells[t], cells[t - 1] if t else zeros, dc, dzs[t], coupled)
         else:
+            dm = torch.bmm(dhs[t], wp)
             dc.addcmul_(dm, tcell[t])
             torch.mul(dm, to_os[t], out=dz_o[t])
             torch.mul(dc_b, tgs[t], out=dz_rest[t])

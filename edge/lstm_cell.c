@@ -58,28 +58,31 @@ static inline float from_bf16(uint16_t x) {
     return f;
 }
 
-/* The gates' pre-activations are x_pre + rec (bfloat16 GEMM outputs: the input projection and the
-   recurrent product, zeros at t = 0), summed in float32; a gets the activations (what backward
-   reads). c = g + f (c' - g) (coupled) or f c' + i g (c_prev zeros at t = 0); tc = tanh(c);
-   m = o tc, in float32 (the projection's GEMM) and bfloat16 (the weight gradients'). */
+/* The gates' pre-activations are x_pre + rec + bias (bfloat16 GEMM outputs: the input projection
+   and the recurrent product, zeros at t = 0; the client's float32 bias), summed in float32; a gets
+   the activations (what backward reads). c = g + f (c' - g) (coupled) or f c' + i g (c_prev
+   zeros at t = 0); tc = tanh(c); m = o tc in bfloat16 (the operand of the projection's GEMM and
+   of its weight gradient's). */
 void cell_forward(int64_t k, int64_t rows, int64_t hidden, int coupled,
                   const uint16_t *x_pre, int64_t x_cs, const uint16_t *rec, int64_t rec_cs,
-                  float *a, int64_t a_cs, const float *c_prev, int64_t cp_cs,
-                  float *c, int64_t c_cs, float *tc, int64_t tc_cs, float *m, int64_t m_cs,
+                  const float *bias, int64_t b_cs, float *a, int64_t a_cs,
+                  const float *c_prev, int64_t cp_cs, float *c, int64_t c_cs, float *tc, int64_t tc_cs,
                   uint16_t *m_low, int64_t ml_cs) {
     const int64_t gates = (coupled ? 3 : 4) * hidden;
     for (int64_t j = 0; j < k; j++) {
         for (int64_t r = 0; r < rows; r++) {
             const uint16_t *restrict xr = x_pre + j * x_cs + r * gates;
             const uint16_t *restrict rr = rec + j * rec_cs + r * gates;
+            const float *restrict br = bias + j * b_cs;
             float *restrict ar = a + j * a_cs + r * gates;
             const float *restrict cp = c_prev + j * cp_cs + r * hidden;
             float *restrict cr = c + j * c_cs + r * hidden;
             float *restrict tcr = tc + j * tc_cs + r * hidden;
-            float *restrict mr = m + j * m_cs + r * hidden;
             uint16_t *restrict mlr = m_low + j * ml_cs + r * hidden;
-            for (int64_t h = 0; h < gates - hidden; h++) ar[h] = sigmoid(from_bf16(xr[h]) + from_bf16(rr[h]));
-            for (int64_t h = gates - hidden; h < gates; h++) ar[h] = tanh_poly(from_bf16(xr[h]) + from_bf16(rr[h]));
+            for (int64_t h = 0; h < gates - hidden; h++)
+                ar[h] = sigmoid(from_bf16(xr[h]) + from_bf16(rr[h]) + br[h]);
+            for (int64_t h = gates - hidden; h < gates; h++)
+                ar[h] = tanh_poly(from_bf16(xr[h]) + from_bf16(rr[h]) + br[h]);
             const float *restrict o = ar, *restrict f = ar + hidden, *restrict i = ar + 2 * hidden;
             const float *restrict g = ar + gates - hidden;
             if (coupled) {
@@ -90,37 +93,36 @@ void cell_forward(int64_t k, int64_t rows, int64_t hidden, int coupled,
             for (int64_t h = 0; h < hidden; h++) {
                 float t = tanh_poly(cr[h]);
                 tcr[h] = t;
-                mr[h] = o[h] * t;
                 mlr[h] = to_bf16(o[h] * t);
             }
         }
     }
 }
 
-static void backward_row_coupled(int64_t hidden, const float *restrict dm, const float *restrict o,
+static void backward_row_coupled(int64_t hidden, const uint16_t *restrict dm, const float *restrict o,
                                  const float *restrict f, const float *restrict g,
                                  const float *restrict tc, const float *restrict cp,
                                  float *restrict dc, uint16_t *restrict dz_o,
                                  uint16_t *restrict dz_f, uint16_t *restrict dz_g) {
     for (int64_t h = 0; h < hidden; h++) {
-        float t = tc[h], ov = o[h], fv = f[h], gv = g[h];
-        float d = dc[h] + dm[h] * ov * (1.0f - t * t);
-        dz_o[h] = to_bf16(dm[h] * ov * (1.0f - ov) * t);
+        float t = tc[h], ov = o[h], fv = f[h], gv = g[h], dmv = from_bf16(dm[h]);
+        float d = dc[h] + dmv * ov * (1.0f - t * t);
+        dz_o[h] = to_bf16(dmv * ov * (1.0f - ov) * t);
         dz_f[h] = to_bf16(d * (cp[h] - gv) * fv * (1.0f - fv));
         dz_g[h] = to_bf16(d * (1.0f - fv) * (1.0f - gv * gv));
         dc[h] = d * fv;
     }
 }
 
-static void backward_row(int64_t hidden, const float *restrict dm, const float *restrict o,
+static void backward_row(int64_t hidden, const uint16_t *restrict dm, const float *restrict o,
                          const float *restrict f, const float *restrict i, const float *restrict g,
                          const float *restrict tc, const float *restrict cp, float *restrict dc,
                          uint16_t *restrict dz_o, uint16_t *restrict dz_f, uint16_t *restrict dz_i,
                          uint16_t *restrict dz_g) {
     for (int64_t h = 0; h < hidden; h++) {
-        float t = tc[h], ov = o[h], fv = f[h], gv = g[h], iv = i[h];
-        float d = dc[h] + dm[h] * ov * (1.0f - t * t);
-        dz_o[h] = to_bf16(dm[h] * ov * (1.0f - ov) * t);
+        float t = tc[h], ov = o[h], fv = f[h], gv = g[h], iv = i[h], dmv = from_bf16(dm[h]);
+        float d = dc[h] + dmv * ov * (1.0f - t * t);
+        dz_o[h] = to_bf16(dmv * ov * (1.0f - ov) * t);
         dz_f[h] = to_bf16(d * cp[h] * fv * (1.0f - fv));
         dz_i[h] = to_bf16(d * gv * iv * (1.0f - iv));
         dz_g[h] = to_bf16(d * iv * (1.0f - gv * gv));
@@ -128,18 +130,19 @@ static void backward_row(int64_t hidden, const float *restrict dm, const float *
     }
 }
 
-/* dm = dL/dm_t; dc carries dL/dc_t in and f dL/dc_t out (dL/dc_{t-1}: meaningless after t = 0,
-   where nothing reads it); dz (bfloat16) gets the gates' pre-activation gradients. c_prev zeros
-   at t = 0. */
+/* dm = dL/dm_t (bfloat16: the projection's bfloat16 GEMM's product); dc carries dL/dc_t in and
+   f dL/dc_t out (dL/dc_{t-1}: meaningless after t = 0, where nothing reads it); dz (bfloat16) gets
+   the gates' pre-activation gradients. c_prev zeros at t = 0. */
 void cell_backward(int64_t k, int64_t rows, int64_t hidden, int coupled,
-                   const float *dm, int64_t dm_cs, const float *a, int64_t a_cs,
+                   const uint16_t *dm, int64_t dm_cs, const float *a, int64_t a_cs,
                    const float *tc, int64_t tc_cs, const float *c_prev, int64_t cp_cs,
                    float *dc, int64_t dc_cs, uint16_t *dz, int64_t dz_cs) {
     const int64_t gates = (coupled ? 3 : 4) * hidden;
     for (int64_t j = 0; j < k; j++) {
         for (int64_t r = 0; r < rows; r++) {
             const float *o = a + j * a_cs + r * gates;
-            const float *dmr = dm + j * dm_cs + r * hidden, *tcr = tc + j * tc_cs + r * hidden;
+            const uint16_t *dmr = dm + j * dm_cs + r * hidden;
+            const float *tcr = tc + j * tc_cs + r * hidden;
             const float *cp = c_prev + j * cp_cs + r * hidden;
             float *dcr = dc + j * dc_cs + r * hidden;
             uint16_t *dzr = dz + j * dz_cs + r * gates;

@@ -52,30 +52,34 @@ class Cell:
     # CPU) or "torch ops" (every fallback runs the same ops); kept by a run's resume points
     identity: str = "torch ops"
 
-    def forward(self, x_pre: torch.Tensor, rec: torch.Tensor, a: torch.Tensor, c_prev: torch.Tensor,
-                c: torch.Tensor, tc: torch.Tensor, m: torch.Tensor, m_low: torch.Tensor,
+    def forward(self, x_pre: torch.Tensor, rec: torch.Tensor, bias: torch.Tensor, a: torch.Tensor,
+                c_prev: torch.Tensor, c: torch.Tensor, tc: torch.Tensor, m_low: torch.Tensor,
                 coupled: bool) -> None:
-        """One step: the gates' pre-activations x_pre + rec [k, B, G] (bfloat16, summed in
-        float32) -> their activations in a (float32); c, tanh(c), m = o tanh(c) [k, B, H]
-        written (float32), and m again in m_low (bfloat16); c_prev [k, B, H] (zeros at t = 0)."""
+        """One step: the gates' pre-activations x_pre + rec [k, B, G] (bfloat16) + bias [k, G]
+        (float32), summed in float32 -> their activations in a (float32); c, tanh(c) [k, B, H]
+        written (float32), and m = o tanh(c) in m_low (bfloat16); c_prev [k, B, H] (zeros at
+        t = 0)."""
         k, rows, gates = a.shape
         hidden = c.shape[-1]
         _check(gates == (3 if coupled else 4) * hidden, "gates", a.shape, hidden)
-        args = [_rows(x_pre, k, rows, gates, torch.bfloat16), _rows(rec, k, rows, gates, torch.bfloat16)]
+        args = [_rows(x_pre, k, rows, gates, torch.bfloat16), _rows(rec, k, rows, gates, torch.bfloat16),
+                _rows(bias.unsqueeze(1), k, 1, gates, torch.float32)]
         args += [_rows(t, k, rows, w, torch.float32) for t, w in
-                 ((a, gates), (c_prev, hidden), (c, hidden), (tc, hidden), (m, hidden))]
+                 ((a, gates), (c_prev, hidden), (c, hidden), (tc, hidden))]
         args.append(_rows(m_low, k, rows, hidden, torch.bfloat16))
         self.lib.cell_forward(k, rows, hidden, int(coupled), *[x for pair in args for x in pair])
 
     def backward(self, dm: torch.Tensor, a: torch.Tensor, tc: torch.Tensor, c_prev: torch.Tensor,
                  dc: torch.Tensor, dz: torch.Tensor, coupled: bool) -> None:
-        """One backward step: dz [k, B, G] (bfloat16) gets the gates' pre-activation gradients;
-        dc [k, B, H] carries dL/dc_t in and f_t dL/dc_t out. float32 but dz."""
+        """One backward step: dm = dL/dm_t [k, B, H] (bfloat16); dz [k, B, G] (bfloat16) gets the
+        gates' pre-activation gradients; dc [k, B, H] carries dL/dc_t in and f_t dL/dc_t out.
+        float32 but dm and dz."""
         k, rows, gates = a.shape
         hidden = dm.shape[-1]
         _check(gates == (3 if coupled else 4) * hidden, "gates", a.shape, hidden)
-        args = [_rows(t, k, rows, w, torch.float32) for t, w in
-                ((dm, hidden), (a, gates), (tc, hidden), (c_prev, hidden), (dc, hidden))]
+        args = [_rows(dm, k, rows, hidden, torch.bfloat16)]
+        args += [_rows(t, k, rows, w, torch.float32) for t, w in
+                 ((a, gates), (tc, hidden), (c_prev, hidden), (dc, hidden))]
         args.append(_rows(dz, k, rows, gates, torch.bfloat16))
         self.lib.cell_backward(k, rows, hidden, int(coupled), *[x for pair in args for x in pair])
 

@@ -46,12 +46,14 @@ def test_forward_step_is_the_cell(coupled):
     gates = (3 if coupled else 4) * hidden
     x_pre, rec = _bf16(k, rows, gates, scale=3, seed=1), _bf16(k, rows, gates, scale=3, seed=2)
     c_prev = torch.randn(k, rows, hidden, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(k, gates, generator=torch.Generator().manual_seed(4))  # each client's own
     a = torch.empty(k, rows, gates)
-    c, tc, m = (torch.empty(k, rows, hidden) for _ in range(3))
+    c, tc = (torch.empty(k, rows, hidden) for _ in range(2))
     m_low = torch.empty(k, rows, hidden, dtype=torch.bfloat16)
-    cell().forward(x_pre, rec, a, c_prev, c, tc, m, m_low, coupled)
-    want = _reference_forward(x_pre.double() + rec.double(), c_prev.double(), coupled, hidden)
-    for got, ref in zip((a, c, tc, m), want, strict=True):
+    cell().forward(x_pre, rec, bias, a, c_prev, c, tc, m_low, coupled)
+    pre = x_pre.double() + rec.double() + bias.double().unsqueeze(1)
+    want = _reference_forward(pre, c_prev.double(), coupled, hidden)
+    for got, ref in zip((a, c, tc), want[:3], strict=True):
         torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6)
     torch.testing.assert_close(m_low.double(), want[3], rtol=BF16_RTOL, atol=1e-6)
 
@@ -64,12 +66,12 @@ def test_backward_step_is_the_cells_derivative(coupled):
     pre = (torch.randn(k, rows, gates, dtype=torch.float64) * 2).requires_grad_()
     c_prev = torch.randn(k, rows, hidden, dtype=torch.float64).requires_grad_()
     acts, c, tc, m = _reference_forward(pre, c_prev, coupled, hidden)
-    dm = torch.randn(k, rows, hidden, dtype=torch.float64)
+    dm = torch.randn(k, rows, hidden, dtype=torch.float64).bfloat16().double()  # the kernel takes bfloat16
     dc_next = torch.randn(k, rows, hidden, dtype=torch.float64)
     (m * dm + c * dc_next).sum().backward()  # dc_next: dL/dc_t from later steps
     dc = dc_next.float().clone()
     dz = torch.empty(k, rows, gates, dtype=torch.bfloat16)
-    cell().backward(dm.float(), acts.detach().float(), tc.detach().float(), c_prev.detach().float(),
+    cell().backward(dm.bfloat16(), acts.detach().float(), tc.detach().float(), c_prev.detach().float(),
                     dc, dz, coupled)
     torch.testing.assert_close(dz.double(), pre.grad, rtol=BF16_RTOL, atol=1e-5)
     torch.testing.assert_close(dc.double(), c_prev.grad, rtol=0, atol=1e-5)
@@ -79,9 +81,10 @@ def test_a_nan_pre_activation_stays_nan():
     k, rows, hidden = 1, 2, 16
     x_pre = _bf16(k, rows, 3 * hidden)
     x_pre[0, 1, 5] = float("nan")  # the o gate of row 1
-    a, (c, tc, m) = torch.empty(k, rows, 3 * hidden), (torch.empty(k, rows, hidden) for _ in range(3))
-    cell().forward(x_pre, torch.zeros_like(x_pre), a, torch.zeros(k, rows, hidden), c, tc, m,
-                   torch.empty(k, rows, hidden, dtype=torch.bfloat16), True)
+    a, (c, tc) = torch.empty(k, rows, 3 * hidden), (torch.empty(k, rows, hidden) for _ in range(2))
+    m = torch.empty(k, rows, hidden, dtype=torch.bfloat16)
+    cell().forward(x_pre, torch.zeros_like(x_pre), torch.zeros(k, 3 * hidden), a,
+                   torch.zeros(k, rows, hidden), c, tc, m, True)
     assert torch.isnan(a[0, 1, 5]) and torch.isnan(m[0, 1, 5])
     assert torch.isfinite(m[0, 0]).all()
 
@@ -137,14 +140,15 @@ def test_axpy_adds_a_bfloat16_gradient_into_float32_views():
 
 def test_layouts_the_loops_do_not_index_are_refused():
     k, rows, hidden = 2, 3, 8
-    ok = dict(x_pre=_bf16(k, rows, 24), rec=_bf16(k, rows, 24), a=torch.empty(k, rows, 24),
+    ok = dict(x_pre=_bf16(k, rows, 24), rec=_bf16(k, rows, 24), bias=torch.zeros(k, 24),
+              a=torch.empty(k, rows, 24),
               c_prev=torch.zeros(k, rows, hidden), c=torch.empty(k, rows, hidden),
-              tc=torch.empty(k, rows, hidden), m=torch.empty(k, rows, hidden),
-              m_low=torch.empty(k, rows, hidden, dtype=torch.bfloat16))
+              tc=torch.empty(k, rows, hidden), m_low=torch.empty(k, rows, hidden, dtype=torch.bfloat16))
     bad = [("a", torch.empty(k, 24, rows).transpose(1, 2)),  # columns not contiguous
            ("c", torch.empty(k, rows, 2 * hidden)[..., ::2]),
            ("x_pre", _bf16(k, rows, 24).float()),  # wrong dtype
-           ("m", torch.empty(k, rows + 1, hidden))]  # wrong shape
+           ("bias", torch.zeros(k + 1, 24)),  # one client too many
+           ("m_low", torch.empty(k, rows + 1, hidden, dtype=torch.bfloat16))]  # wrong shape
     for name, tensor in bad:
         with pytest.raises(ValueError, match="native cell"):
             cell().forward(**{**ok, name: tensor}, coupled=True)
