@@ -71,12 +71,12 @@ projection's GEMMs in bfloat16 and the softmax's maximum vectorized, 0.944x that
 Where the machine has a C compiler (`edge/native_cell.py`, `edge/lstm_cell.c`; float32 never
 uses them) the elementwise work runs in fused C kernels instead: each step's cell forward (the two
 bfloat16 pre-activations and the float32 bias summed, the gates, the cell, m in bfloat16: no
-float32 copy of the input projection, no float32 `gated`), each step's backward with the local derivatives made
-inline (no [T, k, B, H] derivative tensors), the output layer's bias, softmax, loss, one-hot and
-bias gradient in one pass per row (the loss exact where the target's probability underflows),
-and every bfloat16 gradient added into its float32 weight in one pass. A bfloat16 GEMM
-accumulates in float32 and rounds its result once, to bfloat16
-(torch on CPU has no float32 output for it). The nonlinearities, cell state and local derivatives
+float32 copy of the input projection, no float32 `gated`), each step's backward with the local
+derivatives made inline (no [T, k, B, H] derivative tensors), the output layer's bias, softmax,
+loss, one-hot and bias gradient in one pass per row (the loss exact where the target's
+probability underflows), and every bfloat16 gradient added into its float32 weight in one pass.
+A bfloat16 GEMM accumulates in float32 and rounds its result once, to bfloat16 (torch on CPU has
+no float32 output for it). The nonlinearities, cell state and local derivatives
 stay float32 (mixed-dtype elementwise ops convert through a slow generic path), and so does the
 SGD step on the float32 weights. The softmax runs on the bfloat16 logits in one op (float32 inside
 each row, each probability rounded once; `_softmax_grad`). Gradients are within 2^-5 of float32's
