@@ -10,7 +10,8 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   and on the Gboard-size CIFG (`[model] preset = "gboard_cifg"`, word vocabulary of
   `--gboard-vocab` words); the cohort's ratio to the plain float32 loop, from the two medians and
   again round by round, alternating, in one process (`cohort_over_plain_float32_paired`, the
-  median of at least 5 pairs' ratios: what a machine whose speed drifts still measures fairly).
+  median of `--pairs` pairs' ratios, and `_ci95` the geometric mean's 95% interval: what a
+  machine whose speed drifts still measures fairly).
   The cohort at bfloat16 is the hand-written LSTM's own bfloat16 path (bfloat16 GEMMs from
   weight copies cast once per local step; the elementwise work in the fused C kernels where they
   built, `bfloat16_elementwise` says; float32 weights; not autocast); at bfloat16 it is also
@@ -26,7 +27,7 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   GEMMs alone at the shapes the kernel gives them (`gemm_only_gflop_s`: an upper bound on the
   achieved rate of any schedule of those GEMMs).
 
-    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--profile]
+    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--pairs 5] [--profile]
 
 Goals on a CPU with BF16: the Gboard-size cohort >= 3x the plain float32 loop, and >= 60% of
 the bfloat16 GEMM rate. Saves results/precision_throughput.json with the CPU model and flags.
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cohort_roofline import _median_ms  # noqa: E402
@@ -88,7 +90,7 @@ def _median_s(fn, reps: int) -> float:
     return _median_ms(fn, reps) / 1000
 
 
-def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict:
+def measure_training(raw: dict, precision: str, clients: int, reps: int, pairs: int = 5) -> dict:
     cfg, model_cfg, data = build_workload(raw)
     bs = cfg.client.batch_size
     eligible = [c.examples for c in data.train if len(c.examples) >= bs]
@@ -109,18 +111,18 @@ def measure_training(raw: dict, precision: str, clients: int, reps: int) -> dict
     }
     # the goal's ratio again, alternating round by round (the two medians above are minutes apart,
     # and this machine's speed drifts 10-25% in that time)
-    paired = {"cohort_over_plain_float32_paired": _paired_ratio(
-        lambda: plain.train_round(theta, chosen, seeds, **args),
-        lambda: cohort.train_round(theta, chosen, seeds, **args), max(reps, 5))}
+    paired = _paired_ratio(lambda: plain.train_round(theta, chosen, seeds, **args),
+                           lambda: cohort.train_round(theta, chosen, seeds, **args), pairs,
+                           "cohort_over_plain_float32_paired")
     if chosen_p.name == "bfloat16":
         with chosen_p.autocast():
             seconds["plain_bfloat16"] = _median_s(
                 lambda: plain.train_round(theta, chosen, seeds, **args), reps)
         f32 = CohortTrainer(model_cfg, seq_len=cfg.data.seq_len, batch_size=bs, device="cpu",
                             precision="float32")
-        paired["cohort_bfloat16_over_float32_paired"] = _paired_ratio(
-            lambda: f32.train_round(theta, chosen, seeds, **args),
-            lambda: cohort.train_round(theta, chosen, seeds, **args), reps)
+        paired |= _paired_ratio(lambda: f32.train_round(theta, chosen, seeds, **args),
+                                lambda: cohort.train_round(theta, chosen, seeds, **args), max(reps, 3),
+                                "cohort_bfloat16_over_float32_paired")
     flops = model_flops_per_token(model_cfg) * tokens
     m = model_cfg
     return {
@@ -207,9 +209,11 @@ def gemm_bound(one_round, flops: int) -> dict:
     return {"gemm_share_profiled": round(gemm / total, 3), "gemm_only_gflop_s": round(flops / gemm / 1e9, 1)}
 
 
-def _paired_ratio(slow, fast, reps: int) -> float:
-    """Median over `reps` pairs of seconds(slow) / seconds(fast), the two alternating which runs
-    first (after one warm-up each): load that comes and goes hits both sides of a pair alike."""
+def _paired_ratio(slow, fast, reps: int, key: str) -> dict:
+    """{key: the median over `reps` pairs of seconds(slow) / seconds(fast), key + "_ci95": the
+    geometric mean's 95% interval (t, sample sd of the log ratios), key + "_pairs": reps}. The two
+    alternate which runs first (after one warm-up each): load that comes and goes hits both sides
+    of a pair alike."""
     slow(), fast()
     ratios = []
     for i in range(reps):
@@ -220,7 +224,11 @@ def _paired_ratio(slow, fast, reps: int) -> float:
             fn()
             seconds[fn] = time.perf_counter() - t0
         ratios.append(seconds[slow] / seconds[fast])
-    return round(float(np.median(ratios)), 2)
+    logs = np.log(ratios)
+    half = stats.t.ppf(0.975, reps - 1) * logs.std(ddof=1) / np.sqrt(reps)
+    return {key: round(float(np.median(ratios)), 2),
+            f"{key}_ci95": [round(float(np.exp(logs.mean() + d)), 2) for d in (-half, half)],
+            f"{key}_pairs": reps}
 
 
 def synthetic_teacher(folder: Path, hidden: int, layers: int, vocab: int) -> str:
@@ -250,6 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="alternating rounds timed for the goal's paired ratio (with its 95%% interval)")
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--workloads", default="main,gboard")
     ap.add_argument("--gboard-vocab", type=int, default=10000)
@@ -281,7 +291,7 @@ def main() -> None:
                 dtype = resolve_precision(precision).dtype
                 entry[precision] = {"gemm_gflop_s": gemm_gflop_s(dtype, args.gemm_size, args.reps)}
                 for name in args.workloads.split(","):
-                    one = measure_training(configs[name], precision, args.clients, args.reps)
+                    one = measure_training(configs[name], precision, args.clients, args.reps, args.pairs)
                     one["cohort_of_gemm_rate"] = round(one["cohort_achieved_gflop_s"]
                                                        / entry[precision]["gemm_gflop_s"], 3)
                     entry[precision][name] = one
