@@ -27,7 +27,8 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   GEMMs alone at the shapes the kernel gives them (`gemm_only_gflop_s`: an upper bound on the
   achieved rate of any schedule of those GEMMs).
 
-    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--pairs 5] [--profile]
+    python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--pairs 5]
+        [--profile]
 
 Goals on a CPU with BF16: the Gboard-size cohort >= 3x the plain float32 loop, and >= 60% of
 the bfloat16 GEMM rate. Saves results/precision_throughput.json with the CPU model and flags.
