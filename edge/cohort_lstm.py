@@ -236,11 +236,7 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     inputs[..., proj:proj + d] = x
     inputs[..., -1] = 1.0
     wx, wh, back, bias = _layer_weights(w, b, hidden, proj, low)
-    # the projection's weights: `fused`, one bfloat16 cast [k, P, H] that both directions' GEMMs
-    # take (the forward its transposed view); else a float32 copy of W_p^T
-    wp_low = fused.to_bf16(wp) if fused is not None and wp.is_contiguous() else None
-    wp_low = _dense(wp, low) if fused is not None and wp_low is None else wp_low
-    wp_t = wp.transpose(1, 2).contiguous() if wp_low is None else wp_low.transpose(1, 2)
+    wp_t, wp_low = _projection_weights(wp, low, fused)
     acts = x.new_empty(steps, k, rows, n_gates, dtype=torch.float32)
     if hoisted:  # a GEMM's output is its operands' dtype: the input projection of all steps in one
         # GEMM (no bias column), copied to float32 with the bias added; each step adds its
@@ -254,6 +250,11 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     # projection's GEMM of each step takes it too, its product h_t rounded once to bfloat16)
     gated = x.new_empty(k, steps, rows, hidden, dtype=low if fused is not None else torch.float32)
     out = x.new_empty(steps, k, rows, proj)
+    if fused is not None:
+        _fused_steps(x_proj.view(k, steps, rows, n_gates), inputs[..., :proj], bias, wh, wp_t, acts, cells,
+                     tanh_cells, gated, out, coupled, fused)
+        inputs[:, 0, :, :proj] = 0.0
+        return out, (inputs, acts, cells, tanh_cells, gated, *back, wp_low)
     # per-step views made once (one unbind call instead of a slice per step and view)
     xs, a_s = inputs[..., proj:].unbind(1), acts.unbind(0)
     sigs, gs = acts[..., :-hidden].unbind(0), acts[..., -hidden:].unbind(0)
@@ -265,20 +266,9 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     # of the float32 GEMM with the cast and the add
     h_low = inputs[..., :proj].unbind(1)
     product = x.new_empty(k, rows, n_gates, dtype=low) if hoisted else None
-    if fused is not None:  # the input projections (the cell adds them to the recurrent products)
-        x_steps = x_proj.view(k, steps, rows, n_gates).unbind(1)
-        zeros, h_step = cells.new_zeros(k, rows, hidden), x.new_empty(k, rows, proj, dtype=low)  # c_{-1}
-        product.zero_()  # the recurrent product at t = 0
     for t in range(steps):
         # activated in place: acts holds the gates
         a = a_s[t] if hoisted else torch.bmm(xs[t], wx, out=a_s[t])
-        if fused is not None:
-            rec = torch.bmm(h_low[t], wh, out=product) if t else product
-            fused.forward(x_steps[t], rec, bias, a, cs[t - 1] if t else zeros, cs[t], tcs[t], ms[t], coupled)
-            hs[t].copy_(torch.bmm(ms[t], wp_t, out=h_step))
-            if t + 1 < steps:
-                h_low[t + 1].copy_(h_step)
-            continue
         if t and hoisted:
             a.add_(torch.bmm(h_low[t], wh, out=product))
         elif t:
@@ -303,6 +293,39 @@ def _layer_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, wp: torch.
     if not hoisted:
         inputs[:, 1:, :, :proj] = out[:-1].transpose(0, 1)
     return out, (inputs, acts, cells, tanh_cells, gated.to(low), *back, wp_low)
+
+
+def _projection_weights(wp: torch.Tensor, low: torch.dtype,
+                        fused: Cell | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W_p^T [k, H, P] as the forward's GEMM takes it, the bfloat16 W_p [k, P, H] or None):
+    `fused`, one bfloat16 cast that both directions' GEMMs take (the forward its transposed
+    view); else a float32 copy of W_p^T."""
+    if fused is None:
+        return wp.transpose(1, 2).contiguous(), None
+    wp_low = fused.to_bf16(wp) if wp.is_contiguous() else _dense(wp, low)
+    return wp_low.transpose(1, 2), wp_low
+
+
+def _fused_steps(x_proj: torch.Tensor, h_low: torch.Tensor, bias: torch.Tensor, wh: torch.Tensor,
+                 wp_t: torch.Tensor, acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,
+                 gated: torch.Tensor, out: torch.Tensor, coupled: bool, fused: Cell) -> None:
+    """`_layer_forward`'s recurrence with the C cell: per step the recurrent GEMM h_{t-1} W_h^T
+    (bfloat16, into `product`), one cell call (x_pre + rec + bias -> gates in `acts`, c, tanh c,
+    m in bfloat16 into `gated`) and the projection's bfloat16 GEMM m_t W_p^T, whose product h_t
+    goes to `out` (float32) and, cast, to the next step's rows of `h_low` (`inputs`' h columns)."""
+    steps, k, rows, hidden = cells.shape
+    x_steps, h_lows = x_proj.unbind(1), h_low.unbind(1)
+    cs, tcs, ms, hs = cells.unbind(0), tanh_cells.unbind(0), gated.unbind(1), out.unbind(0)
+    zeros = cells.new_zeros(k, rows, hidden)  # c_{-1}
+    product = x_proj.new_zeros(k, rows, acts.shape[-1])  # the recurrent product at t = 0
+    h_step = x_proj.new_empty(k, rows, out.shape[-1])
+    for t in range(steps):
+        rec = torch.bmm(h_lows[t], wh, out=product) if t else product
+        c_prev = cs[t - 1] if t else zeros
+        fused.forward(x_steps[t], rec, bias, acts[t], c_prev, cs[t], tcs[t], ms[t], coupled)
+        hs[t].copy_(torch.bmm(ms[t], wp_t, out=h_step))
+        if t + 1 < steps:
+            h_lows[t + 1].copy_(h_step)
 
 
 def _local_derivatives(acts: torch.Tensor, cells: torch.Tensor, tanh_cells: torch.Tensor,

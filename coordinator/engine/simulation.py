@@ -285,8 +285,7 @@ def run_simulation(
     log(f"finishing: final evaluation ({len(test_rows):,} held-out rows), checkpoint, privacy report ...")
     final, privacy = engine.finish(stopped_early=stopped_early, baseline=baseline,
                                    public_data=public_data, started=t_start,
-                                   extra=_summary_extra(setup, records is not None, generated_notice,
-                                                        engine.kernels_used))
+                                   extra=_summary_extra(setup, engine, records is not None, generated_notice))
     return SimulationResult(run.path, engine.metrics, final, baseline, privacy, stopped_early, engine.model)
 
 
@@ -380,13 +379,13 @@ def _stream_clients(cfg: SimulationConfig, vocabulary_folder: Path, model):
     return tokenizer, data, population
 
 
-def _summary_extra(setup: TrainingSetup, records_given: bool, generated_notice: dict | None,
-                   kernels_used: list[str] | None = None) -> dict:
-    """What summary.json says of how this run trained, beyond the engine's own figures
-    (`kernels_used`: the bfloat16 kernels of all rounds, listed when a resume changed them)."""
+def _summary_extra(setup: TrainingSetup, engine: RoundEngine, records_given: bool,
+                   generated_notice: dict | None) -> dict:
+    """What summary.json says of how this run trained, beyond the engine's own figures (the
+    bfloat16 kernels of all rounds listed when a resume changed them)."""
     precision = trainer_precision(setup.trainer)
-    if kernels_used and len(kernels_used) > 1:
-        precision["kernels_used"] = kernels_used
+    if len(engine.kernels_used) > 1:
+        precision["kernels_used"] = engine.kernels_used
     return {"client_trainer": setup.trainer.name,  # cohort / sequential
             "precision": precision,
             **({"client_trainer_note": setup.trainer_note} if setup.trainer_note else {}),
