@@ -66,8 +66,8 @@ the same bits but for the local derivatives' rounding). The backward writes dz i
 from its float32 products (the same bits; no float32 dz of 31 MB; time 0.994x [0.955, 1.034]).
 With the C kernels below, a step takes 0.736x the previous kernel's time [0.704, 0.769]
 (`benchmarks/kernel_pairs.py`, 100 pairs); with the bias out of the input projection, the
-projection's GEMMs in bfloat16 and the softmax's maximum vectorized, 0.944x that [0.885, 1.005]
-(40 pairs).
+projection's GEMMs in bfloat16 and the softmax's maximum vectorized, 0.961x that [0.932, 0.992]
+(100 pairs, `benchmarks/results/kernel_pairs.json`).
 Where the machine has a C compiler (`edge/native_cell.py`, `edge/lstm_cell.c`; float32 never
 uses them) the elementwise work runs in fused C kernels instead: each step's cell forward (the two
 bfloat16 pre-activations and the float32 bias summed, the gates, the cell, m in bfloat16: no
