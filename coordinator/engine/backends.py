@@ -96,7 +96,8 @@ def trainer_precision(trainer: object) -> dict:
     if precision.name == "bfloat16" and getattr(trainer, "fused", False):
         from dpfleet.edge.native_cell import cell  # the recurrent cohort's elementwise work
 
-        on_cpu = getattr(getattr(trainer, "device", None), "type", "cpu") == "cpu"
-        out["elementwise"] = cell().reason if on_cpu else "torch ops (the C kernels are the CPU's)"
-        out["kernels"] = cell().identity if on_cpu else "torch ops"
+        if getattr(getattr(trainer, "device", None), "type", "cpu") == "cpu":
+            out["elementwise"], out["kernels"] = cell().reason, cell().identity
+        else:
+            out["elementwise"], out["kernels"] = "torch ops (the C kernels are the CPU's)", "torch ops"
     return out

@@ -293,6 +293,7 @@ def _make_engine(cfg: SimulationConfig, run: RunDir, setup: TrainingSetup, token
                  test_rows, baseline_clients, *, resume: bool, audit, ext: dict,
                  other_releases: list[dict] | None, binding: Mapping[str, str] | None) -> RoundEngine:
     """The run's round engine, a caller's participation policy installed and the audit told."""
+    precision = trainer_precision(setup.trainer)
     engine = RoundEngine(
         cfg, run, model=setup.model, model_cfg=setup.model_cfg, tokenizer=tokenizer,
         users=population.user_ids() if audit is None else audit.users(population.user_ids()),
@@ -302,8 +303,7 @@ def _make_engine(cfg: SimulationConfig, run: RunDir, setup: TrainingSetup, token
         test_rows=test_rows, vocabulary=vocabulary_privacy(run.path / "vocabulary"), resume=resume,
         mechanism=noise_mechanism(cfg, ext.get("noise")), other_releases=other_releases,
         keyboard_rows=np.concatenate([c.examples for c in baseline_clients]),  # the keyboard's baseline
-        precision=trainer_precision(setup.trainer)["used"], binding=binding,
-        kernels=trainer_precision(setup.trainer).get("kernels"),
+        precision=precision["used"], kernels=precision.get("kernels"), binding=binding,
     )
     install(engine, participation=ext.get("participation"))
     if audit is not None:
