@@ -34,6 +34,7 @@ from dpfleet.coordinator.accounting.zcdp import (
     zcdp_from_sensitivity,
 )
 from dpfleet.coordinator.mechanisms.registry import build, entry, planned_names
+from dpfleet.coordinator.mechanisms.tree_bound import EXACT_MAX_PARTICIPATION, tree_sensitivity_bound
 from dpfleet.errors import DpfleetError
 from dpfleet.progress import progress_bar
 
@@ -70,6 +71,7 @@ class PlanRow:
     sensitivity_squared: int
     noise_multiplier: float
     zcdp: float
+    sensitivity_exact: bool = True  # False: `tree_bound`'s upper bound (z at least what it needs)
 
     @property
     def noise_per_report(self) -> float:
@@ -101,6 +103,18 @@ def _tree():
     return build("tree", 1, 0, 1)
 
 
+def planned_tree_sensitivity(rounds: int, min_separation: int, max_participation: int,
+                             exact_up_to: int | None = None) -> tuple[int, bool]:
+    """(the tree's S for a plan, whether it is exact): the exact program up to `exact_up_to`
+    participations (default `EXACT_MAX_PARTICIPATION`), above it `tree_bound`'s upper bound,
+    within 1% of it there (the exact program took minutes per row at 10^5 rounds; a larger S
+    only makes the planned z larger, the plan more private than its target)."""
+    limit = EXACT_MAX_PARTICIPATION if exact_up_to is None else exact_up_to
+    if capped_max_participation(rounds, min_separation, max_participation) <= limit:
+        return _tree().sensitivity_squared(rounds, min_separation, max_participation), True
+    return tree_sensitivity_bound(rounds, max_participation, min_separation), False
+
+
 def plan_row(population: int, rounds: int, report_goal: int, target_zcdp: float) -> PlanRow:
     """The plan for one report goal: MinS = N // M - 1, MaxP = worst case, z for the target."""
     mins = max_min_separation(population, report_goal)
@@ -110,10 +124,12 @@ def plan_row(population: int, rounds: int, report_goal: int, target_zcdp: float)
 def row_for(report_goal: int, rounds: int, min_separation: int, max_participation: int,
             target_zcdp: float) -> PlanRow:
     """The tree's row for a participation that is given rather than derived from N (a trace
-    planner's enforced MinS and MaxP cap): its exact sensitivity and the z meeting the target."""
-    s = _tree().sensitivity_squared(rounds, min_separation, max_participation)
+    planner's enforced MinS and MaxP cap): its sensitivity (`planned_tree_sensitivity`) and the z
+    meeting the target."""
+    s, exact = planned_tree_sensitivity(rounds, min_separation, max_participation)
     z = noise_for_zcdp(target_zcdp, s)
-    return PlanRow(report_goal, min_separation, max_participation, s, z, zcdp_from_sensitivity(z, s))
+    return PlanRow(report_goal, min_separation, max_participation, s, z, zcdp_from_sensitivity(z, s),
+                   exact)
 
 
 def report_goal_grid(population: int, rounds: int, points: int = 12) -> list[int]:
@@ -183,6 +199,21 @@ class MechanismRow:
     noise_factor: float
     model_noise: float
     model_noise_per_report: float  # / M: on the averaged update
+    sensitivity_exact: bool = True  # False: the tree's upper bound (`planned_tree_sensitivity`)
+
+
+# `dpfleet plan`'s "auto" optimises banded and BLT only up to this many rounds: at 10^4 the
+# whole plan took 37 s, at 10^5 BLT's optimisation alone 180 s and banded's over 120 s
+OPTIMISED = ("banded", "blt")
+PLAN_OPTIMISED_ROUNDS = 10_000
+
+
+def quick_candidates(kinds: Sequence[str], rounds: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the kinds `dpfleet plan`'s "auto" compares at `rounds`, the optimised ones it leaves out
+    above `PLAN_OPTIMISED_ROUNDS`: asked for by name, they are optimised however long it takes)."""
+    if rounds <= PLAN_OPTIMISED_ROUNDS:
+        return tuple(kinds), ()
+    return tuple(k for k in kinds if k not in OPTIMISED), tuple(k for k in kinds if k in OPTIMISED)
 
 
 def candidates(asked: str, restarts: bool = False, plugins: bool = False) -> tuple[str, ...]:
@@ -201,12 +232,15 @@ def mechanism_rows(row: PlanRow, rounds: int, target_zcdp: float,
     out = []
     for kind in kinds:
         mechanism = build(kind, rounds, row.min_separation, row.max_participation)
-        s = mechanism.sensitivity_squared(rounds, row.min_separation, row.max_participation)
+        if kind == "tree":  # built as `_tree()` is: all nodes
+            s, exact = planned_tree_sensitivity(rounds, row.min_separation, row.max_participation)
+        else:
+            s, exact = mechanism.sensitivity_squared(rounds, row.min_separation, row.max_participation), True
         z = noise_for_zcdp(target_zcdp, s)
         error = mechanism.prefix_error(rounds)
         noise = z * math.sqrt(error)
         out.append(MechanismRow(kind, mechanism.identity(), s, z, math.sqrt(error / tree_error), noise,
-                                noise / row.report_goal))
+                                noise / row.report_goal, exact))
     return out
 
 
@@ -216,22 +250,28 @@ def pick_mechanism(rows: Sequence[MechanismRow]) -> MechanismRow:
 
 
 def zcdp_curve_report_goal(population: int, rounds: int, report_goals: Sequence[int],
-                           noise_per_report: float) -> list[float]:
+                           noise_per_report: float, exact_up_to: int | None = None) -> list[float]:
     """zCDP when z grows with M (z = noise_per_report * M) and MinS is the largest allowed."""
     out = []
     for m in report_goals:
         mins = max_min_separation(population, m)
-        s = _tree().sensitivity_squared(rounds, mins, worst_case_max_participation(rounds, mins))
+        s, _ = planned_tree_sensitivity(rounds, mins, worst_case_max_participation(rounds, mins),
+                                        exact_up_to)
         out.append(zcdp_from_sensitivity(noise_per_report * m, s))
     return out
 
 
 def zcdp_curve_min_separation(rounds: int, min_separations: Sequence[int],
-                              noise_multiplier: float) -> list[float]:
+                              noise_multiplier: float, exact_up_to: int | None = None) -> list[float]:
     """zCDP at a fixed z against MinS, with the worst-case MaxP = ceil(T / (MinS + 1))."""
-    tree = _tree()
-    return [zcdp_from_sensitivity(noise_multiplier, tree.sensitivity_squared(
-        rounds, s, worst_case_max_participation(rounds, s))) for s in min_separations]
+    return [zcdp_from_sensitivity(noise_multiplier, planned_tree_sensitivity(
+        rounds, s, worst_case_max_participation(rounds, s), exact_up_to)[0]) for s in min_separations]
+
+
+# the figure's curves (84 tree sensitivities over up to twice the plan's rounds) are drawn from the
+# bound beyond this many rounds: exactly they took 40 s at 10^5 rounds, and the bound is within a
+# few % of them, which a log axis does not show
+PLOT_EXACT_ROUNDS = 10_000
 
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:
@@ -243,25 +283,27 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
 
     path = Path(path)
     chosen = plan.chosen
+    exact = None if plan.rounds <= PLOT_EXACT_ROUNDS else 0
+    rho = "zCDP rho" if exact is None else "zCDP rho (from the sensitivity's upper bound)"
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     populations = [plan.population // 4, plan.population, plan.population * 4]
     for n in progress_bar(populations, desc="plot: report goal", leave=False):
         goals = report_goal_grid(n, plan.rounds)
-        ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report),
+        ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report, exact),
                   marker="o", ms=3, label=f"population {n:,}")
     ax_a.plot([chosen.report_goal], [chosen.zcdp], "k*", ms=12, label="plan")
     ax_a.set(xscale="log", yscale="log", xlabel="report goal (noise multiplier grows in "
-             f"proportion, z/M = {chosen.noise_per_report:.3g})", ylabel="zCDP rho",
+             f"proportion, z/M = {chosen.noise_per_report:.3g})", ylabel=rho,
              title=f"(a) {plan.rounds} rounds, largest MinS per report goal")
     top = max(plan.rounds * 2 - 1, 2)
     mins = sorted({int(round(s)) for s in np.geomspace(max(1, plan.rounds // 100), top, 16)})
     for t in progress_bar([max(plan.rounds // 2, 1), plan.rounds, plan.rounds * 2],
                           desc="plot: MinS", leave=False):
-        ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier),
+        ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier, exact),
                   marker="o", ms=3, label=f"{t} rounds")
     ax_b.plot([chosen.min_separation], [chosen.zcdp], "k*", ms=12, label="plan")
     ax_b.set(xscale="log", yscale="log", xlabel="MinS (rounds between participations; "
-             "MaxP = ceil(T / (MinS + 1)))", ylabel="zCDP rho",
+             "MaxP = ceil(T / (MinS + 1)))", ylabel=rho,
              title=f"(b) noise multiplier {chosen.noise_multiplier:.3g}")
     for ax in (ax_a, ax_b):
         ax.grid(True, which="both", alpha=0.3)

@@ -15,12 +15,14 @@ from dpfleet.coordinator.accounting.planner import (
     mechanism_rows,
     pick_mechanism,
     plot_plan,
+    quick_candidates,
 )
 from dpfleet.coordinator.accounting.zcdp import METHODS, zcdp_for_epsilon
 from dpfleet.coordinator.cli.account import with_mechanism_help
 from dpfleet.coordinator.config import check_delta, parse_config, read_toml, round_minutes_error
 from dpfleet.coordinator.engine.launch_plan import TracePlan, plan_over_trace, plot_trace_plan
 from dpfleet.coordinator.mechanisms.registry import names
+from dpfleet.coordinator.mechanisms.tree_bound import EXACT_MAX_PARTICIPATION
 from dpfleet.coordinator.state.run_dir import check_not_a_run, to_toml
 from dpfleet.edge.trace_gen import generate
 from dpfleet.edge.traces import write_trace
@@ -31,9 +33,14 @@ from dpfleet.jsonio import dumps, write_json
 GENERATED = "trace.jsonl.gz"  # --generate's trace, in --out
 
 
+BOUND_NOTE = (f"<= : an upper bound on the exact sens^2 (MaxP above {EXACT_MAX_PARTICIPATION:,}, "
+              "where the exact program takes minutes; within 1% there): its z meets the target "
+              "at the bound, so the plan is at least as private as the target")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a text table, the chosen report goal marked with '*'."""
-    head = (f"{'':1}{'report goal':>12} {'MinS':>7} {'MaxP':>6} {'sens^2':>9} "
+    head = (f"{'':1}{'report goal':>12} {'MinS':>7} {'MaxP':>6} {'sens^2':>13} "
             f"{'noise z':>10} {'z / M':>10}")
     lines = [f"population {plan.population:,}, {plan.rounds} rounds, target zCDP "
              f"{plan.target_zcdp:.4g}" + ("" if plan.delta is None else
@@ -43,9 +50,11 @@ def format_plan(plan: Plan) -> str:
              "MaxP = ceil(rounds / (MinS + 1))", "", head]
     for r in plan.rows:
         mark = "*" if r == plan.chosen else " "
+        sens = f"{'' if r.sensitivity_exact else '<= '}{r.sensitivity_squared}"
         lines.append(f"{mark}{r.report_goal:>12,} {r.min_separation:>7} {r.max_participation:>6} "
-                     f"{r.sensitivity_squared:>9} {r.noise_multiplier:>10.4g} "
-                     f"{r.noise_per_report:>10.4g}")
+                     f"{sens:>13} {r.noise_multiplier:>10.4g} {r.noise_per_report:>10.4g}")
+    if not all(r.sensitivity_exact for r in plan.rows):
+        lines.append(BOUND_NOTE)
     c, t = plan.chosen, plan.timer
     timer = f"{t.rounds} rounds"
     if t.hours is not None:
@@ -64,12 +73,15 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
              f"{c.max_participation}), each optimised for it",
              "model noise: the worst round's noise std on the model's prefix sum (clip-norm units; "
              "= z x noise factor x the tree's at z = 1)",
-             f"{'':1}{'mechanism':<10} {'sens^2':>9} {'noise z':>10} {'noise factor':>13} "
+             f"{'':1}{'mechanism':<10} {'sens^2':>13} {'noise z':>10} {'noise factor':>13} "
              f"{'model noise':>12} {'/ M':>10}"]
     for r in rows:
-        lines.append(f"{'*' if r is chosen else ' '}{r.mechanism:<10} {r.sensitivity_squared:>9.5g} "
+        sens = f"{'' if r.sensitivity_exact else '<= '}{r.sensitivity_squared:.5g}"
+        lines.append(f"{'*' if r is chosen else ' '}{r.mechanism:<10} {sens:>13} "
                      f"{r.noise_multiplier:>10.4g} {r.noise_factor:>13.4f} {r.model_noise:>12.4g} "
                      f"{r.model_noise_per_report:>10.4g}")
+    if not all(r.sensitivity_exact for r in rows):
+        lines.append(BOUND_NOTE)
     lines.append(f"mechanism: {chosen.mechanism} ({how}), noise multiplier "
                  f"{chosen.noise_multiplier:.4g}")
     return "\n".join(lines)
@@ -233,13 +245,20 @@ def plan_population(population: int, rounds: int, target_zcdp: float, delta: flo
     chosen goal, printed and written."""
     result = make_plan(population, rounds, target_zcdp, report_goal=report_goal, delta=delta,
                        method=method, round_minutes=round_minutes)
-    rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, candidates(mechanism))
+    kinds, skipped = candidates(mechanism), ()
+    if mechanism == "auto":
+        kinds, skipped = quick_candidates(kinds, rounds)
+    rows = mechanism_rows(result.chosen, rounds, result.target_zcdp, kinds)
     picked = (pick_mechanism(rows) if mechanism == "auto"
               else next(r for r in rows if r.mechanism == mechanism))
     record = {**result.to_dict(), "mechanisms": [asdict(r) for r in rows],
               "mechanism": picked.mechanism, "mechanism_choice": mechanism,
-              "mechanism_noise_multiplier": picked.noise_multiplier}
+              "mechanism_noise_multiplier": picked.noise_multiplier,
+              **({"mechanisms_not_optimised": list(skipped)} if skipped else {})}
     how = "least model noise at the target" if mechanism == "auto" else "as asked"
+    if skipped:
+        how += (f" of {', '.join(kinds)}; {' and '.join(skipped)} are not optimised for "
+                f"{rounds:,} rounds under auto (minutes each): ask for one with --mechanism")
     click.echo(dumps(record) if as_json else format_plan(result) + "\n"
                + format_mechanisms(result, rows, picked, how))
     if out is not None:
