@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dpfleet.coordinator.config import parse_config
-from dpfleet.coordinator.engine.ray_backend import cluster_precision, shards
+from dpfleet.coordinator.engine.ray_backend import cluster_kernels, cluster_precision, shards
 from dpfleet.edge.cohort import CohortTrainer
-from dpfleet.edge.precision import Precision, resolve_precision
+from dpfleet.edge.native_cell import cell
+from dpfleet.edge.precision import Precision, native_bf16, resolve_precision
 from dpfleet.errors import DpfleetError
 from dpfleet.export.models import ModelConfig, build_model
 from dpfleet.export.params import get_flat
@@ -46,8 +47,21 @@ def test_one_precision_for_the_whole_cohort():
     with pytest.raises(DpfleetError, match=r"^client.precision = 'bfloat16' but the Ray workers on b "
                                            r"have no native BF16 \(b: CPU has no AMX-BF16"):
         cluster_precision("bfloat16", [("a", AMX), ("b", NO_BF16)])
-    assert cluster_precision("bfloat16", [("a", AMX)]).name == "bfloat16"
+    assert cluster_precision("bfloat16", [("a", AMX)]) == Precision(
+        "bfloat16", "precision = 'bfloat16': every Ray worker's CPU has native BF16 (a: AMX-BF16)")
     assert cluster_precision("float32", [("a", AMX)]) == resolve_precision("float32")
+
+
+def test_the_workers_kernel_builds_are_stated_one_or_each():
+    """Each Ray worker builds the bfloat16 kernels for its own CPU and compiler: one build where
+    all run it, else each host's (a resume on another set of builds is then said, as locally)."""
+    c = {"elementwise": "fused C kernels (cc, lstm_cell-c.so)", "kernels": "lstm_cell-c.so"}
+    d = {"elementwise": "fused C kernels (gcc, lstm_cell-d.so)", "kernels": "lstm_cell-d.so"}
+    assert cluster_kernels([("a", c), ("a", c), ("b", c)]) == c
+    assert cluster_kernels([("b", d), ("a", c), ("b", d)]) == {
+        "elementwise": "a: fused C kernels (cc, lstm_cell-c.so); b: fused C kernels (gcc, lstm_cell-d.so)",
+        "kernels": "lstm_cell-c.so + lstm_cell-d.so"}
+    assert cluster_kernels([("a", {}), ("b", {})]) == {}  # float32: no elementwise kernels
 
 
 @pytest.mark.slow
@@ -93,6 +107,25 @@ def test_ray_workers_train_at_the_precision_their_cpus_resolve(ray_local):
                           processes=False).train_round(theta, examples, [0, 1, 2], **kw)
     for a, b in zip(local, remote.train_round(theta, examples, [0, 1, 2], **kw), strict=True):
         np.testing.assert_allclose(b.delta, a.delta, rtol=0, atol=1e-6 if here.name == "float32" else 2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native_bf16() is None, reason="needs a CPU with native BF16")
+def test_ray_states_the_kernels_its_workers_built(ray_local):
+    """At bfloat16 summary.json's `precision` names the workers' C kernel build (here this
+    machine's, as a local cohort's would), which the resume points then keep. (An explicit
+    "bfloat16" on a model under auto's size rule was refused as "no native BF16" before.)"""
+    from dpfleet.coordinator.engine.backends import trainer_precision
+    from dpfleet.coordinator.engine.ray_backend import RayTrainer
+
+    cfg = ModelConfig(arch="cifg", vocab_size=64, embedding_dim=16, hidden_dim=24, projection_dim=16)
+    remote = RayTrainer(cfg, seq_len=9, batch_size=8, workers=2, precision="bfloat16")
+    local = CohortTrainer(cfg, seq_len=9, batch_size=8, device="cpu", precision="bfloat16",
+                          processes=False)
+    stated = trainer_precision(remote)
+    assert stated["used"] == "bfloat16" and stated["kernels"] == cell().identity
+    assert {k: stated[k] for k in ("elementwise", "kernels")} == {
+        k: trainer_precision(local)[k] for k in ("elementwise", "kernels")}
 
 
 @pytest.mark.slow

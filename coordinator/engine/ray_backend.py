@@ -14,6 +14,8 @@ native BF16; on a cluster where some lack it every worker runs float32, and summ
 which hosts lacked it. Not a mixed cohort: which shard trains on which node is Ray's placement, so
 a mixed cohort's round would change from one run to the next, and a resume point records one
 precision. An explicit "bfloat16" with a worker lacking BF16 is one error line naming its host.
+At bfloat16 each worker builds the C kernels for its own CPU and compiler; summary.json and the
+resume points keep the workers' builds (`cluster_kernels`), as a local run keeps its own.
 
 Local: `address = ""` starts a private Ray instance with `workers` CPUs. A real cluster:
 `ray start --head` on one machine, `ray start --address HEAD_IP:6379` on the others, then
@@ -46,14 +48,16 @@ class _Worker:
         self.args = (cfg, seq_len, batch_size, memory_mb, device)
         self.trainer = None
 
-    def cpu(self) -> tuple[str, Precision]:
-        """(host, what "auto" resolves to on this worker's CPU, for this model's size)."""
+    def cpu(self, size_rule: bool = True) -> tuple[str, Precision]:
+        """(host, what "auto" resolves to on this worker's CPU: for this model's size with
+        `size_rule`, else for the CPU alone, which is what an explicit "bfloat16" needs)."""
         import socket
 
         from dpfleet.edge.cohort import model_params
 
         cfg, device = self.args[0], self.args[4]
-        return socket.gethostname(), resolve_precision("auto", device, params=model_params(cfg))
+        params = model_params(cfg) if size_rule else None
+        return socket.gethostname(), resolve_precision("auto", device, params=params)
 
     def start(self, precision: str) -> None:
         from dpfleet.edge.cohort import CohortTrainer
@@ -61,6 +65,14 @@ class _Worker:
         cfg, seq_len, batch_size, memory_mb, device = self.args
         self.trainer = CohortTrainer(cfg, seq_len=seq_len, batch_size=batch_size, device=device,
                                      memory_mb=memory_mb, precision=precision)
+
+    def kernels(self) -> tuple[str, dict[str, str]]:
+        """(host, the elementwise kernels this worker's cohort runs: `backends.cohort_kernels`)."""
+        import socket
+
+        from dpfleet.coordinator.engine.backends import cohort_kernels
+
+        return socket.gethostname(), cohort_kernels(self.trainer)
 
     def train(self, theta0, examples, seeds, lr, batch_size, clip_norm):
         return self.trainer.train_round(theta0, examples, seeds, lr=lr, batch_size=batch_size,
@@ -89,7 +101,8 @@ def cluster_precision(requested: str, workers: Sequence[tuple[str, Precision]]) 
     lacking = sorted({host for host, p in workers if p.name != "bfloat16"})
     why = {host: p.reason.removeprefix("auto: ") for host, p in workers}
     if not lacking:
-        return Precision("bfloat16", "auto: every Ray worker's CPU has native BF16 ("
+        head = "auto: every" if requested == "auto" else "precision = 'bfloat16': every"
+        return Precision("bfloat16", f"{head} Ray worker's CPU has native BF16 ("
                          + "; ".join(f"{h}: {why[h].removeprefix('CPU has ')}" for h in hosts) + ")")
     first = f"{lacking[0]}: {why[lacking[0]]}"
     if requested == "bfloat16":
@@ -100,6 +113,21 @@ def cluster_precision(requested: str, workers: Sequence[tuple[str, Precision]]) 
     return Precision("float32", f"auto: the Ray workers on {', '.join(lacking)} have no native BF16 "
                      f"({first}), so every worker runs float32: one precision for the cohort keeps a "
                      "round's result independent of which node trained which shard")
+
+
+def cluster_kernels(workers: Sequence[tuple[str, dict[str, str]]]) -> dict[str, str]:
+    """summary.json's `elementwise` and `kernels` from each worker's (host, `cohort_kernels`): the
+    one build where all workers run it, else each host's, in host order (which shard a build
+    trains is Ray's placement, so such a run's bfloat16 bits are not reproducible; summary.json
+    says so by listing them)."""
+    builds = {host: built for host, built in workers if built}
+    if not builds:
+        return {}
+    if len({tuple(b.items()) for b in builds.values()}) == 1:
+        return next(iter(builds.values()))
+    hosts = sorted(builds)
+    return {"elementwise": "; ".join(f"{h}: {builds[h]['elementwise']}" for h in hosts),
+            "kernels": " + ".join(dict.fromkeys(builds[h]["kernels"] for h in hosts))}
 
 
 def connect_ray(address: str, num_cpus: int, what: str):
@@ -139,8 +167,12 @@ class RayTrainer:
         if device == "cuda" or precision == "float32":
             self.precision = resolve_precision(precision, device, "client.precision")
         else:
-            self.precision = cluster_precision(precision, ray.get([w.cpu.remote() for w in self.workers]))
+            self.precision = cluster_precision(
+                precision, ray.get([w.cpu.remote(precision == "auto") for w in self.workers]))
         ray.get([w.start.remote(self.precision.name) for w in self.workers])
+        # the workers' own builds of the bfloat16 kernels (their CPUs and compilers), for
+        # summary.json and the resume points (`backends.trainer_precision`)
+        self.elementwise = cluster_kernels(ray.get([w.kernels.remote() for w in self.workers]))
 
     def train_round(self, theta0: np.ndarray, examples: Sequence[np.ndarray], seeds: Sequence[int],
                     *, lr: float, batch_size: int, clip_norm: float) -> list[ClientUpdate]:
