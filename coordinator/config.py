@@ -104,7 +104,8 @@ class TokenizerSection:
     dp_words_per_user: int = 128
     """kind = "word": k, the distinct words one user contributes at most."""
     dp_delta: float = 1e-7
-    """kind = "word": the chance a word held by one user alone is kept; adds to dp.delta."""
+    """kind = "word": the chance a word held by one user alone is kept; adds to dp.delta. Must be
+    below 1/N for the N training users (refused otherwise, as dp.delta)."""
 
 
 def public_words(tok: TokenizerSection) -> str:

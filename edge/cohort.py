@@ -238,6 +238,19 @@ class CohortTrainer:
 
         self._step = vmap(grad_and_value(loss))
 
+    @property
+    def elementwise(self) -> dict[str, str]:
+        """The recurrent path's elementwise kernels at bfloat16 (summary.json's `precision`:
+        `elementwise`, the C cell or torch ops and why; `kernels`, what decides that path's bits,
+        which a resume point keeps), or {} where there are none (float32, the torch.func path)."""
+        if self.precision.name != "bfloat16" or not self.fused:
+            return {}
+        if self.device.type != "cpu":
+            return {"elementwise": "torch ops (the C kernels are the CPU's)", "kernels": "torch ops"}
+        from dpfleet.edge.native_cell import cell
+
+        return {"elementwise": cell().reason, "kernels": cell().identity}
+
     def train_round(self, theta0: np.ndarray, examples: Sequence[np.ndarray], seeds: Sequence[int],
                     *, lr: float, batch_size: int, clip_norm: float) -> list[ClientUpdate]:
         """Per-client clipped updates, in the order of `examples` (as the sequential path)."""

@@ -29,12 +29,17 @@ CANARY = "zqxjcanary"
 COMMON = ["thee", "thou", "lord", "love", "sweet", "night", "king", "good"]
 
 
-def population(n: int = 300, seed: int = 0) -> list[list[str]]:
-    """n users who each say a few common words and some words of their own."""
+def population(n: int = 300, seed: int = 0, borderline: int = 0) -> list[list[str]]:
+    """n users who each say a few common words and some words of their own; with `borderline`,
+    that many words each held by 11 users (the first 11 * borderline), whose weight (11 / sqrt(8)
+    = 3.89) is about the threshold at k = 8, sigma 1, delta_vocab 1e-3 (4.01): each passes about
+    half the time, so two builds with fresh noise differ."""
     rng = np.random.default_rng(seed)
     users = []
     for u in range(n):
         words = list(rng.choice(COMMON, size=5)) + [f"own{u}x{j}" for j in range(3)]
+        if u < 11 * borderline:
+            words += [f"edge{u // 11}"] * 2
         users.append([" ".join(words)])
     return users
 
@@ -107,14 +112,26 @@ def test_one_user_moves_the_weights_by_at_most_one_in_l2(texts, k):
 
 def test_make_tokenizer_releases_once_and_reloads_on_resume(tmp_path):
     cfg = parse_config({"tokenizer": {"kind": "word", "vocab_size": 64, "dp_words_per_user": 8,
-                                      "dp_delta": 0.3}})  # a loose delta: builds differ
-    users = population()
+                                      "dp_delta": 1e-3}})  # below 1/300, with words at the threshold
+    users = population(borderline=10)
     first = make_tokenizer(cfg, users, tmp_path / "vocabulary")
     again = make_tokenizer(cfg, users, tmp_path / "vocabulary")
     assert again.words == first.words
     assert load_tokenizer(tmp_path / "vocabulary").words == first.words
     fresh = [make_tokenizer(cfg, users).words for _ in range(5)]  # no folder: fresh noise
     assert any(words != first.words for words in fresh)
+
+
+def test_a_vocabulary_delta_not_below_one_over_n_is_refused_before_any_release(tmp_path):
+    """At delta_vocab >= 1/N a word only one user holds may be released and the promise kept, as
+    for dp.delta: the build is refused in one line and nothing is written."""
+    users = with_canary(population(300))
+    loose = parse_config({"tokenizer": {"kind": "word", "vocab_size": 64, "dp_delta": 1 / 300}})
+    with pytest.raises(DpfleetError, match=r"^tokenizer.dp_delta = 0.00333333 is not below 1/N = 1/300"):
+        make_tokenizer(loose, users, tmp_path / "vocabulary")
+    assert not (tmp_path / "vocabulary").exists()
+    fine = parse_config({"tokenizer": {"kind": "word", "vocab_size": 64, "dp_delta": 1 / 301}})
+    assert CANARY not in make_tokenizer(fine, users, tmp_path / "vocabulary").words
 
 
 def test_nonprivate_vocabulary_is_refused_without_the_flag():
@@ -128,7 +145,7 @@ def test_nonprivate_vocabulary_is_refused_without_the_flag():
 
 def _tiny_run(tmp_path, mechanism="tree", **tokenizer):
     data = tmp_path / "users.jsonl"
-    lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120))]
+    lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120, borderline=10))]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
     values = {"rounds": 2, "eval_every": 2, "checkpoint_every": 0,
               "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
@@ -177,13 +194,13 @@ def test_resume_reuses_the_released_vocabulary_and_debug_log(tmp_path):
             raise Crash
 
     data = tmp_path / "users.jsonl"
-    lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120))]
+    lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120, borderline=10))]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
     values = {"rounds": 3, "eval_every": 3, "checkpoint_every": 1, "debug_nonprivate": True,
               "data": {"dataset": "jsonl", "path": str(data), "seq_len": 8, "max_examples": 4,
                        "test_fraction": 0.2},
               "tokenizer": {"kind": "word", "vocab_size": 64, "dp_words_per_user": 8,
-                            "dp_delta": 0.3},  # loose: two builds would differ
+                            "dp_delta": 1e-3},  # words at the threshold: two builds would differ
               "model": {"arch": "cifg", "embedding_dim": 8, "hidden_dim": 8, "projection_dim": 8,
                         "max_length": 8},
               "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4}}

@@ -84,27 +84,11 @@ def make_trainer(kind: str, runtime: TrainingRuntime, model_cfg: ModelConfig, *,
                          memory_mb=memory_mb, precision=precision)
 
 
-def cohort_kernels(trainer: object) -> dict[str, str]:
-    """A local recurrent cohort's elementwise kernels at bfloat16 (`elementwise`: the C cell, or
-    torch ops and why; `kernels`: what decides that path's bits, which a resume point keeps), or
-    {} where there are none (float32, a transformer, another trainer)."""
-    precision = getattr(trainer, "precision", None)
-    if precision is None or precision.name != "bfloat16" or not getattr(trainer, "fused", False):
-        return {}
-    if getattr(getattr(trainer, "device", None), "type", "cpu") != "cpu":
-        return {"elementwise": "torch ops (the C kernels are the CPU's)", "kernels": "torch ops"}
-    from dpfleet.edge.native_cell import cell  # the recurrent cohort's elementwise work
-
-    return {"elementwise": cell().reason, "kernels": cell().identity}
-
-
 def trainer_precision(trainer: object) -> dict:
     """summary.json's `precision`: what a trainer's GEMMs ran at and why, and at bfloat16 its
-    elementwise kernels (`cohort_kernels`; a Ray trainer's are its workers', `elementwise`). A
+    `elementwise` kernels (`CohortTrainer.elementwise`; a Ray trainer's are its workers'). A
     trainer without a `precision` (sequential, a caller's client update) runs float32."""
     precision = getattr(trainer, "precision", None)
     if precision is None:
         return {"used": "float32", "reason": f"the {getattr(trainer, 'name', 'custom')} trainer runs float32"}
-    built = getattr(trainer, "elementwise", None)
-    return {"used": precision.name, "reason": precision.reason,
-            **(cohort_kernels(trainer) if built is None else built)}
+    return {"used": precision.name, "reason": precision.reason, **getattr(trainer, "elementwise", {})}

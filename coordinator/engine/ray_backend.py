@@ -67,12 +67,10 @@ class _Worker:
                                      memory_mb=memory_mb, precision=precision)
 
     def kernels(self) -> tuple[str, dict[str, str]]:
-        """(host, the elementwise kernels this worker's cohort runs: `backends.cohort_kernels`)."""
+        """(host, the elementwise kernels this worker's cohort runs: `CohortTrainer.elementwise`)."""
         import socket
 
-        from dpfleet.coordinator.engine.backends import cohort_kernels
-
-        return socket.gethostname(), cohort_kernels(self.trainer)
+        return socket.gethostname(), self.trainer.elementwise
 
     def train(self, theta0, examples, seeds, lr, batch_size, clip_norm):
         return self.trainer.train_round(theta0, examples, seeds, lr=lr, batch_size=batch_size,
@@ -116,7 +114,7 @@ def cluster_precision(requested: str, workers: Sequence[tuple[str, Precision]]) 
 
 
 def cluster_kernels(workers: Sequence[tuple[str, dict[str, str]]]) -> dict[str, str]:
-    """summary.json's `elementwise` and `kernels` from each worker's (host, `cohort_kernels`): the
+    """summary.json's `elementwise` and `kernels` from each worker's (host, its cohort's): the
     one build where all workers run it, else each host's, in host order (which shard a build
     trains is Ray's placement, so such a run's bfloat16 bits are not reproducible; summary.json
     says so by listing them)."""

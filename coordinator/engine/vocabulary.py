@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from dpfleet.coordinator.config import check_delta
 from dpfleet.coordinator.mechanisms.dp_vocabulary import VocabularyDP, select_words
 from dpfleet.edge.tokenizer import WordTokenizer, split_words
 from dpfleet.errors import DpfleetError
@@ -24,8 +25,18 @@ def words_by_user(users: Iterable[Iterable[str]]) -> Iterator[list[str]]:
 def build_dp_vocabulary(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
                         key: bytes | None = None) -> tuple[WordTokenizer, dict]:
     """A `WordTokenizer` over the DP-selected words of the users' texts, and the summary for the
-    privacy report."""
-    kept, info = select_words(words_by_user(users), vocab_size, params, key)
+    privacy report. A `params.delta` not below 1/N for the N users is refused (`check_delta`),
+    before anything is released."""
+    counted = [0]
+
+    def each_user() -> Iterator[Iterable[str]]:
+        for texts in users:
+            counted[0] += 1
+            yield texts
+
+    kept, info = select_words(words_by_user(each_user()), vocab_size, params, key)
+    # the same rule as dp.delta's: at delta_vocab >= 1/N a word only one user holds may be kept
+    check_delta(params.delta, counted[0], "tokenizer.dp_delta")
     if not kept:
         raise DpfleetError(
             f"the DP vocabulary kept no word: no word's noisy user count passed the threshold "
