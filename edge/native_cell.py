@@ -9,7 +9,9 @@ and it is one small file. The library is cached per source, compiler and CPU in 
 (`$DPFLEET_CACHE/kernels`, `edge/wheel_cache.cache_dir`), so a home folder shared between
 machines never loads a library built for another CPU; a cache folder that other users can write
 is not used (a library planted there would run as this user): the kernel is built in a private
-temporary folder instead, removed once the library is loaded. Where there is no compiler, or
+temporary folder instead, removed once the library is loaded. The library is loaded through a
+descriptor of the checked folder (opened without following links; on Linux dlopen reads
+/proc/self/fd/N/NAME), so a folder or link swapped in after the check is never what is loaded. Where there is no compiler, or
 `DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run instead (`edge/cohort_lstm.py`).
 
 Every call checks each tensor's dtype, shape and strides against what the C loops index: a
@@ -24,6 +26,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -169,9 +172,76 @@ def _private_dir(path: Path) -> tuple[Path, bool]:
     if not os.path.lexists(path):
         return private_mkdir(path), False
     st = path.stat()
-    if path.is_dir() and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+    if path.is_dir() and _ours(st):
         return path, False
     return Path(tempfile.mkdtemp(prefix="dpfleet-kernels-")), True
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+class _Untrusted(OSError):
+    """The folder or the library is not (or no longer) ours alone."""
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of `folder`, opened without following a link and checked on the open folder:
+    ours, writable by us alone. Loading through it (`_load_from`) loads from this folder, not
+    from whatever its path names by the time dlopen reads it: a folder swapped after
+    `_private_dir`'s check, by someone who can rename entries in the cache root, is refused."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:  # a link put in the folder's place (ELOOP), or a file (ENOTDIR)
+        raise _Untrusted(f"{folder} is not a folder of ours: {err}") from err
+    if not _ours(os.fstat(fd)):
+        os.close(fd)
+        raise _Untrusted(f"{folder} is not ours alone")
+    return fd
+
+
+def _has_library(folder_fd: int, path: Path) -> bool:
+    """Whether the open folder holds the library `path.name` (a regular file, ours, writable by
+    us alone: a link or another's file is refused, not followed)."""
+    try:
+        st = os.stat(path.name, dir_fd=folder_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not (stat.S_ISREG(st.st_mode) and _ours(st)):
+        raise _Untrusted(f"{path} is not a file of ours alone")
+    return True
+
+
+def _load_from(folder: Path, name: str, compiler: str) -> ctypes.CDLL:
+    """The library `folder/name`, built first if missing, loaded through the checked folder's
+    descriptor (Linux: /proc/self/fd/N/name; elsewhere the path, checked just before)."""
+    fd = _open_folder(folder)
+    try:
+        if not _has_library(fd, folder / name):
+            _build(compiler, folder / name)  # by path: if the folder was swapped, not found below
+            if not _has_library(fd, folder / name):
+                raise _Untrusted(f"{folder / name} is not in the checked folder after its build")
+        through = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(f"{through}/{name}" if os.path.isdir(through) else str(folder / name))
+    finally:
+        os.close(fd)
+
+
+def _library(compiler: str) -> tuple[ctypes.CDLL, Path]:
+    """The kernel library from the cache (built there if missing), or from a fresh private
+    folder, removed once the library is loaded, where the cache is not ours alone
+    (`_private_dir`) or its folder or library stops being ours after that check."""
+    name = library_name(compiler)
+    folder, temporary = _private_dir(cache_dir() / "kernels")
+    if not temporary:
+        try:
+            return _load_from(folder, name, compiler), folder / name
+        except _Untrusted:  # swapped or planted after the check: build our own, privately
+            folder = Path(tempfile.mkdtemp(prefix="dpfleet-kernels-"))
+    try:  # the loaded library stays mapped; its private folder is not kept
+        return _load_from(folder, name, compiler), folder / name
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def library_name(compiler: str) -> str:
@@ -197,13 +267,7 @@ def load(env: Mapping[str, str]) -> Cell:
     if compiler is None:
         return Cell(None, f"torch ops: no C compiler ({env.get('CC', 'cc or gcc')} not on PATH)")
     try:
-        folder, temporary = _private_dir(cache_dir() / "kernels")
-        lib_path = folder / library_name(compiler)
-        if not lib_path.exists():
-            _build(compiler, lib_path)
-        lib = ctypes.CDLL(str(lib_path))
-        if temporary:  # the loaded library stays mapped; its private folder is not kept
-            shutil.rmtree(folder, ignore_errors=True)
+        lib, lib_path = _library(compiler)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.cell_forward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 8
         lib.cell_backward.argtypes = [i64, i64, i64, ctypes.c_int] + [ptr, i64] * 6

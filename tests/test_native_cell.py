@@ -8,14 +8,17 @@ not written out of bounds.
 """
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from dpfleet.edge import native_cell
 from dpfleet.edge.native_cell import cell, library_name, load
 
 pytestmark = pytest.mark.skipif(cell().lib is None, reason=cell().reason)
@@ -184,17 +187,75 @@ def test_a_library_planted_in_a_cache_others_can_write_is_never_loaded(tmp_path,
     shared.mkdir(parents=True)
     shared.chmod(0o777)
     monkeypatch.setenv("DPFLEET_CACHE", str(tmp_path / "cache"))
-    evil = tmp_path / "evil.c"
-    evil.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
-                    f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
-    planted = shared / library_name(compiler)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(planted), str(evil)], check=True)
+    planted = _plant(compiler, shared / library_name(compiler), marker)
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(native_cell.tempfile, "tempdir", str(private))
     loaded = load({})
     assert not marker.exists()
-    assert loaded.lib is not None and not loaded.lib._name.startswith(str(shared))
-    assert not Path(loaded.lib._name).parent.exists()  # its private folder is not left behind
+    assert loaded.lib is not None and list(private.iterdir()) == []  # no private folder left
     x = torch.randn(33)  # and the loaded library still runs
     assert torch.equal(loaded.to_bf16(x).view(torch.int16), x.bfloat16().view(torch.int16))
+    ctypes.CDLL(str(planted))  # the control: loading the planted file does run its code
+    assert marker.exists()
+
+
+def _plant(compiler: str, path: Path, marker: Path) -> Path:
+    """A library at `path` whose constructor creates `marker` (the attacker's code)."""
+    evil = path.parent / "evil.c"
+    evil.write_text('#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                    f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(path), str(evil)], check=True)
+    return path
+
+
+# the loader in a fresh process (dlopen returns a library already loaded under the same name, so
+# in this process an earlier load could stand in for the one under test), the adversary acting
+# right after `_private_dir`'s check: a link to their folder in the checked folder's place, or a
+# link to their library under the cached name
+SWAP = """
+import json, sys, tempfile
+from pathlib import Path
+import torch
+from dpfleet.edge import native_cell
+swap, theirs, name, moved, private = sys.argv[1:]
+check = native_cell._private_dir
+def check_then_swap(path):
+    out = check(path)
+    if swap == "folder":
+        path.rename(moved)
+        path.symlink_to(theirs)
+    else:
+        (path / name).symlink_to(Path(theirs) / name)
+    return out
+native_cell._private_dir = check_then_swap
+tempfile.tempdir = private
+loaded = native_cell.load({})
+x = torch.randn(33)
+same = loaded.lib is not None and torch.equal(loaded.to_bf16(x).view(torch.int16),
+                                              x.bfloat16().view(torch.int16))
+print(json.dumps({"runs": bool(same), "reason": loaded.reason}))
+"""
+
+
+@pytest.mark.parametrize("swap", ["folder", "library"])
+def test_a_cache_swapped_after_its_check_is_never_loaded_from(tmp_path, swap):
+    """Attack on the window between the cache folder's ownership check and dlopen (`SWAP`). The
+    loader opens the folder without following links, checks the open folder and the library, and
+    loads through that descriptor, so it builds its own in a private folder: the planted
+    constructor never runs, and the kernel still works."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    theirs, marker, private = tmp_path / "theirs", tmp_path / "planted-code-ran", tmp_path / "tmp"
+    theirs.mkdir()
+    private.mkdir()
+    name = library_name(compiler)
+    planted = _plant(compiler, theirs / name, marker)
+    env = {**os.environ, "DPFLEET_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", SWAP, swap, str(theirs), name, str(tmp_path / "moved"),
+                          str(private)], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not marker.exists()
+    assert result["runs"] and list(private.iterdir()) == [], result
     ctypes.CDLL(str(planted))  # the control: loading the planted file does run its code
     assert marker.exists()
 
