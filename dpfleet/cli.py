@@ -40,8 +40,39 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# command name -> the line `dpfleet --help` lists it with (its short help, untruncated): kept
+# here so that listing the commands imports none of them (importing them all, torch among them,
+# made `dpfleet --help` take 5 s); tests/test_cli.py checks each against the command's own
+SUMMARIES: dict[str, str] = {
+    "account": "Privacy of DP-FTRL: exact worst-case tree sensitivity -> rho-zCDP -> (eps, delta).",
+    "audit": "Audit a run: train CONFIG with canary devices, estimate epsilon from the released model.",
+    "compare": "Compare runs: accuracy, eps, wall time and the config keys that differ.",
+    "data": "Inspect the real, user-keyed text datasets dpfleet ships loaders for.",
+    "export": "Export a checkpoint folder (model.safetensors, model_config.json, tokenizer/) for phones.",
+    "fleet": "Emulated phones that register, check in, train and report to a coordinator service.",
+    "gate": "Judge the run folder RUN (or its checkpoint/) against a release policy, writing nothing.",
+    "init": "Write an example config into the current folder (or PATH), then run it.",
+    "plan": "Plan DP-FTRL's report goal, noise multiplier and client timer for a privacy target.",
+    "public": "Jobs on public data and a public LLM teacher (GPU when present, CPU otherwise).",
+    "secagg": "Secure aggregation (SecAgg, SecAgg+): the server learns only the sum of a round's updates.",
+    "service": "The coordinator as an HTTP service: devices register, check in, train and report over "
+               "HTTP (edge/wire/PROTOCOL.md).",
+    "simulate": "Simulate private federated training of an on-device LM.",
+    "sweep": "Run CONFIG at every point of a grid of config values, each with several seeds.",
+    "trace": "Availability traces: when each device may train, its speed class and failure chance.",
+}
+
+
 class LazyGroup(click.Group):
-    """A group whose subcommands are imported only when used."""
+    """A group whose subcommands are imported only when used (listed from `SUMMARIES`)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Click's listing of the commands, from `SUMMARIES` instead of the imported commands."""
+        names = [name for name in self.list_commands(ctx) if name in SUMMARIES]
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, click.utils.make_default_short_help(SUMMARIES[name], limit))
+                                for name in names])
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for name in COMMANDS if _resolvable(COMMANDS[name]))

@@ -11,7 +11,8 @@ from dpfleet.secagg.errors import SecAggError
 from dpfleet.secagg.inprocess import PHASES
 
 
-@click.group(name="secagg")
+@click.group(name="secagg", short_help="Secure aggregation (SecAgg, SecAgg+): the server learns "
+                                      "only the sum of a round's updates.")
 def secagg() -> None:
     """Secure aggregation (Bonawitz et al. SecAgg, Bell et al. SecAgg+): the server learns
     only the sum of a round's updates, never one device's."""

@@ -98,8 +98,28 @@ def test_typo_in_a_command_names_the_nearest_one():
 
 
 def test_bare_dpfleet_prints_help_and_succeeds():
-    # in process: the help imports every command's module (torch, dp_accounting), ~5 s in a fresh
-    # interpreter; `python -m dpfleet` itself is run by the typo test below
     proc = run_here()
     assert proc.returncode == 0, proc.stderr
     assert "Commands:" in proc.stdout and "simulate" in proc.stdout
+
+
+def test_the_help_lists_every_command_with_its_own_summary_and_imports_none():
+    """`dpfleet --help` lists the commands from `SUMMARIES` (importing them all, torch among
+    them, took 5 s): the list is each visible command's own short help, and a fresh interpreter
+    prints it without importing torch or any command's module."""
+    import click
+
+    from dpfleet.cli import COMMANDS, SUMMARIES, cli
+
+    ctx = click.Context(cli)
+    visible = {n for n in COMMANDS if not cli.get_command(ctx, n).hidden}
+    assert set(SUMMARIES) == visible
+    for name in visible:
+        assert SUMMARIES[name] == cli.get_command(ctx, name).get_short_help_str(limit=10**4), name
+    probe = ("import sys; from dpfleet.cli import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "mods = {m.split(':')[0] for m in __import__('dpfleet.cli').cli.COMMANDS.values()}\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m in mods))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout and proc.stdout.strip().splitlines()[-1] == "[]"

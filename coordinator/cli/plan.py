@@ -87,7 +87,8 @@ def format_mechanisms(plan: Plan, rows: list[MechanismRow], chosen: MechanismRow
     return "\n".join(lines)
 
 
-@click.command("plan")
+@click.command("plan", short_help="Plan DP-FTRL's report goal, noise multiplier and client "
+                                   "timer for a privacy target.")
 @with_mechanism_help
 @click.option("--population", "-N", type=int, default=None,
               help="Estimated number of devices that can take part (with --trace: the training "
