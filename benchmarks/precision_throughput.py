@@ -28,7 +28,7 @@ the CPU supports (`dpfleet.edge.precision`: bfloat16 only with native BF16), thi
   achieved rate of any schedule of those GEMMs).
 
     python benchmarks/precision_throughput.py [--threads 1,2] [--clients 20] [--reps 3] [--pairs 5]
-        [--profile]
+        [--profile] [--precisions bfloat16] [--workloads gboard]
 
 Goals on a CPU with BF16: the Gboard-size cohort >= 3x the plain float32 loop, and >= 60% of
 the bfloat16 GEMM rate. Saves results/precision_throughput.json with the CPU model and flags.
@@ -265,6 +265,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="main,gboard")
     ap.add_argument("--gboard-vocab", type=int, default=10000)
     ap.add_argument("--gemm-size", type=int, default=1024)
+    ap.add_argument("--precisions", default="",
+                    help="comma-separated subset of the precisions this CPU supports (default all: "
+                         "float32 and, with native BF16, bfloat16; the goal's ratio is bfloat16's)")
     ap.add_argument("--teacher", default="", help="packaged name or HF folder (default: random Llama)")
     ap.add_argument("--teacher-hidden", type=int, default=640)
     ap.add_argument("--teacher-layers", type=int, default=6)
@@ -274,6 +277,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "precision_throughput.json")
     args = ap.parse_args()
     precisions = ["float32"] + (["bfloat16"] if native_bf16() else [])
+    if args.precisions:
+        asked = args.precisions.split(",")
+        if unknown := [p for p in asked if p not in precisions]:
+            raise SystemExit(f"--precisions: {', '.join(unknown)} not supported on this CPU ({precisions})")
+        precisions = [p for p in precisions if p in asked]
     threads_list = [int(t) for t in args.threads.split(",")]
     configs = workload_configs(args.gboard_vocab)
     result = {"host_start": host(threads_list[0]), "native_bf16": native_bf16(),
