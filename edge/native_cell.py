@@ -11,8 +11,9 @@ machines never loads a library built for another CPU; a cache folder that other 
 is not used (a library planted there would run as this user): the kernel is built in a private
 temporary folder instead, removed once the library is loaded. The library is loaded through a
 descriptor of the checked folder (opened without following links; on Linux dlopen reads
-/proc/self/fd/N/NAME), so a folder or link swapped in after the check is never what is loaded. Where there is no compiler, or
-`DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run instead (`edge/cohort_lstm.py`).
+/proc/self/fd/N/NAME), so a folder or link swapped in after the check is never what is loaded.
+Where there is no compiler, or `DPFLEET_NATIVE=0`, `cell()` says why and the torch ops run
+instead (`edge/cohort_lstm.py`).
 
 Every call checks each tensor's dtype, shape and strides against what the C loops index: a
 mismatch is a bug here and raises rather than writing out of bounds.

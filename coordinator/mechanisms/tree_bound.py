@@ -26,7 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfleet.coordinator.mechanisms.tree_sensitivity import _validate, normalize_restarts, tree_pieces
+from dpfleet.coordinator.mechanisms.tree_sensitivity import (
+    normalize_restarts,
+    tree_pieces,
+    validate_arguments,
+)
 
 # the planner's switch: the exact program up to this MaxP (4.4 s at 10^5 rounds), the bound above
 EXACT_MAX_PARTICIPATION = 1000
@@ -47,7 +51,7 @@ def level_nodes(pieces: Sequence[tuple[int, int]], level: int, nodes: str) -> in
 def tree_sensitivity_bound(rounds: int, max_participation: int = 1, min_separation: int | None = None,
                            restarts: Sequence[int] | None = None, *, nodes: str = "all") -> int:
     """An upper bound on `tree_sensitivity_squared` with the same arguments (module docstring)."""
-    rounds, max_participation, min_separation = _validate(rounds, max_participation,
+    rounds, max_participation, min_separation = validate_arguments(rounds, max_participation,
                                                           min_separation, nodes)
     gap = min_separation + 1
     most = min(max_participation, -(-rounds // gap))  # what MinS allows over the rounds

@@ -221,7 +221,7 @@ def _prune(ks: np.ndarray, values: np.ndarray, room: np.ndarray, k_max: int) -> 
 NODES = ("all", "prefix")
 
 
-def _validate(rounds: object, max_participation: object, min_separation: object, nodes: str
+def validate_arguments(rounds: object, max_participation: object, min_separation: object, nodes: str
               ) -> tuple[int, int, int]:
     if nodes not in NODES:
         raise DpfleetError(f"nodes must be one of {', '.join(NODES)}, got {nodes!r}")
@@ -246,7 +246,7 @@ def tree_sensitivity_squared(rounds: int, max_participation: int = 1,
     "prefix" counts only the blocks a streaming prefix-sum release ever uses (left children
     and tree roots): exact for the plain online tree (`tree_noise.TreeNoise`) and tighter.
     """
-    rounds, max_participation, min_separation = _validate(rounds, max_participation,
+    rounds, max_participation, min_separation = validate_arguments(rounds, max_participation,
                                                           min_separation, nodes)
     return _sensitivity(rounds, max_participation, min_separation,
                         normalize_restarts(rounds, restarts), nodes)
@@ -275,7 +275,7 @@ def pattern_sensitivity_squared(participations: Sequence[Sequence[int]], rounds:
                                 restarts: Sequence[int] | None = None, *,
                                 nodes: str = "all") -> np.ndarray:
     """Exact S of given patterns (one list of rounds per device), vectorised over devices."""
-    rounds = _validate(rounds, 1, None, nodes)[0]
+    rounds = validate_arguments(rounds, 1, None, nodes)[0]
     pieces = tree_pieces(rounds, restarts)
     lengths = np.array([len(p) for p in participations], dtype=np.int64)
     device = np.repeat(np.arange(len(participations), dtype=np.int64), lengths)
