@@ -142,7 +142,7 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
     outcomes = [] if outcomes is None else outcomes
     async with CoordinatorLink(url, device_id, key, ca_file=ca_file, backoff_s=0.05,
                                max_backoff_s=0.5, retries=8, **(link_kw or {})) as link:
-        registered = False
+        registered, refusals = False, 0
         while stop is None or not stop.is_set():
             try:  # a coordinator that is down (killed, restarting) is waited for
                 if not registered:
@@ -152,7 +152,12 @@ async def device_loop(url: str, device_id: str, key: Ed25519PrivateKey, examples
                 if replies is not None:
                     replies.append((device_id, reply))
             except LinkError as exc:
-                if exc.status not in (0, 401, 503):
+                # a registration signed before a restart and read after it is refused (the new
+                # process takes no request signed before it started, and a refusal is one answer):
+                # tried again, as fleet/device.py does; a refusal that lasts is still raised
+                refused = exc.status == 403 and not registered and refusals < 3
+                refusals += refused
+                if exc.status not in (0, 401, 503) and not refused:
                     raise
                 await asyncio.sleep(0.3)
                 continue
