@@ -283,13 +283,14 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
 
     path = Path(path)
     chosen = plan.chosen
-    exact = None if plan.rounds <= PLOT_EXACT_ROUNDS else 0
-    rho = "zCDP rho" if exact is None else "zCDP rho (from the sensitivity's upper bound)"
+    exact_up_to = None if plan.rounds <= PLOT_EXACT_ROUNDS else 0  # 0: the bound for every point
+    rho = "zCDP rho" if exact_up_to is None else "zCDP rho (from the sensitivity's upper bound)"
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     populations = [plan.population // 4, plan.population, plan.population * 4]
     for n in progress_bar(populations, desc="plot: report goal", leave=False):
         goals = report_goal_grid(n, plan.rounds)
-        ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report, exact),
+        ax_a.plot(goals, zcdp_curve_report_goal(n, plan.rounds, goals, chosen.noise_per_report,
+                                                 exact_up_to),
                   marker="o", ms=3, label=f"population {n:,}")
     ax_a.plot([chosen.report_goal], [chosen.zcdp], "k*", ms=12, label="plan")
     ax_a.set(xscale="log", yscale="log", xlabel="report goal (noise multiplier grows in "
@@ -299,7 +300,7 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
     mins = sorted({int(round(s)) for s in np.geomspace(max(1, plan.rounds // 100), top, 16)})
     for t in progress_bar([max(plan.rounds // 2, 1), plan.rounds, plan.rounds * 2],
                           desc="plot: MinS", leave=False):
-        ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier, exact),
+        ax_b.plot(mins, zcdp_curve_min_separation(t, mins, chosen.noise_multiplier, exact_up_to),
                   marker="o", ms=3, label=f"{t} rounds")
     ax_b.plot([chosen.min_separation], [chosen.zcdp], "k*", ms=12, label="plan")
     ax_b.set(xscale="log", yscale="log", xlabel="MinS (rounds between participations; "

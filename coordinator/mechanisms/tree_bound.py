@@ -26,11 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfleet.coordinator.mechanisms.tree_sensitivity import (
-    normalize_restarts,
-    tree_pieces,
-    validate_arguments,
-)
+from dpfleet.coordinator.mechanisms.tree_sensitivity import tree_pieces, validate_arguments
 
 # the planner's switch: the exact program up to this MaxP (4.4 s at 10^5 rounds), the bound above
 EXACT_MAX_PARTICIPATION = 1000
@@ -52,14 +48,15 @@ def tree_sensitivity_bound(rounds: int, max_participation: int = 1, min_separati
                            restarts: Sequence[int] | None = None, *, nodes: str = "all") -> int:
     """An upper bound on `tree_sensitivity_squared` with the same arguments (module docstring)."""
     rounds, max_participation, min_separation = validate_arguments(rounds, max_participation,
-                                                          min_separation, nodes)
+                                                                   min_separation, nodes)
     gap = min_separation + 1
     most = min(max_participation, -(-rounds // gap))  # what MinS allows over the rounds
-    pieces = tree_pieces(rounds, normalize_restarts(rounds, restarts))
+    pieces = tree_pieces(rounds, restarts)
     total = 0
     for level in range(max(h for _, h in pieces) + 1):
         cap = min(most, -(-(1 << level) // gap))
-        full = min(level_nodes(pieces, level, nodes), most // cap)
-        rest = min(most - full * cap, cap) if full < level_nodes(pieces, level, nodes) else 0
+        count = level_nodes(pieces, level, nodes)
+        full = min(count, most // cap)
+        rest = min(most - full * cap, cap) if full < count else 0
         total += full * cap * cap + rest * rest
     return total
