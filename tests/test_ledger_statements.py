@@ -1,6 +1,7 @@
 """Every eps dpfleet prints comes from a privacy ledger (`accounting.ledger`): the figures of
 `dpfleet account` (-z / -T and --participation-log), `dpfleet plan` (a grid and --trace) and a
-run's projection, pinned to the values they printed before they were routed through the ledger;
+run's projection, pinned to the values they printed before they were routed through the ledger
+(to 1e-9 relative: `EPS`);
 the rule that no library module converts zCDP to eps but the ledger; and a mechanism's own
 `event()` as the ledger's training event, refused when it claims less than its sensitivity."""
 
@@ -26,6 +27,10 @@ LIBRARY = ("coordinator", "edge", "export", "secagg", "service", "fleet", "publi
 # the zCDP -> eps conversions and dp_accounting's accountants: only the ledger calls them (zcdp.py
 # defines the conversion and its inverse)
 CONVERSIONS = ("epsilon_from_zcdp", "analytic_gaussian_epsilon", "PLDAccountant", "RdpAccountant")
+# a pinned eps's tolerance: the PLD conversion's FFTs and exps round differently on another CPU (1 ulp
+# on an AMD EPYC with AVX2 against the Intel Xeon with AVX-512 the pins were recorded on); any
+# change to what is accounted moves eps by far more
+EPS = {"rel": 1e-9, "abs": 0}
 ALLOWED = {("coordinator/accounting/ledger.py", None),
            ("coordinator/accounting/zcdp.py", "epsilon_from_zcdp"),
            ("coordinator/accounting/zcdp.py", "zcdp_for_epsilon")}
@@ -42,7 +47,7 @@ def test_account_worst_case_prints_the_pinned_eps(capsys):
     out = _json(capsys, ["account", "-z", "2", "-T", "8", "--max-participation", "2",
                          "--min-separation", "3", "--delta", "1e-6", "--json"])
     assert (out["sensitivity_squared"], out["zcdp"]) == (10, 1.25)
-    assert out["epsilon"] == 8.306225456309951
+    assert out["epsilon"] == pytest.approx(8.306225456309951, **EPS)
 
 
 def test_account_participation_log_prints_the_pinned_eps(tmp_path, capsys):
@@ -52,25 +57,26 @@ def test_account_participation_log_prints_the_pinned_eps(tmp_path, capsys):
     out = _json(capsys, ["account", "-z", "2", "--participation-log", str(log), "--delta", "1e-6", "--json"])
     # device a in rounds 0 and 2: MaxP 2, MinS 1, sens^2 3 over 3 rounds, rho = 3 / 8
     assert (out["sensitivity_squared"], out["zcdp"]) == (3, 0.375)
-    assert out["epsilon"] == out["worst_device"]["epsilon"] == 4.151816840394691
+    assert out["epsilon"] == out["worst_device"]["epsilon"] == pytest.approx(4.151816840394691, **EPS)
 
 
 def test_plan_prints_the_pinned_eps(capsys):
     out = _json(capsys, ["plan", "-N", "200", "-T", "10", "--target-zcdp", "0.5", "--delta", "1e-6",
                          "--json"])
-    assert out["epsilon"] == 4.88655430032725
+    assert out["epsilon"] == pytest.approx(4.88655430032725, **EPS)
 
 
 def test_plan_over_a_trace_prints_the_pinned_eps(tmp_path, capsys):
     trace = write_five(tmp_path / "five.jsonl")
     out = _json(capsys, ["plan", "--trace", str(trace), "--days", "0.25", "--round-minutes", "60",
                  "--target-zcdp", "0.5", "--delta", "1e-6", "--json"])
-    assert out["chosen"]["epsilon"] == out["chosen"]["realised_epsilon"] == 4.886554300327249
+    chosen = out["chosen"]
+    assert chosen["epsilon"] == chosen["realised_epsilon"] == pytest.approx(4.886554300327249, **EPS)
 
 
 def test_a_hypothetical_release_is_a_one_entry_ledger():
     # rho 0.5 stated as the Gaussian of multiplier 1 / sqrt(2 rho) = 1: the plan's eps above
-    assert ledger.stated_epsilon(0.5, 1e-6, "pld") == 4.88655430032725
+    assert ledger.stated_epsilon(0.5, 1e-6, "pld") == pytest.approx(4.88655430032725, **EPS)
     assert ledger.stated_epsilon(0.0, 1e-6, "pld") == 0.0
 
 

@@ -1,8 +1,11 @@
 """The run's privacy ledger: every eps dpfleet states is the conversion of one composed DpEvent.
 
 Pins: privacy.json's figures of a DP-vocabulary run and of an adaptive-clipping run are the ones
-the run stated before its privacy was kept as a ledger, bit for bit (values recorded from the
-code before the ledger, and checked against a hand-composed sum of rho)."""
+the run stated before its privacy was kept as a ledger, bit for bit for the zCDP (values recorded from the
+code before the ledger, and checked against a hand-composed sum of rho) and to 1e-9 relative for
+eps: the PLD conversion's FFTs and exps round differently on another CPU (2.5e-12 relative on an
+AMD EPYC with AVX2 against the Intel Xeon with AVX-512 the values were recorded on), while any
+change to what is accounted moves eps by far more."""
 
 import copy
 import json
@@ -60,8 +63,7 @@ def test_a_vocabulary_runs_figures_are_unchanged(vocabulary_run):
     assert total["delta"] == 1e-6 + 1e-7
     assert total["vocabulary_epsilon"] == epsilon_from_zcdp(0.5, 1e-6)
     # recorded from the code before the ledger
-    assert (p["zcdp"].hex(), p["epsilon"].hex()) == PINNED["vocab"][:2]
-    assert (total["zcdp"].hex(), total["epsilon"].hex()) == PINNED["vocab"][2:]
+    assert _pinned((p["zcdp"], p["epsilon"], total["zcdp"], total["epsilon"]), PINNED["vocab"])
 
 
 def test_an_adaptive_clipping_runs_figures_are_unchanged(adaptive_run):
@@ -69,12 +71,19 @@ def test_an_adaptive_clipping_runs_figures_are_unchanged(adaptive_run):
     p = adaptive_run
     assert p["zcdp"] == zcdp_from_sensitivity(1.0, p["sensitivity_squared"])
     assert p["epsilon"] == epsilon_from_zcdp(p["zcdp"], 1e-6)
-    assert (p["zcdp"].hex(), p["epsilon"].hex()) == PINNED["adaptive"]
+    assert _pinned((p["zcdp"], p["epsilon"]), PINNED["adaptive"])
 
 
 PINNED = {"vocab": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2", "0x1.8000000000000p+0",
                    "0x1.2822f33200d0bp+3"),
           "adaptive": ("0x1.0000000000000p+0", "0x1.d24f271abe80fp+2")}
+
+
+def _pinned(figures: tuple[float, ...], hexes: tuple[str, ...]) -> bool:
+    """(zcdp, eps, ...) pairs against their pins: each zCDP bit for bit, each eps to 1e-9."""
+    pins = [float.fromhex(h) for h in hexes]
+    return (list(figures[::2]) == pins[::2]
+            and list(figures[1::2]) == pytest.approx(pins[1::2], rel=1e-9, abs=0))
 
 
 def test_privacy_json_holds_the_runs_ledger(vocabulary_run, adaptive_run):
@@ -139,8 +148,9 @@ def test_fred_figures_through_the_ledger_are_unchanged():
     fig = privacy_figures(3.1, 4.7, 2e-6, "user", 0.37)
     ring = privacy_figures(3.1, 4.7, 2e-6, "user", 0.37, dpftrl_discrete=True)
     assert fig["zcdp"] == 0.5 / 3.1**2 + 0.5 / 4.7**2 and fig["composed_zcdp"] == fig["zcdp"] + 0.37
-    assert [fig["epsilon"].hex(), fig["composed_epsilon"].hex(), ring["composed_epsilon"].hex()] == [
-        "0x1.a434e5573634bp+0", "0x1.1ba5efe25c8f7p+2", "0x1.301d32ac0a01ep+2"]
+    assert [fig["epsilon"], fig["composed_epsilon"], ring["composed_epsilon"]] == pytest.approx(
+        [float.fromhex(h) for h in ("0x1.a434e5573634bp+0", "0x1.1ba5efe25c8f7p+2",
+                                    "0x1.301d32ac0a01ep+2")], rel=1e-9, abs=0)
     (release,) = fred_releases(fig)
     assert (release["key"], release["noise_multipliers"]) == ("fred", [3.1, 4.7])
     assert release["zcdp"] == fig["zcdp"]
