@@ -134,6 +134,34 @@ def test_a_vocabulary_delta_not_below_one_over_n_is_refused_before_any_release(t
     assert CANARY not in make_tokenizer(fine, users, tmp_path / "vocabulary").words
 
 
+def test_a_vocabulary_and_training_delta_summing_to_one_over_n_are_refused_before_any_release(tmp_path):
+    """The run's (eps, delta) is stated at dp.delta + tokenizer.dp_delta: two deltas each below
+    1/N may sum past it, where publishing one random user's data keeps the promise. Refused
+    before the vocabulary is written; a sum just below 1/N builds it."""
+    users = with_canary(population(300))
+    tokenizer = {"kind": "word", "vocab_size": 64, "dp_delta": 0.6 / 300}
+    loose = parse_config({"tokenizer": tokenizer, "dp": {"delta": 0.4 / 300}})
+    with pytest.raises(DpfleetError, match=r"^dp.delta \+ tokenizer.dp_delta = 0.00333333 is not below "
+                                           r"1/N = 1/300"):
+        make_tokenizer(loose, users, tmp_path / "vocabulary")
+    assert not (tmp_path / "vocabulary").exists()
+    fine = parse_config({"tokenizer": tokenizer, "dp": {"delta": 0.39 / 300}})
+    make_tokenizer(fine, users, tmp_path / "vocabulary")
+    assert (tmp_path / "vocabulary" / "dp_vocabulary.json").is_file()
+
+
+def test_other_releases_deltas_count_towards_one_over_n(tmp_path):
+    """A release handed to the run (`other_releases`, e.g. by an API caller) adds its delta to the
+    run's: dp.delta + vocabulary + release at or past 1/N is refused before any round."""
+    with pytest.raises(DpfleetError, match=r"^dp.delta \+ the DP vocabulary's and other releases' delta = "
+                                           r"0.0105 is not below 1/N = 1/96"):
+        _tiny_run(tmp_path / "a", other_releases=[{"name": "census", "zcdp": 0.1, "delta": 0.0105 - 1.1e-6}])
+    run = tmp_path / "a" / "run"
+    assert [(run / f).read_text() for f in ("releases.jsonl", "metrics.jsonl")] == ["", ""]
+    result = _tiny_run(tmp_path / "b", other_releases=[{"name": "census", "zcdp": 0.1, "delta": 0.0103}])
+    assert result.privacy["total_with_releases"]["delta"] == pytest.approx(0.0103 + 1.1e-6)
+
+
 def test_nonprivate_vocabulary_is_refused_without_the_flag():
     with pytest.raises(DpfleetError, match="allow_nonprivate_vocabulary"):
         parse_config({"tokenizer": {"kind": "word", "dp_noise": 0.0}})
@@ -143,7 +171,8 @@ def test_nonprivate_vocabulary_is_refused_without_the_flag():
         build_dp_vocabulary(population(20), 64, VocabularyDP(noise=50.0), bytes(32))
 
 
-def _tiny_run(tmp_path, mechanism="tree", **tokenizer):
+def _tiny_run(tmp_path, mechanism="tree", other_releases=None, **tokenizer):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "users.jsonl"
     lines = [{"user": f"u{i}", "text": " ".join(u)} for i, u in enumerate(population(120, borderline=10))]
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -155,7 +184,7 @@ def _tiny_run(tmp_path, mechanism="tree", **tokenizer):
                         "max_length": 8},
               "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "report_goal": 4, "mechanism": mechanism}}
     return run_simulation(parse_config(values), tmp_path / "run", progress=False,
-                          log=lambda s: None)
+                          log=lambda s: None, other_releases=other_releases)
 
 
 @pytest.mark.parametrize("mechanism", ["tree", "banded", "blt"])

@@ -217,6 +217,13 @@ def vocabulary_entry(vocabulary: Mapping) -> Entry:
                  float(vocabulary["zcdp"]), float(vocabulary["delta"]), "DP word vocabulary")
 
 
+def added_delta(vocabulary: Mapping | None, releases: Sequence[Mapping]) -> float:
+    """What a DP vocabulary and the other releases add to the run's delta (their thresholds'): the
+    run's (eps, delta) is stated at dp.delta plus this."""
+    entries = ((vocabulary_entry(vocabulary),) if vocabulary else ()) + tuple(map(release_entry, releases))
+    return Ledger(entries).added_delta
+
+
 @dataclass(frozen=True)
 class Ledger:
     """The run's releases, in order (training first), composed."""

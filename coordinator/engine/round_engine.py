@@ -29,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dpfleet.coordinator.accounting.ledger import added_delta
 from dpfleet.coordinator.accounting.privacy_report import render_privacy_report
 from dpfleet.coordinator.accounting.zcdp import model_noise_multiplier
 from dpfleet.coordinator.config import (
@@ -206,6 +207,10 @@ class RoundEngine:
         self.kernels_changed = False
         self.other_releases = other_releases if other_releases is not None else []
         check_delta(cfg.dp.delta, len(self.users))  # the population is known from here on
+        # the run's (eps, delta) is stated at dp.delta plus the vocabulary's and other releases'
+        if added := added_delta(vocabulary, self.other_releases):
+            check_delta(cfg.dp.delta + added, len(self.users),
+                        "dp.delta + the DP vocabulary's and other releases' delta")
         self.participation = Participation(cfg.participation, len(self.users), cfg.dp.report_goal,
                                            cfg.rounds, cfg.seed, users=self.users, devices=cfg.devices)
         # the one noise mechanism of the run (banded / blt: optimised for the enforced

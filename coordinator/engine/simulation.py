@@ -108,7 +108,8 @@ def make_tokenizer(cfg: SimulationConfig, train_by_user: Iterable[Iterable[str]]
         if folder is not None and (folder / DP_VOCABULARY).is_file():
             return load_tokenizer(folder)
         params = VocabularyDP(tok.dp_noise, tok.dp_words_per_user, tok.dp_delta)
-        tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params)
+        tokenizer, info = build_dp_vocabulary(train_by_user, tok.vocab_size, params,
+                                              train_delta=cfg.dp.delta)
         if folder is not None:
             tokenizer.save(folder)
             write_json(folder / DP_VOCABULARY, info, indent=2)

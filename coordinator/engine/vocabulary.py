@@ -23,10 +23,11 @@ def words_by_user(users: Iterable[Iterable[str]]) -> Iterator[list[str]]:
 
 
 def build_dp_vocabulary(users: Iterable[Iterable[str]], vocab_size: int, params: VocabularyDP,
-                        key: bytes | None = None) -> tuple[WordTokenizer, dict]:
+                        key: bytes | None = None, train_delta: float = 0.0) -> tuple[WordTokenizer, dict]:
     """A `WordTokenizer` over the DP-selected words of the users' texts, and the summary for the
     privacy report. A `params.delta` not below 1/N for the N users is refused (`check_delta`),
-    before anything is released."""
+    before anything is released, and so is a sum with `train_delta` (the training's dp.delta)
+    not below 1/N: the run's guarantee is stated at the sum of the two."""
     counted = [0]
 
     def each_user() -> Iterator[Iterable[str]]:
@@ -37,6 +38,8 @@ def build_dp_vocabulary(users: Iterable[Iterable[str]], vocab_size: int, params:
     kept, info = select_words(words_by_user(each_user()), vocab_size, params, key)
     # the same rule as dp.delta's: at delta_vocab >= 1/N a word only one user holds may be kept
     check_delta(params.delta, counted[0], "tokenizer.dp_delta")
+    if train_delta:
+        check_delta(params.delta + train_delta, counted[0], "dp.delta + tokenizer.dp_delta")
     if not kept:
         raise DpfleetError(
             f"the DP vocabulary kept no word: no word's noisy user count passed the threshold "
