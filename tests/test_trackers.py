@@ -203,6 +203,33 @@ def test_a_resumed_run_has_each_step_once(tmp_path, monkeypatch):
     assert wandb_history(out) == [want] and mlflow_history(out) == [want]
 
 
+def run_statuses(run_dir: Path) -> tuple[list[str], list[int]]:
+    """(each MLflow run's status, each W&B run's exit code) of this run directory."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                               f"tags.`dpfleet.run_dir` = '{run_dir.resolve()}'")
+    exits = [r.exit.exit_code for records in wandb_runs(run_dir) for r in records
+             if r.WhichOneof("record_type") == "exit"]
+    return [r.info.status for r in found], exits
+
+
+@pytest.mark.parametrize(("exc", "status"), [(Crash, "FAILED"), (KeyboardInterrupt, "KILLED")])
+def test_a_run_that_fails_or_is_stopped_is_marked_so_not_left_running(tmp_path, monkeypatch, exc, status):
+    """An exception out of round 2, or Ctrl-C there: MLflow's run says FAILED / KILLED (it said
+    RUNNING forever) and W&B's exits non-zero; the rounds before it are logged, and a finished
+    run still says FINISHED, exit 0."""
+    out = tmp_path / "run"
+    failing_on_round(monkeypatch, 2, exc)
+    with pytest.raises(exc):
+        run(parse_config(copy.deepcopy(TRACKED)), out, model=TinyLM(), users=USERS,
+            tokenizer=WordIds(), progress=False, log=lambda s: None)
+    assert run_statuses(out) == ([status], [1])
+    assert [sorted(h) for h in mlflow_history(out)] == [[0, 1]]
+    assert run_statuses(simulate(tmp_path, "finished")) == (["FINISHED"], [0])
+
+
 def test_the_cli_turns_them_on_with_set(tmp_path, capsys):
     """`dpfleet simulate CONFIG --set wandb=true --set mlflow=true` for one run."""
     out = tmp_path / "cli"

@@ -512,12 +512,18 @@ class RoundEngine:
     @contextmanager
     def resume_point_on_interrupt(self) -> Iterator[None]:
         """Around a driver's rounds: Ctrl-C or SIGTERM (`interrupts`) first brings the resume
-        point to the last released round (`save_interrupted`), then goes on as KeyboardInterrupt."""
+        point to the last released round (`save_interrupted`), then goes on as KeyboardInterrupt.
+        The trackers are told how the run ended (KILLED, or FAILED on an exception), not left
+        with a run that looks alive."""
         with sigterm_interrupts():
             try:
                 yield
             except KeyboardInterrupt:
                 self.save_interrupted()
+                self.trackers.close("KILLED")
+                raise
+            except Exception:
+                self.trackers.close("FAILED")
                 raise
 
     def evaluate(self) -> dict:

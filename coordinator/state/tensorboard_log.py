@@ -106,7 +106,7 @@ class TensorBoardLog:
         self._write(logs)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:  # events have no run status
         self.writer.close()
 
 

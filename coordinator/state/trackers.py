@@ -26,6 +26,7 @@ tracker is often shared, and the seed rebuilds the noise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -49,12 +50,17 @@ from dpfleet.io import atomic_write
 Logs = Mapping[str, Mapping]  # a round's {"metrics": record, "debug_nonprivate": record}
 
 
+# how a run ended, in MLflow's words: a finished run, an exception, Ctrl-C / SIGTERM
+ENDINGS = ("FINISHED", "FAILED", "KILLED")
+
+
 class Tracker(Protocol):
-    """Where a run's metrics go: every round's logs as it commits, then closed at the run's end."""
+    """Where a run's metrics go: every round's logs as it commits, then closed at the run's end
+    with how it ended (`ENDINGS`)."""
 
     def round(self, logs: Logs) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, status: str = "FINISHED") -> None: ...
 
 
 def _step(logs: Logs) -> int:
@@ -111,8 +117,8 @@ class WandbLog:
     def round(self, logs: Logs) -> None:
         self.run.log(dict(tagged(logs)), step=_step(logs))
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)  # W&B shows a failed run
         if self._open.get(self.key) is self:
             del self._open[self.key]
 
@@ -155,8 +161,8 @@ class MlflowLog:
         self.client.log_batch(self.run_id, metrics=[Metric(tag, value, now, _step(logs))
                                                     for tag, value in tagged(logs)])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)
 
 
 # config keys a tracker never gets: research mode's noise seed rebuilds the noise (anyone who
@@ -212,9 +218,17 @@ class Trackers:
         for tracker in self.trackers:
             tracker.round(logs)
 
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
+    def close(self, status: str = "FINISHED") -> None:
+        """Each tracker closed once, told how the run ended. A run that failed or was stopped
+        (`status` FAILED / KILLED) is marked so, not left RUNNING in MLflow; a tracker that
+        cannot be told then (its server gone) never hides the run's own error."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            if status == "FINISHED":
+                tracker.close(status)
+            else:
+                with contextlib.suppress(Exception):
+                    tracker.close(status)
 
 
 def open_trackers(cfg: object, run_path: Path, metrics: Sequence[Mapping]) -> Trackers:
