@@ -31,7 +31,9 @@ def free_port() -> int:
 
 async def serve_once(config, state, port, fault, started: dict | None = None):
     """`dpfleet service serve` as a process until it exits: (return code, stderr); with
-    `fault` its DPFLEET_SERVICE_FAULT; `started["pid"]` is its pid once it runs."""
+    `fault` its DPFLEET_SERVICE_FAULT; `started["pid"]` is its pid once it runs. A test that fails
+    meanwhile (asyncio.run cancels this task) or a timeout kills the process: a failed test
+    never leaves a coordinator running."""
     env = {**os.environ, ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != ENV}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "from dpfleet.cli import main; main()", "service", "serve",
@@ -39,7 +41,12 @@ async def serve_once(config, state, port, fault, started: dict | None = None):
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     if started is not None:
         started["pid"] = proc.pid
-    _, err = await asyncio.wait_for(proc.communicate(), 240)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 240)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     return proc.returncode, err.decode()
 
 
