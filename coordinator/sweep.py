@@ -209,17 +209,15 @@ def plot_summary(summary: dict, out: Path, metadata: dict | None = None) -> Path
     """Final accuracy (mean, 95% interval) against the first swept key, one line per value of the
     other keys, with the unigram baseline: where a reader would rather look than read. Written
     atomically; `out`'s suffix picks the format, `metadata` goes into the file."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend is left alone
 
     keys = list(summary["grid"])
     x_key, others = keys[0], keys[1:]
     x_values = summary["grid"][x_key]
     numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in x_values)
     position = {json.dumps(v): (v if numeric else i) for i, v in enumerate(x_values)}
-    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=110)
+    fig = Figure(figsize=(6.5, 4), dpi=110)
+    ax = fig.subplots()
     series: dict[str, list[dict]] = {}
     for p in summary["points"]:
         label = ", ".join(f"{k}={p['values'][k]}" for k in others) or "final accuracy"
@@ -241,8 +239,5 @@ def plot_summary(summary: dict, out: Path, metadata: dict | None = None) -> Path
     for text in ax.legend().get_texts():  # values are text, never mathtext ("$" in a value)
         text.set_parse_math(False)
     fig.tight_layout()
-    try:
-        atomic_write(out, lambda fh: fig.savefig(fh, format=Path(out).suffix[1:] or "png", metadata=metadata))
-    finally:
-        plt.close(fig)
+    atomic_write(out, lambda fh: fig.savefig(fh, format=Path(out).suffix[1:] or "png", metadata=metadata))
     return out

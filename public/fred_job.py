@@ -279,18 +279,15 @@ def rank_candidates(release: LoadedRelease, candidates: Sequence[str], embedder:
 
 
 def plot_ranking(rows: list[dict], title: str, out: Path) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend is left alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * len(rows)))
+    fig = Figure(figsize=(6, 0.5 + 0.45 * len(rows)))
+    ax = fig.subplots()
     ax.barh([r["candidate"] for r in rows][::-1], [r["fred"] for r in rows][::-1], color="tab:blue")
     ax.set_xlabel("FreD to the private data (lower = closer)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out
 
 

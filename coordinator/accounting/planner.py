@@ -276,16 +276,14 @@ PLOT_EXACT_ROUNDS = 10_000
 
 def plot_plan(plan: Plan, path: str | Path) -> Path:
     """Paper 002 Fig. 4-like: zCDP vs report goal (a) and vs MinS (b), the plan marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend is left alone
 
     path = Path(path)
     chosen = plan.chosen
     exact_up_to = None if plan.rounds <= PLOT_EXACT_ROUNDS else 0  # 0: the bound for every point
     rho = "zCDP rho" if exact_up_to is None else "zCDP rho (from the sensitivity's upper bound)"
-    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = Figure(figsize=(11, 4.2))
+    ax_a, ax_b = fig.subplots(1, 2)
     populations = [plan.population // 4, plan.population, plan.population * 4]
     for n in progress_bar(populations, desc="plot: report goal", leave=False):
         goals = report_goal_grid(n, plan.rounds)
@@ -311,5 +309,4 @@ def plot_plan(plan: Plan, path: str | Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

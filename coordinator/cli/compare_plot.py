@@ -35,18 +35,18 @@ def plot_runs(records: Sequence[RunRecord], labels: Sequence[str], out: Path) ->
     check_replaceable(out)
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     with matplotlib.rc_context({"text.parse_math": False}):  # labels are paths: `$` is no mathtext
-        return _draw(plt, records, labels, out)
+        return _draw(records, labels, out)
 
 
-def _draw(plt: object, records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
+def _draw(records: Sequence[RunRecord], labels: Sequence[str], out: Path) -> Path:
+    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend is left alone
     from matplotlib.ticker import MaxNLocator
 
-    fig, (acc, eps, wall) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=110)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(15, 4.2), dpi=110)
+    acc, eps, wall = fig.subplots(1, 3)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (record, label) in enumerate(zip(records, labels, strict=True)):
         color = colors[i % len(colors)]
         start = starting_accuracy(record)  # round 0, the starting model (initial_eval.json)
@@ -83,6 +83,4 @@ def _draw(plt: object, records: Sequence[RunRecord], labels: Sequence[str], out:
     except (OSError, ValueError) as exc:  # unwritable, missing folder
         raise DpfleetError(f"cannot write the plot {out}: {getattr(exc, 'strerror', None) or exc}") \
             from None
-    finally:
-        plt.close(fig)
     return Path(out)

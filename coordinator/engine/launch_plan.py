@@ -325,16 +325,14 @@ def per_hour(plan: TracePlan) -> tuple[np.ndarray, np.ndarray]:
 
 def plot_trace_plan(plan: TracePlan, path: str | Path) -> Path:
     """Devices available and rounds committed per hour over the simulated days (the chosen plan)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend is left alone
 
     path = Path(path)
     available, rounds = per_hour(plan)
     days = np.arange(available.size) / 24.0
     c = plan.chosen
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax = fig.subplots()
     ax.plot(days, available, color="tab:blue", label="devices available (mean over the hour's slots)")
     ax.set(xlabel="simulated day", ylabel="devices available",
            title=f"report goal {c.report_goal}, timer {c.timer_hours:g} h: {c.rounds} rounds in "
@@ -350,5 +348,4 @@ def plot_trace_plan(plan: TracePlan, path: str | Path) -> Path:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
