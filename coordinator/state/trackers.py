@@ -222,6 +222,8 @@ class Trackers:
         """Each tracker closed once, told how the run ended. A run that failed or was stopped
         (`status` FAILED / KILLED) is marked so, not left RUNNING in MLflow; a tracker that
         cannot be told then (its server gone) never hides the run's own error."""
+        if status not in ENDINGS:
+            raise ValueError(f"a run ends as one of {ENDINGS}, not {status!r}")
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             if status == "FINISHED":
