@@ -312,3 +312,10 @@ def test_research_modes_noise_seed_is_never_logged(tmp_path):
     params = found.data.params
     assert params["dp.noise_multiplier"] == "0.5" and params["seed"] == "1"
     assert not any("noise_seed" in k for k in params) and "4242" not in params.values()
+
+
+def test_an_ending_that_is_none_of_the_trackers_words_is_refused():
+    from dpfleet.coordinator.state.trackers import Trackers
+
+    with pytest.raises(ValueError, match="FINISHED"):
+        Trackers().close("DONE")
