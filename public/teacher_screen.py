@@ -3,12 +3,19 @@
 Gemma-3-270M spends more flops in its LM head (262,144 x 640) than in its transformer body, and
 a float32 head runs at this CPU's sgemm speed. A top-k does not need every logit exactly, only
 the k largest: so the head runs as an int8 x int8 GEMM (oneDNN's u8s8 kernel, VNNI where the
-CPU has it, bfloat16 output to halve the memory it writes), each row's best `candidates` ids are
-taken from those approximate logits, and only those ids are scored again in float32 (a gather
-of `candidates` weight rows, the same dot products the float32 head computes). The returned
+CPU has it, bfloat16 output where oneDNN has BF16 kernels to halve the memory it writes), each
+row's best `candidates` ids are taken from those approximate logits, and only those ids are
+scored again in float32 (a gather of `candidates` weight rows, the same dot products the float32
+head computes). The returned
 values are therefore the float32 teacher's logits; the screen can only err by leaving a true
 top-k id out of the candidates, which `tests/test_public_teacher_screen.py` and the benchmark
 (`benchmarks/public_topk.py --agreement`) measure against the float32 head.
+
+Why activations get 7 bits on a CPU without VNNI: there oneDNN multiplies u8 x s8 pairs with
+`vpmaddubsw`, which saturates the sum of two products at 32,767; with u8 up to 255 and weights
+up to 127 the sum reaches 64,770 and the logits come out wrong (measured: max error 2.8 on
+unit-scale logits, AMD EPYC AVX2). Activations in [1, 127] keep every pair below 32,258
+(the reduced range PyTorch's own x86 quantization uses on such CPUs). VNNI sums in int32.
 
 Why each row is scaled to max |h| = 1 before quantization: one activation scale is shared by a
 chunk, and a row with a small norm would otherwise use few of the 255 levels. The per-row
@@ -38,6 +45,14 @@ def int8_gemm_available() -> bool:
     """oneDNN's quantized linear is built into this torch (x86 CPU builds)."""
     return bool(torch.backends.mkldnn.is_available()
                 and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+
+
+def screen_output_dtype() -> torch.dtype:
+    """bfloat16 where oneDNN has BF16 kernels (AVX512 and up), float32 elsewhere: on an AVX2 CPU
+    oneDNN writes bfloat16 through its reference kernel, measured 2,400x slower than float32
+    output (400 s against 0.17 s for a 256 x 32,768 x 640 screen, AMD EPYC, 1 thread)."""
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def cpu_has_vnni() -> bool:
@@ -79,18 +94,21 @@ class Int8Screen:
         self._packed = torch.ops.onednn.qlinear_prepack(
             (padded / scale[:, None]).round().to(torch.int8), None)
         self._groups = groups
+        self._out_dtype = screen_output_dtype()
+        self._levels = 127 if cpu_has_vnni() else 63  # per sign; 7 bits without VNNI (above)
 
     def approximate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """bfloat16 [rows, groups x 128] logits, each row scaled by a positive factor (order
+        """[rows, groups x 128] logits (`screen_output_dtype()`), each row scaled by a positive factor (order
         kept), padding ids at -inf."""
         h = hidden.float()
         if self.bias is not None:
             h = torch.cat([h, torch.ones(len(h), 1)], 1)
         h = h / h.abs().amax(1, keepdim=True).clamp_min(1e-12)
-        quantized = (h * 127).round().add_(128).to(torch.uint8)  # u8 with zero point 128
+        levels = self._levels
+        quantized = (h * levels).round().add_(levels + 1).to(torch.uint8)  # zero point levels+1
         out = torch.ops.onednn.qlinear_pointwise(
-            quantized, 1 / 127, 128, self._packed, self._w_scale, self._w_zero, None, 1.0, 0,
-            torch.bfloat16, "none", [], "")
+            quantized, 1 / levels, levels + 1, self._packed, self._w_scale, self._w_zero, None, 1.0, 0,
+            self._out_dtype, "none", [], "")
         if self.vocab < out.shape[1]:
             out[:, self.vocab:] = float("-inf")
         return out

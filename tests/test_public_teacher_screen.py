@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from dpfleet.errors import DpfleetError
 from dpfleet.public.teacher import Teacher
-from dpfleet.public.teacher_screen import Int8Screen, int8_gemm_available, resolve_head
+from dpfleet.public.teacher_screen import (
+    Int8Screen,
+    int8_gemm_available,
+    resolve_head,
+    screen_output_dtype,
+)
 from dpfleet.public.topk import TopKExtractor
 
 pytestmark = pytest.mark.skipif(not int8_gemm_available(), reason="no oneDNN quantized linear")
@@ -62,6 +67,46 @@ def test_a_row_with_a_tiny_norm_is_screened_as_well_as_a_large_one():
     values, ids = Int8Screen(w).topk(h, 10)
     assert torch.equal(ids, ref_i)
     assert torch.allclose(values, ref_v, rtol=1e-5, atol=1e-9)
+
+
+def test_the_screen_writes_bfloat16_only_where_onednn_has_bf16_kernels():
+    """On an AVX2 CPU oneDNN writes bfloat16 through its reference kernel (2,400x slower than
+    float32 output; a real-teacher job took hours): the screen must write float32 there."""
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    w, h = torch.randn(300, 32), torch.randn(4, 32)
+    assert Int8Screen(w).approximate(h).dtype == (torch.bfloat16 if onednn_bf16 else torch.float32)
+    assert screen_output_dtype() == (torch.bfloat16 if onednn_bf16 else torch.float32)
+
+
+def test_the_approximate_logits_do_not_saturate():
+    """Rows and weights of one sign at full scale: the u8 x s8 pair sums that saturate a CPU
+    without VNNI (vpmaddubsw) if activations use all 8 bits. Each logit is within its
+    quantization error of the exact one (error 29 with 8 bits and float32 output, AMD EPYC AVX2)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand(256, 64, generator=gen) + 0.5
+    w[128:] *= -1
+    h = torch.rand(6, 64, generator=gen) + 0.5
+    screen = Int8Screen(w)
+    exact = (h / h.abs().amax(1, keepdim=True)) @ w.T
+    approx = screen.approximate(h).float()
+    # per product at most half a step of each factor: 64 x (1.5/63 + 1.5/127) / 2 < 1.2
+    assert (approx - exact).abs().max() < 1.2
+    assert torch.equal(approx.argmax(1), exact.argmax(1))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_either_output_dtype_screens_the_float32_topk(out_dtype):
+    """Both outputs the screen may write (by CPU) rank the same candidates; bfloat16 on a CPU
+    without oneDNN BF16 is slow but correct, at this size a fraction of a second."""
+    gen = torch.Generator().manual_seed(11)
+    w, h = torch.randn(2000, 48, generator=gen), torch.randn(16, 48, generator=gen)
+    screen = Int8Screen(w)
+    screen._out_dtype = out_dtype
+    assert screen.approximate(h).dtype == out_dtype
+    ref_v, ref_i = _reference(h, w)
+    values, ids = screen.topk(h, 10)
+    assert torch.equal(ids, ref_i)
+    assert torch.allclose(values, ref_v, atol=1e-4)
 
 
 def test_padding_ids_past_the_vocabulary_are_never_candidates():
