@@ -183,6 +183,7 @@ def teacher_flops(config, seq_len: int) -> dict:
 def gemm_roofline(teacher, threads: int) -> dict:
     """This CPU's GEMM speed at the teacher's own shapes: float32 for the body's MLP and the head,
     int8 (oneDNN u8s8, bf16 out) for the head as the screen runs it."""
+    from dpfleet.edge.precision import native_bf16
     from dpfleet.public.teacher_screen import SCREEN_CHUNK_TOKENS, Int8Screen
 
     torch.set_num_threads(threads)
@@ -208,8 +209,7 @@ def gemm_roofline(teacher, threads: int) -> dict:
         "float32_head_gflop_s": round(rate(lambda: rows @ w.T, 2 * len(rows) * d * vocab), 1),
         "int8_head_gop_s": round(rate(lambda: screen.approximate(rows),
                                       2 * len(rows) * d * vocab), 1),
-        "bf16_matmul": "no AVX512-BF16 / AMX on this CPU: bfloat16 GEMM is emulated "
-                       "(57 GFLOP/s at the head's shape), slower than float32",
+        "native_bf16": native_bf16(),  # None: bfloat16 is emulated here, slower than float32
         "shapes": {"body_mlp": [1024, d, inner], "head": [len(rows), d, vocab]},
     }
 
