@@ -182,7 +182,7 @@ def teacher_flops(config, seq_len: int) -> dict:
 
 def gemm_roofline(teacher, threads: int) -> dict:
     """This CPU's GEMM speed at the teacher's own shapes: float32 for the body's MLP and the head,
-    int8 (oneDNN u8s8, bf16 out) for the head as the screen runs it."""
+    int8 (oneDNN u8s8; its output dtype by CPU) for the head as the screen runs it."""
     from dpfleet.edge.precision import native_bf16
     from dpfleet.public.teacher_screen import SCREEN_CHUNK_TOKENS, Int8Screen
 
