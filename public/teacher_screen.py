@@ -6,10 +6,10 @@ the k largest: so the head runs as an int8 x int8 GEMM (oneDNN's u8s8 kernel, VN
 CPU has it, bfloat16 output where oneDNN has BF16 kernels to halve the memory it writes), each
 row's best `candidates` ids are taken from those approximate logits, and only those ids are
 scored again in float32 (a gather of `candidates` weight rows, the same dot products the float32
-head computes). The returned
-values are therefore the float32 teacher's logits; the screen can only err by leaving a true
-top-k id out of the candidates, which `tests/test_public_teacher_screen.py` and the benchmark
-(`benchmarks/public_topk.py --agreement`) measure against the float32 head.
+head computes). The returned values are therefore the float32 teacher's logits; the screen can
+only err by leaving a true top-k id out of the candidates, which
+`tests/test_public_teacher_screen.py` and the benchmark (`benchmarks/public_topk.py
+--agreement`) measure against the float32 head.
 
 Why activations get 7 bits on a CPU without VNNI: there oneDNN multiplies u8 x s8 pairs with
 `vpmaddubsw`, which saturates the sum of two products at 32,767; with u8 up to 255 and weights
@@ -98,8 +98,8 @@ class Int8Screen:
         self._levels = 127 if cpu_has_vnni() else 63  # per sign; 7 bits without VNNI (above)
 
     def approximate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, groups x 128] logits (`screen_output_dtype()`), each row scaled by a positive factor (order
-        kept), padding ids at -inf."""
+        """[rows, groups x 128] logits in `screen_output_dtype()`, each row scaled by a positive
+        factor (order kept), padding ids at -inf."""
         h = hidden.float()
         if self.bias is not None:
             h = torch.cat([h, torch.ones(len(h), 1)], 1)
