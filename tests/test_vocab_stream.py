@@ -4,7 +4,9 @@ pass: the same vocabulary, population and baseline as the whole-file path, one c
 from __future__ import annotations
 
 import json
-import tracemalloc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -66,24 +68,40 @@ def test_a_private_word_vocabulary_streams_and_equals_the_whole_file_vocabulary(
     assert [c.user for c in data.test] == [c.user for c in lists.test]
 
 
+def peak_in_a_fresh_process(code: str, **values) -> dict:
+    """Run `code` (it sets `out`) in a new interpreter and return `out`: tracemalloc traces every
+    thread, so a peak measured inside a test worker also counted what a thread left by an earlier
+    test allocated meanwhile (85 KB against a 35 KB bound, seen once under load)."""
+    script = "import json, sys, tracemalloc\nvalues = json.loads(sys.argv[1])\n" + textwrap.dedent(code)
+    script += "\nprint(json.dumps(out))"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(values)], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def test_jsonl_streams_users_in_sorted_order_without_holding_the_file(tmp_path):
     users, per_user = 1500, 4
     path = write_jsonl(tmp_path / "mixed.jsonl", interleaved(users, per_user))
     tidy = write_jsonl(tmp_path / "tidy.jsonl", sorted(interleaved(users, per_user), key=lambda r: r[0]))
     size = path.stat().st_size  # about 0.35 MB
     expected = group_by_user(load_jsonl(path))
-    tracemalloc.start()
-    try:
-        peaks = {}
-        for name, file in (("mixed", path), ("tidy", tidy)):
+    got = peak_in_a_fresh_process("""
+        from dpfleet.edge import data_files
+        from dpfleet.edge.client_data import group_by_user
+        from dpfleet.edge.datasets import load_jsonl
+        expected = group_by_user(load_jsonl(values["mixed"]))
+        out = {}
+        tracemalloc.start()
+        for name in ("mixed", "tidy"):
             tracemalloc.reset_peak()
-            seen = 0
-            for user, texts in data_files.iter_clients(file, "jsonl"):
-                seen += texts == expected[user]
-            peaks[name] = tracemalloc.get_traced_memory()[1]
-            assert seen == users
-    finally:
+            clients = data_files.iter_clients(values[name], "jsonl")
+            seen = sum(texts == expected[user] for user, texts in clients)
+            out[name] = [tracemalloc.get_traced_memory()[1], seen]
         tracemalloc.stop()
+        """, mixed=str(path), tidy=str(tidy))
+    peaks = {name: peak for name, (peak, _) in got.items()}
+    assert {name: seen for name, (_, seen) in got.items()} == {"mixed": users, "tidy": users}
     # a whole file's records take more than its size; one client's lines are about 150 bytes
     assert peaks["mixed"] < size / 10 and peaks["tidy"] < size / 10, (peaks, size)
     assert [u for u, _ in data_files.iter_clients(path, "jsonl")] == sorted(expected)
@@ -126,18 +144,22 @@ def test_counting_a_private_vocabulary_holds_one_client_and_the_count_table(tmp_
     text = " ".join(["word"] * 30)
     clients = {f"{i:06d}": [{"tokens": f"{text} {i % 7} {k}"} for k in range(4)] for i in range(600)}
     write_tff_sqlite(db, clients, split="train")
-    cfg = parse_config({"data": {"dataset": "tff_sqlite", "path": str(db)},
-                        "tokenizer": {"kind": "word", "vocab_size": 16, "allow_nonprivate_vocabulary": True}})
+    cfg_dict = {"data": {"dataset": "tff_sqlite", "path": str(db)},
+                "tokenizer": {"kind": "word", "vocab_size": 16, "allow_nonprivate_vocabulary": True}}
 
-    def users():
-        return (texts for _, texts in data_files.iter_clients(db, "tff_sqlite", "train"))
+    got = peak_in_a_fresh_process("""
+        from dpfleet.coordinator.config import parse_config
+        from dpfleet.coordinator.engine import simulation
+        from dpfleet.edge import data_files
 
-    simulation.make_tokenizer(cfg, users())  # one-off import costs are not data
-    tracemalloc.start()
-    try:
+        def users():
+            return (texts for _, texts in data_files.iter_clients(values["db"], "tff_sqlite", "train"))
+
+        cfg = parse_config(values["cfg"])
+        simulation.make_tokenizer(cfg, users())  # one-off import costs are not data
+        tracemalloc.start()
         tok = simulation.make_tokenizer(cfg, users())
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert tok.words[4] == "word" and len(tok.words) == 4 + 8  # "word" and 0 .. 6
-    assert peak < 20 * per_client, peak
+        out = {"peak": tracemalloc.get_traced_memory()[1], "words": tok.words}
+        """, db=str(db), cfg=cfg_dict)
+    assert got["words"][4] == "word" and len(got["words"]) == 4 + 8  # "word" and 0 .. 6
+    assert got["peak"] < 20 * per_client, got["peak"]
