@@ -79,7 +79,9 @@ def test_one_epoch_matches_eager(arch, runtime, cache_dir):
     assert_close_to_eager(rt, cfg, theta1, examples(1), lr=0.3, seed=9)
 
 
-@pytest.mark.parametrize("runtime", ["executorch", "onnx"])
+# ExecuTorch's export and lowering of even the tiny CIFG took 41 s alone and 65-80 s beside the other
+# workers on a 2-core AMD EPYC: every test that needs a .pte runs with the slow set (in CI)
+@pytest.mark.parametrize("runtime", [pytest.param("executorch", marks=pytest.mark.slow), "onnx"])
 def test_client_update_is_runtime_agnostic(runtime, cache_dir):
     cfg = CONFIGS["cifg"]
     theta0 = EagerRuntime(cfg).get_weights()
@@ -99,6 +101,7 @@ def test_shorter_rows_are_pad_extended(cache_dir):
     assert_close_to_eager(rt, cfg, EagerRuntime(cfg).get_weights(), examples(5)[:, :4])
 
 
+@pytest.mark.slow  # an ExecuTorch program (above)
 def test_pad_rows_give_the_smaller_batch_gradient(cache_dir):
     """The static-batch program pads a 3-row minibatch to 4 PAD rows: same update as eager's
     3-row step (the mask inside the graph zeroes the PAD rows)."""

@@ -319,6 +319,7 @@ class StoreLink:
         return self.blobs.get(sha)
 
 
+@pytest.mark.slow  # an ExecuTorch export: 65-75 s beside the other workers, so with the slow set
 def test_a_fleet_device_trains_through_the_bundles_pte(tmp_path, tmp_path_factory, monkeypatch):
     """`client.runtime = "executorch"`: the run's bundle ships train.pte, and a fleet device that
     fetched it (signature first, every file verified) trains its round through the .pte: its

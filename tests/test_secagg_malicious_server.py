@@ -46,7 +46,7 @@ def _colluding_neighbours(attack, count):
     return set(sorted(attack.graph.neighbours(TARGET))[:count])
 
 
-SIZES = [10, 50, 100, pytest.param(200, marks=pytest.mark.slow)]
+SIZES = [10, 50, *(pytest.param(n, marks=pytest.mark.slow) for n in (100, 200))]
 
 
 @pytest.mark.parametrize("n", SIZES)
